@@ -1,0 +1,16 @@
+"""attn: compare multi-head attention head configurations by exact identities and experiments."""
+
+from attn import kernel, masks
+from attn.api import apply, get_variant, init, param_shapes
+from attn.config import PRESETS, ConfigError, HeadConfig, single_head, vaswani_base
+from attn.convert import LossyConversionWarning, convert
+from attn.kernel import attention
+from attn.masks import causal_mask, combine_masks, padding_mask
+from attn.variants import VARIANTS
+
+__all__ = [
+    "PRESETS", "VARIANTS", "ConfigError", "HeadConfig", "LossyConversionWarning",
+    "apply", "attention", "causal_mask", "combine_masks", "convert", "get_variant",
+    "init", "kernel", "masks", "padding_mask", "param_shapes", "single_head",
+    "vaswani_base",
+]

@@ -1,0 +1,3 @@
+from attn.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""The public functional API: init, apply and variant lookup, with checks before tracing."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from attn.config import ConfigError, HeadConfig, check_inputs, invalid
+from attn.variants import VARIANTS
+from attn.variants.base import Params, Variant
+
+
+def get_variant(name: str) -> Variant:
+  """The registered variant `name`; an unknown name lists the known ones."""
+  if isinstance(name, Variant):
+    return name
+  if name not in VARIANTS:
+    raise invalid("variant", name, f"one of {sorted(VARIANTS)}")
+  return VARIANTS[name]
+
+
+def check_config(variant: str, cfg: HeadConfig) -> Variant:
+  """The variant, once cfg is a HeadConfig that meets the variant's constraints."""
+  v = get_variant(variant)
+  if not isinstance(cfg, HeadConfig):
+    raise invalid("cfg", type(cfg).__name__, "an attn.HeadConfig")
+  v.check(cfg)
+  return v
+
+
+def init(variant: str, key: jax.Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  """Fresh parameters of `variant` for cfg, as a plain dict of arrays."""
+  return check_config(variant, cfg).init(key, cfg, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def param_shapes(variant: str, cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+  """Name -> shape of the parameters `init` creates, without allocating them."""
+  v = check_config(variant, cfg)
+  tree = jax.eval_shape(lambda k: v.init(k, cfg), jax.ShapeDtypeStruct((2,), jnp.uint32))
+  return {name: tuple(s.shape) for name, s in tree.items()}
+
+
+def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
+  """Params must have exactly the names and shapes `init` would create for cfg."""
+  if not isinstance(params, dict):
+    raise invalid("params", type(params).__name__, f"a dict of arrays made by attn.init({variant!r}, ...)")
+  want = param_shapes(get_variant(variant).name, cfg)
+  got = {name: tuple(getattr(a, "shape", ())) for name, a in params.items()}
+  if set(got) != set(want):
+    raise invalid("params", sorted(got), f"the keys {sorted(want)} of variant {variant!r} for this cfg")
+  for name, shape in want.items():
+    if got[name] != shape:
+      raise invalid(f"params[{name!r}].shape", got[name], f"{shape} for variant {variant!r} and this cfg")
+
+
+def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
+          return_weights: bool = False):
+  """y (B,T,D) of the attention layer; with return_weights, (y, weights (B,H,T,S)).
+
+  context (B,S,D) gives cross-attention; None means self-attention. mask is
+  boolean, True where a query may attend, broadcastable to (B,H,T,S).
+  """
+  v = check_config(variant, cfg)
+  check_inputs(cfg, x, context, mask)
+  check_params(v.name, params, cfg)
+  y, w = v.apply(params, x, context, cfg=cfg, mask=mask, return_weights=return_weights)
+  return (y, w) if return_weights else y
+
+
+__all__ = ["ConfigError", "apply", "check_config", "check_params", "get_variant", "init", "param_shapes"]

@@ -1,0 +1,41 @@
+"""The `attn` command: thin dispatch to subcommands that live in the library."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from attn.config import ConfigError
+
+# subcommand -> module with add_arguments(parser) and run(args) -> int.
+COMMANDS = {
+    "demo": ("attn.demo", "answer the seed questions for one config in one screen"),
+    "count": ("attn.count_cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
+    "sweep": ("attn.experiments.sweep_cli", "run a sweep config: trials, metrics, resumable store"),
+    "report": ("attn.experiments.report", "write report.md and plots from a sweep directory"),
+    "bench": ("attn.bench", "time every variant against flax, jax and torch attention"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="attn", description=__doc__)
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+  for name, (module, help_text) in COMMANDS.items():
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    p.set_defaults(_module=module)
+    # Arguments are added lazily: only the chosen command's module is imported.
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] not in COMMANDS:
+    args = parser.parse_args(argv)  # prints help or the error for an unknown command
+    parser.print_help()
+    return 2
+  module = importlib.import_module(COMMANDS[argv[0]][0])
+  p = argparse.ArgumentParser(prog=f"attn {argv[0]}", description=COMMANDS[argv[0]][1])
+  module.add_arguments(p)
+  args = p.parse_args(argv[1:])
+  try:
+    return int(module.run(args) or 0)
+  except ConfigError as e:
+    print(f"attn {argv[0]}: error: {e}", file=sys.stderr)
+    return 2

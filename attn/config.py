@@ -1,0 +1,150 @@
+"""HeadConfig: the one place where attention dimensions are validated.
+
+Dimension letters (DESIGN.md): B batch, T query length, S key/value length,
+D d_model, H query heads, G key/value heads, K query/key width per head,
+V value width per head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A configuration, shape or mask that attn refuses, with what is allowed."""
+
+
+def invalid(field: str, value: Any, allowed: str) -> ConfigError:
+  """The error every check raises: names the field, the value and what is allowed."""
+  return ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+
+
+def _positive_int(field: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise invalid(field, value, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+  """Dimensions of one attention layer; d_k and d_v are free of d_model/num_heads.
+
+  d_k and d_v default to d_model // num_heads when num_heads divides d_model.
+  num_kv_heads (G) defaults to num_heads; H must be a multiple of G, and query
+  head h reads key/value head h // (H // G). collab_width is the shared
+  query/key width D̃_k of the collaborative variant (default num_heads * d_k).
+  scale multiplies the scores (default 1/sqrt(d_k)).
+  """
+
+  d_model: int
+  num_heads: int
+  d_k: int | None = None
+  d_v: int | None = None
+  num_kv_heads: int | None = None
+  use_bias: bool = True
+  collab_width: int | None = None
+  scale: float | None = None
+
+  def __post_init__(self):
+    _positive_int("d_model", self.d_model)
+    _positive_int("num_heads", self.num_heads)
+    for name in ("d_k", "d_v"):
+      value = getattr(self, name)
+      if value is None:
+        if self.d_model % self.num_heads:
+          raise invalid(
+              name, None,
+              f"give {name} explicitly when num_heads={self.num_heads} does not "
+              f"divide d_model={self.d_model}")
+        object.__setattr__(self, name, self.d_model // self.num_heads)
+      else:
+        _positive_int(name, value)
+    if self.num_kv_heads is None:
+      object.__setattr__(self, "num_kv_heads", self.num_heads)
+    _positive_int("num_kv_heads", self.num_kv_heads)
+    if self.num_heads % self.num_kv_heads:
+      raise invalid(
+          "num_kv_heads", self.num_kv_heads,
+          f"a divisor of num_heads={self.num_heads} (grouped heads: H = G * R)")
+    if not isinstance(self.use_bias, bool):
+      raise invalid("use_bias", self.use_bias, "True or False")
+    if self.collab_width is None:
+      object.__setattr__(self, "collab_width", self.num_heads * self.d_k)
+    _positive_int("collab_width", self.collab_width)
+    if self.scale is not None:
+      if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) \
+          or not math.isfinite(self.scale) or self.scale <= 0:
+        raise invalid("scale", self.scale, "a positive finite number or None")
+
+  @property
+  def group_size(self) -> int:
+    """R = H // G: query heads that share one key/value head."""
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def score_scale(self) -> float:
+    return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(self.d_k)
+
+  def replace(self, **changes) -> HeadConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def single_head(d_model: int, *, use_bias: bool = True) -> HeadConfig:
+  """One head at full width: num_heads=1, d_k=d_v=d_model (seed question 5)."""
+  return HeadConfig(d_model=d_model, num_heads=1, d_k=d_model, d_v=d_model,
+                    use_bias=use_bias)
+
+
+def vaswani_base(**changes) -> HeadConfig:
+  """The base model of Vaswani et al. 2017: d_model=512, h=8, d_k=d_v=64."""
+  return HeadConfig(d_model=512, num_heads=8, d_k=64, d_v=64).replace(**changes)
+
+
+PRESETS = {
+    "vaswani-base": vaswani_base,
+    "single-head": lambda: single_head(512),
+    "mqa": lambda: vaswani_base(num_kv_heads=1),
+    "gqa": lambda: vaswani_base(num_kv_heads=2),
+}
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  shape = getattr(x, "shape", None)
+  if shape is None:
+    raise invalid("input", type(x).__name__, "an array")
+  return tuple(shape)
+
+
+def check_inputs(cfg: HeadConfig, x: Any, context: Any = None, mask: Any = None) -> None:
+  """Checks x (B,T,D), context (B,S,D) and a mask broadcastable to (B,H,T,S)."""
+  xs = _shape(x)
+  if len(xs) != 3:
+    raise invalid("x.shape", xs, "rank 3: (batch, query length, d_model)")
+  if xs[-1] != cfg.d_model:
+    raise invalid("x.shape", xs, f"last axis equal to d_model={cfg.d_model}")
+  s_len = xs[1]
+  if context is not None:
+    cs = _shape(context)
+    if len(cs) != 3 or cs[-1] != cfg.d_model or cs[0] != xs[0]:
+      raise invalid("context.shape", cs,
+                    f"(batch={xs[0]}, key length, d_model={cfg.d_model})")
+    s_len = cs[1]
+  if mask is not None:
+    check_mask(mask, (xs[0], cfg.num_heads, xs[1], s_len))
+
+
+def check_mask(mask: Any, target_BHTS: tuple[int, int, int, int]) -> None:
+  """A mask is boolean (True = may attend) and broadcastable to (B,H,T,S)."""
+  ms = _shape(mask)
+  dtype = getattr(mask, "dtype", None)
+  if dtype is None or str(dtype) != "bool":
+    raise invalid("mask.dtype", str(dtype), "bool, True where a query may attend a key")
+  ok = len(ms) <= 4 and all(
+      m in (1, t) for m, t in zip(reversed(ms), reversed(target_BHTS)))
+  if not ok:
+    raise invalid("mask.shape", ms,
+                  f"broadcastable to (B,H,T,S)={target_BHTS}, e.g. (B,1,1,S) or (1,1,T,S)")

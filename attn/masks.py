@@ -1,0 +1,58 @@
+"""Boolean attention masks, True where a query may attend a key (JAX/Flax convention)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn.config import invalid
+
+Array = jax.Array
+
+
+def causal_mask(T: int, S: int | None = None) -> Array:
+  """(1,1,T,S): query t may attend keys s <= t + (S - T), i.e. aligned at the end.
+
+  With S == T (self-attention) this is the lower triangle. With S > T (a
+  cache of S - T earlier keys) the last query sees every key.
+  """
+  S = T if S is None else S
+  for name, value in (("T", T), ("S", S)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise invalid(name, value, "a positive integer")
+  t = jnp.arange(T)[:, None]
+  s = jnp.arange(S)[None, :]
+  return (s <= t + (S - T))[None, None]
+
+
+def padding_mask(kv_lengths: Array, S: int, q_lengths: Array | None = None,
+                 T: int | None = None) -> Array:
+  """Key padding (B,1,1,S) from per-example key lengths; with q_lengths, (B,1,T,S).
+
+  Queries past their length get fully masked rows, which the kernel turns
+  into zero outputs.
+  """
+  kv_lengths = jnp.asarray(kv_lengths)
+  if kv_lengths.ndim != 1:
+    raise invalid("kv_lengths.shape", kv_lengths.shape, "rank 1: one length per example")
+  mask = (jnp.arange(S)[None, :] < kv_lengths[:, None])[:, None, None, :]
+  if q_lengths is None:
+    return mask
+  if T is None:
+    raise invalid("T", None, "the query length, required with q_lengths")
+  q_lengths = jnp.asarray(q_lengths)
+  if q_lengths.shape != kv_lengths.shape:
+    raise invalid("q_lengths.shape", q_lengths.shape, f"equal to kv_lengths.shape={kv_lengths.shape}")
+  q_ok = (jnp.arange(T)[None, :] < q_lengths[:, None])[:, None, :, None]
+  return mask & q_ok
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+  """Logical AND of the masks that are not None; None if all are None."""
+  present = [m for m in masks if m is not None]
+  if not present:
+    return None
+  out = present[0]
+  for m in present[1:]:
+    out = jnp.logical_and(out, m)
+  return out
