@@ -7,10 +7,12 @@ from attn.convert import LossyConversionWarning, convert
 from attn.kernel import attention
 from attn.masks import causal_mask, combine_masks, padding_mask
 from attn.variants import VARIANTS
+from attn import nn
+from attn.nn import MultiHeadAttention
 
 __all__ = [
     "PRESETS", "VARIANTS", "ConfigError", "HeadConfig", "LossyConversionWarning",
     "apply", "attention", "causal_mask", "combine_masks", "convert", "get_variant",
-    "init", "kernel", "masks", "padding_mask", "param_shapes", "single_head",
-    "vaswani_base",
+    "MultiHeadAttention", "init", "kernel", "masks", "nn", "padding_mask", "param_shapes",
+    "single_head", "vaswani_base",
 ]

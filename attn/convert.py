@@ -1,16 +1,21 @@
 """Conversions between variants through the canonical per_head layout.
 
 Each converter maps params of one variant to params of another for the same
-HeadConfig. Exact ones give the same function (tests hold them to 1e-5);
-lossy ones say so: `convert(..., return_error=True)` gives the relative
-Frobenius error of what was discarded, and they warn with it.
-A conversion not listed here is composed through per_head when both halves
-exist; anything else is an error that lists what does exist.
+HeadConfig, or, for regrouping kv heads, to a dst_cfg that differs only in
+num_kv_heads. Exact ones give the same function (tests hold them to 1e-5);
+lossy ones (SVD of merged matrices, mean-pooled kv heads) say so: they warn
+with LossyConversionWarning and `convert(..., return_error=True)` returns the
+relative Frobenius error of what was discarded (below TOLERANCE a lossy step
+was in fact exact and stays silent). A conversion not listed here is composed
+through per_head when both halves exist; anything else is an error that lists
+what does exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Callable
 
 import jax.numpy as jnp
@@ -19,6 +24,9 @@ from attn.api import check_config, check_params
 from attn.config import HeadConfig, invalid
 from attn.variants.base import Params
 
+# Relative error under which a lossy step counts as exact (float32 round-off).
+TOLERANCE = 1e-5
+
 
 class LossyConversionWarning(UserWarning):
   """A conversion that could not keep the function exactly; the message gives the error."""
@@ -26,16 +34,23 @@ class LossyConversionWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class Converter:
-  fn: Callable[[Params, HeadConfig], tuple[Params, float]]
+  fn: Callable[..., tuple[Params, float]]
   exact: bool
+  name: str = ""
 
 
 CONVERTERS: dict[tuple[str, str], Converter] = {}
+# per_head -> per_head with a different num_kv_heads: fn(params, cfg, dst_cfg).
+REGROUPERS: dict[str, Converter] = {}
 
 
-def register(src: str, dst: str, *, exact: bool):
+def register(src: str, dst: str, *, exact: bool, kv_heads: str | None = None):
+  """Registers fn(params, cfg); with kv_heads='more'/'fewer', a regrouper fn(params, cfg, dst_cfg)."""
   def wrap(fn):
-    CONVERTERS[(src, dst)] = Converter(fn, exact)
+    if kv_heads is None:
+      CONVERTERS[(src, dst)] = Converter(fn, exact, f"{src} -> {dst}")
+    else:
+      REGROUPERS[kv_heads] = Converter(fn, exact, f"{src} -> {dst} with {kv_heads} kv heads")
     return fn
   return wrap
 
@@ -68,9 +83,130 @@ def fused_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   return out, 0.0
 
 
+@register("two_stage", "per_head", exact=True)
+def two_stage_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """W_h = W¹·W_h and b_h = b¹·W_h + b_h: the first stage collapses into the second."""
+  out = {"w_o": p["w_o"]}
+  for n in "qkv":
+    out[f"w_{n}"] = jnp.einsum("DE,EHK->DHK", p[f"w_{n}1"], p[f"w_{n}"])
+    if cfg.use_bias:
+      out[f"b_{n}"] = jnp.einsum("E,EHK->HK", p[f"b_{n}1"], p[f"w_{n}"]) + p[f"b_{n}"]
+  return out | ({"b_o": p["b_o"]} if cfg.use_bias else {}), 0.0
+
+
+@register("per_head", "merged", exact=True)
+def per_head_to_merged(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """W_h = W_Q,h·W_K,gᵀ; the query bias becomes the key-side content term b_kc,h = W_K,g·b_q,h.
+
+  (x W_Q + b_q)(c W_K + b_k)ᵀ = x W_Q W_Kᵀ cᵀ + b_q W_Kᵀ cᵀ + [x W_Q b_kᵀ + b_q b_kᵀ]: the
+  bracket is constant along s, so the softmax drops it, and with it the key bias.
+  """
+  w_k_DHK = jnp.repeat(p["w_k"], cfg.group_size, axis=1)
+  out = {"w_qk": jnp.einsum("DHK,EHK->HDE", p["w_q"], w_k_DHK),
+         "w_v": p["w_v"], "w_o": p["w_o"]}
+  if cfg.use_bias:
+    out.update(b_kc=jnp.einsum("EHK,HK->HE", w_k_DHK, p["b_q"]), b_v=p["b_v"], b_o=p["b_o"])
+  return out, 0.0
+
+
+@register("merged", "per_head", exact=False)
+def merged_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """Truncated SVD to rank d_k of each kv group's stacked [W_h]; b_q by least squares, b_k = 0.
+
+  The R query heads of a group share W_K,g, so their matrices stacked along
+  rows are one (R·D)×D matrix U S Vᵀ: W_Q = U_r S_r^½, W_K = V_r S_r^½,
+  r = min(d_k, D). Exact when that matrix has rank ≤ d_k and b_kc lies in
+  the span of W_K (both hold for matrices made by per_head -> merged).
+  """
+  D, H, G, R, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.d_k
+  r = min(K, D)
+  w_GME = p["w_qk"].reshape(G, R * D, D)
+  u_GMN, s_GN, vt_GNE = jnp.linalg.svd(w_GME, full_matrices=False)
+  root_GN = jnp.sqrt(s_GN[:, :r])
+  pad = [(0, 0), (0, 0), (0, K - r)]
+  w_q_GMK = jnp.pad(u_GMN[:, :, :r] * root_GN[:, None], pad)
+  w_k_GDK = jnp.pad(jnp.swapaxes(vt_GNE[:, :r], 1, 2) * root_GN[:, None], pad)
+  out = {"w_q": w_q_GMK.reshape(G, R, D, K).transpose(2, 0, 1, 3).reshape(D, H, K),
+         "w_k": w_k_GDK.transpose(1, 0, 2), "w_v": p["w_v"], "w_o": p["w_o"]}
+  lost = jnp.sum(s_GN[:, r:] ** 2)
+  total = jnp.sum(s_GN ** 2)
+  if cfg.use_bias:
+    # Least squares W_K,g b = b_kc,h through the SVD: b = S_r^-½ V_rᵀ b_kc.
+    b_kc_GRD = p["b_kc"].reshape(G, R, D)
+    inv_GN = jnp.where(root_GN > 0, 1.0 / jnp.where(root_GN > 0, root_GN, 1.0), 0.0)
+    b_q_GRN = jnp.einsum("GNE,GRE->GRN", vt_GNE[:, :r], b_kc_GRD) * inv_GN[:, None]
+    fit_GRD = jnp.einsum("GNE,GRN->GRE", vt_GNE[:, :r], b_q_GRN * root_GN[:, None])
+    lost = lost + jnp.sum((b_kc_GRD - fit_GRD) ** 2)
+    total = total + jnp.sum(b_kc_GRD ** 2)
+    out.update(b_q=jnp.pad(b_q_GRN, pad).reshape(H, K), b_k=jnp.zeros((G, K), p["b_kc"].dtype),
+               b_v=p["b_v"], b_o=p["b_o"])
+  return out, float(jnp.sqrt(lost / jnp.maximum(total, 1e-30)))
+
+
+@register("per_head", "collaborative", exact=True)
+def per_head_to_collaborative(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """Concatenated heads: W̃_Q = [W_Q,h]_h, W̃_K = [W_K,g(h)]_h, m_h = indicator of block h."""
+  D, H, K, R = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.group_size
+  if cfg.collab_width != H * K:
+    raise invalid("collab_width", cfg.collab_width,
+                  f"num_heads·d_k = {H * K} for the exact per_head -> collaborative conversion")
+  out = {"w_q": p["w_q"].reshape(D, H * K),
+         "w_k": jnp.repeat(p["w_k"], R, axis=1).reshape(D, H * K),
+         "m": jnp.repeat(jnp.eye(H, dtype=p["w_q"].dtype), K, axis=1),
+         "w_v": p["w_v"], "w_o": p["w_o"]}
+  if cfg.use_bias:
+    out.update(b_q=p["b_q"].reshape(H * K), b_k=jnp.repeat(p["b_k"], R, axis=0).reshape(H * K),
+               b_v=p["b_v"], b_o=p["b_o"])
+  return out, 0.0
+
+
+@register("split_input", "per_head", exact=True)
+def split_input_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """Embeds head h's (D/H)×K block into zero rows: a block-diagonal per_head layer."""
+  D = cfg.d_model
+
+  def block_diagonal(w_NEK):
+    n = w_NEK.shape[0]
+    eye_NN = jnp.eye(n, dtype=w_NEK.dtype)
+    return (w_NEK[:, :, None, :] * eye_NN[:, None, :, None]).reshape(D, n, w_NEK.shape[-1])
+
+  out = {name: block_diagonal(p[name]) for name in ("w_q", "w_k", "w_v")}
+  out["w_o"] = p["w_o"]
+  return out | {n: p[n] for n in ("b_q", "b_k", "b_v", "b_o") if n in p}, 0.0
+
+
+_KV_NAMES = ("w_k", "w_v", "b_k", "b_v")
+
+
+def _kv_axis(name: str) -> int:
+  return 1 if name.startswith("w_") else 0
+
+
+@register("per_head", "per_head", exact=True, kv_heads="more")
+def repeat_kv_heads(p: Params, cfg: HeadConfig, dst_cfg: HeadConfig) -> tuple[Params, float]:
+  """Each kv head repeated G'/G times: every new group lies inside one old group."""
+  f = dst_cfg.num_kv_heads // cfg.num_kv_heads
+  return p | {n: jnp.repeat(p[n], f, axis=_kv_axis(n)) for n in _KV_NAMES if n in p}, 0.0
+
+
+@register("per_head", "per_head", exact=False, kv_heads="fewer")
+def mean_pool_kv_heads(p: Params, cfg: HeadConfig, dst_cfg: HeadConfig) -> tuple[Params, float]:
+  """Mean of the G/G' kv heads that merge into one (Ainslie et al. 2023, GQA uptraining)."""
+  G, f = dst_cfg.num_kv_heads, cfg.num_kv_heads // dst_cfg.num_kv_heads
+  out, lost, total = dict(p), 0.0, 0.0
+  for n in (n for n in _KV_NAMES if n in p):
+    a, axis = p[n], _kv_axis(n)
+    pooled = a.reshape(a.shape[:axis] + (G, f) + a.shape[axis + 1:]).mean(axis + 1)
+    out[n] = pooled
+    lost += jnp.sum((a - jnp.repeat(pooled, f, axis=axis)) ** 2)
+    total += jnp.sum(a ** 2)
+  return out, float(jnp.sqrt(lost / jnp.maximum(total, 1e-30)))
+
+
 def available() -> list[str]:
-  """'src -> dst (exact|lossy)' for every direct converter."""
-  return [f"{s} -> {d} ({'exact' if c.exact else 'lossy'})" for (s, d), c in sorted(CONVERTERS.items())]
+  """'src -> dst (exact|lossy)' for every direct converter and regrouper."""
+  found = list(CONVERTERS.values()) + list(REGROUPERS.values())
+  return sorted(f"{c.name} ({'exact' if c.exact else 'lossy'})" for c in found)
 
 
 def _path(src: str, dst: str) -> list[Converter]:
@@ -85,15 +221,49 @@ def _path(src: str, dst: str) -> list[Converter]:
                 + ", or two of them composed through per_head")
 
 
+def _check_dst_cfg(cfg: HeadConfig, dst_cfg: HeadConfig) -> None:
+  """dst_cfg may differ from cfg only in num_kv_heads, by a whole factor."""
+  if not isinstance(dst_cfg, HeadConfig):
+    raise invalid("dst_cfg", type(dst_cfg).__name__, "an attn.HeadConfig or None")
+  for field in dataclasses.fields(HeadConfig):
+    a, b = getattr(cfg, field.name), getattr(dst_cfg, field.name)
+    if field.name != "num_kv_heads" and a != b:
+      raise invalid(f"dst_cfg.{field.name}", b,
+                    f"equal to cfg.{field.name}={a!r}: only num_kv_heads may change")
+  G, G2 = cfg.num_kv_heads, dst_cfg.num_kv_heads
+  if G2 % G and G % G2:
+    raise invalid("dst_cfg.num_kv_heads", G2,
+                  f"a multiple (repeat) or a divisor (mean-pool) of cfg.num_kv_heads={G}")
+
+
+def _plan(src: str, dst: str, cfg: HeadConfig, dst_cfg: HeadConfig) -> list[tuple[str, Callable, bool]]:
+  """(name, params -> (params, error), exact) for each step from src at cfg to dst at dst_cfg."""
+  if cfg.num_kv_heads == dst_cfg.num_kv_heads:
+    return [(c.name, functools.partial(c.fn, cfg=cfg), c.exact) for c in _path(src, dst)]
+  regroup = REGROUPERS["more" if dst_cfg.num_kv_heads > cfg.num_kv_heads else "fewer"]
+  return ([(c.name, functools.partial(c.fn, cfg=cfg), c.exact) for c in _path(src, "per_head")]
+          + [(regroup.name, functools.partial(regroup.fn, cfg=cfg, dst_cfg=dst_cfg), regroup.exact)]
+          + [(c.name, functools.partial(c.fn, cfg=dst_cfg), c.exact) for c in _path("per_head", dst)])
+
+
 def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,
-            return_error: bool = False):
-  """Params of variant `dst` computing the same function as `params` of `src` (exactly when possible)."""
+            dst_cfg: HeadConfig | None = None, return_error: bool = False):
+  """Params of variant `dst` (for dst_cfg, default cfg) computing the function of `params` of `src`.
+
+  Exact when every step is; a lossy step warns. With return_error, returns
+  (params, error), error being the largest relative error of any step.
+  """
+  dst_cfg = cfg if dst_cfg is None else dst_cfg
   check_config(src, cfg)
-  check_config(dst, cfg)
+  _check_dst_cfg(cfg, dst_cfg)
+  check_config(dst, dst_cfg)
   check_params(src, params, cfg)
-  steps = _path(src, dst)
   error = 0.0
-  for step in steps:
-    params, err = step.fn(params, cfg)
-    error = max(error, float(err))
-  return (params, error) if return_error else params
+  for name, step, exact in _plan(src, dst, cfg, dst_cfg):
+    params, err = step(params)
+    err = float(err)
+    if not exact and err > TOLERANCE:
+      warnings.warn(f"{name} is lossy here: relative error {err:.3g}",
+                    LossyConversionWarning, stacklevel=2)
+    error = max(error, err)
+  return (params, error) if return_error else dict(params)

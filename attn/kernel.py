@@ -31,14 +31,27 @@ def _check_qkv(q_BTHK, k_BSGK, v_BSGV) -> None:
     raise invalid("v.shape", v_BSGV.shape, f"(B={B}, S={S}, G={G}, V) to match k")
 
 
+def _group_queries(q_BTHK: Array, G: int) -> Array:
+  """(B,T,H,K) -> (B,G,M,K) with M = R·T: the queries of a kv group's R heads, stacked.
+
+  One batched matmul per (batch, kv group) then serves every head of the group;
+  the result reshapes to (B,H,T,S) for free. This layout (rather than
+  (B,T,G,R,K)) is the one the CPU matmul runs fastest on (README, Performance).
+  """
+  B, T, H, K = q_BTHK.shape
+  q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+  return q_BTGRK.transpose(0, 2, 3, 1, 4).reshape(B, G, (H // G) * T, K)
+
+
 def scores(q_BTHK: Array, k_BSGK: Array) -> Array:
   """Raw logits q·k in float32, (B,H,T,S), with G key/value heads shared by H query heads."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-  q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
-  logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK,
-                            preferred_element_type=jnp.float32)
-  return logits_BGRTS.reshape(B, H, T, S)
+  q_BGMK = _group_queries(q_BTHK, G)
+  k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
+  logits_BGMS = jnp.einsum("BGMK,BGSK->BGMS", q_BGMK, k_BGSK,
+                           preferred_element_type=jnp.float32)
+  return logits_BGMS.reshape(B, H, T, S)
 
 
 def masked_softmax(logits_BHTS: Array, mask: Array | None = None) -> Array:
@@ -57,9 +70,37 @@ def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
   """Mixes values with the attention weights: (B,T,H,V) in v's dtype."""
   B, H, T, S = probs_BHTS.shape
   G, V = v_BSGV.shape[2], v_BSGV.shape[3]
-  probs_BGRTS = probs_BHTS.reshape(B, G, H // G, T, S).astype(v_BSGV.dtype)
-  out_BTGRV = jnp.einsum("BGRTS,BSGV->BTGRV", probs_BGRTS, v_BSGV)
-  return out_BTGRV.reshape(B, T, H, V)
+  probs_BGMS = probs_BHTS.reshape(B, G, (H // G) * T, S).astype(v_BSGV.dtype)
+  out_BGMV = jnp.einsum("BGMS,BGSV->BGMV", probs_BGMS, v_BSGV.transpose(0, 2, 1, 3))
+  out_BGRTV = out_BGMV.reshape(B, G, H // G, T, V)
+  return out_BGRTV.transpose(0, 3, 1, 2, 4).reshape(B, T, H, V)
+
+
+IMPLS = ("auto", "einsum", "xla", "cudnn")
+
+
+def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
+              logits_bias: Array | None = None) -> str:
+  """"cudnn" on a GPU for half-precision heads it supports (d_v = d_k, no weights out); else "einsum"."""
+  K, V = q_BTHK.shape[-1], v_BSGV.shape[-1]
+  fits_cudnn = (K == V and K % 8 == 0 and K <= 128 and not return_weights
+                and logits_bias is None
+                and q_BTHK.dtype in (jnp.bfloat16, jnp.float16)
+                and q_BTHK.dtype == k_BSGK.dtype == v_BSGV.dtype)
+  return "cudnn" if fits_cudnn and jax.default_backend() == "gpu" else "einsum"
+
+
+def _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl):
+  """The same function through jax.nn.dot_product_attention ("xla" or "cudnn")."""
+  out_BTHV = jax.nn.dot_product_attention(
+      q_BTHK, k_BSGK, v_BSGV, bias=logits_bias, mask=mask, scale=scale,
+      implementation=impl)
+  if mask is None:
+    return out_BTHV
+  # jax gives a fully masked row uniform weights; attn's contract is zeros.
+  B, T, H, _ = q_BTHK.shape
+  has_key_BHT = jnp.broadcast_to(mask, (B, H, T, k_BSGK.shape[1])).any(-1)
+  return jnp.where(has_key_BHT.transpose(0, 2, 1)[..., None], out_BTHV, 0).astype(out_BTHV.dtype)
 
 
 def attention(
@@ -71,21 +112,36 @@ def attention(
     scale: float | None = None,
     logits_bias: Array | None = None,
     return_weights: bool = False,
+    impl: str = "einsum",
 ) -> Array | tuple[Array, Array]:
   """softmax(scale · q kᵀ + logits_bias, masked) v for already projected heads.
 
   q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) with H a multiple of G. scale defaults
   to 1/sqrt(K). logits_bias, if given, is added to the scaled logits and must
   broadcast to (B,H,T,S). Returns (B,T,H,V), and the weights (B,H,T,S) in
-  float32 when return_weights is set.
+  float32 when return_weights is set. impl picks the implementation of the
+  same function: "einsum" (this module, the default), "xla" or "cudnn"
+  (jax.nn.dot_product_attention; need d_v = d_k and no weights out), or
+  "auto" (best_impl: cuDNN flash attention on a GPU where it applies).
   """
   _check_qkv(q_BTHK, k_BSGK, v_BSGV)
   B, T, H, K = q_BTHK.shape
   S = k_BSGK.shape[1]
   if mask is not None:
     check_mask(mask, (B, H, T, S))
+  if impl not in IMPLS:
+    raise invalid("impl", impl, f"one of {IMPLS}")
   if scale is None:
     scale = 1.0 / math.sqrt(K)
+  if impl == "auto":
+    impl = best_impl(q_BTHK, k_BSGK, v_BSGV, return_weights=return_weights,
+                     logits_bias=logits_bias)
+  if impl != "einsum":
+    if return_weights:
+      raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
+    if v_BSGV.shape[-1] != K:
+      raise invalid("impl", impl, f'"einsum" or "auto" when d_v={v_BSGV.shape[-1]} != d_k={K}')
+    return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl)
   logits_BHTS = scores(q_BTHK, k_BSGK) * scale
   if logits_bias is not None:
     logits_BHTS = logits_BHTS + logits_bias.astype(jnp.float32)

@@ -1,9 +1,14 @@
 """Every head parameterization, by name. A new variant is one file plus one line here."""
 
 from attn.variants import fused, per_head
+from attn.variants import collaborative, merged, split_input, two_stage
 from attn.variants.base import Variant
 
 VARIANTS: dict[str, Variant] = {
     "per_head": per_head.VARIANT,
     "fused": fused.VARIANT,
+    "merged": merged.VARIANT,
+    "two_stage": two_stage.VARIANT,
+    "split_input": split_input.VARIANT,
+    "collaborative": collaborative.VARIANT,
 }

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
+from attn.variants import merged
 from attn.variants.base import (Params, Variant, add_bias, bias, normal,
                                 standard_flops, standard_param_count)
 
@@ -31,32 +32,53 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_qkv": (H * K + G * K + G * V,), "b_o": (D,)}, dtype)
 
 
+def _dense(x_NTD, w_DE, b_E):
+  """x @ w + b as one 2-D matmul over the flattened leading axes.
+
+  On CPU the gradient of a 3-D x @ w contracts two axes (B,T) for w's
+  gradient, which XLA runs through an extra transpose; flattening first makes
+  every product of the forward and backward pass a plain 2-D matmul.
+  """
+  lead = x_NTD.shape[:-1]
+  y_NE = x_NTD.reshape(-1, x_NTD.shape[-1]) @ w_DE + b_E
+  return y_NE.reshape(*lead, w_DE.shape[-1])
+
+
 def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig):
   """q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) from the packed matrix."""
   H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
   n_q = H * K
   w, b = params["w_qkv"], bias(params, "b_qkv")
   if context_BSD is None:
-    qkv = x_BTD @ w + b
+    qkv = _dense(x_BTD, w, b)
     q, kv = qkv[..., :n_q], qkv[..., n_q:]
   else:
     b_q, b_kv = (b[:n_q], b[n_q:]) if cfg.use_bias else (0.0, 0.0)
-    q = x_BTD @ w[:, :n_q] + b_q
-    kv = context_BSD @ w[:, n_q:] + b_kv
+    q = _dense(x_BTD, w[:, :n_q], b_q)
+    kv = _dense(context_BSD, w[:, n_q:], b_kv)
   q_BTHK = einops.rearrange(q, "B T (H K) -> B T H K", H=H)
   k_BSGK = einops.rearrange(kv[..., :G * K], "B S (G K) -> B S G K", G=G)
   v_BSGV = einops.rearrange(kv[..., G * K:], "B S (G V) -> B S G V", G=G)
   return q_BTHK, k_BSGK, v_BSGV
 
 
+# The attention core behind the projections: "auto" (the default) picks
+# kernel.best_impl for the inputs, i.e. the einsum kernel on CPU and cuDNN
+# flash attention on a GPU where it applies. Set this, or pass impl= to
+# apply, to force "einsum", "xla" or "cudnn" (jax.nn.dot_product_attention).
+DEFAULT_IMPL = "auto"
+
+
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, impl: str | None = None):
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg)
-  out_BTHV, w_BHTS = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask,
-                                      scale=cfg.score_scale, return_weights=True)
+  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, scale=cfg.score_scale,
+                         return_weights=return_weights,
+                         impl=DEFAULT_IMPL if impl is None else impl)
+  out_BTHV, w_BHTS = out if return_weights else (out, None)
   out = einops.rearrange(out_BTHV, "B T H V -> B T (H V)")
-  y_BTD = out @ params["w_o"] + bias(params, "b_o")
-  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+  y_BTD = _dense(out, params["w_o"], bias(params, "b_o"))
+  return y_BTD.astype(x_BTD.dtype), w_BHTS
 
 
 VARIANT = Variant(
@@ -65,6 +87,6 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=standard_param_count,
-    effective_param_count=standard_param_count,
+    effective_param_count=merged.factored_effective_param_count,
     flops=standard_flops,
 )

@@ -5,8 +5,8 @@ every exact converter goes through: w_q (D,H,K), w_k (D,G,K), w_v (D,G,V),
 w_o (H,V,D), b_q (H,K), b_k (G,K), b_v (G,V), b_o (D,).
 
 Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
-Effective: the same; the function class has no redundant directions beyond the
-W_Q,i·W_K,iᵀ factorisation (counted by the merged variant's file).
+Effective: fewer; W_Q,i·W_K,iᵀ and W_V,i·W_O,i are low-rank products and the
+key bias drops out of the softmax (merged.factored_effective_param_count).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
+from attn.variants import merged
 from attn.variants.base import (Params, Variant, add_bias, bias, head_bias, head_mask,
                                 normal, standard_flops, standard_param_count)
 
@@ -61,6 +62,6 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=standard_param_count,
-    effective_param_count=standard_param_count,
+    effective_param_count=merged.factored_effective_param_count,
     flops=standard_flops,
 )

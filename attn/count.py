@@ -1,0 +1,210 @@
+"""Counting: parameters three ways, FLOPs and KV-cache bytes per attention layer; whole models.
+
+Per attention layer (HeadConfig, any registered variant):
+  analytic   the variant's closed form (one line of math in its file);
+  stored     the elements of the tree `attn.init` creates (read from its shapes);
+  effective  the degrees of freedom of the function class (≤ stored).
+FLOPs count a multiply-add as 2, per batch element, softmax and elementwise
+ops not counted. The backward pass of a matmul y = a·b is two matmuls of the
+same size (da = dy·bᵀ, db = aᵀ·dy), so forward+backward = 3 × forward.
+
+Whole models (attn.nn.ModelConfig) are summed from the same per-layer pieces
+the Flax modules in attn/nn/models.py are built from; `model_param_count`
+equals the number of elements in an instantiated model's nnx.Param tree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from attn import api
+from attn.config import ConfigError, HeadConfig, invalid
+
+# Which Flax module in attn.nn.models a count describes.
+MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
+
+
+def _cache_kv(cfg: HeadConfig) -> int:
+  """Keys and values of the G kv heads: G·(K + V)."""
+  return cfg.num_kv_heads * (cfg.d_k + cfg.d_v)
+
+
+def _cache_merged(cfg: HeadConfig) -> int:
+  """The raw context c_s (D) that x_t·W_h is scored against, plus the G·V values."""
+  return cfg.d_model + cfg.num_kv_heads * cfg.d_v
+
+
+def _cache_collaborative(cfg: HeadConfig) -> int:
+  """One shared key c_s·W̃_K (D̃ wide, no heads) plus the G·V values."""
+  return cfg.collab_width + cfg.num_kv_heads * cfg.d_v
+
+
+# Elements cached per decoded token per layer, by variant. A new variant adds a
+# line here (tests/test_count.py checks that every registered variant has one).
+KV_CACHE_WIDTH: dict[str, Callable[[HeadConfig], int]] = {
+    "per_head": _cache_kv,
+    "fused": _cache_kv,
+    "two_stage": _cache_kv,  # cache the second-stage keys and values
+    "split_input": _cache_kv,
+    "merged": _cache_merged,
+    "collaborative": _cache_collaborative,
+}
+
+# Weights that enter the attention logits only (W_Q·W_Kᵀ and what it is made of),
+# biases excluded: the seed question "why keep W_Q and W_K apart?".
+SCORE_WEIGHTS: dict[str, Callable[[HeadConfig], int]] = {
+    "per_head": lambda c: c.d_model * (c.num_heads + c.num_kv_heads) * c.d_k,
+    "fused": lambda c: c.d_model * (c.num_heads + c.num_kv_heads) * c.d_k,
+    "two_stage": lambda c: 2 * c.d_model ** 2
+    + c.d_model * (c.num_heads + c.num_kv_heads) * c.d_k,
+    "split_input": lambda c: 2 * c.d_model * c.d_k,  # H·(D/H)·K + G·(D/G)·K
+    "merged": lambda c: c.num_heads * c.d_model ** 2,
+    "collaborative": lambda c: 2 * c.d_model * c.collab_width + c.num_heads * c.collab_width,
+}
+
+
+def _lookup(table: dict[str, Callable[[HeadConfig], int]], what: str, variant: str,
+            cfg: HeadConfig) -> int:
+  v = api.check_config(variant, cfg)
+  if v.name not in table:
+    raise invalid("variant", v.name, f"one with a {what} formula in attn/count.py: {sorted(table)}")
+  return table[v.name](cfg)
+
+
+def param_counts(variant: str, cfg: HeadConfig) -> dict[str, int]:
+  """{"analytic", "stored", "effective"} parameter counts of one attention layer."""
+  v = api.check_config(variant, cfg)
+  stored = sum(math.prod(shape) for shape in api.param_shapes(v.name, cfg).values())
+  return {"analytic": int(v.param_count(cfg)), "stored": int(stored),
+          "effective": int(v.effective_param_count(cfg))}
+
+
+def score_weight_count(variant: str, cfg: HeadConfig) -> int:
+  """Weights of one layer that the attention logits depend on (no biases, no values)."""
+  return _lookup(SCORE_WEIGHTS, "score-weight", variant, cfg)
+
+
+def _check_length(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise invalid(name, value, "a positive integer sequence length")
+  return value
+
+
+def flops(variant: str, cfg: HeadConfig, T: int, S: int | None = None,
+          backward: bool = False) -> int:
+  """Analytic FLOPs of one layer per batch element: forward, or forward+backward (3×)."""
+  v = api.check_config(variant, cfg)
+  T = _check_length("T", T)
+  S = T if S is None else _check_length("S", S)
+  forward = int(v.flops(cfg, T, S))
+  return 3 * forward if backward else forward
+
+
+def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int:
+  """Bytes one layer caches per decoded token: MHA 2·H·K, GQA 2·G·K, MQA 2·K elements (K = V)."""
+  try:
+    itemsize = jnp.dtype(dtype).itemsize
+  except TypeError:
+    raise invalid("dtype", dtype, "a dtype name such as float32, bfloat16, float16 or int8") from None
+  return _lookup(KV_CACHE_WIDTH, "KV-cache", variant, cfg) * itemsize
+
+
+# Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and
+# a bias (2·D) whatever use_bias says, and the BERT pooler always has a bias.
+
+
+def _layer_norm(m) -> int:
+  return 2 * m.d_model if m.layernorm else 0
+
+
+def _mlp(m) -> int:
+  return 2 * m.d_model * m.d_ff + ((m.d_ff + m.d_model) if m.use_bias else 0)
+
+
+def _attention(m) -> int:
+  return param_counts(m.variant, m.head)["analytic"]
+
+
+def _embeddings(m, parts: dict[str, int], *, token: bool = True, segments: bool = True) -> None:
+  parts["token_embeddings"] += m.vocab_size * m.d_model if token else 0
+  parts["position_embeddings"] += m.max_len * m.d_model if m.positional == "learned" else 0
+  parts["segment_embeddings"] += m.num_segments * m.d_model if segments else 0
+  parts["layernorm"] += _layer_norm(m) if m.embed_norm else 0
+
+
+def _blocks(m, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
+  """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
+  parts["attention"] += n * (2 if cross else 1) * _attention(m)
+  parts["mlp"] += n * _mlp(m)
+  parts["layernorm"] += n * (3 if cross else 2) * _layer_norm(m) + (
+      _layer_norm(m) if m.final_norm else 0)
+
+
+def _output(m) -> int:
+  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.use_bias else 0)
+
+
+def model_param_breakdown(m, kind: str) -> dict[str, int]:
+  """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
+  if kind not in MODEL_KINDS:
+    raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
+  names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
+           "layernorm", "pooler", "classifier", "output")
+  parts = dict.fromkeys(names, 0)
+  _embeddings(m, parts, segments=kind != "decoder_lm")
+  _blocks(m, parts, m.num_layers)
+  if kind in ("encoder", "classifier") and m.pooler:
+    parts["pooler"] = m.d_model * m.d_model + m.d_model
+  if kind == "classifier":
+    cls_vector = m.d_model if m.pooling == "cls" else 0
+    parts["classifier"] = cls_vector + m.d_model * m.num_classes + (
+        m.num_classes if m.use_bias else 0)
+  if kind == "encoder_decoder":
+    # The target side: its own positions (and embedding LN); the token table is the
+    # source's when share_src_tgt_embeddings; decoder blocks add cross-attention.
+    _embeddings(m, parts, token=not m.share_src_tgt_embeddings, segments=False)
+    _blocks(m, parts, m.num_decoder_layers, cross=True)
+  if kind in ("decoder_lm", "encoder_decoder"):
+    parts["output"] = _output(m)
+  return parts
+
+
+def model_param_count(m, kind: str) -> int:
+  """Total parameters of a whole model, each shared array counted once."""
+  return sum(model_param_breakdown(m, kind).values())
+
+
+def model_kv_cache_bytes_per_token(m, kind: str, dtype: Any = "bfloat16") -> int:
+  """Self-attention KV cache of the decoding stack per generated token (all layers)."""
+  if kind not in ("decoder_lm", "encoder_decoder"):
+    raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
+  layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
+  return layers * kv_cache_bytes_per_token(m.variant, m.head, dtype)
+
+
+def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfloat16",
+                variants: list[str] | None = None) -> list[dict[str, Any]]:
+  """One row per variant: the three counts, score weights, FLOPs and KV-cache bytes.
+
+  A variant that refuses cfg (split_input when h does not divide d_model) gets
+  a row {"variant", "error"} instead of numbers.
+  """
+  flops("per_head", HeadConfig(d_model=1, num_heads=1), T, S)  # checks T and S
+  kv_cache_bytes_per_token("per_head", HeadConfig(d_model=1, num_heads=1), dtype)
+  rows = []
+  for name in variants or list(api.VARIANTS):
+    try:
+      api.check_config(name, cfg)
+    except ConfigError as e:
+      rows.append({"variant": name, "error": str(e)})
+      continue
+    score = score_weight_count(name, cfg)
+    rows.append({"variant": name, **param_counts(name, cfg), "score_weights": score,
+                 "score_weights_per_head": score / cfg.num_heads,
+                 "flops_fwd": flops(name, cfg, T, S),
+                 "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
+                 "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype)})
+  return rows

@@ -1,0 +1,174 @@
+"""`attn count`: parameter counts (analytic, stored, effective), FLOPs and KV cache per variant.
+
+  attn count                                  # one layer, d_model=512, h=8, d_k=d_v=64
+  attn count --d-model 512 --num-heads 8 --num-kv-heads 2 --format csv
+  attn count --preset bert-base               # whole model + its layer, every variant
+  attn count --preset vaswani-table3          # Table 3 params column, paper vs ours
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+from typing import Any
+
+from attn import count, presets
+from attn.api import get_variant
+from attn.config import ConfigError, HeadConfig
+
+_HEAD_FLAGS = ("d_model", "num_heads", "d_k", "d_v", "num_kv_heads", "collab_width")
+_LAYER_COLUMNS = [
+    ("variant", "variant"), ("analytic", "params (analytic)"), ("stored", "params (stored)"),
+    ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
+    ("score_weights_per_head", "W_Q·W_Kᵀ weights/head"), ("flops_fwd", "FLOPs fwd"),
+    ("flops_fwd_bwd", "FLOPs fwd+bwd"), ("kv_bytes_per_token", "KV cache B/token")]
+_TABLE3_COLUMNS = [
+    ("row", "row"), ("num_layers", "N"), ("d_model", "d_model"), ("d_ff", "d_ff"),
+    ("num_heads", "h"), ("d_k", "d_k"), ("d_v", "d_v"), ("paper_millions", "paper (×10⁶)"),
+    ("ours", "ours"), ("ours_millions", "ours (×10⁶)"), ("match", "match")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--preset", help="a whole model: " + ", ".join(
+      sorted(presets.PRESETS) + sorted(presets.GROUPS)))
+  for name in _HEAD_FLAGS:
+    parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+  parser.add_argument("--no-bias", action="store_true", help="layers without biases")
+  parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs")
+  parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
+  parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
+  parser.add_argument("--variant", action="append", default=None,
+                      help="only this variant (repeatable; default all)")
+  parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+  changes = {n: getattr(args, n) for n in _HEAD_FLAGS if getattr(args, n) is not None}
+  if args.no_bias:
+    changes["use_bias"] = False
+  return changes
+
+
+def _fmt(value: Any) -> str:
+  if isinstance(value, bool):
+    return "yes" if value else "**no**"
+  if isinstance(value, float):
+    return f"{value:,.0f}" if value.is_integer() else f"{value:,.1f}"
+  if isinstance(value, int):
+    return f"{value:,}"
+  return str(value)
+
+
+def markdown(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+  """A markdown table; rows with an "error" show it in place of their numbers."""
+  lines = ["| " + " | ".join(title for _, title in columns) + " |",
+           "|---|" + "---:|" * (len(columns) - 1)]
+  for row in rows:
+    if "error" in row:
+      cells = [row[columns[0][0]], f"n/a: {row['error']}"] + [""] * (len(columns) - 2)
+    else:
+      cells = [_fmt(row.get(k, "")) for k, _ in columns]
+    lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+  return "\n".join(lines)
+
+
+def _csv(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+  out = io.StringIO()
+  keys = [k for k, _ in columns] + (["error"] if any("error" in r for r in rows) else [])
+  writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+  writer.writeheader()
+  writer.writerows(rows)
+  return out.getvalue().rstrip("\n")
+
+
+def table3_report() -> dict[str, Any]:
+  """Rows of Table 3 (paper vs ours) and the vocabulary intervals that explain them."""
+  rows, ranges = [], {}
+  for p in presets.TABLE3:
+    m = p.config
+    rows.append({"row": p.label, "num_layers": m.num_layers, "d_model": m.d_model,
+                 "d_ff": m.d_ff, "num_heads": m.num_heads, "d_k": m.d_k, "d_v": m.d_v,
+                 "paper_millions": p.published, "ours": p.count,
+                 "ours_millions": round(p.count / 1e6, 1), "match": p.matches()})
+    ranges[p.label] = presets.vocab_range(p)
+  matched = [ranges[r["row"]] for r in rows if r["match"]]
+  return {"rows": rows, "vocab_size": presets.VASWANI_VOCAB,
+          "consistent_vocab": [max(lo for lo, _ in matched), min(hi for _, hi in matched)],
+          "unmatched": {r["row"]: list(ranges[r["row"]]) for r in rows if not r["match"]}}
+
+
+def _table3(fmt: str) -> str:
+  report = table3_report()
+  if fmt == "json":
+    return json.dumps(report, indent=2)
+  if fmt == "csv":
+    return _csv(report["rows"], _TABLE3_COLUMNS)
+  lo, hi = report["consistent_vocab"]
+  notes = [f"Shared source/target vocabulary with tied output, V = {report['vocab_size']:,}; "
+           f"every matched row rounds to the paper for V in [{lo:,}, {hi:,}]."]
+  for row, (a, b) in report["unmatched"].items():
+    notes.append(f"Row {row!r} would need V in [{a:,}, {b:,}]: no single V matches it too.")
+  return markdown(report["rows"], _TABLE3_COLUMNS) + "\n\n" + "\n".join(notes)
+
+
+def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
+                  preset: presets.Preset | None) -> dict[str, Any]:
+  variants = [get_variant(v).name for v in args.variant] if args.variant else None
+  rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
+  report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len,
+                            "S": args.seq_len if args.kv_len is None else args.kv_len, "dtype": args.dtype, "rows": rows}
+  if preset is not None:
+    m = preset.config
+    report["model"] = {"preset": preset.name, "kind": preset.kind, "variant": m.variant,
+                       "source": preset.source, "published": preset.published,
+                       "in_millions": preset.in_millions, "count": count.model_param_count(m, preset.kind),
+                       "breakdown": count.model_param_breakdown(m, preset.kind)}
+    for row in rows:
+      if "error" not in row:
+        row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), preset.kind)
+  return report
+
+
+def _layer_output(report: dict[str, Any], fmt: str) -> str:
+  columns = _LAYER_COLUMNS + ([("model_params", "model params")] if "model" in report else [])
+  if fmt == "json":
+    return json.dumps(report, indent=2)
+  if fmt == "csv":
+    return _csv(report["rows"], columns)
+  c = report["layer"]
+  head = (f"One attention layer: d_model={c['d_model']}, h={c['num_heads']}, d_k={c['d_k']}, "
+          f"d_v={c['d_v']}, kv heads={c['num_kv_heads']}, bias={c['use_bias']}; "
+          f"FLOPs per sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
+  text = head + "\n\n" + markdown(report["rows"], columns)
+  if "model" in report:
+    m = report["model"]
+    parts = [{"component": k, "params": v} for k, v in m["breakdown"].items() if v]
+    parts.append({"component": "total", "params": m["count"]})
+    published = f"{m['published']}M" if m["in_millions"] else f"{m['published']:,}"
+    text = (f"Model {m['preset']} ({m['kind']}, {m['variant']} attention): {m['count']:,} "
+            f"parameters; published {published} ({m['source']}).\n\n"
+            + markdown(parts, [("component", "component"), ("params", "params")])
+            + "\n\n" + text)
+  return text
+
+
+def run(args: argparse.Namespace) -> int:
+  """Prints the table; ConfigError (unknown preset, impossible dims) exits 2 via attn.cli."""
+  if args.preset in presets.GROUPS:
+    if _overrides(args) or args.variant:
+      raise ConfigError(f"preset={args.preset!r} is not allowed with dimension or variant "
+                        "flags: it prints the paper's fixed rows")
+    print(_table3(args.format))
+    return 0
+  preset = presets.get_preset(args.preset) if args.preset else None
+  if preset is not None:
+    preset = dataclasses.replace(preset, config=preset.config.replace(**_overrides(args)))
+    cfg = preset.config.head
+  else:
+    cfg = HeadConfig(**{"d_model": 512, "num_heads": 8, **_overrides(args)})
+  print(_layer_output(_layer_report(cfg, args, preset), args.format))
+  return 0
+

@@ -1,0 +1,1 @@
+"""Experiments: tasks (data), training (optax), sweeps (config -> trials -> store), reports."""

@@ -1,0 +1,309 @@
+"""Experiment configs: a TOML base plus sweep axes, validated and expanded into trials.
+
+A config has the tables [meta] (name, question), [task], [model], [train] and
+[sweep]. [sweep.grid] axes combine as a product, [sweep.zip] axes are tied
+(zipped, equal lengths); both map dotted keys ("model.num_heads") to lists.
+sweep.seeds is shorthand for a grid axis over train.seed. sweep.derive lists
+constraints applied to every trial, in order:
+
+  "fixed_width"   d_k = d_v = d_model / num_heads (Vaswani et al. 2017, Table 3 rows A).
+  "fixed_params"  d_ff = round((budget - P(0)) / (P(1) - P(0))), where P(f) is the
+                  model's parameter count (counted from its parameter tree) with
+                  d_ff = f; P is affine in d_ff, so every trial lands within half a
+                  feed-forward unit of sweep.param_budget ("base": the base config's count).
+
+Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import tomllib
+from typing import Any
+
+from attn.config import ConfigError, invalid
+from attn.experiments import tasks
+
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "steps": 200, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20, "end_lr_ratio": 0.1,
+    "weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0, "eval_every": 50,
+    "eval_batches": 4, "seed": 0,
+}
+META_KEYS = {"name": str, "question": str}
+SWEEP_KEYS = {"grid": dict, "zip": dict, "seeds": list, "derive": list,
+              "param_budget": (int, str), "vmap_seeds": bool}
+DERIVED_MODEL_KEYS = ("vocab_size", "num_classes", "max_len")
+DERIVES = ("fixed_width", "fixed_params")
+ALIASES = {"seed": "train.seed"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+  """One resolved training run: its stable id, its axis values and its full config."""
+
+  id: str
+  label: dict[str, Any]
+  config: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """A validated config file expanded into trials."""
+
+  path: str
+  meta: dict[str, str]
+  axes: list[str]
+  trials: list[Trial]
+  vmap_seeds: bool
+  id: str
+
+
+def stable_hash(obj: Any, n: int = 12) -> str:
+  """Hex digest of canonical JSON: equal resolved configs give equal ids, any change another."""
+  text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def _model_fields() -> dict[str, Any]:
+  """Settable [model] keys -> default (None for required or optional ints)."""
+  from attn.nn.models import ModelConfig  # lazy: flax is only needed once models are built
+  out = {}
+  for f in dataclasses.fields(ModelConfig):
+    if f.name not in DERIVED_MODEL_KEYS:
+      out[f.name] = None if f.default is dataclasses.MISSING else f.default
+  return out
+
+
+def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
+  if section == "train":
+    return TRAIN_DEFAULTS
+  if section == "model":
+    return _model_fields()
+  name = raw_task.get("name")
+  if name not in tasks.TASKS:
+    raise invalid("task.name", name, f"one of {sorted(tasks.TASKS)}")
+  return {"name": name, **tasks.task_fields(name)}
+
+
+def _check_type(key: str, value: Any, default: Any) -> Any:
+  """value, converted int -> float where the default is a float; else an error naming key."""
+  if default is None:  # required or optional integer dimension
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok:
+      raise invalid(key, value, "an integer")
+    return value
+  if isinstance(default, bool):
+    if not isinstance(value, bool):
+      raise invalid(key, value, "true or false")
+    return value
+  if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if type(value) is not type(default):
+    raise invalid(key, value, f"a {type(default).__name__} (like {default!r})")
+  return value
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{"model": {"num_heads": [..]}} and {"model.num_heads": [..]} both -> dotted keys."""
+  out = {}
+  for k, v in table.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _parse_value(text: str) -> Any:
+  """A --set value as TOML (4, 1e-3, true, [1, 2], "x"); a bare word is a string."""
+  try:
+    return tomllib.loads(f"v = {text}")["v"]
+  except tomllib.TOMLDecodeError:
+    return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+  """raw with each --set KEY=VALUE applied; a swept key that is set is pinned (its axis dropped)."""
+  raw = copy.deepcopy(raw)
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    key = ALIASES.get(key.strip(), key.strip())
+    if not sep or "." not in key:
+      raise invalid("--set", item, "KEY=VALUE with a dotted key, e.g. model.num_heads=4")
+    value = _parse_value(text.strip())
+    parts = key.split(".")
+    if parts[0] == "sweep" and len(parts) > 2 and parts[1] in ("grid", "zip"):
+      raw.setdefault("sweep", {}).setdefault(parts[1], {})[".".join(parts[2:])] = value
+      continue
+    if len(parts) != 2:
+      raise invalid("--set", item, "SECTION.KEY=VALUE, or sweep.grid.SECTION.KEY=[...]")
+    raw.setdefault(parts[0], {})[parts[1]] = value
+    sweep = raw.get("sweep", {})
+    for kind in ("grid", "zip"):
+      axes = _flatten(sweep.get(kind, {}))
+      if key in axes:
+        if kind == "zip":
+          raise invalid("--set", item, f"a key that is not a tied axis ({key} is in sweep.zip)")
+        sweep["grid"] = {k: v for k, v in axes.items() if k != key}
+    if key == "train.seed" and "seeds" in sweep:
+      del sweep["seeds"]
+  return raw
+
+
+def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  for section in raw:
+    if section not in ("meta", "task", "model", "train", "sweep"):
+      raise invalid(section, raw[section], "one of the tables [meta] [task] [model] [train] [sweep]")
+    if not isinstance(raw[section], dict):
+      raise invalid(section, raw[section], "a table")
+  for key, typ in META_KEYS.items():
+    if key in raw.get("meta", {}) and not isinstance(raw["meta"][key], typ):
+      raise invalid(f"meta.{key}", raw["meta"][key], "a string")
+  for key in raw.get("meta", {}):
+    if key not in META_KEYS:
+      raise invalid(f"meta.{key}", raw["meta"][key], f"one of {sorted(META_KEYS)}")
+  for key, value in raw.get("sweep", {}).items():
+    if key not in SWEEP_KEYS:
+      raise invalid(f"sweep.{key}", value, f"one of {sorted(SWEEP_KEYS)}")
+    if not isinstance(value, SWEEP_KEYS[key]) or isinstance(value, bool) != (SWEEP_KEYS[key] is bool):
+      raise invalid(f"sweep.{key}", value, f"a {SWEEP_KEYS[key]}")
+  base = {}
+  for section in ("task", "model", "train"):
+    schema = _schema(section, raw.get("task", {}))
+    values = dict(raw.get(section, {}))
+    for key, value in values.items():
+      if key in DERIVED_MODEL_KEYS and section == "model":
+        raise invalid(f"model.{key}", value, "not set by hand: it is derived from the task")
+      if key not in schema:
+        raise invalid(f"{section}.{key}", value, f"one of {sorted(schema)}")
+      if not (section == "task" and key == "name"):
+        values[key] = _check_type(f"{section}.{key}", value, schema[key])
+    base[section] = values
+  for key in ("d_model", "num_layers", "num_heads", "d_ff"):
+    if key not in base["model"]:
+      raise invalid(f"model.{key}", None, "required: an integer")
+  return base
+
+
+def _axes(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]]):
+  """(grid, zip) as lists of (dotted key, values), each value type-checked."""
+  grid = _flatten(raw_sweep.get("grid", {}))
+  if "seeds" in raw_sweep:
+    grid["train.seed"] = raw_sweep["seeds"]
+  tied = _flatten(raw_sweep.get("zip", {}))
+  out = []
+  for kind, table in (("grid", grid), ("zip", tied)):
+    axes = []
+    for key, values in table.items():
+      key = ALIASES.get(key, key)
+      where = f"sweep.{kind}.{key}"
+      section, _, name = key.partition(".")
+      if section not in ("task", "model", "train") or not name:
+        raise invalid(where, values, "a dotted key task.X, model.X or train.X (or seed)")
+      schema = _schema(section, base["task"])
+      if name not in schema or (section == "model" and name in DERIVED_MODEL_KEYS):
+        raise invalid(where, values, f"a key of [{section}]: {sorted(schema)}")
+      if not isinstance(values, list) or not values:
+        raise invalid(where, values, "a non-empty list of values")
+      if section != "task" or name != "name":
+        values = [_check_type(where, v, schema[name]) for v in values]
+      axes.append((key, values))
+    out.append(axes)
+  grid, tied = out
+  lengths = {len(v) for _, v in tied}
+  if len(lengths) > 1:
+    raise invalid("sweep.zip", {k: len(v) for k, v in tied}, "lists of equal length (tied axes)")
+  return grid, tied
+
+
+def _combos(grid, tied):
+  rows = [dict(zip([k for k, _ in tied], vs)) for vs in zip(*[v for _, v in tied])] or [{}]
+  for values in itertools.product(*[v for _, v in grid]):
+    for row in rows:
+      yield {**dict(zip([k for k, _ in grid], values)), **row}
+
+
+def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | None) -> dict[str, Any]:
+  """The full trial config: task defaults, derived model keys and constraints applied."""
+  from attn.experiments import train  # lazy: imports jax and flax
+  task = tasks.make_task(cfg["task"])
+  model = dict(cfg["model"])
+  if "fixed_width" in derive:
+    D, H = model["d_model"], model["num_heads"]
+    if D % H:
+      raise invalid("model.num_heads", H,
+                    f"a divisor of d_model={D} (sweep.derive 'fixed_width' sets d_k = d_v = d_model/h)")
+    model["d_k"] = model["d_v"] = D // H
+  min_layers = getattr(task, "min_layers", 1)
+  if model["num_layers"] < min_layers:
+    raise invalid("model.num_layers", model["num_layers"],
+                  f">= {min_layers} for task {cfg['task']['name']!r} (an induction head needs two layers)")
+  model_cfg = train.model_config(model, task)
+  if "fixed_params" in derive:
+    model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
+  task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
+  return {"task": task_cfg, "model": dataclasses.asdict(model_cfg),
+          "train": {**TRAIN_DEFAULTS, **cfg["train"]}}
+
+
+def load(path: str, overrides: list[str] | None = None) -> Sweep:
+  """Reads, validates and expands a config file; every error names the file."""
+  try:
+    with open(path, "rb") as f:
+      raw = tomllib.load(f)
+  except FileNotFoundError:
+    raise invalid("CONFIG", path, "an existing TOML file, e.g. configs/quick.toml") from None
+  except tomllib.TOMLDecodeError as e:
+    raise invalid("CONFIG", path, f"valid TOML ({e})") from None
+  try:
+    return _expand(path, apply_overrides(raw, overrides or []))
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from None
+
+
+def _expand(path: str, raw: dict[str, Any]) -> Sweep:
+  base = _validate_base(raw)
+  sweep = raw.get("sweep", {})
+  derive = sweep.get("derive", [])
+  for d in derive:
+    if d not in DERIVES:
+      raise invalid("sweep.derive", d, f"a list of {list(DERIVES)}")
+  grid, tied = _axes(sweep, base)
+  budget = sweep.get("param_budget", "base")
+  if "fixed_params" in derive and not isinstance(budget, int):
+    if budget != "base":
+      raise invalid("sweep.param_budget", budget, '"base" or a positive integer')
+    from attn.experiments import train
+    base_cfg = resolve(base, [d for d in derive if d != "fixed_params"], None)
+    budget = train.count_params(base_cfg["model"], tasks.TASKS[base["task"]["name"]].kind)
+  trials, seen = [], {}
+  for combo in _combos(grid, tied):
+    cfg = copy.deepcopy(base)
+    for key, value in combo.items():
+      section, _, name = key.partition(".")
+      cfg[section][name] = value
+    label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in combo.items())
+    try:
+      resolved = resolve(cfg, derive, budget)
+    except ConfigError as e:
+      raise ConfigError(f"trial [{label}]: {e}") from None
+    trial_id = stable_hash(resolved)
+    if trial_id in seen:
+      raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[trial_id]}])")
+    seen[trial_id] = label
+    trials.append(Trial(trial_id, combo, resolved))
+  meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
+  axes = [k for k, _ in grid] + [k for k, _ in tied]
+  return Sweep(path, meta, axes, trials, bool(sweep.get("vmap_seeds", True)),
+               stable_hash(sorted(t.id for t in trials)))
+
+
+def shape_key(trial: Trial) -> str:
+  """Trials with equal shape keys differ only in seed and can train together under vmap."""
+  cfg = copy.deepcopy(trial.config)
+  del cfg["train"]["seed"]
+  return stable_hash(cfg)

@@ -1,0 +1,157 @@
+"""The results store: one directory per sweep, crash-safe, resumable, JSON only.
+
+  DIR/sweep.json                     sweep id, name, question, config text, trial list
+  DIR/trials/ID/config.json          the resolved trial config and its axis values
+  DIR/trials/ID/metrics.jsonl        one JSON row per training step (complete trials)
+  DIR/trials/ID/metrics.jsonl.partial  rows of the trial now running (deleted on restart)
+  DIR/trials/ID/summary.json         status ok|failed, reason, final metrics, counts, timings
+
+Every JSON file is written to a temporary file, fsynced and renamed over the
+target (os.replace is atomic), so a reader or a kill -9 sees the old file or
+the new one, never half of one. summary.json is written last: a trial is
+finished exactly when it exists. A trial without it is re-run from step 0 and
+its partial rows are discarded, so nothing is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+from attn.config import invalid
+
+SWEEP, CONFIG, METRICS, SUMMARY = "sweep.json", "config.json", "metrics.jsonl", "summary.json"
+PARTIAL = METRICS + ".partial"
+
+
+def _fsync_dir(path: str) -> None:
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def atomic_write(path: str, text: str) -> None:
+  """Writes text to path via a temporary file, fsync and os.replace."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  _fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_json(path: str, obj: Any) -> None:
+  atomic_write(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: str) -> Any:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+  """JSON lines; a torn last line (a kill mid-write of a partial file) is dropped."""
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        break
+  return rows
+
+
+class Store:
+  """A sweep directory: claimed by one sweep id, holding one sub-directory per trial."""
+
+  def __init__(self, root: str):
+    self.root = root
+    self._files: dict[str, Any] = {}
+
+  def trial_dir(self, trial_id: str) -> str:
+    return os.path.join(self.root, "trials", trial_id)
+
+  def claim(self, header: dict[str, Any]) -> bool:
+    """Creates the store, or checks that it holds this same sweep; True when it already did."""
+    path = os.path.join(self.root, SWEEP)
+    if os.path.exists(path):
+      held = read_json(path)
+      if held.get("sweep_id") != header["sweep_id"]:
+        raise invalid("--out", self.root,
+                      f"an empty directory or one holding this same sweep; it holds sweep "
+                      f"{held.get('sweep_id')} ({held.get('name')!r} from {held.get('config_path')}), "
+                      f"this is {header['sweep_id']}: choose another --out (nothing was overwritten)")
+      return True
+    if os.path.isdir(self.root):
+      leftovers = [f for f in os.listdir(self.root) if not f.startswith(SWEEP + ".tmp")]
+      if leftovers:
+        raise invalid("--out", self.root,
+                      f"an empty directory or a sweep directory; it holds {sorted(leftovers)[:5]} "
+                      f"and no {SWEEP}: choose another --out (nothing was overwritten)")
+    os.makedirs(os.path.join(self.root, "trials"), exist_ok=True)
+    write_json(path, header)
+    return False
+
+  def write_config(self, trial_id: str, config: dict[str, Any]) -> None:
+    d = self.trial_dir(trial_id)
+    os.makedirs(d, exist_ok=True)
+    if not os.path.exists(os.path.join(d, CONFIG)):
+      write_json(os.path.join(d, CONFIG), config)
+
+  def is_done(self, trial_id: str) -> bool:
+    return os.path.exists(os.path.join(self.trial_dir(trial_id), SUMMARY))
+
+  def start(self, trial_id: str) -> None:
+    """Opens a fresh partial metrics file, discarding rows of an interrupted attempt."""
+    self._files[trial_id] = open(os.path.join(self.trial_dir(trial_id), PARTIAL), "w", encoding="utf-8")
+
+  def append(self, trial_id: str, row: dict[str, Any]) -> None:
+    f = self._files[trial_id]
+    f.write(json.dumps(row, sort_keys=True) + "\n")
+    f.flush()
+
+  def finish(self, trial_id: str, summary: dict[str, Any]) -> None:
+    """Moves the partial rows into place, then writes summary.json (the done marker)."""
+    d = self.trial_dir(trial_id)
+    f = self._files.pop(trial_id)
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(os.path.join(d, PARTIAL), os.path.join(d, METRICS))
+    write_json(os.path.join(d, SUMMARY), summary)
+
+  def close(self) -> None:
+    for f in self._files.values():
+      f.close()
+    self._files.clear()
+
+
+def load_sweep(root: str) -> dict[str, Any]:
+  """The sweep header of a store; a directory without one is refused by name."""
+  path = os.path.join(root, SWEEP)
+  if not os.path.exists(path):
+    raise invalid("DIR", root, f"a sweep directory written by `attn sweep` (no {SWEEP} in it)")
+  return read_json(path)
+
+
+def iter_trials(root: str) -> Iterator[dict[str, Any]]:
+  """Each trial of the sweep in order: id, label, config, summary (None if not finished), rows."""
+  header = load_sweep(root)
+  for entry in header["trials"]:
+    d = os.path.join(root, "trials", entry["id"])
+    summary_path, metrics_path = os.path.join(d, SUMMARY), os.path.join(d, METRICS)
+    config_path = os.path.join(d, CONFIG)
+    done = os.path.exists(summary_path)
+    yield {"id": entry["id"], "label": entry["label"],
+           "config": read_json(config_path) if os.path.exists(config_path) else None,
+           "summary": read_json(summary_path) if done else None,
+           "rows": read_rows(metrics_path) if done and os.path.exists(metrics_path) else []}

@@ -1,0 +1,206 @@
+"""Tasks: synthetic and text data, generated deterministically from a seed, no downloads.
+
+Every task is a frozen dataclass whose fields are its TOML keys under [task].
+`batch(seed, split, index, batch_size)` returns numpy arrays that depend only
+on those four numbers, so a trial that is re-run sees exactly the same data.
+
+Language-model tasks ("lm") give tokens, next-token targets and a loss weight
+per position; classification tasks ("classify") give tokens, lengths, labels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import numpy as np
+
+from attn.config import invalid
+
+TRAIN, EVAL = 0, 1
+
+
+def _rng(seed: int, split: int, index: int) -> np.random.Generator:
+  return np.random.default_rng([seed, split, index])
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise invalid(f"task.{name}", value, f"an integer >= {low}")
+
+
+def _lm_arrays(seq_BT1: np.ndarray, weights_BT: np.ndarray) -> dict[str, np.ndarray]:
+  """Inputs are seq[:, :-1], targets seq[:, 1:]: position t predicts token t+1."""
+  return {"tokens": seq_BT1[:, :-1].astype(np.int32),
+          "targets": seq_BT1[:, 1:].astype(np.int32),
+          "weights": weights_BT.astype(np.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MQAR:
+  """Multi-query associative recall (Arora et al. 2023, "Zoology").
+
+  A sequence lists num_pairs key-value pairs, then queries keys in random order,
+  each followed by its value; the loss counts only the value after each query.
+  Keys come from the lower half of the vocabulary, values from the upper half.
+  """
+
+  kind: ClassVar[str] = "lm"
+  vocab_size: int = 64
+  seq_len: int = 32
+  num_pairs: int = 4
+
+  def __post_init__(self):
+    _check_int("vocab_size", self.vocab_size, 5)
+    _check_int("num_pairs", self.num_pairs, 1)
+    _check_int("seq_len", self.seq_len, 2 * self.num_pairs + 1)
+    if (self.vocab_size - 1) // 2 < self.num_pairs:
+      raise invalid("task.vocab_size", self.vocab_size,
+                    f">= {2 * self.num_pairs + 1} so that num_pairs={self.num_pairs} distinct keys fit")
+
+  @property
+  def num_queries(self) -> int:
+    return (self.seq_len + 1 - 2 * self.num_pairs) // 2
+
+  def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    rng = _rng(seed, split, index)
+    B, n, nq = batch_size, self.num_pairs, self.num_queries
+    key_vocab = (self.vocab_size - 1) // 2
+    keys_BN = rng.random((B, key_vocab)).argsort(axis=1)[:, :n] + 1
+    values_BN = rng.integers(1 + key_vocab, self.vocab_size, (B, n))
+    pick_BQ = rng.integers(0, n, (B, nq))
+    seq = np.zeros((B, self.seq_len + 1), np.int64)
+    seq[:, 0:2 * n:2], seq[:, 1:2 * n:2] = keys_BN, values_BN
+    q0 = 2 * n
+    seq[:, q0:q0 + 2 * nq:2] = np.take_along_axis(keys_BN, pick_BQ, axis=1)
+    seq[:, q0 + 1:q0 + 2 * nq:2] = np.take_along_axis(values_BN, pick_BQ, axis=1)
+    weights = np.zeros((B, self.seq_len))
+    weights[:, q0:q0 + 2 * nq:2] = 1.0  # the position of a query predicts its value
+    return _lm_arrays(seq, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Induction:
+  """Random tokens repeated once: the second copy is predictable only by an induction head.
+
+  An induction head needs two layers (Olsson et al. 2022): one to copy the previous
+  token into each position, one to look up where the current token was before.
+  """
+
+  kind: ClassVar[str] = "lm"
+  min_layers: ClassVar[int] = 2
+  vocab_size: int = 64
+  seq_len: int = 32
+
+  def __post_init__(self):
+    _check_int("vocab_size", self.vocab_size, 3)
+    _check_int("seq_len", self.seq_len, 4)
+
+  def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    rng = _rng(seed, split, index)
+    m = (self.seq_len + 2) // 2
+    half_BM = rng.integers(1, self.vocab_size, (batch_size, m))
+    seq = np.concatenate([half_BM, half_BM], axis=1)[:, :self.seq_len + 1]
+    weights = np.zeros((batch_size, self.seq_len))
+    weights[:, m:] = 1.0  # position t >= m predicts seq[t+1] = seq[t+1-m], seen before
+    return _lm_arrays(seq, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkerPosition:
+  """Classify where a marker sits: the label is the segment (of num_classes) holding it.
+
+  Every other token is random noise, so the label is carried by one position
+  only: a [CLS] token can attend to it, while mean pooling dilutes it by 1/T.
+  """
+
+  kind: ClassVar[str] = "classify"
+  vocab_size: int = 32
+  seq_len: int = 32
+  num_classes: int = 4
+
+  def __post_init__(self):
+    _check_int("vocab_size", self.vocab_size, 3)
+    _check_int("num_classes", self.num_classes, 2)
+    _check_int("seq_len", self.seq_len, self.num_classes)
+
+  def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    rng = _rng(seed, split, index)
+    B, T = batch_size, self.seq_len
+    tokens = rng.integers(2, self.vocab_size, (B, T))
+    where_B = rng.integers(0, T, B)
+    tokens[np.arange(B), where_B] = 1  # token 1 is the marker
+    return {"tokens": tokens.astype(np.int32),
+            "lengths": np.full((B,), T, np.int32),
+            "labels": (where_B * self.num_classes // T).astype(np.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CharLM:
+  """Character-level language model over a local UTF-8 text file; the last 10% is held out."""
+
+  kind: ClassVar[str] = "lm"
+  path: str = ""
+  seq_len: int = 64
+  eval_fraction: float = 0.1
+
+  def __post_init__(self):
+    _check_int("seq_len", self.seq_len, 2)
+    if not isinstance(self.path, str) or not self.path or not os.path.isfile(self.path):
+      raise invalid("task.path", self.path, "an existing, readable text file")
+    if not isinstance(self.eval_fraction, float) or not 0.0 < self.eval_fraction < 1.0:
+      raise invalid("task.eval_fraction", self.eval_fraction, "a float between 0 and 1")
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise invalid("task.path", self.path, f"a readable UTF-8 text file ({e})") from None
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
+    n_eval = int(len(data) * self.eval_fraction)
+    need = self.seq_len + 2
+    if n_eval < need or len(data) - n_eval < need:
+      raise invalid("task.path", self.path,
+                    f"a text long enough that both splits hold seq_len+2={need} characters "
+                    f"(it has {len(data)}; eval_fraction={self.eval_fraction})")
+    object.__setattr__(self, "_chars", "".join(chars))
+    object.__setattr__(self, "_splits", (data[:-n_eval], data[-n_eval:]))
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._chars)
+
+  def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    data = self._splits[split]
+    rng = _rng(seed, split, index)
+    start_B = rng.integers(0, len(data) - self.seq_len - 1, batch_size)
+    seq = data[start_B[:, None] + np.arange(self.seq_len + 1)]
+    return _lm_arrays(seq, np.ones((batch_size, self.seq_len)))
+
+
+TASKS: dict[str, type] = {
+    "mqar": MQAR,
+    "induction": Induction,
+    "marker_position": MarkerPosition,
+    "char_lm": CharLM,
+}
+
+
+def task_fields(name: str) -> dict[str, Any]:
+  """The TOML keys of task `name` with their defaults."""
+  return {f.name: f.default for f in dataclasses.fields(TASKS[name])}
+
+
+def make_task(options: dict[str, Any]):
+  """The task named by options["name"], built from the remaining options."""
+  options = dict(options)
+  name = options.pop("name", None)
+  if name not in TASKS:
+    raise invalid("task.name", name, f"one of {sorted(TASKS)}")
+  known = task_fields(name)
+  for key in options:
+    if key not in known:
+      raise invalid(f"task.{key}", options[key], f"a key of task {name!r}: {sorted(known)}")
+  return TASKS[name](**options)

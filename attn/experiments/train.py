@@ -1,0 +1,236 @@
+"""Training: AdamW with warmup and cosine decay, a jitted step with donated state, held-out eval.
+
+`train_group` trains trials that differ only in seed. With several seeds it
+stacks their parameters and runs one compiled program under jax.vmap over the
+seed axis; each seed keeps its own data, init and optimiser state. Every step
+yields, per seed, loss, accuracy, gradient/parameter/update norms and step
+time. A non-finite loss or gradient stops that seed, which is recorded as
+failed with the reason; the other seeds go on.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from attn.config import ConfigError, invalid
+from attn.experiments import tasks as tasks_lib
+from attn.nn import models
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+  """Turns on JAX's persistent compilation cache (default ~/.cache/attn/jax, or $ATTN_JAX_CACHE)."""
+  path = path or os.environ.get("ATTN_JAX_CACHE") or DEFAULT_CACHE
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+def model_config(model: dict[str, Any], task) -> models.ModelConfig:
+  """The ModelConfig of a [model] table, with vocab_size, max_len and num_classes from the task."""
+  derived = {"vocab_size": task.vocab_size, "max_len": task.seq_len + 1}
+  if task.kind == "classify":
+    derived["num_classes"] = task.num_classes
+  try:
+    return models.ModelConfig(**{**model, **derived})
+  except ConfigError as e:
+    raise ConfigError(f"model.{e}") from None
+
+
+def model_class(kind: str) -> type:
+  return models.DecoderLM if kind == "lm" else models.SequenceClassifier
+
+
+@functools.lru_cache(maxsize=1024)
+def _count(cfg: models.ModelConfig, kind: str) -> int:
+  abstract = nnx.eval_shape(lambda: model_class(kind)(cfg, rngs=nnx.Rngs(0)))
+  return models.count_params(abstract)
+
+
+def count_params(model: dict[str, Any] | models.ModelConfig, kind: str) -> int:
+  """Stored parameters of the model, counted from its (abstract) parameter tree."""
+  cfg = model if isinstance(model, models.ModelConfig) else models.ModelConfig(**model)
+  return _count(cfg, kind)
+
+
+def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelConfig:
+  """cfg with d_ff chosen so the parameter count is nearest `budget` (P is affine in d_ff)."""
+  p1, p2 = _count(cfg.replace(d_ff=1), kind), _count(cfg.replace(d_ff=2), kind)
+  per_unit, rest = p2 - p1, p1 - (p2 - p1)
+  d_ff = round((budget - rest) / per_unit)
+  if d_ff < 1:
+    raise invalid("sweep.param_budget", budget,
+                  f"at least {rest + per_unit} for h={cfg.num_heads}, variant={cfg.variant} "
+                  f"(attention and embeddings alone hold {rest})")
+  return cfg.replace(d_ff=d_ff)
+
+
+def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
+  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers."""
+  head, L = cfg.head, cfg.num_layers
+  try:
+    from attn import count  # the counting module, when present
+    pc = count.param_counts(cfg.variant, head)
+    fl = count.flops(cfg.variant, head, seq_len)
+  except (ImportError, AttributeError):
+    from attn.api import get_variant
+    v = get_variant(cfg.variant)
+    pc = {"analytic": v.param_count(head), "effective": v.effective_param_count(head)}
+    fl = v.flops(head, seq_len, seq_len)
+  return {"attention_params_analytic": int(pc["analytic"]) * L,
+          "attention_params_effective": int(pc["effective"]) * L,
+          "attention_flops_fwd": int(fl) * L}
+
+
+def _loss(model, batch: dict[str, jax.Array], kind: str):
+  """Mean cross-entropy and accuracy (weighted positions for LM tasks)."""
+  if kind == "lm":
+    logits = model(batch["tokens"]).astype(jnp.float32)
+    labels, w = batch["targets"], batch["weights"]
+  else:
+    logits = model(batch["tokens"], batch["lengths"]).astype(jnp.float32)
+    labels, w = batch["labels"], jnp.ones(batch["labels"].shape, jnp.float32)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+  denom = jnp.maximum(w.sum(), 1.0)
+  return (nll * w).sum() / denom, (hit * w).sum() / denom
+
+
+def schedule(train: dict[str, Any]) -> optax.Schedule:
+  """Linear warmup from 0 to lr, then cosine decay to lr * end_lr_ratio at the last step."""
+  steps, warmup = train["steps"], max(min(train["warmup_steps"], train["steps"] - 1), 0)
+  return optax.warmup_cosine_decay_schedule(
+      0.0, train["lr"], warmup, max(steps, warmup + 1), end_value=train["lr"] * train["end_lr_ratio"])
+
+
+def optimizer(train: dict[str, Any]) -> optax.GradientTransformation:
+  """AdamW (decay on matrices only) after global-norm clipping, on the warmup-cosine schedule."""
+  clip = optax.clip_by_global_norm(train["grad_clip"]) if train["grad_clip"] > 0 else optax.identity()
+  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+  return optax.chain(clip, optax.adamw(schedule(train), train["b1"], train["b2"],
+                                       weight_decay=train["weight_decay"], mask=decay_mask))
+
+
+def _stack(trees: list[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _batches(task, seeds: list[int], split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+  rows = [task.batch(s, split, index, batch_size) for s in seeds]
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def train_group(configs: list[dict[str, Any]],
+                on_row: Callable[[int, dict[str, Any]], None],
+                on_step: Callable[[int, float], None] | None = None,
+                vmap: bool = True) -> list[dict[str, Any]]:
+  """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries."""
+  cfg0 = configs[0]
+  task = tasks_lib.make_task(cfg0["task"])
+  model_cfg = models.ModelConfig(**cfg0["model"])
+  train, kind, seeds = cfg0["train"], task.kind, [c["train"]["seed"] for c in configs]
+  n = len(seeds)
+  tx = optimizer(train)
+  lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train["steps"])))
+  graphdef, params, rest = None, [], []
+  for s in seeds:
+    graphdef, p, r = nnx.split(model_class(kind)(model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
+    params.append(p)
+    rest.append(r)
+
+  def step(params, opt_state, rest, batch):
+    def loss_fn(p):
+      return _loss(nnx.merge(graphdef, p, rest), batch, kind)
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, "accuracy": acc, "grad_norm": optax.global_norm(grads),
+               "param_norm": optax.global_norm(params), "update_norm": optax.global_norm(updates)}
+    return params, opt_state, metrics
+
+  def evaluate(params, rest, batches):
+    def one(batch):
+      return _loss(nnx.merge(graphdef, params, rest), batch, kind)
+    loss, acc = jax.lax.map(one, batches)
+    return {"eval_loss": loss.mean(), "eval_accuracy": acc.mean()}
+
+  use_vmap = vmap and n > 1
+  if use_vmap:
+    state = (_stack(params), None, _stack(rest))
+    state = (state[0], jax.vmap(tx.init)(state[0]), state[2])
+    step_fn, eval_fn = jax.vmap(step), jax.vmap(evaluate)
+    groups = [list(range(n))]
+  else:
+    groups = [[i] for i in range(n)]
+  summaries: list[dict[str, Any]] = [{} for _ in range(n)]
+  counts = {"model_params": _count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
+  for group in groups:
+    if not use_vmap:
+      i = group[0]
+      state = (params[i], tx.init(params[i]), rest[i])
+      step_fn, eval_fn = step, evaluate
+    g_seeds = [seeds[i] for i in group]
+    pick = (lambda b: b) if use_vmap else (lambda b: jax.tree.map(lambda x: x[0], b))
+    eval_data = _stack([pick(_batches(task, g_seeds, tasks_lib.EVAL, j, train["batch_size"]))
+                        for j in range(train["eval_batches"])])
+    eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data) if use_vmap else eval_data
+    batch0 = pick(_batches(task, g_seeds, tasks_lib.TRAIN, 0, train["batch_size"]))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message=".*donated buffers.*")
+      jit_step = jax.jit(step_fn, donate_argnums=(0, 1)).lower(*state, batch0).compile()
+      jit_eval = jax.jit(eval_fn).lower(state[0], state[2], eval_data).compile()
+    compile_s = time.perf_counter() - t0
+    alive = {i: True for i in group}
+    times = []
+    for t in range(train["steps"]):
+      batch = pick(_batches(task, g_seeds, tasks_lib.TRAIN, t, train["batch_size"]))
+      t0 = time.perf_counter()
+      p, o, m = jit_step(state[0], state[1], state[2], batch)
+      m = jax.device_get(m)
+      dt = time.perf_counter() - t0
+      state = (p, o, state[2])
+      times.append(dt)
+      last = t == train["steps"] - 1
+      ev = jax.device_get(jit_eval(state[0], state[2], eval_data)) \
+          if last or (train["eval_every"] > 0 and (t + 1) % train["eval_every"] == 0) else None
+      for j, i in enumerate(group):
+        if not alive[i]:
+          continue
+        row = {"step": t, **{k: float(v[j] if use_vmap else v) for k, v in m.items()},
+               "lr": float(lrs[t]), "step_time_s": dt}
+        if ev is not None:
+          row.update({k: float(v[j] if use_vmap else v) for k, v in ev.items()})
+        bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
+        if bad:
+          alive[i] = False
+          summaries[i] = {"status": "failed", "reason": f"non-finite {bad[0]}={row[bad[0]]} at step {t}",
+                          "steps_done": t}
+          continue
+        on_row(i, row)
+        if last:
+          summaries[i] = {"status": "ok", "steps_done": t + 1,
+                          "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
+      if on_step:
+        on_step(t, float(np.mean(m["loss"])))
+      if not any(alive.values()):
+        break
+    for i in group:
+      summaries[i].update({"compile_s": compile_s, "group_size": len(group), **counts,
+                           "step_time_s_median": float(np.median(times[1:] or times)),
+                           "train_s": float(np.sum(times))})
+  return summaries

@@ -1,0 +1,10 @@
+"""Flax NNX shell: MultiHeadAttention over any variant, transformer blocks and small models."""
+
+from attn.nn.attention import MultiHeadAttention
+from attn.nn.models import (DecoderLM, Embeddings, Encoder, EncoderDecoder, ModelConfig,
+                            SequenceClassifier, TransformerBlock, count_params)
+
+__all__ = [
+    "DecoderLM", "Embeddings", "Encoder", "EncoderDecoder", "ModelConfig", "MultiHeadAttention",
+    "SequenceClassifier", "TransformerBlock", "count_params",
+]

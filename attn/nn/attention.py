@@ -1,0 +1,54 @@
+"""MultiHeadAttention: an NNX module that owns a variant's parameters and calls attn.apply.
+
+The module is a shell over the functional core: its nnx.Params are exactly the
+arrays of `attn.init(variant, ...)`, held in an nnx.Dict under the variant's
+own names, and `__call__` is `attn.apply(variant, params, ...)`, so checks and
+math are shared with the functional API.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn import api
+from attn.config import HeadConfig, invalid
+from attn.variants.base import Params
+
+
+class MultiHeadAttention(nnx.Module):
+  """One attention layer of any registered variant, with its parameters as nnx.Params."""
+
+  def __init__(self, cfg: HeadConfig, variant: str = "fused", *, rngs: nnx.Rngs | None = None,
+               dtype=jnp.float32, params: Params | None = None):
+    self.variant = api.check_config(variant, cfg).name
+    self.cfg = cfg
+    if params is None:
+      if not isinstance(rngs, nnx.Rngs):
+        raise invalid("rngs", rngs, "an nnx.Rngs (or pass params=... to load existing weights)")
+      params = api.init(self.variant, rngs.params(), cfg, dtype)
+    else:
+      api.check_params(self.variant, params, cfg)
+    self.params = nnx.Dict({name: nnx.Param(jnp.asarray(a)) for name, a in params.items()})
+
+  @classmethod
+  def from_params(cls, cfg: HeadConfig, variant: str, params: Params) -> MultiHeadAttention:
+    """A module holding the given plain-dict parameters (checked against cfg)."""
+    return cls(cfg, variant, params=params)
+
+  def params_dict(self) -> Params:
+    """The parameters as a plain dict of arrays, ready for attn.apply or attn.convert."""
+    return {name: p[...] for name, p in self.params.items()}
+
+  def load_params(self, params: Params) -> None:
+    """Replaces the parameter values with a plain dict of the variant's names and shapes."""
+    api.check_params(self.variant, params, self.cfg)
+    for name, a in params.items():
+      self.params[name][...] = jnp.asarray(a)
+
+  def __call__(self, x_BTD: jax.Array, context_BSD: jax.Array | None = None, *,
+               mask: jax.Array | None = None, return_weights: bool = False):
+    """y (B,T,D); with return_weights, (y, weights (B,H,T,S)). mask: True = may attend."""
+    return api.apply(self.variant, self.params_dict(), x_BTD, context_BSD, cfg=self.cfg,
+                     mask=mask, return_weights=return_weights)

@@ -1,0 +1,411 @@
+"""Small transformer models built on attn.nn.MultiHeadAttention, with exactly countable parameters.
+
+ModelConfig covers GPT-2 (pre-norm, final LayerNorm, tied embeddings), BERT
+(post-norm, embedding LayerNorm, token types, pooler) and the encoder-decoder
+of Vaswani et al. 2017 (post-norm, sinusoidal positions, shared embeddings).
+
+Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
+  embeddings   vocab·D [+ max_len·D learned positions] [+ num_segments·D] [+ LN if embed_norm]
+  attention    the variant's own count for `head` (standard: D(HK+GK+GV) + HVD [+ biases])
+  MLP          2·D·d_ff + b·(d_ff + D)
+  block        attention + MLP + 2 LN (decoder blocks: + cross-attention + LN)
+  stack end    + LN if final_norm (each stack of an EncoderDecoder has its own)
+  output       tied: 0; else D·vocab + b·vocab
+  pooler       D² + D;  classifier: [CLS] vector D (pooling "cls") + D·C + b·C
+EncoderDecoder: the target side has its own embeddings (positions, LN) and
+reuses the source token table when share_src_tgt_embeddings.
+
+Token ids outside [0, vocab) (negative ones included) never wrap: on concrete
+arrays they raise ConfigError; under jit they embed as NaN, so logits and the
+loss turn NaN. More positions than max_len raise ConfigError before tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn import api, masks
+from attn.config import HeadConfig, invalid
+from attn.nn.attention import MultiHeadAttention
+
+Array = jax.Array
+_CHOICES = {
+    "positional": ("learned", "sinusoidal", "none"),
+    "norm": ("pre", "post"),
+    "activation": ("gelu", "relu"),
+    "pooling": ("cls", "mean"),
+}
+_BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
+          "share_src_tgt_embeddings")
+_EMBED_INIT = nnx.initializers.normal(0.02)  # GPT-2 / BERT embedding scale
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """One transformer: sizes, attention variant and the architecture switches (module docstring)."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  d_ff: int
+  d_k: int | None = None
+  d_v: int | None = None
+  num_kv_heads: int | None = None
+  collab_width: int | None = None
+  variant: str = "fused"
+  max_len: int = 512
+  positional: str = "learned"
+  num_segments: int = 0
+  embed_norm: bool = False
+  norm: str = "pre"
+  final_norm: bool = True
+  use_bias: bool = True
+  layernorm: bool = True
+  activation: str = "gelu"
+  tie_embeddings: bool = True
+  pooler: bool = False
+  num_decoder_layers: int = 0
+  share_src_tgt_embeddings: bool = True
+  num_classes: int = 0
+  pooling: str = "cls"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+      _check_int(name, getattr(self, name), minimum=1)
+    for name in ("num_segments", "num_decoder_layers", "num_classes"):
+      _check_int(name, getattr(self, name), minimum=0)
+    for name in _BOOLS:
+      if not isinstance(getattr(self, name), bool):
+        raise invalid(name, getattr(self, name), "True or False")
+    for name, allowed in _CHOICES.items():
+      if getattr(self, name) not in allowed:
+        raise invalid(name, getattr(self, name), f"one of {list(allowed)}")
+    api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
+
+  @property
+  def head(self) -> HeadConfig:
+    """The HeadConfig of every attention layer in the model."""
+    return HeadConfig(d_model=self.d_model, num_heads=self.num_heads, d_k=self.d_k, d_v=self.d_v,
+                      num_kv_heads=self.num_kv_heads, use_bias=self.use_bias,
+                      collab_width=self.collab_width)
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise invalid(name, value, f"an integer >= {minimum}")
+
+
+def _require(cfg: ModelConfig, model: str, **wanted) -> None:
+  """Refuses fields the model would silently ignore, so parameter counts stay honest."""
+  for name, ok in wanted.items():
+    value = getattr(cfg, name)
+    if not ok(value):
+      raise invalid(name, value, f"{ok.__doc__} for {model}")
+
+
+def _zero(v):
+  """0"""
+  return v == 0
+
+
+def _positive(v):
+  """> 0"""
+  return v > 0
+
+
+def _false(v):
+  """False"""
+  return v is False
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_ids(name: str, ids: Any, upper: int, *, rank: int = 2) -> None:
+  """Integer ids of the given rank; concrete ones must lie in [0, upper)."""
+  shape = getattr(ids, "shape", None)
+  if shape is None or len(shape) != rank:
+    raise invalid(f"{name}.shape", shape, f"rank {rank} of integer ids")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise invalid(f"{name}.dtype", str(ids.dtype), "an integer dtype")
+  if _is_concrete(ids) and ids.size:
+    lo, hi = int(np.min(ids)), int(np.max(ids))
+    if lo < 0 or hi >= upper:
+      raise invalid(name, f"ids in [{lo}, {hi}]", f"ids in [0, {upper})")
+
+
+def check_lengths(name: str, lengths: Any, batch: int, length: int) -> None:
+  """(B,) integer lengths; concrete ones must lie in [0, length]."""
+  shape = getattr(lengths, "shape", None)
+  if shape is None or tuple(shape) != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise invalid(f"{name}.shape", shape, f"({batch},) integer lengths, one per example")
+  if _is_concrete(lengths) and batch:
+    lo, hi = int(np.min(lengths)), int(np.max(lengths))
+    if lo < 0 or hi > length:
+      raise invalid(name, f"lengths in [{lo}, {hi}]", f"lengths in [0, {length}]")
+
+
+def lookup(table: Array, ids: Array) -> Array:
+  """Rows of table; ids outside [0, rows) give NaN rows instead of wrapping or clamping."""
+  ids = jnp.where(ids < 0, table.shape[0], ids)
+  return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def sinusoidal(T: int, D: int) -> Array:
+  """Vaswani et al. 2017 §3.5: PE(p, 2i) = sin(p / 10000^(2i/D)), PE(p, 2i+1) = cos(same)."""
+  p_T1 = jnp.arange(T, dtype=jnp.float32)[:, None]
+  i_D = jnp.arange(D)
+  angle_TD = p_T1 / jnp.power(10000.0, (2 * (i_D // 2)) / D)
+  return jnp.where(i_D % 2 == 0, jnp.sin(angle_TD), jnp.cos(angle_TD))
+
+
+def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True) -> nnx.LayerNorm | None:
+  """A LayerNorm over D, or None when not wanted or cfg.layernorm is False."""
+  return nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs) if wanted and cfg.layernorm else None
+
+
+def _norm(norm: nnx.LayerNorm | None, x: Array) -> Array:
+  return x if norm is None else norm(x)
+
+
+class Embeddings(nnx.Module):
+  """Token + position (+ token type) embeddings, optionally followed by a LayerNorm."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, token: nnx.Param | None = None,
+               segments: bool = True):
+    self.cfg = cfg
+    self.token = token if token is not None else nnx.Param(
+        _EMBED_INIT(rngs.params(), (cfg.vocab_size, cfg.d_model)))
+    self.position = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.max_len, cfg.d_model))) \
+        if cfg.positional == "learned" else None
+    self.segment = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.num_segments, cfg.d_model))) \
+        if segments and cfg.num_segments else None
+    self.norm = layer_norm(cfg, rngs, cfg.embed_norm)
+
+  def check(self, tokens_BT: Array, segments_BT: Array | None = None, extra: int = 0) -> None:
+    """Checks ids and that T + extra positions fit in max_len, before any tracing."""
+    check_ids("tokens", tokens_BT, self.cfg.vocab_size)
+    T = tokens_BT.shape[1] + extra
+    if T > self.cfg.max_len:
+      raise invalid("tokens.shape[1]", tokens_BT.shape[1],
+                    f"at most max_len={self.cfg.max_len - extra} positions"
+                    + (" (one is taken by [CLS])" if extra else ""))
+    if segments_BT is not None:
+      if self.segment is None:
+        raise invalid("segments", "given", "None: this model has num_segments=0")
+      check_ids("segments", segments_BT, self.cfg.num_segments)
+      if segments_BT.shape != tokens_BT.shape:
+        raise invalid("segments.shape", segments_BT.shape, f"equal to tokens.shape={tokens_BT.shape}")
+
+  def __call__(self, tokens_BT: Array, segments_BT: Array | None = None,
+               prefix_D: Array | None = None) -> Array:
+    """(B,T,D), or (B,1+T,D) with prefix_D (a [CLS] vector) at position 0 (type 0)."""
+    x_BTD = lookup(self.token[...], tokens_BT)
+    if prefix_D is not None:
+      prefix_B1D = jnp.broadcast_to(prefix_D, (x_BTD.shape[0], 1, x_BTD.shape[2]))
+      x_BTD = jnp.concatenate([prefix_B1D.astype(x_BTD.dtype), x_BTD], axis=1)
+    T = x_BTD.shape[1]
+    if self.position is not None:
+      x_BTD = x_BTD + self.position[...][:T]
+    elif self.cfg.positional == "sinusoidal":
+      x_BTD = x_BTD + sinusoidal(T, self.cfg.d_model)
+    if self.segment is not None:
+      seg_BT = jnp.zeros(tokens_BT.shape, jnp.int32) if segments_BT is None else segments_BT
+      if prefix_D is not None:
+        seg_BT = jnp.pad(seg_BT, ((0, 0), (1, 0)))
+      x_BTD = x_BTD + lookup(self.segment[...], seg_BT)
+    return _norm(self.norm, x_BTD)
+
+
+class MLP(nnx.Module):
+  """D -> d_ff -> activation -> D."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.activation = cfg.activation
+    self.up = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=cfg.use_bias, rngs=rngs)
+    self.down = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=cfg.use_bias, rngs=rngs)
+
+  def __call__(self, x_BTD: Array) -> Array:
+    h_BTF = self.up(x_BTD)
+    h_BTF = jax.nn.gelu(h_BTF) if self.activation == "gelu" else jax.nn.relu(h_BTF)
+    return self.down(h_BTF)
+
+
+class TransformerBlock(nnx.Module):
+  """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False):
+    self.post_norm = cfg.norm == "post"
+    self.attn = MultiHeadAttention(cfg.head, cfg.variant, rngs=rngs)
+    self.attn_norm = layer_norm(cfg, rngs)
+    self.cross = MultiHeadAttention(cfg.head, cfg.variant, rngs=rngs) if cross else None
+    self.cross_norm = layer_norm(cfg, rngs, cross)
+    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp_norm = layer_norm(cfg, rngs)
+
+  def _residual(self, norm, f, x_BTD: Array) -> Array:
+    # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x)).
+    if self.post_norm:
+      return _norm(norm, x_BTD + f(x_BTD))
+    return x_BTD + f(_norm(norm, x_BTD))
+
+  def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
+               context_mask: Array | None = None) -> Array:
+    x_BTD = self._residual(self.attn_norm, lambda h: self.attn(h, mask=mask), x_BTD)
+    if self.cross is not None:
+      x_BTD = self._residual(
+          self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask), x_BTD)
+    return self._residual(self.mlp_norm, self.mlp, x_BTD)
+
+
+def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
+  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross) for _ in range(n)])
+
+
+class Encoder(nnx.Module):
+  """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, also tanh(W h_0 + b)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = Embeddings(cfg, rngs=rngs)
+    self.blocks = _blocks(cfg, cfg.num_layers, rngs)
+    self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
+    self.pooler = nnx.Linear(cfg.d_model, cfg.d_model, rngs=rngs) if cfg.pooler else None
+
+  def hidden(self, tokens_BT: Array, segments_BT: Array | None = None,
+             lengths_B: Array | None = None, prefix_D: Array | None = None) -> Array:
+    """Final hidden states (B,T,D) (1+T with prefix_D); keys past lengths_B are masked."""
+    extra = 0 if prefix_D is None else 1
+    self.embed.check(tokens_BT, segments_BT, extra)
+    B, T = tokens_BT.shape
+    mask = None
+    if lengths_B is not None:
+      check_lengths("lengths", lengths_B, B, T)
+      mask = masks.padding_mask(lengths_B + extra, T + extra)
+    h_BTD = self.embed(tokens_BT, segments_BT, prefix_D)
+    for block in self.blocks:
+      h_BTD = block(h_BTD, mask)
+    return _norm(self.final_norm, h_BTD)
+
+  def pool(self, h_BD: Array) -> Array:
+    """The BERT pooler, tanh(h W + b), or h unchanged without one."""
+    return h_BD if self.pooler is None else jnp.tanh(self.pooler(h_BD))
+
+  def __call__(self, tokens_BT: Array, segments_BT: Array | None = None,
+               lengths_B: Array | None = None):
+    """h (B,T,D); with cfg.pooler, (h, pooled (B,D) from the first position)."""
+    h_BTD = self.hidden(tokens_BT, segments_BT, lengths_B)
+    return (h_BTD, self.pool(h_BTD[:, 0])) if self.pooler is not None else h_BTD
+
+
+class OutputHead(nnx.Module):
+  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear."""
+
+  def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
+    self.tied = token if cfg.tie_embeddings else None
+    self.linear = None if cfg.tie_embeddings else nnx.Linear(
+        cfg.d_model, cfg.vocab_size, use_bias=cfg.use_bias, rngs=rngs)
+
+  def __call__(self, h_BTD: Array) -> Array:
+    if self.linear is not None:
+      return self.linear(h_BTD)
+    return jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...])
+
+
+class DecoderLM(nnx.Module):
+  """Causal language model (GPT-2 style): tokens (B,T) -> logits (B,T,vocab)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    _require(cfg, "DecoderLM", num_segments=_zero, pooler=_false, num_decoder_layers=_zero,
+             num_classes=_zero)
+    self.cfg = cfg
+    self.embed = Embeddings(cfg, rngs=rngs, segments=False)
+    self.blocks = _blocks(cfg, cfg.num_layers, rngs)
+    self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
+    self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
+
+  def __call__(self, tokens_BT: Array) -> Array:
+    self.embed.check(tokens_BT)
+    T = tokens_BT.shape[1]
+    mask = masks.causal_mask(T)
+    h_BTD = self.embed(tokens_BT)
+    for block in self.blocks:
+      h_BTD = block(h_BTD, mask)
+    return self.head(_norm(self.final_norm, h_BTD))
+
+
+class SequenceClassifier(nnx.Module):
+  """Encoder + pooling ([CLS] vector or mean over real tokens) (+ pooler) + linear head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    _require(cfg, "SequenceClassifier", num_classes=_positive, num_decoder_layers=_zero)
+    self.cfg = cfg
+    self.encoder = Encoder(cfg, rngs=rngs)
+    self.cls = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.d_model,))) \
+        if cfg.pooling == "cls" else None
+    self.head = nnx.Linear(cfg.d_model, cfg.num_classes, use_bias=cfg.use_bias, rngs=rngs)
+
+  def __call__(self, tokens_BT: Array, lengths_B: Array | None = None,
+               segments_BT: Array | None = None) -> Array:
+    """Logits (B, num_classes); tokens past lengths_B are padding and change nothing."""
+    if self.cls is not None:
+      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, prefix_D=self.cls[...])
+      pooled_BD = h_BTD[:, 0]
+    else:
+      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B)
+      T = tokens_BT.shape[1]
+      lengths_B = jnp.full(tokens_BT.shape[:1], T) if lengths_B is None else lengths_B
+      keep_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
+      # where(), not a multiply, so that NaN or inf at padded positions cannot leak in.
+      total_BD = jnp.where(keep_BT[..., None], h_BTD, 0.0).sum(axis=1)
+      pooled_BD = total_BD / jnp.maximum(lengths_B, 1)[:, None].astype(h_BTD.dtype)
+    return self.head(self.encoder.pool(pooled_BD))
+
+
+class EncoderDecoder(nnx.Module):
+  """Vaswani et al. 2017: encoder over src; decoder blocks with causal self-, cross-attention, MLP."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    _require(cfg, "EncoderDecoder", num_decoder_layers=_positive, pooler=_false,
+             num_segments=_zero, num_classes=_zero)
+    self.cfg = cfg
+    self.encoder = Encoder(cfg, rngs=rngs)
+    token = self.encoder.embed.token if cfg.share_src_tgt_embeddings else None
+    self.tgt_embed = Embeddings(cfg, rngs=rngs, token=token, segments=False)
+    self.decoder = _blocks(cfg, cfg.num_decoder_layers, rngs, cross=True)
+    self.decoder_norm = layer_norm(cfg, rngs, cfg.final_norm)
+    self.head = OutputHead(cfg, self.tgt_embed.token, rngs=rngs)
+
+  def __call__(self, src_BS: Array, tgt_BT: Array, src_lengths: Array | None = None) -> Array:
+    """Logits (B,T,vocab) for every target position, given the whole source."""
+    self.tgt_embed.check(tgt_BT)
+    if src_BS.shape[:1] != tgt_BT.shape[:1]:
+      raise invalid("tgt.shape", tgt_BT.shape, f"the batch size of src.shape={src_BS.shape}")
+    mem_BSD = self.encoder.hidden(src_BS, lengths_B=src_lengths)
+    S, T = src_BS.shape[1], tgt_BT.shape[1]
+    src_mask = None if src_lengths is None else masks.padding_mask(src_lengths, S)
+    h_BTD = self.tgt_embed(tgt_BT)
+    causal = masks.causal_mask(T)
+    for block in self.decoder:
+      h_BTD = block(h_BTD, causal, mem_BSD, src_mask)
+    return self.head(_norm(self.decoder_norm, h_BTD))
+
+
+def count_params(model: nnx.Module) -> int:
+  """Stored parameters of a model: every nnx.Param array counted once (shared ones too)."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

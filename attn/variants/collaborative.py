@@ -1,0 +1,92 @@
+"""collaborative: heads share one query and one key projection and differ by mixing vectors.
+
+Cordonnier, Loukas & Jaggi 2020, "Multi-Head Attention: Collaborate Instead of
+Concatenate": logits_h = scale·(x W̃_Q + b̃_Q) diag(m_h) (c W̃_K + b̃_K)ᵀ with
+W̃_Q, W̃_K of shape (D, D̃), D̃ = cfg.collab_width, and m (H, D̃). Concatenated
+heads are the special case D̃ = H·K, m_h = indicator of block h (convert
+per_head -> collaborative is exact). Grouped heads: keys have no heads here
+(W̃_K is shared by all), so G only groups the values, as in per_head.
+
+Params: 2·D·D̃ + H·D̃ + D·G·V + H·V·D [+ 2·D̃ + G·V + D].
+FLOPs: 2·(T + S)·D·D̃ + T·H·D̃ (mixing) + 2·S·D·G·V + 2·T·H·V·D + 2·T·S·H·(D̃ + V).
+Effective: scores are the H×(D+b)×D tensor Σ_j m_j ⊗ [w̃_Q,j; b̃_Q,j] ⊗ w̃_K,j of
+  CP rank ≤ D̃: min(D̃·(H + 2D + b − 2), H·(D+b)·D) for H ≥ 2 (the expected
+  dimension, assuming it is not defective; a gauge of 2 scalings per rank-one
+  term), lowrank(D+b, D; D̃) for H = 1; b̃_K drops out of the softmax;
+  + Σ_g lowrank(D, R·D; V) + b·D as in merged.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn import kernel
+from attn.config import HeadConfig
+from attn.variants.base import (Params, Variant, add_bias, bias, normal, output_projection,
+                                project_heads)
+from attn.variants.merged import lowrank_dof, value_output_dof
+
+
+def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  D, H, G, V, J = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_v, cfg.collab_width
+  kq, kk, km, kv, ko = jax.random.split(key, 5)
+  params = {
+      "w_q": normal(kq, (D, J), D, dtype),
+      "w_k": normal(kk, (D, J), D, dtype),
+      # Σ_j m_hj² ≈ K, as for the block indicator of concatenated heads.
+      "m": normal(km, (H, J), J, dtype) * jnp.sqrt(jnp.asarray(cfg.d_k, dtype)),
+      "w_v": normal(kv, (D, G, V), D, dtype),
+      "w_o": normal(ko, (H, V, D), H * V, dtype),
+  }
+  return add_bias(params, cfg, {"b_q": (J,), "b_k": (J,), "b_v": (G, V), "b_o": (D,)}, dtype)
+
+
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
+          return_weights: bool = False):
+  c_BSD = x_BTD if context_BSD is None else context_BSD
+  B, S, _ = c_BSD.shape
+  G, J = cfg.num_kv_heads, cfg.collab_width
+  q_BTJ = x_BTD @ params["w_q"] + bias(params, "b_q")
+  k_BSJ = c_BSD @ params["w_k"] + bias(params, "b_k")
+  q_BTHJ = q_BTJ[:, :, None, :] * params["m"]
+  # The shared keys serve every kv group: broadcast them to G heads for the kernel.
+  k_BSGJ = jnp.broadcast_to(k_BSJ[:, :, None], (B, S, G, J))
+  v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
+  out_BTHV, w_BHTS = kernel.attention(q_BTHJ, k_BSGJ, v_BSGV, mask,
+                                      scale=cfg.score_scale, return_weights=True)
+  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
+  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+
+
+def param_count(cfg: HeadConfig) -> int:
+  D, H, G, V, J = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_v, cfg.collab_width
+  biases = 2 * J + G * V + D
+  return 2 * D * J + H * J + D * G * V + H * V * D + (biases if cfg.use_bias else 0)
+
+
+def effective_param_count(cfg: HeadConfig) -> int:
+  D, H, J = cfg.d_model, cfg.num_heads, cfg.collab_width
+  b = 1 if cfg.use_bias else 0
+  if H == 1:
+    scores = lowrank_dof(D + b, D, J)
+  else:
+    scores = min(J * (H + 2 * D + b - 2), H * (D + b) * D)
+  return scores + value_output_dof(cfg, D)
+
+
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  D, H, G, V, J = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_v, cfg.collab_width
+  proj = 2 * (T + S) * D * J + T * H * J + 2 * S * D * G * V + 2 * T * H * V * D
+  return proj + 2 * T * S * H * (J + V)
+
+
+VARIANT = Variant(
+    name="collaborative",
+    doc="shared W̃_Q, W̃_K of width D̃ with per-head mixing vectors (Cordonnier et al. 2020)",
+    init=init,
+    apply=apply,
+    param_count=param_count,
+    effective_param_count=effective_param_count,
+    flops=flops,
+)

@@ -1,0 +1,111 @@
+"""merged: per query head one D×D bilinear matrix W_h = W_Q,h·W_K,g(h)ᵀ, trained directly.
+
+logits[h,t,s] = scale·(x_t W_h c_sᵀ + b_kc,h·c_s) (seed question 4). b_kc is
+the key-side content term a query bias turns into; the key bias and the
+b_q·b_k product are constant along s and drop out of the softmax, so merged
+has neither. Values and output are per_head's: w_v (D,G,V), w_o (H,V,D).
+Grouped heads: W_h is per query head (merging erases the sharing of W_K);
+only the values are shared, query head h reading value head h // R.
+
+Params: H·D² + D·G·V + H·V·D [+ H·D + G·V + D].
+FLOPs: 2·T·H·D² (x W_h) + 2·S·D·G·V + 2·T·H·V·D + 2·T·S·H·(D + V).
+Effective: H·(D + b)·D scores (b = 1 with biases: the b_kc row)
+  + Σ_g lowrank(D, R·D; V) for the W_V,g·[W_O,h]_h∈g products + D for b_o
+  (b_v folds into b_o when no query row is fully masked).
+The factored count (per_head, fused, two_stage) is also defined here:
+  Σ_g lowrank(R·(D + b), D; K) + Σ_g lowrank(D, R·D; V) + b·D, where
+  lowrank(m, n; k) = r·(m + n − r), r = min(k, m, n), is the dimension of m×n
+  matrices of rank ≤ k. The gauge W_Q,h → W_Q,h A, W_K,g → W_K,g A⁻ᵀ is one
+  A per kv group, so a group's R stacked query matrices (each with its b_q,h
+  row) times W_K,gᵀ is one (R·(D+b))×D matrix of rank ≤ K.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn import kernel
+from attn.config import HeadConfig
+from attn.variants.base import Params, Variant, add_bias, bias, normal, output_projection
+
+
+def lowrank_dof(rows: int, cols: int, rank: int) -> int:
+  """Dimension of rows×cols matrices of rank ≤ rank: r·(rows + cols − r), r = min(rank, rows, cols)."""
+  r = min(rank, rows, cols)
+  return r * (rows + cols - r)
+
+
+def value_output_dof(cfg: HeadConfig, d_in: int) -> int:
+  """W_V,g·[W_O,h]_{h in g} per kv group (rank ≤ V), plus b_o; b_v folds into b_o."""
+  G, R, V, D = cfg.num_kv_heads, cfg.group_size, cfg.d_v, cfg.d_model
+  return G * lowrank_dof(d_in, R * D, V) + (D if cfg.use_bias else 0)
+
+
+def factored_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
+  """Score degrees of freedom of W_Q,h·W_K,gᵀ with query heads reading d_q inputs, keys d_kv."""
+  b = 1 if cfg.use_bias else 0
+  return cfg.num_kv_heads * lowrank_dof(cfg.group_size * (d_q + b), d_kv, cfg.d_k)
+
+
+def factored_effective_param_count(cfg: HeadConfig) -> int:
+  """Effective count of a layer with factored W_Q·W_Kᵀ and W_V·W_O (per_head, fused, two_stage)."""
+  D = cfg.d_model
+  return factored_score_dof(cfg, D, D) + value_output_dof(cfg, D)
+
+
+def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  D, H, G, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_v
+  kqk, kv, ko = jax.random.split(key, 3)
+  params = {
+      # Var of x W_h c is D·Var(W) with unit inputs; 1/D² keeps it O(1/D) like D·K/D².
+      "w_qk": normal(kqk, (H, D, D), D * D, dtype) * jnp.sqrt(jnp.asarray(cfg.d_k, dtype)),
+      "w_v": normal(kv, (D, G, V), D, dtype),
+      "w_o": normal(ko, (H, V, D), H * V, dtype),
+  }
+  return add_bias(params, cfg, {"b_kc": (H, D), "b_v": (G, V), "b_o": (D,)}, dtype)
+
+
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
+          return_weights: bool = False):
+  """Scores as (x W_h + b_kc,h)·c: a D-wide query per head against the raw context."""
+  c_BSD = x_BTD if context_BSD is None else context_BSD
+  B, S, D = c_BSD.shape
+  G = cfg.num_kv_heads
+  qm_BTHD = jnp.einsum("BTD,HDE->BTHE", x_BTD, params["w_qk"]) + bias(params, "b_kc")
+  # Every kv group compares against the same raw context: broadcast it to G heads.
+  c_BSGD = jnp.broadcast_to(c_BSD[:, :, None], (B, S, G, D))
+  v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
+  out_BTHV, w_BHTS = kernel.attention(qm_BTHD, c_BSGD, v_BSGV, mask,
+                                      scale=cfg.score_scale, return_weights=True)
+  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
+  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+
+
+def param_count(cfg: HeadConfig) -> int:
+  D, H, G, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_v
+  biases = H * D + G * V + D
+  return H * D * D + D * G * V + H * V * D + (biases if cfg.use_bias else 0)
+
+
+def effective_param_count(cfg: HeadConfig) -> int:
+  D, H = cfg.d_model, cfg.num_heads
+  b = 1 if cfg.use_bias else 0
+  return H * (D + b) * D + value_output_dof(cfg, D)
+
+
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  D, H, G, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_v
+  proj = 2 * T * H * D * D + 2 * S * D * G * V + 2 * T * H * V * D
+  return proj + 2 * T * S * H * (D + V)
+
+
+VARIANT = Variant(
+    name="merged",
+    doc="one D×D bilinear W_h = W_Q,h·W_K,hᵀ per head, trained as a full matrix",
+    init=init,
+    apply=apply,
+    param_count=param_count,
+    effective_param_count=effective_param_count,
+    flops=flops,
+)

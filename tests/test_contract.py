@@ -1,0 +1,139 @@
+"""The contract every registered variant keeps, with no per-variant code.
+
+A new variant added to attn.VARIANTS is covered here automatically: shapes,
+jit vs no-jit, self and cross attention, causality through gradients, finite
+gradients, bf16 inputs, fully masked rows, weights, and counts vs the tree.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn import ConfigError
+from conftest import CONFIGS, randn, random_params
+
+B, T, S = 2, 5, 7
+
+
+def cases():
+  """(variant, config name) for every variant and every config it accepts."""
+  out = []
+  for name, variant in sorted(attn.VARIANTS.items()):
+    for cname, cfg in sorted(CONFIGS.items()):
+      try:
+        variant.check(cfg)
+      except ConfigError:
+        continue
+      out.append(pytest.param(name, cname, id=f"{name}-{cname}"))
+  return out
+
+
+CASES = cases()
+
+
+def setup(variant, cname, seed=0, dtype=jnp.float32):
+  cfg = CONFIGS[cname]
+  params = random_params(attn.init(variant, jax.random.PRNGKey(seed), cfg, dtype), seed + 1)
+  x = randn(seed + 2, (B, T, cfg.d_model), dtype)
+  ctx = randn(seed + 3, (B, S, cfg.d_model), dtype)
+  return cfg, params, x, ctx
+
+
+def test_every_variant_has_a_case_and_refuses_the_rest():
+  covered = {c.values[0] for c in CASES}
+  assert covered == set(attn.VARIANTS)
+  for name, variant in attn.VARIANTS.items():
+    for cfg in CONFIGS.values():
+      try:
+        variant.check(cfg)
+      except ConfigError as e:  # a refusal names the field and the value
+        assert "=" in str(e) and "not allowed" in str(e)
+        with pytest.raises(ConfigError):
+          attn.init(name, jax.random.PRNGKey(0), cfg)
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_shapes_jit_and_weights(variant, cname):
+  cfg, params, x, ctx = setup(variant, cname)
+  for context, s_len in ((None, T), (ctx, S)):
+    y, w = attn.apply(variant, params, x, context, cfg=cfg, return_weights=True)
+    assert y.shape == (B, T, cfg.d_model) and y.dtype == x.dtype
+    assert w.shape == (B, cfg.num_heads, T, s_len)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    f = jax.jit(lambda p, x, c: attn.apply(variant, p, x, c, cfg=cfg))
+    np.testing.assert_allclose(f(params, x, context), y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_causal_through_gradients(variant, cname):
+  """Under a causal mask, output t does not depend on inputs after t."""
+  cfg, params, x, _ = setup(variant, cname, seed=3)
+  mask = attn.causal_mask(T)
+  t = 2
+  grad_x = jax.grad(lambda x: attn.apply(variant, params, x, cfg=cfg, mask=mask)[:, t].sum())(x)
+  assert np.all(np.asarray(grad_x)[:, t + 1:] == 0.0)
+  assert np.any(np.asarray(grad_x)[:, :t + 1] != 0.0)
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_finite_gradients_with_blank_rows(variant, cname):
+  """Padding plus causal masks with a fully masked query row: finite, and blank rows ignore the keys."""
+  cfg, params, x, ctx = setup(variant, cname, seed=5)
+  mask = attn.combine_masks(attn.padding_mask(jnp.array([S, 3]), S),
+                            jnp.ones((B, 1, T, S), bool).at[:, :, 1].set(False))
+  loss = lambda p, x, c: (attn.apply(variant, p, x, c, cfg=cfg, mask=mask) ** 2).sum()
+  grads = jax.grad(loss, argnums=(0, 1, 2))(params, x, ctx)
+  for g in jax.tree.leaves(grads):
+    assert np.all(np.isfinite(np.asarray(g)))
+  y1, w = attn.apply(variant, params, x, ctx, cfg=cfg, mask=mask, return_weights=True)
+  y2 = attn.apply(variant, params, x, ctx * -3.0 + 1.0, cfg=cfg, mask=mask)
+  assert np.all(np.asarray(w)[:, :, 1] == 0.0)
+  np.testing.assert_allclose(y1[:, 1], y2[:, 1], atol=1e-5)  # the blank row sees no key
+  assert np.all(np.asarray(w)[1, :, :, 3:] == 0.0)  # padded keys get no weight
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_bf16_inputs(variant, cname):
+  cfg, params, x, ctx = setup(variant, cname, seed=7)
+  y32 = attn.apply(variant, params, x, ctx, cfg=cfg)
+  p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  y16, w16 = attn.apply(variant, p16, x.astype(jnp.bfloat16), ctx.astype(jnp.bfloat16),
+                        cfg=cfg, return_weights=True)
+  assert y16.dtype == jnp.bfloat16 and w16.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(y16, np.float32)))
+  scale = float(jnp.abs(y32).max())
+  np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.1 * scale)
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_init_is_deterministic_and_counts_match_the_tree(variant, cname):
+  cfg = CONFIGS[cname]
+  v = attn.get_variant(variant)
+  p1 = attn.init(variant, jax.random.PRNGKey(1), cfg)
+  p2 = attn.init(variant, jax.random.PRNGKey(1), cfg)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), p1, p2))
+  stored = sum(a.size for a in jax.tree.leaves(p1))
+  assert v.param_count(cfg) == stored
+  assert 0 < v.effective_param_count(cfg) <= stored
+  assert v.flops(cfg, T, S) > 0
+  assert ("b_o" in p1) == cfg.use_bias
+
+
+@pytest.mark.parametrize("variant", sorted(attn.VARIANTS))
+def test_bad_inputs_are_clear_errors(variant):
+  cfg = CONFIGS["base"]
+  params = attn.init(variant, jax.random.PRNGKey(0), cfg)
+  x = randn(0, (B, T, cfg.d_model))
+  with pytest.raises(ConfigError, match=r"x.shape=\(2, 5, 31\).*d_model=32"):
+    attn.apply(variant, params, x[..., :31], cfg=cfg)
+  with pytest.raises(ConfigError, match="context.shape"):
+    attn.apply(variant, params, x, x[:1], cfg=cfg)
+  with pytest.raises(ConfigError, match="mask.shape"):
+    attn.apply(variant, params, x, cfg=cfg, mask=jnp.ones((B, 3, T, T), bool))
+  with pytest.raises(ConfigError, match="params"):
+    attn.apply(variant, {k: a for k, a in list(params.items())[1:]}, x, cfg=cfg)
+  other = attn.HeadConfig(d_model=32, num_heads=4, d_k=4, d_v=4)
+  with pytest.raises(ConfigError, match=r"params\["):
+    attn.apply(variant, attn.init(variant, jax.random.PRNGKey(0), other), x, cfg=cfg)

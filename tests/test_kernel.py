@@ -1,0 +1,146 @@
+"""The kernel against a naive second implementation, masks, numerics, transforms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn import ConfigError, kernel, masks
+from conftest import randn
+
+SHAPES = [  # B, T, S, H, G, K, V
+    (2, 5, 5, 4, 4, 8, 8),
+    (1, 7, 3, 6, 2, 5, 9),   # cross-attention, grouped, d_v != d_k
+    (3, 4, 11, 3, 1, 2, 4),  # multi-query
+    (2, 1, 6, 2, 2, 3, 3),   # single query
+]
+
+
+def qkv(seed, B, T, S, H, G, K, V, dtype=jnp.float32):
+  return (randn(seed, (B, T, H, K), dtype), randn(seed + 1, (B, S, G, K), dtype),
+          randn(seed + 2, (B, S, G, V), dtype))
+
+
+def random_mask(seed, B, H, T, S, p=0.6):
+  return jax.random.bernoulli(jax.random.PRNGKey(seed), p, (B, H, T, S))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_matches_reference(shape, use_jit):
+  B, T, S, H, G, K, V = shape
+  q, k, v = qkv(0, *shape)
+  mask = random_mask(3, B, H, T, S)
+  mask = mask.at[:, :, 0].set(False)  # blank a whole row of every head
+  f = jax.jit(kernel.attention) if use_jit else kernel.attention
+  for m in (None, mask, mask[:, :1], masks.causal_mask(T, S) if T <= S else None):
+    np.testing.assert_allclose(f(q, k, v, m), kernel.reference_attention(q, k, v, m),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_weights_are_a_distribution_and_blank_rows_are_zero():
+  B, T, S, H, G, K, V = SHAPES[1]
+  q, k, v = qkv(1, *SHAPES[1])
+  mask = random_mask(5, B, H, T, S).at[:, 2:4, 1].set(False)
+  out, w = kernel.attention(q, k, v, mask, return_weights=True)
+  assert w.shape == (B, H, T, S) and w.dtype == jnp.float32
+  row_sums = w.sum(-1)
+  has_key = mask.any(-1)
+  np.testing.assert_allclose(row_sums, has_key.astype(jnp.float32), atol=1e-6)
+  assert not np.any(np.asarray(w)[~np.asarray(mask)])
+  blank = ~np.asarray(has_key).transpose(0, 2, 1)  # (B,T,H)
+  assert np.all(np.asarray(out)[blank] == 0.0)
+
+
+def test_fully_masked_rows_have_finite_gradients():
+  shape = SHAPES[0]
+  B, T, S, H, G, K, V = shape
+  q, k, v = qkv(2, *shape)
+  mask = jnp.zeros((B, H, T, S), bool).at[:, :, 1:].set(True)
+  grads = jax.grad(lambda q, k, v: kernel.attention(q, k, v, mask).sum(), argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+  assert np.all(np.asarray(grads[0])[:, 0] == 0)  # the blank query gets no gradient
+
+
+def test_gradients_match_reference():
+  shape = SHAPES[1]
+  B, T, S, H, G, K, V = shape
+  q, k, v = qkv(4, *shape)
+  mask = random_mask(9, B, H, T, S)
+  f = lambda fn: jax.grad(lambda q, k, v: (fn(q, k, v, mask) ** 2).sum(), argnums=(0, 1, 2))
+  for a, b in zip(f(kernel.attention)(q, k, v), f(kernel.reference_attention)(q, k, v)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_vmap_over_batch_equals_batched_call():
+  B, T, S, H, G, K, V = SHAPES[2]
+  q, k, v = qkv(6, *SHAPES[2])
+  one = lambda q, k, v: kernel.attention(q[None], k[None], v[None])[0]
+  np.testing.assert_allclose(jax.vmap(one)(q, k, v), kernel.attention(q, k, v), atol=1e-6)
+
+
+def test_bf16_inputs_softmax_in_float32():
+  shape = SHAPES[1]
+  q, k, v = qkv(7, *shape, dtype=jnp.bfloat16)
+  out, w = kernel.attention(q, k, v, return_weights=True)
+  assert out.dtype == jnp.bfloat16 and w.dtype == jnp.float32
+  ref = kernel.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+  np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2, rtol=5e-2)
+  # Large logits that would overflow a bf16 softmax stay finite.
+  out = kernel.attention(q * 60, k * 60, v)
+  assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+
+
+def test_scale_and_logits_bias():
+  B, T, S, H, G, K, V = SHAPES[0]
+  q, k, v = qkv(8, *SHAPES[0])
+  bias = randn(11, (B, H, 1, S))
+  # A bias of c·(q·k) equals rescaling the scores: two routes to the same logits.
+  logits = kernel.scores(q, k)
+  via_bias = kernel.attention(q, k, v, scale=0.5, logits_bias=logits * 0.25)
+  np.testing.assert_allclose(via_bias, kernel.attention(q, k, v, scale=0.75), atol=1e-5)
+  with_bias = kernel.attention(q, k, v, logits_bias=bias)
+  manual = kernel.weighted_sum(jax.nn.softmax(logits / np.sqrt(K) + bias, -1), v)
+  np.testing.assert_allclose(with_bias, manual, atol=1e-6)
+
+
+def test_mask_helpers_match_numpy():
+  T, S = 4, 6
+  m = np.asarray(masks.causal_mask(T, S))[0, 0]
+  expected = np.array([[s <= t + (S - T) for s in range(S)] for t in range(T)])
+  np.testing.assert_array_equal(m, expected)
+  np.testing.assert_array_equal(np.asarray(masks.causal_mask(3))[0, 0], np.tril(np.ones((3, 3), bool)))
+  lengths = np.array([2, 6, 0])
+  pm = np.asarray(masks.padding_mask(lengths, S))
+  assert pm.shape == (3, 1, 1, S)
+  np.testing.assert_array_equal(pm[:, 0, 0], np.arange(S)[None] < lengths[:, None])
+  both = np.asarray(masks.padding_mask(lengths, S, q_lengths=np.array([1, 4, 2]), T=T))
+  assert both.shape == (3, 1, T, S) and not both[0, 0, 1:].any()
+  combined = np.asarray(masks.combine_masks(masks.causal_mask(S), None, masks.padding_mask(lengths, S)))
+  np.testing.assert_array_equal(combined, np.asarray(masks.causal_mask(S)) & pm)
+  assert masks.combine_masks(None, None) is None
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v: (q, k[:, :, :, :-1], v, None), "k.shape"),
+    (lambda q, k, v: (q, k[:, :, :3], v[:, :, :3], None), r"k.shape\[2\]"),
+    (lambda q, k, v: (q, k, v[:, :-1], None), "v.shape"),
+    (lambda q, k, v: (q[0], k, v, None), "q.shape"),
+    (lambda q, k, v: (q, k, v, jnp.ones((2, 4, 5, 5))), "mask.dtype"),
+    (lambda q, k, v: (q, k, v, jnp.ones((2, 3, 5, 5), bool)), "mask.shape"),
+])
+def test_bad_shapes_are_clear_errors(bad, match):
+  q, k, v = qkv(0, *SHAPES[0])
+  q, k, v, m = bad(q, k, v)
+  with pytest.raises(ConfigError, match=match):
+    kernel.attention(q, k, v, m)
+
+
+def test_mask_helper_errors():
+  with pytest.raises(ConfigError, match="T=0"):
+    masks.causal_mask(0)
+  with pytest.raises(ConfigError, match="kv_lengths.shape"):
+    masks.padding_mask(np.ones((2, 2)), 4)
+  with pytest.raises(ConfigError, match="T=None"):
+    masks.padding_mask(np.ones(2), 4, q_lengths=np.ones(2))
