@@ -1,5 +1,7 @@
 """Weight interop: the same weights give the same outputs in flax.nnx and torch attention layers."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,19 @@ from flax import nnx
 import attn
 from attn.convert import CONVERTERS
 from attn.nn import interop
-from conftest import randn, random_params
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+# Inputs come from numpy so that the tests spend their time on the compiled comparisons.
+def randn(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def random_params(variant, cfg, seed):
+  """Random values (biases included) for every parameter `variant` has under cfg."""
+  return {k: 0.5 * randn(seed + i, s)
+          for i, (k, s) in enumerate(sorted(attn.param_shapes(variant, cfg).items()))}
 
 # Flax has one head width (d_k = d_v) but allows grouped heads and H not dividing D.
 FLAX_CONFIGS = {
@@ -19,7 +31,6 @@ FLAX_CONFIGS = {
     "gqa_h_not_dividing_D": attn.HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=4, num_kv_heads=3),
     "mqa_nobias": attn.HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=6, num_kv_heads=1,
                                   use_bias=False),
-    "single_head": attn.HeadConfig(d_model=12, num_heads=1, d_k=12, d_v=12),
 }
 # Variants with exact converters to and from per_head (their weights round-trip).
 EXACT_VARIANTS = sorted({"per_head"} | {
@@ -30,10 +41,11 @@ EXACT_VARIANTS = sorted({"per_head"} | {
 
 def _masks(B, H, T, S, seed):
   """None, key padding (every row keeps key 0) with causal, and a random per-head mask."""
-  lengths = jax.random.randint(jax.random.PRNGKey(seed), (B,), 1, S + 1)
-  pad_causal = attn.combine_masks(attn.padding_mask(lengths, S), attn.causal_mask(T, S))
-  per_head = jax.random.bernoulli(jax.random.PRNGKey(seed + 1), 0.6, (B, H, T, S))
-  per_head = per_head.at[..., 0].set(True)
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, S + 1, (B,))
+  pad_causal = (np.arange(S) < lengths[:, None])[:, None, None, :] & np.tri(T, S, S - T, bool)
+  per_head = rng.random((B, H, T, S)) < 0.6
+  per_head[..., 0] = True
   return {"none": None, "padding_causal": pad_causal, "per_head": per_head}
 
 
@@ -50,31 +62,37 @@ def _usable_pairs(configs):
   return pairs
 
 
-@pytest.mark.parametrize("name", sorted(FLAX_CONFIGS))
+@nnx.jit(static_argnums=(1, 2))
+def _flax_and_ours(mha, variant, cfg, params, x, c, masks):
+  """{mask name: (ours, flax's)} for cross-attention under each mask, in one compiled call."""
+  return {name: (attn.apply(variant, params, x, c, cfg=cfg, mask=m), mha(x, c, mask=m))
+          for name, m in masks.items()}
+
+
+def _assert_pairs(pairs):
+  for name, (ours, theirs) in pairs.items():
+    np.testing.assert_allclose(ours, theirs, **TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["gqa_h_not_dividing_D", "mqa_nobias"])
 def test_from_flax_matches_flax_outputs(name):
   cfg = FLAX_CONFIGS[name]
   mha = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, cfg.num_heads * cfg.d_k,
                                num_kv_heads=cfg.num_kv_heads, use_bias=cfg.use_bias,
                                decode=False, rngs=nnx.Rngs(3))
   if cfg.use_bias:  # flax initialises biases at zero; give them values so they are tested
-    for layer in (mha.query, mha.key, mha.value, mha.out):
-      layer.bias[...] = randn(7, layer.bias.shape)
+    for i, layer in enumerate((mha.query, mha.key, mha.value, mha.out)):
+      layer.bias[...] = randn(7 + i, layer.bias.shape)
   params = interop.from_flax(mha, cfg)
   B, T, S = 2, 5, 7
   x, c = randn(0, (B, T, cfg.d_model)), randn(1, (B, S, cfg.d_model))
-  for mname, mask in _masks(B, cfg.num_heads, T, S, 4).items():
-    ref = mha(x, c, mask=mask)
-    got = attn.apply("per_head", params, x, c, cfg=cfg, mask=mask)
-    np.testing.assert_allclose(got, ref, **TOL, err_msg=mname)
-  self_mask = attn.causal_mask(T)
-  np.testing.assert_allclose(attn.apply("per_head", params, x, cfg=cfg, mask=self_mask),
-                             mha(x, mask=self_mask), **TOL)
+  _assert_pairs(_flax_and_ours(mha, "per_head", cfg, params, x, c, _masks(B, cfg.num_heads, T, S, 4)))
 
 
 @pytest.mark.parametrize("name,variant", _usable_pairs(FLAX_CONFIGS))
 def test_to_flax_matches_every_exact_variant(name, variant):
   cfg = FLAX_CONFIGS[name]
-  per_head = random_params(attn.init("per_head", jax.random.PRNGKey(0), cfg), 1)
+  per_head = random_params("per_head", cfg, 1)
   params = attn.convert(per_head, "per_head", variant, cfg)
   mha = interop.to_flax(params, cfg, rngs=nnx.Rngs(0), variant=variant)
   back = interop.from_flax(mha, cfg)
@@ -82,19 +100,30 @@ def test_to_flax_matches_every_exact_variant(name, variant):
     np.testing.assert_allclose(back[k], per_head[k], rtol=1e-6, atol=1e-6, err_msg=k)
   B, T, S = 2, 4, 6
   x, c = randn(2, (B, T, cfg.d_model)), randn(3, (B, S, cfg.d_model))
-  for mname, mask in _masks(B, cfg.num_heads, T, S, 5).items():
-    np.testing.assert_allclose(attn.apply(variant, params, x, c, cfg=cfg, mask=mask),
-                               mha(x, c, mask=mask), **TOL, err_msg=mname)
+  _assert_pairs(_flax_and_ours(mha, variant, cfg, params, x, c, _masks(B, cfg.num_heads, T, S, 5)))
+
+
+def test_flax_self_attention_matches():
+  cfg = FLAX_CONFIGS["gqa_h_not_dividing_D"]
+  params = random_params("per_head", cfg, 3)
+  mha = interop.to_flax(params, cfg, rngs=nnx.Rngs(0))
+  x, mask = randn(4, (2, 5, cfg.d_model)), np.tri(5, dtype=bool)
+  np.testing.assert_allclose(attn.apply("per_head", params, x, cfg=cfg, mask=mask),
+                             mha(x, mask=mask), **TOL)
+
+
+def _zeros(variant, cfg):
+  """Parameters of the right shapes without any JAX work (only shapes are checked)."""
+  return {k: np.zeros(s, np.float32) for k, s in attn.param_shapes(variant, cfg).items()}
 
 
 def test_flax_refuses_what_it_cannot_hold():
   cfg = attn.HeadConfig(d_model=12, num_heads=3, d_k=4, d_v=5)
-  params = attn.init("per_head", jax.random.PRNGKey(0), cfg)
   with pytest.raises(attn.ConfigError, match="d_v=5"):
-    interop.to_flax(params, cfg, rngs=nnx.Rngs(0))
+    interop.to_flax(_zeros("per_head", cfg), cfg, rngs=nnx.Rngs(0))
   cfg = attn.HeadConfig(d_model=12, num_heads=3, scale=1.0)
   with pytest.raises(attn.ConfigError, match="scale=1.0"):
-    interop.to_flax(attn.init("per_head", jax.random.PRNGKey(0), cfg), cfg, rngs=nnx.Rngs(0))
+    interop.to_flax(_zeros("per_head", cfg), cfg, rngs=nnx.Rngs(0))
   mha = nnx.MultiHeadAttention(3, 12, 12, num_kv_heads=1, decode=False, rngs=nnx.Rngs(0))
   with pytest.raises(attn.ConfigError, match="num_kv_heads=1"):
     interop.from_flax(mha, attn.HeadConfig(d_model=12, num_heads=3))
@@ -104,8 +133,10 @@ def test_flax_refuses_what_it_cannot_hold():
 TORCH_CONFIGS = {
     "base": attn.HeadConfig(d_model=12, num_heads=3),
     "nobias": attn.HeadConfig(d_model=8, num_heads=2, use_bias=False),
-    "single_head": attn.HeadConfig(d_model=6, num_heads=1),
 }
+
+
+CASES = [(cross, causal) for cross in (False, True) for causal in (False, True)]
 
 
 def _torch_run(torch, m, x, c, lengths, causal):
@@ -114,22 +145,37 @@ def _torch_run(torch, m, x, c, lengths, causal):
   kpm = torch.from_numpy(np.arange(S)[None, :] >= np.asarray(lengths)[:, None])
   attn_mask = None
   if causal:
-    attn_mask = torch.from_numpy(~np.asarray(attn.causal_mask(x.shape[1], S))[0, 0])
+    attn_mask = torch.from_numpy(~np.array(attn.causal_mask(x.shape[1], S))[0, 0])
   m.train()  # dropout is 0; this keeps torch off its fused inference path
-  y, _ = m(torch.from_numpy(np.asarray(x)), torch.from_numpy(np.asarray(c)),
-           torch.from_numpy(np.asarray(c)), key_padding_mask=kpm, attn_mask=attn_mask,
+  c = torch.from_numpy(np.array(c))
+  y, _ = m(torch.from_numpy(np.array(x)), c, c, key_padding_mask=kpm, attn_mask=attn_mask,
            need_weights=False)
   return y.detach().numpy()
 
 
-def _our_mask(lengths, T, S, causal):
-  m = attn.padding_mask(jnp.asarray(lengths), S)
-  return attn.combine_masks(m, attn.causal_mask(T, S)) if causal else m
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ours(variant, cfg, params, x, c, lengths):
+  """Our outputs for every (cross, causal) case of CASES, in one compiled call."""
+  out = []
+  for cross, causal in CASES:
+    ctx = c if cross else x
+    mask = attn.padding_mask(lengths, ctx.shape[1])
+    if causal:
+      mask = attn.combine_masks(mask, attn.causal_mask(x.shape[1], ctx.shape[1]))
+    out.append(attn.apply(variant, params, x, ctx if cross else None, cfg=cfg, mask=mask))
+  return out
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["padding", "padding_causal"])
+def _assert_torch_parity(torch, m, variant, cfg, params, B, T, S, lengths):
+  x, c = randn(3, (B, T, cfg.d_model)), randn(4, (B, S, cfg.d_model))
+  ours = _ours(variant, cfg, params, x, c, jnp.asarray(lengths))
+  for (cross, causal), got in zip(CASES, ours):
+    ref = _torch_run(torch, m, x, c if cross else x, lengths, causal)
+    np.testing.assert_allclose(got, ref, **TOL, err_msg=f"cross={cross} causal={causal}")
+
+
 @pytest.mark.parametrize("name", sorted(TORCH_CONFIGS))
-def test_from_torch_matches_torch(name, causal):
+def test_from_torch_matches_torch(name):
   torch = pytest.importorskip("torch")
   cfg = TORCH_CONFIGS[name]
   torch.manual_seed(0)
@@ -139,33 +185,20 @@ def test_from_torch_matches_torch(name, causal):
       m.in_proj_bias.normal_()
       m.out_proj.bias.normal_()
   params = interop.from_torch(m, cfg)
-  B, T, S = 3, 5, 5
-  x = randn(0, (B, T, cfg.d_model))
-  lengths = [5, 2, 1]
-  for c in (x, randn(1, (B, S, cfg.d_model))):  # self- then cross-attention
-    ref = _torch_run(torch, m, x, c, lengths, causal)
-    got = attn.apply("per_head", params, x, None if c is x else c, cfg=cfg,
-                     mask=_our_mask(lengths, T, S, causal))
-    np.testing.assert_allclose(got, ref, **TOL)
+  _assert_torch_parity(torch, m, "per_head", cfg, params, 3, 5, 5, [5, 2, 1])
 
 
 @pytest.mark.parametrize("name,variant", _usable_pairs(TORCH_CONFIGS))
 def test_to_torch_matches_every_exact_variant(name, variant):
   torch = pytest.importorskip("torch")
   cfg = TORCH_CONFIGS[name]
-  per_head = random_params(attn.init("per_head", jax.random.PRNGKey(0), cfg), 2)
+  per_head = random_params("per_head", cfg, 2)
   params = attn.convert(per_head, "per_head", variant, cfg)
   m = interop.to_torch(params, cfg, variant=variant)
   back = interop.from_torch(m, cfg)
   for k in per_head:
     np.testing.assert_allclose(back[k], per_head[k], rtol=1e-6, atol=1e-6, err_msg=k)
-  B, T, S = 2, 4, 6
-  x, c = randn(3, (B, T, cfg.d_model)), randn(4, (B, S, cfg.d_model))
-  lengths = [6, 3]
-  for causal in (False, True):
-    ref = _torch_run(torch, m, x, c, lengths, causal)
-    got = attn.apply(variant, params, x, c, cfg=cfg, mask=_our_mask(lengths, T, S, causal))
-    np.testing.assert_allclose(got, ref, **TOL)
+  _assert_torch_parity(torch, m, variant, cfg, params, 2, 4, 4, [4, 3])
 
 
 def test_torch_refuses_what_it_cannot_hold():
@@ -173,6 +206,5 @@ def test_torch_refuses_what_it_cannot_hold():
   for cfg, field in ((attn.HeadConfig(d_model=12, num_heads=4, num_kv_heads=2), "num_kv_heads=2"),
                      (attn.HeadConfig(d_model=12, num_heads=4, d_k=5, d_v=5), "d_k=5"),
                      (attn.HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=4), "d_v=4")):
-    params = attn.init("per_head", jax.random.PRNGKey(0), cfg)
     with pytest.raises(attn.ConfigError, match=field):
-      interop.to_torch(params, cfg)
+      interop.to_torch(_zeros("per_head", cfg), cfg)

@@ -179,7 +179,8 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
       if key in DERIVED_MODEL_KEYS and section == "model":
         raise invalid(f"model.{key}", value, "not set by hand: it is derived from the task")
       if key not in schema:
-        raise invalid(f"{section}.{key}", value, f"one of {sorted(schema)}")
+        owner = f"task {raw['task']['name']!r}" if section == "task" else f"[{section}]"
+        raise invalid(f"{section}.{key}", value, f"a key of {owner}: {sorted(schema)}")
       if not (section == "task" and key == "name"):
         values[key] = _check_type(f"{section}.{key}", value, schema[key])
     base[section] = values

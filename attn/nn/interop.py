@@ -80,9 +80,9 @@ def to_flax(params: Params, cfg: HeadConfig, *, rngs: nnx.Rngs,
       decode=False, rngs=rngs)
   for layer, w, b in ((mha.query, "w_q", "b_q"), (mha.key, "w_k", "b_k"),
                       (mha.value, "w_v", "b_v"), (mha.out, "w_o", "b_o")):
-    layer.kernel[...] = p[w]
+    layer.kernel[...] = jnp.asarray(p[w])
     if cfg.use_bias:
-      layer.bias[...] = p[b]
+      layer.bias[...] = jnp.asarray(p[b])
   return mha
 
 
@@ -132,7 +132,7 @@ def to_torch(params: Params, cfg: HeadConfig, *, variant: str = "per_head"):
   """A torch.nn.MultiheadAttention (batch_first=True, no dropout) with the same weights."""
   import torch  # pylint: disable=g-import-not-at-top
   _check_torch_cfg(cfg)
-  p = {name: np.asarray(a, np.float32) for name, a in _per_head(params, cfg, variant).items()}
+  p = {name: np.array(a, np.float32) for name, a in _per_head(params, cfg, variant).items()}
   D = cfg.d_model
   m = torch.nn.MultiheadAttention(D, cfg.num_heads, bias=cfg.use_bias, batch_first=True)
   w_in = np.concatenate([p[name].reshape(D, D).T for name in ("w_q", "w_k", "w_v")])

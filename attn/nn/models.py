@@ -110,26 +110,14 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _require(cfg: ModelConfig, model: str, **wanted) -> None:
-  """Refuses fields the model would silently ignore, so parameter counts stay honest."""
-  for name, ok in wanted.items():
+  """Refuses fields the model would silently ignore, so parameter counts stay honest.
+
+  wanted maps a field to the one value the model accepts, or to "> 0".
+  """
+  for name, want in wanted.items():
     value = getattr(cfg, name)
-    if not ok(value):
-      raise invalid(name, value, f"{ok.__doc__} for {model}")
-
-
-def _zero(v):
-  """0"""
-  return v == 0
-
-
-def _positive(v):
-  """> 0"""
-  return v > 0
-
-
-def _false(v):
-  """False"""
-  return v is False
+    if not (value > 0 if want == "> 0" else value == want):
+      raise invalid(name, value, f"{want} for {model}")
 
 
 def _is_concrete(x) -> bool:
@@ -331,8 +319,7 @@ class DecoderLM(nnx.Module):
   """Causal language model (GPT-2 style): tokens (B,T) -> logits (B,T,vocab)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "DecoderLM", num_segments=_zero, pooler=_false, num_decoder_layers=_zero,
-             num_classes=_zero)
+    _require(cfg, "DecoderLM", num_segments=0, pooler=False, num_decoder_layers=0, num_classes=0)
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs, segments=False)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
@@ -353,7 +340,7 @@ class SequenceClassifier(nnx.Module):
   """Encoder + pooling ([CLS] vector or mean over real tokens) (+ pooler) + linear head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "SequenceClassifier", num_classes=_positive, num_decoder_layers=_zero)
+    _require(cfg, "SequenceClassifier", num_classes="> 0", num_decoder_layers=0)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)
     self.cls = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.d_model,))) \
@@ -381,8 +368,8 @@ class EncoderDecoder(nnx.Module):
   """Vaswani et al. 2017: encoder over src; decoder blocks with causal self-, cross-attention, MLP."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "EncoderDecoder", num_decoder_layers=_positive, pooler=_false,
-             num_segments=_zero, num_classes=_zero)
+    _require(cfg, "EncoderDecoder", num_decoder_layers="> 0", pooler=False, num_segments=0,
+             num_classes=0)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)
     token = self.encoder.embed.token if cfg.share_src_tgt_embeddings else None

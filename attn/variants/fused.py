@@ -32,7 +32,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_qkv": (H * K + G * K + G * V,), "b_o": (D,)}, dtype)
 
 
-def _dense(x_NTD, w_DE, b_E):
+def dense(x_NTD: jax.Array, w_DE: jax.Array, b_E) -> jax.Array:
   """x @ w + b as one 2-D matmul over the flattened leading axes.
 
   On CPU the gradient of a 3-D x @ w contracts two axes (B,T) for w's
@@ -50,12 +50,12 @@ def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig):
   n_q = H * K
   w, b = params["w_qkv"], bias(params, "b_qkv")
   if context_BSD is None:
-    qkv = _dense(x_BTD, w, b)
+    qkv = dense(x_BTD, w, b)
     q, kv = qkv[..., :n_q], qkv[..., n_q:]
   else:
     b_q, b_kv = (b[:n_q], b[n_q:]) if cfg.use_bias else (0.0, 0.0)
-    q = _dense(x_BTD, w[:, :n_q], b_q)
-    kv = _dense(context_BSD, w[:, n_q:], b_kv)
+    q = dense(x_BTD, w[:, :n_q], b_q)
+    kv = dense(context_BSD, w[:, n_q:], b_kv)
   q_BTHK = einops.rearrange(q, "B T (H K) -> B T H K", H=H)
   k_BSGK = einops.rearrange(kv[..., :G * K], "B S (G K) -> B S G K", G=G)
   v_BSGV = einops.rearrange(kv[..., G * K:], "B S (G V) -> B S G V", G=G)
@@ -77,7 +77,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
                          impl=DEFAULT_IMPL if impl is None else impl)
   out_BTHV, w_BHTS = out if return_weights else (out, None)
   out = einops.rearrange(out_BTHV, "B T H V -> B T (H V)")
-  y_BTD = _dense(out, params["w_o"], bias(params, "b_o"))
+  y_BTD = dense(out, params["w_o"], bias(params, "b_o"))
   return y_BTD.astype(x_BTD.dtype), w_BHTS
 
 

@@ -19,6 +19,7 @@ from attn.config import HeadConfig
 from attn.variants import merged
 from attn.variants.base import (Params, Variant, add_bias, bias, head_bias, head_mask,
                                 normal, standard_flops, standard_param_count)
+from attn.variants.fused import dense
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -43,15 +44,17 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   for h in range(cfg.num_heads):
     g = h // cfg.group_size
     if g not in kv:
-      kv[g] = (c_BSD @ params["w_k"][:, g] + head_bias(params, "b_k", g),
-               c_BSD @ params["w_v"][:, g] + head_bias(params, "b_v", g))
+      kv[g] = (dense(c_BSD, params["w_k"][:, g], head_bias(params, "b_k", g)),
+               dense(c_BSD, params["w_v"][:, g], head_bias(params, "b_v", g)))
     k_BSK, v_BSV = kv[g]
-    q_BTK = x_BTD @ params["w_q"][:, h] + head_bias(params, "b_q", h)
-    out_BT1V, w_B1TS = kernel.attention(
+    q_BTK = dense(x_BTD, params["w_q"][:, h], head_bias(params, "b_q", h))
+    out = kernel.attention(
         q_BTK[:, :, None], k_BSK[:, :, None], v_BSV[:, :, None], head_mask(mask, h),
-        scale=cfg.score_scale, return_weights=True)
-    weights.append(w_B1TS[:, 0])
-    y_BTD = y_BTD + out_BT1V[:, :, 0] @ params["w_o"][h]
+        scale=cfg.score_scale, return_weights=return_weights)
+    out_BT1V = out[0] if return_weights else out
+    if return_weights:
+      weights.append(out[1][:, 0])
+    y_BTD = y_BTD + dense(out_BT1V[:, :, 0], params["w_o"][h], 0.0)
   w_BHTS = jnp.stack(weights, axis=1) if return_weights else None
   return y_BTD.astype(x_BTD.dtype), w_BHTS
 

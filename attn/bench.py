@@ -1,0 +1,401 @@
+"""attn bench: time every variant against flax, jax and torch attention, as ratios.
+
+For each shape and each variant: forward and forward+backward (gradients for
+the parameters and the input) wall times, the median of --repeats runs after
+warm-up, all candidates of a shape timed round-robin so that load on a shared
+machine hits them alike. FLOPs are analytic: variant.flops(cfg, T, S) · B for
+the forward pass (a multiply-add is 2; softmax and masking are not counted; a
+causal mask still counts the full T×S, as the kernel computes it), and 3× that
+for forward+backward (each matmul's backward is two matmuls of its size).
+GFLOP/s are divided by the rate of a 2048³ matmul in the same dtype, measured
+in the same run, to give "% mm". Peak memory is XLA's buffer assignment for the
+compiled forward+backward call: arguments + outputs + temporaries - aliased
+bytes (compiled.memory_analysis()), not the process's resident set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attn
+from attn.config import ConfigError, HeadConfig, invalid
+from attn.variants import fused
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PEERS = ("flax", "jax_dpa", "torch")
+PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
+               "jax_dpa": "jax.nn.dot_product_attention",
+               "torch": "torch.nn.MultiheadAttention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """One benchmarked layer: batch, length, width, heads, head widths and a causal mask or none."""
+
+  B: int
+  T: int
+  D: int
+  H: int
+  K: int
+  causal: bool = False
+
+  @property
+  def cfg(self) -> HeadConfig:
+    return HeadConfig(d_model=self.D, num_heads=self.H, d_k=self.K, d_v=self.K)
+
+
+SHAPES = {
+    "reference": Shape(B=8, T=256, D=512, H=8, K=64),
+    "causal": Shape(B=8, T=256, D=512, H=8, K=64, causal=True),
+    "long": Shape(B=8, T=1024, D=512, H=8, K=64),
+    "small": Shape(B=32, T=64, D=64, H=4, K=16),  # the experiment runner's default model
+}
+QUICK_SHAPES = ("reference", "small")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--shapes", default=None,
+                      help=f"comma-separated, from {','.join(SHAPES)} (default: all; --quick: "
+                           f"{','.join(QUICK_SHAPES)})")
+  parser.add_argument("--variants", default=None,
+                      help="comma-separated variant names (default: every registered variant)")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed runs per candidate; the median is reported (default 20, --quick 5)")
+  parser.add_argument("--dtype", default="float32", help=f"one of {sorted(DTYPES)}")
+  parser.add_argument("--out", default=None, help="also write the results as JSON to this file")
+  parser.add_argument("--quick", action="store_true",
+                      help="fewer shapes and repeats: a smoke run, not a measurement")
+  parser.add_argument("--no-peers", action="store_true", help="skip flax, jax and torch")
+
+
+def _names(text: str | None, known, field: str, default) -> list[str]:
+  if text is None:
+    return list(default)
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  for n in names:
+    if n not in known:
+      raise invalid(field, n, f"comma-separated names from {sorted(known)}")
+  if not names:
+    raise invalid(field, text, "at least one name")
+  return names
+
+
+def machine_info() -> dict[str, Any]:
+  """CPU model, cores, device and library versions, for the JSON and the header."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          model = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  dev = jax.devices()[0]
+  versions = {"python": platform.python_version(), "jax": jax.__version__}
+  for lib in ("jaxlib", "flax", "numpy", "torch"):
+    try:
+      versions[lib] = __import__(lib).__version__
+    except ImportError:
+      versions[lib] = None
+  return {"cpu": model, "cores": os.cpu_count(), "threads": _threads(),
+          "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
+          "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def _threads() -> int:
+  """Cores this process may use: XLA's CPU thread pool uses one thread per core."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def _timer(fn: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
+  """Wraps a call that blocks until done into one returning (wall, process CPU) seconds."""
+  def timed():
+    c, t = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+  return timed
+
+
+def _block(f, *args):
+  return lambda: jax.block_until_ready(f(*args))
+
+
+def _peak_bytes(jitted, *args) -> int | None:
+  """XLA's assigned bytes for one call: arguments + outputs + temporaries - aliased."""
+  try:
+    m = jitted.lower(*args).compile().memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+  except Exception:  # memory_analysis is not available on every backend
+    return None
+
+
+def _jax_pair(apply: Callable, params, x, dtype) -> dict[str, Any]:
+  """Forward and forward+backward callables of y = apply(params, x), with a fixed cotangent."""
+  ct = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(dtype)
+  fwd = jax.jit(apply)
+  fb = jax.jit(jax.grad(lambda p, x: jnp.sum((apply(p, x) * ct).astype(jnp.float32)),
+                        argnums=(0, 1)))
+  return {"fwd": _block(fwd, params, x), "fb": _block(fb, params, x),
+          "peak_bytes": _peak_bytes(fb, params, x)}
+
+
+def _variant_case(variant, shape: Shape, dtype, mask) -> dict[str, Any]:
+  cfg = shape.cfg
+  params = variant.init(jax.random.PRNGKey(0), cfg, dtype)
+  x = jax.random.normal(jax.random.PRNGKey(1), (shape.B, shape.T, shape.D)).astype(dtype)
+  apply = lambda p, x: variant.apply(p, x, None, cfg=cfg, mask=mask)[0]
+  return _jax_pair(apply, params, x, dtype)
+
+
+def _jax_dpa_case(shape: Shape, dtype, mask) -> dict[str, Any]:
+  """The fused variant's projections around jax.nn.dot_product_attention (XLA)."""
+  cfg = shape.cfg
+  params = fused.init(jax.random.PRNGKey(0), cfg, dtype)
+  x = jax.random.normal(jax.random.PRNGKey(1), (shape.B, shape.T, shape.D)).astype(dtype)
+  apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, mask=mask, impl="xla")[0]
+  return _jax_pair(apply, params, x, dtype)
+
+
+def _flax_case(shape: Shape, dtype, mask) -> dict[str, Any]:
+  from flax import nnx
+  layer = nnx.MultiHeadAttention(
+      num_heads=shape.H, in_features=shape.D, qkv_features=shape.H * shape.K,
+      out_features=shape.D, decode=False, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(layer)
+  x = jax.random.normal(jax.random.PRNGKey(1), (shape.B, shape.T, shape.D)).astype(dtype)
+  apply = lambda s, x: nnx.merge(graph, s)(x, mask=mask, deterministic=True)
+  return _jax_pair(apply, state, x, dtype)
+
+
+def _torch_case(shape: Shape, dtype_name: str) -> dict[str, Any] | None:
+  try:
+    import torch
+  except ImportError:
+    return None
+  torch.set_num_threads(_threads())
+  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+  torch.manual_seed(0)
+  layer = torch.nn.MultiheadAttention(shape.D, shape.H, batch_first=True).to(tdtype)
+  x = torch.randn(shape.B, shape.T, shape.D, dtype=tdtype)
+  ct = torch.randn(shape.B, shape.T, shape.D, dtype=tdtype)
+  # torch's boolean attn_mask is True where attention is NOT allowed.
+  kw = {"need_weights": False}
+  if shape.causal:
+    kw.update(attn_mask=torch.ones(shape.T, shape.T, dtype=torch.bool).triu(1), is_causal=True)
+
+  def fwd():
+    with torch.no_grad():
+      layer(x, x, x, **kw)
+
+  def fb():
+    xg = x.detach().requires_grad_(True)
+    for p in layer.parameters():
+      p.grad = None
+    layer(xg, xg, xg, **kw)[0].backward(ct)
+  return {"fwd": fwd, "fb": fb, "peak_bytes": None}
+
+
+def _matmul_cases(dtype, dtype_name: str, n: int) -> dict[str, Callable[[], Any]]:
+  a = jax.random.normal(jax.random.PRNGKey(2), (n, n)).astype(dtype)
+  cases = {"jnp": _block(jax.jit(jnp.matmul), a, a)}
+  try:
+    import torch
+    ta = torch.randn(n, n, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name])
+    cases["torch"] = lambda: ta @ ta
+  except ImportError:
+    pass
+  return cases
+
+
+def _round_robin(groups: list[dict[str, Callable[[], Any]]], repeats: int,
+                 pause_s: float = 0.2) -> dict[str, dict[str, float]]:
+  """Times each call once per round, group after group; medians and spread per call.
+
+  Every call is warmed up twice first. A group is one framework: torch's and
+  XLA's thread pools each spin for a while after a call, so switching between
+  them call by call would make each wait on the other's threads; groups
+  switch once per round, after a pause.
+  """
+  timers = [{k: _timer(f) for k, f in g.items()} for g in groups]
+  for g in timers:
+    for t in g.values():
+      t()
+      t()
+    time.sleep(pause_s)
+  samples = {k: [] for g in groups for k in g}
+  for _ in range(repeats):
+    for g in timers:
+      for k, t in g.items():
+        samples[k].append(t())
+      if len(timers) > 1:
+        time.sleep(pause_s)
+  out = {}
+  for k, s in samples.items():
+    wall = [w for w, _ in s]
+    out[k] = {"median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall),
+              "cpu_median_s": statistics.median([c for _, c in s])}
+  return out
+
+
+def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, repeats: int,
+                peers: bool, matmul_n: int = 2048, log=print) -> dict[str, Any]:
+  """Times the variants and peers at one shape; rows carry times, rates and ratios."""
+  dtype = DTYPES[dtype_name]
+  mask = attn.causal_mask(shape.T) if shape.causal else None
+  cases, skipped = {}, {}
+  for v in variants:
+    variant = attn.get_variant(v)
+    try:
+      variant.check(shape.cfg)
+    except ConfigError as e:
+      skipped[v] = str(e)
+      continue
+    cases[v] = _variant_case(variant, shape, dtype, mask)
+  if peers:
+    cases["jax_dpa"] = _jax_dpa_case(shape, dtype, mask)
+    cases["flax"] = _flax_case(shape, dtype, mask)
+    torch_case = _torch_case(shape, dtype_name)
+    if torch_case is not None:
+      cases["torch"] = torch_case
+  groups = [{}, {}]  # jax, torch
+  for k, f in _matmul_cases(dtype, dtype_name, matmul_n).items():
+    groups[k == "torch"][f"mm:{k}"] = f
+  for k, c in cases.items():
+    groups[k == "torch"].update({f"{k}:fwd": c["fwd"], f"{k}:fb": c["fb"]})
+  groups = [g for g in groups if g]
+  log(f"[{name}] timing {sum(map(len, groups))} calls x {repeats} rounds ...")
+  times = _round_robin(groups, repeats)
+
+  mm_flops = 2 * matmul_n ** 3
+  matmul = {k[3:]: {"gflops": mm_flops / t["median_s"] / 1e9,
+                    "spread": (t["max_s"] - t["min_s"]) / t["median_s"]}
+            for k, t in times.items() if k.startswith("mm:")}
+  rate = matmul["jnp"]["gflops"]
+  fwd_flops = attn.get_variant("fused").flops(shape.cfg, shape.T, shape.T) * shape.B
+  rows = []
+  for k, c in cases.items():
+    flops = (attn.get_variant(k).flops(shape.cfg, shape.T, shape.T) * shape.B
+             if k in attn.VARIANTS else fwd_flops)
+    row = {"name": k, "kind": "peer" if k in PEERS else "variant", "fwd_flops": flops,
+           "peak_bytes": c["peak_bytes"]}
+    for part, mult in (("fwd", 1), ("fb", 3)):
+      t = times[f"{k}:{part}"]
+      gflops = mult * flops / t["median_s"] / 1e9
+      row[part] = {"ms": 1e3 * t["median_s"], "min_ms": 1e3 * t["min_s"],
+                   "cpu_ms": 1e3 * t["cpu_median_s"], "gflops": gflops,
+                   "pct_matmul": 100 * gflops / rate}
+    rows.append(row)
+  by_name = {r["name"]: r for r in rows}
+  for r in rows:
+    r["ratios"] = {p: {part: r[part]["ms"] / by_name[p][part]["ms"] for part in ("fwd", "fb")}
+                   for p in PEERS if p in by_name}
+  return {"shape": dataclasses.asdict(shape), "dtype": dtype_name, "repeats": repeats,
+          "matmul": matmul, "rows": rows, "skipped": skipped}
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+  """The issue's CPU targets at the reference shape, forward+backward, met or missed."""
+  rows = {r["name"]: r for r in result["rows"]}
+  if "fused" not in rows:
+    return []
+  f = rows["fused"]
+  out = []
+
+  def check(what, value, op, limit):
+    if value is not None:
+      out.append({"target": what, "value": value, "limit": f"{op} {limit}",
+                  "met": value <= limit if op == "<=" else value >= limit})
+  check("fused time / torch", f["ratios"].get("torch", {}).get("fb"), "<=", 1.0)
+  check("fused time / flax", f["ratios"].get("flax", {}).get("fb"), "<=", 0.7)
+  check("fused % of matmul rate", f["fb"]["pct_matmul"], ">=", 75.0)
+  if "per_head" in rows:
+    check("per_head time / fused", rows["per_head"]["fb"]["ms"] / f["fb"]["ms"], "<=", 1.2)
+  return out
+
+
+def _mb(n):
+  return "–" if n is None else f"{n / 2**20:.0f}"
+
+
+def _ratio(r, peer):
+  x = r["ratios"].get(peer)
+  return "–" if x is None else f"{x['fwd']:.2f} / {x['fb']:.2f}"
+
+
+def markdown(name: str, result: dict[str, Any]) -> str:
+  """One shape's table: times, GFLOP/s, % of the matmul rate, ratios to the peers, memory."""
+  s = result["shape"]
+  mm = result["matmul"]
+  mm_text = ", ".join(f"{k} {v['gflops']:.0f} GFLOP/s (spread {100 * v['spread']:.0f}%)"
+                      for k, v in mm.items())
+  lines = [
+      f"### {name}: B={s['B']} T=S={s['T']} D={s['D']} H={s['H']} K=V={s['K']}"
+      f"{' causal' if s['causal'] else ''}, {result['dtype']}, median of {result['repeats']}",
+      "", f"Matmul rate in this run: {mm_text}.", "",
+      "| layer | fwd ms | fwd % mm | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd % mm "
+      "| × flax (fwd / f+b) | × jax dpa | × torch | peak MB |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in result["rows"]:
+    label = PEER_LABELS.get(r["name"], r["name"])
+    lines.append(
+        f"| {label} | {r['fwd']['ms']:.1f} | {r['fwd']['pct_matmul']:.0f}% | {r['fb']['ms']:.1f} "
+        f"| {r['fb']['gflops']:.0f} | {r['fb']['pct_matmul']:.0f}% | {_ratio(r, 'flax')} "
+        f"| {_ratio(r, 'jax_dpa')} | {_ratio(r, 'torch')} | {_mb(r['peak_bytes'])} |")
+  for v, why in result["skipped"].items():
+    lines.append(f"\n{v}: skipped, {why}")
+  return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+  dtype = args.dtype
+  if dtype not in DTYPES:
+    raise invalid("--dtype", dtype, f"one of {sorted(DTYPES)}")
+  shapes = _names(args.shapes, SHAPES, "--shapes", QUICK_SHAPES if args.quick else SHAPES)
+  variants = _names(args.variants, attn.VARIANTS, "--variants", attn.VARIANTS)
+  repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
+  if isinstance(repeats, bool) or repeats < 1:
+    raise invalid("--repeats", repeats, "a positive integer")
+  info = machine_info()
+  log = lambda text: print(text, file=sys.stderr, flush=True)
+  print(f"# attn bench\n\n{info['cpu']}, {info['cores']} cores ({info['threads']} usable: XLA "
+        f"and torch threads), {info['device']}; "
+        + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "\n")
+  print("Times are medians (ms). % mm: analytic GFLOP/s over this run's matmul rate. "
+        "× peer: this layer's time over the peer's (below 1 is faster). "
+        "fwd+bwd FLOPs = 3 × forward.\n")
+  results = {}
+  for name in shapes:
+    results[name] = bench_shape(name, SHAPES[name], variants, dtype, repeats,
+                                not args.no_peers, log=log)
+    print(markdown(name, results[name]) + "\n", flush=True)
+  report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
+            "shapes": results}
+  if "reference" in results:
+    report["targets"] = targets(results["reference"])
+    if report["targets"]:
+      print("Targets (reference shape, forward+backward):")
+      for t in report["targets"]:
+        print(f"- {t['target']}: {t['value']:.2f} (target {t['limit']}): "
+              f"{'met' if t['met'] else 'MISSED'}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(report, f, indent=1)
+    log(f"wrote {args.out}")
+  return 0

@@ -1,0 +1,134 @@
+"""The fast paths compute the same function, and `attn bench` runs end to end (no timing asserts)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn import ConfigError, bench, cli, kernel, masks
+from attn.variants import fused, per_head
+from conftest import randn, random_params
+
+SHAPES = [  # B, T, S, H, G, K
+    (2, 5, 5, 4, 4, 8),
+    (1, 7, 3, 6, 2, 5),   # cross-attention lengths, grouped heads
+    (3, 4, 9, 3, 1, 4),   # multi-query
+]
+
+
+def qkv(seed, B, T, S, H, G, K):
+  return randn(seed, (B, T, H, K)), randn(seed + 1, (B, S, G, K)), randn(seed + 2, (B, S, G, K))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dot_product_attention_impl_equals_einsum_kernel(shape):
+  """impl="xla" (jax.nn.dot_product_attention) is the einsum kernel's function, blank rows included."""
+  B, T, S, H, G, K = shape
+  q, k, v = qkv(0, *shape)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(5), 0.6, (B, H, T, S)).at[:, :, 0].set(False)
+  bias = randn(9, (B, H, 1, S))
+  for m in (None, mask, mask[:, :1], masks.causal_mask(T, S) if T <= S else None):
+    ref = kernel.reference_attention(q, k, v, m)
+    for impl in ("einsum", "xla", "auto"):
+      np.testing.assert_allclose(kernel.attention(q, k, v, m, impl=impl), ref, atol=2e-6, rtol=1e-5)
+  np.testing.assert_allclose(kernel.attention(q, k, v, mask, logits_bias=bias, impl="xla"),
+                             kernel.attention(q, k, v, mask, logits_bias=bias), atol=2e-6, rtol=1e-5)
+  loss = lambda impl: jax.grad(
+      lambda q, k, v: (kernel.attention(q, k, v, mask, impl=impl) ** 2).sum(), argnums=(0, 1, 2))
+  for a, b in zip(loss("xla")(q, k, v), loss("einsum")(q, k, v)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_impl_refusals_are_clear_errors():
+  q, k, v = qkv(1, *SHAPES[0])
+  with pytest.raises(ConfigError, match="impl='flash'"):
+    kernel.attention(q, k, v, impl="flash")
+  with pytest.raises(ConfigError, match="return_weights"):
+    kernel.attention(q, k, v, impl="xla", return_weights=True)
+  with pytest.raises(ConfigError, match="d_v=3"):
+    kernel.attention(q, k, v[..., :3], impl="cudnn")
+  assert kernel.best_impl(q, k, v) == "einsum"  # float32, or no GPU: the einsum kernel
+  if jax.default_backend() == "cpu":
+    assert kernel.best_impl(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                            v.astype(jnp.bfloat16)) == "einsum"
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_fused_implementations_agree_and_match_per_head(cross):
+  """fused with each impl, per_head (the head-by-head loop) and the canonical conversion: one function."""
+  cfg = attn.HeadConfig(d_model=24, num_heads=6, d_k=4, d_v=4, num_kv_heads=2)
+  p_fused = random_params(fused.init(jax.random.PRNGKey(0), cfg), 1)
+  p_head = attn.convert(p_fused, "fused", "per_head", cfg)
+  x = randn(2, (2, 5, 24))
+  ctx = randn(3, (2, 7, 24)) if cross else None
+  mask = jnp.ones((2, 1, 5, 7 if cross else 5), bool).at[1, :, 2].set(False)
+  y_head = per_head.apply(p_head, x, ctx, cfg=cfg, mask=mask)[0]
+  for impl in ("einsum", "xla", "auto"):
+    y = jax.jit(lambda p, x, c: fused.apply(p, x, c, cfg=cfg, mask=mask, impl=impl)[0])(
+        p_fused, x, ctx)
+    np.testing.assert_allclose(y, y_head, atol=1e-5, rtol=1e-5)
+  grads = [jax.grad(lambda x: (fused.apply(p_fused, x, ctx, cfg=cfg, mask=mask, impl=impl)[0]
+                               ** 2).sum())(x) for impl in ("einsum", "xla")]
+  np.testing.assert_allclose(grads[0], grads[1], atol=1e-4, rtol=1e-4)
+
+
+def test_fused_default_impl_is_a_module_setting(monkeypatch):
+  cfg = attn.HeadConfig(d_model=16, num_heads=2, d_k=4, d_v=6)
+  params = fused.init(jax.random.PRNGKey(0), cfg)
+  x = randn(1, (1, 3, 16))
+  assert fused.DEFAULT_IMPL == "auto"
+  fused.apply(params, x, cfg=cfg)  # d_v != d_k: auto falls back to the einsum kernel
+  monkeypatch.setattr(fused, "DEFAULT_IMPL", "xla")
+  with pytest.raises(ConfigError, match="impl='xla'"):
+    fused.apply(params, x, cfg=cfg)
+
+
+def test_dense_is_a_matmul_over_leading_axes():
+  x, w, b = randn(0, (2, 3, 5)), randn(1, (5, 4)), randn(2, (4,))
+  np.testing.assert_allclose(fused.dense(x, w, b), jnp.einsum("BTD,DE->BTE", x, w) + b,
+                             atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(fused.dense(x[0], w, 0.0), x[0] @ w, atol=1e-6, rtol=1e-6)
+
+
+def test_bench_shape_rows_and_ratios():
+  shape = bench.Shape(B=2, T=8, D=16, H=2, K=8, causal=True)
+  result = bench.bench_shape("tiny", shape, ["fused", "per_head"], "float32", repeats=1,
+                             peers=True, matmul_n=64, log=lambda _: None)
+  rows = {r["name"]: r for r in result["rows"]}
+  assert {"fused", "per_head", "flax", "jax_dpa"} <= set(rows)
+  for r in rows.values():
+    for part in ("fwd", "fb"):
+      assert r[part]["ms"] > 0 and r[part]["gflops"] > 0
+    assert r["ratios"]["flax"]["fb"] == pytest.approx(r["fb"]["ms"] / rows["flax"]["fb"]["ms"])
+  assert rows["fused"]["fwd_flops"] == fused.VARIANT.flops(shape.cfg, 8, 8) * 2
+  assert rows["fused"]["peak_bytes"] > 0
+  assert result["matmul"]["jnp"]["gflops"] > 0
+  table = bench.markdown("tiny", result)
+  assert table.count("\n| ") == len(rows) + 1 and "flax.nnx.MultiHeadAttention" in table
+  json.dumps(result)  # JSON-serializable as is
+
+
+def test_cli_smoke_run_writes_json(tmp_path, capsys):
+  out = tmp_path / "bench.json"
+  code = cli.main(["bench", "--shapes", "small", "--variants", "fused", "--repeats", "1",
+                   "--no-peers", "--out", str(out)])
+  assert code == 0
+  report = json.loads(out.read_text())
+  assert report["machine"]["cores"] >= 1 and report["machine"]["versions"]["jax"] == jax.__version__
+  rows = report["shapes"]["small"]["rows"]
+  assert [r["name"] for r in rows] == ["fused"]
+  assert "| fused |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--shapes", "huge"], "--shapes='huge'"),
+    (["--variants", "nope"], "--variants='nope'"),
+    (["--dtype", "int8"], "--dtype='int8'"),
+    (["--repeats", "0"], "--repeats=0"),
+])
+def test_cli_bad_flags_are_clear_errors(argv, match, capsys):
+  assert cli.main(["bench", *argv]) == 2
+  assert match in capsys.readouterr().err

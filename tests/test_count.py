@@ -1,0 +1,422 @@
+"""Counting: three parameter counts, FLOPs vs XLA, KV cache, whole models, published tables, CLI.
+
+Published numbers are written here from their sources (Hugging Face checkpoints,
+Vaswani et al. 2017 Table 3), not taken from attn.presets.
+"""
+
+import json
+import math
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.flatten_util import ravel_pytree
+
+import attn
+from attn import ConfigError, HeadConfig, cli, count, kernel, presets
+from attn.nn import models
+from conftest import CONFIGS, random_params
+
+
+def random_configs(n: int, seed: int = 0) -> list[HeadConfig]:
+  """Random small HeadConfigs: d_v != d_k, G < H, no bias, h not dividing D all occur."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    H = int(rng.integers(1, 7))
+    G = int(rng.choice([g for g in range(1, H + 1) if H % g == 0]))
+    D = H * int(rng.integers(1, 6)) if rng.random() < 0.6 else int(rng.integers(3, 30))
+    out.append(HeadConfig(d_model=D, num_heads=H, d_k=int(rng.integers(1, 9)),
+                          d_v=int(rng.integers(1, 9)), num_kv_heads=G,
+                          use_bias=bool(rng.random() < 0.5),
+                          collab_width=int(rng.integers(1, 20))))
+  return out
+
+
+ALL_CONFIGS = list(CONFIGS.values()) + random_configs(10)
+
+
+def accepted(name: str, configs: list[HeadConfig]) -> list[HeadConfig]:
+  out = []
+  for cfg in configs:
+    try:
+      attn.api.check_config(name, cfg)
+      out.append(cfg)
+    except ConfigError:
+      pass
+  assert len(out) >= 4, f"{name} accepts too few test configs to mean anything"
+  return out
+
+
+# ---------------------------------------------------------------- per layer
+
+
+@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+def test_analytic_equals_stored_and_effective_at_most_stored(name):
+  for cfg in accepted(name, ALL_CONFIGS):
+    c = count.param_counts(name, cfg)
+    params = attn.init(name, jax.random.PRNGKey(0), cfg)
+    assert c["stored"] == sum(a.size for a in params.values()), cfg
+    assert c["analytic"] == c["stored"], cfg
+    assert 0 < c["effective"] <= c["stored"], cfg
+
+
+def test_same_function_class_same_effective_count():
+  # per_head, fused and two_stage compute the same function class (seed questions 1, 2).
+  for cfg in ALL_CONFIGS:
+    eff = {n: count.param_counts(n, cfg)["effective"] for n in ("per_head", "fused", "two_stage")}
+    assert len(set(eff.values())) == 1, (cfg, eff)
+
+
+JACOBIAN_CONFIGS = [HeadConfig(d_model=4, num_heads=4, d_k=1, d_v=2, num_kv_heads=2),
+                    HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=3, num_kv_heads=1,
+                               use_bias=False)]
+
+
+@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+def test_effective_count_is_the_rank_of_the_jacobian(name):
+  # The dimension of the function class is the generic rank of d(outputs)/d(params).
+  for cfg in JACOBIAN_CONFIGS:
+    params = {k: 0.4 * v for k, v in random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 1).items()}
+    flat, unravel = ravel_pytree(params)
+    x_BTD = jax.random.normal(jax.random.PRNGKey(2), (12, 5, cfg.d_model))
+    f = lambda w: attn.VARIANTS[name].apply(unravel(w), x_BTD, None, cfg=cfg)[0].ravel()
+    s = np.linalg.svd(np.asarray(jax.jit(jax.jacfwd(f))(flat)), compute_uv=False)
+    s = s / s[0]
+    rank = int((s > 1e-6).sum())
+    assert rank == count.param_counts(name, cfg)["effective"], (cfg, s[rank - 2:rank + 2])
+
+
+@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+def test_score_weights_are_the_weights_the_logits_depend_on(name):
+  cfg = HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, collab_width=7)
+  params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 3)
+  x_BTD = jax.random.normal(jax.random.PRNGKey(4), (2, 5, cfg.d_model))
+  r_BHTS = jax.random.normal(jax.random.PRNGKey(5), (2, 4, 5, 5))
+  loss = lambda p: (attn.VARIANTS[name].apply(p, x_BTD, None, cfg=cfg, return_weights=True)[1]
+                    * r_BHTS).sum()
+  grads = jax.grad(loss)(params)
+  touched = sum(int((jnp.abs(g) > 0).sum()) for k, g in grads.items() if not k.startswith("b"))
+  assert touched == count.score_weight_count(name, cfg)
+
+
+def test_seed_question_score_weights_per_head():
+  cfg = HeadConfig(d_model=512, num_heads=8, d_k=64)
+  assert count.score_weight_count("per_head", cfg) == 8 * 2 * 512 * 64
+  assert count.score_weight_count("merged", cfg) == 8 * 512 * 512
+  assert count.param_counts("per_head", cfg)["analytic"] == 4 * 512 * 512 + 4 * 512
+
+
+def xla_flops(f, *args) -> float:
+  cost = jax.jit(f).lower(*args).compile().cost_analysis()
+  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+def test_flops_agree_with_xla_cost_analysis(name):
+  # Small shapes where matmuls dominate: XLA also counts bias adds and softmax
+  # (a few ops per score), and per_head's loop adds per-head partial gradients.
+  cfg = HeadConfig(d_model=48, num_heads=4, d_k=12, d_v=20, num_kv_heads=2)
+  T, S = 4, 12
+  params = attn.init(name, jax.random.PRNGKey(0), cfg)
+  x_BTD = jnp.ones((1, T, cfg.d_model))
+  c_BSD = jnp.ones((1, S, cfg.d_model))
+  f = lambda p, x, c: attn.VARIANTS[name].apply(p, x, c, cfg=cfg)[0]
+
+  def fwd_bwd(p, x, c, dy):
+    y, vjp = jax.vjp(f, p, x, c)
+    return y, vjp(dy)
+
+  fwd = count.flops(name, cfg, T, S)
+  assert xla_flops(f, params, x_BTD, c_BSD) == pytest.approx(fwd, rel=0.10)
+  both = count.flops(name, cfg, T, S, backward=True)
+  assert both == 3 * fwd
+  assert xla_flops(fwd_bwd, params, x_BTD, c_BSD, x_BTD) == pytest.approx(both, rel=0.10)
+
+
+def test_flops_default_S_is_T_and_bad_lengths_are_refused():
+  cfg = CONFIGS["gqa"]
+  assert count.flops("fused", cfg, 9) == count.flops("fused", cfg, 9, 9)
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ConfigError, match="T"):
+      count.flops("fused", cfg, bad)
+
+
+def test_kv_cache_mha_gqa_mqa():
+  # Per token per layer: a key (d_k) and a value (d_v) for each of the G kv heads.
+  mha, gqa, mqa = (HeadConfig(d_model=512, num_heads=8, num_kv_heads=g) for g in (8, 2, 1))
+  for name in ("per_head", "fused", "two_stage", "split_input"):
+    assert count.kv_cache_bytes_per_token(name, mha, "bfloat16") == 2 * 8 * 64 * 2
+    assert count.kv_cache_bytes_per_token(name, gqa, "bfloat16") == 2 * 2 * 64 * 2
+    assert count.kv_cache_bytes_per_token(name, mqa, "float32") == 2 * 1 * 64 * 4
+  # merged: the raw context (512) that x·W_h is scored against, plus values.
+  assert count.kv_cache_bytes_per_token("merged", mqa, "float16") == (512 + 64) * 2
+  with pytest.raises(ConfigError, match="dtype"):
+    count.kv_cache_bytes_per_token("fused", mha, "not-a-dtype")
+
+
+@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypatch):
+  # Distinct per-head key and value slices the kernel receives = what a decoder must cache.
+  cfg = HeadConfig(d_model=12, num_heads=6, d_k=3, d_v=5, num_kv_heads=3, collab_width=7)
+  seen = []
+  real = kernel.attention
+
+  def spy(q, k, v, *args, **kwargs):
+    seen.append((np.asarray(k), np.asarray(v)))
+    return real(q, k, v, *args, **kwargs)
+
+  monkeypatch.setattr(kernel, "attention", spy)
+  params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 1)
+  attn.VARIANTS[name].apply(params, jax.random.normal(jax.random.PRNGKey(1), (1, 4, 12)),
+                            cfg=cfg)
+  assert seen, "the variant did not call attn.kernel.attention"
+
+  def distinct_width(arrays):
+    slices = []
+    for a_BSGW in arrays:
+      for g in range(a_BSGW.shape[2]):
+        if not any(np.array_equal(a_BSGW[:, :, g], s) for s in slices):
+          slices.append(a_BSGW[:, :, g])
+    return sum(s.shape[-1] for s in slices)
+
+  width = distinct_width(k for k, _ in seen) + distinct_width(v for _, v in seen)
+  assert count.kv_cache_bytes_per_token(name, cfg, jnp.int8) == width
+
+
+def test_every_variant_has_cache_and_score_formulas():
+  assert set(count.KV_CACHE_WIDTH) == set(attn.VARIANTS)
+  assert set(count.SCORE_WEIGHTS) == set(attn.VARIANTS)
+
+
+# ---------------------------------------------------------------- whole models
+
+
+def tree_count(model) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def built_count(cfg: models.ModelConfig, kind: str) -> int:
+  return tree_count(nnx.eval_shape(lambda: presets.BUILDERS[kind](cfg, rngs=nnx.Rngs(0))))
+
+
+SMALL = dict(vocab_size=37, d_model=12, num_layers=2, num_heads=3, d_ff=20, max_len=9)
+MODEL_CASES = [
+    ("encoder", dict(num_segments=2, embed_norm=True, norm="post", final_norm=False, pooler=True)),
+    ("encoder", dict(use_bias=False, layernorm=False, positional="none", d_k=5, d_v=2)),
+    ("decoder_lm", dict(num_kv_heads=1)),
+    ("decoder_lm", dict(tie_embeddings=False, use_bias=False, positional="sinusoidal")),
+    ("decoder_lm", dict(tie_embeddings=False, layernorm=False, final_norm=False)),
+    ("classifier", dict(num_classes=4, pooler=True, num_segments=3)),
+    ("classifier", dict(num_classes=2, pooling="mean", use_bias=False)),
+    ("encoder_decoder", dict(num_decoder_layers=3, positional="sinusoidal", norm="post",
+                             final_norm=False)),
+    ("encoder_decoder", dict(num_decoder_layers=1, share_src_tgt_embeddings=False)),
+    ("encoder_decoder", dict(num_decoder_layers=2, share_src_tgt_embeddings=False,
+                             tie_embeddings=False, layernorm=False, use_bias=False)),
+    ("encoder_decoder", dict(num_decoder_layers=2, tie_embeddings=False, embed_norm=True)),
+]
+
+
+@pytest.mark.parametrize("kind,changes", MODEL_CASES)
+def test_model_formula_equals_the_flax_parameter_tree(kind, changes):
+  cfg = models.ModelConfig(**{**SMALL, **changes})
+  parts = count.model_param_breakdown(cfg, kind)
+  assert all(v >= 0 for v in parts.values())
+  assert count.model_param_count(cfg, kind) == built_count(cfg, kind)
+
+
+@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+def test_model_formula_for_every_variant(name):
+  cfg = models.ModelConfig(**{**SMALL, "variant": name, "num_decoder_layers": 1, "num_kv_heads": 1})
+  assert count.model_param_count(cfg, "encoder_decoder") == built_count(cfg, "encoder_decoder")
+
+
+# Published totals, from the Hugging Face checkpoints (each array counted once).
+PUBLISHED = {"bert-base": 109_482_240, "bert-large": 335_141_888, "gpt2": 124_439_808,
+             "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_bert_gpt2_counts(name):
+  preset = presets.get_preset(name)
+  assert count.model_param_count(preset.config, preset.kind) == PUBLISHED[name]
+  assert built_count(preset.config, preset.kind) == PUBLISHED[name]
+
+
+# Vaswani et al. 2017, Table 3, params column (×10⁶): row changes and the paper's number.
+TABLE3 = {
+    "vaswani-base": ({}, 65),
+    "vaswani-A-h1": (dict(num_heads=1, d_k=512, d_v=512), 65),
+    "vaswani-A-h4": (dict(num_heads=4, d_k=128, d_v=128), 65),
+    "vaswani-A-h16": (dict(num_heads=16, d_k=32, d_v=32), 65),
+    "vaswani-A-h32": (dict(num_heads=32, d_k=16, d_v=16), 65),
+    "vaswani-B-dk16": (dict(d_k=16), 58),
+    "vaswani-B-dk32": (dict(d_k=32), 60),
+    "vaswani-C-N2": (dict(num_layers=2, num_decoder_layers=2), 36),
+    "vaswani-C-N4": (dict(num_layers=4, num_decoder_layers=4), 50),
+    "vaswani-C-N8": (dict(num_layers=8, num_decoder_layers=8), 80),
+    "vaswani-C-d256": (dict(d_model=256, d_k=32, d_v=32), 28),
+    "vaswani-C-d1024": (dict(d_model=1024, d_k=128, d_v=128), 168),
+    "vaswani-C-ff1024": (dict(d_ff=1024), 53),
+    "vaswani-C-ff4096": (dict(d_ff=4096), 90),
+}
+BASE = dict(N=6, d_model=512, d_ff=2048, h=8, d_k=64, d_v=64)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE3))
+def test_table3_params_column(name):
+  changes, paper = TABLE3[name]
+  preset = presets.get_preset(name)
+  m = preset.config
+  want = {**BASE, **{ {"num_layers": "N", "num_heads": "h"}.get(k, k): v
+                      for k, v in changes.items() if k != "num_decoder_layers"}}
+  assert (m.num_layers, m.num_decoder_layers, m.d_model, m.d_ff, m.num_heads, m.d_k, m.d_v) == (
+      want["N"], want["N"], want["d_model"], want["d_ff"], want["h"], want["d_k"], want["d_v"])
+  assert round(count.model_param_count(m, "encoder_decoder") / 1e6) == paper
+  assert preset.matches()
+
+
+def test_table3_rows_A_do_not_change_with_h():
+  base = count.model_param_count(presets.get_preset("vaswani-base").config, "encoder_decoder")
+  for name in ("vaswani-A-h1", "vaswani-A-h4", "vaswani-A-h16", "vaswani-A-h32"):
+    m = presets.get_preset(name).config
+    assert m.num_heads * m.d_k == m.d_model
+    assert count.model_param_count(m, "encoder_decoder") == base
+
+
+def test_table3_vaswani_base_tree_and_pieces():
+  m = presets.get_preset("vaswani-base").config
+  assert built_count(m, "encoder_decoder") == count.model_param_count(m, "encoder_decoder")
+  # By hand: 6 encoder + 6 decoder layers (post-norm, biases), one shared 512-wide table.
+  attn_layer, ffn, ln = 4 * (512 * 512 + 512), 2 * 512 * 2048 + 2048 + 512, 2 * 512
+  layers = 6 * (attn_layer + ffn + 2 * ln) + 6 * (2 * attn_layer + ffn + 3 * ln)
+  assert count.model_param_count(m, "encoder_decoder") == layers + presets.VASWANI_VOCAB * 512
+
+
+def millions(m, vocab: int) -> int:
+  return round(count.model_param_count(m.replace(vocab_size=vocab), "encoder_decoder") / 1e6)
+
+
+def test_table3_vocabulary_interval_and_the_row_that_cannot_match():
+  ranges = {}
+  for name, (_, paper) in TABLE3.items():
+    preset = presets.get_preset(name)
+    lo, hi = presets.vocab_range(preset)
+    # The interval's ends are exact: inside rounds to the paper, one step outside does not.
+    assert millions(preset.config, lo) == paper == millions(preset.config, hi)
+    assert millions(preset.config, lo - 1) != paper != millions(preset.config, hi + 1)
+    ranges[name] = (lo, hi)
+  lo, hi = max(a for a, _ in ranges.values()), min(b for _, b in ranges.values())
+  assert lo <= presets.VASWANI_VOCAB <= hi
+  # The paper's "about 37000" does not give 65M for base.
+  assert millions(presets.get_preset("vaswani-base").config, 37_000) == 63
+  big = presets.get_preset("vaswani-big")
+  assert (big.config.d_model, big.config.d_ff, big.config.num_heads) == (1024, 4096, 16)
+  assert not big.matches()
+  big_lo, big_hi = presets.vocab_range(big)
+  assert big_hi < lo  # no vocabulary matches big together with the other rows
+
+
+def test_model_kv_cache_and_kind_errors():
+  gpt2 = presets.get_preset("gpt2").config
+  assert count.model_kv_cache_bytes_per_token(gpt2, "decoder_lm", "float16") == 12 * 2 * 768 * 2
+  with pytest.raises(ConfigError, match="kind"):
+    count.model_param_count(gpt2, "transformer")
+  with pytest.raises(ConfigError, match="kind"):
+    count.model_kv_cache_bytes_per_token(gpt2, "encoder")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def run_cli(capsys, *argv):
+  code = cli.main(["count", *argv])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def md_rows(text: str) -> dict[str, list[str]]:
+  rows = {}
+  for line in text.splitlines():
+    if line.startswith("| ") and not line.startswith("|---"):
+      cells = [c.strip() for c in line.strip("|").split("|")]
+      rows.setdefault(cells[0], cells)
+  return rows
+
+
+def test_cli_markdown_seed_question(capsys):
+  code, out, _ = run_cli(capsys, "--d-model", "512", "--num-heads", "8", "--d-k", "64")
+  assert code == 0
+  rows = md_rows(out)
+  assert set(attn.VARIANTS) <= set(rows)
+  cfg = HeadConfig(d_model=512, num_heads=8, d_k=64)
+  for name in attn.VARIANTS:
+    c = count.param_counts(name, cfg)
+    assert rows[name][1:4] == [f"{c['analytic']:,}", f"{c['stored']:,}", f"{c['effective']:,}"]
+    assert rows[name][6] == f"{count.flops(name, cfg, 128):,}"
+  assert rows["per_head"][5] == f"{2 * 512 * 64:,}" and rows["merged"][5] == f"{512 ** 2:,}"
+
+
+def test_cli_csv_and_json(capsys):
+  code, out, _ = run_cli(capsys, "--num-kv-heads", "2", "--format", "csv", "--variant", "fused",
+                         "--variant", "merged")
+  assert code == 0
+  lines = out.strip().splitlines()
+  assert lines[0].startswith("variant,analytic,stored,effective") and len(lines) == 3
+  code, out, _ = run_cli(capsys, "--preset", "gpt2", "--format", "json", "--seq-len", "64")
+  assert code == 0
+  report = json.loads(out)
+  assert report["model"]["count"] == PUBLISHED["gpt2"]
+  fused = next(r for r in report["rows"] if r["variant"] == "fused")
+  assert fused["model_params"] == PUBLISHED["gpt2"]
+  assert fused["flops_fwd"] == count.flops("fused", presets.get_preset("gpt2").config.head, 64)
+
+
+def test_cli_table3(capsys):
+  code, out, _ = run_cli(capsys, "--preset", "vaswani-table3")
+  assert code == 0
+  rows = md_rows(out)
+  assert rows["big"][-1] == "**no**"
+  assert sum(r[-1] == "yes" for r in rows.values()) == len(TABLE3)
+  report = json.loads(run_cli(capsys, "--preset", "vaswani-table3", "--format", "json")[1])
+  assert report["vocab_size"] == presets.VASWANI_VOCAB and list(report["unmatched"]) == ["big"]
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--preset", "gpt5"], "preset"),
+    (["--d-model", "512", "--num-heads", "3"], "d_k"),
+    (["--num-kv-heads", "3"], "num_kv_heads"),
+    (["--d-model", "0"], "d_model"),
+    (["--seq-len", "0"], "T"),
+    (["--dtype", "float7"], "dtype"),
+    (["--variant", "nope"], "variant"),
+    (["--preset", "bert-base", "--num-heads", "5"], "d_k"),
+    (["--preset", "vaswani-table3", "--d-k", "16"], "preset"),
+])
+def test_cli_errors_are_clear(capsys, argv, field):
+  code, out, err = run_cli(capsys, *argv)
+  assert code == 2 and out == ""
+  assert field in err and "Traceback" not in err
+
+
+def test_cli_variant_that_refuses_the_config_says_why(capsys):
+  code, out, _ = run_cli(capsys, "--d-model", "20", "--num-heads", "6", "--d-k", "4")
+  assert code == 0
+  assert "n/a: num_heads=6" in md_rows(out)["split_input"][1]
+
+
+def test_readme_tables_are_what_the_command_prints(capsys):
+  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  section = readme.split("<!-- section: counting -->")[1].split("<!-- /section: counting -->")[0]
+  commands = re.findall(r"^attn count(.*)$", section, flags=re.M)
+  assert len(commands) >= 2
+  for args in commands:
+    code, out, _ = run_cli(capsys, *args.split())
+    assert code == 0
+    tables = [t for t in out.split("\n\n") if t.startswith("|")]
+    assert tables and all(t in section for t in tables), args

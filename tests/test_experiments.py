@@ -1,0 +1,282 @@
+"""Experiment runner: config validation, trial ids, tasks, training, NaN handling, store, report."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from attn.config import ConfigError
+from attn.experiments import config as config_lib
+from attn.experiments import report, store, sweep, tasks, train
+
+TINY = """
+[meta]
+name = "tiny"
+question = "does the runner run?"
+
+[task]
+name = "mqar"
+vocab_size = 16
+seq_len = 12
+num_pairs = 2
+
+[model]
+d_model = 16
+num_layers = 2
+num_heads = 2
+d_ff = 16
+
+[train]
+steps = 3
+batch_size = 4
+warmup_steps = 1
+eval_every = 2
+eval_batches = 1
+
+[sweep]
+seeds = [0, 1]
+
+[sweep.grid]
+"train.lr" = [1e-2, 1e30]
+"""
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+  monkeypatch.setenv("ATTN_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "jax_cache"))
+
+
+def write(tmp_path, text, name="c.toml"):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+# --- config parsing and validation -------------------------------------------------------
+
+def test_expands_grid_times_zip_times_seeds(tmp_path):
+  text = TINY.replace('"train.lr" = [1e-2, 1e30]', '"model.variant" = ["per_head", "fused"]') + \
+      '[sweep.zip]\n"model.num_heads" = [1, 2, 4]\n"model.d_k" = [16, 8, 4]\n'
+  sw = config_lib.load(write(tmp_path, text))
+  assert len(sw.trials) == 2 * 3 * 2
+  labels = [t.label for t in sw.trials]
+  assert {(l["model.num_heads"], l["model.d_k"]) for l in labels} == {(1, 16), (2, 8), (4, 4)}
+  for t in sw.trials:  # the axis values reach the resolved config
+    assert t.config["model"]["num_heads"] == t.label["model.num_heads"]
+    assert t.config["model"]["variant"] == t.label["model.variant"]
+    assert t.config["train"]["seed"] == t.label["train.seed"]
+    assert t.config["model"]["vocab_size"] == 16  # derived from the task
+
+
+def test_fixed_width_and_fixed_params_constraints(tmp_path):
+  text = TINY.replace('"train.lr" = [1e-2, 1e30]', '"model.num_heads" = [1, 2, 4]')
+  text = text.replace("seeds = [0, 1]", 'seeds = [0]\nderive = ["fixed_width", "fixed_params"]')
+  sw = config_lib.load(write(tmp_path, text.replace("d_ff = 16", "d_ff = 32")))
+  counts = []
+  for t in sw.trials:
+    m = t.config["model"]
+    assert m["d_k"] == m["d_v"] == 16 // m["num_heads"]
+    counts.append(train.count_params(m, "lm"))
+  per_unit = 2 * 16 * 2 + 2  # one more d_ff unit: a column and row of both MLP matrices, one bias, 2 layers
+  assert max(counts) - min(counts) <= per_unit
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("[model]", "[modle]"), ["modle", "[model]"]),
+    (("d_ff = 16", "d_ff = 16\nwidth = 3"), ["model.width", "num_heads"]),
+    (("d_ff = 16", 'd_ff = "16"'), ["model.d_ff", "'16'", "integer"]),
+    (("steps = 3", "steps = 2.5"), ["train.steps", "2.5", "int"]),
+    (("d_ff = 16", "d_ff = 16\nvocab_size = 9"), ["model.vocab_size", "derived from the task"]),
+    (('"train.lr" = [1e-2, 1e30]', '"model.num_heads" = [3]\n'), ["num_heads", "d_k"]),
+    (('"train.lr" = [1e-2, 1e30]', '"model.nope" = [1]'), ["sweep.grid.model.nope"]),
+    (('"train.lr" = [1e-2, 1e30]', '"train.lr" = []'), ["sweep.grid.train.lr", "non-empty list"]),
+    (("seeds = [0, 1]", 'seeds = [0]\nderive = ["wide"]'), ["sweep.derive", "wide", "fixed_width"]),
+    (('name = "mqar"', 'name = "mqqar"'), ["task.name", "mqqar", "induction"]),
+    (('name = "mqar"\nvocab_size = 16\nseq_len = 12\nnum_pairs = 2', 'name = "char_lm"\npath = "/no/such/file.txt"'), ["task.path", "/no/such/file.txt", "existing"]),
+    (("num_pairs = 2", "num_pairs = 9"), ["task.seq_len", "integer >="]),
+    (('name = "mqar"', 'name = "induction"'), ["task.num_pairs", "induction"]),
+    (("seeds = [0, 1]", 'seeds = [0]\n[sweep.zip]\n"model.num_heads" = [1, 2]\n"model.d_k" = [4]'),
+     ["sweep.zip", "equal length"]),
+])
+def test_validation_errors_name_file_key_value_and_allowed(tmp_path, edit, words):
+  path = write(tmp_path, TINY.replace(*edit))
+  with pytest.raises(ConfigError) as e:
+    config_lib.load(path)
+  msg = str(e.value)
+  assert msg.startswith(path) and "not allowed" in msg
+  for w in words:
+    assert w in msg, (w, msg)
+
+
+def test_induction_refuses_one_layer(tmp_path):
+  text = TINY.replace('name = "mqar"\nvocab_size = 16\nseq_len = 12\nnum_pairs = 2',
+                      'name = "induction"\nvocab_size = 16\nseq_len = 12')
+  path = write(tmp_path, text.replace("num_layers = 2", "num_layers = 1"))
+  with pytest.raises(ConfigError, match=r"model\.num_layers=1 is not allowed: >= 2"):
+    config_lib.load(path)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+  with pytest.raises(ConfigError, match="valid TOML"):
+    config_lib.load(write(tmp_path, "[model\n"))
+  with pytest.raises(ConfigError, match="existing TOML file"):
+    config_lib.load(str(tmp_path / "absent.toml"))
+
+
+def test_set_overrides_base_and_pins_swept_keys(tmp_path):
+  path = write(tmp_path, TINY)
+  sw = config_lib.load(path, ["train.steps=7", "model.variant=per_head", "train.lr=0.005"])
+  assert {t.config["train"]["steps"] for t in sw.trials} == {7}
+  assert {t.config["model"]["variant"] for t in sw.trials} == {"per_head"}
+  assert len(sw.trials) == 2 and {t.config["train"]["lr"] for t in sw.trials} == {0.005}
+  sw = config_lib.load(path, ["seed=3"])
+  assert [t.config["train"]["seed"] for t in sw.trials] == [3, 3]
+  with pytest.raises(ConfigError, match="--set"):
+    config_lib.load(path, ["steps"])
+  with pytest.raises(ConfigError, match=r"train\.steps='x' is not allowed"):
+    config_lib.load(path, ["train.steps=x"])
+
+
+def test_trial_ids_are_stable_and_change_with_any_value(tmp_path):
+  path = write(tmp_path, TINY)
+  a, b = config_lib.load(path), config_lib.load(path)
+  assert [t.id for t in a.trials] == [t.id for t in b.trials] and a.id == b.id
+  assert len({t.id for t in a.trials}) == len(a.trials)
+  reordered = TINY.replace("num_heads = 2\nd_ff = 16", "d_ff = 16\nnum_heads = 2")
+  assert [t.id for t in config_lib.load(write(tmp_path, reordered, "r.toml")).trials] == [t.id for t in a.trials]
+  for change in ["train.steps=4", "model.d_ff=17", "model.variant=per_head", "task.num_pairs=3",
+                 "train.weight_decay=0.02", "train.batch_size=5"]:
+    other = config_lib.load(path, [change])
+    assert not {t.id for t in other.trials} & {t.id for t in a.trials}, change
+    assert other.id != a.id
+
+
+# --- tasks ----------------------------------------------------------------------------------
+
+def test_tasks_are_deterministic_and_correct(tmp_path):
+  mq = tasks.MQAR(vocab_size=32, seq_len=20, num_pairs=4)
+  b = mq.batch(5, tasks.TRAIN, 3, 8)
+  assert all(np.array_equal(b[k], mq.batch(5, tasks.TRAIN, 3, 8)[k]) for k in b)
+  assert not np.array_equal(b["tokens"], mq.batch(6, tasks.TRAIN, 3, 8)["tokens"])
+  assert not np.array_equal(b["tokens"], mq.batch(5, tasks.EVAL, 3, 8)["tokens"])
+  for tok, tgt, w in zip(b["tokens"], b["targets"], b["weights"]):
+    pairs = dict(zip(tok[0:8:2], tok[1:8:2]))
+    assert len(pairs) == 4
+    for t in np.nonzero(w)[0]:  # each weighted position holds a key whose value is the target
+      assert pairs[tok[t]] == tgt[t]
+  ind = tasks.Induction(vocab_size=16, seq_len=15).batch(0, 0, 0, 4)
+  seq = np.concatenate([ind["tokens"], ind["targets"][:, -1:]], 1)
+  for t in np.nonzero(ind["weights"][0])[0]:
+    assert (seq[:, t + 1] == seq[:, t + 1 - 8]).all()
+  mp = tasks.MarkerPosition(vocab_size=10, seq_len=12, num_classes=3).batch(1, 0, 0, 16)
+  where = np.argmax(mp["tokens"] == 1, axis=1)
+  assert ((mp["tokens"] == 1).sum(1) == 1).all() and (mp["labels"] == where // 4).all()
+  text = tmp_path / "t.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+  ch = tasks.CharLM(path=str(text), seq_len=16)
+  cb = ch.batch(0, tasks.TRAIN, 0, 3)
+  assert ch.vocab_size == len(set(text.read_text()))
+  assert (cb["tokens"][:, 1:] == cb["targets"][:, :-1]).all()
+
+
+@pytest.mark.parametrize("task", [
+    {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
+    {"name": "induction", "vocab_size": 16, "seq_len": 12},
+    {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
+    {"name": "char_lm", "seq_len": 12},
+])
+def test_one_training_step_of_every_task(tmp_path, task):
+  if task["name"] == "char_lm":
+    (tmp_path / "c.txt").write_text("abcdefghij klmnop, qrstuv. " * 10)
+    task = {**task, "path": str(tmp_path / "c.txt")}
+  cfg = config_lib.resolve({"task": task, "model": {"d_model": 16, "num_layers": 2, "num_heads": 2, "d_ff": 16,
+                                                    "pooling": "mean"},
+                            "train": {"steps": 2, "batch_size": 2, "eval_batches": 1}}, [], None)
+  rows = []
+  (summary,) = train.train_group([cfg], lambda i, r: rows.append(r))
+  assert summary["status"] == "ok" and [r["step"] for r in rows] == [0, 1]
+  for key in ("loss", "accuracy", "grad_norm", "param_norm", "update_norm", "step_time_s"):
+    assert np.isfinite(rows[-1][key])
+  assert rows[1]["update_norm"] > 0 and "eval_loss" in rows[-1]
+
+
+# --- sweeps, store, NaN handling, determinism, report ----------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+  root = tmp_path_factory.mktemp("sweep")
+  path = write(root, TINY)
+  os.environ.setdefault("ATTN_JAX_CACHE", str(root / "jax_cache"))
+  sw = config_lib.load(path)
+  counts = sweep.run_sweep(sw, str(root / "out"), config_text=TINY)
+  return sw, str(root / "out"), counts, path
+
+
+def test_nan_trial_fails_with_reason_and_sweep_goes_on(tiny_sweep):
+  sw, out, counts, _ = tiny_sweep
+  assert counts == {"ok": 2, "failed": 2, "skipped": 0}
+  for t in sw.trials:
+    s = store.read_json(os.path.join(out, "trials", t.id, "summary.json"))
+    if t.label["train.lr"] > 1:
+      assert s["status"] == "failed" and "non-finite" in s["reason"]
+    else:
+      rows = store.read_rows(os.path.join(out, "trials", t.id, "metrics.jsonl"))
+      assert s["status"] == "ok" and [r["step"] for r in rows] == [0, 1, 2]
+      assert s["final"]["eval_loss"] == rows[-1]["eval_loss"]
+
+
+def test_rerun_skips_finished_and_other_sweep_is_refused(tiny_sweep, tmp_path):
+  sw, out, _, path = tiny_sweep
+  before = {f: os.path.getmtime(os.path.join(r, f)) for r, _, fs in os.walk(out) for f in fs}
+  assert sweep.run_sweep(sw, out) == {"ok": 0, "failed": 0, "skipped": 4}
+  other = config_lib.load(path, ["train.steps=4"])
+  with pytest.raises(ConfigError, match=r"--out=.* holding this same sweep.*nothing was overwritten"):
+    sweep.run_sweep(other, out)
+  (tmp_path / "junk.txt").write_text("mine")
+  with pytest.raises(ConfigError, match="junk.txt"):
+    sweep.run_sweep(other, str(tmp_path))
+  after = {f: os.path.getmtime(os.path.join(r, f)) for r, _, fs in os.walk(out) for f in fs}
+  assert {k: v for k, v in after.items() if k != "report.md"} == \
+      {k: v for k, v in before.items() if k != "report.md"}
+
+
+def _rows(out, trial_id):
+  rows = store.read_rows(os.path.join(out, "trials", trial_id, "metrics.jsonl"))
+  return [{k: v for k, v in r.items() if k != "step_time_s"} for r in rows]
+
+
+def test_same_trial_and_seed_give_identical_metrics(tiny_sweep, tmp_path):
+  sw, out, _, _ = tiny_sweep
+  again = sweep.run_sweep(sw, str(tmp_path / "again"))
+  assert again["ok"] == 2
+  for t in sw.trials:
+    assert _rows(out, t.id) == _rows(str(tmp_path / "again"), t.id)
+
+
+def test_vmap_over_seeds_matches_separate_runs(tiny_sweep):
+  sw, out, _, _ = tiny_sweep
+  ok = [t for t in sw.trials if t.label["train.lr"] < 1]
+  rows = {}
+  train.train_group([t.config for t in ok], lambda i, r: rows.setdefault(i, []).append(r), vmap=False)
+  for i, t in enumerate(ok):
+    vm = _rows(out, t.id)
+    for a, b in zip(vm, rows[i]):
+      np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-4)
+      np.testing.assert_allclose(a["eval_accuracy"] if "eval_accuracy" in a else 0,
+                                 b.get("eval_accuracy", 0), atol=1e-6)
+
+
+def test_report_from_store(tiny_sweep):
+  sw, out, _, _ = tiny_sweep
+  path = report.write_report(out)
+  md = open(path).read()
+  assert "does the runner run?" in md and "Measured answer" in md
+  for t in sw.trials:
+    assert t.id in md
+  assert md.count("non-finite") == 2  # both failed trials listed with their reason
+  assert "lr=0.01" in md and "## Failed trials" in md
+  pytest.importorskip("matplotlib")
+  assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 1000
+  header = json.load(open(os.path.join(out, "sweep.json")))
+  assert header["sweep_id"] == sw.id and len(header["trials"]) == 4

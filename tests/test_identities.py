@@ -1,0 +1,116 @@
+"""Identities between head variants: effective parameter counts, split input, one head vs h heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import attn
+from attn import ConfigError, HeadConfig
+from attn.convert import convert
+from conftest import CONFIGS, randn, random_params
+
+B, T, S = 2, 5, 7
+
+
+def stored(variant, cfg):
+  return sum(int(np.prod(shape)) for shape in attn.param_shapes(variant, cfg).values())
+
+
+@pytest.mark.parametrize("variant", sorted(attn.VARIANTS))
+def test_effective_count_is_at_most_the_stored_count(variant):
+  v = attn.VARIANTS[variant]
+  for cfg in list(CONFIGS.values()) + [cfg.replace(use_bias=False) for cfg in CONFIGS.values()]:
+    try:
+      v.check(cfg)
+    except ConfigError:
+      continue
+    assert v.param_count(cfg) == stored(variant, cfg)
+    assert 0 < v.effective_param_count(cfg) <= v.param_count(cfg)
+
+
+# Tiny layers whose Jacobian (outputs on many inputs w.r.t. every parameter) fits in memory:
+# its rank is the local dimension of the function class, i.e. the effective count.
+JACOBIAN_CASES = [
+    pytest.param(name, HeadConfig(d_model=6, num_heads=2, d_k=2, d_v=3, num_kv_heads=1),
+                 id=f"{name}-G<H-bias") for name in sorted(attn.VARIANTS)
+] + [
+    pytest.param("per_head", HeadConfig(d_model=4, num_heads=2, d_k=5, d_v=5, use_bias=False),
+                 id="per_head-dk>D"),
+    pytest.param("collaborative", HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=2,
+                                             collab_width=7, use_bias=False),
+                 id="collaborative-width7"),
+    pytest.param("split_input", HeadConfig(d_model=6, num_heads=3, d_k=4, d_v=2),
+                 id="split_input-dk>D/H"),
+]
+
+
+@pytest.mark.parametrize("variant, cfg", JACOBIAN_CASES)
+def test_effective_count_is_the_rank_of_the_jacobian(variant, cfg):
+  params = random_params(attn.init(variant, jax.random.PRNGKey(0), cfg), 1)
+  flat, unravel = ravel_pytree(params)
+  x = randn(2, (12, T, cfg.d_model))
+  ctx = randn(3, (12, S, cfg.d_model))
+  apply = attn.VARIANTS[variant].apply
+  jac = jax.jit(jax.jacfwd(lambda f: apply(unravel(f), x, ctx, cfg=cfg)[0].ravel()))(flat)
+  sv = np.linalg.svd(np.asarray(jac, np.float64), compute_uv=False)
+  sv = sv / sv[0]
+  eff = attn.VARIANTS[variant].effective_param_count(cfg)
+  assert jac.shape[0] > 2 * flat.size
+  # A clean gap: the last real direction is far above float32 round-off, the next is at it.
+  assert sv[eff - 1] > 1e-5, (eff, sv[eff - 3:eff + 3])
+  if eff < flat.size:
+    assert sv[eff] < 1e-6, (eff, sv[eff - 3:eff + 3])
+
+
+@pytest.mark.parametrize("cname", ["base", "dv_ne_dk", "gqa", "mqa_nobias"])
+def test_split_input_is_a_block_diagonal_per_head_layer(cname):
+  cfg = CONFIGS[cname]
+  D, H, G = cfg.d_model, cfg.num_heads, cfg.num_kv_heads
+  p = random_params(attn.init("split_input", jax.random.PRNGKey(0), cfg), 1)
+  full = convert(p, "split_input", "per_head", cfg)
+  for name, n in (("w_q", H), ("w_k", G), ("w_v", G)):
+    w = np.asarray(full[name])  # (D, heads, width)
+    rows = np.arange(D) // (D // n)
+    for head in range(n):
+      np.testing.assert_array_equal(w[rows != head, head], 0.0)
+      np.testing.assert_array_equal(w[rows == head, head], np.asarray(p[name][head]))
+  x = randn(2, (B, T, D))
+  ctx = randn(3, (B, S, D))
+  np.testing.assert_allclose(attn.apply("per_head", full, x, ctx, cfg=cfg),
+                             attn.apply("split_input", p, x, ctx, cfg=cfg), atol=1e-5, rtol=1e-5)
+  # A smaller model: a generic per_head layer has more parameters and more degrees of freedom.
+  assert stored("split_input", cfg) < stored("per_head", cfg)
+  assert (attn.VARIANTS["split_input"].effective_param_count(cfg)
+          < attn.VARIANTS["per_head"].effective_param_count(cfg))
+
+
+def test_split_input_requires_heads_dividing_d_model():
+  with pytest.raises(ConfigError, match="num_heads=6.*d_model=20"):
+    attn.init("split_input", jax.random.PRNGKey(0), CONFIGS["h_not_dividing_D"])
+
+
+def test_h_heads_are_not_one_wide_head_made_of_the_same_matrices():
+  """Seed question 5: the same Q, K, V, but h attention matrices instead of one."""
+  D, H = 32, 8
+  multi = HeadConfig(d_model=D, num_heads=H)
+  # The same scale for both, so the only difference is one softmax vs h.
+  single = HeadConfig(d_model=D, num_heads=1, d_k=D, d_v=D, scale=multi.score_scale)
+  p8 = attn.init("per_head", jax.random.PRNGKey(0), multi)
+  p8 = random_params(p8, 1) | {n: a for n, a in p8.items() if n.startswith("w_")}
+  p1 = {n: a.reshape(attn.param_shapes("per_head", single)[n]) for n, a in p8.items()}
+  x = randn(2, (B, T, D))
+  for n in ("q", "k", "v"):  # the projections are identical
+    np.testing.assert_allclose(
+        (jnp.einsum("BTD,DHK->BTHK", x, p8[f"w_{n}"]) + p8[f"b_{n}"]).reshape(B, T, 1, D),
+        jnp.einsum("BTD,DHK->BTHK", x, p1[f"w_{n}"]) + p1[f"b_{n}"], rtol=1e-6, atol=1e-6)
+  y8, w8 = attn.apply("per_head", p8, x, cfg=multi, return_weights=True)
+  y1, w1 = attn.apply("per_head", p1, x, cfg=single, return_weights=True)
+  rel = float(jnp.linalg.norm(y8 - y1) / jnp.linalg.norm(y8))
+  assert rel > 0.1, rel
+  # What one head loses: its logits are the sum of the h heads' logits, so its single
+  # softmax is the normalised product of theirs, up to a constant along each row.
+  log_ratio = jnp.log(w1[:, 0]) - jnp.log(w8).sum(axis=1)
+  np.testing.assert_allclose(log_ratio - log_ratio[..., :1], 0.0, atol=1e-3)
+  assert float(jnp.max(jnp.abs(w8[:, 0] - w8[:, 1]))) > 0.05  # and h distinct matrices

@@ -1,0 +1,325 @@
+"""The NNX shell: MultiHeadAttention over any variant, the small models, their configs and counts."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import attn
+from attn.nn import (DecoderLM, Encoder, EncoderDecoder, ModelConfig, MultiHeadAttention,
+                     SequenceClassifier, count_params)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+TINY = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=2, d_ff=24, max_len=8)
+
+
+def randn(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def tokens(seed, shape, vocab=TINY.vocab_size):
+  return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+def param_tree(model):
+  """Path -> array of every nnx.Param in the model."""
+  return {"/".join(map(str, path)): v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+# --- MultiHeadAttention -------------------------------------------------------------------------
+
+
+@nnx.jit
+def run(model, *args):
+  """model(*args), compiled: one compilation instead of one per operation."""
+  return model(*args)
+
+
+@nnx.jit
+def _module_out(m, x, c, mask):
+  T = x.shape[1]
+  return m(x, c, mask=mask), m(x, mask=jnp.tri(T, dtype=bool), return_weights=True)
+
+
+def test_module_matches_per_head_apply_on_converted_params(cfg):
+  """A fused module against the per_head functional layer on the module's own weights."""
+  m = MultiHeadAttention(cfg, "fused", rngs=nnx.Rngs(0))
+  fused = {k.split("/")[-1]: a for k, a in param_tree(m).items()}
+  fused = {k: a + 0.1 * randn(i, a.shape) for i, (k, a) in enumerate(sorted(fused.items()))}
+  m.load_params(fused)  # nonzero biases
+  per_head = attn.convert(fused, "fused", "per_head", cfg)
+  B, T, S = 2, 3, 5
+  x, c = randn(10, (B, T, cfg.d_model)), randn(11, (B, S, cfg.d_model))
+  mask = np.random.default_rng(12).random((B, 1, T, S)) < 0.6
+  mask[..., 1, :] = False  # a fully masked row gives zeros
+  got, (y, w) = _module_out(m, x, c, mask)
+  np.testing.assert_allclose(got, attn.apply("per_head", per_head, x, c, cfg=cfg, mask=mask), **TOL)
+  assert y.shape == (B, T, cfg.d_model) and w.shape == (B, cfg.num_heads, T, T)
+
+
+@pytest.mark.parametrize("variant", ["per_head", "fused"])
+def test_module_params_are_exactly_the_variants(variant):
+  cfg = attn.HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=3, num_kv_heads=2)
+  m = MultiHeadAttention(cfg, variant, rngs=nnx.Rngs(1))
+  tree = param_tree(m)
+  want = attn.param_shapes(variant, cfg)
+  assert {k.split("/")[-1]: a.shape for k, a in tree.items()} == want
+  assert count_params(m) == attn.get_variant(variant).param_count(cfg)
+  plain = m.params_dict()
+  assert set(plain) == set(want) and all(isinstance(a, jax.Array) for a in plain.values())
+  other = attn.init(variant, jax.random.PRNGKey(5), cfg)
+  m.load_params(other)
+  for k in want:
+    np.testing.assert_array_equal(m.params_dict()[k], other[k])
+  m2 = MultiHeadAttention.from_params(cfg, variant, other)
+  x = randn(0, (1, 3, cfg.d_model))
+  np.testing.assert_array_equal(run(m2, x), run(m, x))
+
+
+def test_module_refuses_bad_params_and_missing_rngs():
+  cfg = attn.HeadConfig(d_model=8, num_heads=2)
+  m = MultiHeadAttention(cfg, "per_head", rngs=nnx.Rngs(0))
+  bad = dict(m.params_dict(), w_o=np.zeros((2, 4, 9), np.float32))
+  with pytest.raises(attn.ConfigError, match=r"params\['w_o'\].shape=\(2, 4, 9\)"):
+    m.load_params(bad)
+  with pytest.raises(attn.ConfigError, match="params="):
+    MultiHeadAttention.from_params(cfg, "fused", m.params_dict())
+  with pytest.raises(attn.ConfigError, match="rngs=None"):
+    MultiHeadAttention(cfg, "fused")
+  with pytest.raises(attn.ConfigError, match="variant='nope'"):
+    MultiHeadAttention(cfg, "nope", rngs=nnx.Rngs(0))
+
+
+def test_module_gradient_step_changes_params_and_lowers_loss():
+  cfg = attn.HeadConfig(d_model=8, num_heads=2, num_kv_heads=1)
+  m = MultiHeadAttention(cfg, "fused", rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+  x, y = randn(0, (2, 4, 8)), randn(1, (2, 4, 8))
+
+  @nnx.jit
+  def step(m, opt):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
+    opt.update(m, grads)
+    return loss
+
+  before = m.params_dict()
+  losses = [float(step(m, opt)) for _ in range(3)]
+  after = m.params_dict()
+  assert all(not np.allclose(before[k], after[k]) for k in before)
+  assert losses[2] < losses[0]
+
+
+def test_module_bf16():
+  cfg = attn.HeadConfig(d_model=8, num_heads=2)
+  m = MultiHeadAttention(cfg, "fused", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  y = m(jnp.asarray(randn(0, (1, 3, 8)), jnp.bfloat16), mask=np.tri(3, dtype=bool))
+  assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y)))
+
+
+# --- ModelConfig ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(vocab_size=0), "vocab_size=0 .*integer >= 1"),
+    (dict(num_segments=-1), "num_segments=-1"),
+    (dict(positional="rope"), "positional='rope' .*'learned', 'sinusoidal', 'none'"),
+    (dict(norm="sandwich"), "norm='sandwich' .*'pre', 'post'"),
+    (dict(activation="swish"), "activation='swish'"),
+    (dict(pooling="max"), "pooling='max' .*'cls', 'mean'"),
+    (dict(embed_norm=1), "embed_norm=1 .*True or False"),
+    (dict(num_heads=3), "d_k=None .*num_heads=3 does not divide d_model=16"),
+    (dict(num_kv_heads=3, num_heads=4), "num_kv_heads=3 .*divisor of num_heads=4"),
+    (dict(variant="nope"), "variant='nope'"),
+])
+def test_model_config_validation(changes, match):
+  with pytest.raises(attn.ConfigError, match=match):
+    TINY.replace(**changes)
+
+
+@pytest.mark.parametrize("model,changes,match", [
+    (DecoderLM, dict(pooler=True), "pooler=True .*False for DecoderLM"),
+    (DecoderLM, dict(num_segments=2), "num_segments=2"),
+    (SequenceClassifier, dict(), "num_classes=0 .*> 0 for SequenceClassifier"),
+    (EncoderDecoder, dict(), "num_decoder_layers=0"),
+])
+def test_models_refuse_fields_they_would_ignore(model, changes, match):
+  with pytest.raises(attn.ConfigError, match=match):
+    nnx.eval_shape(lambda: model(TINY.replace(**changes), rngs=nnx.Rngs(0)))
+
+
+def test_head_config_from_model_config():
+  cfg = TINY.replace(d_k=3, d_v=5, num_kv_heads=1, use_bias=False)
+  assert cfg.head == attn.HeadConfig(d_model=16, num_heads=2, d_k=3, d_v=5, num_kv_heads=1,
+                                     use_bias=False)
+
+
+# --- Parameter counts (abstract: nnx.eval_shape allocates nothing) -------------------------------
+
+BERT_BASE = ModelConfig(vocab_size=30522, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
+                        num_segments=2, max_len=512, embed_norm=True, norm="post",
+                        final_norm=False, pooler=True)
+GPT2_SMALL = ModelConfig(vocab_size=50257, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
+                         max_len=1024)
+
+
+def _abstract_count(model, cfg):
+  return count_params(nnx.eval_shape(lambda: model(cfg, rngs=nnx.Rngs(0))))
+
+
+def test_published_counts():
+  # Devlin et al. 2019 BERT-base and Radford et al. 2019 GPT-2 small, as counted by HF transformers.
+  assert _abstract_count(Encoder, BERT_BASE) == 109_482_240
+  assert _abstract_count(DecoderLM, GPT2_SMALL) == 124_439_808
+
+
+def test_vaswani_count_in_closed_form():
+  V, D, F, L = 37000, 512, 2048, 6
+  cfg = ModelConfig(vocab_size=V, d_model=D, num_layers=L, num_heads=8, d_ff=F,
+                    positional="sinusoidal", norm="post", final_norm=False, activation="relu",
+                    num_decoder_layers=L)
+  attn_layer, mlp, ln = 4 * D * D + 4 * D, 2 * D * F + F + D, 2 * D
+  want = V * D + L * (attn_layer + mlp + 2 * ln) + L * (2 * attn_layer + mlp + 3 * ln)
+  assert _abstract_count(EncoderDecoder, cfg) == want
+  unshared = cfg.replace(share_src_tgt_embeddings=False, tie_embeddings=False, final_norm=True)
+  # + target token table + output (D, V) and bias + a final LayerNorm per stack
+  assert _abstract_count(EncoderDecoder, unshared) == want + V * D + (D * V + V) + 2 * ln
+
+
+def test_switches_change_counts_by_their_closed_form():
+  V, D, F, L, ln = 50257, 768, 3072, 12, 2 * 768
+  plain = GPT2_SMALL.replace(tie_embeddings=False, use_bias=False, layernorm=False)
+  # per layer: attention biases 4D, MLP biases F + D, two LayerNorms; final LayerNorm; output D·V
+  assert _abstract_count(DecoderLM, plain) == (124_439_808 - L * (4 * D + F + D + 2 * ln) - ln
+                                               + D * V)
+  for pooling, cls in (("cls", D), ("mean", 0)):
+    clf = BERT_BASE.replace(num_classes=3, pooling=pooling)
+    assert _abstract_count(SequenceClassifier, clf) == 109_482_240 + cls + D * 3 + 3
+
+
+# --- Models: forward checks, causality, padding ---------------------------------------------------
+
+
+def test_models_check_inputs_before_tracing():
+  lm = DecoderLM(TINY, rngs=nnx.Rngs(0))
+  with pytest.raises(attn.ConfigError, match=r"tokens='ids in \[-1, 3\]'.*\[0, 13\)"):
+    lm(np.array([[1, -1, 3]], np.int32))
+  with pytest.raises(attn.ConfigError, match="tokens.shape\\[1\\]=9 .*max_len=8"):
+    lm(tokens(0, (1, 9)))
+  with pytest.raises(attn.ConfigError, match="tokens.dtype"):
+    lm(randn(0, (1, 3)))
+  # Under jit the ids are not known: out-of-range ones embed as NaN instead of wrapping.
+  out = run(lm, np.array([[1, 2, 13]], np.int32))
+  assert bool(jnp.all(jnp.isnan(out[0, 2])))
+  clf = SequenceClassifier(TINY.replace(num_classes=2), rngs=nnx.Rngs(0))
+  with pytest.raises(attn.ConfigError, match="tokens.shape\\[1\\]=8 .*max_len=7 .*\\[CLS\\]"):
+    clf(tokens(0, (1, 8)))
+  with pytest.raises(attn.ConfigError, match="lengths='lengths in \\[2, 6\\]'"):
+    clf(tokens(0, (2, 5)), np.array([2, 6]))
+
+
+def test_decoder_lm_is_causal_through_gradients():
+  lm = DecoderLM(TINY, rngs=nnx.Rngs(0))
+  toks, t = tokens(1, (2, 6)), 2
+  graphdef, state = nnx.split(lm)
+  grads = jax.jit(jax.grad(lambda s: nnx.merge(graphdef, s)(toks)[:, t].sum()))(state)
+  g_pos = np.abs(np.asarray(grads["embed"]["position"][...])).sum(axis=1)
+  assert np.all(g_pos[:t + 1] > 0) and np.all(g_pos[t + 1:] == 0)
+  changed = toks.copy()
+  changed[:, t + 1:] = (changed[:, t + 1:] + 1) % TINY.vocab_size
+  a, b = run(lm, toks), run(lm, changed)
+  np.testing.assert_allclose(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=1e-6)
+  assert not np.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+def test_encoder_decoder_is_causal_and_ignores_source_padding():
+  cfg = TINY.replace(num_layers=1, num_decoder_layers=1, positional="sinusoidal", norm="post",
+                     final_norm=False)
+  model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+  assert model.tgt_embed.token is model.encoder.embed.token  # shared table
+  src, tgt, lengths = tokens(2, (2, 5)), tokens(3, (2, 4)), np.array([3, 5])
+  out = run(model, src, tgt, lengths)
+  assert out.shape == (2, 4, cfg.vocab_size)
+  tgt2 = tgt.copy()
+  tgt2[:, 2:] = (tgt2[:, 2:] + 1) % cfg.vocab_size
+  np.testing.assert_allclose(run(model, src, tgt2, lengths)[:, :2], out[:, :2], **TOL)
+  src2 = src.copy()
+  src2[0, 3:] = (src2[0, 3:] + 1) % cfg.vocab_size  # example 0 is padded after 3
+  np.testing.assert_allclose(run(model, src2, tgt, lengths), out, **TOL)
+  assert not np.allclose(run(model, src2, tgt, None), run(model, src, tgt, None))  # without lengths it is seen
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_classifier_ignores_padding(pooling):
+  cfg = TINY.replace(num_classes=3, pooling=pooling, pooler=True, num_segments=2, embed_norm=True,
+                     norm="post")
+  clf = SequenceClassifier(cfg, rngs=nnx.Rngs(0))
+  toks, lengths = tokens(4, (2, 6)), np.array([2, 6])
+  changed = toks.copy()
+  changed[0, 2:] = (changed[0, 2:] + 5) % cfg.vocab_size
+  a = run(clf, toks, lengths)
+  assert a.shape == (2, 3)
+  np.testing.assert_allclose(run(clf, changed, lengths), a, **TOL)
+  assert not np.allclose(run(clf, changed, None)[0], run(clf, toks, None)[0])  # without lengths the change is seen
+
+
+def test_encoder_pooler_and_segments():
+  cfg = TINY.replace(num_segments=2, pooler=True, norm="post", final_norm=False, embed_norm=True)
+  enc = Encoder(cfg, rngs=nnx.Rngs(0))
+  toks = tokens(5, (2, 4))
+  segs = np.array([[0, 0, 1, 1], [0, 1, 1, 1]], np.int32)
+  h, pooled = run(enc, toks, segs)
+  assert h.shape == (2, 4, 16) and pooled.shape == (2, 16)
+  np.testing.assert_allclose(pooled, np.tanh(h[:, 0] @ enc.pooler.kernel[...] + enc.pooler.bias[...]),
+                             **TOL)
+  assert not np.allclose(run(enc, toks, None)[0], h)  # token types matter
+  with pytest.raises(attn.ConfigError, match="segments="):
+    enc(toks, segs + 1)
+  with pytest.raises(attn.ConfigError, match="segments="):
+    Encoder(TINY, rngs=nnx.Rngs(0))(toks, segs)
+
+
+# --- One real training step per model: loss finite and falling on a fixed batch ------------------
+
+
+def _train(model, loss_fn, steps=4):
+  opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss
+
+  return [float(step(model, opt)) for _ in range(steps)]
+
+
+def _assert_learns(losses):
+  assert all(math.isfinite(v) for v in losses), losses
+  assert losses[-1] < losses[0], losses
+
+
+def test_decoder_lm_trains():
+  lm = DecoderLM(TINY.replace(variant="per_head", tie_embeddings=False), rngs=nnx.Rngs(0))
+  toks = tokens(6, (4, 8))
+
+  def loss_fn(m):
+    logits = m(toks[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
+  _assert_learns(_train(lm, loss_fn))
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_sequence_classifier_trains(pooling):
+  cfg = TINY.replace(num_classes=3, pooling=pooling, norm="post", activation="relu")
+  clf = SequenceClassifier(cfg, rngs=nnx.Rngs(0))
+  toks, lengths, labels = tokens(7, (4, 6)), np.array([6, 3, 1, 4]), np.array([0, 1, 2, 1])
+
+  def loss_fn(m):
+    return optax.softmax_cross_entropy_with_integer_labels(m(toks, lengths), labels).mean()
+
+  _assert_learns(_train(clf, loss_fn))
