@@ -9,10 +9,11 @@ from attn.masks import causal_mask, combine_masks, padding_mask
 from attn.variants import VARIANTS
 from attn import nn
 from attn.nn import MultiHeadAttention
+from attn import count
 
 __all__ = [
     "PRESETS", "VARIANTS", "ConfigError", "HeadConfig", "LossyConversionWarning",
-    "apply", "attention", "causal_mask", "combine_masks", "convert", "get_variant",
+    "apply", "attention", "count", "causal_mask", "combine_masks", "convert", "get_variant",
     "MultiHeadAttention", "init", "kernel", "masks", "nn", "padding_mask", "param_shapes",
     "single_head", "vaswani_base",
 ]

@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import attn
 from attn.config import ConfigError, HeadConfig, invalid
@@ -63,6 +62,8 @@ SHAPES = {
     "small": Shape(B=32, T=64, D=64, H=4, K=16),  # the experiment runner's default model
 }
 QUICK_SHAPES = ("reference", "small")
+SWEEP_CONFIG = "configs/quick.toml"
+NOISY_SPREAD = 0.25  # (max - min) / median of the matmul's times above which a table is flagged
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true",
                       help="fewer shapes and repeats: a smoke run, not a measurement")
   parser.add_argument("--no-peers", action="store_true", help="skip flax, jax and torch")
+  parser.add_argument("--sweep", metavar="CONFIG", nargs="?", const=SWEEP_CONFIG, default=None,
+                      help="also measure sweep throughput, trials per minute, sequential vs "
+                           f"seeds under vmap, on the first trial of CONFIG (default {SWEEP_CONFIG})")
+  parser.add_argument("--sweep-seeds", type=int, default=4, help="seeds trained for --sweep")
+  parser.add_argument("--sweep-steps", type=int, default=None,
+                      help="training steps per trial for --sweep (default: the config's; --quick 20)")
 
 
 def _names(text: str | None, known, field: str, default) -> list[str]:
@@ -136,10 +143,10 @@ def _block(f, *args):
   return lambda: jax.block_until_ready(f(*args))
 
 
-def _peak_bytes(jitted, *args) -> int | None:
+def _peak_bytes(compiled) -> int | None:
   """XLA's assigned bytes for one call: arguments + outputs + temporaries - aliased."""
   try:
-    m = jitted.lower(*args).compile().memory_analysis()
+    m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
   except Exception:  # memory_analysis is not available on every backend
@@ -147,13 +154,14 @@ def _peak_bytes(jitted, *args) -> int | None:
 
 
 def _jax_pair(apply: Callable, params, x, dtype) -> dict[str, Any]:
-  """Forward and forward+backward callables of y = apply(params, x), with a fixed cotangent."""
+  """Forward and forward+backward calls of y = apply(params, x), with a fixed cotangent."""
   ct = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(dtype)
-  fwd = jax.jit(apply)
-  fb = jax.jit(jax.grad(lambda p, x: jnp.sum((apply(p, x) * ct).astype(jnp.float32)),
-                        argnums=(0, 1)))
-  return {"fwd": _block(fwd, params, x), "fb": _block(fb, params, x),
-          "peak_bytes": _peak_bytes(fb, params, x)}
+  fwd = jax.jit(apply).lower(params, x).compile()
+  # ct is an argument, not a closure constant, which XLA would try to fold into the program.
+  fb = jax.jit(jax.grad(lambda p, x, ct: jnp.sum((apply(p, x) * ct).astype(jnp.float32)),
+                        argnums=(0, 1))).lower(params, x, ct).compile()
+  return {"fwd": _block(fwd, params, x), "fb": _block(fb, params, x, ct),
+          "peak_bytes": _peak_bytes(fb)}
 
 
 def _variant_case(variant, shape: Shape, dtype, mask) -> dict[str, Any]:
@@ -185,9 +193,12 @@ def _flax_case(shape: Shape, dtype, mask) -> dict[str, Any]:
 
 
 def _torch_case(shape: Shape, dtype_name: str) -> dict[str, Any] | None:
+  """torch.nn.MultiheadAttention, when installed and the shape has K = D / H (torch's only option)."""
   try:
     import torch
   except ImportError:
+    return None
+  if shape.H * shape.K != shape.D:
     return None
   torch.set_num_threads(_threads())
   tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
@@ -360,7 +371,61 @@ def markdown(name: str, result: dict[str, Any]) -> str:
         f"| {_ratio(r, 'jax_dpa')} | {_ratio(r, 'torch')} | {_mb(r['peak_bytes'])} |")
   for v, why in result["skipped"].items():
     lines.append(f"\n{v}: skipped, {why}")
+  spread = max(v["spread"] for v in mm.values())
+  if spread > NOISY_SPREAD:
+    lines.append(f"\nWARNING: the machine was busy: the matmul's time varied by {100 * spread:.0f}% "
+                 "of its median over the rounds, so ratios are rough; re-run on a quiet machine "
+                 "(the JSON also holds min and process-CPU times).")
   return "\n".join(lines)
+
+
+def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[str, Any]:
+  """Trials per minute of the config's first trial over `seeds` seeds: one by one, then under vmap.
+
+  Both go through the runner's train_group, compile included (the runner
+  compiles once per shape, so a sweep pays it once per group), with the
+  persistent compilation cache the runner turns on.
+  """
+  from attn.experiments import config as config_lib
+  from attn.experiments import train
+  for field, value in (("--sweep-seeds", seeds), ("--sweep-steps", steps)):
+    if value is not None and (isinstance(value, bool) or value < 1):
+      raise invalid(field, value, "a positive integer")
+  trial = config_lib.load(config_path).trials[0]
+  configs = []
+  for s in range(seeds):
+    c = json.loads(json.dumps(trial.config))
+    c["train"]["seed"] = s
+    if steps is not None:
+      c["train"]["steps"] = steps
+    configs.append(c)
+  cache = train.enable_compilation_cache()
+  label = {k: v for k, v in trial.label.items() if k != "train.seed"}
+  out = {"config": config_path, "trial": label, "seeds": seeds,
+         "steps": configs[0]["train"]["steps"], "compilation_cache": cache}
+  for mode, vmap in (("sequential", False), ("vmap", True)):
+    t0 = time.perf_counter()
+    summaries = train.train_group(configs, on_row=lambda i, row: None, vmap=vmap)
+    wall = time.perf_counter() - t0
+    per_group = len(summaries) if vmap else 1  # under vmap every summary holds the group's times
+    train_s = float(sum(s_.get("train_s", 0.0) for s_ in summaries) / per_group)
+    out[mode] = {"wall_s": wall, "trials_per_minute": 60 * seeds / wall,
+                 "compile_s": float(sum(s_.get("compile_s", 0.0) for s_ in summaries) / per_group),
+                 "train_s": train_s, "steady_trials_per_minute": 60 * seeds / max(train_s, 1e-9),
+                 "status": sorted({s_["status"] for s_ in summaries})}
+  out["vmap_speedup"] = out["sequential"]["wall_s"] / out["vmap"]["wall_s"]
+  return out
+
+
+def sweep_markdown(r: dict[str, Any]) -> str:
+  rows = "\n".join(f"| {m} | {r[m]['wall_s']:.1f} | {r[m]['compile_s']:.1f} "
+                   f"| {r[m]['trials_per_minute']:.1f} | {r[m]['steady_trials_per_minute']:.1f} |"
+                   for m in ("sequential", "vmap"))
+  return (f"### sweep throughput: {r['config']} [{', '.join(f'{k}={v}' for k, v in r['trial'].items())}], "
+          f"{r['seeds']} seeds x {r['steps']} steps\n\n"
+          f"| mode | wall s | compile s | trials / minute | without compile |\n"
+          f"|---|---:|---:|---:|---:|\n{rows}\n\n"
+          f"Seeds under vmap: {r['vmap_speedup']:.2f}x the sequential throughput (wall).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -394,6 +459,11 @@ def run(args: argparse.Namespace) -> int:
       for t in report["targets"]:
         print(f"- {t['target']}: {t['value']:.2f} (target {t['limit']}): "
               f"{'met' if t['met'] else 'MISSED'}")
+  if args.sweep:
+    log("[sweep] training ...")
+    steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)
+    report["sweep"] = sweep_throughput(args.sweep, args.sweep_seeds, steps)
+    print("\n" + sweep_markdown(report["sweep"]))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(report, f, indent=1)

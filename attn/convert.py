@@ -18,6 +18,7 @@ import functools
 import warnings
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from attn.api import check_config, check_params
@@ -32,11 +33,16 @@ class LossyConversionWarning(UserWarning):
   """A conversion that could not keep the function exactly; the message gives the error."""
 
 
+def _no_check(cfg: HeadConfig) -> None:
+  del cfg
+
+
 @dataclasses.dataclass(frozen=True)
 class Converter:
   fn: Callable[..., tuple[Params, float]]
   exact: bool
   name: str = ""
+  check: Callable[[HeadConfig], None] = _no_check  # raises ConfigError before any tracing
 
 
 CONVERTERS: dict[tuple[str, str], Converter] = {}
@@ -44,13 +50,14 @@ CONVERTERS: dict[tuple[str, str], Converter] = {}
 REGROUPERS: dict[str, Converter] = {}
 
 
-def register(src: str, dst: str, *, exact: bool, kv_heads: str | None = None):
-  """Registers fn(params, cfg); with kv_heads='more'/'fewer', a regrouper fn(params, cfg, dst_cfg)."""
+def register(src: str, dst: str, *, exact: bool, kv_heads: str | None = None,
+             check: Callable[[HeadConfig], None] = _no_check):
+  """Registers fn(params, cfg), or with kv_heads='more'/'fewer' a fn(params, cfg, dst_cfg)."""
   def wrap(fn):
     if kv_heads is None:
-      CONVERTERS[(src, dst)] = Converter(fn, exact, f"{src} -> {dst}")
+      CONVERTERS[(src, dst)] = Converter(fn, exact, f"{src} -> {dst}", check)
     else:
-      REGROUPERS[kv_heads] = Converter(fn, exact, f"{src} -> {dst} with {kv_heads} kv heads")
+      REGROUPERS[kv_heads] = Converter(fn, exact, f"{src} -> {dst} with {kv_heads} kv heads", check)
     return fn
   return wrap
 
@@ -140,16 +147,20 @@ def merged_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
     total = total + jnp.sum(b_kc_GRD ** 2)
     out.update(b_q=jnp.pad(b_q_GRN, pad).reshape(H, K), b_k=jnp.zeros((G, K), p["b_kc"].dtype),
                b_v=p["b_v"], b_o=p["b_o"])
-  return out, float(jnp.sqrt(lost / jnp.maximum(total, 1e-30)))
+  return out, jnp.sqrt(lost / jnp.maximum(total, 1e-30))
 
 
-@register("per_head", "collaborative", exact=True)
+def _concatenated_width(cfg: HeadConfig) -> None:
+  if cfg.collab_width != cfg.num_heads * cfg.d_k:
+    raise invalid("collab_width", cfg.collab_width,
+                  f"num_heads·d_k = {cfg.num_heads * cfg.d_k} for the exact "
+                  "per_head -> collaborative conversion")
+
+
+@register("per_head", "collaborative", exact=True, check=_concatenated_width)
 def per_head_to_collaborative(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   """Concatenated heads: W̃_Q = [W_Q,h]_h, W̃_K = [W_K,g(h)]_h, m_h = indicator of block h."""
   D, H, K, R = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.group_size
-  if cfg.collab_width != H * K:
-    raise invalid("collab_width", cfg.collab_width,
-                  f"num_heads·d_k = {H * K} for the exact per_head -> collaborative conversion")
   out = {"w_q": p["w_q"].reshape(D, H * K),
          "w_k": jnp.repeat(p["w_k"], R, axis=1).reshape(D, H * K),
          "m": jnp.repeat(jnp.eye(H, dtype=p["w_q"].dtype), K, axis=1),
@@ -200,7 +211,7 @@ def mean_pool_kv_heads(p: Params, cfg: HeadConfig, dst_cfg: HeadConfig) -> tuple
     out[n] = pooled
     lost += jnp.sum((a - jnp.repeat(pooled, f, axis=axis)) ** 2)
     total += jnp.sum(a ** 2)
-  return out, float(jnp.sqrt(lost / jnp.maximum(total, 1e-30)))
+  return out, jnp.sqrt(lost / jnp.maximum(total, 1e-30))
 
 
 def available() -> list[str]:
@@ -236,14 +247,26 @@ def _check_dst_cfg(cfg: HeadConfig, dst_cfg: HeadConfig) -> None:
                   f"a multiple (repeat) or a divisor (mean-pool) of cfg.num_kv_heads={G}")
 
 
-def _plan(src: str, dst: str, cfg: HeadConfig, dst_cfg: HeadConfig) -> list[tuple[str, Callable, bool]]:
+@functools.lru_cache(maxsize=256)
+def _jitted(fn: Callable, **configs: HeadConfig) -> Callable:
+  """fn with its configs bound, compiled once: one XLA program instead of many eager ops."""
+  return jax.jit(functools.partial(fn, **configs))
+
+
+def _step(c: Converter, **configs: HeadConfig) -> tuple[str, Callable, bool]:
+  c.check(configs["cfg"])
+  return c.name, _jitted(c.fn, **configs), c.exact
+
+
+def _plan(src: str, dst: str, cfg: HeadConfig,
+          dst_cfg: HeadConfig) -> list[tuple[str, Callable, bool]]:
   """(name, params -> (params, error), exact) for each step from src at cfg to dst at dst_cfg."""
   if cfg.num_kv_heads == dst_cfg.num_kv_heads:
-    return [(c.name, functools.partial(c.fn, cfg=cfg), c.exact) for c in _path(src, dst)]
+    return [_step(c, cfg=cfg) for c in _path(src, dst)]
   regroup = REGROUPERS["more" if dst_cfg.num_kv_heads > cfg.num_kv_heads else "fewer"]
-  return ([(c.name, functools.partial(c.fn, cfg=cfg), c.exact) for c in _path(src, "per_head")]
-          + [(regroup.name, functools.partial(regroup.fn, cfg=cfg, dst_cfg=dst_cfg), regroup.exact)]
-          + [(c.name, functools.partial(c.fn, cfg=dst_cfg), c.exact) for c in _path("per_head", dst)])
+  return ([_step(c, cfg=cfg) for c in _path(src, "per_head")]
+          + [_step(regroup, cfg=cfg, dst_cfg=dst_cfg)]
+          + [_step(c, cfg=dst_cfg) for c in _path("per_head", dst)])
 
 
 def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,

@@ -16,12 +16,15 @@ equals the number of elements in an instantiated model's nnx.Param tree.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax.numpy as jnp
 
 from attn import api
 from attn.config import ConfigError, HeadConfig, invalid
+
+if TYPE_CHECKING:
+  from attn.nn.models import ModelConfig
 
 # Which Flax module in attn.nn.models a count describes.
 MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
@@ -103,39 +106,43 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int | None = None,
   return 3 * forward if backward else forward
 
 
-def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int:
-  """Bytes one layer caches per decoded token: MHA 2·H·K, GQA 2·G·K, MQA 2·K elements (K = V)."""
+def _itemsize(dtype: Any) -> int:
   try:
-    itemsize = jnp.dtype(dtype).itemsize
+    return jnp.dtype(dtype).itemsize
   except TypeError:
-    raise invalid("dtype", dtype, "a dtype name such as float32, bfloat16, float16 or int8") from None
-  return _lookup(KV_CACHE_WIDTH, "KV-cache", variant, cfg) * itemsize
+    raise invalid("dtype", dtype, "a dtype name: float32, bfloat16, float16, int8, ...") from None
+
+
+def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int:
+  """Bytes one layer caches per decoded token (MHA 2·H·K, GQA 2·G·K, MQA 2·K elements)."""
+  return _lookup(KV_CACHE_WIDTH, "KV-cache", variant, cfg) * _itemsize(dtype)
 
 
 # Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and
 # a bias (2·D) whatever use_bias says, and the BERT pooler always has a bias.
 
 
-def _layer_norm(m) -> int:
+def _layer_norm(m: ModelConfig) -> int:
   return 2 * m.d_model if m.layernorm else 0
 
 
-def _mlp(m) -> int:
+def _mlp(m: ModelConfig) -> int:
   return 2 * m.d_model * m.d_ff + ((m.d_ff + m.d_model) if m.use_bias else 0)
 
 
-def _attention(m) -> int:
+def _attention(m: ModelConfig) -> int:
   return param_counts(m.variant, m.head)["analytic"]
 
 
-def _embeddings(m, parts: dict[str, int], *, token: bool = True, segments: bool = True) -> None:
+def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
+                segments: bool = True) -> None:
   parts["token_embeddings"] += m.vocab_size * m.d_model if token else 0
   parts["position_embeddings"] += m.max_len * m.d_model if m.positional == "learned" else 0
   parts["segment_embeddings"] += m.num_segments * m.d_model if segments else 0
   parts["layernorm"] += _layer_norm(m) if m.embed_norm else 0
 
 
-def _blocks(m, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
+def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
   parts["attention"] += n * (2 if cross else 1) * _attention(m)
   parts["mlp"] += n * _mlp(m)
@@ -143,11 +150,11 @@ def _blocks(m, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
       _layer_norm(m) if m.final_norm else 0)
 
 
-def _output(m) -> int:
+def _output(m: ModelConfig) -> int:
   return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.use_bias else 0)
 
 
-def model_param_breakdown(m, kind: str) -> dict[str, int]:
+def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
   """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
@@ -172,12 +179,12 @@ def model_param_breakdown(m, kind: str) -> dict[str, int]:
   return parts
 
 
-def model_param_count(m, kind: str) -> int:
+def model_param_count(m: ModelConfig, kind: str) -> int:
   """Total parameters of a whole model, each shared array counted once."""
   return sum(model_param_breakdown(m, kind).values())
 
 
-def model_kv_cache_bytes_per_token(m, kind: str, dtype: Any = "bfloat16") -> int:
+def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bfloat16") -> int:
   """Self-attention KV cache of the decoding stack per generated token (all layers)."""
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
@@ -192,8 +199,9 @@ def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfl
   A variant that refuses cfg (split_input when h does not divide d_model) gets
   a row {"variant", "error"} instead of numbers.
   """
-  flops("per_head", HeadConfig(d_model=1, num_heads=1), T, S)  # checks T and S
-  kv_cache_bytes_per_token("per_head", HeadConfig(d_model=1, num_heads=1), dtype)
+  _check_length("T", T)
+  _check_length("S", T if S is None else S)
+  _itemsize(dtype)
   rows = []
   for name in variants or list(api.VARIANTS):
     try:
@@ -203,7 +211,8 @@ def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfl
       continue
     score = score_weight_count(name, cfg)
     rows.append({"variant": name, **param_counts(name, cfg), "score_weights": score,
-                 "score_weights_per_head": score / cfg.num_heads,
+                 "score_weights_per_head": score // cfg.num_heads if score % cfg.num_heads == 0
+                 else score / cfg.num_heads,
                  "flops_fwd": flops(name, cfg, T, S),
                  "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
                  "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype)})

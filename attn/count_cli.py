@@ -4,6 +4,7 @@
   attn count --d-model 512 --num-heads 8 --num-kv-heads 2 --format csv
   attn count --preset bert-base               # whole model + its layer, every variant
   attn count --preset vaswani-table3          # Table 3 params column, paper vs ours
+  attn count --preset bert-gpt2               # BERT and GPT-2 totals, published vs ours
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ _TABLE3_COLUMNS = [
     ("row", "row"), ("num_layers", "N"), ("d_model", "d_model"), ("d_ff", "d_ff"),
     ("num_heads", "h"), ("d_k", "d_k"), ("d_v", "d_v"), ("paper_millions", "paper (×10⁶)"),
     ("ours", "ours"), ("ours_millions", "ours (×10⁶)"), ("match", "match")]
+
+_PUBLISHED_COLUMNS = [
+    ("row", "preset"), ("kind", "model"), ("num_layers", "layers"), ("d_model", "d_model"),
+    ("num_heads", "h"), ("d_ff", "d_ff"), ("vocab_size", "vocab"), ("published", "published"),
+    ("ours", "ours"), ("match", "match")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +62,7 @@ def _fmt(value: Any) -> str:
   if isinstance(value, bool):
     return "yes" if value else "**no**"
   if isinstance(value, float):
-    return f"{value:,.0f}" if value.is_integer() else f"{value:,.1f}"
+    return f"{value:,.1f}"
   if isinstance(value, int):
     return f"{value:,}"
   return str(value)
@@ -94,10 +100,41 @@ def table3_report() -> dict[str, Any]:
                  "paper_millions": p.published, "ours": p.count,
                  "ours_millions": round(p.count / 1e6, 1), "match": p.matches()})
     ranges[p.label] = presets.vocab_range(p)
-  matched = [ranges[r["row"]] for r in rows if r["match"]]
+  matched = [p for p in presets.TABLE3 if p.matches()]
+  base = presets.TABLE3[0]
   return {"rows": rows, "vocab_size": presets.VASWANI_VOCAB,
-          "consistent_vocab": [max(lo for lo, _ in matched), min(hi for _, hi in matched)],
+          "consistent_vocab": _common_range(matched),
+          "consistent_vocab_separate_tables": _common_range([dataclasses.replace(
+              p, config=p.config.replace(share_src_tgt_embeddings=False)) for p in matched]),
+          "base_at_37000": count.model_param_count(base.config.replace(vocab_size=37_000),
+                                                   base.kind),
           "unmatched": {r["row"]: list(ranges[r["row"]]) for r in rows if not r["match"]}}
+
+
+def _common_range(rows: list[presets.Preset]) -> list[int]:
+  ranges = [presets.vocab_range(p) for p in rows]
+  return [max(lo for lo, _ in ranges), min(hi for _, hi in ranges)]
+
+
+def published_report(names: list[str]) -> list[dict[str, Any]]:
+  """One row per preset: its sizes, the published count and ours."""
+  rows = []
+  for name in names:
+    p = presets.get_preset(name)
+    m = p.config
+    rows.append({"row": name, "kind": p.kind, "num_layers": m.num_layers, "d_model": m.d_model,
+                 "num_heads": m.num_heads, "d_ff": m.d_ff, "vocab_size": m.vocab_size,
+                 "published": p.published, "ours": p.count, "match": p.matches()})
+  return rows
+
+
+def _group(name: str, fmt: str) -> str:
+  if name == "vaswani-table3":
+    return _table3(fmt)
+  rows = published_report(presets.GROUPS[name])
+  if fmt == "json":
+    return json.dumps(rows, indent=2)
+  return (_csv if fmt == "csv" else markdown)(rows, _PUBLISHED_COLUMNS)
 
 
 def _table3(fmt: str) -> str:
@@ -109,6 +146,10 @@ def _table3(fmt: str) -> str:
   lo, hi = report["consistent_vocab"]
   notes = [f"Shared source/target vocabulary with tied output, V = {report['vocab_size']:,}; "
            f"every matched row rounds to the paper for V in [{lo:,}, {hi:,}]."]
+  lo, hi = report["consistent_vocab_separate_tables"]
+  notes.append(f"Separate source and target tables (target tied to the output) match for "
+               f"V in [{lo:,}, {hi:,}] each. With the paper's \"about 37000\" shared, base has "
+               f"{report['base_at_37000']:,}.")
   for row, (a, b) in report["unmatched"].items():
     notes.append(f"Row {row!r} would need V in [{a:,}, {b:,}]: no single V matches it too.")
   return markdown(report["rows"], _TABLE3_COLUMNS) + "\n\n" + "\n".join(notes)
@@ -118,17 +159,19 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
                   preset: presets.Preset | None) -> dict[str, Any]:
   variants = [get_variant(v).name for v in args.variant] if args.variant else None
   rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
-  report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len,
-                            "S": args.seq_len if args.kv_len is None else args.kv_len, "dtype": args.dtype, "rows": rows}
+  S = args.seq_len if args.kv_len is None else args.kv_len
+  report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
+                            "dtype": args.dtype, "rows": rows}
   if preset is not None:
-    m = preset.config
-    report["model"] = {"preset": preset.name, "kind": preset.kind, "variant": m.variant,
-                       "source": preset.source, "published": preset.published,
-                       "in_millions": preset.in_millions, "count": count.model_param_count(m, preset.kind),
-                       "breakdown": count.model_param_breakdown(m, preset.kind)}
+    m, kind = preset.config, preset.kind
+    report["model"] = {
+        "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
+        "published": preset.published, "in_millions": preset.in_millions,
+        "modified": bool(_overrides(args)), "count": count.model_param_count(m, kind),
+        "breakdown": count.model_param_breakdown(m, kind)}
     for row in rows:
       if "error" not in row:
-        row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), preset.kind)
+        row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
   return report
 
 
@@ -140,8 +183,8 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
     return _csv(report["rows"], columns)
   c = report["layer"]
   head = (f"One attention layer: d_model={c['d_model']}, h={c['num_heads']}, d_k={c['d_k']}, "
-          f"d_v={c['d_v']}, kv heads={c['num_kv_heads']}, bias={c['use_bias']}; "
-          f"FLOPs per sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
+          f"d_v={c['d_v']}, kv heads={c['num_kv_heads']}, bias={c['use_bias']}; FLOPs per "
+          f"sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
   text = head + "\n\n" + markdown(report["rows"], columns)
   if "model" in report:
     m = report["model"]
@@ -149,7 +192,8 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
     parts.append({"component": "total", "params": m["count"]})
     published = f"{m['published']}M" if m["in_millions"] else f"{m['published']:,}"
     text = (f"Model {m['preset']} ({m['kind']}, {m['variant']} attention): {m['count']:,} "
-            f"parameters; published {published} ({m['source']}).\n\n"
+            f"parameters; published {published} ({m['source']})"
+            + (" for the preset before the flags changed it" if m["modified"] else "") + ".\n\n"
             + markdown(parts, [("component", "component"), ("params", "params")])
             + "\n\n" + text)
   return text
@@ -161,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if _overrides(args) or args.variant:
       raise ConfigError(f"preset={args.preset!r} is not allowed with dimension or variant "
                         "flags: it prints the paper's fixed rows")
-    print(_table3(args.format))
+    print(_group(args.preset, args.format))
     return 0
   preset = presets.get_preset(args.preset) if args.preset else None
   if preset is not None:

@@ -112,7 +112,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("gpt2-xl", "decoder_lm", gpt2(1600, 48, 25), 1_557_611_200, False, _HF),
 ]}
 # Names that print a table of several presets rather than one model.
-GROUPS = {"vaswani-table3": [p.name for p in TABLE3]}
+GROUPS = {"vaswani-table3": [p.name for p in TABLE3],
+          "bert-gpt2": ["bert-base", "bert-large", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]}
 
 
 def get_preset(name: str) -> Preset:

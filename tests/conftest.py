@@ -2,8 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import attn
 from attn import HeadConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -26,11 +28,25 @@ def cfg(request):
 
 
 def randn(seed: int, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+  """Fresh N(0,1) inputs drawn with numpy: jax.random would compile once per new shape."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def fresh_params(variant: str, cfg: HeadConfig, seed: int = 0, dtype=jnp.float32):
+  """Random params of `variant`: weights N(0, 1/fan_in) (fan_in = size / last axis), biases N(0, 1/4)."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, shape in sorted(attn.param_shapes(variant, cfg).items()):
+    std = 0.5 if name.startswith("b_") else 1.0 / np.sqrt(np.prod(shape) / shape[-1])
+    out[name] = jnp.asarray(std * rng.standard_normal(shape), dtype)
+  return out
 
 
 def random_params(params, seed: int):
-  """The same tree with every leaf redrawn, biases included (init makes biases zero)."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(params))
-  return {name: 0.5 * jax.random.normal(k, a.shape, a.dtype)
-          for k, (name, a) in zip(keys, sorted(params.items()))}
+  """The same tree with every leaf redrawn at its scale; biases nonzero (init makes them zero)."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, a in sorted(params.items()):
+    std = 0.5 if name.startswith("b") else 1.0 / np.sqrt(a.size / a.shape[-1])
+    out[name] = jnp.asarray(std * rng.standard_normal(a.shape), a.dtype)
+  return out

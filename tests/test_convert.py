@@ -1,4 +1,4 @@
-"""Converters: exact ones keep the function (outputs, weights, input gradients); lossy ones say how much they lose."""
+"""Converters: exact ones keep the function (y, weights, dy/dx); lossy ones say what they lose."""
 
 import functools
 import warnings
@@ -11,17 +11,11 @@ import pytest
 import attn
 from attn import ConfigError, HeadConfig, masks
 from attn.convert import LossyConversionWarning, convert
-from conftest import CONFIGS, randn, random_params
+from conftest import CONFIGS, randn
+from conftest import fresh_params as fresh
 
 B, T, S = 2, 5, 7
 TOL = 1e-5
-
-
-def fresh(variant, cfg, seed=0):
-  """Random params at init's scale (outputs O(1), so 1e-5 is float32 round-off), biases nonzero."""
-  params = attn.init(variant, jax.random.PRNGKey(seed), cfg)
-  redrawn = random_params(params, seed + 1)
-  return {n: redrawn[n] if n.startswith("b_") else a for n, a in params.items()}
 
 
 def padded_causal_mask(s_len):
@@ -95,9 +89,11 @@ def test_exact_converters_in_self_attention(src, dst):
   assert_same_function(src, p_src, cfg, dst, convert(p_src, src, dst, cfg), cross=False)
 
 
-@pytest.mark.parametrize("cname, new_g", [("gqa", 6), ("mqa_nobias", 2), ("mqa_nobias", 4)])
-def test_more_kv_heads_by_repeating_is_exact(cname, new_g):
-  cfg = CONFIGS[cname]
+@pytest.mark.parametrize("cname, g, new_g", [
+    ("gqa", 2, 6), ("mqa_nobias", 1, 2), ("mqa_nobias", 1, 4), ("base", 2, 4),
+    ("dv_ne_dk", 1, 3), ("h_not_dividing_D", 3, 6)])
+def test_more_kv_heads_by_repeating_is_exact(cname, g, new_g):
+  cfg = CONFIGS[cname].replace(num_kv_heads=g)
   dst_cfg = cfg.replace(num_kv_heads=new_g)
   p = fresh("per_head", cfg)
   with warnings.catch_warnings():
@@ -133,9 +129,10 @@ def test_merged_from_factored_has_rank_at_most_dk(cname):
     assert np.linalg.matrix_rank(np.asarray(m["w_qk"][0]), tol=tol) == cfg.d_k
 
 
-@pytest.mark.parametrize("cname", ["base", "gqa", "h_not_dividing_D", "mqa_nobias", "single_head"])
+@pytest.mark.parametrize("cname", ["base", "gqa", "h_not_dividing_D", "mqa_nobias", "single_head",
+                                   "dk_above_D"])
 def test_svd_round_trip_is_exact_for_low_rank(cname):
-  cfg = CONFIGS[cname]
+  cfg = CONFIGS.get(cname) or HeadConfig(d_model=8, num_heads=2, d_k=10, d_v=3)
   m = convert(fresh("per_head", cfg), "per_head", "merged", cfg)
   with warnings.catch_warnings():
     warnings.simplefilter("error", LossyConversionWarning)

@@ -87,6 +87,8 @@ def test_fixed_width_and_fixed_params_constraints(tmp_path):
     (("d_ff = 16", "d_ff = 16\nwidth = 3"), ["model.width", "num_heads"]),
     (("d_ff = 16", 'd_ff = "16"'), ["model.d_ff", "'16'", "integer"]),
     (("steps = 3", "steps = 2.5"), ["train.steps", "2.5", "int"]),
+    (("steps = 3", "steps = 0"), ["train.steps=0", ">= 1"]),
+    (('"train.lr" = [1e-2, 1e30]', '"train.lr" = [1e-2, -1.0]'), ["train.lr=-1.0", "> 0"]),
     (("d_ff = 16", "d_ff = 16\nvocab_size = 9"), ["model.vocab_size", "derived from the task"]),
     (('"train.lr" = [1e-2, 1e30]', '"model.num_heads" = [3]\n'), ["num_heads", "d_k"]),
     (('"train.lr" = [1e-2, 1e30]', '"model.nope" = [1]'), ["sweep.grid.model.nope"]),
@@ -132,6 +134,11 @@ def test_set_overrides_base_and_pins_swept_keys(tmp_path):
   assert len(sw.trials) == 2 and {t.config["train"]["lr"] for t in sw.trials} == {0.005}
   sw = config_lib.load(path, ["seed=3"])
   assert [t.config["train"]["seed"] for t in sw.trials] == [3, 3]
+  text = tmp_path / "t.txt"
+  text.write_text("some local text to model, character by character. " * 10)
+  sw = config_lib.load(path, ["task.name=char_lm", f"task.path={text}"])  # mqar-only keys dropped
+  assert sw.trials[0].config["task"] == {"name": "char_lm", "path": str(text), "seq_len": 12,
+                                         "eval_fraction": 0.1}
   with pytest.raises(ConfigError, match="--set"):
     config_lib.load(path, ["steps"])
   with pytest.raises(ConfigError, match=r"train\.steps='x' is not allowed"):
@@ -165,13 +172,19 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
     assert len(pairs) == 4
     for t in np.nonzero(w)[0]:  # each weighted position holds a key whose value is the target
       assert pairs[tok[t]] == tgt[t]
-  ind = tasks.Induction(vocab_size=16, seq_len=15).batch(0, 0, 0, 4)
-  seq = np.concatenate([ind["tokens"], ind["targets"][:, -1:]], 1)
-  for t in np.nonzero(ind["weights"][0])[0]:
-    assert (seq[:, t + 1] == seq[:, t + 1 - 8]).all()
-  mp = tasks.MarkerPosition(vocab_size=10, seq_len=12, num_classes=3).batch(1, 0, 0, 16)
-  where = np.argmax(mp["tokens"] == 1, axis=1)
-  assert ((mp["tokens"] == 1).sum(1) == 1).all() and (mp["labels"] == where // 4).all()
+  ind = tasks.Induction(vocab_size=50, seq_len=23).batch(0, 0, 0, 16)
+  starts = set()
+  for tok, tgt, w in zip(ind["tokens"], ind["targets"], ind["weights"]):
+    seq = np.concatenate([tok, tgt[-1:]])
+    pattern = seq[-8:]  # the repeat at the end; its first copy sits somewhere before it
+    first = [s for s in range(0, 24 - 15) if (seq[s:s + 8] == pattern).all()]
+    assert first and np.nonzero(w)[0].tolist() == list(range(16, 23))
+    starts.add(first[0])
+  assert len(starts) > 3  # the gap between the copies varies
+  mp = tasks.MarkerPosition(vocab_size=10, seq_len=12, num_classes=3, num_markers=3).batch(1, 0, 0, 64)
+  first = np.argmax(mp["tokens"] == 1, axis=1)
+  assert ((mp["tokens"] == 1).sum(1) == 3).all() and (mp["labels"] == first // 4).all()
+  assert set(mp["labels"].tolist()) == {0, 1, 2}
   text = tmp_path / "t.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
   ch = tasks.CharLM(path=str(text), seq_len=16)
@@ -280,3 +293,13 @@ def test_report_from_store(tiny_sweep):
   assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 1000
   header = json.load(open(os.path.join(out, "sweep.json")))
   assert header["sweep_id"] == sw.id and len(header["trials"]) == 4
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
+  from attn import cli
+  path = write(tmp_path, TINY.replace("d_ff = 16", "d_ff = -1"))
+  assert cli.main(["sweep", path, "--out", str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err
+  assert "d_ff=-1" in err and "Traceback" not in err and not (tmp_path / "o").exists()
+  assert cli.main(["report", str(tmp_path / "nothing")]) == 2
+  assert "no sweep.json" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def test_kill_9_mid_trial_then_resume(tmp_path):
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   finished = {p: open(p).read() for p in glob.glob(os.path.join(out, "trials", "*", "*.json*"))
-              if not p.endswith(store.PARTIAL) and "config.json" not in p}
+              if not p.endswith(store.PARTIAL) and "config.json" not in p and ".tmp." not in p}
   assert finished and glob.glob(os.path.join(out, "trials", "*", store.PARTIAL))
 
   rerun = _sweep(str(cfg), out, env)

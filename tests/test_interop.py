@@ -11,19 +11,16 @@ from flax import nnx
 import attn
 from attn.convert import CONVERTERS
 from attn.nn import interop
+from conftest import randn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-# Inputs come from numpy so that the tests spend their time on the compiled comparisons.
-def randn(seed, shape):
-  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def random_params(variant, cfg, seed):
   """Random values (biases included) for every parameter `variant` has under cfg."""
   return {k: 0.5 * randn(seed + i, s)
           for i, (k, s) in enumerate(sorted(attn.param_shapes(variant, cfg).items()))}
+
 
 # Flax has one head width (d_k = d_v) but allows grouped heads and H not dividing D.
 FLAX_CONFIGS = {
@@ -32,11 +29,16 @@ FLAX_CONFIGS = {
     "mqa_nobias": attn.HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=6, num_kv_heads=1,
                                   use_bias=False),
 }
-# Variants with exact converters to and from per_head (their weights round-trip).
-EXACT_VARIANTS = sorted({"per_head"} | {
-    v for (src, v), c in CONVERTERS.items()
-    if src == "per_head" and c.exact and (v, "per_head") in CONVERTERS
-    and CONVERTERS[(v, "per_head")].exact})
+
+
+def _exact(src, dst):
+  return (src, dst) in CONVERTERS and CONVERTERS[(src, dst)].exact
+
+
+# Every variant with an exact conversion from or to per_head: its outputs must match the
+# library's through the per_head weights.
+OTHER_VARIANTS = sorted(v for v in attn.VARIANTS if v not in ("per_head", "fused")
+                        and (_exact("per_head", v) or _exact(v, "per_head")))
 
 
 def _masks(B, H, T, S, seed):
@@ -49,17 +51,30 @@ def _masks(B, H, T, S, seed):
   return {"none": None, "padding_causal": pad_causal, "per_head": per_head}
 
 
-def _usable_pairs(configs):
-  """(config name, variant) for every exact variant that accepts the config."""
-  pairs = []
-  for name, cfg in sorted(configs.items()):
-    for variant in EXACT_VARIANTS:
-      try:
-        attn.api.check_config(variant, cfg)
-      except attn.ConfigError:
-        continue  # e.g. a variant that needs H to divide D: nothing to compare
-      pairs.append((name, variant))
+def _pairs(configs):
+  """per_head and fused on every config; the other variants on "base", where they accept it."""
+  pairs = [(name, v) for name in sorted(configs) for v in ("per_head", "fused")]
+  for v in OTHER_VARIANTS:
+    try:
+      attn.api.check_config(v, configs["base"])
+    except attn.ConfigError:
+      continue  # a variant that refuses the config by design: nothing to compare
+    pairs.append(("base", v))
   return pairs
+
+
+def _variant_and_per_head(variant, cfg, seed):
+  """Random params of `variant` and the same function in the per_head layout."""
+  if _exact(variant, "per_head") or variant == "per_head":
+    params = random_params(variant, cfg, seed)
+    return params, attn.convert(params, variant, "per_head", cfg)
+  per_head = random_params("per_head", cfg, seed)
+  return attn.convert(per_head, "per_head", variant, cfg), per_head
+
+
+def _handover(variant, params, per_head):
+  """What to pass to to_flax / to_torch: the variant's own params when they convert exactly."""
+  return (params, variant) if _exact(variant, "per_head") else (per_head, "per_head")
 
 
 @nnx.jit(static_argnums=(1, 2))
@@ -86,15 +101,16 @@ def test_from_flax_matches_flax_outputs(name):
   params = interop.from_flax(mha, cfg)
   B, T, S = 2, 5, 7
   x, c = randn(0, (B, T, cfg.d_model)), randn(1, (B, S, cfg.d_model))
-  _assert_pairs(_flax_and_ours(mha, "per_head", cfg, params, x, c, _masks(B, cfg.num_heads, T, S, 4)))
+  masks = _masks(B, cfg.num_heads, T, S, 4)
+  _assert_pairs(_flax_and_ours(mha, "per_head", cfg, params, x, c, masks))
 
 
-@pytest.mark.parametrize("name,variant", _usable_pairs(FLAX_CONFIGS))
-def test_to_flax_matches_every_exact_variant(name, variant):
+@pytest.mark.parametrize("name,variant", _pairs(FLAX_CONFIGS))
+def test_to_flax_matches_variants(name, variant):
   cfg = FLAX_CONFIGS[name]
-  per_head = random_params("per_head", cfg, 1)
-  params = attn.convert(per_head, "per_head", variant, cfg)
-  mha = interop.to_flax(params, cfg, rngs=nnx.Rngs(0), variant=variant)
+  params, per_head = _variant_and_per_head(variant, cfg, 1)
+  weights, kind = _handover(variant, params, per_head)
+  mha = interop.to_flax(weights, cfg, rngs=nnx.Rngs(0), variant=kind)
   back = interop.from_flax(mha, cfg)
   for k in per_head:
     np.testing.assert_allclose(back[k], per_head[k], rtol=1e-6, atol=1e-6, err_msg=k)
@@ -188,13 +204,13 @@ def test_from_torch_matches_torch(name):
   _assert_torch_parity(torch, m, "per_head", cfg, params, 3, 5, 5, [5, 2, 1])
 
 
-@pytest.mark.parametrize("name,variant", _usable_pairs(TORCH_CONFIGS))
-def test_to_torch_matches_every_exact_variant(name, variant):
+@pytest.mark.parametrize("name,variant", _pairs(TORCH_CONFIGS))
+def test_to_torch_matches_variants(name, variant):
   torch = pytest.importorskip("torch")
   cfg = TORCH_CONFIGS[name]
-  per_head = random_params("per_head", cfg, 2)
-  params = attn.convert(per_head, "per_head", variant, cfg)
-  m = interop.to_torch(params, cfg, variant=variant)
+  params, per_head = _variant_and_per_head(variant, cfg, 2)
+  weights, kind = _handover(variant, params, per_head)
+  m = interop.to_torch(weights, cfg, variant=kind)
   back = interop.from_torch(m, cfg)
   for k in per_head:
     np.testing.assert_allclose(back[k], per_head[k], rtol=1e-6, atol=1e-6, err_msg=k)

@@ -33,9 +33,22 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0, "eval_every": 50,
     "eval_batches": 4, "seed": 0,
 }
+# [train] key -> (lowest allowed, whether the lowest itself is allowed, what to say).
+TRAIN_RANGES = {
+    "steps": (1, True, "an integer >= 1"), "batch_size": (1, True, "an integer >= 1"),
+    "lr": (0.0, False, "a number > 0"), "warmup_steps": (0, True, "an integer >= 0"),
+    "end_lr_ratio": (0.0, True, "a number >= 0"), "weight_decay": (0.0, True, "a number >= 0"),
+    "b1": (0.0, True, "a number in [0, 1)"), "b2": (0.0, True, "a number in [0, 1)"),
+    "grad_clip": (0.0, True, "a number >= 0 (0 turns clipping off)"),
+    "eval_every": (0, True, "an integer >= 0 (0: only at the end)"),
+    "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
+}
 META_KEYS = {"name": str, "question": str}
 SWEEP_KEYS = {"grid": dict, "zip": dict, "seeds": list, "derive": list,
               "param_budget": (int, str), "vmap_seeds": bool}
+SWEEP_KINDS = {"grid": "a table of dotted keys to lists", "zip": "a table of dotted keys to lists",
+               "seeds": "a list of integers", "derive": 'a list of "fixed_width", "fixed_params"',
+               "param_budget": '"base" or a positive integer', "vmap_seeds": "true or false"}
 DERIVED_MODEL_KEYS = ("vocab_size", "num_classes", "max_len")
 DERIVES = ("fixed_width", "fixed_params")
 ALIASES = {"seed": "train.seed"}
@@ -107,6 +120,15 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
   return value
 
 
+def _check_train(key: str, value: Any) -> None:
+  low, inclusive, allowed = TRAIN_RANGES[key]
+  ok = value >= low if inclusive else value > low
+  if key in ("b1", "b2"):
+    ok = ok and value < 1
+  if not ok:
+    raise invalid(f"train.{key}", value, allowed)
+
+
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   """{"model": {"num_heads": [..]}} and {"model.num_heads": [..]} both -> dotted keys."""
   out = {}
@@ -141,6 +163,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
       continue
     if len(parts) != 2:
       raise invalid("--set", item, "SECTION.KEY=VALUE, or sweep.grid.SECTION.KEY=[...]")
+    if key == "task.name" and value in tasks.TASKS and value != raw.get("task", {}).get("name"):
+      # Another task keeps only the file's [task] keys it shares (seq_len, vocab_size, ...).
+      known = tasks.task_fields(value)
+      raw["task"] = {k: v for k, v in raw.get("task", {}).items() if k in known}
     raw.setdefault(parts[0], {})[parts[1]] = value
     sweep = raw.get("sweep", {})
     for kind in ("grid", "zip"):
@@ -170,7 +196,7 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if key not in SWEEP_KEYS:
       raise invalid(f"sweep.{key}", value, f"one of {sorted(SWEEP_KEYS)}")
     if not isinstance(value, SWEEP_KEYS[key]) or isinstance(value, bool) != (SWEEP_KEYS[key] is bool):
-      raise invalid(f"sweep.{key}", value, f"a {SWEEP_KEYS[key]}")
+      raise invalid(f"sweep.{key}", value, SWEEP_KINDS[key])
   base = {}
   for section in ("task", "model", "train"):
     schema = _schema(section, raw.get("task", {}))
@@ -183,6 +209,8 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         raise invalid(f"{section}.{key}", value, f"a key of {owner}: {sorted(schema)}")
       if not (section == "task" and key == "name"):
         values[key] = _check_type(f"{section}.{key}", value, schema[key])
+      if section == "train":
+        _check_train(key, values[key])
     base[section] = values
   for key in ("d_model", "num_layers", "num_heads", "d_ff"):
     if key not in base["model"]:
@@ -212,6 +240,9 @@ def _axes(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]]):
         raise invalid(where, values, "a non-empty list of values")
       if section != "task" or name != "name":
         values = [_check_type(where, v, schema[name]) for v in values]
+      if section == "train":
+        for v in values:
+          _check_train(name, v)
       axes.append((key, values))
     out.append(axes)
   grid, tied = out

@@ -85,6 +85,11 @@ def answer(rows: list[dict[str, Any]]) -> str:
                else "within about twice the seed-to-seed spread (or one seed only): not a clear difference")
     text += (f" Worst: **{worst['group']}**, {worst['eval_accuracy'][0]:.3f} ± "
              f"{worst['eval_accuracy'][1]:.3f}. The gap, {gap:.3f}, is {verdict}.")
+    by_loss = sorted(rows, key=lambda r: r["eval_loss"][0])
+    lo, hi = by_loss[0], by_loss[-1]
+    text += (f" By held-out loss: lowest **{lo['group']}** ({lo['eval_loss'][0]:.3f} ± "
+             f"{lo['eval_loss'][1]:.3f}), highest **{hi['group']}** ({hi['eval_loss'][0]:.3f} ± "
+             f"{hi['eval_loss'][1]:.3f}).")
   return text
 
 

@@ -82,10 +82,12 @@ class MQAR:
 
 @dataclasses.dataclass(frozen=True)
 class Induction:
-  """Random tokens repeated once: the second copy is predictable only by an induction head.
+  """A random pattern seen once at a random place in noise, then repeated at the end.
 
-  An induction head needs two layers (Olsson et al. 2022): one to copy the previous
-  token into each position, one to look up where the current token was before.
+  Predicting the repeat needs an induction head (Olsson et al. 2022), which takes
+  two layers: one copies each token's predecessor into it, the next finds where
+  the current token was before. The gap between the copies varies from row to
+  row, so no fixed positional offset solves the task.
   """
 
   kind: ClassVar[str] = "lm"
@@ -95,45 +97,60 @@ class Induction:
 
   def __post_init__(self):
     _check_int("vocab_size", self.vocab_size, 3)
-    _check_int("seq_len", self.seq_len, 4)
+    _check_int("seq_len", self.seq_len, 5)
+
+  @property
+  def pattern_len(self) -> int:
+    return max(2, (self.seq_len + 1) // 3)
 
   def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
     rng = _rng(seed, split, index)
-    m = (self.seq_len + 2) // 2
-    half_BM = rng.integers(1, self.vocab_size, (batch_size, m))
-    seq = np.concatenate([half_BM, half_BM], axis=1)[:, :self.seq_len + 1]
+    L, m = self.seq_len + 1, self.pattern_len
+    seq = rng.integers(1, self.vocab_size, (batch_size, L))
+    x_BM = rng.integers(1, self.vocab_size, (batch_size, m))
+    start_B = rng.integers(0, L - 2 * m + 1, batch_size)
+    pos_L = np.arange(L)
+    first = (pos_L >= start_B[:, None]) & (pos_L < start_B[:, None] + m)
+    offset = np.clip(pos_L - start_B[:, None], 0, m - 1)
+    seq = np.where(first, np.take_along_axis(x_BM, offset, axis=1), seq)
+    seq[:, L - m:] = x_BM
     weights = np.zeros((batch_size, self.seq_len))
-    weights[:, m:] = 1.0  # position t >= m predicts seq[t+1] = seq[t+1-m], seen before
+    weights[:, L - m:] = 1.0  # inside the repeat, position t predicts x[t + 1 - (L - m)]
     return _lm_arrays(seq, weights)
 
 
 @dataclasses.dataclass(frozen=True)
 class MarkerPosition:
-  """Classify where a marker sits: the label is the segment (of num_classes) holding it.
+  """Classify where the first marker sits: the label is the segment (of num_classes) holding it.
 
-  Every other token is random noise, so the label is carried by one position
-  only: a [CLS] token can attend to it, while mean pooling dilutes it by 1/T.
+  Every other token is noise and later markers are distractors, so the label is
+  carried by one position that only attention can single out: a [CLS] token can
+  attend to it, while mean pooling averages it with every other position.
   """
 
   kind: ClassVar[str] = "classify"
   vocab_size: int = 32
   seq_len: int = 32
   num_classes: int = 4
+  num_markers: int = 1
 
   def __post_init__(self):
     _check_int("vocab_size", self.vocab_size, 3)
     _check_int("num_classes", self.num_classes, 2)
     _check_int("seq_len", self.seq_len, self.num_classes)
+    _check_int("num_markers", self.num_markers, 1)
+    if self.num_markers > self.seq_len:
+      raise invalid("task.num_markers", self.num_markers, f"at most seq_len={self.seq_len}")
 
   def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
     rng = _rng(seed, split, index)
     B, T = batch_size, self.seq_len
     tokens = rng.integers(2, self.vocab_size, (B, T))
-    where_B = rng.integers(0, T, B)
-    tokens[np.arange(B), where_B] = 1  # token 1 is the marker
+    where_BM = rng.random((B, T)).argsort(axis=1)[:, :self.num_markers]
+    np.put_along_axis(tokens, where_BM, 1, axis=1)  # token 1 is the marker
     return {"tokens": tokens.astype(np.int32),
             "lengths": np.full((B,), T, np.int32),
-            "labels": (where_B * self.num_classes // T).astype(np.int32)}
+            "labels": (where_BM.min(axis=1) * self.num_classes // T).astype(np.int32)}
 
 
 @dataclasses.dataclass(frozen=True)

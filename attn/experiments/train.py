@@ -28,6 +28,12 @@ from attn.experiments import tasks as tasks_lib
 from attn.nn import models
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
+# Token embeddings start at N(0, 1) (PyTorch's nn.Embedding default) instead of the
+# models' GPT-2 scale N(0, 0.02²). At d_model <= 128 the 0.02 scale leaves the token
+# identity ~50x smaller than the O(1) block outputs in the residual stream, and a
+# 2-layer model then sits on MQAR's 1/num_pairs plateau for thousands of steps;
+# at N(0, 1) it solves 4-pair MQAR within ~200 steps (measured, configs/quick.toml).
+TOKEN_EMBED_STD = 1.0
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -53,6 +59,17 @@ def model_config(model: dict[str, Any], task) -> models.ModelConfig:
 
 def model_class(kind: str) -> type:
   return models.DecoderLM if kind == "lm" else models.SequenceClassifier
+
+
+def init_model(cfg: models.ModelConfig, kind: str, seed: int) -> nnx.Module:
+  """The model of a trial: seeded init, then token embeddings redrawn at TOKEN_EMBED_STD."""
+  model = model_class(kind)(cfg, rngs=nnx.Rngs(seed))
+  key = jax.random.fold_in(jax.random.key(seed), 1)
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, models.Embeddings):
+      table = node.token[...]
+      node.token[...] = TOKEN_EMBED_STD * jax.random.normal(key, table.shape, table.dtype)
+  return model
 
 
 @functools.lru_cache(maxsize=1024)
@@ -139,23 +156,8 @@ def _batches(task, seeds: list[int], split: int, index: int, batch_size: int) ->
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def train_group(configs: list[dict[str, Any]],
-                on_row: Callable[[int, dict[str, Any]], None],
-                on_step: Callable[[int, float], None] | None = None,
-                vmap: bool = True) -> list[dict[str, Any]]:
-  """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries."""
-  cfg0 = configs[0]
-  task = tasks_lib.make_task(cfg0["task"])
-  model_cfg = models.ModelConfig(**cfg0["model"])
-  train, kind, seeds = cfg0["train"], task.kind, [c["train"]["seed"] for c in configs]
-  n = len(seeds)
-  tx = optimizer(train)
-  lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train["steps"])))
-  graphdef, params, rest = None, [], []
-  for s in seeds:
-    graphdef, p, r = nnx.split(model_class(kind)(model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
-    params.append(p)
-    rest.append(r)
+def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str):
+  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted."""
 
   def step(params, opt_state, rest, batch, lr):
     def loss_fn(p):
@@ -174,71 +176,90 @@ def train_group(configs: list[dict[str, Any]],
     loss, acc = jax.lax.map(one, batches)
     return {"eval_loss": loss.mean(), "eval_accuracy": acc.mean()}
 
-  use_vmap = vmap and n > 1
-  if use_vmap:
-    state = (_stack(params), None, _stack(rest))
-    state = (state[0], jax.vmap(tx.init)(state[0]), state[2])
-    step_fn, eval_fn = jax.vmap(step), jax.vmap(evaluate)
-    groups = [list(range(n))]
-  else:
-    groups = [[i] for i in range(n)]
-  summaries: list[dict[str, Any]] = [{} for _ in range(n)]
+  return step, evaluate
+
+
+def train_group(configs: list[dict[str, Any]],
+                on_row: Callable[[int, dict[str, Any]], None],
+                on_step: Callable[[int, float], None] | None = None,
+                vmap: bool = True) -> list[dict[str, Any]]:
+  """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries."""
+  cfg0 = configs[0]
+  task = tasks_lib.make_task(cfg0["task"])
+  model_cfg = models.ModelConfig(**cfg0["model"])
+  train, kind, seeds = cfg0["train"], task.kind, [c["train"]["seed"] for c in configs]
+  tx = optimizer(train)
+  graphdef, params, rest = None, [], []
+  for s in seeds:
+    graphdef, p, r = nnx.split(init_model(model_cfg, kind, s), nnx.Param, ...)
+    params.append(p)
+    rest.append(r)
+  step, evaluate = _step_fns(graphdef, tx, kind)
   counts = {"model_params": _count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
-  for group in groups:
-    if not use_vmap:
-      i = group[0]
-      state = (params[i], tx.init(params[i]), rest[i])
-      step_fn, eval_fn = step, evaluate
-    g_seeds = [seeds[i] for i in group]
-    pick = (lambda b: b) if use_vmap else (lambda b: jax.tree.map(lambda x: x[0], b))
-    eval_data = _stack([pick(_batches(task, g_seeds, tasks_lib.EVAL, j, train["batch_size"]))
-                        for j in range(train["eval_batches"])])
-    eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data) if use_vmap else eval_data
-    batch0 = pick(_batches(task, g_seeds, tasks_lib.TRAIN, 0, train["batch_size"]))
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", message=".*donated buffers.*")
-      lr0 = jnp.zeros((len(group),) if use_vmap else (), jnp.float32)
-      jit_step = jax.jit(step_fn, donate_argnums=(0, 1)).lower(*state, batch0, lr0).compile()
-      jit_eval = jax.jit(eval_fn).lower(state[0], state[2], eval_data).compile()
-    compile_s = time.perf_counter() - t0
-    alive = {i: True for i in group}
-    times = []
-    for t in range(train["steps"]):
-      batch = pick(_batches(task, g_seeds, tasks_lib.TRAIN, t, train["batch_size"]))
-      t0 = time.perf_counter()
-      lr = np.full((len(group),) if use_vmap else (), lrs[t], np.float32)
-      p, o, m = jit_step(state[0], state[1], state[2], batch, lr)
-      m = jax.device_get(m)
-      dt = time.perf_counter() - t0
-      state = (p, o, state[2])
-      times.append(dt)
-      last = t == train["steps"] - 1
-      ev = jax.device_get(jit_eval(state[0], state[2], eval_data)) \
-          if last or (train["eval_every"] > 0 and (t + 1) % train["eval_every"] == 0) else None
-      for j, i in enumerate(group):
-        if not alive[i]:
-          continue
-        row = {"step": t, **{k: float(v[j] if use_vmap else v) for k, v in m.items()},
-               "lr": float(lrs[t]), "step_time_s": dt}
-        if ev is not None:
-          row.update({k: float(v[j] if use_vmap else v) for k, v in ev.items()})
-        bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
-        if bad:
-          alive[i] = False
-          summaries[i] = {"status": "failed", "reason": f"non-finite {bad[0]}={row[bad[0]]} at step {t}",
-                          "steps_done": t}
-          continue
-        on_row(i, row)
-        if last:
-          summaries[i] = {"status": "ok", "steps_done": t + 1,
-                          "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
-      if on_step:
-        on_step(t, float(np.mean(m["loss"])))
-      if not any(alive.values()):
-        break
-    for i in group:
-      summaries[i].update({"compile_s": compile_s, "group_size": len(group), **counts,
-                           "step_time_s_median": float(np.median(times[1:] or times)),
-                           "train_s": float(np.sum(times))})
+  summaries: list[dict[str, Any]] = [{} for _ in seeds]
+  batched = vmap and len(seeds) > 1
+  if batched:
+    stacked = _stack(params)
+    state = (stacked, jax.vmap(tx.init)(stacked), _stack(rest))
+    runs = [(list(range(len(seeds))), state, jax.vmap(step), jax.vmap(evaluate))]
+  else:
+    runs = [([i], (params[i], tx.init(params[i]), rest[i]), step, evaluate) for i in range(len(seeds))]
+  for group, state, step_fn, eval_fn in runs:
+    out = _run(task, train, [seeds[i] for i in group], state, step_fn, eval_fn,
+               lambda j, row, group=group: on_row(group[j], row), on_step, batched)
+    for i, summary in zip(group, out):
+      summaries[i] = {**summary, **counts}
   return summaries
+
+
+def _run(task, train: dict[str, Any], seeds: list[int], state, step_fn, eval_fn,
+         on_row, on_step, batched: bool) -> list[dict[str, Any]]:
+  """Compiles and runs one (possibly vmapped) program over `seeds`; returns their summaries."""
+  n, B = len(seeds), train["batch_size"]
+  pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
+  at = (lambda v, j: v[j]) if batched else (lambda v, j: v)
+  lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train["steps"])))
+  eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train["eval_batches"])])
+  if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
+    eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data)
+  t0 = time.perf_counter()
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*donated buffers.*")
+    lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
+    batch0 = pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B))
+    jit_step = jax.jit(step_fn, donate_argnums=(0, 1)).lower(*state, batch0, lr0).compile()
+    jit_eval = jax.jit(eval_fn).lower(state[0], state[2], eval_data).compile()
+  compile_s = time.perf_counter() - t0
+  summaries: list[dict[str, Any] | None] = [None] * n
+  times = []
+  for t in range(train["steps"]):
+    batch = pick(_batches(task, seeds, tasks_lib.TRAIN, t, B))
+    t0 = time.perf_counter()
+    params, opt_state, m = jit_step(*state, batch, np.full(lr0.shape, lrs[t], np.float32))
+    m = jax.device_get(m)
+    times.append(time.perf_counter() - t0)
+    state = (params, opt_state, state[2])
+    last = t == train["steps"] - 1
+    ev = jax.device_get(jit_eval(state[0], state[2], eval_data)) \
+        if last or (train["eval_every"] > 0 and (t + 1) % train["eval_every"] == 0) else None
+    for j in range(n):
+      if summaries[j] is not None and summaries[j]["status"] == "failed":
+        continue
+      row = {"step": t, **{k: float(at(v, j)) for k, v in m.items()}, "lr": float(lrs[t]),
+             "step_time_s": times[-1], **{k: float(at(v, j)) for k, v in (ev or {}).items()}}
+      bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
+      if bad:  # this seed stops here; the others go on
+        summaries[j] = {"status": "failed", "steps_done": t,
+                        "reason": f"non-finite {bad[0]}={row[bad[0]]} at step {t}"}
+        continue
+      on_row(j, row)
+      if last:
+        summaries[j] = {"status": "ok", "steps_done": t + 1,
+                        "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
+    if on_step:
+      on_step(t, float(np.mean(m["loss"])))
+    if all(s is not None and s["status"] == "failed" for s in summaries):
+      break
+  timing = {"compile_s": compile_s, "group_size": n, "train_s": float(np.sum(times)),
+            "step_time_s_median": float(np.median(times[1:] or times))}
+  return [{**s, **timing} for s in summaries]

@@ -27,21 +27,24 @@ from attn.variants.base import Params
 
 def _default_scale(cfg: HeadConfig, library: str) -> None:
   if cfg.scale is not None and not math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k)):
-    raise invalid("scale", cfg.scale, f"None or 1/sqrt(d_k): {library} always scales by 1/sqrt(d_k)")
+    raise invalid("scale", cfg.scale,
+                  f"None or 1/sqrt(d_k): {library} always scales by 1/sqrt(d_k)")
 
 
 def _check_flax_cfg(cfg: HeadConfig) -> None:
   if cfg.d_v != cfg.d_k:
-    raise invalid("d_v", cfg.d_v, f"equal to d_k={cfg.d_k}: flax MultiHeadAttention has one head width")
+    raise invalid("d_v", cfg.d_v,
+                  f"equal to d_k={cfg.d_k}: flax MultiHeadAttention has one head width")
   _default_scale(cfg, "flax")
 
 
-def _same(field: str, got: Any, want: Any, what: str) -> None:
+def _same(field: str, got: Any, want: Any, why: str) -> None:
   if got != want:
-    raise invalid(field, got, f"{want!r} ({what} of the HeadConfig)")
+    raise invalid(field, got, f"{want!r} ({why})")
 
 
 def _per_head(params: Params, cfg: HeadConfig, variant: str) -> Params:
+  """params in the per_head layout; attn.convert warns if the variant's conversion is lossy."""
   check_params(variant, params, cfg)
   return convert(params, variant, "per_head", cfg) if variant != "per_head" else params
 
@@ -51,14 +54,14 @@ def from_flax(mha: nnx.MultiHeadAttention, cfg: HeadConfig) -> Params:
   if not isinstance(mha, nnx.MultiHeadAttention):
     raise invalid("mha", type(mha).__name__, "a flax.nnx.MultiHeadAttention")
   _check_flax_cfg(cfg)
-  _same("mha.in_features", mha.in_features, cfg.d_model, "d_model")
-  _same("mha.in_kv_features", mha.in_kv_features, cfg.d_model, "d_model")
-  _same("mha.out_features", mha.out_features, cfg.d_model, "d_model")
-  _same("mha.num_heads", mha.num_heads, cfg.num_heads, "num_heads")
-  _same("mha.num_kv_heads", mha.num_kv_heads, cfg.num_kv_heads, "num_kv_heads")
-  _same("mha.head_dim", mha.head_dim, cfg.d_k, "d_k")
-  _same("mha.use_bias", mha.use_bias, cfg.use_bias, "use_bias")
-  _same("mha.normalize_qk", mha.normalize_qk, False, "attn has no QK LayerNorm; required")
+  _same("mha.in_features", mha.in_features, cfg.d_model, "cfg.d_model")
+  _same("mha.in_kv_features", mha.in_kv_features, cfg.d_model, "cfg.d_model")
+  _same("mha.out_features", mha.out_features, cfg.d_model, "cfg.d_model")
+  _same("mha.num_heads", mha.num_heads, cfg.num_heads, "cfg.num_heads")
+  _same("mha.num_kv_heads", mha.num_kv_heads, cfg.num_kv_heads, "cfg.num_kv_heads")
+  _same("mha.head_dim", mha.head_dim, cfg.d_k, "cfg.d_k")
+  _same("mha.use_bias", mha.use_bias, cfg.use_bias, "cfg.use_bias")
+  _same("mha.normalize_qk", mha.normalize_qk, False, "attn has no QK LayerNorm")
   params = {"w_q": mha.query.kernel[...], "w_k": mha.key.kernel[...],
             "w_v": mha.value.kernel[...], "w_o": mha.out.kernel[...]}
   if cfg.use_bias:
@@ -70,7 +73,7 @@ def from_flax(mha: nnx.MultiHeadAttention, cfg: HeadConfig) -> Params:
 
 def to_flax(params: Params, cfg: HeadConfig, *, rngs: nnx.Rngs,
             variant: str = "per_head") -> nnx.MultiHeadAttention:
-  """A flax.nnx.MultiHeadAttention with the same weights (params of `variant`, exact ones only)."""
+  """A flax.nnx.MultiHeadAttention with the same weights (params of `variant`, via per_head)."""
   _check_flax_cfg(cfg)
   p = _per_head(params, cfg, variant)
   H, K = cfg.num_heads, cfg.d_k
@@ -92,7 +95,8 @@ def _check_torch_cfg(cfg: HeadConfig) -> None:
     raise invalid("num_kv_heads", cfg.num_kv_heads,
                   f"num_heads={H}: torch MultiheadAttention has no grouped heads")
   if cfg.d_k * H != D:
-    raise invalid("d_k", cfg.d_k, f"d_model / num_heads = {D / H:g}: torch packs heads of width D/H")
+    raise invalid("d_k", cfg.d_k,
+                  f"d_model / num_heads = {D / H:g}: torch packs heads of width D/H")
   if cfg.d_v != cfg.d_k:
     raise invalid("d_v", cfg.d_v, f"equal to d_k={cfg.d_k}: torch has one head width")
   _default_scale(cfg, "torch")
@@ -109,14 +113,15 @@ def from_torch(m: Any, cfg: HeadConfig) -> Params:
     raise invalid("m", type(m).__name__, "a torch.nn.MultiheadAttention")
   _check_torch_cfg(cfg)
   D, H, K = cfg.d_model, cfg.num_heads, cfg.d_k
-  _same("m.embed_dim", m.embed_dim, D, "d_model")
-  _same("m.num_heads", m.num_heads, H, "num_heads")
-  _same("m.kdim, m.vdim", (m.kdim, m.vdim), (D, D), "d_model")
-  _same("m.in_proj_bias is not None", m.in_proj_bias is not None, cfg.use_bias, "use_bias")
-  _same("m.bias_k is None", m.bias_k is None, True, "add_bias_kv=False; required")
-  _same("m.add_zero_attn", m.add_zero_attn, False, "required")
-  w_in = _numpy(m.in_proj_weight)  # (3D, D): rows [W_q; W_k; W_v]
-  w_o = _numpy(m.out_proj.weight)  # (D, H·K)
+  _same("m.embed_dim", m.embed_dim, D, "cfg.d_model")
+  _same("m.num_heads", m.num_heads, H, "cfg.num_heads")
+  _same("m.kdim, m.vdim", (m.kdim, m.vdim), (D, D),
+        "cfg.d_model; separate key/value input widths are not supported")
+  _same("m.in_proj_bias is not None", m.in_proj_bias is not None, cfg.use_bias, "cfg.use_bias")
+  _same("m.bias_k is None", m.bias_k is None, True, "add_bias_kv is not supported")
+  _same("m.add_zero_attn", m.add_zero_attn, False, "add_zero_attn is not supported")
+  w_in = _numpy(m.in_proj_weight)
+  w_o = _numpy(m.out_proj.weight)
   params = {name: jnp.asarray(w.T.reshape(D, H, K))
             for name, w in zip(("w_q", "w_k", "w_v"), np.split(w_in, 3))}
   params["w_o"] = jnp.asarray(w_o.T.reshape(H, K, D))

@@ -15,7 +15,8 @@ Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 
-Token ids outside [0, vocab) (negative ones included) never wrap: on concrete
+Letters as in DESIGN.md, plus F for d_ff and N for the vocabulary. Token ids
+outside [0, vocab) (negative ones included) never wrap: on concrete
 arrays they raise ConfigError; under jit they embed as NaN, so logits and the
 loss turn NaN. More positions than max_len raise ConfigError before tracing.
 """
@@ -198,7 +199,8 @@ class Embeddings(nnx.Module):
         raise invalid("segments", "given", "None: this model has num_segments=0")
       check_ids("segments", segments_BT, self.cfg.num_segments)
       if segments_BT.shape != tokens_BT.shape:
-        raise invalid("segments.shape", segments_BT.shape, f"equal to tokens.shape={tokens_BT.shape}")
+        raise invalid("segments.shape", segments_BT.shape,
+                      f"equal to tokens.shape={tokens_BT.shape}")
 
   def __call__(self, tokens_BT: Array, segments_BT: Array | None = None,
                prefix_D: Array | None = None) -> Array:
@@ -266,7 +268,7 @@ def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nn
 
 
 class Encoder(nnx.Module):
-  """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, also tanh(W h_0 + b)."""
+  """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, tanh(W h_0 + b)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -327,6 +329,7 @@ class DecoderLM(nnx.Module):
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
 
   def __call__(self, tokens_BT: Array) -> Array:
+    """Logits (B,T,vocab); position t sees tokens up to t, so right padding needs no mask."""
     self.embed.check(tokens_BT)
     T = tokens_BT.shape[1]
     mask = masks.causal_mask(T)
@@ -365,7 +368,7 @@ class SequenceClassifier(nnx.Module):
 
 
 class EncoderDecoder(nnx.Module):
-  """Vaswani et al. 2017: encoder over src; decoder blocks with causal self-, cross-attention, MLP."""
+  """Vaswani et al. 2017: an encoder, and decoder blocks of causal self-, cross-attention, MLP."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     _require(cfg, "EncoderDecoder", num_decoder_layers="> 0", pooler=False, num_segments=0,

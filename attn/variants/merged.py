@@ -31,7 +31,7 @@ from attn.variants.base import Params, Variant, add_bias, bias, normal, output_p
 
 
 def lowrank_dof(rows: int, cols: int, rank: int) -> int:
-  """Dimension of rows×cols matrices of rank ≤ rank: r·(rows + cols − r), r = min(rank, rows, cols)."""
+  """Dim of rows×cols matrices of rank ≤ rank: r·(rows + cols − r), r = min(rank, rows, cols)."""
   r = min(rank, rows, cols)
   return r * (rows + cols - r)
 
