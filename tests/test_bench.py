@@ -9,7 +9,7 @@ import pytest
 
 import attn
 from attn import ConfigError, bench, cli, kernel, masks
-from attn.variants import fused, per_head
+from attn.variants import base, fused, per_head
 from conftest import randn, random_params
 
 SHAPES = [  # B, T, S, H, G, K
@@ -88,9 +88,9 @@ def test_fused_default_impl_is_a_module_setting(monkeypatch):
 
 def test_dense_is_a_matmul_over_leading_axes():
   x, w, b = randn(0, (2, 3, 5)), randn(1, (5, 4)), randn(2, (4,))
-  np.testing.assert_allclose(fused.dense(x, w, b), jnp.einsum("BTD,DE->BTE", x, w) + b,
+  np.testing.assert_allclose(base.dense(x, w, b), jnp.einsum("BTD,DE->BTE", x, w) + b,
                              atol=1e-6, rtol=1e-6)
-  np.testing.assert_allclose(fused.dense(x[0], w, 0.0), x[0] @ w, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(base.dense(x[0], w, 0.0), x[0] @ w, atol=1e-6, rtol=1e-6)
 
 
 def test_bench_shape_rows_and_ratios():

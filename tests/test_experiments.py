@@ -214,6 +214,25 @@ def test_one_training_step_of_every_task(tmp_path, task):
   assert rows[1]["update_norm"] > 0 and "eval_loss" in rows[-1]
 
 
+@pytest.mark.parametrize("kind", ["lm", "classify"])
+def test_init_model_redraws_only_token_embeddings(kind):
+  from flax import nnx
+  from attn.nn import models
+  cfg = models.ModelConfig(vocab_size=200, d_model=32, num_layers=1, num_heads=2, d_ff=8,
+                           num_classes=3 if kind == "classify" else 0)
+  plain = nnx.state(train.model_class(kind)(cfg, rngs=nnx.Rngs(3)), nnx.Param)
+  ours = nnx.state(train.init_model(cfg, kind, 3), nnx.Param)
+  again = nnx.state(train.init_model(cfg, kind, 3), nnx.Param)
+  changed = []
+  for (path, a), (_, b), (_, c) in zip(nnx.to_flat_state(plain), nnx.to_flat_state(ours),
+                                       nnx.to_flat_state(again)):
+    np.testing.assert_array_equal(np.asarray(b[...]), np.asarray(c[...]))  # deterministic in seed
+    if not np.array_equal(np.asarray(a[...]), np.asarray(b[...])):
+      changed.append(path)
+      assert abs(float(np.std(np.asarray(b[...]))) - train.TOKEN_EMBED_STD) < 0.1
+  assert len(changed) == 1 and changed[0][-1] == "token"
+
+
 # --- sweeps, store, NaN handling, determinism, report ----------------------------------------
 
 @pytest.fixture(scope="module")

@@ -61,14 +61,29 @@ def bias(params: Params, name: str):
   return params.get(name, 0.0)
 
 
+def dense(x_NTD: jax.Array, w_DE: jax.Array, b_E) -> jax.Array:
+  """x @ w + b as one 2-D matmul over the flattened leading axes.
+
+  On CPU the gradient of a 3-D x @ w contracts two axes (B,T) for w's
+  gradient, which XLA runs through an extra transpose; flattening first makes
+  every product of the forward and backward pass a plain 2-D matmul.
+  """
+  lead = x_NTD.shape[:-1]
+  y_NE = x_NTD.reshape(-1, x_NTD.shape[-1]) @ w_DE + b_E
+  return y_NE.reshape(*lead, w_DE.shape[-1])
+
+
 def project_heads(x_BTD: Array, w_DHK: Array, b_HK) -> Array:
-  """Per-head projection of all heads in one einsum: (B,T,H,K)."""
-  return jnp.einsum("BTD,DHK->BTHK", x_BTD, w_DHK) + b_HK
+  """Per-head projection of all heads in one matmul: (B,T,H,K)."""
+  D, H, K = w_DHK.shape
+  return dense(x_BTD, w_DHK.reshape(D, H * K), jnp.reshape(b_HK, -1)).reshape(
+      *x_BTD.shape[:-1], H, K)
 
 
 def output_projection(o_BTHV: Array, w_HVD: Array, b_D) -> Array:
   """Concatenate heads and project back to d_model: sum over h of o_h W_O,h."""
-  return jnp.einsum("BTHV,HVD->BTD", o_BTHV, w_HVD) + b_D
+  H, V, D = w_HVD.shape
+  return dense(o_BTHV.reshape(*o_BTHV.shape[:-2], H * V), w_HVD.reshape(H * V, D), b_D)
 
 
 def standard_param_count(cfg: HeadConfig) -> int:
@@ -101,3 +116,29 @@ def head_mask(mask, h: int):
   if mask is None or mask.ndim < 4 or mask.shape[1] == 1:
     return mask
   return mask[:, h:h + 1]
+
+
+# Effective parameter counts: the dimension of the function class (issue 3).
+
+def lowrank_dof(rows: int, cols: int, rank: int) -> int:
+  """Dim of rows×cols matrices of rank ≤ rank: r·(rows + cols − r), r = min(rank, rows, cols)."""
+  r = min(rank, rows, cols)
+  return r * (rows + cols - r)
+
+
+def value_output_dof(cfg: HeadConfig, d_in: int) -> int:
+  """W_V,g·[W_O,h]_{h in g} per kv group (rank ≤ V), plus b_o; b_v folds into b_o."""
+  G, R, V, D = cfg.num_kv_heads, cfg.group_size, cfg.d_v, cfg.d_model
+  return G * lowrank_dof(d_in, R * D, V) + (D if cfg.use_bias else 0)
+
+
+def factored_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
+  """Score degrees of freedom of W_Q,h·W_K,gᵀ with query heads reading d_q inputs, keys d_kv."""
+  b = 1 if cfg.use_bias else 0
+  return cfg.num_kv_heads * lowrank_dof(cfg.group_size * (d_q + b), d_kv, cfg.d_k)
+
+
+def factored_effective_param_count(cfg: HeadConfig) -> int:
+  """Effective count of a layer with factored W_Q·W_Kᵀ and W_V·W_O (per_head, fused, two_stage)."""
+  D = cfg.d_model
+  return factored_score_dof(cfg, D, D) + value_output_dof(cfg, D)

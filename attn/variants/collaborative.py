@@ -13,7 +13,7 @@ Effective: scores are the H×(D+b)×D tensor Σ_j m_j ⊗ [w̃_Q,j; b̃_Q,j] ⊗
   CP rank ≤ D̃: min(D̃·(H + 2D + b − 2), H·(D+b)·D) for H ≥ 2 (the expected
   dimension, assuming it is not defective; a gauge of 2 scalings per rank-one
   term), lowrank(D+b, D; D̃) for H = 1; b̃_K drops out of the softmax;
-  + Σ_g lowrank(D, R·D; V) + b·D as in merged.py.
+  + Σ_g lowrank(D, R·D; V) + b·D as in base.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
-from attn.variants.base import (Params, Variant, add_bias, bias, normal, output_projection,
+from attn.variants.base import (Params, Variant, add_bias, bias, lowrank_dof, normal,
+                                output_projection, value_output_dof,
                                 project_heads)
-from attn.variants.merged import lowrank_dof, value_output_dof
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:

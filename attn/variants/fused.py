@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
-from attn.variants import merged
-from attn.variants.base import (Params, Variant, add_bias, bias, normal,
+from attn.variants.base import (Params, Variant, add_bias, bias, dense,
+                                factored_effective_param_count, normal,
                                 standard_flops, standard_param_count)
 
 
@@ -30,18 +30,6 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
       "w_o": normal(ko, (H * V, D), H * V, dtype),
   }
   return add_bias(params, cfg, {"b_qkv": (H * K + G * K + G * V,), "b_o": (D,)}, dtype)
-
-
-def dense(x_NTD: jax.Array, w_DE: jax.Array, b_E) -> jax.Array:
-  """x @ w + b as one 2-D matmul over the flattened leading axes.
-
-  On CPU the gradient of a 3-D x @ w contracts two axes (B,T) for w's
-  gradient, which XLA runs through an extra transpose; flattening first makes
-  every product of the forward and backward pass a plain 2-D matmul.
-  """
-  lead = x_NTD.shape[:-1]
-  y_NE = x_NTD.reshape(-1, x_NTD.shape[-1]) @ w_DE + b_E
-  return y_NE.reshape(*lead, w_DE.shape[-1])
 
 
 def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig):
@@ -87,6 +75,6 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=standard_param_count,
-    effective_param_count=merged.factored_effective_param_count,
+    effective_param_count=factored_effective_param_count,
     flops=standard_flops,
 )

@@ -12,7 +12,7 @@ FLOPs: 2·T·H·D² (x W_h) + 2·S·D·G·V + 2·T·H·V·D + 2·T·S·H·(D + V
 Effective: H·(D + b)·D scores (b = 1 with biases: the b_kc row)
   + Σ_g lowrank(D, R·D; V) for the W_V,g·[W_O,h]_h∈g products + D for b_o
   (b_v folds into b_o when no query row is fully masked).
-The factored count (per_head, fused, two_stage) is also defined here:
+The factored count (per_head, fused, two_stage) lives in base.py:
   Σ_g lowrank(R·(D + b), D; K) + Σ_g lowrank(D, R·D; V) + b·D, where
   lowrank(m, n; k) = r·(m + n − r), r = min(k, m, n), is the dimension of m×n
   matrices of rank ≤ k. The gauge W_Q,h → W_Q,h A, W_K,g → W_K,g A⁻ᵀ is one
@@ -27,31 +27,8 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
-from attn.variants.base import Params, Variant, add_bias, bias, normal, output_projection
-
-
-def lowrank_dof(rows: int, cols: int, rank: int) -> int:
-  """Dim of rows×cols matrices of rank ≤ rank: r·(rows + cols − r), r = min(rank, rows, cols)."""
-  r = min(rank, rows, cols)
-  return r * (rows + cols - r)
-
-
-def value_output_dof(cfg: HeadConfig, d_in: int) -> int:
-  """W_V,g·[W_O,h]_{h in g} per kv group (rank ≤ V), plus b_o; b_v folds into b_o."""
-  G, R, V, D = cfg.num_kv_heads, cfg.group_size, cfg.d_v, cfg.d_model
-  return G * lowrank_dof(d_in, R * D, V) + (D if cfg.use_bias else 0)
-
-
-def factored_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
-  """Score degrees of freedom of W_Q,h·W_K,gᵀ with query heads reading d_q inputs, keys d_kv."""
-  b = 1 if cfg.use_bias else 0
-  return cfg.num_kv_heads * lowrank_dof(cfg.group_size * (d_q + b), d_kv, cfg.d_k)
-
-
-def factored_effective_param_count(cfg: HeadConfig) -> int:
-  """Effective count of a layer with factored W_Q·W_Kᵀ and W_V·W_O (per_head, fused, two_stage)."""
-  D = cfg.d_model
-  return factored_score_dof(cfg, D, D) + value_output_dof(cfg, D)
+from attn.variants.base import (Params, Variant, add_bias, bias, normal, output_projection,
+                                value_output_dof)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:

@@ -6,7 +6,7 @@ w_o (H,V,D), b_q (H,K), b_k (G,K), b_v (G,V), b_o (D,).
 
 Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
 Effective: fewer; W_Q,i·W_K,iᵀ and W_V,i·W_O,i are low-rank products and the
-key bias drops out of the softmax (merged.factored_effective_param_count).
+key bias drops out of the softmax (base.factored_effective_param_count).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
-from attn.variants import merged
-from attn.variants.base import (Params, Variant, add_bias, bias, head_bias, head_mask,
+from attn.variants.base import (Params, Variant, add_bias, bias, dense,
+                                factored_effective_param_count, head_bias, head_mask,
                                 normal, standard_flops, standard_param_count)
-from attn.variants.fused import dense
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -65,6 +64,6 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=standard_param_count,
-    effective_param_count=merged.factored_effective_param_count,
+    effective_param_count=factored_effective_param_count,
     flops=standard_flops,
 )

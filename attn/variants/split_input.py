@@ -10,7 +10,7 @@ Requires num_heads to divide d_model. The output projection w_o is full.
 Params: D·K + D·K + D·V + H·V·D [+ H·K + G·K + G·V + D]  (H·(D/H)·K = D·K).
 FLOPs: 2·T·D·K + 2·S·D·(K + V) + 2·T·H·V·D + 2·T·S·H·(K + V).
 Effective: Σ_g lowrank(R·(D/H + b), D/G; K) + Σ_g lowrank(D/G, R·D; V) + b·D
-  (lowrank and the gauge as in merged.py; the block structure is kept).
+  (lowrank and the gauge as in base.py; the block structure is kept).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig, invalid
-from attn.variants.base import (Params, Variant, add_bias, bias, core_flops, normal,
+from attn.variants.base import (Params, Variant, add_bias, bias, core_flops,
+                                factored_score_dof, normal, value_output_dof,
                                 output_projection)
-from attn.variants.merged import factored_score_dof, value_output_dof
 
 
 def check(cfg: HeadConfig) -> None:

@@ -8,7 +8,7 @@ first stage is full width, the second has G key/value heads.
 
 Params: 3·D² [+ 3·D] + D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
 FLOPs: 2·T·D² + 2·2·S·D² (first stage) + per_head's standard FLOPs.
-Effective: per_head's (the first stage collapses into the second; see merged.py).
+Effective: per_head's (the first stage collapses into the second; see base.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.config import HeadConfig
 from attn.variants import per_head
-from attn.variants.base import (Params, Variant, add_bias, bias, output_projection,
+from attn.variants.base import (Params, Variant, add_bias, bias,
+                                factored_effective_param_count, output_projection,
                                 project_heads, normal, standard_flops, standard_param_count)
-from attn.variants.merged import factored_effective_param_count
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
