@@ -215,22 +215,29 @@ def test_one_training_step_of_every_task(tmp_path, task):
 
 
 @pytest.mark.parametrize("kind", ["lm", "classify"])
-def test_init_model_redraws_only_token_embeddings(kind):
+def test_embed_init_std_scales_only_the_token_table(kind):
   from flax import nnx
   from attn.nn import models
   cfg = models.ModelConfig(vocab_size=200, d_model=32, num_layers=1, num_heads=2, d_ff=8,
                            num_classes=3 if kind == "classify" else 0)
-  plain = nnx.state(train.model_class(kind)(cfg, rngs=nnx.Rngs(3)), nnx.Param)
-  ours = nnx.state(train.init_model(cfg, kind, 3), nnx.Param)
-  again = nnx.state(train.init_model(cfg, kind, 3), nnx.Param)
+  states = [nnx.to_flat_state(nnx.state(train.init_model(cfg.replace(embed_init_std=std), kind, 3),
+                                     nnx.Param)) for std in (0.02, 1.0, 1.0)]
   changed = []
-  for (path, a), (_, b), (_, c) in zip(nnx.to_flat_state(plain), nnx.to_flat_state(ours),
-                                       nnx.to_flat_state(again)):
+  for (path, a), (_, b), (_, c) in zip(*states):
     np.testing.assert_array_equal(np.asarray(b[...]), np.asarray(c[...]))  # deterministic in seed
     if not np.array_equal(np.asarray(a[...]), np.asarray(b[...])):
       changed.append(path)
-      assert abs(float(np.std(np.asarray(b[...]))) - train.TOKEN_EMBED_STD) < 0.1
+      assert abs(float(np.std(np.asarray(b[...]))) - 1.0) < 0.1
+      assert abs(float(np.std(np.asarray(a[...]))) - 0.02) < 0.005
   assert len(changed) == 1 and changed[0][-1] == "token"
+
+
+def test_experiments_default_to_unit_token_embeddings(tmp_path):
+  """Unset, embed_init_std is 1.0 in every resolved trial (ModelConfig's own default is 0.02)."""
+  sw = config_lib.load(write(tmp_path, TINY))
+  assert {t.config["model"]["embed_init_std"] for t in sw.trials} == {1.0}
+  sw = config_lib.load(write(tmp_path, TINY), ["model.embed_init_std=0.5"])
+  assert {t.config["model"]["embed_init_std"] for t in sw.trials} == {0.5}
 
 
 # --- sweeps, store, NaN handling, determinism, report ----------------------------------------

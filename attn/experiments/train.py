@@ -28,12 +28,6 @@ from attn.experiments import tasks as tasks_lib
 from attn.nn import models
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
-# Token embeddings start at N(0, 1) (PyTorch's nn.Embedding default) instead of the
-# models' GPT-2 scale N(0, 0.02²). At d_model <= 128 the 0.02 scale leaves the token
-# identity ~50x smaller than the O(1) block outputs in the residual stream, and a
-# 2-layer model then sits on MQAR's 1/num_pairs plateau for thousands of steps;
-# at N(0, 1) it solves 4-pair MQAR within ~200 steps (measured, configs/quick.toml).
-TOKEN_EMBED_STD = 1.0
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -62,14 +56,8 @@ def model_class(kind: str) -> type:
 
 
 def init_model(cfg: models.ModelConfig, kind: str, seed: int) -> nnx.Module:
-  """The model of a trial: seeded init, then token embeddings redrawn at TOKEN_EMBED_STD."""
-  model = model_class(kind)(cfg, rngs=nnx.Rngs(seed))
-  key = jax.random.fold_in(jax.random.key(seed), 1)
-  for _, node in nnx.iter_graph(model):
-    if isinstance(node, models.Embeddings):
-      table = node.token[...]
-      node.token[...] = TOKEN_EMBED_STD * jax.random.normal(key, table.shape, table.dtype)
-  return model
+  """The model of a trial, initialised from its seed."""
+  return model_class(kind)(cfg, rngs=nnx.Rngs(seed))
 
 
 @functools.lru_cache(maxsize=1024)

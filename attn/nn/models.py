@@ -72,6 +72,7 @@ class ModelConfig:
   layernorm: bool = True
   activation: str = "gelu"
   tie_embeddings: bool = True
+  embed_init_std: float = 0.02
   pooler: bool = False
   num_decoder_layers: int = 0
   share_src_tgt_embeddings: bool = True
@@ -89,6 +90,9 @@ class ModelConfig:
     for name, allowed in _CHOICES.items():
       if getattr(self, name) not in allowed:
         raise invalid(name, getattr(self, name), f"one of {list(allowed)}")
+    std = self.embed_init_std
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < float("inf"):
+      raise invalid("embed_init_std", std, "a positive finite number")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
 
   @property
@@ -179,7 +183,7 @@ class Embeddings(nnx.Module):
                segments: bool = True):
     self.cfg = cfg
     self.token = token if token is not None else nnx.Param(
-        _EMBED_INIT(rngs.params(), (cfg.vocab_size, cfg.d_model)))
+        nnx.initializers.normal(cfg.embed_init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model)))
     self.position = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.max_len, cfg.d_model))) \
         if cfg.positional == "learned" else None
     self.segment = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.num_segments, cfg.d_model))) \
