@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from attn import kernel
 from attn.config import HeadConfig
 
 Array = jax.Array
@@ -84,6 +85,15 @@ def output_projection(o_BTHV: Array, w_HVD: Array, b_D) -> Array:
   """Concatenate heads and project back to d_model: sum over h of o_h W_O,h."""
   H, V, D = w_HVD.shape
   return dense(o_BTHV.reshape(*o_BTHV.shape[:-2], H * V), w_HVD.reshape(H * V, D), b_D)
+
+
+def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *,
+                       cfg: HeadConfig, mask, return_weights: bool, dtype):
+  """The shared tail: attention at cfg's scale, then the canonical w_o (H,V,D) and b_o."""
+  out_BTHV, w_BHTS = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, scale=cfg.score_scale,
+                                      return_weights=True)
+  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
+  return y_BTD.astype(dtype), (w_BHTS if return_weights else None)
 
 
 def standard_param_count(cfg: HeadConfig) -> int:

@@ -21,11 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig
-from attn.variants.base import (Params, Variant, add_bias, bias, lowrank_dof, normal,
-                                output_projection, value_output_dof,
-                                project_heads)
+from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+                                lowrank_dof, normal, project_heads, value_output_dof)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -53,10 +51,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   # The shared keys serve every kv group: broadcast them to G heads for the kernel.
   k_BSGJ = jnp.broadcast_to(k_BSJ[:, :, None], (B, S, G, J))
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
-  out_BTHV, w_BHTS = kernel.attention(q_BTHJ, k_BSGJ, v_BSGV, mask,
-                                      scale=cfg.score_scale, return_weights=True)
-  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+  return attend_and_project(params, q_BTHJ, k_BSGJ, v_BSGV, cfg=cfg, mask=mask,
+                            return_weights=return_weights, dtype=x_BTD.dtype)
 
 
 def param_count(cfg: HeadConfig) -> int:

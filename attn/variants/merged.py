@@ -25,9 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig
-from attn.variants.base import (Params, Variant, add_bias, bias, normal, output_projection,
+from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, normal,
                                 value_output_dof)
 
 
@@ -53,10 +52,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   # Every kv group compares against the same raw context: broadcast it to G heads.
   c_BSGD = jnp.broadcast_to(c_BSD[:, :, None], (B, S, G, D))
   v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
-  out_BTHV, w_BHTS = kernel.attention(qm_BTHD, c_BSGD, v_BSGV, mask,
-                                      scale=cfg.score_scale, return_weights=True)
-  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+  return attend_and_project(params, qm_BTHD, c_BSGD, v_BSGV, cfg=cfg, mask=mask,
+                            return_weights=return_weights, dtype=x_BTD.dtype)
 
 
 def param_count(cfg: HeadConfig) -> int:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig, invalid
-from attn.variants.base import (Params, Variant, add_bias, bias, core_flops,
-                                factored_score_dof, normal, value_output_dof,
-                                output_projection)
+from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+                                core_flops, factored_score_dof, normal, value_output_dof)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -55,10 +53,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   q_BTHK = jnp.einsum("BTHE,HEK->BTHK", x_BTHE, params["w_q"]) + bias(params, "b_q")
   k_BSGK = jnp.einsum("BSGE,GEK->BSGK", c_BSGE, params["w_k"]) + bias(params, "b_k")
   v_BSGV = jnp.einsum("BSGE,GEV->BSGV", c_BSGE, params["w_v"]) + bias(params, "b_v")
-  out_BTHV, w_BHTS = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask,
-                                      scale=cfg.score_scale, return_weights=True)
-  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
+                            return_weights=return_weights, dtype=x_BTD.dtype)
 
 
 def param_count(cfg: HeadConfig) -> int:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig
 from attn.variants import per_head
-from attn.variants.base import (Params, Variant, add_bias, bias,
-                                factored_effective_param_count, output_projection,
-                                project_heads, normal, standard_flops, standard_param_count)
+from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+                                factored_effective_param_count, normal, project_heads,
+                                standard_flops, standard_param_count)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -45,10 +44,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   q_BTHK = project_heads(xq_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(ck_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(cv_BSD, params["w_v"], bias(params, "b_v"))
-  out_BTHV, w_BHTS = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask,
-                                      scale=cfg.score_scale, return_weights=True)
-  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), (w_BHTS if return_weights else None)
+  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
+                            return_weights=return_weights, dtype=x_BTD.dtype)
 
 
 def param_count(cfg: HeadConfig) -> int:
