@@ -2,7 +2,7 @@
 
 from attn import kernel, masks
 from attn.api import apply, get_variant, init, param_shapes
-from attn.config import PRESETS, ConfigError, HeadConfig, single_head, vaswani_base
+from attn.config import HEAD_PRESETS, ConfigError, HeadConfig, single_head, vaswani_base
 from attn.convert import LossyConversionWarning, convert
 from attn.kernel import attention
 from attn.masks import causal_mask, combine_masks, padding_mask
@@ -12,7 +12,7 @@ from attn.nn import MultiHeadAttention
 from attn import count
 
 __all__ = [
-    "PRESETS", "VARIANTS", "ConfigError", "HeadConfig", "LossyConversionWarning",
+    "HEAD_PRESETS", "VARIANTS", "ConfigError", "HeadConfig", "LossyConversionWarning",
     "apply", "attention", "count", "causal_mask", "combine_masks", "convert", "get_variant",
     "MultiHeadAttention", "init", "kernel", "masks", "nn", "padding_mask", "param_shapes",
     "single_head", "vaswani_base",

@@ -104,7 +104,7 @@ def vaswani_base(**changes) -> HeadConfig:
   return HeadConfig(d_model=512, num_heads=8, d_k=64, d_v=64).replace(**changes)
 
 
-PRESETS = {
+HEAD_PRESETS = {  # one attention layer; whole models are in attn.presets
     "vaswani-base": vaswani_base,
     "single-head": lambda: single_head(512),
     "mqa": lambda: vaswani_base(num_kv_heads=1),

@@ -54,3 +54,10 @@ def test_split_input_needs_heads_dividing_d_model():
 def test_cfg_must_be_a_head_config():
   with pytest.raises(ConfigError, match=r"cfg='dict' .*HeadConfig"):
     attn.init("fused", jax.random.PRNGKey(0), {"d_model": 8})
+
+
+def test_head_presets_build_the_configs_they_name():
+  p = {name: make() for name, make in attn.HEAD_PRESETS.items()}
+  assert (p["vaswani-base"].d_model, p["vaswani-base"].num_heads, p["vaswani-base"].d_k) == (512, 8, 64)
+  assert (p["single-head"].num_heads, p["single-head"].d_k, p["single-head"].d_v) == (1, 512, 512)
+  assert (p["mqa"].num_kv_heads, p["gqa"].num_kv_heads) == (1, 2)
