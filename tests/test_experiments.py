@@ -220,8 +220,9 @@ def test_embed_init_std_scales_only_the_token_table(kind):
   from attn.nn import models
   cfg = models.ModelConfig(vocab_size=200, d_model=32, num_layers=1, num_heads=2, d_ff=8,
                            num_classes=3 if kind == "classify" else 0)
-  states = [nnx.to_flat_state(nnx.state(train.init_model(cfg.replace(embed_init_std=std), kind, 3),
-                                     nnx.Param)) for std in (0.02, 1.0, 1.0)]
+  states = [nnx.to_flat_state(nnx.state(
+      train.model_class(kind)(cfg.replace(embed_init_std=std), rngs=nnx.Rngs(3)), nnx.Param))
+      for std in (0.02, 1.0, 1.0)]
   changed = []
   for (path, a), (_, b), (_, c) in zip(*states):
     np.testing.assert_array_equal(np.asarray(b[...]), np.asarray(c[...]))  # deterministic in seed

@@ -55,11 +55,6 @@ def model_class(kind: str) -> type:
   return models.DecoderLM if kind == "lm" else models.SequenceClassifier
 
 
-def init_model(cfg: models.ModelConfig, kind: str, seed: int) -> nnx.Module:
-  """The model of a trial, initialised from its seed."""
-  return model_class(kind)(cfg, rngs=nnx.Rngs(seed))
-
-
 @functools.lru_cache(maxsize=1024)
 def _count(cfg: models.ModelConfig, kind: str) -> int:
   abstract = nnx.eval_shape(lambda: model_class(kind)(cfg, rngs=nnx.Rngs(0)))
@@ -179,7 +174,7 @@ def train_group(configs: list[dict[str, Any]],
   tx = optimizer(train)
   graphdef, params, rest = None, [], []
   for s in seeds:
-    graphdef, p, r = nnx.split(init_model(model_cfg, kind, s), nnx.Param, ...)
+    graphdef, p, r = nnx.split(model_class(kind)(model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
     params.append(p)
     rest.append(r)
   step, evaluate = _step_fns(graphdef, tx, kind)
