@@ -337,7 +337,7 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
     trials.append(Trial(trial_id, combo, resolved))
   meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
   axes = [k for k, _ in grid] + [k for k, _ in tied]
-  return Sweep(path, meta, axes, trials, bool(sweep.get("vmap_seeds", True)),
+  return Sweep(path, meta, axes, trials, bool(sweep.get("vmap_seeds", False)),
                stable_hash(sorted(t.id for t in trials)))
 
 
