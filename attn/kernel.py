@@ -142,7 +142,14 @@ def attention(
     if v_BSGV.shape[-1] != K:
       raise invalid("impl", impl, f'"einsum" or "auto" when d_v={v_BSGV.shape[-1]} != d_k={K}')
     return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl)
-  logits_BHTS = scores(q_BTHK, k_BSGK) * scale
+  if q_BTHK.dtype == jnp.float32:
+    # Scaling q (T·K values) rather than the logits (T·S) is the same product
+    # up to rounding, and keeps XLA's CPU matmul fusion from materialising a
+    # (B,H,T,S) array of the scale (README, Performance). In half precision
+    # the scale stays on the float32 logits so q loses no bits.
+    logits_BHTS = scores(q_BTHK * jnp.float32(scale), k_BSGK)
+  else:
+    logits_BHTS = scores(q_BTHK, k_BSGK) * scale
   if logits_bias is not None:
     logits_BHTS = logits_BHTS + logits_bias.astype(jnp.float32)
   probs_BHTS = masked_softmax(logits_BHTS, mask)
