@@ -185,6 +185,12 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
   first = np.argmax(mp["tokens"] == 1, axis=1)
   assert ((mp["tokens"] == 1).sum(1) == 3).all() and (mp["labels"] == first // 4).all()
   assert set(mp["labels"].tolist()) == {0, 1, 2}
+  am = tasks.AfterMarker(vocab_size=9, seq_len=11, num_classes=3, copies=2).batch(2, 1, 0, 200)
+  for tok, label in zip(am["tokens"], am["labels"]):
+    (p,) = np.nonzero(tok == 1)[0]  # one marker, and the label is the class token right after it
+    assert p + 1 < 11 and tok[p + 1] == 2 + label
+    assert np.bincount(tok, minlength=9)[2:5].tolist() == [2, 2, 2]  # counting tokens says nothing
+  assert set(am["labels"].tolist()) == {0, 1, 2} and len(set(np.argmax(am["tokens"] == 1, 1))) == 10
   text = tmp_path / "t.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
   ch = tasks.CharLM(path=str(text), seq_len=16)
@@ -197,6 +203,7 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
     {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
     {"name": "induction", "vocab_size": 16, "seq_len": 12},
     {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
+    {"name": "after_marker", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
     {"name": "char_lm", "seq_len": 12},
 ])
 def test_one_training_step_of_every_task(tmp_path, task):
@@ -320,6 +327,34 @@ def test_report_from_store(tiny_sweep):
   assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 1000
   header = json.load(open(os.path.join(out, "sweep.json")))
   assert header["sweep_id"] == sw.id and len(header["trials"]) == 4
+
+
+def _group(label, accuracies):
+  return {"group": ", ".join(f"{k}={v}" for k, v in label.items()), "label": label,
+          "n": len(accuracies), "accuracies": accuracies,
+          "eval_accuracy": report._mean_std(accuracies), "eval_loss": (0.0, 0.0)}
+
+
+def test_measured_answer_compares_each_axis_with_the_others_fixed():
+  rng = np.random.default_rng(0)
+  # Accuracy falls with h (0.9, 0.6, 0.3) and does not depend on the variant.
+  rows = [_group({"model.num_heads": h, "model.variant": v},
+                 list(base + 0.02 * rng.standard_normal(4)))
+          for h, base in ((1, 0.9), (2, 0.6), (4, 0.3)) for v in ("fused", "merged")]
+  lines = report.axis_answers(rows, ["model.num_heads", "model.variant", "train.seed"])
+  heads = [l for l in lines if l.startswith("- **num_heads**")]
+  variants = [l for l in lines if l.startswith("- **variant**")]
+  assert len(heads) == 2 and len(variants) == 3
+  assert all("Falls at every step" in l and "a clear difference" in l for l in heads)
+  assert all("within seed noise" in l for l in variants)
+  # Tied axes (a zip) are answered once, under the first.
+  tied = [_group({"model.num_heads": h, "model.d_k": 64 // h}, [a, a + 0.01]) for h, a in ((1, 0.5), (4, 0.2))]
+  (line,) = report.axis_answers(tied, ["model.num_heads", "model.d_k"])
+  assert line.startswith("- **num_heads (tied to d_k)**")
+  assert "one seed only" in report.verdict([0.9], [0.1, 0.2])
+  # Overlapping trials are never "clear", however large the mean gap.
+  assert "clear difference" not in report.verdict([0.9, 0.9, 0.1], [0.15, 0.15, 0.15])
+  assert report.compare([0.9, 0.8], [0.1, 0.85])[2] == 0.75
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):

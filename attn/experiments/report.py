@@ -64,32 +64,113 @@ def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for name, ts in groups.items():
     row = {"group": name, "label": {k: v for k, v in ts[0]["label"].items() if k not in SEED_KEYS},
            "n": len(ts), "model_params": ts[0]["summary"].get("model_params"),
-           "curves": [[r["loss"] for r in t["rows"]] for t in ts]}
+           "curves": [[r["loss"] for r in t["rows"]] for t in ts],
+           "accuracies": [float(t["summary"]["final"]["eval_accuracy"]) for t in ts]}
     for key, _ in METRICS:
       row[key] = _mean_std([t["summary"]["final"][key] for t in ts])
     rows.append(row)
   return sorted(rows, key=lambda r: -r["eval_accuracy"][0])
 
 
-def answer(rows: list[dict[str, Any]]) -> str:
-  """The measured answer: best and worst group, and whether their gap exceeds seed noise."""
+def compare(a: list[float], b: list[float]) -> tuple[float, float, float]:
+  """(gap of means, Welch t of the gap, share of trial pairs where a beats b; ties count half)."""
+  x, y = np.asarray(a, float), np.asarray(b, float)
+  gap = float(x.mean() - y.mean())
+  se = math.sqrt((x.var(ddof=1) / len(x) if len(x) > 1 else 0.0) +
+                 (y.var(ddof=1) / len(y) if len(y) > 1 else 0.0))
+  t = gap / se if se > 0 else (math.inf if gap > 0 else 0.0)
+  wins = float(np.mean((x[:, None] > y[None, :]) + 0.5 * (x[:, None] == y[None, :])))
+  return gap, t, wins
+
+
+def verdict(a: list[float], b: list[float]) -> str:
+  """Whether group a beats group b by more than seed noise, from the trials' final accuracies.
+
+  Clear: the gap is at least 3 standard errors (Welch) and every trial of a beats
+  every trial of b. Suggestive: at least 2 standard errors. Otherwise it is within
+  seed noise; with one seed on either side there is no verdict.
+  """
+  if min(len(a), len(b)) < 2:
+    return "one seed only, so no verdict"
+  gap, t, wins = compare(a, b)
+  if t >= 3 and wins == 1.0:
+    return f"a clear difference ({t:.1f} standard errors; every seed of one beats every seed of the other)"
+  if t >= 2:
+    return f"suggestive, not clear ({t:.1f} standard errors, {wins:.0%} of seed pairs ordered so): more seeds would settle it"
+  return f"within seed noise ({t:.1f} standard errors)"
+
+
+def _is_number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _tied(rows: list[dict[str, Any]], a: str, b: str) -> bool:
+  """Whether axes a and b move together (a zip): each value of one goes with one value of the other."""
+  pairs = {(repr(r["label"][a]), repr(r["label"][b])) for r in rows}
+  return len(pairs) == len({p[0] for p in pairs}) == len({p[1] for p in pairs})
+
+
+def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) -> list[str]:
+  """One line per swept axis and setting of the other axes: accuracy along the axis, best vs worst.
+
+  An axis is compared only among groups that agree on every other axis, so a
+  sweep over h and variant answers "does h matter for fused?" and "does the
+  variant matter at h=4?" separately rather than comparing the best and worst
+  of everything.
+  """
+  lines = []
+  swept = [a for a in axes if a not in SEED_KEYS and all(a in r["label"] for r in rows)]
+  for axis in swept:
+    tied = [b for b in swept if b != axis and _tied(rows, axis, b)]
+    if any(swept.index(b) < swept.index(axis) for b in tied):
+      continue  # answered under the first of the tied axes
+    slices: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+      rest = ", ".join(f"{_short(k)}={v}" for k, v in r["label"].items() if k != axis and k not in tied)
+      slices.setdefault(rest, []).append(r)
+    name = _short(axis) + (f" (tied to {', '.join(_short(b) for b in tied)})" if tied else "")
+    shown = 0
+    for rest, rs in slices.items():
+      if len(rs) < 2:
+        continue
+      if shown == limit:
+        lines.append(f"- ({len(slices) - limit} more settings of the other axes for {name}: see the table)")
+        break
+      shown += 1
+      if all(_is_number(r["label"][axis]) for r in rs):
+        rs = sorted(rs, key=lambda r: r["label"][axis])
+      means = [r["eval_accuracy"][0] for r in rs]
+      along = ", ".join(f"{r['label'][axis]}: {r['eval_accuracy'][0]:.3f} ± {r['eval_accuracy'][1]:.3f}"
+                        for r in rs)
+      trend = ""
+      if _is_number(rs[0]["label"][axis]) and len(rs) > 2:
+        steps = np.diff(means)
+        trend = (" Rises at every step." if (steps > 0).all() else
+                 " Falls at every step." if (steps < 0).all() else " Not monotone.")
+      best = max(rs, key=lambda r: r["eval_accuracy"][0])
+      worst = min(rs, key=lambda r: r["eval_accuracy"][0])
+      where = f" ({rest})" if rest else ""
+      lines.append(f"- **{name}**{where}: held-out accuracy {along}.{trend} "
+                   f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
+                   f"{best['eval_accuracy'][0] - worst['eval_accuracy'][0]:.3f}, "
+                   f"{verdict(best['accuracies'], worst['accuracies'])}.")
+  return lines
+
+
+def answer(rows: list[dict[str, Any]], axes: list[str] | None = None) -> str:
+  """The measured answer: the best group, then each swept axis with the others held fixed."""
   if not rows:
     return "No trial finished, so there is no answer yet."
-  best, worst = rows[0], rows[-1]
+  best = rows[0]
   text = (f"Best: **{best['group']}**, held-out accuracy {best['eval_accuracy'][0]:.3f} ± "
           f"{best['eval_accuracy'][1]:.3f} (loss {best['eval_loss'][0]:.3f}, {best['n']} seeds).")
-  if len(rows) > 1:
-    gap = best["eval_accuracy"][0] - worst["eval_accuracy"][0]
-    noise = max(best["eval_accuracy"][1], worst["eval_accuracy"][1])
-    verdict = ("larger than the seed-to-seed spread" if gap > 2 * noise and min(best["n"], worst["n"]) > 1
-               else "within about twice the seed-to-seed spread (or one seed only): not a clear difference")
-    text += (f" Worst: **{worst['group']}**, {worst['eval_accuracy'][0]:.3f} ± "
-             f"{worst['eval_accuracy'][1]:.3f}. The gap, {gap:.3f}, is {verdict}.")
-    by_loss = sorted(rows, key=lambda r: r["eval_loss"][0])
-    lo, hi = by_loss[0], by_loss[-1]
-    text += (f" By held-out loss: lowest **{lo['group']}** ({lo['eval_loss'][0]:.3f} ± "
-             f"{lo['eval_loss'][1]:.3f}), highest **{hi['group']}** ({hi['eval_loss'][0]:.3f} ± "
-             f"{hi['eval_loss'][1]:.3f}).")
+  per_axis = axis_answers(rows, list(axes or []))
+  if per_axis:
+    text += " Along each swept axis, the other axes held fixed (mean ± std over seeds):\n\n" + "\n".join(per_axis)
+  elif len(rows) > 1:  # no axis varies alone (e.g. a zip whose values repeat): best against worst
+    worst = rows[-1]
+    text += (f" Worst: **{worst['group']}**, {worst['eval_accuracy'][0]:.3f} ± {worst['eval_accuracy'][1]:.3f};"
+             f" the gap is {verdict(best['accuracies'], worst['accuracies'])}.")
   return text
 
 
@@ -171,7 +252,7 @@ def write_report(root: str) -> str:
   md = [f"# {header['name']}", ""]
   if header.get("question"):
     md += [f"**Question.** {header['question']}", ""]
-  md += [f"**Measured answer.** {answer(rows)}", "",
+  md += [f"**Measured answer.** {answer(rows, header['axes'])}", "",
          f"Sweep `{header['sweep_id']}` from `{header['config_path']}`; reproduce with "
          f"`attn sweep {header['config_path']} --out {root}{' ' + sets if sets else ''}`. "
          f"{len(trials)} trials: {status.count('ok')} ok, {status.count('failed')} failed, "

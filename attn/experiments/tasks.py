@@ -154,6 +154,54 @@ class MarkerPosition:
 
 
 @dataclasses.dataclass(frozen=True)
+class AfterMarker:
+  """Classify the token that sits right after the one marker.
+
+  The marker (token 1) sits once, at a random position p < T-1; the label is
+  which of num_classes class tokens (2, 3, ...) sits at p+1. Every class token
+  appears exactly `copies` times in every sequence, so counting tokens says
+  nothing; the rest is noise. The evidence is where the marker points, and the
+  two poolings differ for a structural reason in a one-layer encoder:
+  - a [CLS] token's first-layer query is the same for every input, so each
+    head's attention weights factor into a token term and a position term; no
+    head can pick "the position after wherever the marker is";
+  - with mean pooling every position has its own query: position p+1 can attend
+    to its predecessor, see the marker and let its MLP write its own token into
+    the pooled mean.
+  With two layers [CLS] can read what the first layer wrote at p+1.
+  """
+
+  kind: ClassVar[str] = "classify"
+  vocab_size: int = 16
+  seq_len: int = 32
+  num_classes: int = 4
+  copies: int = 2
+
+  def __post_init__(self):
+    _check_int("num_classes", self.num_classes, 2)
+    _check_int("copies", self.copies, 1)
+    _check_int("vocab_size", self.vocab_size, self.num_classes + 3)
+    _check_int("seq_len", self.seq_len, self.num_classes * self.copies + 2)
+
+  def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    rng = _rng(seed, split, index)
+    B, T, C = batch_size, self.seq_len, self.num_classes
+    tokens = rng.integers(2 + C, self.vocab_size, (B, T))  # noise
+    labels = rng.integers(0, C, B)
+    every_class = np.repeat(np.arange(C), self.copies)
+    for i in range(B):  # the label's first copy goes right after the marker, the rest anywhere free
+      rest = np.delete(every_class, labels[i] * self.copies)
+      p = rng.integers(0, T - 1)
+      free = np.setdiff1d(np.arange(T), [p, p + 1])
+      tokens[i, p] = 1
+      tokens[i, p + 1] = 2 + labels[i]
+      tokens[i, rng.choice(free, rest.size, replace=False)] = 2 + rest
+    return {"tokens": tokens.astype(np.int32),
+            "lengths": np.full((B,), T, np.int32),
+            "labels": labels.astype(np.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
 class CharLM:
   """Character-level language model over a local UTF-8 text file; the last 10% is held out."""
 
@@ -201,6 +249,7 @@ TASKS: dict[str, type] = {
     "mqar": MQAR,
     "induction": Induction,
     "marker_position": MarkerPosition,
+    "after_marker": AfterMarker,
     "char_lm": CharLM,
 }
 
