@@ -164,7 +164,10 @@ class AfterMarker:
   two poolings differ for a structural reason in a one-layer encoder:
   - a [CLS] token's first-layer query is the same for every input, so each
     head's attention weights factor into a token term and a position term; no
-    head can pick "the position after wherever the marker is";
+    head can pick "the position after wherever the marker is". What [CLS] can
+    read is the marker's position and, per class, position-weighted sums over
+    that class's copies, from which its MLP can only partly decode the label
+    (configs/pooling.toml measures how far);
   - with mean pooling every position has its own query: position p+1 can attend
     to its predecessor, see the marker and let its MLP write its own token into
     the pooled mean.
