@@ -355,6 +355,12 @@ def test_measured_answer_compares_each_axis_with_the_others_fixed():
   # Overlapping trials are never "clear", however large the mean gap.
   assert "clear difference" not in report.verdict([0.9, 0.9, 0.1], [0.15, 0.15, 0.15])
   assert report.compare([0.9, 0.8], [0.1, 0.85])[2] == 0.75
+  # Settings that all reach the ceiling are level, not "not monotone".
+  ceiling = [_group({"model.d_k": k}, [a, a]) for k, a in ((2, 0.7), (4, 1.0), (8, 1.0), (16, 0.999))]
+  (line,) = report.axis_answers(ceiling, ["model.d_k"])
+  assert "Rises or stays level at every step" in line
+  dip = [_group({"model.d_k": k}, [a, a]) for k, a in ((2, 0.7), (4, 1.0), (8, 0.8))]
+  assert "Not monotone" in report.axis_answers(dip, ["model.d_k"])[0]
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):

@@ -110,6 +110,10 @@ def _tied(rows: list[dict[str, Any]], a: str, b: str) -> bool:
   return len(pairs) == len({p[0] for p in pairs}) == len({p[1] for p in pairs})
 
 
+LEVEL = 0.005
+"""Mean accuracies closer than this count as level when a numeric axis's trend is described."""
+
+
 def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) -> list[str]:
   """One line per swept axis and setting of the other axes: accuracy along the axis, best vs worst.
 
@@ -145,8 +149,13 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) ->
       trend = ""
       if _is_number(rs[0]["label"][axis]) and len(rs) > 2:
         steps = np.diff(means)
-        trend = (" Rises at every step." if (steps > 0).all() else
-                 " Falls at every step." if (steps < 0).all() else " Not monotone.")
+        level = np.abs(steps) < LEVEL  # e.g. two settings that both reach accuracy 1.000
+        trend = (" Level throughout." if level.all() else
+                 " Rises at every step." if (steps > 0).all() else
+                 " Falls at every step." if (steps < 0).all() else
+                 " Rises or stays level at every step." if ((steps > 0) | level).all() else
+                 " Falls or stays level at every step." if ((steps < 0) | level).all() else
+                 " Not monotone.")
       best = max(rs, key=lambda r: r["eval_accuracy"][0])
       worst = min(rs, key=lambda r: r["eval_accuracy"][0])
       where = f" ({rest})" if rest else ""
