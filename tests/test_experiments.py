@@ -361,6 +361,10 @@ def test_measured_answer_compares_each_axis_with_the_others_fixed():
   assert "Rises or stays level at every step" in line
   dip = [_group({"model.d_k": k}, [a, a]) for k, a in ((2, 0.7), (4, 1.0), (8, 0.8))]
   assert "Not monotone" in report.axis_answers(dip, ["model.d_k"])[0]
+  # Equal means are not a "best vs worst" of one setting against itself.
+  same = [_group({"model.d_k": k}, [1.0, 1.0]) for k in (16, 32)]
+  (line,) = report.axis_answers(same, ["model.d_k"])
+  assert "same mean at every setting" in line and "Best" not in line
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):

@@ -159,10 +159,13 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) ->
       best = max(rs, key=lambda r: r["eval_accuracy"][0])
       worst = min(rs, key=lambda r: r["eval_accuracy"][0])
       where = f" ({rest})" if rest else ""
-      lines.append(f"- **{name}**{where}: held-out accuracy {along}.{trend} "
-                   f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
-                   f"{best['eval_accuracy'][0] - worst['eval_accuracy'][0]:.3f}, "
-                   f"{verdict(best['accuracies'], worst['accuracies'])}.")
+      if best["eval_accuracy"][0] == worst["eval_accuracy"][0]:
+        gap = "The same mean at every setting: nothing to tell apart."
+      else:
+        gap = (f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
+               f"{best['eval_accuracy'][0] - worst['eval_accuracy'][0]:.3f}, "
+               f"{verdict(best['accuracies'], worst['accuracies'])}.")
+      lines.append(f"- **{name}**{where}: held-out accuracy {along}.{trend} {gap}")
   return lines
 
 
