@@ -117,3 +117,44 @@ def test_h_heads_are_not_one_wide_head_made_of_the_same_matrices():
   log_ratio = jnp.log(w1[:, 0]) - jnp.log(w8).sum(axis=1)
   np.testing.assert_allclose(log_ratio - log_ratio[..., :1], 0.0, atol=1e-3)
   assert float(jnp.max(jnp.abs(w8[:, 0] - w8[:, 1]))) > 0.05  # and h distinct matrices
+
+
+def _per_head_loop(params, x, c, cfg, mask):
+  """h separate linear layers written out in float64 numpy, one head at a time."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  x, c = np.asarray(x, np.float64), np.asarray(c, np.float64)
+  H, G = cfg.num_heads, cfg.num_kv_heads
+  y = np.zeros(x.shape[:2] + (cfg.d_model,)) + p.get("b_o", 0.0)
+  for h in range(H):
+    g = h // (H // G)  # query heads of one key/value group are adjacent
+    q = x @ p["w_q"][:, h] + (p["b_q"][h] if "b_q" in p else 0.0)
+    k = c @ p["w_k"][:, g] + (p["b_k"][g] if "b_k" in p else 0.0)
+    v = c @ p["w_v"][:, g] + (p["b_v"][g] if "b_v" in p else 0.0)
+    s = np.einsum("btk,bsk->bts", q, k) * cfg.score_scale
+    keep = np.broadcast_to(mask[:, h if mask.shape[1] > 1 else 0], s.shape)
+    s = np.where(keep, s, -np.inf)
+    row_max = np.max(s, axis=-1, keepdims=True)
+    e = np.where(keep, np.exp(s - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0)
+    total = e.sum(-1, keepdims=True)
+    w = np.divide(e, total, out=np.zeros_like(e), where=total > 0)  # blank rows give zeros
+    y = y + (w @ v) @ p["w_o"][h]
+  return y
+
+
+@pytest.mark.parametrize("cname", sorted(CONFIGS))
+def test_per_head_is_a_loop_of_h_linear_layers(cname):
+  """per_head computes its heads together; a literal loop over heads gives the same output."""
+  cfg = CONFIGS[cname]
+  S_ = S + 2  # cross-attention: the context is longer than the queries
+  x, c = np_randn(1, (B, T, cfg.d_model)), np_randn(2, (B, S_, cfg.d_model))
+  params = fresh("per_head", cfg, seed=3)
+  keep = np.random.default_rng(4).random((B, cfg.num_heads, T, S_)) < 0.6
+  keep[0, :, 1] = False  # a query row that sees no key, in every head
+  keep[1, -1] = False  # one head sees nothing at all in the second example
+  y, _ = attn.VARIANTS["per_head"].apply(params, x, c, cfg=cfg, mask=jnp.asarray(keep))
+  np.testing.assert_allclose(np.asarray(y), _per_head_loop(params, x, c, cfg, keep),
+                             rtol=1e-5, atol=1e-5)
+  # A row that sees no key in any head is the output bias alone, not NaN.
+  np.testing.assert_allclose(np.asarray(y)[0, 1],
+                             np.broadcast_to(np.asarray(params.get("b_o", 0.0)), (cfg.d_model,)),
+                             atol=1e-6)
