@@ -116,18 +116,6 @@ def standard_flops(cfg: HeadConfig, T: int, S: int) -> int:
   return proj + core_flops(cfg, T, S)
 
 
-def head_bias(params: Params, name: str, index: int):
-  """Row `index` of a per-head bias (H,K)-like array, or 0 without biases."""
-  return params[name][index] if name in params else 0.0
-
-
-def head_mask(mask, h: int):
-  """The slice of a (B,H or 1,T,S)-broadcastable mask that head h sees, keeping a head axis of 1."""
-  if mask is None or mask.ndim < 4 or mask.shape[1] == 1:
-    return mask
-  return mask[:, h:h + 1]
-
-
 # Effective parameter counts: the dimension of the function class (issue 3).
 
 def lowrank_dof(rows: int, cols: int, rank: int) -> int:

@@ -8,9 +8,9 @@ b_v (G,V), b_o (D,).
 Head i's query layer is x ↦ x·w_q[:, i] + b_q[i], and so on. The h layers are
 computed together, each of Q, K and V as one matmul against the (D, H·K) view of
 its (D,H,K) matrix (a free reshape), rather than in a Python loop over heads:
-the same function, and on CPU at the reference shape its forward+backward
-time went from 1.40× fused's to 1.07× (README, Performance). tests/test_identities.py checks it against a
-literal loop over heads written in numpy. The fused variant packs the same
+the same function, and on CPU at the reference shape its forward+backward time
+went from 1.40× fused's to 1.07× (README, Performance). tests/test_identities.py
+checks it against a literal loop over heads written in numpy. The fused variant packs the same
 columns into one (D, H·K + G·K + G·V) matrix instead of three.
 
 Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
