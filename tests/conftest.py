@@ -1,5 +1,7 @@
 """Shared fixtures: awkward configs and fresh random inputs."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,15 @@ import attn
 from attn import HeadConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache for the whole session and every xdist worker: a program
+# compiled by one test (or worker, or an earlier run) is read from disk by the next.
+_CACHE = os.environ.get("ATTN_TEST_JAX_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "attn", "jax-tests")
+os.makedirs(_CACHE, exist_ok=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # The awkward shapes every identity must survive: d_v != d_k, h not dividing
 # d_model, fewer key/value heads than query heads, no biases, a single head.

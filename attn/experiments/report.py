@@ -1,9 +1,8 @@
 """`attn report DIR`: report.md and PNG plots from a sweep's store (reads the store only).
 
 Trials are grouped by their axis values without the seed; each group shows the
-mean ± std over seeds of the final held-out accuracy and loss. Plots: final
-metrics against every numeric axis (one line per value of the other axes),
-and training-loss curves. A table lists every trial with its parameter counts,
+mean ± std over seeds of the final held-out accuracy and loss; the plots are
+attn/experiments/plots.py's. A table lists every trial with its parameter counts,
 FLOPs, step time and final metrics; failed trials are listed with their reason.
 """
 
@@ -16,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from attn.experiments import plots as plots_lib
 from attn.experiments import store as store_lib
-
-SEED_KEYS = ("train.seed",)
-METRICS = (("eval_accuracy", "held-out accuracy"), ("eval_loss", "held-out loss"))
+from attn.experiments.plots import METRICS, SEED_KEYS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +29,7 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _short(key: str) -> str:
-  return key.split(".")[-1]
+_short = plots_lib.short
 
 
 def _group_name(label: dict[str, Any]) -> str:
@@ -64,8 +61,8 @@ def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for name, ts in groups.items():
     row = {"group": name, "label": {k: v for k, v in ts[0]["label"].items() if k not in SEED_KEYS},
            "n": len(ts), "model_params": ts[0]["summary"].get("model_params"),
-           "curves": [[r["loss"] for r in t["rows"]] for t in ts],
-           "accuracies": [float(t["summary"]["final"]["eval_accuracy"]) for t in ts]}
+           "accuracies": [float(t["summary"]["final"]["eval_accuracy"]) for t in ts],
+           "seed_values": {key: [float(t["summary"]["final"][key]) for t in ts] for key, _ in METRICS}}
     for key, _ in METRICS:
       row[key] = _mean_std([t["summary"]["final"][key] for t in ts])
     rows.append(row)
@@ -186,55 +183,6 @@ def answer(rows: list[dict[str, Any]], axes: list[str] | None = None) -> str:
   return text
 
 
-def _plots(rows: list[dict[str, Any]], axes: list[str], out_dir: str) -> list[str]:
-  """Final metrics against each numeric axis, and loss curves; returns the PNG file names."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return []
-  made = []
-  swept = [a for a in axes if a not in SEED_KEYS]
-  for x_key in swept:
-    values = {r["label"].get(x_key) for r in rows}
-    if len(values) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-      continue
-    fig, panels = plt.subplots(1, 2, figsize=(10, 4))
-    lines: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-      rest = ", ".join(f"{_short(k)}={v}" for k, v in r["label"].items() if k != x_key) or "all"
-      lines.setdefault(rest, []).append(r)
-    for ax, (metric, title) in zip(panels, METRICS):
-      for name, rs in lines.items():
-        rs = sorted(rs, key=lambda r: r["label"][x_key])
-        ax.errorbar([r["label"][x_key] for r in rs], [r[metric][0] for r in rs],
-                    yerr=[r[metric][1] for r in rs], marker="o", capsize=3, label=name)
-      ax.set_xscale("log", base=2)
-      ax.set_xlabel(_short(x_key))
-      ax.set_title(f"{title} (mean ± std over seeds)")
-    panels[0].legend(fontsize=7)
-    fig.tight_layout()
-    name = f"final_vs_{_short(x_key)}.png"
-    fig.savefig(os.path.join(out_dir, name), dpi=100)
-    plt.close(fig)
-    made.append(name)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for r in rows:
-    n = min(len(c) for c in r["curves"])
-    if n:
-      ax.plot(np.mean([c[:n] for c in r["curves"]], axis=0), label=r["group"], lw=1)
-  ax.set_xlabel("step")
-  ax.set_ylabel("training loss (mean over seeds)")
-  ax.set_yscale("log")
-  if len(rows) <= 20:
-    ax.legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "loss_curves.png"), dpi=100)
-  plt.close(fig)
-  return made + ["loss_curves.png"]
-
-
 def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
   cols = ["id", "trial", "status", "model params", "attn params (analytic)", "attn params (effective)",
           "attn FLOPs fwd/seq", "step ms", "compile s", "train loss", "eval loss", "eval acc"]
@@ -258,7 +206,7 @@ def write_report(root: str) -> str:
   header = store_lib.load_sweep(root)
   trials = list(store_lib.iter_trials(root))
   rows = summarize(trials)
-  plots = _plots(rows, header["axes"], root)
+  plots = plots_lib.make_plots(rows, trials, header["axes"], root)
   status = [t["summary"]["status"] if t["summary"] else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
   md = [f"# {header['name']}", ""]

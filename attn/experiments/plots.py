@@ -1,0 +1,164 @@
+"""Plots of a sweep: final metrics per swept axis, and held-out learning curves.
+
+Every seed is a point and the mean over seeds a line, so nothing is drawn
+outside a metric's range (no error bars). Swept values sit at evenly spaced
+ticks labelled with the values themselves (1, 2, 4, 8, not 2⁰, 2¹, ...).
+Learning curves show held-out accuracy and loss against step, one colour per
+value of the legend axis and one panel per setting of the other axes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+SEED_KEYS = ("train.seed",)
+METRICS = (("eval_accuracy", "held-out accuracy"), ("eval_loss", "held-out loss"))
+MAX_PANELS = 8
+
+
+def short(key: str) -> str:
+  return key.split(".")[-1]
+
+
+def _pyplot():
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  return plt
+
+
+def _order(values: list[Any]) -> list[Any]:
+  """Distinct values in sweep order, numbers sorted."""
+  seen = list(dict.fromkeys(values))
+  if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in seen):
+    return sorted(seen)
+  return seen
+
+
+def _rest(label: dict[str, Any], skip: set[str]) -> str:
+  return ", ".join(f"{short(k)}={v}" for k, v in label.items() if k not in skip and k not in SEED_KEYS)
+
+
+def tied_axes(rows: list[dict[str, Any]], axes: list[str]) -> dict[str, list[str]]:
+  """axis -> the later axes that move with it one-to-one (a zip), which its plots also label."""
+  out: dict[str, list[str]] = {}
+  for i, a in enumerate(axes):
+    for b in axes[i + 1:]:
+      pairs = {(repr(r["label"].get(a)), repr(r["label"].get(b))) for r in rows}
+      if len(pairs) == len({p[0] for p in pairs}) == len({p[1] for p in pairs}) > 1:
+        out.setdefault(a, []).append(b)
+  return out
+
+
+def _tick(r: dict[str, Any], axis: str, tied: list[str]) -> str:
+  text = str(r["label"][axis])
+  return text + "".join(f"\n{short(b)}={r['label'][b]}" for b in tied)
+
+
+def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path: str,
+                  axes_order: list[str]) -> None:
+  """Final held-out accuracy and loss against one axis: seeds as points, the mean as a line."""
+  skip = {axis, *tied}
+  values = _order([r["label"][axis] for r in rows])
+  lines: dict[str, list[dict[str, Any]]] = {}
+  for r in rows:
+    rest = _rest(r["label"], skip)
+    lines.setdefault(rest.split("=", 1)[1] if rest.count("=") == 1 else rest or "mean", []).append(r)
+  fig, panels = plt.subplots(1, 2, figsize=(10, 4))
+  numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+  spread = 0.3 if len(lines) > 1 else 0.0  # side by side, so seeds of different lines do not overlap
+  for ax, (metric, title) in zip(panels, METRICS):
+    for i, (name, rs) in enumerate(lines.items()):
+      rs = sorted(rs, key=lambda r: values.index(r["label"][axis]))
+      xs = np.array([values.index(r["label"][axis]) for r in rs], float)
+      xs += (i / max(len(lines) - 1, 1) - 0.5) * spread
+      means = [r[metric][0] for r in rs]
+      if numeric:  # a trend: join the means
+        line, = ax.plot(xs, means, "-", lw=1.5, label=name)
+      else:  # categories: a bar per mean, nothing joins them
+        line, = ax.plot(xs, means, "_", ms=18, mew=2, label=name)
+      for x, r in zip(xs, rs):
+        seeds = r["seed_values"][metric]
+        ax.plot([x] * len(seeds), seeds, "o", ms=4, alpha=0.6, color=line.get_color(), mec="none")
+    ticks = {values.index(r["label"][axis]): _tick(r, axis, tied) for r in rows}
+    ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)])
+    ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
+    n_seeds = max(len(r["seed_values"][metric]) for r in rows)
+    ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), mean a {'line' if numeric else 'bar'}",
+                 fontsize=9)
+    if metric == "eval_accuracy":
+      ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+  if len(lines) > 1:
+    panels[0].legend(fontsize=7, title=", ".join(short(a) for a in axes_order if a not in skip), title_fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: str) -> None:
+  """Held-out accuracy (top) and loss (bottom) against step; one colour per legend value, one panel per rest."""
+  from matplotlib import ticker
+  ok = [t for t in trials if t["summary"] and t["summary"]["status"] == "ok"]
+  swept = [a for a in axes if a not in SEED_KEYS]
+  # The legend carries the axis with the fewest values; panels split by every other axis.
+  legend = min(swept, key=lambda a: len({repr(t["label"][a]) for t in ok})) if swept else None
+  colours = _order([t["label"][legend] for t in ok]) if legend else [None]
+  panels: dict[str, list[dict[str, Any]]] = {}
+  for t in ok:
+    panels.setdefault(_rest(t["label"], {legend} if legend else set()) or "all trials", []).append(t)
+  names = list(panels)[:MAX_PANELS]
+  fig, grid = plt.subplots(2, len(names), figsize=(3.2 * len(names) + 1, 6), squeeze=False, sharey="row")
+  cmap = plt.get_cmap("viridis" if len(colours) > 4 else "tab10")
+  for j, name in enumerate(names):
+    for t in panels[name]:
+      c = colours.index(t["label"][legend]) if legend else 0
+      colour = cmap(c / max(len(colours) - 1, 1)) if len(colours) > 4 else cmap(c)
+      ev = [r for r in t["rows"] if "eval_accuracy" in r]
+      steps = [r["step"] + 1 for r in ev]
+      for i, (metric, title) in enumerate(METRICS):
+        grid[i, j].plot(steps, [r[metric] for r in ev], "-", color=colour, lw=1.2, alpha=0.8, marker=".", ms=3)
+        grid[i, j].set_ylabel(title if j == 0 else "")
+    grid[0, j].set_title(name, fontsize=9)
+    grid[0, j].set_ylim(-0.02, 1.02)
+    grid[1, j].set_xlabel("step")
+    for i in range(2):
+      grid[i, j].grid(alpha=0.3)
+  losses = [r["eval_loss"] for t in ok for r in t["rows"] if "eval_loss" in r]
+  if losses and min(losses) > 0 and max(losses) / min(losses) > 20:  # log only when it spans decades
+    grid[1, 0].set_yscale("log")
+    grid[1, 0].yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+  if legend:
+    handles = [plt.Line2D([], [], color=cmap(i / max(len(colours) - 1, 1)) if len(colours) > 4 else cmap(i))
+               for i in range(len(colours))]
+    fig.legend(handles, [str(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
+               loc="center right", fontsize=8, title_fontsize=8)
+  fig.tight_layout(rect=(0, 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+
+
+def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: list[str],
+               out_dir: str) -> list[str]:
+  """Writes the sweep's PNGs into out_dir; returns their file names ([] without matplotlib)."""
+  plt = _pyplot()
+  if plt is None or not rows:
+    return []
+  made = []
+  swept = [a for a in axes if a not in SEED_KEYS and all(a in r["label"] for r in rows)]
+  tied = tied_axes(rows, swept)
+  hidden = {b for bs in tied.values() for b in bs}
+  for axis in swept:
+    if axis in hidden or len({repr(r["label"][axis]) for r in rows}) < 2:
+      continue
+    name = f"final_vs_{short(axis)}.png"
+    final_vs_axis(plt, rows, axis, tied.get(axis, []), os.path.join(out_dir, name), swept)
+    made.append(name)
+  learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"))
+  return made + ["learning_curves.png"]

@@ -1,0 +1,81 @@
+"""Re-runs shipped experiments and refreshes their committed results in experiments/NAME/.
+
+  python scripts/reproduce.py                 # every config in configs/
+  python scripts/reproduce.py quick kv_heads  # just these
+  python scripts/reproduce.py --report-only   # re-draw reports and plots from runs/NAME
+
+For each NAME it runs `attn sweep configs/NAME.toml --out runs/NAME` (resuming
+a finished run costs nothing), then copies runs/NAME/report.md and its PNGs to
+experiments/NAME/ and writes experiments/NAME/run.json: the command, the
+wall time of this invocation, the date and the machine. The write-up
+experiments/NAME/README.md is prose and is not touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def reproduce(name: str, runs: str, report_only: bool) -> None:
+  config = os.path.join("configs", f"{name}.toml")
+  out = os.path.join(runs, name)
+  dest = os.path.join(ROOT, "experiments", name)
+  cmd = ["attn", "report", out] if report_only else ["attn", "sweep", config, "--out", out]
+  t0 = time.perf_counter()
+  subprocess.run(cmd, cwd=ROOT, check=True)
+  wall = time.perf_counter() - t0
+  os.makedirs(dest, exist_ok=True)
+  for old in glob.glob(os.path.join(dest, "*.png")):
+    os.remove(old)
+  for path in [os.path.join(ROOT, out, "report.md"), *glob.glob(os.path.join(ROOT, out, "*.png"))]:
+    shutil.copy(path, dest)
+  if report_only:
+    return
+  info = {"command": " ".join(cmd), "wall_s": round(wall, 1),
+          "date": datetime.date.today().isoformat(), "cpu": _cpu(), "cores": os.cpu_count(),
+          "python": platform.python_version()}
+  with open(os.path.join(dest, "run.json"), "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=1)
+    f.write("\n")
+  print(f"{name}: {wall:.0f} s -> {os.path.relpath(dest, ROOT)}", flush=True)
+
+
+def main() -> int:
+  names = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.toml")))
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("names", nargs="*", help=f"configs to run (default all: {', '.join(names)})")
+  parser.add_argument("--runs", default="runs", help="where the stores go (default runs/)")
+  parser.add_argument("--report-only", action="store_true", help="only re-draw reports from existing stores")
+  args = parser.parse_args()
+  for name in args.names or names:
+    if name not in names:
+      print(f"reproduce: error: NAME={name!r}: one of {names}", file=sys.stderr)
+      return 2
+    reproduce(name, args.runs, args.report_only)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
