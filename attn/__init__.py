@@ -10,9 +10,10 @@ from attn.variants import VARIANTS
 from attn import nn
 from attn.nn import MultiHeadAttention
 from attn import count
+from attn import analysis
 
 __all__ = [
-    "HEAD_PRESETS", "VARIANTS", "ConfigError", "HeadConfig", "LossyConversionWarning",
+    "HEAD_PRESETS", "VARIANTS", "analysis", "ConfigError", "HeadConfig", "LossyConversionWarning",
     "apply", "attention", "count", "causal_mask", "combine_masks", "convert", "get_variant",
     "MultiHeadAttention", "init", "kernel", "masks", "nn", "padding_mask", "param_shapes",
     "single_head", "vaswani_base",

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn.config import ConfigError, HeadConfig, check_inputs, invalid
+from attn.config import ConfigError, HeadConfig, check_head_mask, check_inputs, invalid
 from attn.variants import VARIANTS
 from attn.variants.base import Params, Variant
 
@@ -57,16 +57,21 @@ def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
 
 
 def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, head_mask=None):
   """y (B,T,D) of the attention layer; with return_weights, (y, weights (B,H,T,S)).
 
   context (B,S,D) gives cross-attention; None means self-attention. mask is
   boolean, True where a query may attend, broadcastable to (B,H,T,S).
+  head_mask, float (H,) or (B,H), multiplies each query head's output before
+  W^O (Michel et al. 2019): all ones is the layer itself, ξ_h = 0 removes head
+  h, and ∂loss/∂ξ is the head's importance. None means no gates.
   """
   v = check_config(variant, cfg)
   check_inputs(cfg, x, context, mask)
+  check_head_mask(head_mask, x.shape[0], cfg.num_heads)
   check_params(v.name, params, cfg)
-  y, w = v.apply(params, x, context, cfg=cfg, mask=mask, return_weights=return_weights)
+  y, w = v.apply(params, x, context, cfg=cfg, mask=mask, return_weights=return_weights,
+                 head_mask=head_mask)
   return (y, w) if return_weights else y
 
 

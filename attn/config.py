@@ -1,6 +1,6 @@
 """HeadConfig: the one place where attention dimensions are validated.
 
-Dimension letters (DESIGN.md): B batch, T query length, S key/value length,
+Dimension letters (README): B batch, T query length, S key/value length,
 D d_model, H query heads, G key/value heads, K query/key width per head,
 V value width per head.
 """
@@ -135,6 +135,19 @@ def check_inputs(cfg: HeadConfig, x: Any, context: Any = None, mask: Any = None)
     s_len = cs[1]
   if mask is not None:
     check_mask(mask, (xs[0], cfg.num_heads, xs[1], s_len))
+
+
+def check_head_mask(head_mask: Any, batch: int, num_heads: int) -> None:
+  """Head gates are floats of shape (H,) or (B,H): one per query head (and example)."""
+  if head_mask is None:
+    return
+  shape = getattr(head_mask, "shape", None)
+  allowed = f"(H,)=({num_heads},) or (B, H)=({batch}, {num_heads}): one gate per query head"
+  if shape is None or tuple(shape) not in ((num_heads,), (batch, num_heads)):
+    raise invalid("head_mask.shape", None if shape is None else tuple(shape), allowed)
+  dtype = getattr(head_mask, "dtype", None)
+  if "float" not in str(dtype):  # float16/32/64, bfloat16, float8_*
+    raise invalid("head_mask.dtype", str(dtype), "a float dtype: gates are differentiable")
 
 
 def check_mask(mask: Any, target_BHTS: tuple[int, int, int, int]) -> None:

@@ -64,6 +64,7 @@ def register(src: str, dst: str, *, exact: bool, kv_heads: str | None = None,
 
 @register("per_head", "fused", exact=True)
 def per_head_to_fused(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """The per-head columns packed into one QKV matrix (Q1: a linear layer per head is fused)."""
   D = cfg.d_model
   out = {
       "w_qkv": jnp.concatenate([p["w_q"].reshape(D, -1), p["w_k"].reshape(D, -1),
@@ -78,6 +79,7 @@ def per_head_to_fused(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
 
 @register("fused", "per_head", exact=True)
 def fused_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """The packed QKV matrix split back into its per-head column blocks."""
   D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
   sizes = [H * K, G * K]
   w_q, w_k, w_v = jnp.split(p["w_qkv"], [sizes[0], sizes[0] + sizes[1]], axis=1)
@@ -92,7 +94,7 @@ def fused_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
 
 @register("two_stage", "per_head", exact=True)
 def two_stage_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
-  """W_h = W¹·W_h and b_h = b¹·W_h + b_h: the first stage collapses into the second."""
+  """W_h = W¹·W_h and b_h = b¹·W_h + b_h: the first stage collapses into the second (Q2)."""
   out = {"w_o": p["w_o"]}
   for n in "qkv":
     out[f"w_{n}"] = jnp.einsum("DE,EHK->DHK", p[f"w_{n}1"], p[f"w_{n}"])
@@ -103,7 +105,7 @@ def two_stage_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
 
 @register("per_head", "merged", exact=True)
 def per_head_to_merged(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
-  """W_h = W_Q,h·W_K,gᵀ; the query bias becomes the key-side content term b_kc,h = W_K,g·b_q,h.
+  """W_h = W_Q,h·W_K,gᵀ; the query bias becomes a key-side content term b_kc,h = W_K,g·b_q,h (Q4).
 
   (x W_Q + b_q)(c W_K + b_k)ᵀ = x W_Q W_Kᵀ cᵀ + b_q W_Kᵀ cᵀ + [x W_Q b_kᵀ + b_q b_kᵀ]: the
   bracket is constant along s, so the softmax drops it, and with it the key bias.
@@ -173,7 +175,7 @@ def per_head_to_collaborative(p: Params, cfg: HeadConfig) -> tuple[Params, float
 
 @register("split_input", "per_head", exact=True)
 def split_input_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
-  """Embeds head h's (D/H)×K block into zero rows: a block-diagonal per_head layer."""
+  """Head h's (D/H)×K block in zero rows: a block-diagonal per_head layer (Q3: a smaller model)."""
   D = cfg.d_model
 
   def block_diagonal(w_NEK):

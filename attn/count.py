@@ -16,7 +16,7 @@ equals the number of elements in an instantiated model's nnx.Param tree.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
@@ -30,53 +30,6 @@ if TYPE_CHECKING:
 MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
 
 
-def _cache_kv(cfg: HeadConfig) -> int:
-  """Keys and values of the G kv heads: G·(K + V)."""
-  return cfg.num_kv_heads * (cfg.d_k + cfg.d_v)
-
-
-def _cache_merged(cfg: HeadConfig) -> int:
-  """The raw context c_s (D) that x_t·W_h is scored against, plus the G·V values."""
-  return cfg.d_model + cfg.num_kv_heads * cfg.d_v
-
-
-def _cache_collaborative(cfg: HeadConfig) -> int:
-  """One shared key c_s·W̃_K (D̃ wide, no heads) plus the G·V values."""
-  return cfg.collab_width + cfg.num_kv_heads * cfg.d_v
-
-
-# Elements cached per decoded token per layer, by variant. A new variant adds a
-# line here (tests/test_count.py checks that every registered variant has one).
-KV_CACHE_WIDTH: dict[str, Callable[[HeadConfig], int]] = {
-    "per_head": _cache_kv,
-    "fused": _cache_kv,
-    "two_stage": _cache_kv,  # cache the second-stage keys and values
-    "split_input": _cache_kv,
-    "merged": _cache_merged,
-    "collaborative": _cache_collaborative,
-}
-
-# Weights that enter the attention logits only (W_Q·W_Kᵀ and what it is made of),
-# biases excluded: the seed question "why keep W_Q and W_K apart?".
-SCORE_WEIGHTS: dict[str, Callable[[HeadConfig], int]] = {
-    "per_head": lambda c: c.d_model * (c.num_heads + c.num_kv_heads) * c.d_k,
-    "fused": lambda c: c.d_model * (c.num_heads + c.num_kv_heads) * c.d_k,
-    "two_stage": lambda c: 2 * c.d_model ** 2
-    + c.d_model * (c.num_heads + c.num_kv_heads) * c.d_k,
-    "split_input": lambda c: 2 * c.d_model * c.d_k,  # H·(D/H)·K + G·(D/G)·K
-    "merged": lambda c: c.num_heads * c.d_model ** 2,
-    "collaborative": lambda c: 2 * c.d_model * c.collab_width + c.num_heads * c.collab_width,
-}
-
-
-def _lookup(table: dict[str, Callable[[HeadConfig], int]], what: str, variant: str,
-            cfg: HeadConfig) -> int:
-  v = api.check_config(variant, cfg)
-  if v.name not in table:
-    raise invalid("variant", v.name, f"one with a {what} formula in attn/count.py: {sorted(table)}")
-  return table[v.name](cfg)
-
-
 def param_counts(variant: str, cfg: HeadConfig) -> dict[str, int]:
   """{"analytic", "stored", "effective"} parameter counts of one attention layer."""
   v = api.check_config(variant, cfg)
@@ -87,7 +40,7 @@ def param_counts(variant: str, cfg: HeadConfig) -> dict[str, int]:
 
 def score_weight_count(variant: str, cfg: HeadConfig) -> int:
   """Weights of one layer that the attention logits depend on (no biases, no values)."""
-  return _lookup(SCORE_WEIGHTS, "score-weight", variant, cfg)
+  return int(api.check_config(variant, cfg).score_weights(cfg))
 
 
 def _check_length(name: str, value: Any) -> int:
@@ -115,7 +68,7 @@ def _itemsize(dtype: Any) -> int:
 
 def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int:
   """Bytes one layer caches per decoded token (MHA 2·H·K, GQA 2·G·K, MQA 2·K elements)."""
-  return _lookup(KV_CACHE_WIDTH, "KV-cache", variant, cfg) * _itemsize(dtype)
+  return int(api.check_config(variant, cfg).kv_cache_width(cfg)) * _itemsize(dtype)
 
 
 # Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and

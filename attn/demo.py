@@ -1,9 +1,11 @@
 """`attn demo`: the seed questions answered for one config, in one screen.
 
 For each variant: stored and effective parameters and the number of attention
-matrices per layer; for each exact identity: the max abs error between the two
-sides on random inputs (float32, self- and cross-attention, causal and padding
-masks); and the one-wide-head vs h-narrow-heads comparison.
+matrices per layer; for each conversion registered in attn.convert that applies
+to the config (and the round trip of a lossy one through its exact inverse):
+the max error between the two sides on random inputs (float32, self- and
+cross-attention, causal and padding masks); and the one-wide-head vs
+h-narrow-heads comparison.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 import attn
+from attn import api
 from attn.config import HeadConfig
+from attn.convert import CONVERTERS, REGROUPERS, Converter
 from attn.variants.base import Params
 
 B, T, S = 2, 16, 24
@@ -74,30 +78,46 @@ def make_inputs(cfg: HeadConfig, seed: int = 0):
   return [(x, None, None), (x, None, attn.causal_mask(T)), (x, ctx, padding)]
 
 
+def _applies(c: Converter, src: str, dst: str, cfg: HeadConfig) -> bool:
+  try:
+    api.check_config(src, cfg)
+    api.check_config(dst, cfg)
+    c.check(cfg)
+  except attn.ConfigError:
+    return False
+  return True
+
+
+def _claim(c: Converter) -> str:
+  """'src -> dst (exact|lossy): the first line of the converter's docstring'."""
+  doc = (c.fn.__doc__ or "").strip().splitlines()
+  return f"{c.name} ({'exact' if c.exact else 'lossy, error reported'})" + (
+      f": {doc[0]}" if doc else "")
+
+
 def identities(cfg: HeadConfig) -> list[tuple[str, float, float]]:
-  """(claim, max abs output error, reported conversion error) for every identity that applies."""
+  """(claim, max output error, reported conversion error) for every registered conversion.
+
+  Every converter in attn.convert.CONVERTERS whose variants and check accept
+  cfg; after a lossy one, the round trip through its exact inverse; with
+  grouped heads, the kv regroupers between cfg and one kv head (MQA).
+  """
   inputs = make_inputs(cfg)
-  rows = [("per_head == fused (Q1: a linear layer per head is one fused matrix)",
-           *max_error(["per_head", "fused"], cfg, inputs)),
-          ("two_stage == per_head with W^Q·W_i^Q collapsed (Q2)",
-           *max_error(["two_stage", "per_head"], cfg, inputs)),
-          ("per_head == merged W_Q·W_Kᵀ, query bias -> key content term (Q4)",
-           *max_error(["per_head", "merged"], cfg, inputs)),
-          ("per_head -> merged -> per_head by SVD (rank <= d_k, so exact)",
-           *max_error(["per_head", "merged", "per_head"], cfg, inputs))]
-  if cfg.d_k < cfg.d_model:
-    rows.append(("trained merged W (full rank) -> per_head by SVD: lossy, error reported",
-                 *max_error(["merged", "per_head"], cfg, inputs)))
-  if cfg.collab_width == cfg.num_heads * cfg.d_k:
-    rows.append(("per_head == collaborative, concatenation init",
-                 *max_error(["per_head", "collaborative"], cfg, inputs)))
-  if cfg.d_model % cfg.num_heads == 0:
-    rows.append(("split_input == block-diagonal per_head (Q3: a smaller model)",
-                 *max_error(["split_input", "per_head"], cfg, inputs)))
+  rows = []
+  for (src, dst), c in sorted(CONVERTERS.items()):
+    if not _applies(c, src, dst, cfg):
+      continue
+    rows.append((_claim(c), *max_error([src, dst], cfg, inputs)))
+    inverse = CONVERTERS.get((dst, src))
+    if not c.exact and inverse is not None and inverse.exact and _applies(inverse, dst, src, cfg):
+      rows.append((f"{dst} -> {src} -> {dst} (exact: {c.name} undoes {inverse.name})",
+                   *max_error([dst, src, dst], cfg, inputs)))
   if cfg.num_kv_heads > 1:
     mqa = cfg.replace(num_kv_heads=1)
-    rows.append(("MQA == per_head with its one kv head repeated",
-                 *max_error(["per_head", "per_head"], mqa, inputs, dst_cfg=cfg)))
+    for kind, c in sorted(REGROUPERS.items()):
+      src_cfg, dst_cfg = (mqa, cfg) if kind == "more" else (cfg, mqa)
+      rows.append((f"{_claim(c)} [G {src_cfg.num_kv_heads} -> {dst_cfg.num_kv_heads}]",
+                   *max_error(["per_head", "per_head"], src_cfg, inputs, dst_cfg=dst_cfg)))
   return rows
 
 

@@ -59,7 +59,7 @@ def test_impl_refusals_are_clear_errors():
 
 @pytest.mark.parametrize("cross", [False, True])
 def test_fused_implementations_agree_and_match_per_head(cross):
-  """fused with each impl, per_head (the head-by-head loop) and the canonical conversion: one function."""
+  """fused with each impl, per_head and the canonical conversion: one function."""
   cfg = attn.HeadConfig(d_model=24, num_heads=6, d_k=4, d_v=4, num_kv_heads=2)
   p_fused = random_params(fused.init(jax.random.PRNGKey(0), cfg), 1)
   p_head = attn.convert(p_fused, "fused", "per_head", cfg)
@@ -132,3 +132,13 @@ def test_cli_smoke_run_writes_json(tmp_path, capsys):
 def test_cli_bad_flags_are_clear_errors(argv, match, capsys):
   assert cli.main(["bench", *argv]) == 2
   assert match in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sweep_throughput_does_not_depend_on_the_current_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # no configs/ here
+  r = bench.sweep_throughput(bench.SWEEP_CONFIG, seeds=2, steps=3)
+  assert r["steps"] == 3 and r["seeds"] == 2
+  assert r["trial"] == {}  # the built-in config has no swept axis but the seed
+  assert r["sequential"]["status"] == ["ok"] and r["vmap"]["status"] == ["ok"]
+  assert r["sequential"]["wall_s"] > 0 and r["vmap_speedup"] > 0

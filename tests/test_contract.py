@@ -2,8 +2,11 @@
 
 A new variant added to attn.VARIANTS is covered here automatically: shapes,
 jit vs no-jit, self and cross attention, causality through gradients, finite
-gradients, bf16 inputs, fully masked rows, weights, and counts vs the tree.
+gradients, bf16 inputs, fully masked rows, weights, counts vs the tree, and
+head gates (head_mask) against scaling the heads' slices of W^O.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +124,52 @@ def test_init_is_deterministic_and_counts_match_the_tree(variant, cname):
   assert ("b_o" in p1) == cfg.use_bias
 
 
+def scale_w_o(params, cfg, xi_H):
+  """The same params with head h's rows of W^O (w_o[h], however w_o is stored) times xi_H[h]."""
+  w_o = np.asarray(params["w_o"], np.float64)
+  w_HVD = w_o.reshape(cfg.num_heads, cfg.d_v, cfg.d_model) * np.asarray(xi_H)[:, None, None]
+  return {**params, "w_o": jnp.asarray(w_HVD.reshape(w_o.shape), params["w_o"].dtype)}
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_head_mask_gates_each_heads_output(variant, cname):
+  """ξ = 1 is the layer; any ξ (zeros too) equals w_o[h] scaled by ξ_h; (B,H) per example."""
+  cfg, params, x, ctx = setup(variant, cname, seed=11)
+  H = cfg.num_heads
+  rng = np.random.default_rng(12)
+  xi_H = rng.uniform(0.5, 2.0, H) * (np.arange(H) % 2 == 0)  # odd heads off, the rest scaled
+  xi_H[-1] = 0.0  # the last head off (with one head, y = b_o)
+  xi_BH = rng.uniform(0.5, 2.0, (B, H)) * (rng.random((B, H)) < 0.6)
+  scaled = [scale_w_o(params, cfg, xi) for xi in (xi_H, *xi_BH)]
+
+  @jax.jit
+  def outputs(params, scaled, xi_H, xi_BH):  # one compilation for every comparison
+    causal = lambda p, xi: attn.apply(variant, p, x, cfg=cfg, mask=attn.causal_mask(T),
+                                      head_mask=xi)
+    cross = lambda p, xi: attn.apply(variant, p, x, ctx, cfg=cfg, head_mask=xi)
+    return [(causal(params, jnp.ones(H)), causal(params, None)),
+            (cross(params, jnp.ones((B, H))), cross(params, None)),
+            (causal(params, xi_H), causal(scaled[0], None)),
+            (cross(params, xi_BH),
+             jnp.stack([cross(p, None)[b] for b, p in enumerate(scaled[1:])]))]
+
+  for gated, reference in outputs(params, scaled, jnp.asarray(xi_H, jnp.float32),
+                                  jnp.asarray(xi_BH, jnp.float32)):
+    np.testing.assert_allclose(gated, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant, cname", CASES)
+def test_head_mask_gradient_is_each_heads_contribution(variant, cname):
+  """y is linear in ξ, so ∂⟨r, y⟩/∂ξ_h = f(e_h) − f(0): importance by jax.grad."""
+  cfg, params, x, ctx = setup(variant, cname, seed=13)
+  H = cfg.num_heads
+  r_BTD = randn(14, (B, T, cfg.d_model))
+  f = lambda xi: (attn.apply(variant, params, x, ctx, cfg=cfg, head_mask=xi) * r_BTD).sum()
+  grad_H = jax.jit(jax.grad(f))(jnp.ones(H))
+  f_H = jax.jit(jax.vmap(f))(jnp.concatenate([jnp.eye(H), jnp.zeros((1, H))]))
+  np.testing.assert_allclose(grad_H, f_H[:H] - f_H[H], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("variant", sorted(attn.VARIANTS))
 def test_bad_inputs_are_clear_errors(variant):
   cfg = CONFIGS["base"]
@@ -134,6 +183,12 @@ def test_bad_inputs_are_clear_errors(variant):
     attn.apply(variant, params, x, cfg=cfg, mask=jnp.ones((B, 3, T, T), bool))
   with pytest.raises(ConfigError, match="params"):
     attn.apply(variant, {k: a for k, a in list(params.items())[1:]}, x, cfg=cfg)
+  for shape in ((3,), (4, 2), (2, 4, 1), (1, 4), ()):
+    with pytest.raises(ConfigError, match=re.escape(
+        f"head_mask.shape={shape!r} is not allowed: (H,)=(4,) or (B, H)=(2, 4)")):
+      attn.apply(variant, params, x, cfg=cfg, head_mask=jnp.ones(shape))
+  with pytest.raises(ConfigError, match="head_mask.dtype='int32'.*float"):
+    attn.apply(variant, params, x, cfg=cfg, head_mask=jnp.ones(4, jnp.int32))
   other = attn.HeadConfig(d_model=32, num_heads=4, d_k=4, d_v=4)
   with pytest.raises(ConfigError, match=r"params\["):
     attn.apply(variant, attn.init(variant, jax.random.PRNGKey(0), other), x, cfg=cfg)

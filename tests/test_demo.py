@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from attn import HeadConfig, cli, demo
+from attn.convert import CONVERTERS, REGROUPERS, Converter
 
 
 @pytest.mark.parametrize("cfg", [
@@ -21,6 +22,25 @@ def test_identities_hold_and_one_head_differs(cfg):
     else:
       assert err < 1e-5 and reported < 1e-5, claim
   assert demo.one_head_vs_many(cfg) > 1e-2
+
+
+def test_identities_come_from_the_converter_registry(monkeypatch):
+  """Every registered conversion that applies is a row, a new one included; no list in demo.py."""
+  paths = []
+  monkeypatch.setattr(demo, "max_error", lambda path, cfg, inputs, dst_cfg=None: (
+      paths.append((tuple(path), cfg.num_kv_heads, (dst_cfg or cfg).num_kv_heads)) or (0.0, 0.0)))
+  monkeypatch.setitem(CONVERTERS, ("fused", "merged"),
+                      Converter(lambda p, cfg: (p, 0.0), exact=True, name="fused -> merged"))
+  cfg = HeadConfig(d_model=24, num_heads=4, num_kv_heads=2)
+  claims = [claim for claim, _, _ in demo.identities(cfg)]
+  for c in list(CONVERTERS.values()) + list(REGROUPERS.values()):
+    assert any(claim.startswith(c.name + " (") for claim in claims), c.name
+  assert (("fused", "merged"), 2, 2) in paths
+  assert (("per_head", "merged", "per_head"), 2, 2) in paths  # the lossy SVD's round trip
+  assert (("per_head", "per_head"), 1, 2) in paths and (("per_head", "per_head"), 2, 1) in paths
+  # A converter whose check refuses cfg is left out (collaborative needs D̃ = H·d_k).
+  claims = [claim for claim, _, _ in demo.identities(cfg.replace(collab_width=5))]
+  assert not any(claim.startswith("per_head -> collaborative") for claim in claims)
 
 
 def test_demo_command_prints_every_variant(capsys):

@@ -1,6 +1,7 @@
 """The NNX shell: MultiHeadAttention over any variant, small models, their configs and counts."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -289,6 +290,82 @@ def test_encoder_pooler_and_segments():
     enc(toks, segs + 1)
   with pytest.raises(attn.ConfigError, match="segments="):
     Encoder(TINY, rngs=nnx.Rngs(0))(toks, segs)
+
+
+# --- Head gates (head_mask): a zero gate is that layer's w_o[h] zeroed ---------------------------
+
+
+GATED = TINY.replace(num_heads=4, num_kv_heads=2, d_k=3, d_v=5)  # fused, GQA, d_v != d_k
+
+
+def zero_heads(module: MultiHeadAttention, heads) -> None:
+  """Zeroes w_o[h] (head h's (V,D) slice of W^O, however the variant stores w_o) in place."""
+  cfg = module.cfg
+  w_o = np.array(module.params["w_o"][...])
+  w_HVD = w_o.reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
+  w_HVD[list(heads)] = 0.0
+  module.params["w_o"][...] = jnp.asarray(w_HVD.reshape(w_o.shape))
+
+
+def test_decoder_lm_head_mask_is_zeroing_w_o():
+  lm = DecoderLM(GATED, rngs=nnx.Rngs(0))
+  toks = tokens(8, (2, 6))
+  y = run(lm, toks)
+  np.testing.assert_allclose(run(lm, toks, np.ones((2, 4), np.float32)), y, **TOL)
+  xi_LH = np.ones((2, 4), np.float32)
+  xi_LH[1, 2] = 0.0
+  gated = run(lm, toks, xi_LH)
+  assert not np.allclose(gated, y)
+  ref = DecoderLM(GATED, rngs=nnx.Rngs(0))
+  zero_heads(ref.blocks[1].attn, [2])
+  np.testing.assert_allclose(gated, run(ref, toks), **TOL)
+  xi_BLH = np.ones((2, 2, 4), np.float32)  # per example: different heads off
+  xi_BLH[0, 0, 1] = xi_BLH[1, 1, 3] = xi_BLH[1, 0, 0] = 0.0
+  gated = run(lm, toks, xi_BLH)
+  for b in range(2):
+    ref = DecoderLM(GATED, rngs=nnx.Rngs(0))
+    for layer in range(2):
+      zero_heads(ref.blocks[layer].attn, np.flatnonzero(xi_BLH[b, layer] == 0))
+    np.testing.assert_allclose(gated[b], run(ref, toks)[b], **TOL)
+
+
+def test_classifier_and_encoder_decoder_head_masks():
+  cfg = GATED.replace(variant="merged", num_classes=3, norm="post")
+  toks, lengths = tokens(9, (2, 5)), np.array([5, 3])
+  xi_LH = np.ones((2, 4), np.float32)
+  xi_LH[0, 3] = 0.0
+  gated = run(SequenceClassifier(cfg, rngs=nnx.Rngs(1)), toks, lengths, None, xi_LH)
+  ref = SequenceClassifier(cfg, rngs=nnx.Rngs(1))
+  zero_heads(ref.encoder.blocks[0].attn, [3])
+  np.testing.assert_allclose(gated, run(ref, toks, lengths), **TOL)
+  # EncoderDecoder: rows are the encoder's self-attention layers, then the decoder's.
+  cfg = GATED.replace(variant="per_head", num_layers=1, num_decoder_layers=2)
+  src, tgt = tokens(10, (2, 5)), tokens(11, (2, 4))
+  xi_LH = np.ones((3, 4), np.float32)
+  xi_LH[0, 1] = xi_LH[2, 0] = 0.0
+  gated = run(EncoderDecoder(cfg, rngs=nnx.Rngs(2)), src, tgt, None, xi_LH)
+  ref = EncoderDecoder(cfg, rngs=nnx.Rngs(2))
+  zero_heads(ref.encoder.blocks[0].attn, [1])
+  zero_heads(ref.decoder[1].attn, [0])
+  np.testing.assert_allclose(gated, run(ref, src, tgt), **TOL)
+  with pytest.raises(attn.ConfigError, match=re.escape(
+      "head_mask.shape=(2, 4) is not allowed: (L, H)=(3, 4) or (B, L, H)=(2, 3, 4)")):
+    EncoderDecoder(cfg, rngs=nnx.Rngs(2))(src, tgt, head_mask=np.ones((2, 4), np.float32))
+
+
+def test_module_and_models_refuse_bad_head_masks():
+  lm = DecoderLM(GATED, rngs=nnx.Rngs(0))
+  toks = tokens(8, (2, 6))
+  for shape in ((4,), (2, 3), (3, 2, 4), (2, 2, 4, 1)):
+    with pytest.raises(attn.ConfigError, match=re.escape(
+        f"head_mask.shape={shape} is not allowed: (L, H)=(2, 4) or (B, L, H)=(2, 2, 4)")):
+      lm(toks, np.ones(shape, np.float32))
+  with pytest.raises(attn.ConfigError, match="head_mask.dtype='bool'"):
+    lm(toks, np.ones((2, 4), bool))
+  m = lm.blocks[0].attn
+  with pytest.raises(attn.ConfigError, match=re.escape("head_mask.shape=(2, 2) is not allowed: "
+                                                       "(H,)=(4,) or (B, H)=(1, 4)")):
+    m(randn(0, (1, 3, 16)), head_mask=np.ones((2, 2), np.float32))
 
 
 # --- One real training step per model: loss finite and falling on a fixed batch ------------------

@@ -61,6 +61,14 @@ def _tick(r: dict[str, Any], axis: str, tied: list[str]) -> str:
   return text + "".join(f"\n{short(b)}={r['label'][b]}" for b in tied)
 
 
+def _log_if_spanning(ax, values: list[float]) -> None:
+  """A log y axis with plain tick labels when positive values span more than a factor of 20."""
+  from matplotlib import ticker
+  if values and min(values) > 0 and max(values) / min(values) > 20:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+
+
 def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path: str,
                   axes_order: list[str]) -> None:
   """Final held-out accuracy and loss against one axis: seeds as points, the mean as a line."""
@@ -94,6 +102,8 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
                  fontsize=9)
     if metric == "eval_accuracy":
       ax.set_ylim(-0.02, 1.02)
+    else:
+      _log_if_spanning(ax, [v for r in rows for v in r["seed_values"][metric]])
     ax.grid(alpha=0.3)
   if len(lines) > 1:
     panels[0].legend(fontsize=7, title=", ".join(short(a) for a in axes_order if a not in skip), title_fontsize=7)
@@ -104,7 +114,6 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
 
 def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: str) -> None:
   """Held-out accuracy (top) and loss (bottom) against step; one colour per legend value, one panel per rest."""
-  from matplotlib import ticker
   ok = [t for t in trials if t["summary"] and t["summary"]["status"] == "ok"]
   swept = [a for a in axes if a not in SEED_KEYS]
   # The legend carries the axis with the fewest values; panels split by every other axis.
@@ -114,12 +123,16 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   for t in ok:
     panels.setdefault(_rest(t["label"], {legend} if legend else set()) or "all trials", []).append(t)
   names = list(panels)[:MAX_PANELS]
-  fig, grid = plt.subplots(2, len(names), figsize=(3.2 * len(names) + 1, 6), squeeze=False, sharey="row")
-  cmap = plt.get_cmap("viridis" if len(colours) > 4 else "tab10")
+  fig, grid = plt.subplots(2, len(names), figsize=(max(3.2 * len(names), 5) + 1.2, 6), squeeze=False,
+                           sharey="row")
+  # A numeric legend axis with many values reads best as a gradient; categories get distinct hues.
+  ramp = len(colours) > 4 and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in colours)
+  cmap = plt.get_cmap("viridis" if ramp else "tab10")
+  colour_of = lambda i: cmap(i / max(len(colours) - 1, 1)) if ramp else cmap(i % 10)
   for j, name in enumerate(names):
     for t in panels[name]:
       c = colours.index(t["label"][legend]) if legend else 0
-      colour = cmap(c / max(len(colours) - 1, 1)) if len(colours) > 4 else cmap(c)
+      colour = colour_of(c)
       ev = [r for r in t["rows"] if "eval_accuracy" in r]
       steps = [r["step"] + 1 for r in ev]
       for i, (metric, title) in enumerate(METRICS):
@@ -130,12 +143,9 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
     grid[1, j].set_xlabel("step")
     for i in range(2):
       grid[i, j].grid(alpha=0.3)
-  losses = [r["eval_loss"] for t in ok for r in t["rows"] if "eval_loss" in r]
-  if losses and min(losses) > 0 and max(losses) / min(losses) > 20:  # log only when it spans decades
-    grid[1, 0].set_yscale("log")
-    grid[1, 0].yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+  _log_if_spanning(grid[1, 0], [r["eval_loss"] for t in ok for r in t["rows"] if "eval_loss" in r])
   if legend:
-    handles = [plt.Line2D([], [], color=cmap(i / max(len(colours) - 1, 1)) if len(colours) > 4 else cmap(i))
+    handles = [plt.Line2D([], [], color=colour_of(i))
                for i in range(len(colours))]
     fig.legend(handles, [str(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)

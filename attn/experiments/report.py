@@ -62,11 +62,21 @@ def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     row = {"group": name, "label": {k: v for k, v in ts[0]["label"].items() if k not in SEED_KEYS},
            "n": len(ts), "model_params": ts[0]["summary"].get("model_params"),
            "accuracies": [float(t["summary"]["final"]["eval_accuracy"]) for t in ts],
-           "seed_values": {key: [float(t["summary"]["final"][key]) for t in ts] for key, _ in METRICS}}
+           "seed_values": {key: [float(t["summary"]["final"][key]) for t in ts] for key, _ in METRICS},
+           "solved_at": [solved_at(t["rows"]) for t in ts]}
     for key, _ in METRICS:
       row[key] = _mean_std([t["summary"]["final"][key] for t in ts])
     rows.append(row)
   return sorted(rows, key=lambda r: -r["eval_accuracy"][0])
+
+
+SOLVED = 0.99
+"""Held-out accuracy at which a trial counts as having solved its task, for the 'solved at' column."""
+
+
+def solved_at(rows: list[dict[str, Any]]) -> int | None:
+  """The first evaluated step (1-based) whose held-out accuracy reaches SOLVED, or None."""
+  return next((r["step"] + 1 for r in rows if r.get("eval_accuracy", 0.0) >= SOLVED), None)
 
 
 def compare(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -156,8 +166,13 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) ->
       best = max(rs, key=lambda r: r["eval_accuracy"][0])
       worst = min(rs, key=lambda r: r["eval_accuracy"][0])
       where = f" ({rest})" if rest else ""
-      if best["eval_accuracy"][0] == worst["eval_accuracy"][0]:
-        gap = "The same mean at every setting: nothing to tell apart."
+      if best["eval_accuracy"][0] == worst["eval_accuracy"][0]:  # saturated: tell apart by held-out loss
+        lo = min(rs, key=lambda r: r["eval_loss"][0])
+        hi = max(rs, key=lambda r: r["eval_loss"][0])
+        losses = lambda r: [-v for v in r["seed_values"]["eval_loss"]]  # lower loss wins
+        gap = (f"The same accuracy at every setting; by held-out loss, best {lo['label'][axis]} "
+               f"({lo['eval_loss'][0]:.3g}) vs worst {hi['label'][axis]} ({hi['eval_loss'][0]:.3g}): "
+               f"{verdict(losses(lo), losses(hi))}.")
       else:
         gap = (f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
                f"{best['eval_accuracy'][0] - worst['eval_accuracy'][0]:.3f}, "
@@ -219,11 +234,13 @@ def write_report(root: str) -> str:
          f"{status.count('unfinished')} unfinished. Metrics are the last step's; held-out "
          "metrics come from batches the trial never trained on.", "",
          "## Groups (mean ± std over seeds)", "",
-         "| group | seeds | model params | eval accuracy | eval loss |", "|---|---|---|---|---|"]
+         f"| group | seeds | model params | eval accuracy | eval loss | step reaching {SOLVED} (per seed) |",
+         "|---|---|---|---|---|---|"]
   for r in rows:
     md.append(f"| {r['group']} | {r['n']} | {_fmt(r['model_params'])} | "
               f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
-              f"{r['eval_loss'][0]:.4f} ± {r['eval_loss'][1]:.4f} |")
+              f"{r['eval_loss'][0]:.3g} ± {r['eval_loss'][1]:.2g} | "
+              f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |")
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += ["", "## Trials", "",

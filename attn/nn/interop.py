@@ -1,6 +1,6 @@
 """Weights to and from flax.nnx.MultiHeadAttention and torch.nn.MultiheadAttention.
 
-Every function speaks the canonical per_head layout (DESIGN.md); any other
+Every function speaks the canonical per_head layout (attn.variants.per_head); any other
 variant goes through attn.convert. Flax's kernels are already that layout:
 query (D,H,K), key (D,G,K), value (D,G,K), out (H,K,D). Flax has one head
 width, so d_k = d_v. torch packs in_proj_weight as the rows [W_q; W_k; W_v],

@@ -15,10 +15,17 @@ Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 
-Letters as in DESIGN.md, plus F for d_ff and N for the vocabulary. Token ids
-outside [0, vocab) (negative ones included) never wrap: on concrete
-arrays they raise ConfigError; under jit they embed as NaN, so logits and the
-loss turn NaN. More positions than max_len raise ConfigError before tracing.
+Letters as in the README's table, plus F for d_ff, N for the vocabulary and L
+for attention layers. Token ids outside [0, vocab) (negative ones included)
+never wrap: on concrete arrays they raise ConfigError; under jit they embed as
+NaN, so logits and the loss turn NaN. More positions than max_len raise
+ConfigError before tracing.
+
+Head gates (Michel et al. 2019): every model takes head_mask, float (L,H) or
+(B,L,H), and passes row l to the self-attention of layer l (attn.apply's
+head_mask). L is the number of self-attention layers: num_layers, and for
+EncoderDecoder num_layers + num_decoder_layers (encoder rows first, then the
+decoder's causal self-attention); cross-attention is never gated.
 """
 
 from __future__ import annotations
@@ -153,6 +160,21 @@ def check_lengths(name: str, lengths: Any, batch: int, length: int) -> None:
       raise invalid(name, f"lengths in [{lo}, {hi}]", f"lengths in [0, {length}]")
 
 
+def layer_gates(head_mask: Any, batch: int, layers: int, heads: int) -> list:
+  """Row l of an (L,H) or (B,L,H) head mask for each of the L layers; Nones without one."""
+  if head_mask is None:
+    return [None] * layers
+  shape = getattr(head_mask, "shape", None)
+  if shape is None or tuple(shape) not in ((layers, heads), (batch, layers, heads)):
+    raise invalid("head_mask.shape", None if shape is None else tuple(shape),
+                  f"(L, H)=({layers}, {heads}) or (B, L, H)=({batch}, {layers}, {heads}): "
+                  "one gate per self-attention layer and query head")
+  if "float" not in str(head_mask.dtype):
+    raise invalid("head_mask.dtype", str(head_mask.dtype),
+                  "a float dtype: gates are differentiable")
+  return [head_mask[l] if len(shape) == 2 else head_mask[:, l] for l in range(layers)]
+
+
 def lookup(table: Array, ids: Array) -> Array:
   """Rows of table; ids outside [0, rows) give NaN rows instead of wrapping or clamping."""
   ids = jnp.where(ids < 0, table.shape[0], ids)
@@ -259,8 +281,10 @@ class TransformerBlock(nnx.Module):
     return x_BTD + f(_norm(norm, x_BTD))
 
   def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
-               context_mask: Array | None = None) -> Array:
-    x_BTD = self._residual(self.attn_norm, lambda h: self.attn(h, mask=mask), x_BTD)
+               context_mask: Array | None = None, head_mask: Array | None = None) -> Array:
+    """head_mask (H,) or (B,H) gates the heads of the self-attention only."""
+    x_BTD = self._residual(
+        self.attn_norm, lambda h: self.attn(h, mask=mask, head_mask=head_mask), x_BTD)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask), x_BTD)
@@ -282,18 +306,20 @@ class Encoder(nnx.Module):
     self.pooler = nnx.Linear(cfg.d_model, cfg.d_model, rngs=rngs) if cfg.pooler else None
 
   def hidden(self, tokens_BT: Array, segments_BT: Array | None = None,
-             lengths_B: Array | None = None, prefix_D: Array | None = None) -> Array:
+             lengths_B: Array | None = None, prefix_D: Array | None = None,
+             head_mask: Array | None = None) -> Array:
     """Final hidden states (B,T,D) (1+T with prefix_D); keys past lengths_B are masked."""
     extra = 0 if prefix_D is None else 1
     self.embed.check(tokens_BT, segments_BT, extra)
     B, T = tokens_BT.shape
+    gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     mask = None
     if lengths_B is not None:
       check_lengths("lengths", lengths_B, B, T)
       mask = masks.padding_mask(lengths_B + extra, T + extra)
     h_BTD = self.embed(tokens_BT, segments_BT, prefix_D)
-    for block in self.blocks:
-      h_BTD = block(h_BTD, mask)
+    for block, gate in zip(self.blocks, gates):
+      h_BTD = block(h_BTD, mask, head_mask=gate)
     return _norm(self.final_norm, h_BTD)
 
   def pool(self, h_BD: Array) -> Array:
@@ -301,9 +327,9 @@ class Encoder(nnx.Module):
     return h_BD if self.pooler is None else jnp.tanh(self.pooler(h_BD))
 
   def __call__(self, tokens_BT: Array, segments_BT: Array | None = None,
-               lengths_B: Array | None = None):
+               lengths_B: Array | None = None, head_mask: Array | None = None):
     """h (B,T,D); with cfg.pooler, (h, pooled (B,D) from the first position)."""
-    h_BTD = self.hidden(tokens_BT, segments_BT, lengths_B)
+    h_BTD = self.hidden(tokens_BT, segments_BT, lengths_B, head_mask=head_mask)
     return (h_BTD, self.pool(h_BTD[:, 0])) if self.pooler is not None else h_BTD
 
 
@@ -332,14 +358,15 @@ class DecoderLM(nnx.Module):
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
 
-  def __call__(self, tokens_BT: Array) -> Array:
+  def __call__(self, tokens_BT: Array, head_mask: Array | None = None) -> Array:
     """Logits (B,T,vocab); position t sees tokens up to t, so right padding needs no mask."""
     self.embed.check(tokens_BT)
-    T = tokens_BT.shape[1]
+    B, T = tokens_BT.shape
+    gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     mask = masks.causal_mask(T)
     h_BTD = self.embed(tokens_BT)
-    for block in self.blocks:
-      h_BTD = block(h_BTD, mask)
+    for block, gate in zip(self.blocks, gates):
+      h_BTD = block(h_BTD, mask, head_mask=gate)
     return self.head(_norm(self.final_norm, h_BTD))
 
 
@@ -355,13 +382,14 @@ class SequenceClassifier(nnx.Module):
     self.head = nnx.Linear(cfg.d_model, cfg.num_classes, use_bias=cfg.use_bias, rngs=rngs)
 
   def __call__(self, tokens_BT: Array, lengths_B: Array | None = None,
-               segments_BT: Array | None = None) -> Array:
+               segments_BT: Array | None = None, head_mask: Array | None = None) -> Array:
     """Logits (B, num_classes); tokens past lengths_B are padding and change nothing."""
     if self.cls is not None:
-      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, prefix_D=self.cls[...])
+      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, prefix_D=self.cls[...],
+                                  head_mask=head_mask)
       pooled_BD = h_BTD[:, 0]
     else:
-      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B)
+      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, head_mask=head_mask)
       T = tokens_BT.shape[1]
       lengths_B = jnp.full(tokens_BT.shape[:1], T) if lengths_B is None else lengths_B
       keep_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
@@ -385,18 +413,27 @@ class EncoderDecoder(nnx.Module):
     self.decoder_norm = layer_norm(cfg, rngs, cfg.final_norm)
     self.head = OutputHead(cfg, self.tgt_embed.token, rngs=rngs)
 
-  def __call__(self, src_BS: Array, tgt_BT: Array, src_lengths: Array | None = None) -> Array:
-    """Logits (B,T,vocab) for every target position, given the whole source."""
+  def __call__(self, src_BS: Array, tgt_BT: Array, src_lengths: Array | None = None,
+               head_mask: Array | None = None) -> Array:
+    """Logits (B,T,vocab) for every target position, given the whole source.
+
+    head_mask (L,H) or (B,L,H), L = num_layers + num_decoder_layers: encoder
+    self-attention rows first, then decoder self-attention; cross-attention is not gated.
+    """
     self.tgt_embed.check(tgt_BT)
     if src_BS.shape[:1] != tgt_BT.shape[:1]:
       raise invalid("tgt.shape", tgt_BT.shape, f"the batch size of src.shape={src_BS.shape}")
-    mem_BSD = self.encoder.hidden(src_BS, lengths_B=src_lengths)
+    n_enc = len(self.encoder.blocks)
+    gates = layer_gates(head_mask, src_BS.shape[0], n_enc + len(self.decoder), self.cfg.num_heads)
+    enc_mask = None if head_mask is None else (
+        head_mask[:n_enc] if head_mask.ndim == 2 else head_mask[:, :n_enc])
+    mem_BSD = self.encoder.hidden(src_BS, lengths_B=src_lengths, head_mask=enc_mask)
     S, T = src_BS.shape[1], tgt_BT.shape[1]
     src_mask = None if src_lengths is None else masks.padding_mask(src_lengths, S)
     h_BTD = self.tgt_embed(tgt_BT)
     causal = masks.causal_mask(T)
-    for block in self.decoder:
-      h_BTD = block(h_BTD, causal, mem_BSD, src_mask)
+    for block, gate in zip(self.decoder, gates[n_enc:]):
+      h_BTD = block(h_BTD, causal, mem_BSD, src_mask, head_mask=gate)
     return self.head(_norm(self.decoder_norm, h_BTD))
 
 

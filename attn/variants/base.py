@@ -2,9 +2,13 @@
 
 A variant is a parameterization of one multi-head attention layer over a plain
 dict of arrays. Its `apply(params, x_BTD, context_BSD, *, cfg, mask,
-return_weights)` returns `(y_BTD, weights_BHTS or None)`; `context_BSD` is
-None for self-attention. Counts are per layer; FLOPs count a multiply-add as
-2 and are per batch element, forward only, for T queries and S keys.
+return_weights, head_mask)` returns `(y_BTD, weights_BHTS or None)`;
+`context_BSD` is None for self-attention; `head_mask` (H,) or (B,H) gates
+each query head's output before W^O (Michel et al. 2019), None meaning all
+ones. Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
+element, forward only, for T queries and S keys. The KV-cache width is the
+elements cached per decoded token; the score weights are the weights the
+attention logits depend on, biases excluded.
 """
 
 from __future__ import annotations
@@ -28,15 +32,16 @@ def _no_constraint(cfg: HeadConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One head parameterization: init / apply / analytic counts / FLOPs."""
+  """One head parameterization: init / apply / counts / FLOPs / KV-cache width / score weights."""
 
   name: str
-  doc: str
   init: Callable[[Array, HeadConfig, Any], Params]
   apply: Callable[..., tuple[Array, Array | None]]
   param_count: Callable[[HeadConfig], int]
   effective_param_count: Callable[[HeadConfig], int]
   flops: Callable[[HeadConfig, int, int], int]
+  kv_cache_width: Callable[[HeadConfig], int]
+  score_weights: Callable[[HeadConfig], int]
   check: Callable[[HeadConfig], None] = _no_constraint
 
 
@@ -87,13 +92,25 @@ def output_projection(o_BTHV: Array, w_HVD: Array, b_D) -> Array:
   return dense(o_BTHV.reshape(*o_BTHV.shape[:-2], H * V), w_HVD.reshape(H * V, D), b_D)
 
 
+def gate_heads(out_BTHV: Array, head_mask) -> Array:
+  """Each query head's output times its gate ξ_h; head_mask (H,) or (B,H), None = all ones."""
+  if head_mask is None:
+    return out_BTHV
+  xi = jnp.asarray(head_mask)
+  xi_BTHV = xi[:, None, :, None] if xi.ndim == 2 else xi[:, None]
+  return out_BTHV * xi_BTHV.astype(out_BTHV.dtype)
+
+
 def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *,
-                       cfg: HeadConfig, mask, return_weights: bool, dtype):
-  """The shared tail: attention at cfg's scale, then the canonical w_o (H,V,D) and b_o."""
-  out_BTHV, w_BHTS = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, scale=cfg.score_scale,
-                                      return_weights=True)
-  y_BTD = output_projection(out_BTHV, params["w_o"], bias(params, "b_o"))
-  return y_BTD.astype(dtype), (w_BHTS if return_weights else None)
+                       cfg: HeadConfig, mask, return_weights: bool, dtype, head_mask=None,
+                       impl: str = "einsum"):
+  """The shared tail of every variant: attention, head gates, then w_o (as (H,V,D)) and b_o."""
+  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, scale=cfg.score_scale,
+                         return_weights=return_weights, impl=impl)
+  out_BTHV, w_BHTS = out if return_weights else (out, None)
+  w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
+  y_BTD = output_projection(gate_heads(out_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
+  return y_BTD.astype(dtype), w_BHTS
 
 
 def standard_param_count(cfg: HeadConfig) -> int:
@@ -102,6 +119,16 @@ def standard_param_count(cfg: HeadConfig) -> int:
   weights = D * (H * K + G * K + G * V) + H * V * D
   biases = H * K + G * K + G * V + D
   return weights + (biases if cfg.use_bias else 0)
+
+
+def standard_kv_cache_width(cfg: HeadConfig) -> int:
+  """Keys and values of the G kv heads: G·(K + V)."""
+  return cfg.num_kv_heads * (cfg.d_k + cfg.d_v)
+
+
+def standard_score_weights(cfg: HeadConfig) -> int:
+  """W_Q (D,H,K) and W_K (D,G,K): D·(H + G)·K."""
+  return cfg.d_model * (cfg.num_heads + cfg.num_kv_heads) * cfg.d_k
 
 
 def core_flops(cfg: HeadConfig, T: int, S: int) -> int:
@@ -116,7 +143,7 @@ def standard_flops(cfg: HeadConfig, T: int, S: int) -> int:
   return proj + core_flops(cfg, T, S)
 
 
-# Effective parameter counts: the dimension of the function class (issue 3).
+# Effective parameter counts: the dimension of the function class.
 
 def lowrank_dof(rows: int, cols: int, rank: int) -> int:
   """Dim of rows×cols matrices of rank ≤ rank: r·(rows + cols − r), r = min(rank, rows, cols)."""

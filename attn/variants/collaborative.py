@@ -14,6 +14,8 @@ Effective: scores are the H×(D+b)×D tensor Σ_j m_j ⊗ [w̃_Q,j; b̃_Q,j] ⊗
   dimension, assuming it is not defective; a gauge of 2 scalings per rank-one
   term), lowrank(D+b, D; D̃) for H = 1; b̃_K drops out of the softmax;
   + Σ_g lowrank(D, R·D; V) + b·D as in base.py.
+KV cache: one shared key c_s·W̃_K (D̃ wide, no heads) plus the G·V values.
+Score weights: 2·D·D̃ + H·D̃.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, head_mask=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, _ = c_BSD.shape
   G, J = cfg.num_kv_heads, cfg.collab_width
@@ -52,7 +54,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   k_BSGJ = jnp.broadcast_to(k_BSJ[:, :, None], (B, S, G, J))
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
   return attend_and_project(params, q_BTHJ, k_BSGJ, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype)
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -77,12 +80,21 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   return proj + 2 * T * S * H * (J + V)
 
 
+def kv_cache_width(cfg: HeadConfig) -> int:
+  return cfg.collab_width + cfg.num_kv_heads * cfg.d_v
+
+
+def score_weights(cfg: HeadConfig) -> int:
+  return 2 * cfg.d_model * cfg.collab_width + cfg.num_heads * cfg.collab_width
+
+
 VARIANT = Variant(
     name="collaborative",
-    doc="shared W̃_Q, W̃_K of width D̃ with per-head mixing vectors (Cordonnier et al. 2020)",
     init=init,
     apply=apply,
     param_count=param_count,
     effective_param_count=effective_param_count,
     flops=flops,
+    kv_cache_width=kv_cache_width,
+    score_weights=score_weights,
 )

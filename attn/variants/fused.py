@@ -4,7 +4,8 @@ w_qkv (D, H·K + G·K + G·V) holds the per-head matrices as column blocks
 [Q heads | K heads | V heads], so it is the per_head layer reshaped (seed
 question 1: the same function; only speed differs). w_o is (H·V, D).
 For cross-attention the query columns read x and the key/value columns read
-the context: two matmuls instead of one.
+the context: two matmuls instead of one. The attention core, head gates and
+w_o (read as (H,V,D), a free reshape) are the shared base.attend_and_project.
 
 Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
 """
@@ -15,11 +16,11 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig
-from attn.variants.base import (Params, Variant, add_bias, bias, dense,
-                                factored_effective_param_count, normal,
-                                standard_flops, standard_param_count)
+from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, dense,
+                                factored_effective_param_count, normal, standard_flops,
+                                standard_kv_cache_width, standard_param_count,
+                                standard_score_weights)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -58,23 +59,20 @@ DEFAULT_IMPL = "auto"
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, impl: str | None = None):
+          return_weights: bool = False, head_mask=None, impl: str | None = None):
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg)
-  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, scale=cfg.score_scale,
-                         return_weights=return_weights,
-                         impl=DEFAULT_IMPL if impl is None else impl)
-  out_BTHV, w_BHTS = out if return_weights else (out, None)
-  out = einops.rearrange(out_BTHV, "B T H V -> B T (H V)")
-  y_BTD = dense(out, params["w_o"], bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), w_BHTS
+  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask, impl=DEFAULT_IMPL if impl is None else impl)
 
 
 VARIANT = Variant(
     name="fused",
-    doc="one packed QKV matrix, heads are column blocks",
     init=init,
     apply=apply,
     param_count=standard_param_count,
     effective_param_count=factored_effective_param_count,
     flops=standard_flops,
+    kv_cache_width=standard_kv_cache_width,
+    score_weights=standard_score_weights,
 )

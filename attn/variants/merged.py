@@ -18,6 +18,8 @@ The factored count (per_head, fused, two_stage) lives in base.py:
   matrices of rank ≤ k. The gauge W_Q,h → W_Q,h A, W_K,g → W_K,g A⁻ᵀ is one
   A per kv group, so a group's R stacked query matrices (each with its b_q,h
   row) times W_K,gᵀ is one (R·(D+b))×D matrix of rank ≤ K.
+KV cache: the raw context c_s (D) that x_t·W_h is scored against, plus the
+G·V values: D + G·V per token. Score weights: H·D².
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, head_mask=None):
   """Scores as (x W_h + b_kc,h)·c: a D-wide query per head against the raw context."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, D = c_BSD.shape
@@ -53,7 +55,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   c_BSGD = jnp.broadcast_to(c_BSD[:, :, None], (B, S, G, D))
   v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
   return attend_and_project(params, qm_BTHD, c_BSGD, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype)
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -74,12 +77,21 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   return proj + 2 * T * S * H * (D + V)
 
 
+def kv_cache_width(cfg: HeadConfig) -> int:
+  return cfg.d_model + cfg.num_kv_heads * cfg.d_v
+
+
+def score_weights(cfg: HeadConfig) -> int:
+  return cfg.num_heads * cfg.d_model ** 2
+
+
 VARIANT = Variant(
     name="merged",
-    doc="one D×D bilinear W_h = W_Q,h·W_K,hᵀ per head, trained as a full matrix",
     init=init,
     apply=apply,
     param_count=param_count,
     effective_param_count=effective_param_count,
     flops=flops,
+    kv_cache_width=kv_cache_width,
+    score_weights=score_weights,
 )

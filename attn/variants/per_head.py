@@ -6,16 +6,16 @@ w_q (D,H,K), w_k (D,G,K), w_v (D,G,V), w_o (H,V,D), b_q (H,K), b_k (G,K),
 b_v (G,V), b_o (D,).
 
 Head i's query layer is x ↦ x·w_q[:, i] + b_q[i], and so on. The h layers are
-computed together, each of Q, K and V as one matmul against the (D, H·K) view of
-its (D,H,K) matrix (a free reshape), rather than in a Python loop over heads:
-the same function, and on CPU at the reference shape its forward+backward time
-went from 1.40× fused's to 1.07× (README, Performance). tests/test_identities.py
-checks it against a literal loop over heads written in numpy. The fused variant packs the same
+computed together: each of Q, K and V is one matmul against the (D, H·K) view
+of its (D,H,K) matrix (a free reshape), as Flax's DenseGeneral does
+(experiments/performance.md). tests/test_identities.py checks it against a
+literal loop over heads written in numpy. The fused variant packs the same
 columns into one (D, H·K + G·K + G·V) matrix instead of three.
 
 Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
 Effective: fewer; W_Q,i·W_K,iᵀ and W_V,i·W_O,i are low-rank products and the
 key bias drops out of the softmax (base.factored_effective_param_count).
+KV cache: G·(K + V) per token. Score weights: D·(H + G)·K.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from attn.config import HeadConfig
 from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
                                 factored_effective_param_count, normal, project_heads,
-                                standard_flops, standard_param_count)
+                                standard_flops, standard_kv_cache_width, standard_param_count,
+                                standard_score_weights)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -42,22 +43,24 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, head_mask=None):
   """Each head's (D,K), (D,K), (D,V) and (V,D) matrices, all heads in one matmul each."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype)
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask)
 
 
 VARIANT = Variant(
     name="per_head",
-    doc="h separate linear layers, one per head (canonical layout)",
     init=init,
     apply=apply,
     param_count=standard_param_count,
     effective_param_count=factored_effective_param_count,
     flops=standard_flops,
+    kv_cache_width=standard_kv_cache_width,
+    score_weights=standard_score_weights,
 )

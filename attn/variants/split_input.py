@@ -11,6 +11,7 @@ Params: D·K + D·K + D·V + H·V·D [+ H·K + G·K + G·V + D]  (H·(D/H)·K = 
 FLOPs: 2·T·D·K + 2·S·D·(K + V) + 2·T·H·V·D + 2·T·S·H·(K + V).
 Effective: Σ_g lowrank(R·(D/H + b), D/G; K) + Σ_g lowrank(D/G, R·D; V) + b·D
   (lowrank and the gauge as in base.py; the block structure is kept).
+KV cache: G·(K + V) per token. Score weights: H·(D/H)·K + G·(D/G)·K = 2·D·K.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
-                                core_flops, factored_score_dof, normal, value_output_dof)
+                                core_flops, factored_score_dof, normal, standard_kv_cache_width,
+                                value_output_dof)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -43,7 +45,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, head_mask=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, T, D = x_BTD.shape
   S = c_BSD.shape[1]
@@ -54,7 +56,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   k_BSGK = jnp.einsum("BSGE,GEK->BSGK", c_BSGE, params["w_k"]) + bias(params, "b_k")
   v_BSGV = jnp.einsum("BSGE,GEV->BSGV", c_BSGE, params["w_v"]) + bias(params, "b_v")
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype)
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -74,13 +77,18 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   return proj + core_flops(cfg, T, S)
 
 
+def score_weights(cfg: HeadConfig) -> int:
+  return 2 * cfg.d_model * cfg.d_k
+
+
 VARIANT = Variant(
     name="split_input",
-    doc="head h sees only its D/H slice of the input (block-diagonal; smaller model)",
     init=init,
     apply=apply,
     param_count=param_count,
     effective_param_count=effective_param_count,
     flops=flops,
+    kv_cache_width=standard_kv_cache_width,
+    score_weights=score_weights,
     check=check,
 )

@@ -9,6 +9,7 @@ first stage is full width, the second has G key/value heads.
 Params: 3·D² [+ 3·D] + D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
 FLOPs: 2·T·D² + 2·2·S·D² (first stage) + per_head's standard FLOPs.
 Effective: per_head's (the first stage collapses into the second; see base.py).
+KV cache: the second-stage keys and values, G·(K + V). Score weights: 2·D² + D·(H + G)·K.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from attn.config import HeadConfig
 from attn.variants import per_head
 from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
                                 factored_effective_param_count, normal, project_heads,
-                                standard_flops, standard_param_count)
+                                standard_flops, standard_kv_cache_width, standard_param_count,
+                                standard_score_weights)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -36,7 +38,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False):
+          return_weights: bool = False, head_mask=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   xq_BTD = x_BTD @ params["w_q1"] + bias(params, "b_q1")
   ck_BSD = c_BSD @ params["w_k1"] + bias(params, "b_k1")
@@ -45,7 +47,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   k_BSGK = project_heads(ck_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(cv_BSD, params["w_v"], bias(params, "b_v"))
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype)
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -58,12 +61,17 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   return 2 * T * D * D + 4 * S * D * D + standard_flops(cfg, T, S)
 
 
+def score_weights(cfg: HeadConfig) -> int:
+  return 2 * cfg.d_model ** 2 + standard_score_weights(cfg)
+
+
 VARIANT = Variant(
     name="two_stage",
-    doc="full D×D W^Q, W^K, W^V, then per-head projections (collapses to per_head)",
     init=init,
     apply=apply,
     param_count=param_count,
     effective_param_count=factored_effective_param_count,
     flops=flops,
+    kv_cache_width=standard_kv_cache_width,
+    score_weights=score_weights,
 )
