@@ -1,6 +1,7 @@
 """Experiment runner: config validation, trial ids, tasks, training, NaN handling, store, report."""
 
 import json
+import re
 import os
 
 import numpy as np
@@ -109,6 +110,36 @@ def test_validation_errors_name_file_key_value_and_allowed(tmp_path, edit, words
   assert msg.startswith(path) and "not allowed" in msg
   for w in words:
     assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("steps", 0, "an integer >= 1"),
+    ("steps", 2.0, "an integer >= 1"),
+    ("seed", True, "an integer >= 0"),
+    ("lr", 0.0, "a finite number > 0"),
+    ("lr", float("inf"), "a finite number > 0"),
+    ("b2", 1.0, "a number in [0, 1)"),
+    ("grad_clip", -0.5, "a finite number >= 0 (0 turns clipping off)"),
+    ("eval_every", -1, "an integer >= 0 (0: only at the end)"),
+    ("checkpoint_every", 1.5, "an integer >= 0 (0: at each evaluation"),
+    ("weight_decay", "0.1", "a finite number >= 0"),
+])
+def test_train_config_names_field_value_and_allowed(field, value, allowed):
+  with pytest.raises(ConfigError) as e:
+    config_lib.TrainConfig(**{field: value})
+  assert str(e.value).startswith(f"train.{field}={value!r} is not allowed: {allowed}")
+
+
+def test_train_config_defaults_and_resolved_dict(tmp_path):
+  cfg = config_lib.TrainConfig(lr=1, steps=10)
+  assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # 1 and 1.0 are one config, one trial id
+  assert cfg.checkpoint_interval == 50 and cfg.replace(checkpoint_every=7).checkpoint_interval == 7
+  assert cfg.replace(eval_every=0).checkpoint_interval == 0  # only at the end
+  sw = config_lib.load(write(tmp_path, TINY))
+  assert sw.trials[0].config["train"] == {
+      "steps": 3, "batch_size": 4, "lr": 0.01, "warmup_steps": 1, "end_lr_ratio": 0.1,
+      "weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0, "eval_every": 2,
+      "eval_batches": 1, "seed": 0, "checkpoint_every": 0}
 
 
 def test_induction_refuses_one_layer(tmp_path):
@@ -324,15 +355,20 @@ def test_report_from_store(tiny_sweep):
   assert md.count("non-finite") == 2  # both failed trials listed with their reason
   assert "lr=0.01" in md and "## Failed trials" in md
   pytest.importorskip("matplotlib")
-  assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 1000
+  linked = re.findall(r"\]\((\w+\.png)\)", md)
+  assert "learning_curves.png" in linked
+  for png in linked:  # every plot the report shows exists (an axis left with one value has none)
+    assert os.path.getsize(os.path.join(out, png)) > 1000, png
   header = json.load(open(os.path.join(out, "sweep.json")))
   assert header["sweep_id"] == sw.id and len(header["trials"]) == 4
 
 
-def _group(label, accuracies):
+def _group(label, accuracies, losses=None):
+  losses = losses or [0.0] * len(accuracies)
   return {"group": ", ".join(f"{k}={v}" for k, v in label.items()), "label": label,
           "n": len(accuracies), "accuracies": accuracies,
-          "eval_accuracy": report._mean_std(accuracies), "eval_loss": (0.0, 0.0)}
+          "eval_accuracy": report._mean_std(accuracies), "eval_loss": report._mean_std(losses),
+          "seed_values": {"eval_accuracy": accuracies, "eval_loss": losses}}
 
 
 def test_measured_answer_compares_each_axis_with_the_others_fixed():
@@ -361,10 +397,11 @@ def test_measured_answer_compares_each_axis_with_the_others_fixed():
   assert "Rises or stays level at every step" in line
   dip = [_group({"model.d_k": k}, [a, a]) for k, a in ((2, 0.7), (4, 1.0), (8, 0.8))]
   assert "Not monotone" in report.axis_answers(dip, ["model.d_k"])[0]
-  # Equal means are not a "best vs worst" of one setting against itself.
-  same = [_group({"model.d_k": k}, [1.0, 1.0]) for k in (16, 32)]
+  # Equal accuracies (a saturated task) are told apart by held-out loss, lower is better.
+  same = [_group({"model.d_k": k}, [1.0, 1.0, 1.0], l) for k, l in ((16, [0.5, 0.52, 0.51]), (32, [0.1, 0.12, 0.11]))]
   (line,) = report.axis_answers(same, ["model.d_k"])
-  assert "same mean at every setting" in line and "Best" not in line
+  assert "same accuracy at every setting" in line and "Best" not in line
+  assert "best 32 (0.11) vs worst 16 (0.51): a clear difference" in line
 
 
 def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
@@ -375,3 +412,25 @@ def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
   assert "d_ff=-1" in err and "Traceback" not in err and not (tmp_path / "o").exists()
   assert cli.main(["report", str(tmp_path / "nothing")]) == 2
   assert "no sweep.json" in capsys.readouterr().err
+
+
+QUICK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quick.toml")
+
+
+def test_cli_refuses_zero_heads_under_fixed_width(tmp_path, capsys):
+  from attn import cli
+  out = tmp_path / "o"
+  assert cli.main(["sweep", QUICK, "--set", "model.num_heads=0", "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "model.num_heads=0 is not allowed: an integer >= 1" in err and "fixed_width" in err
+  assert "Traceback" not in err and not out.exists()
+
+
+def test_cli_refuses_an_out_that_is_a_file(tmp_path, capsys):
+  from attn import cli
+  out = tmp_path / "results.txt"
+  out.write_text("mine")
+  assert cli.main(["sweep", QUICK, "--out", str(out), "--no-report"]) == 2
+  err = capsys.readouterr().err
+  assert f"--out={str(out)!r} is not allowed: a directory" in err and "existing file" in err
+  assert "Traceback" not in err and out.read_text() == "mine"

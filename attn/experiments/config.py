@@ -12,6 +12,11 @@ constraints applied to every trial, in order:
                   d_ff = f; P is affine in d_ff, so every trial lands within half a
                   feed-forward unit of sweep.param_budget ("base": the base config's count).
 
+[train] is a TrainConfig (frozen, validated: each error names train.<field>).
+A trial's id is the hash of its resolved config (the dict stored in its
+config.json) without train.checkpoint_every, which changes how often a trial
+saves but not what it computes.
+
 Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
 """
 
@@ -22,27 +27,76 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import tomllib
 from typing import Any
 
 from attn.config import ConfigError, invalid
 from attn.experiments import tasks
 
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "steps": 200, "batch_size": 32, "lr": 3e-3, "warmup_steps": 20, "end_lr_ratio": 0.1,
-    "weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0, "eval_every": 50,
-    "eval_batches": 4, "seed": 0,
-}
-# [train] key -> (lowest allowed, whether the lowest itself is allowed, what to say).
-TRAIN_RANGES = {
+# (lowest allowed, whether the lowest itself is allowed, what to say) per [train] field.
+_TRAIN_RANGES = {
     "steps": (1, True, "an integer >= 1"), "batch_size": (1, True, "an integer >= 1"),
-    "lr": (0.0, False, "a number > 0"), "warmup_steps": (0, True, "an integer >= 0"),
-    "end_lr_ratio": (0.0, True, "a number >= 0"), "weight_decay": (0.0, True, "a number >= 0"),
+    "lr": (0.0, False, "a finite number > 0"), "warmup_steps": (0, True, "an integer >= 0"),
+    "end_lr_ratio": (0.0, True, "a finite number >= 0"),
+    "weight_decay": (0.0, True, "a finite number >= 0"),
     "b1": (0.0, True, "a number in [0, 1)"), "b2": (0.0, True, "a number in [0, 1)"),
-    "grad_clip": (0.0, True, "a number >= 0 (0 turns clipping off)"),
+    "grad_clip": (0.0, True, "a finite number >= 0 (0 turns clipping off)"),
     "eval_every": (0, True, "an integer >= 0 (0: only at the end)"),
     "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
+    "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """[train]: optimiser, schedule, evaluation and checkpoint cadence of one trial.
+
+  checkpoint_every: save model, optimiser state and step every this many steps
+  and at the last step; 0 (the default) saves at each evaluation, every
+  eval_every steps (with eval_every = 0 too, only at the end).
+  """
+
+  steps: int = 200
+  batch_size: int = 32
+  lr: float = 3e-3
+  warmup_steps: int = 20
+  end_lr_ratio: float = 0.1
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.98
+  grad_clip: float = 1.0
+  eval_every: int = 50
+  eval_batches: int = 4
+  seed: int = 0
+  checkpoint_every: int = 0
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value, (low, inclusive, allowed) = getattr(self, f.name), _TRAIN_RANGES[f.name]
+      number = isinstance(value, (int, float)) and not isinstance(value, bool)
+      if f.type == "int" and not (number and isinstance(value, int)):
+        raise invalid(f"train.{f.name}", value, allowed)
+      if f.type == "float":
+        if not number:
+          raise invalid(f"train.{f.name}", value, allowed)
+        value = float(value)  # 1 and 1.0 are one config, with one trial id
+        object.__setattr__(self, f.name, value)
+      ok = value >= low if inclusive else value > low
+      if f.name in ("b1", "b2"):
+        ok = ok and value < 1
+      if not (ok and math.isfinite(value)):
+        raise invalid(f"train.{f.name}", value, allowed)
+
+  @property
+  def checkpoint_interval(self) -> int:
+    """Steps between checkpoints; 0: only the last step's."""
+    return self.checkpoint_every or self.eval_every
+
+  def replace(self, **changes) -> TrainConfig:
+    return dataclasses.replace(self, **changes)
+
+
 META_KEYS = {"name": str, "question": str}
 SWEEP_KEYS = {"grid": dict, "zip": dict, "seeds": list, "derive": list,
               "param_budget": (int, str), "vmap_seeds": bool}
@@ -75,6 +129,19 @@ class Sweep:
   id: str
 
 
+# Resolved keys that change how a trial runs but not its rows or parameters: left out of its
+# id, so that e.g. --set train.checkpoint_every=10 resumes the same trials.
+UNHASHED = (("train", "checkpoint_every"),)
+
+
+def trial_id(resolved: dict[str, Any]) -> str:
+  """The stable id of a resolved trial config: the hash of every key that can change its results."""
+  cfg = copy.deepcopy(resolved)
+  for section, key in UNHASHED:
+    cfg[section].pop(key, None)
+  return stable_hash(cfg)
+
+
 def stable_hash(obj: Any, n: int = 12) -> str:
   """Hex digest of canonical JSON: equal resolved configs give equal ids, any change another."""
   text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
@@ -99,7 +166,7 @@ def _model_fields() -> dict[str, Any]:
 
 def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
   if section == "train":
-    return TRAIN_DEFAULTS
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
   if section == "model":
     return _model_fields()
   name = raw_task.get("name")
@@ -127,12 +194,7 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
 
 
 def _check_train(key: str, value: Any) -> None:
-  low, inclusive, allowed = TRAIN_RANGES[key]
-  ok = value >= low if inclusive else value > low
-  if key in ("b1", "b2"):
-    ok = ok and value < 1
-  if not ok:
-    raise invalid(f"train.{key}", value, allowed)
+  TrainConfig(**{key: value})  # raises naming train.<key>, the value and what is allowed
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -273,6 +335,9 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   model = dict(cfg["model"])
   if "fixed_width" in derive:
     D, H = model["d_model"], model["num_heads"]
+    if H < 1:
+      raise invalid("model.num_heads", H,
+                    "an integer >= 1 (sweep.derive 'fixed_width' sets d_k = d_v = d_model/h)")
     if D % H:
       raise invalid("model.num_heads", H,
                     f"a divisor of d_model={D} (sweep.derive 'fixed_width' sets d_k = d_v = d_model/h)")
@@ -286,7 +351,7 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
     model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
   return {"task": task_cfg, "model": dataclasses.asdict(model_cfg),
-          "train": {**TRAIN_DEFAULTS, **cfg["train"]}}
+          "train": dataclasses.asdict(TrainConfig(**cfg["train"]))}
 
 
 def load(path: str, overrides: list[str] | None = None) -> Sweep:
@@ -302,6 +367,14 @@ def load(path: str, overrides: list[str] | None = None) -> Sweep:
     return _expand(path, apply_overrides(raw, overrides or []))
   except ConfigError as e:
     raise ConfigError(f"{path}: {e}") from None
+
+
+def loads(text: str, name: str, overrides: list[str] | None = None) -> Sweep:
+  """Like `load`, from TOML text; `name` stands for the file in messages."""
+  try:
+    return _expand(name, apply_overrides(tomllib.loads(text), overrides or []))
+  except ConfigError as e:
+    raise ConfigError(f"{name}: {e}") from None
 
 
 def _expand(path: str, raw: dict[str, Any]) -> Sweep:
@@ -330,11 +403,11 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
       resolved = resolve(cfg, derive, budget)
     except ConfigError as e:
       raise ConfigError(f"trial [{label}]: {e}") from None
-    trial_id = stable_hash(resolved)
-    if trial_id in seen:
-      raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[trial_id]}])")
-    seen[trial_id] = label
-    trials.append(Trial(trial_id, combo, resolved))
+    tid = trial_id(resolved)
+    if tid in seen:
+      raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[tid]}])")
+    seen[tid] = label
+    trials.append(Trial(tid, combo, resolved))
   meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
   axes = [k for k, _ in grid] + [k for k, _ in tied]
   return Sweep(path, meta, axes, trials, bool(sweep.get("vmap_seeds", False)),
@@ -345,4 +418,4 @@ def shape_key(trial: Trial) -> str:
   """Trials with equal shape keys differ only in seed and can train together under vmap."""
   cfg = copy.deepcopy(trial.config)
   del cfg["train"]["seed"]
-  return stable_hash(cfg)
+  return trial_id(cfg)

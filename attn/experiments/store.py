@@ -1,16 +1,18 @@
-"""The results store: one directory per sweep, crash-safe, resumable, JSON only.
+"""The results store: one directory per sweep, crash-safe, resumable, JSON only (plus Orbax checkpoints).
 
   DIR/sweep.json                     sweep id, name, question, config text, trial list
   DIR/trials/ID/config.json          the resolved trial config and its axis values
   DIR/trials/ID/metrics.jsonl        one JSON row per training step (complete trials)
-  DIR/trials/ID/metrics.jsonl.partial  rows of the trial now running (deleted on restart)
+  DIR/trials/ID/metrics.jsonl.partial  rows of the trial now running
+  DIR/trials/ID/checkpoints/N/       Orbax checkpoints after N steps (attn.experiments.checkpoints)
   DIR/trials/ID/summary.json         status ok|failed, reason, final metrics, counts, timings
 
 Every JSON file is written to a temporary file, fsynced and renamed over the
 target (os.replace is atomic), so a reader or a kill -9 sees the old file or
 the new one, never half of one. summary.json is written last: a trial is
-finished exactly when it exists. A trial without it is re-run from step 0 and
-its partial rows are discarded, so nothing is lost or counted twice.
+finished exactly when it exists. A trial without it resumes from its newest
+readable checkpoint N (or step 0): its partial rows of steps < N are kept and
+later ones dropped, so nothing is lost or counted twice.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Iterator
 from attn.config import invalid
 
 SWEEP, CONFIG, METRICS, SUMMARY = "sweep.json", "config.json", "metrics.jsonl", "summary.json"
-PARTIAL = METRICS + ".partial"
+PARTIAL, CHECKPOINTS = METRICS + ".partial", "checkpoints"
 
 
 def _fsync_dir(path: str) -> None:
@@ -80,9 +82,15 @@ class Store:
   def trial_dir(self, trial_id: str) -> str:
     return os.path.join(self.root, "trials", trial_id)
 
+  def checkpoint_dir(self, trial_id: str) -> str:
+    return os.path.join(self.trial_dir(trial_id), CHECKPOINTS)
+
   def claim(self, header: dict[str, Any]) -> bool:
     """Creates the store, or checks that it holds this same sweep; True when it already did."""
     path = os.path.join(self.root, SWEEP)
+    if os.path.exists(self.root) and not os.path.isdir(self.root):
+      raise invalid("--out", self.root, "a directory (new, empty, or holding this same sweep); "
+                    "it is an existing file: choose another --out (nothing was overwritten)")
     if os.path.exists(path):
       held = read_json(path)
       if held.get("sweep_id") != header["sweep_id"]:
@@ -97,7 +105,10 @@ class Store:
         raise invalid("--out", self.root,
                       f"an empty directory or a sweep directory; it holds {sorted(leftovers)[:5]} "
                       f"and no {SWEEP}: choose another --out (nothing was overwritten)")
-    os.makedirs(os.path.join(self.root, "trials"), exist_ok=True)
+    try:
+      os.makedirs(os.path.join(self.root, "trials"), exist_ok=True)
+    except OSError as e:
+      raise invalid("--out", self.root, f"a directory that can be created ({e.strerror}: {e.filename})") from None
     write_json(path, header)
     return False
 
@@ -110,9 +121,18 @@ class Store:
   def is_done(self, trial_id: str) -> bool:
     return os.path.exists(os.path.join(self.trial_dir(trial_id), SUMMARY))
 
-  def start(self, trial_id: str) -> None:
-    """Opens a fresh partial metrics file, discarding rows of an interrupted attempt."""
-    self._files[trial_id] = open(os.path.join(self.trial_dir(trial_id), PARTIAL), "w", encoding="utf-8")
+  def start(self, trial_id: str, resume_from: int = 0) -> None:
+    """Opens the partial metrics, keeping rows of steps < resume_from (a checkpoint's) and dropping the rest."""
+    path = os.path.join(self.trial_dir(trial_id), PARTIAL)
+    # A kill inside `finish` can leave the rows moved to metrics.jsonl and no summary yet.
+    source = next((p for p in (path, os.path.join(self.trial_dir(trial_id), METRICS)) if os.path.exists(p)), None)
+    kept = [r for r in read_rows(source) if r["step"] < resume_from] if resume_from and source else []
+    if [r["step"] for r in kept] != list(range(resume_from)):
+      raise ValueError(f"{path} holds {len(kept)} rows before the checkpoint of step {resume_from}, "
+                       f"not rows 0..{resume_from - 1}: remove {self.trial_dir(trial_id)} and re-run "
+                       "the sweep to train this trial from step 0")
+    atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    self._files[trial_id] = open(path, "a", encoding="utf-8")
 
   def append(self, trial_id: str, row: dict[str, Any]) -> None:
     f = self._files[trial_id]
@@ -120,13 +140,15 @@ class Store:
     f.flush()
 
   def finish(self, trial_id: str, summary: dict[str, Any]) -> None:
-    """Moves the partial rows into place, then writes summary.json (the done marker)."""
+    """Moves the partial rows (if any) into place, then writes summary.json (the done marker)."""
     d = self.trial_dir(trial_id)
-    f = self._files.pop(trial_id)
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(os.path.join(d, PARTIAL), os.path.join(d, METRICS))
+    f = self._files.pop(trial_id, None)
+    if f is not None:
+      f.flush()
+      os.fsync(f.fileno())
+      f.close()
+    if os.path.exists(os.path.join(d, PARTIAL)):
+      os.replace(os.path.join(d, PARTIAL), os.path.join(d, METRICS))
     write_json(os.path.join(d, SUMMARY), summary)
 
   def close(self) -> None:

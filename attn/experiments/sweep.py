@@ -1,10 +1,12 @@
 """Sweeps: a validated config -> trials -> training -> the store, with resume and progress.
 
-Trials that are already finished in the store are skipped. Unfinished trials
-that share a shape (equal configs but for train.seed) train together under
-jax.vmap over seeds when sweep.vmap_seeds is true (default false: slower on
-CPU, measured in the README). A trial whose
-training raises is recorded as failed with the error, and the sweep goes on.
+Trials that are already finished in the store are skipped; an unfinished one
+resumes from its newest readable checkpoint (a warning on the stream names any
+checkpoint that could not be read). Unfinished trials that share a shape (equal
+configs but for train.seed) train together under jax.vmap over seeds when
+sweep.vmap_seeds is true (default false: slower on CPU, measured in the README);
+each seed still saves its own checkpoints. A trial whose training raises is
+recorded as failed with the error, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -96,8 +98,13 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   for group in _groups(pending, sweep.vmap_seeds):
     ids = [t.id for t in group]
     label, steps = _label(group), group[0].config["train"]["steps"]
-    for i in ids:
-      store.start(i)
+
+    def on_start(j: int, step: int, group=group) -> None:
+      store.start(group[j].id, resume_from=step)
+      if step:
+        progress.total -= step
+        stream.write(f"trial {index[group[j].id]}/{len(sweep.trials)} [{_label([group[j]])}] "
+                     f"resumes at step {step} from {store.checkpoint_dir(group[j].id)}\n")
 
     def on_step(step: int, loss: float, group=group, label=label, steps=steps) -> None:
       progress.update(index[group[0].id], len(group), label, step, steps, loss)
@@ -105,7 +112,9 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
     try:
       summaries = train.train_group([t.config for t in group],
                                     on_row=lambda j, row, ids=ids: store.append(ids[j], row),
-                                    on_step=on_step, vmap=sweep.vmap_seeds)
+                                    on_step=on_step, vmap=sweep.vmap_seeds,
+                                    checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
+                                    on_start=on_start, log=lambda line: stream.write(line + "\n"))
     except (ConfigError, ValueError, TypeError, RuntimeError, FloatingPointError) as e:
       stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
       tb = traceback.format_exception_only(type(e), e)[-1].strip()

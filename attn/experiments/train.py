@@ -6,6 +6,13 @@ seed axis; each seed keeps its own data, init and optimiser state. Every step
 yields, per seed, loss, accuracy, gradient/parameter/update norms and step
 time. A non-finite loss or gradient stops that seed, which is recorded as
 failed with the reason; the other seeds go on.
+
+Given checkpoint directories, a trial saves its state every
+train.checkpoint_interval steps and at the end (attn.experiments.checkpoints)
+and starts from its newest readable checkpoint. A resumed trial computes the
+same rows and parameters, bit for bit on CPU, as one never stopped: data
+batches depend only on (seed, step), the learning rate is looked up by step,
+and the optimiser state (Adam moments and count) is restored with the model.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 import warnings
 from typing import Any, Callable
@@ -23,8 +31,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from attn import count
 from attn.config import ConfigError, invalid
+from attn.experiments import checkpoints
 from attn.experiments import tasks as tasks_lib
+from attn.experiments.config import TrainConfig
 from attn.nn import models
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
@@ -82,15 +93,8 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
 def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
   """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers."""
   head, L = cfg.head, cfg.num_layers
-  try:
-    from attn import count  # the counting module, when present
-    pc = count.param_counts(cfg.variant, head)
-    fl = count.flops(cfg.variant, head, seq_len)
-  except (ImportError, AttributeError):
-    from attn.api import get_variant
-    v = get_variant(cfg.variant)
-    pc = {"analytic": v.param_count(head), "effective": v.effective_param_count(head)}
-    fl = v.flops(head, seq_len, seq_len)
+  pc = count.param_counts(cfg.variant, head)
+  fl = count.flops(cfg.variant, head, seq_len)
   return {"attention_params_analytic": int(pc["analytic"]) * L,
           "attention_params_effective": int(pc["effective"]) * L,
           "attention_flops_fwd": int(fl) * L}
@@ -110,24 +114,24 @@ def _loss(model, batch: dict[str, jax.Array], kind: str):
   return (nll * w).sum() / denom, (hit * w).sum() / denom
 
 
-def schedule(train: dict[str, Any]) -> optax.Schedule:
+def schedule(train: TrainConfig) -> optax.Schedule:
   """Linear warmup from 0 to lr, then cosine decay to lr * end_lr_ratio at the last step."""
-  steps, warmup = train["steps"], max(min(train["warmup_steps"], train["steps"] - 1), 0)
+  steps, warmup = train.steps, max(min(train.warmup_steps, train.steps - 1), 0)
   return optax.warmup_cosine_decay_schedule(
-      0.0, train["lr"], warmup, max(steps, warmup + 1), end_value=train["lr"] * train["end_lr_ratio"])
+      0.0, train.lr, warmup, max(steps, warmup + 1), end_value=train.lr * train.end_lr_ratio)
 
 
-def optimizer(train: dict[str, Any]) -> optax.GradientTransformation:
+def optimizer(train: TrainConfig) -> optax.GradientTransformation:
   """AdamW (decay on matrices only) after global-norm clipping, before the learning rate.
 
   The step multiplies by -lr itself, with lr a traced argument taken from
   `schedule`, so the compiled program depends on shapes only and the
   persistent compilation cache serves runs that differ in steps or lr.
   """
-  clip = optax.clip_by_global_norm(train["grad_clip"]) if train["grad_clip"] > 0 else optax.identity()
+  clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
   decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
-  return optax.chain(clip, optax.scale_by_adam(train["b1"], train["b2"]),
-                     optax.add_decayed_weights(train["weight_decay"], decay_mask))
+  return optax.chain(clip, optax.scale_by_adam(train.b1, train.b2),
+                     optax.add_decayed_weights(train.weight_decay, decay_mask))
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -165,44 +169,60 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str):
 def train_group(configs: list[dict[str, Any]],
                 on_row: Callable[[int, dict[str, Any]], None],
                 on_step: Callable[[int, float], None] | None = None,
-                vmap: bool = True) -> list[dict[str, Any]]:
-  """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries."""
+                vmap: bool = True,
+                checkpoint_dirs: list[str] | None = None,
+                on_start: Callable[[int, int], None] | None = None,
+                log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+  """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries.
+
+  checkpoint_dirs: one directory per trial to save checkpoints in and resume
+  from (None: neither). on_start(i, step) is called once per trial, before its
+  first row, with the step it starts at (0, or its checkpoint's). log receives
+  warning lines (an unreadable checkpoint); default stderr.
+  """
   cfg0 = configs[0]
   task = tasks_lib.make_task(cfg0["task"])
   model_cfg = models.ModelConfig(**cfg0["model"])
-  train, kind, seeds = cfg0["train"], task.kind, [c["train"]["seed"] for c in configs]
+  train, kind = TrainConfig(**cfg0["train"]), task.kind
+  seeds = [TrainConfig(**c["train"]).seed for c in configs]
   tx = optimizer(train)
-  graphdef, params, rest = None, [], []
+  graphdef, states = None, []
   for s in seeds:
     graphdef, p, r = nnx.split(model_class(kind)(model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
-    params.append(p)
-    rest.append(r)
+    states.append({"params": p, "opt_state": tx.init(p), "rest": r})
   step, evaluate = _step_fns(graphdef, tx, kind)
   counts = {"model_params": _count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
   batched = vmap and len(seeds) > 1
-  if batched:
-    stacked = _stack(params)
-    state = (stacked, jax.vmap(tx.init)(stacked), _stack(rest))
-    runs = [(list(range(len(seeds))), state, jax.vmap(step), jax.vmap(evaluate))]
-  else:
-    runs = [([i], (params[i], tx.init(params[i]), rest[i]), step, evaluate) for i in range(len(seeds))]
-  for group, state, step_fn, eval_fn in runs:
-    out = _run(task, train, [seeds[i] for i in group], state, step_fn, eval_fn,
-               lambda j, row, group=group: on_row(group[j], row), on_step, batched)
+  groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]
+  fns = (jax.vmap(step), jax.vmap(evaluate)) if batched else (step, evaluate)
+  log = log or (lambda line: print(line, file=sys.stderr))
+  for group in groups:
+    dirs = [checkpoint_dirs[i] for i in group] if checkpoint_dirs else None
+    start, restored = 0, None
+    if dirs:
+      start, restored = checkpoints.resume(dirs, [states[i] for i in group], train.steps, log)
+    group_states = restored or [states[i] for i in group]
+    for i in group:
+      if on_start:
+        on_start(i, start)
+    state = _stack(group_states) if batched else group_states[0]
+    out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
+               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs)
     for i, summary in zip(group, out):
       summaries[i] = {**summary, **counts}
   return summaries
 
 
-def _run(task, train: dict[str, Any], seeds: list[int], state, step_fn, eval_fn,
-         on_row, on_step, batched: bool) -> list[dict[str, Any]]:
-  """Compiles and runs one (possibly vmapped) program over `seeds`; returns their summaries."""
-  n, B = len(seeds), train["batch_size"]
+def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
+         on_row, on_step, batched: bool, start: int = 0,
+         checkpoint_dirs: list[str] | None = None) -> list[dict[str, Any]]:
+  """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries."""
+  n, B = len(seeds), train.batch_size
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
   at = (lambda v, j: v[j]) if batched else (lambda v, j: v)
-  lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train["steps"])))
-  eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train["eval_batches"])])
+  lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train.steps)))
+  eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train.eval_batches)])
   if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
     eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data)
   t0 = time.perf_counter()
@@ -214,35 +234,50 @@ def _run(task, train: dict[str, Any], seeds: list[int], state, step_fn, eval_fn,
     jit_eval = jax.jit(eval_fn).lower(state[0], state[2], eval_data).compile()
   compile_s = time.perf_counter() - t0
   summaries: list[dict[str, Any] | None] = [None] * n
-  times = []
-  for t in range(train["steps"]):
-    batch = pick(_batches(task, seeds, tasks_lib.TRAIN, t, B))
+  times, checkpoint_s, every = [], 0.0, train.checkpoint_interval
+  savers = [checkpoints.Saver(d) for d in checkpoint_dirs or []]
+  try:
+    for t in range(start, train.steps):
+      batch = pick(_batches(task, seeds, tasks_lib.TRAIN, t, B))
+      t0 = time.perf_counter()
+      params, opt_state, m = jit_step(*state, batch, np.full(lr0.shape, lrs[t], np.float32))
+      m = jax.device_get(m)
+      times.append(time.perf_counter() - t0)
+      state = (params, opt_state, state[2])
+      last = t == train.steps - 1
+      ev = jax.device_get(jit_eval(state[0], state[2], eval_data)) \
+          if last or (train.eval_every > 0 and (t + 1) % train.eval_every == 0) else None
+      for j in range(n):
+        if summaries[j] is not None and summaries[j]["status"] == "failed":
+          continue
+        row = {"step": t, **{k: float(at(v, j)) for k, v in m.items()}, "lr": float(lrs[t]),
+               "step_time_s": times[-1], **{k: float(at(v, j)) for k, v in (ev or {}).items()}}
+        bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
+        if bad:  # this seed stops here; the others go on
+          summaries[j] = {"status": "failed", "steps_done": t,
+                          "reason": f"non-finite {bad[0]}={row[bad[0]]} at step {t}"}
+          continue
+        on_row(j, row)
+        if last:
+          summaries[j] = {"status": "ok", "steps_done": t + 1,
+                          "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
+      if savers and (last or (every > 0 and (t + 1) % every == 0)):
+        t0 = time.perf_counter()
+        tree = {"params": state[0], "opt_state": state[1], "rest": state[2]}
+        for j, saver in enumerate(savers):
+          if summaries[j] is None or summaries[j]["status"] == "ok":  # a failed seed keeps its last good one
+            saver.save(t + 1, jax.tree.map(lambda v, j=j: at(v, j), tree))
+        checkpoint_s += time.perf_counter() - t0
+      if on_step:
+        on_step(t, float(np.mean(m["loss"])))
+      if all(s is not None and s["status"] == "failed" for s in summaries):
+        break
+  finally:  # also on an error: no save is left running (the final one completes before the summary)
     t0 = time.perf_counter()
-    params, opt_state, m = jit_step(*state, batch, np.full(lr0.shape, lrs[t], np.float32))
-    m = jax.device_get(m)
-    times.append(time.perf_counter() - t0)
-    state = (params, opt_state, state[2])
-    last = t == train["steps"] - 1
-    ev = jax.device_get(jit_eval(state[0], state[2], eval_data)) \
-        if last or (train["eval_every"] > 0 and (t + 1) % train["eval_every"] == 0) else None
-    for j in range(n):
-      if summaries[j] is not None and summaries[j]["status"] == "failed":
-        continue
-      row = {"step": t, **{k: float(at(v, j)) for k, v in m.items()}, "lr": float(lrs[t]),
-             "step_time_s": times[-1], **{k: float(at(v, j)) for k, v in (ev or {}).items()}}
-      bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
-      if bad:  # this seed stops here; the others go on
-        summaries[j] = {"status": "failed", "steps_done": t,
-                        "reason": f"non-finite {bad[0]}={row[bad[0]]} at step {t}"}
-        continue
-      on_row(j, row)
-      if last:
-        summaries[j] = {"status": "ok", "steps_done": t + 1,
-                        "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
-    if on_step:
-      on_step(t, float(np.mean(m["loss"])))
-    if all(s is not None and s["status"] == "failed" for s in summaries):
-      break
+    for saver in savers:
+      saver.close()
+    checkpoint_s += time.perf_counter() - t0
   timing = {"compile_s": compile_s, "group_size": n, "train_s": float(np.sum(times)),
-            "step_time_s_median": float(np.median(times[1:] or times))}
+            "step_time_s_median": float(np.median(times[1:] or times)),
+            "checkpoint_s": checkpoint_s, "resumed_from": start}
   return [{**s, **timing} for s in summaries]

@@ -1,0 +1,225 @@
+"""Checkpoints: a trial's model state, optimiser state and step, saved with Orbax; load_trial.
+
+  DIR/trials/ID/checkpoints/N/   the training state after N steps (the trial's rows 0..N-1)
+
+A trial saves every train.checkpoint_interval steps (default: at each
+evaluation) and at its last step. A save packs the state into one host array
+per dtype and Orbax writes it in a background thread while training goes on;
+the next save, and the end of the trial, wait for it, so the final checkpoint
+is complete before the trial's summary is written. Orbax writes
+N.orbax-checkpoint-tmp and renames it to N once complete
+(AtomicRenameTemporaryPath, its default on a local filesystem), so a directory
+named N is whole; the leftover of a killed save is deleted when the trial
+resumes. Once a save has completed all but the newest two are deleted: at the
+end, the final checkpoint and the one before it, the fallback when the newest
+cannot be read.
+
+A checkpoint is the Orbax tree {"arrays": {dtype: 1-D array}, "step": N} and,
+in its custom metadata, "leaves": [path, shape, dtype] of every leaf of
+{"params", "opt_state", "rest"} in tree order: the packing cuts a save from
+~120 arrays to three (Orbax costs about a millisecond per array), and the index
+lets any reader cut the arrays back into leaves. load_trial does that for you.
+
+Trials trained together under vmap (sweep.vmap_seeds) save one checkpoint per
+seed, sliced from the stacked state, and resume from the newest step that every
+seed of the group holds readably.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shlex
+import shutil
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn.config import invalid
+from attn.experiments import store as store_lib
+
+KEEP = 2
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints in `directory`, ascending."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+@functools.lru_cache(maxsize=1)
+def _checkpointer():
+  import orbax.checkpoint as ocp  # lazy: a second or two to import, needed only once a trial saves
+  return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
+def _prune(directory: str) -> None:
+  for old in steps(directory)[:-KEEP]:
+    shutil.rmtree(os.path.join(directory, str(old)), ignore_errors=True)
+
+
+def _pack(state: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[list[Any]]]:
+  """One 1-D host array per dtype (a copy), and each leaf's [path, shape, dtype] in tree order."""
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  index = [[jax.tree_util.keystr(path), list(np.shape(x)), str(np.asarray(x).dtype)] for path, x in leaves]
+  arrays = {}
+  for dtype in sorted({d for _, _, d in index}):
+    parts = [np.ravel(np.asarray(x)) for (_, x), (_, _, d) in zip(leaves, index) if d == dtype]
+    arrays[dtype] = np.concatenate(parts)  # a copy: the next train step may donate the device buffers
+  return arrays, index
+
+
+def _unpack(arrays: dict[str, np.ndarray], like: dict[str, Any]) -> dict[str, Any]:
+  """The tree `like` with its leaves cut, in order, from the arrays of `_pack`."""
+  leaves, treedef = jax.tree.flatten(like)
+  offsets, out = dict.fromkeys(arrays, 0), []
+  for x in leaves:
+    dtype, size = str(np.dtype(x.dtype)), math.prod(x.shape)
+    out.append(jnp.asarray(arrays[dtype][offsets[dtype]:offsets[dtype] + size].reshape(x.shape)))
+    offsets[dtype] += size
+  return jax.tree.unflatten(treedef, out)
+
+
+class Saver:
+  """Writes one trial's checkpoints in the background, one at a time, keeping the newest two."""
+
+  def __init__(self, directory: str):
+    import orbax.checkpoint as ocp
+    self.directory = directory
+    self._orbax = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    self._pending = False
+
+  def save(self, step: int, state: dict[str, Any]) -> None:
+    """Starts writing state (params, opt_state, rest) as checkpoint `step`, after the previous one is done."""
+    import orbax.checkpoint as ocp
+    self.wait()
+    os.makedirs(self.directory, exist_ok=True)
+    arrays, index = _pack(state)
+    path = os.path.abspath(os.path.join(self.directory, str(step)))
+    self._orbax.save(path, args=ocp.args.StandardSave({"arrays": arrays, "step": np.asarray(step, np.int32)}),
+                     custom_metadata={"leaves": index})
+    self._pending = True
+
+  def wait(self) -> None:
+    """Blocks until the pending save is renamed into place, then deletes all but the newest two."""
+    if self._pending:
+      self._pending = False
+      self._orbax.wait_until_finished()
+      _prune(self.directory)
+
+  def close(self) -> None:
+    self.wait()
+    self._orbax.close()
+
+
+def restore(directory: str, step: int, like: dict[str, Any]) -> dict[str, Any]:
+  """Checkpoint `step` of `directory` as a tree like `like` (same paths, shapes and dtypes)."""
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(os.path.join(directory, str(step)))
+  index = (_checkpointer().metadata(path).custom_metadata or {}).get("leaves")
+  expected = [[jax.tree_util.keystr(p), list(x.shape), str(np.dtype(x.dtype))]
+              for p, x in jax.tree_util.tree_flatten_with_path(like)[0]]
+  if index != expected:
+    raise ValueError("its index of leaves is missing or differs from this model's (paths, shapes, dtypes)")
+  sizes: dict[str, int] = {}
+  for _, shape, dtype in expected:
+    sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
+  abstract = {"arrays": {d: jax.ShapeDtypeStruct((n,), np.dtype(d)) for d, n in sizes.items()},
+              "step": np.asarray(step, np.int32)}
+  out = _checkpointer().restore(path, args=ocp.args.StandardRestore(abstract))
+  if int(out["step"]) != step:
+    raise ValueError(f"it holds step {int(out['step'])}, not {step}")
+  return _unpack({d: np.asarray(a) for d, a in out["arrays"].items()}, like)
+
+
+def _first_line(e: Exception) -> str:
+  text = (str(e).strip().splitlines() or [""])[0]
+  return f"{type(e).__name__}: {text[:200]}"
+
+
+def resume(directories: list[str], like: list[dict[str, Any]], below: int,
+           log: Callable[[str], None]) -> tuple[int, list[dict[str, Any]] | None]:
+  """(N, states): the newest step N < below that every directory holds readably; (0, None) if none.
+
+  An unreadable checkpoint is reported through `log` by path and an earlier
+  one tried. Checkpoints newer than N (and unfinished saves) are deleted: the
+  steps after N are about to be recomputed and saved again.
+  """
+  for d in directories:
+    for name in os.listdir(d) if os.path.isdir(d) else []:
+      if TMP_SUFFIX in name:
+        shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+  common = set.intersection(*[set(steps(d)) for d in directories])
+  found, states = 0, None
+  for step in sorted((s for s in common if s < below), reverse=True):
+    try_states = []
+    for d, target in zip(directories, like):
+      try:
+        try_states.append(restore(d, step, target))
+      except Exception as e:  # any failure to read makes this checkpoint unusable
+        log(f"warning: checkpoint {os.path.join(d, str(step))} could not be read ({_first_line(e)}); "
+            "deleting it and resuming from an earlier one")
+        break
+    if len(try_states) == len(directories):
+      found, states = step, try_states
+      break
+  for d in directories:
+    for newer in steps(d):
+      if newer > found:
+        shutil.rmtree(os.path.join(d, str(newer)), ignore_errors=True)
+  return found, states
+
+
+def _rerun_command(run_dir: str, header: dict[str, Any]) -> str:
+  sets = "".join(f" --set {shlex.quote(o)}" for o in header.get("overrides", []))
+  return f"attn sweep {shlex.quote(header.get('config_path', 'CONFIG'))} --out {shlex.quote(run_dir)}{sets}"
+
+
+def load_trial(run_dir: str, trial_id: str, step: int | None = None):
+  """(model, model_config, task) of a trial, restored from its final checkpoint or from `step`.
+
+  step=None takes the newest checkpoint: the final one of a finished trial. The
+  held-out batches that the summary's eval_loss averages are
+  task.batch(seed, tasks.EVAL, j, batch_size) for j < eval_batches, with the
+  train table of DIR/trials/ID/config.json.
+  """
+  from flax import nnx
+  from attn.experiments import config as config_lib
+  from attn.experiments import tasks, train
+  from attn.nn import models
+  header = store_lib.load_sweep(run_dir)
+  known = [t["id"] for t in header["trials"]]
+  if trial_id not in known:
+    raise invalid("trial_id", trial_id, f"one of the {len(known)} trials of {run_dir}: {', '.join(known)}")
+  trial_dir = os.path.join(run_dir, "trials", trial_id)
+  directory = os.path.join(trial_dir, store_lib.CHECKPOINTS)
+  have = steps(directory)
+  if not have:
+    if os.path.exists(os.path.join(trial_dir, store_lib.SUMMARY)):
+      how = (f"it finished without one (trained before attn saved checkpoints, or failed before its "
+             f"first); to train it again, remove {trial_dir} and run {_rerun_command(run_dir, header)}")
+    else:
+      how = f"it has not reached its first one; run {_rerun_command(run_dir, header)} to train it"
+    raise invalid("trial_id", trial_id, f"a trial with a checkpoint: {directory} holds none, {how}")
+  if step is None:
+    step = have[-1]
+  elif step not in have:
+    raise invalid("step", step, f"one of the checkpointed steps of trial {trial_id}: {have}")
+  cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
+  task = tasks.make_task(cfg["task"])
+  model_cfg = models.ModelConfig(**cfg["model"])
+  abstract = nnx.eval_shape(lambda: train.model_class(task.kind)(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  tx = train.optimizer(config_lib.TrainConfig(**cfg["train"]))
+  like = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "rest": rest}
+  try:
+    state = restore(directory, step, like)
+  except Exception as e:
+    raise invalid("step", step, f"a readable checkpoint: {os.path.join(directory, str(step))} could not be "
+                  f"read ({_first_line(e)}); the others: {[s for s in have if s != step]}") from None
+  return nnx.merge(graphdef, state["params"], state["rest"]), model_cfg, task
