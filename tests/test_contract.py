@@ -111,16 +111,12 @@ def test_bf16_inputs(variant, cname):
 
 
 @pytest.mark.parametrize("variant, cname", CASES)
-def test_init_is_deterministic_and_counts_match_the_tree(variant, cname):
+def test_init_is_deterministic(variant, cname):
+  # Counts against the tree (analytic = stored >= effective) are test_count.py's.
   cfg = CONFIGS[cname]
-  v = attn.get_variant(variant)
   p1 = attn.init(variant, jax.random.PRNGKey(1), cfg)
   p2 = attn.init(variant, jax.random.PRNGKey(1), cfg)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), p1, p2))
-  stored = sum(a.size for a in jax.tree.leaves(p1))
-  assert v.param_count(cfg) == stored
-  assert 0 < v.effective_param_count(cfg) <= stored
-  assert v.flops(cfg, T, S) > 0
   assert ("b_o" in p1) == cfg.use_bias
 
 
