@@ -88,7 +88,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
       xs += (i / max(len(lines) - 1, 1) - 0.5) * spread
       means = [r[metric][0] for r in rs]
       if numeric:  # a trend: join the means
-        line, = ax.plot(xs, means, "-", lw=1.5, label=name)
+        line, = ax.plot(xs, means, "-", lw=1.5, marker="_", ms=14, mew=2, label=name)
       else:  # categories: a bar per mean, nothing joins them
         line, = ax.plot(xs, means, "_", ms=18, mew=2, label=name)
       for x, r in zip(xs, rs):
