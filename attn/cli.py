@@ -14,6 +14,7 @@ COMMANDS = {
     "count": ("attn.count_cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
     "sweep": ("attn.experiments.sweep_cli", "run a sweep config: trials, metrics, resumable store"),
     "report": ("attn.experiments.report", "write report.md and plots from a sweep directory"),
+    "analyze": ("attn.experiments.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
     "bench": ("attn.bench", "time every variant against flax, jax and torch attention"),
 }
 

@@ -1,7 +1,8 @@
 """Experiment configs: a TOML base plus sweep axes, validated and expanded into trials.
 
-A config has the tables [meta] (name, question), [task], [model], [train] and
-[sweep]. [sweep.grid] axes combine as a product, [sweep.zip] axes are tied
+A config has the tables [meta] (name, question), [task], [model], [train],
+[sweep] and, optionally, [analysis] (enabled = true: `attn analyze` runs on the
+trained trials before the report; it changes no trial). [sweep.grid] axes combine as a product, [sweep.zip] axes are tied
 (zipped, equal lengths); both map dotted keys ("model.num_heads") to lists.
 sweep.seeds is shorthand for a grid axis over train.seed. sweep.derive lists
 constraints applied to every trial, in order:
@@ -98,6 +99,7 @@ class TrainConfig:
 
 
 META_KEYS = {"name": str, "question": str}
+ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
 SWEEP_KEYS = {"grid": dict, "zip": dict, "seeds": list, "derive": list,
               "param_budget": (int, str), "vmap_seeds": bool}
 SWEEP_KINDS = {"grid": "a table of dotted keys to lists", "zip": "a table of dotted keys to lists",
@@ -127,6 +129,7 @@ class Sweep:
   trials: list[Trial]
   vmap_seeds: bool
   id: str
+  analyze: bool = False
 
 
 # Resolved keys that change how a trial runs but not its rows or parameters: left out of its
@@ -250,10 +253,16 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
   for section in raw:
-    if section not in ("meta", "task", "model", "train", "sweep"):
-      raise invalid(section, raw[section], "one of the tables [meta] [task] [model] [train] [sweep]")
+    if section not in ("meta", "task", "model", "train", "sweep", "analysis"):
+      raise invalid(section, raw[section],
+                    "one of the tables [meta] [task] [model] [train] [sweep] [analysis]")
     if not isinstance(raw[section], dict):
       raise invalid(section, raw[section], "a table")
+  for key, value in raw.get("analysis", {}).items():
+    if key not in ANALYSIS_KEYS:
+      raise invalid(f"analysis.{key}", value, f"one of {sorted(ANALYSIS_KEYS)}")
+    if not isinstance(value, bool):
+      raise invalid(f"analysis.{key}", value, "true or false")
   for key, typ in META_KEYS.items():
     if key in raw.get("meta", {}) and not isinstance(raw["meta"][key], typ):
       raise invalid(f"meta.{key}", raw["meta"][key], "a string")
@@ -411,7 +420,7 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
   meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
   axes = [k for k, _ in grid] + [k for k, _ in tied]
   return Sweep(path, meta, axes, trials, bool(sweep.get("vmap_seeds", False)),
-               stable_hash(sorted(t.id for t in trials)))
+               stable_hash(sorted(t.id for t in trials)), raw.get("analysis", {}).get("enabled", False))
 
 
 def shape_key(trial: Trial) -> str:

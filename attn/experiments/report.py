@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from attn.experiments import analysis_report
 from attn.experiments import plots as plots_lib
 from attn.experiments import store as store_lib
 from attn.experiments.plots import METRICS, SEED_KEYS
@@ -243,6 +244,7 @@ def write_report(root: str) -> str:
               f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |")
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
+  md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run
   md += ["", "## Trials", "",
          "Attention counts are summed over layers; effective parameters are the degrees of freedom "
          "of the function (see `attn count`). Step time is the median wall time of one step "

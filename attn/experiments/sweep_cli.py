@@ -1,4 +1,4 @@
-"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...]`: run a sweep config, then write its report."""
+"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--analyze]`: run a sweep config, then write its report."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                       help="override a config key, e.g. --set train.steps=50 (repeatable)")
   parser.add_argument("--no-report", action="store_true", help="skip writing DIR/report.md at the end")
+  parser.add_argument("--analyze", action="store_true",
+                      help="run `attn analyze` on the trained trials before the report "
+                           "(also: [analysis] enabled = true in the config)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +26,10 @@ def run(args: argparse.Namespace) -> int:
   with open(args.config, encoding="utf-8") as f:
     text = f.read()
   from attn.experiments import sweep as sweep_lib  # lazy: jax
-  sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides)
+  counts = sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides)
+  if (args.analyze or sweep.analyze) and counts["ok"] + counts["skipped"]:
+    from attn.experiments import analyze
+    analyze.analyze_sweep(out)
   if not args.no_report:
     from attn.experiments import report
     path = report.write_report(out)

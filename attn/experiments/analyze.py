@@ -1,0 +1,297 @@
+"""`attn analyze DIR [--trial ID ...] [--batches N]`: inside the heads of each trained trial.
+
+For every finished trial (or the ones named) it loads the final checkpoint
+(attn.experiments.load_trial) and writes, beside the trial's metrics:
+
+  trials/ID/analysis.json   per layer: W_QK and W_OV spectra (effective and
+                            numerical rank per head), attention statistics on
+                            held-out data, head importance; the pruning curve;
+                            a summary the report compares across the sweep
+  trials/ID/attention.png   one held-out example's attention, layers × heads
+  trials/ID/spectra.png     singular values of W_QK,h and W_OV,h per layer
+  trials/ID/importance.png  normalised head importance, layers × heads
+  trials/ID/pruning.png     held-out accuracy and loss as heads are gated off
+
+Data: attention statistics and the pruning curve use the held-out batches that
+training evaluated, task.batch(seed, EVAL, j, batch_size) for j < eval_batches
+(--batches N: the first N), so the curve's first point is the trial's final
+eval_loss. Importance uses as many training batches (TRAIN, j): the pruning
+order is not chosen on the batches that then score it. L(x) in the importance
+is example x's own loss: its weighted mean cross-entropy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import shlex
+import sys
+import time
+from typing import Any, TextIO
+
+import numpy as np
+
+from attn.config import invalid
+from attn.experiments import store as store_lib
+
+ANALYSIS = "analysis.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("dir", metavar="DIR", help="a sweep directory written by `attn sweep`")
+  parser.add_argument("--trial", metavar="ID", action="append", default=[], dest="trials",
+                      help="analyse only this trial (repeatable; default: every finished trial)")
+  parser.add_argument("--batches", metavar="N", type=int, default=None,
+                      help="held-out (and training) batches per trial (default: the trial's eval_batches)")
+  parser.add_argument("--no-plots", action="store_true", help="write analysis.json only")
+
+
+def run(args: argparse.Namespace) -> int:
+  done = analyze_sweep(args.dir, args.trials or None, args.batches, plots=not args.no_plots)
+  print(f"analysed {len(done)} trials of {args.dir}: trials/ID/{ANALYSIS} and PNGs")
+  return 0
+
+
+def _rerun(run_dir: str, header: dict[str, Any]) -> str:
+  sets = "".join(f" --set {shlex.quote(o)}" for o in header.get("overrides", []))
+  return f"attn sweep {shlex.quote(header.get('config_path', 'CONFIG'))} --out {shlex.quote(run_dir)}{sets}"
+
+
+def _has_checkpoint(run_dir: str, trial_id: str) -> bool:
+  d = os.path.join(run_dir, "trials", trial_id, store_lib.CHECKPOINTS)
+  return os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
+
+
+def select_trials(run_dir: str, trial_ids: list[str] | None = None) -> tuple[list[str], list[str]]:
+  """(trials to analyse, lines saying which were skipped and why); refuses bad input before any work."""
+  header = store_lib.load_sweep(run_dir)
+  known = [t["id"] for t in header["trials"]]
+  if trial_ids:
+    for tid in trial_ids:
+      if tid not in known:
+        raise invalid("--trial", tid, f"one of the {len(known)} trials of {run_dir}: {', '.join(known)}")
+    return list(dict.fromkeys(trial_ids)), []
+  chosen, skipped, no_checkpoint = [], [], []
+  for t in store_lib.iter_trials(run_dir):
+    status = (t["summary"] or {}).get("status", "unfinished")
+    if status != "ok":
+      skipped.append(f"skipped {t['id']}: {status}")
+    elif not _has_checkpoint(run_dir, t["id"]):
+      no_checkpoint.append(t["id"])
+    else:
+      chosen.append(t["id"])
+  if no_checkpoint and not chosen:
+    raise invalid("DIR", run_dir,
+                  f"a sweep whose finished trials have checkpoints: none of its {len(no_checkpoint)} finished "
+                  f"trials has one (trained before attn saved checkpoints). Train them again: remove "
+                  f"{os.path.join(run_dir, 'trials')} and run {_rerun(run_dir, header)}")
+  if not chosen:
+    raise invalid("DIR", run_dir, f"a sweep with a finished trial: none of its {len(known)} has finished; "
+                  f"run {_rerun(run_dir, header)}")
+  skipped += [f"skipped {tid}: finished without a checkpoint" for tid in no_checkpoint]
+  return chosen, skipped
+
+
+def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int | None = None,
+                  plots: bool = True, stream: TextIO = sys.stderr) -> list[str]:
+  """Analyses the chosen trials of a sweep (default: every finished one); returns their ids."""
+  if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
+    raise invalid("--batches", batches, "an integer >= 1")
+  chosen, skipped = select_trials(run_dir, trial_ids)
+  for line in skipped:
+    stream.write(line + "\n")
+  from attn.experiments import train  # lazy: jax
+  train.enable_compilation_cache()
+  t0 = time.perf_counter()
+  for i, tid in enumerate(chosen):
+    out = analyze_trial(run_dir, tid, batches, plots=plots)
+    s = out["summary"]
+    js = "–" if s["head_diversity"] is None else f"{s['head_diversity']:.3f}"
+    stream.write(f"trial {i + 1}/{len(chosen)} {tid} [{_label(out['label'])}]: prunable "
+                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {s['qk_effective_rank']:.2f} "
+                 f"(d_k={out['d_k']}), head JS {js}, {out['seconds']:.1f} s\n")
+  stream.write(f"analysed {len(chosen)} trials in {time.perf_counter() - t0:.1f} s\n")
+  return chosen
+
+
+def _label(label: dict[str, Any]) -> str:
+  return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in label.items()) or "–"
+
+
+# ---- model glue: the jitted pieces take the model as (graphdef, state), so trials of one shape share them.
+
+def _blocks(model) -> list:
+  return list(model.blocks if hasattr(model, "blocks") else model.encoder.blocks)
+
+
+def _forward(model, batch: dict[str, Any], kind: str, gates=None, return_weights: bool = False):
+  if kind == "lm":
+    return model(batch["tokens"], head_mask=gates, return_weights=return_weights)
+  return model(batch["tokens"], batch["lengths"], head_mask=gates, return_weights=return_weights)
+
+
+def _per_example(logits, batch: dict[str, Any], kind: str):
+  """(summed weighted nll (B,), summed weighted hits (B,), summed weights (B,)), as train._loss weighs them."""
+  import jax.numpy as jnp
+  import optax
+  logits = logits.astype(jnp.float32)
+  labels = batch["targets"] if kind == "lm" else batch["labels"]
+  w = batch["weights"] if kind == "lm" else jnp.ones(labels.shape, jnp.float32)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * w
+  hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * w
+  if kind == "lm":
+    return nll.sum(-1), hit.sum(-1), w.sum(-1)
+  return nll, hit, w
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(graphdef, kind: str):
+  """The jitted gradient, pruning and statistics functions of one model shape."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from attn import analysis
+
+  def gate_grads(state, batch, gates_BLH):
+    def example_loss(g_BLH):
+      nll, _, w = _per_example(_forward(nnx.merge(graphdef, state), batch, kind, g_BLH), batch, kind)
+      return nll / jnp.maximum(w, 1.0)
+    return analysis.gate_gradients(example_loss, gates_BLH)
+
+  def pruned(state, batches, gates_KLH):
+    def at(g_LH):
+      def one(batch):  # the batch mean, as training's evaluation computes it
+        nll, hit, w = _per_example(_forward(nnx.merge(graphdef, state), batch, kind, g_LH), batch, kind)
+        return nll.sum() / jnp.maximum(w.sum(), 1.0), hit.sum() / jnp.maximum(w.sum(), 1.0)
+      loss, acc = jax.lax.map(one, batches)
+      return loss.mean(), acc.mean()
+    return jax.lax.map(at, gates_KLH)
+
+  def stats(state, batch):
+    _, weights = _forward(nnx.merge(graphdef, state), batch, kind, return_weights=True)
+    out = []
+    for w_BHTS in weights:
+      T, S = w_BHTS.shape[-2:]
+      if kind == "lm":
+        mask = jnp.tril(jnp.ones((T, S), bool))
+      else:  # real positions ([CLS] first, when the model has one) attend real positions
+        extra = T - batch["tokens"].shape[1]
+        real_BT = jnp.arange(T)[None, :] < batch["lengths"][:, None] + extra
+        mask = (real_BT[:, :, None] & real_BT[:, None, :])[:, None]
+      out.append(analysis.attention_stats(w_BHTS, mask))
+    return out, [w_BHTS[0] for w_BHTS in weights]
+
+  return jax.jit(gate_grads), jax.jit(pruned), jax.jit(stats)
+
+
+@functools.lru_cache(maxsize=None)
+def _spectra_fn(variant: str, head_cfg):
+  import jax
+  from attn import analysis
+
+  def spectra(params):
+    factors = analysis.circuit_factors(variant, params, head_cfg)
+    return {name: analysis.spectrum_of_product(*factors[name]) for name in ("qk", "ov")}
+
+  return jax.jit(spectra)
+
+
+def _batches(task, seed: int, split: int, n: int, batch_size: int) -> dict[str, np.ndarray]:
+  rows = [task.batch(seed, split, j, batch_size) for j in range(n)]
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _jsonable(x: Any) -> Any:
+  """Lists of plain floats and ints; NaN and inf become None (JSON has neither)."""
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if hasattr(x, "tolist"):
+    return _jsonable(np.asarray(x).tolist())
+  if isinstance(x, float):
+    return x if math.isfinite(x) else None
+  return x
+
+
+def _mean(values: list[float]) -> float | None:
+  finite = [v for v in values if v is not None and math.isfinite(v)]
+  return float(np.mean(finite)) if finite else None
+
+
+def summarize(layers: list[dict[str, Any]], curve: dict[str, Any]) -> dict[str, float | None]:
+  """The scalars the report compares: means over layers and heads, head diversity, prunable fraction."""
+  over = lambda part, key: _mean([v for lay in layers for v in lay[part][key]])
+  diversity = [lay["attention"]["diversity"] for lay in layers]
+  return {"qk_effective_rank": over("qk", "effective_rank"), "qk_rank": over("qk", "rank"),
+          "ov_effective_rank": over("ov", "effective_rank"), "ov_rank": over("ov", "rank"),
+          "attention_entropy": over("attention", "entropy"), "attention_rank": over("attention", "rank"),
+          "head_diversity": _mean([d for d in diversity if d is not None]),  # None with one head
+          "prunable_fraction": curve["prunable_fraction"]}
+
+
+def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots: bool = True) -> dict[str, Any]:
+  """Analyses one trial from its final checkpoint; writes trials/ID/analysis.json (and PNGs); returns it."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from attn import analysis
+  from attn.analysis.attention_stats import RANK_RTOL
+  from attn.experiments import checkpoints, load_trial, tasks
+  t0 = time.perf_counter()
+  trial_dir = os.path.join(run_dir, "trials", trial_id)
+  cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
+  model, model_cfg, task = load_trial(run_dir, trial_id)
+  step = checkpoints.steps(os.path.join(trial_dir, store_lib.CHECKPOINTS))[-1]  # the one load_trial read
+  train, kind = cfg["train"], task.kind
+  n, B = batches or train["eval_batches"], train["batch_size"]
+  held_out = _batches(task, train["seed"], tasks.EVAL, n, B)
+  seen = _batches(task, train["seed"], tasks.TRAIN, n, B)
+  graphdef, state = nnx.split(model)
+  gate_grads, pruned, stats = _compiled(graphdef, kind)
+  blocks = _blocks(model)
+  L, H = len(blocks), model_cfg.num_heads
+
+  spectra_fn = _spectra_fn(model_cfg.variant, model_cfg.head)
+  spectra = [jax.device_get(spectra_fn(block.attn.params_dict())) for block in blocks]
+
+  per_batch, example = [], None
+  for j in range(n):
+    out, first = stats(state, {k: v[j] for k, v in held_out.items()})
+    per_batch.append(jax.device_get(out))
+    example = example if example is not None else jax.device_get(first)
+  attention = [{k: np.mean([b[l][k] for b in per_batch], axis=0) for k in per_batch[0][l]}
+               for l in range(L)]  # equal batches: the mean of batch means is the mean
+
+  ones = jnp.ones((B, L, H), jnp.float32)
+  grads = np.concatenate([np.asarray(gate_grads(state, {k: v[j] for k, v in seen.items()}, ones))
+                          for j in range(n)])
+  importance = analysis.head_importance(grads)
+  curve = analysis.pruning_curve(lambda g: jax.device_get(pruned(state, held_out, jnp.asarray(g))),
+                                 importance)
+
+  layers = []
+  for l in range(L):
+    layers.append({
+        **{name: {"effective_rank": spectra[l][name]["effective_rank"], "rank": spectra[l][name]["rank"],
+                  "singular_values": spectra[l][name]["singular_values"]} for name in ("qk", "ov")},
+        "attention": attention[l],
+        "importance": {"raw": importance["raw"][l], "normalized": importance["normalized"][l]}})
+  layers = _jsonable(layers)
+  result = _jsonable({
+      "trial": trial_id, "label": cfg.get("label", {}), "step": step, "variant": model_cfg.variant,
+      "num_layers": L, "num_heads": H, "d_model": model_cfg.d_model, "d_k": model_cfg.head.d_k,
+      "d_v": model_cfg.head.d_v, "task": cfg["task"]["name"],
+      "data": {"held_out_batches": n, "importance_batches": n, "batch_size": B,
+               "importance_split": "train", "attention_rank_rtol": RANK_RTOL},
+      "eval": {"loss": curve["loss"][0], "accuracy": curve["accuracy"][0]},
+      "layers": layers, "pruning": curve, "summary": summarize(layers, curve),
+      "example": {"tokens": held_out["tokens"][0, 0]}})
+  if plots:
+    from attn.experiments import analysis_plots
+    result["plots"] = analysis_plots.make_plots(result, [np.asarray(w) for w in example], trial_dir)
+  result["seconds"] = time.perf_counter() - t0
+  store_lib.write_json(os.path.join(trial_dir, ANALYSIS), result)
+  return result
