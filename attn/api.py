@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn.config import ConfigError, HeadConfig, check_head_mask, check_inputs, invalid
+from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_structured,
+                         invalid)
 from attn.variants import VARIANTS
 from attn.variants.base import Params, Variant
 
@@ -57,21 +58,26 @@ def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
 
 
 def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None):
+          return_weights: bool = False, head_mask=None, is_causal: bool = False,
+          kv_lengths=None):
   """y (B,T,D) of the attention layer; with return_weights, (y, weights (B,H,T,S)).
 
   context (B,S,D) gives cross-attention; None means self-attention. mask is
   boolean, True where a query may attend, broadcastable to (B,H,T,S).
+  is_causal (query t sees keys s <= t + S - T) and kv_lengths (B,) (keys
+  s >= kv_lengths[b] masked) are structured masks, ANDed with mask; the
+  blocked kernel that long sequences use never builds them as arrays.
   head_mask, float (H,) or (B,H), multiplies each query head's output before
   W^O (Michel et al. 2019): all ones is the layer itself, ξ_h = 0 removes head
   h, and ∂loss/∂ξ is the head's importance. None means no gates.
   """
   v = check_config(variant, cfg)
   check_inputs(cfg, x, context, mask)
+  check_structured(is_causal, kv_lengths, x.shape[0], (x if context is None else context).shape[1])
   check_head_mask(head_mask, x.shape[0], cfg.num_heads)
   check_params(v.name, params, cfg)
   y, w = v.apply(params, x, context, cfg=cfg, mask=mask, return_weights=return_weights,
-                 head_mask=head_mask)
+                 head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
   return (y, w) if return_weights else y
 
 

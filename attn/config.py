@@ -11,6 +11,9 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+from jax.core import Tracer as _Tracer
+
 
 class ConfigError(ValueError):
   """A configuration, shape or mask that attn refuses, with what is allowed."""
@@ -148,6 +151,29 @@ def check_head_mask(head_mask: Any, batch: int, num_heads: int) -> None:
   dtype = getattr(head_mask, "dtype", None)
   if "float" not in str(dtype):  # float16/32/64, bfloat16, float8_*
     raise invalid("head_mask.dtype", str(dtype), "a float dtype: gates are differentiable")
+
+
+def check_kv_lengths(kv_lengths: Any, batch: int, length: int) -> None:
+  """kv_lengths: (B,) integers, keys s >= kv_lengths[b] masked; concrete values must lie in [0, S]."""
+  if kv_lengths is None:
+    return
+  shape = getattr(kv_lengths, "shape", None)
+  dtype = getattr(kv_lengths, "dtype", None)
+  if shape is None or tuple(shape) != (batch,) or "int" not in str(dtype):
+    raise invalid("kv_lengths.shape", None if shape is None else tuple(shape),
+                  f"({batch},) integer key lengths, one per example")
+  if batch and not isinstance(kv_lengths, _Tracer):  # under jit, values are not known
+    values = np.asarray(kv_lengths)
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi > length:
+      raise invalid("kv_lengths", f"lengths in [{lo}, {hi}]", f"lengths in [0, S={length}]")
+
+
+def check_structured(is_causal: Any, kv_lengths: Any, batch: int, length: int) -> None:
+  """is_causal is a bool and kv_lengths None or (B,) integers in [0, S]."""
+  if not isinstance(is_causal, bool):
+    raise invalid("is_causal", is_causal, "True or False")
+  check_kv_lengths(kv_lengths, batch, length)
 
 
 def check_mask(mask: Any, target_BHTS: tuple[int, int, int, int]) -> None:

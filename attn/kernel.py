@@ -3,6 +3,8 @@
 No parameters. Grouped heads: query head h reads key/value head h // R with
 R = H // G. Masks are boolean, True where a query may attend a key, and
 broadcast to (B,H,T,S). A fully masked row gives zero weights and zero output.
+Structured masks travel as arguments: is_causal and kv_lengths (attention's
+docstring); the blocked implementation (attn.blocked) never builds them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attn.config import check_mask, invalid
+from attn import blocked, masks
+from attn.config import check_mask, check_structured, invalid
 
 Array = jax.Array
 
@@ -76,31 +79,67 @@ def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
   return out_BGRTV.transpose(0, 3, 1, 2, 4).reshape(B, T, H, V)
 
 
-IMPLS = ("auto", "einsum", "xla", "cudnn")
+IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn")
+
+# impl="auto" on CPU: the blocked kernel from this many scores per (batch, head)
+# on, T·S >= 1024², where it measured at least as fast as the einsum kernel
+# forward+backward on a 2-core Zen 3 (experiments/performance.md, Long
+# sequences); below it the einsum kernel, whose T×S arrays are then small.
+BLOCKED_MIN_SCORES = 1024 * 1024
 
 
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
               logits_bias: Array | None = None) -> str:
-  """"cudnn" on a GPU for half-precision heads it supports (d_v = d_k, no weights out); else "einsum"."""
+  """"cudnn" on a GPU where it applies; else "blocked" for T·S >= BLOCKED_MIN_SCORES; else "einsum".
+
+  cuDNN: half-precision heads with d_v = d_k (a multiple of 8, at most 128),
+  no weights out, no logits_bias. The blocked kernel needs no weights out and
+  no logits_bias either.
+  """
   K, V = q_BTHK.shape[-1], v_BSGV.shape[-1]
-  fits_cudnn = (K == V and K % 8 == 0 and K <= 128 and not return_weights
-                and logits_bias is None
+  plain = not return_weights and logits_bias is None
+  fits_cudnn = (K == V and K % 8 == 0 and K <= 128 and plain
                 and q_BTHK.dtype in (jnp.bfloat16, jnp.float16)
                 and q_BTHK.dtype == k_BSGK.dtype == v_BSGV.dtype)
-  return "cudnn" if fits_cudnn and jax.default_backend() == "gpu" else "einsum"
+  if fits_cudnn and jax.default_backend() == "gpu":
+    return "cudnn"
+  long = q_BTHK.shape[1] * k_BSGK.shape[1] >= BLOCKED_MIN_SCORES
+  return "blocked" if plain and long else "einsum"
 
 
-def _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl):
+def structured_mask(T: int, S: int, is_causal: bool = False,
+                    kv_lengths: Array | None = None) -> Array | None:
+  """The dense mask of is_causal (bottom-right aligned) and kv_lengths: (1|B,1,T|1,S), or None."""
+  causal = masks.causal_mask(T, S) if is_causal else None
+  padding = None if kv_lengths is None else masks.padding_mask(kv_lengths, S)
+  return masks.combine_masks(causal, padding)
+
+
+def _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl,
+                           is_causal, kv_lengths):
   """The same function through jax.nn.dot_product_attention ("xla" or "cudnn")."""
+  B, T, H, _ = q_BTHK.shape
+  S = k_BSGK.shape[1]
+  # jax's is_causal is top-left aligned (key s visible iff s <= t); attn's is
+  # bottom-right, so for T != S the causal part travels as a dense mask.
+  jax_causal = is_causal and T == S
+  if is_causal and T != S:
+    mask = masks.combine_masks(mask, masks.causal_mask(T, S))
   out_BTHV = jax.nn.dot_product_attention(
-      q_BTHK, k_BSGK, v_BSGV, bias=logits_bias, mask=mask, scale=scale,
+      q_BTHK, k_BSGK, v_BSGV, bias=logits_bias, mask=mask, scale=scale, is_causal=jax_causal,
+      key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
       implementation=impl)
-  if mask is None:
+  full = masks.combine_masks(mask, structured_mask(T, S, jax_causal, kv_lengths))
+  if full is None:
     return out_BTHV
   # jax gives a fully masked row uniform weights; attn's contract is zeros.
-  B, T, H, _ = q_BTHK.shape
-  has_key_BHT = jnp.broadcast_to(mask, (B, H, T, k_BSGK.shape[1])).any(-1)
+  has_key_BHT = jnp.broadcast_to(full, (B, H, T, S)).any(-1)
   return jnp.where(has_key_BHT.transpose(0, 2, 1)[..., None], out_BTHV, 0).astype(out_BTHV.dtype)
+
+
+def _check_block(name: str, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+    raise invalid(name, value, "a positive integer or None (chosen from the shapes)")
 
 
 def attention(
@@ -109,26 +148,46 @@ def attention(
     v_BSGV: Array,
     mask: Array | None = None,
     *,
+    is_causal: bool = False,
+    kv_lengths: Array | None = None,
     scale: float | None = None,
     logits_bias: Array | None = None,
     return_weights: bool = False,
     impl: str = "einsum",
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> Array | tuple[Array, Array]:
   """softmax(scale · q kᵀ + logits_bias, masked) v for already projected heads.
 
   q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) with H a multiple of G. scale defaults
   to 1/sqrt(K). logits_bias, if given, is added to the scaled logits and must
   broadcast to (B,H,T,S). Returns (B,T,H,V), and the weights (B,H,T,S) in
-  float32 when return_weights is set. impl picks the implementation of the
-  same function: "einsum" (this module, the default), "xla" or "cudnn"
-  (jax.nn.dot_product_attention; need d_v = d_k and no weights out), or
-  "auto" (best_impl: cuDNN flash attention on a GPU where it applies).
+  float32 when return_weights is set.
+
+  Masks combine by AND: mask (dense boolean, True = may attend), is_causal and
+  kv_lengths. is_causal is bottom-right aligned, as attn.causal_mask(T, S):
+  query t sees key s iff s <= t + (S - T), so with S > T (a cache of S - T
+  earlier keys) the last query sees every key, and with S < T the first T - S
+  queries see none (zero output). (jax.nn.dot_product_attention's and torch's
+  is_causal are top-left aligned, s <= t; the two agree when T == S.)
+  kv_lengths (B,) integers in [0, S] mask keys s >= kv_lengths[b].
+
+  impl picks the implementation of the same function: "einsum" (this module,
+  the default; materialises (B,H,T,S)), "blocked" (attn.blocked: online
+  softmax over blocks of block_q queries and block_k keys, a recomputing VJP,
+  no T×S array, masked blocks skipped; no weights out, no logits_bias), "xla"
+  or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k and no weights
+  out), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
+  from T·S >= BLOCKED_MIN_SCORES = 1024², else einsum).
   """
   _check_qkv(q_BTHK, k_BSGK, v_BSGV)
   B, T, H, K = q_BTHK.shape
   S = k_BSGK.shape[1]
   if mask is not None:
     check_mask(mask, (B, H, T, S))
+  check_structured(is_causal, kv_lengths, B, S)
+  _check_block("block_q", block_q)
+  _check_block("block_k", block_k)
   if impl not in IMPLS:
     raise invalid("impl", impl, f"one of {IMPLS}")
   if scale is None:
@@ -136,12 +195,20 @@ def attention(
   if impl == "auto":
     impl = best_impl(q_BTHK, k_BSGK, v_BSGV, return_weights=return_weights,
                      logits_bias=logits_bias)
+  if impl != "einsum" and return_weights:
+    raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
+  if impl == "blocked":
+    if logits_bias is not None:
+      raise invalid("impl", impl, '"einsum", "xla" or "auto" with a logits_bias')
+    return blocked.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
+                             kv_lengths=kv_lengths, scale=scale, block_q=block_q,
+                             block_k=block_k)
   if impl != "einsum":
-    if return_weights:
-      raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
     if v_BSGV.shape[-1] != K:
       raise invalid("impl", impl, f'"einsum" or "auto" when d_v={v_BSGV.shape[-1]} != d_k={K}')
-    return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl)
+    return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl,
+                                  is_causal, kv_lengths)
+  mask = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths))
   if q_BTHK.dtype == jnp.float32:
     # Scaling q (T·K values) rather than the logits (T·S) is the same product
     # up to rounding, and keeps XLA's CPU matmul fusion from materialising a

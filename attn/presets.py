@@ -23,10 +23,7 @@ from flax import nnx
 
 from attn import count
 from attn.config import invalid
-from attn.nn.models import DecoderLM, Encoder, EncoderDecoder, ModelConfig, SequenceClassifier
-
-BUILDERS = {"encoder": Encoder, "decoder_lm": DecoderLM, "classifier": SequenceClassifier,
-            "encoder_decoder": EncoderDecoder}
+from attn.nn.models import MODELS, ModelConfig
 VASWANI_VOCAB = 41_000  # see the module docstring: the paper's "about 37000" gives 63M for base
 
 
@@ -52,7 +49,7 @@ class Preset:
 
   def build(self, rngs: nnx.Rngs) -> nnx.Module:
     """The Flax model of this preset (wrap in nnx.eval_shape to get shapes only)."""
-    return BUILDERS[self.kind](self.config, rngs=rngs)
+    return MODELS[self.kind](self.config, rngs=rngs)
 
 
 def vaswani(**changes) -> ModelConfig:

@@ -236,7 +236,7 @@ def tree_count(model) -> int:
 
 
 def built_count(cfg: models.ModelConfig, kind: str) -> int:
-  return tree_count(nnx.eval_shape(lambda: presets.BUILDERS[kind](cfg, rngs=nnx.Rngs(0))))
+  return tree_count(nnx.eval_shape(lambda: models.MODELS[kind](cfg, rngs=nnx.Rngs(0))))
 
 
 SMALL = dict(vocab_size=37, d_model=12, num_layers=2, num_heads=3, d_ff=20, max_len=9)

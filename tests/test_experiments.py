@@ -7,6 +7,8 @@ import os
 import numpy as np
 import pytest
 
+from attn import count
+from attn.nn import models
 from attn.config import ConfigError
 from attn.experiments import config as config_lib
 from attn.experiments import report, store, sweep, tasks, train
@@ -78,7 +80,7 @@ def test_fixed_width_and_fixed_params_constraints(tmp_path):
   for t in sw.trials:
     m = t.config["model"]
     assert m["d_k"] == m["d_v"] == 16 // m["num_heads"]
-    counts.append(train.count_params(m, "lm"))
+    counts.append(count.model_param_count(models.ModelConfig(**m), "decoder_lm"))
   per_unit = 2 * 16 * 2 + 2  # one more d_ff unit: a column and row of both MLP matrices, one bias, 2 layers
   assert max(counts) - min(counts) <= per_unit
 
@@ -252,14 +254,14 @@ def test_one_training_step_of_every_task(tmp_path, task):
   assert rows[1]["update_norm"] > 0 and "eval_loss" in rows[-1]
 
 
-@pytest.mark.parametrize("kind", ["lm", "classify"])
+@pytest.mark.parametrize("kind", ["decoder_lm", "classifier"])
 def test_embed_init_std_scales_only_the_token_table(kind):
   from flax import nnx
   from attn.nn import models
   cfg = models.ModelConfig(vocab_size=200, d_model=32, num_layers=1, num_heads=2, d_ff=8,
-                           num_classes=3 if kind == "classify" else 0)
+                           num_classes=3 if kind == "classifier" else 0)
   states = [nnx.to_flat_state(nnx.state(
-      train.model_class(kind)(cfg.replace(embed_init_std=std), rngs=nnx.Rngs(3)), nnx.Param))
+      models.MODELS[kind](cfg.replace(embed_init_std=std), rngs=nnx.Rngs(3)), nnx.Param))
       for std in (0.02, 1.0, 1.0)]
   changed = []
   for (path, a), (_, b), (_, c) in zip(*states):

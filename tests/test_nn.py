@@ -12,7 +12,7 @@ from flax import nnx
 
 import attn
 from attn.nn import (DecoderLM, Encoder, EncoderDecoder, ModelConfig, MultiHeadAttention,
-                     SequenceClassifier, count_params)
+                     SequenceClassifier)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 TINY = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=2, d_ff=24, max_len=8)
@@ -172,6 +172,11 @@ BERT_BASE = ModelConfig(vocab_size=30522, d_model=768, num_layers=12, num_heads=
                         final_norm=False, pooler=True)
 GPT2_SMALL = ModelConfig(vocab_size=50257, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
                          max_len=1024)
+
+
+def count_params(model) -> int:
+  """Elements of the model's nnx.Param arrays: the tree attn.count.model_param_count predicts."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def _abstract_count(model, cfg):
@@ -406,3 +411,11 @@ def test_sequence_classifier_trains(pooling):
     return optax.softmax_cross_entropy_with_integer_labels(m(toks, lengths), labels).mean()
 
   _assert_learns(_train(clf, loss_fn))
+
+
+def test_concrete_ids_captured_by_a_jitted_closure_are_checked_not_traced():
+  lm = DecoderLM(TINY, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(lm)
+  tokens = jnp.ones((2, 5), jnp.int32)  # concrete, but closed over inside jit
+  out = jax.jit(lambda s: nnx.merge(graphdef, s)(tokens))(state)
+  np.testing.assert_allclose(out, lm(tokens), atol=1e-5)

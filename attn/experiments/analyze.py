@@ -127,7 +127,7 @@ def _blocks(model) -> list:
 
 
 def _forward(model, batch: dict[str, Any], kind: str, gates=None, return_weights: bool = False):
-  if kind == "lm":
+  if kind == "decoder_lm":
     return model(batch["tokens"], head_mask=gates, return_weights=return_weights)
   return model(batch["tokens"], batch["lengths"], head_mask=gates, return_weights=return_weights)
 
@@ -137,11 +137,11 @@ def _per_example(logits, batch: dict[str, Any], kind: str):
   import jax.numpy as jnp
   import optax
   logits = logits.astype(jnp.float32)
-  labels = batch["targets"] if kind == "lm" else batch["labels"]
-  w = batch["weights"] if kind == "lm" else jnp.ones(labels.shape, jnp.float32)
+  labels = batch["targets"] if kind == "decoder_lm" else batch["labels"]
+  w = batch["weights"] if kind == "decoder_lm" else jnp.ones(labels.shape, jnp.float32)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * w
   hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * w
-  if kind == "lm":
+  if kind == "decoder_lm":
     return nll.sum(-1), hit.sum(-1), w.sum(-1)
   return nll, hit, w
 
@@ -174,7 +174,7 @@ def _compiled(graphdef, kind: str):
     out = []
     for w_BHTS in weights:
       T, S = w_BHTS.shape[-2:]
-      if kind == "lm":
+      if kind == "decoder_lm":
         mask = jnp.tril(jnp.ones((T, S), bool))
       else:  # real positions ([CLS] first, when the model has one) attend real positions
         extra = T - batch["tokens"].shape[1]

@@ -213,7 +213,7 @@ def load_trial(run_dir: str, trial_id: str, step: int | None = None):
   cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
   task = tasks.make_task(cfg["task"])
   model_cfg = models.ModelConfig(**cfg["model"])
-  abstract = nnx.eval_shape(lambda: train.model_class(task.kind)(model_cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   tx = train.optimizer(config_lib.TrainConfig(**cfg["train"]))
   like = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "rest": rest}

@@ -398,9 +398,10 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
   if "fixed_params" in derive and not isinstance(budget, int):
     if budget != "base":
       raise invalid("sweep.param_budget", budget, '"base" or a positive integer')
-    from attn.experiments import train
+    from attn import count
+    from attn.nn.models import ModelConfig
     base_cfg = resolve(base, [d for d in derive if d != "fixed_params"], None)
-    budget = train.count_params(base_cfg["model"], tasks.TASKS[base["task"]["name"]].kind)
+    budget = count.model_param_count(ModelConfig(**base_cfg["model"]), tasks.TASKS[base["task"]["name"]].kind)
   trials, seen = [], {}
   for combo in _combos(grid, tied):
     cfg = copy.deepcopy(base)

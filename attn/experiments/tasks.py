@@ -4,8 +4,8 @@ Every task is a frozen dataclass whose fields are its TOML keys under [task].
 `batch(seed, split, index, batch_size)` returns numpy arrays that depend only
 on those four numbers, so a trial that is re-run sees exactly the same data.
 
-Language-model tasks ("lm") give tokens, next-token targets and a loss weight
-per position; classification tasks ("classify") give tokens, lengths, labels.
+Language-model tasks (kind "decoder_lm") give tokens, next-token targets and a loss weight
+per position; classification tasks ("classifier") give tokens, lengths, labels.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class MQAR:
   Keys come from the lower half of the vocabulary, values from the upper half.
   """
 
-  kind: ClassVar[str] = "lm"
+  kind: ClassVar[str] = "decoder_lm"
   vocab_size: int = 64
   seq_len: int = 32
   num_pairs: int = 4
@@ -90,7 +90,7 @@ class Induction:
   row, so no fixed positional offset solves the task.
   """
 
-  kind: ClassVar[str] = "lm"
+  kind: ClassVar[str] = "decoder_lm"
   min_layers: ClassVar[int] = 2
   vocab_size: int = 64
   seq_len: int = 32
@@ -128,7 +128,7 @@ class MarkerPosition:
   attend to it, while mean pooling averages it with every other position.
   """
 
-  kind: ClassVar[str] = "classify"
+  kind: ClassVar[str] = "classifier"
   vocab_size: int = 32
   seq_len: int = 32
   num_classes: int = 4
@@ -174,7 +174,7 @@ class AfterMarker:
   With two layers [CLS] can read what the first layer wrote at p+1.
   """
 
-  kind: ClassVar[str] = "classify"
+  kind: ClassVar[str] = "classifier"
   vocab_size: int = 16
   seq_len: int = 32
   num_classes: int = 4
@@ -208,7 +208,7 @@ class AfterMarker:
 class CharLM:
   """Character-level language model over a local UTF-8 text file; the last 10% is held out."""
 
-  kind: ClassVar[str] = "lm"
+  kind: ClassVar[str] = "decoder_lm"
   path: str = ""
   seq_len: int = 64
   eval_fraction: float = 0.1

@@ -17,7 +17,6 @@ and the optimiser state (Adam moments and count) is restored with the model.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -54,7 +53,7 @@ def enable_compilation_cache(path: str | None = None) -> str:
 def model_config(model: dict[str, Any], task) -> models.ModelConfig:
   """The ModelConfig of a [model] table, with vocab_size, max_len and num_classes from the task."""
   derived = {"vocab_size": task.vocab_size, "max_len": task.seq_len + 1}
-  if task.kind == "classify":
+  if task.kind == "classifier":
     derived["num_classes"] = task.num_classes
   try:
     return models.ModelConfig(**{**model, **derived})
@@ -62,25 +61,9 @@ def model_config(model: dict[str, Any], task) -> models.ModelConfig:
     raise ConfigError(f"model.{e}") from None
 
 
-def model_class(kind: str) -> type:
-  return models.DecoderLM if kind == "lm" else models.SequenceClassifier
-
-
-@functools.lru_cache(maxsize=1024)
-def _count(cfg: models.ModelConfig, kind: str) -> int:
-  abstract = nnx.eval_shape(lambda: model_class(kind)(cfg, rngs=nnx.Rngs(0)))
-  return models.count_params(abstract)
-
-
-def count_params(model: dict[str, Any] | models.ModelConfig, kind: str) -> int:
-  """Stored parameters of the model, counted from its (abstract) parameter tree."""
-  cfg = model if isinstance(model, models.ModelConfig) else models.ModelConfig(**model)
-  return _count(cfg, kind)
-
-
 def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelConfig:
   """cfg with d_ff chosen so the parameter count is nearest `budget` (P is affine in d_ff)."""
-  p1, p2 = _count(cfg.replace(d_ff=1), kind), _count(cfg.replace(d_ff=2), kind)
+  p1, p2 = count.model_param_count(cfg.replace(d_ff=1), kind), count.model_param_count(cfg.replace(d_ff=2), kind)
   per_unit, rest = p2 - p1, p1 - (p2 - p1)
   d_ff = round((budget - rest) / per_unit)
   if d_ff < 1:
@@ -102,7 +85,7 @@ def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
 
 def _loss(model, batch: dict[str, jax.Array], kind: str):
   """Mean cross-entropy and accuracy (weighted positions for LM tasks)."""
-  if kind == "lm":
+  if kind == "decoder_lm":
     logits = model(batch["tokens"]).astype(jnp.float32)
     labels, w = batch["targets"], batch["weights"]
   else:
@@ -188,10 +171,10 @@ def train_group(configs: list[dict[str, Any]],
   tx = optimizer(train)
   graphdef, states = None, []
   for s in seeds:
-    graphdef, p, r = nnx.split(model_class(kind)(model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
+    graphdef, p, r = nnx.split(models.MODELS[kind](model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
     states.append({"params": p, "opt_state": tx.init(p), "rest": r})
   step, evaluate = _step_fns(graphdef, tx, kind)
-  counts = {"model_params": _count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
+  counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
   batched = vmap and len(seeds) > 1
   groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]

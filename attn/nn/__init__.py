@@ -2,9 +2,9 @@
 
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.models import (DecoderLM, Embeddings, Encoder, EncoderDecoder, ModelConfig,
-                            SequenceClassifier, TransformerBlock, count_params)
+                            SequenceClassifier, TransformerBlock, MODELS)
 
 __all__ = [
     "DecoderLM", "Embeddings", "Encoder", "EncoderDecoder", "ModelConfig", "MultiHeadAttention",
-    "SequenceClassifier", "TransformerBlock", "count_params",
+    "SequenceClassifier", "TransformerBlock", "MODELS",
 ]

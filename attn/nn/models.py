@@ -26,12 +26,16 @@ Head gates (Michel et al. 2019): every model takes head_mask, float (L,H) or
 head_mask). L is the number of self-attention layers: num_layers, and for
 EncoderDecoder num_layers + num_decoder_layers (encoder rows first, then the
 decoder's causal self-attention); cross-attention is never gated.
+
+Attention weights: DecoderLM, Encoder (and Encoder.hidden) and
+SequenceClassifier take return_weights=True and then return (output, [w_BHTS
+of each self-attention layer]), the softmax weights of attn.apply's
+return_weights; attn.analysis.attention_stats reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -144,7 +148,8 @@ def check_ids(name: str, ids: Any, upper: int, *, rank: int = 2) -> None:
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise invalid(f"{name}.dtype", str(ids.dtype), "an integer dtype")
   if _is_concrete(ids) and ids.size:
-    lo, hi = int(np.min(ids)), int(np.max(ids))
+    a = np.asarray(ids)  # host values: np.min on a jax array captured under jit would be traced
+    lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= upper:
       raise invalid(name, f"ids in [{lo}, {hi}]", f"ids in [0, {upper})")
 
@@ -155,7 +160,8 @@ def check_lengths(name: str, lengths: Any, batch: int, length: int) -> None:
   if shape is None or tuple(shape) != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise invalid(f"{name}.shape", shape, f"({batch},) integer lengths, one per example")
   if _is_concrete(lengths) and batch:
-    lo, hi = int(np.min(lengths)), int(np.max(lengths))
+    a = np.asarray(lengths)
+    lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi > length:
       raise invalid(name, f"lengths in [{lo}, {hi}]", f"lengths in [0, {length}]")
 
@@ -281,14 +287,27 @@ class TransformerBlock(nnx.Module):
     return x_BTD + f(_norm(norm, x_BTD))
 
   def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
-               context_mask: Array | None = None, head_mask: Array | None = None) -> Array:
-    """head_mask (H,) or (B,H) gates the heads of the self-attention only."""
-    x_BTD = self._residual(
-        self.attn_norm, lambda h: self.attn(h, mask=mask, head_mask=head_mask), x_BTD)
+               context_mask: Array | None = None, head_mask: Array | None = None,
+               return_weights: bool = False):
+    """x (B,T,D); with return_weights, (x, self-attention weights (B,H,T,S)).
+
+    head_mask (H,) or (B,H) gates the heads of the self-attention only.
+    """
+    seen = []
+
+    def attend(h_BTD: Array) -> Array:
+      y = self.attn(h_BTD, mask=mask, head_mask=head_mask, return_weights=return_weights)
+      if return_weights:
+        y, w_BHTS = y
+        seen.append(w_BHTS)
+      return y
+
+    x_BTD = self._residual(self.attn_norm, attend, x_BTD)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask), x_BTD)
-    return self._residual(self.mlp_norm, self.mlp, x_BTD)
+    x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD)
+    return (x_BTD, seen[0]) if return_weights else x_BTD
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
@@ -307,8 +326,11 @@ class Encoder(nnx.Module):
 
   def hidden(self, tokens_BT: Array, segments_BT: Array | None = None,
              lengths_B: Array | None = None, prefix_D: Array | None = None,
-             head_mask: Array | None = None) -> Array:
-    """Final hidden states (B,T,D) (1+T with prefix_D); keys past lengths_B are masked."""
+             head_mask: Array | None = None, return_weights: bool = False):
+    """Final hidden states (B,T,D) (1+T with prefix_D); keys past lengths_B are masked.
+
+    With return_weights, (h, [self-attention weights (B,H,T,S) of each layer]).
+    """
     extra = 0 if prefix_D is None else 1
     self.embed.check(tokens_BT, segments_BT, extra)
     B, T = tokens_BT.shape
@@ -318,19 +340,31 @@ class Encoder(nnx.Module):
       check_lengths("lengths", lengths_B, B, T)
       mask = masks.padding_mask(lengths_B + extra, T + extra)
     h_BTD = self.embed(tokens_BT, segments_BT, prefix_D)
+    weights = []
     for block, gate in zip(self.blocks, gates):
-      h_BTD = block(h_BTD, mask, head_mask=gate)
-    return _norm(self.final_norm, h_BTD)
+      h_BTD = block(h_BTD, mask, head_mask=gate, return_weights=return_weights)
+      if return_weights:
+        h_BTD, w_BHTS = h_BTD
+        weights.append(w_BHTS)
+    h_BTD = _norm(self.final_norm, h_BTD)
+    return (h_BTD, weights) if return_weights else h_BTD
 
   def pool(self, h_BD: Array) -> Array:
     """The BERT pooler, tanh(h W + b), or h unchanged without one."""
     return h_BD if self.pooler is None else jnp.tanh(self.pooler(h_BD))
 
   def __call__(self, tokens_BT: Array, segments_BT: Array | None = None,
-               lengths_B: Array | None = None, head_mask: Array | None = None):
-    """h (B,T,D); with cfg.pooler, (h, pooled (B,D) from the first position)."""
-    h_BTD = self.hidden(tokens_BT, segments_BT, lengths_B, head_mask=head_mask)
-    return (h_BTD, self.pool(h_BTD[:, 0])) if self.pooler is not None else h_BTD
+               lengths_B: Array | None = None, head_mask: Array | None = None,
+               return_weights: bool = False):
+    """h (B,T,D); with cfg.pooler, (h, pooled (B,D) from the first position).
+
+    With return_weights, (that, [self-attention weights (B,H,T,S) of each layer]).
+    """
+    h_BTD = self.hidden(tokens_BT, segments_BT, lengths_B, head_mask=head_mask,
+                        return_weights=return_weights)
+    h_BTD, weights = h_BTD if return_weights else (h_BTD, None)
+    out = (h_BTD, self.pool(h_BTD[:, 0])) if self.pooler is not None else h_BTD
+    return (out, weights) if return_weights else out
 
 
 class OutputHead(nnx.Module):
@@ -358,16 +392,25 @@ class DecoderLM(nnx.Module):
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
 
-  def __call__(self, tokens_BT: Array, head_mask: Array | None = None) -> Array:
-    """Logits (B,T,vocab); position t sees tokens up to t, so right padding needs no mask."""
+  def __call__(self, tokens_BT: Array, head_mask: Array | None = None,
+               return_weights: bool = False):
+    """Logits (B,T,vocab); position t sees tokens up to t, so right padding needs no mask.
+
+    With return_weights, (logits, [self-attention weights (B,H,T,T) of each layer]).
+    """
     self.embed.check(tokens_BT)
     B, T = tokens_BT.shape
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     mask = masks.causal_mask(T)
     h_BTD = self.embed(tokens_BT)
+    weights = []
     for block, gate in zip(self.blocks, gates):
-      h_BTD = block(h_BTD, mask, head_mask=gate)
-    return self.head(_norm(self.final_norm, h_BTD))
+      h_BTD = block(h_BTD, mask, head_mask=gate, return_weights=return_weights)
+      if return_weights:
+        h_BTD, w_BHTS = h_BTD
+        weights.append(w_BHTS)
+    logits_BTN = self.head(_norm(self.final_norm, h_BTD))
+    return (logits_BTN, weights) if return_weights else logits_BTN
 
 
 class SequenceClassifier(nnx.Module):
@@ -382,21 +425,28 @@ class SequenceClassifier(nnx.Module):
     self.head = nnx.Linear(cfg.d_model, cfg.num_classes, use_bias=cfg.use_bias, rngs=rngs)
 
   def __call__(self, tokens_BT: Array, lengths_B: Array | None = None,
-               segments_BT: Array | None = None, head_mask: Array | None = None) -> Array:
-    """Logits (B, num_classes); tokens past lengths_B are padding and change nothing."""
+               segments_BT: Array | None = None, head_mask: Array | None = None,
+               return_weights: bool = False):
+    """Logits (B, num_classes); tokens past lengths_B are padding and change nothing.
+
+    With return_weights, (logits, [self-attention weights (B,H,T',T') of each layer]), T' = 1+T
+    with a [CLS] position first (pooling "cls"), else T.
+    """
+    prefix_D = self.cls[...] if self.cls is not None else None
+    h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, prefix_D=prefix_D,
+                                head_mask=head_mask, return_weights=return_weights)
+    h_BTD, weights = h_BTD if return_weights else (h_BTD, None)
     if self.cls is not None:
-      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, prefix_D=self.cls[...],
-                                  head_mask=head_mask)
       pooled_BD = h_BTD[:, 0]
     else:
-      h_BTD = self.encoder.hidden(tokens_BT, segments_BT, lengths_B, head_mask=head_mask)
       T = tokens_BT.shape[1]
       lengths_B = jnp.full(tokens_BT.shape[:1], T) if lengths_B is None else lengths_B
       keep_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
       # where(), not a multiply, so that NaN or inf at padded positions cannot leak in.
       total_BD = jnp.where(keep_BT[..., None], h_BTD, 0.0).sum(axis=1)
       pooled_BD = total_BD / jnp.maximum(lengths_B, 1)[:, None].astype(h_BTD.dtype)
-    return self.head(self.encoder.pool(pooled_BD))
+    logits_BC = self.head(self.encoder.pool(pooled_BD))
+    return (logits_BC, weights) if return_weights else logits_BC
 
 
 class EncoderDecoder(nnx.Module):
@@ -437,6 +487,8 @@ class EncoderDecoder(nnx.Module):
     return self.head(_norm(self.decoder_norm, h_BTD))
 
 
-def count_params(model: nnx.Module) -> int:
-  """Stored parameters of a model: every nnx.Param array counted once (shared ones too)."""
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+# Model kind -> class. The kinds are attn.count's (count.model_param_count(cfg, kind) is the
+# one way to count a model's parameters) and the experiment tasks' (task.kind).
+MODELS: dict[str, type[nnx.Module]] = {"encoder": Encoder, "decoder_lm": DecoderLM,
+                                       "classifier": SequenceClassifier,
+                                       "encoder_decoder": EncoderDecoder}

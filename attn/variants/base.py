@@ -2,10 +2,11 @@
 
 A variant is a parameterization of one multi-head attention layer over a plain
 dict of arrays. Its `apply(params, x_BTD, context_BSD, *, cfg, mask,
-return_weights, head_mask)` returns `(y_BTD, weights_BHTS or None)`;
-`context_BSD` is None for self-attention; `head_mask` (H,) or (B,H) gates
-each query head's output before W^O (Michel et al. 2019), None meaning all
-ones. Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
+return_weights, head_mask, is_causal, kv_lengths)` returns `(y_BTD,
+weights_BHTS or None)`; `context_BSD` is None for self-attention; `head_mask`
+(H,) or (B,H) gates each query head's output before W^O (Michel et al. 2019),
+None meaning all ones; `is_causal` and `kv_lengths` are kernel.attention's
+structured masks, passed through to attend_and_project. Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
 element, forward only, for T queries and S keys. The KV-cache width is the
 elements cached per decoded token; the score weights are the weights the
 attention logits depend on, biases excluded.
@@ -103,9 +104,14 @@ def gate_heads(out_BTHV: Array, head_mask) -> Array:
 
 def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *,
                        cfg: HeadConfig, mask, return_weights: bool, dtype, head_mask=None,
-                       impl: str = "einsum"):
-  """The shared tail of every variant: attention, head gates, then w_o (as (H,V,D)) and b_o."""
-  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, scale=cfg.score_scale,
+                       is_causal: bool = False, kv_lengths=None, impl: str = "auto"):
+  """The shared tail of every variant: attention, head gates, then w_o (as (H,V,D)) and b_o.
+
+  impl "auto" (kernel.best_impl) is the einsum kernel for short sequences on CPU
+  and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES) without weights out.
+  """
+  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
+                         kv_lengths=kv_lengths, scale=cfg.score_scale,
                          return_weights=return_weights, impl=impl)
   out_BTHV, w_BHTS = out if return_weights else (out, None)
   w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)

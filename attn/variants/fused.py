@@ -52,18 +52,21 @@ def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig):
 
 
 # The attention core behind the projections: "auto" (the default) picks
-# kernel.best_impl for the inputs, i.e. the einsum kernel on CPU and cuDNN
-# flash attention on a GPU where it applies. Set this, or pass impl= to
-# apply, to force "einsum", "xla" or "cudnn" (jax.nn.dot_product_attention).
+# kernel.best_impl for the inputs: on CPU the einsum kernel, or the blocked
+# one for long sequences; cuDNN flash attention on a GPU where it applies.
+# Set this, or pass impl= to apply, to force "einsum", "blocked", "xla" or
+# "cudnn" (jax.nn.dot_product_attention).
 DEFAULT_IMPL = "auto"
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, impl: str | None = None):
+          return_weights: bool = False, head_mask=None, is_causal: bool = False,
+          kv_lengths=None, impl: str | None = None):
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg)
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, impl=DEFAULT_IMPL if impl is None else impl)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            impl=DEFAULT_IMPL if impl is None else impl)
 
 
 VARIANT = Variant(

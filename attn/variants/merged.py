@@ -45,7 +45,8 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None):
+          return_weights: bool = False, head_mask=None, is_causal: bool = False,
+          kv_lengths=None):
   """Scores as (x W_h + b_kc,h)·c: a D-wide query per head against the raw context."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, D = c_BSD.shape
@@ -56,7 +57,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
   return attend_and_project(params, qm_BTHD, c_BSGD, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
 
 
 def param_count(cfg: HeadConfig) -> int:
