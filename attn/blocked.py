@@ -1,0 +1,330 @@
+"""Blocked attention: exact softmax attention over blocks, never building a T×S array.
+
+Online softmax (Rabe & Staats 2021; FlashAttention-2 ordering, Dao 2023): the
+forward pass runs over query blocks, and for each over key blocks with a
+running max m, running sum l and unnormalised output in float32; it keeps only
+the output and the row log-sum-exp. The custom VJP recomputes each block's
+scores from q, k and lse instead of storing them, running over key blocks
+(dK, dV of a block finish in one pass) and, inside, over query blocks (dQ
+accumulates). Peak memory is inputs + outputs + a few (B,H,block_q,block_k)
+blocks, whatever T·S is.
+
+Structured masks never become arrays: is_causal (bottom-right aligned, key s
+visible to query t iff s <= t + S - T, as attn.masks.causal_mask) and
+kv_lengths (keys s >= kv_lengths[b] masked) are compared per block from
+iotas, and key blocks that no query of a block can see (above the causal
+diagonal, or past every length in the batch) are skipped by the loop bounds:
+causal attention does about half the work. A dense boolean mask is sliced
+per block and combined with them. Fully masked rows give 0, in value and
+gradient.
+
+Letters as in the README; t and s index a block's queries and keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+# Target block sizes, measured on a 2-core Zen 3 CPU (experiments/performance.md,
+# Long sequences): the actual blocks split T and S into equal parts no larger.
+BLOCK_Q = 256
+BLOCK_K = 512
+
+
+def block_sizes(T: int, S: int, block_q: int | None = None,
+                block_k: int | None = None) -> tuple[int, int]:
+  """(block_q, block_k) for T queries and S keys: the given sizes (at most T, S) or equal splits."""
+  def pick(n, given, target):
+    if given is not None:
+      return min(given, n)
+    parts = -(-n // target)
+    return -(-n // parts)
+  return pick(T, block_q, BLOCK_Q), pick(S, block_k, BLOCK_K)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The static shape of one blocked call: lengths, block sizes, causality, scale."""
+
+  T: int
+  S: int
+  bq: int
+  bk: int
+  is_causal: bool
+  scale: float
+  scale_q: bool  # float32: scale q (T·K values) rather than each block of logits
+  key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
+
+  @property
+  def nq(self) -> int:
+    return -(-self.T // self.bq)
+
+  @property
+  def nk(self) -> int:
+    return -(-self.S // self.bk)
+
+
+def _pad(x: Array, axis: int, size: int) -> Array:
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _rows(x_BTHX: Array, start, size: int, G: int) -> Array:
+  """Rows [start, start+size) of (B,T,H,...) as (B,G,M,...), M = R·t: a group's R heads stacked."""
+  blk = lax.dynamic_slice_in_dim(x_BTHX, start, size, axis=1)
+  B, t, H = blk.shape[:3]
+  blk = jnp.moveaxis(blk.reshape(B, t, G, H // G, *blk.shape[3:]), 1, 3)
+  return blk.reshape(B, G, (H // G) * t, *blk.shape[4:])
+
+
+def _unrows(x_BGMX: Array, R: int) -> Array:
+  """(B,G,M,...) with M = R·t back to (B,t,H,...)."""
+  B, G, M = x_BGMX.shape[:3]
+  x = x_BGMX.reshape(B, G, R, M // R, *x_BGMX.shape[3:])
+  return jnp.moveaxis(x, 3, 1).reshape(B, M // R, G * R, *x_BGMX.shape[3:])
+
+
+def _keys(x_BSGX: Array, start, size: int) -> Array:
+  """Keys or values [start, start+size) of (B,S,G,X) as (B,G,s,X)."""
+  return lax.dynamic_slice_in_dim(x_BSGX, start, size, axis=1).transpose(0, 2, 1, 3)
+
+
+def _key_blocks_for(plan: _Plan, i, key_end):
+  """Key blocks [0, hi) that query block i may see: causal diagonal and the longest kv length."""
+  hi = (key_end + plan.bk - 1) // plan.bk
+  if plan.is_causal:
+    t_last = jnp.minimum((i + 1) * plan.bq, plan.T) - 1  # the block's last real query
+    hi = jnp.minimum(hi, jnp.clip((t_last + plan.S - plan.T) // plan.bk + 1, 0, plan.nk))
+  return hi
+
+
+def _query_blocks_for(plan: _Plan, j):
+  """First query block that may see key block j (causal), else 0."""
+  if not plan.is_causal:
+    return 0
+  return jnp.clip((j * plan.bk - (plan.S - plan.T)) // plan.bq, 0, plan.nq)
+
+
+def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
+  """Which entries of block (i, j) may attend: (B,G,M,s), or (B,G,s,M) if keys_first; True = all."""
+  s_pos = j * plan.bk + jnp.arange(plan.bk)
+  t_pos = i * plan.bq + jnp.tile(jnp.arange(plan.bq), R)  # query position of each of the M rows
+  keep = True
+  if plan.key_limit:
+    keep_Bs = s_pos[None, :] < limit_B[:, None]
+    keep = keep_Bs[:, None, :, None] if keys_first else keep_Bs[:, None, None, :]
+  if plan.is_causal:
+    shift = plan.S - plan.T
+    keep = keep & (s_pos[:, None] <= t_pos[None, :] + shift if keys_first
+                   else s_pos[None, :] <= t_pos[:, None] + shift)
+  if mask5 is not None:
+    m = mask5
+    if m.shape[3] > 1:
+      m = lax.dynamic_slice_in_dim(m, i * plan.bq, plan.bq, axis=3)
+    if m.shape[4] > 1:
+      m = lax.dynamic_slice_in_dim(m, j * plan.bk, plan.bk, axis=4)
+    Bm, Gm, _, tm, sm = m.shape
+    m = jnp.broadcast_to(m, (Bm, Gm, R, plan.bq, sm)).reshape(Bm, Gm, R * plan.bq, sm)
+    keep = keep & (m.transpose(0, 1, 3, 2) if keys_first else m)
+  return keep
+
+
+def _masked(plan: _Plan, s, keep):
+  """Logits in float32, scaled unless q was, masked entries -inf."""
+  if not plan.scale_q:
+    s = s * plan.scale
+  return s if keep is True else jnp.where(keep, s, -jnp.inf)
+
+
+def _scaled_q(plan: _Plan, q_BTHK: Array) -> Array:
+  return q_BTHK * jnp.asarray(plan.scale, q_BTHK.dtype) if plan.scale_q else q_BTHK
+
+
+def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
+  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows)."""
+  B, Tp, H, K = q_BTHK.shape
+  G, V = k_BSGK.shape[2], v_BSGV.shape[3]
+  R, M = H // G, (H // G) * plan.bq
+  qs_BTHK = _scaled_q(plan, q_BTHK)
+  key_end = jnp.max(limit_B)
+
+  def query_block(i, carry):
+    out_BTHV, lse_BTH = carry
+    q_BGMK = _rows(qs_BTHK, i * plan.bq, plan.bq, G)
+
+    def key_block(j, state):
+      m_BGM, l_BGM, acc_BGMV = state
+      k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
+      v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
+      s = jnp.einsum("BGMK,BGsK->BGMs", q_BGMK, k_BGsK, preferred_element_type=jnp.float32)
+      s = _masked(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      m_new = jnp.maximum(m_BGM, s.max(-1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
+      p = jnp.exp(s - m_use[..., None])
+      alpha = jnp.exp(m_BGM - m_use)
+      pv = jnp.einsum("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV,
+                      preferred_element_type=jnp.float32)
+      return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
+
+    init = (jnp.full((B, G, M), -jnp.inf, jnp.float32), jnp.zeros((B, G, M), jnp.float32),
+            jnp.zeros((B, G, M, V), jnp.float32))
+    m, l, acc = lax.fori_loop(0, _key_blocks_for(plan, i, key_end), key_block, init)
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
+    lse_BGM = jnp.where(seen, m + jnp.log(l_safe), 0.0)
+    out_BTHV = lax.dynamic_update_slice_in_dim(
+        out_BTHV, _unrows(o_BGMV, R).astype(out_BTHV.dtype), i * plan.bq, axis=1)
+    lse_BTH = lax.dynamic_update_slice_in_dim(lse_BTH, _unrows(lse_BGM, R), i * plan.bq, axis=1)
+    return out_BTHV, lse_BTH
+
+  init = (jnp.zeros((B, Tp, H, V), q_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
+  return lax.fori_loop(0, plan.nq, query_block, init)
+
+
+def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV):
+  """dq, dk, dv by recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
+
+  Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
+  are all plain matmuls, with no transposed copy of a score block. dQ
+  accumulates transposed, (B,G,K,R,Tp), and is transposed once at the end.
+  """
+  B, Tp, H, K = q_BTHK.shape
+  Sp, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGV.shape[3]
+  R, M = H // G, (H // G) * plan.bq
+  dtype = q_BTHK.dtype
+  qs_BTHK = _scaled_q(plan, q_BTHK)
+  # delta_t = Σ_v dO·O = Σ_s P·dP: the softmax Jacobian's row term.
+  delta_BTH = jnp.einsum("BTHV,BTHV->BTH", do_BTHV.astype(jnp.float32),
+                         out_BTHV.astype(jnp.float32))
+  # With q pre-scaled, dS/dq = dS·k·scale and dS/dk = dSᵀ·(q·scale); else both carry scale.
+  dq_scale = plan.scale
+  dk_scale = 1.0 if plan.scale_q else plan.scale
+
+  def key_block(j, carry):
+    dq_BGKRT, dk_BSGK, dv_BSGV = carry
+    k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
+    v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
+    k_BGKs = k_BGsK.transpose(0, 1, 3, 2)
+
+    def query_block(i, state):
+      dq_BGKRT, dk_BGsK, dv_BGsV = state
+      t0 = i * plan.bq
+      q_BGMK = _rows(qs_BTHK, t0, plan.bq, G)
+      do_BGMV = _rows(do_BTHV, t0, plan.bq, G)
+      lse_BGM = _rows(lse_BTH, t0, plan.bq, G)
+      delta_BGM = _rows(delta_BTH, t0, plan.bq, G)
+      s = jnp.einsum("BGsK,BGMK->BGsM", k_BGsK, q_BGMK, preferred_element_type=jnp.float32)
+      s = _masked(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
+      p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
+      dv_BGsV = dv_BGsV + jnp.einsum("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV,
+                                     preferred_element_type=jnp.float32)
+      dp = jnp.einsum("BGsV,BGMV->BGsM", v_BGsV, do_BGMV, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta_BGM[:, :, None, :])).astype(dtype)
+      dk_BGsK = dk_BGsK + jnp.einsum("BGsM,BGMK->BGsK", ds, q_BGMK,
+                                     preferred_element_type=jnp.float32)
+      dq_BGKM = jnp.einsum("BGKs,BGsM->BGKM", k_BGKs, ds, preferred_element_type=jnp.float32)
+      dq_old = lax.dynamic_slice_in_dim(dq_BGKRT, t0, plan.bq, axis=4)
+      dq_new = dq_old + dq_BGKM.reshape(B, G, K, R, plan.bq)
+      return lax.dynamic_update_slice_in_dim(dq_BGKRT, dq_new, t0, axis=4), dk_BGsK, dv_BGsV
+
+    init = (dq_BGKRT, jnp.zeros((B, G, plan.bk, K), jnp.float32),
+            jnp.zeros((B, G, plan.bk, V), jnp.float32))
+    dq_BGKRT, dk_BGsK, dv_BGsV = lax.fori_loop(_query_blocks_for(plan, j), plan.nq,
+                                               query_block, init)
+    s0 = j * plan.bk
+    dk_BSGK = lax.dynamic_update_slice_in_dim(
+        dk_BSGK, (dk_BGsK * dk_scale).transpose(0, 2, 1, 3).astype(dk_BSGK.dtype), s0, axis=1)
+    dv_BSGV = lax.dynamic_update_slice_in_dim(
+        dv_BSGV, dv_BGsV.transpose(0, 2, 1, 3).astype(dv_BSGV.dtype), s0, axis=1)
+    return dq_BGKRT, dk_BSGK, dv_BSGV
+
+  # Key blocks past every kv length are skipped: their dk, dv stay 0.
+  hi = (jnp.max(limit_B) + plan.bk - 1) // plan.bk
+  init = (jnp.zeros((B, G, K, R, Tp), jnp.float32), jnp.zeros((B, Sp, G, K), k_BSGK.dtype),
+          jnp.zeros((B, Sp, G, V), v_BSGV.dtype))
+  dq_BGKRT, dk_BSGK, dv_BSGV = lax.fori_loop(0, hi, key_block, init)
+  dq_BTHK = (dq_BGKRT * dq_scale).transpose(0, 4, 1, 3, 2).reshape(B, Tp, H, K)
+  return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
+  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)[0]
+
+
+def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
+  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)
+  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH)
+
+
+def _core_bwd(plan: _Plan, res, do_BTHV):
+  q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH = res
+  dq, dk, dv = _backward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV)
+  return dq, dk, dv, None, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None:
+  """A dense mask broadcastable to (B,H,T,S) as (B|1, G|1, R|1, Tp|1, Sp|1), padded with False."""
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  Bm, Hm, Tm, Sm = mask.shape
+  m5 = mask[:, :, None] if Hm == 1 else mask.reshape(Bm, G, H // G, Tm, Sm)
+  if Tm > 1:
+    m5 = _pad(m5, 3, Tp)
+  if Sm > 1:
+    m5 = _pad(m5, 4, Sp)
+  return m5
+
+
+def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
+              is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
+              block_q: int | None = None, block_k: int | None = None) -> Array:
+  """softmax(scale · q kᵀ, masked) v over blocks; inputs checked by attn.kernel.attention."""
+  B, T, H, K = q_BTHK.shape
+  S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  bq, bk = block_sizes(T, S, block_q, block_k)
+  Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+  plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
+               scale_q=q_BTHK.dtype == jnp.float32,
+               key_limit=kv_lengths is not None or Sp > S)
+  limit_B = jnp.full((B,), S, jnp.int32)
+  if kv_lengths is not None:
+    limit_B = jnp.minimum(jnp.asarray(kv_lengths).astype(jnp.int32), S)
+  out_BTHV = _core(plan, _pad(q_BTHK, 1, Tp), _pad(k_BSGK, 1, Sp), _pad(v_BSGV, 1, Sp),
+                   limit_B, _mask5(mask, H, G, Tp, Sp))
+  return out_BTHV[:, :T]
+
+
+def work_fraction(T: int, S: int, *, is_causal: bool, block_q: int | None = None,
+                  block_k: int | None = None) -> float:
+  """The share of the T×S blocks the forward pass computes (1.0 without a causal mask)."""
+  bq, bk = block_sizes(T, S, block_q, block_k)
+  plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=is_causal, scale=1.0, scale_q=True)
+  done = 0
+  for i in range(plan.nq):
+    hi = plan.nk
+    if is_causal:
+      t_last = min((i + 1) * bq, T) - 1
+      hi = min(hi, max(0, (t_last + S - T) // bk + 1))
+    done += hi
+  return done / (plan.nq * plan.nk)
+
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "block_sizes", "work_fraction"]
