@@ -81,11 +81,11 @@ def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
 
 IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn")
 
-# impl="auto" on CPU: the blocked kernel from this many scores per (batch, head)
-# on, T·S >= 1024², where it measured at least as fast as the einsum kernel
-# forward+backward on a 2-core Zen 3 (experiments/performance.md, Long
-# sequences); below it the einsum kernel, whose T×S arrays are then small.
-BLOCKED_MIN_SCORES = 1024 * 1024
+# impl="auto" off cuDNN: the blocked kernel from T·S >= 384² scores per (batch,
+# head). Measured forward+backward on a 2-core Zen 3, H=8, K=V=64 (python
+# scripts/blocked_crossover.py; experiments/performance.md, Long sequences):
+# blocked ÷ einsum 1.15-1.19 at T=S=256, 0.85 at 384 (B=8), 0.68 at 512 (B=1).
+BLOCKED_MIN_SCORES = 384 * 384
 
 
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
@@ -178,7 +178,8 @@ def attention(
   no T×S array, masked blocks skipped; no weights out, no logits_bias), "xla"
   or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k and no weights
   out), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
-  from T·S >= BLOCKED_MIN_SCORES = 1024², else einsum).
+  from T·S >= BLOCKED_MIN_SCORES = 384², the crossover measured on CPU, else
+  einsum).
   """
   _check_qkv(q_BTHK, k_BSGK, v_BSGV)
   B, T, H, K = q_BTHK.shape

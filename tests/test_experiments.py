@@ -390,6 +390,11 @@ def test_measured_answer_compares_each_axis_with_the_others_fixed():
   (line,) = report.axis_answers(tied, ["model.num_heads", "model.d_k"])
   assert line.startswith("- **num_heads (tied to d_k)**")
   assert "one seed only" in report.verdict([0.9], [0.1, 0.2])
+  # Three seeds each, completely separated: clear (p = 1/20) even when one outlier keeps t below 3.
+  assert "a clear difference (2.5 standard errors" in report.verdict([0.988, 0.529, 0.477], [0.333, 0.212, 0.212])
+  assert "p = 0.05 by chance" in report.verdict([0.988, 0.529, 0.477], [0.333, 0.212, 0.212])
+  # Two seeds each, separated but under 3 standard errors: only suggestive.
+  assert "suggestive" in report.verdict([0.9, 0.5], [0.3, 0.2])
   # Overlapping trials are never "clear", however large the mean gap.
   assert "clear difference" not in report.verdict([0.9, 0.9, 0.1], [0.15, 0.15, 0.15])
   assert report.compare([0.9, 0.8], [0.1, 0.85])[2] == 0.75

@@ -92,17 +92,21 @@ def compare(a: list[float], b: list[float]) -> tuple[float, float, float]:
 
 
 def verdict(a: list[float], b: list[float]) -> str:
-  """Whether group a beats group b by more than seed noise, from the trials' final accuracies.
+  """Whether group a beats group b by more than seed noise, from the trials' final values.
 
-  Clear: the gap is at least 3 standard errors (Welch) and every trial of a beats
-  every trial of b. Suggestive: at least 2 standard errors. Otherwise it is within
-  seed noise; with one seed on either side there is no verdict.
+  Clear: every trial of a beats every trial of b, and either the gap is at least 3
+  standard errors (Welch) or each side has at least 3 seeds, where a complete
+  separation happens by chance with probability 1/C(n+m, n) <= 1/20 (a one-sided
+  Mann-Whitney test). Suggestive: at least 2 standard errors. Otherwise it is
+  within seed noise; with one seed on either side there is no verdict.
   """
   if min(len(a), len(b)) < 2:
     return "one seed only, so no verdict"
   gap, t, wins = compare(a, b)
-  if t >= 3 and wins == 1.0:
-    return f"a clear difference ({t:.1f} standard errors; every seed of one beats every seed of the other)"
+  if wins == 1.0 and (t >= 3 or min(len(a), len(b)) >= 3):
+    p = 1 / math.comb(len(a) + len(b), len(a))
+    return (f"a clear difference ({t:.1f} standard errors; every seed of one beats every seed of "
+            f"the other, p = {p:.2g} by chance)")
   if t >= 2:
     return f"suggestive, not clear ({t:.1f} standard errors, {wins:.0%} of seed pairs ordered so): more seeds would settle it"
   return f"within seed noise ({t:.1f} standard errors)"

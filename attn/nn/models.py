@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn import api, masks
+from attn import api
 from attn.config import HeadConfig, invalid
 from attn.nn.attention import MultiHeadAttention
 
@@ -288,15 +288,19 @@ class TransformerBlock(nnx.Module):
 
   def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
                context_mask: Array | None = None, head_mask: Array | None = None,
-               return_weights: bool = False):
+               return_weights: bool = False, is_causal: bool = False,
+               kv_lengths: Array | None = None, context_kv_lengths: Array | None = None):
     """x (B,T,D); with return_weights, (x, self-attention weights (B,H,T,S)).
 
     head_mask (H,) or (B,H) gates the heads of the self-attention only.
+    is_causal and kv_lengths are the self-attention's structured masks,
+    context_kv_lengths the cross-attention's (attn.apply).
     """
     seen = []
 
     def attend(h_BTD: Array) -> Array:
-      y = self.attn(h_BTD, mask=mask, head_mask=head_mask, return_weights=return_weights)
+      y = self.attn(h_BTD, mask=mask, head_mask=head_mask, return_weights=return_weights,
+                    is_causal=is_causal, kv_lengths=kv_lengths)
       if return_weights:
         y, w_BHTS = y
         seen.append(w_BHTS)
@@ -305,7 +309,8 @@ class TransformerBlock(nnx.Module):
     x_BTD = self._residual(self.attn_norm, attend, x_BTD)
     if self.cross is not None:
       x_BTD = self._residual(
-          self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask), x_BTD)
+          self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
+                                                kv_lengths=context_kv_lengths), x_BTD)
     x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD)
     return (x_BTD, seen[0]) if return_weights else x_BTD
 
@@ -335,14 +340,14 @@ class Encoder(nnx.Module):
     self.embed.check(tokens_BT, segments_BT, extra)
     B, T = tokens_BT.shape
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
-    mask = None
+    kv_lengths = None
     if lengths_B is not None:
       check_lengths("lengths", lengths_B, B, T)
-      mask = masks.padding_mask(lengths_B + extra, T + extra)
+      kv_lengths = lengths_B + extra
     h_BTD = self.embed(tokens_BT, segments_BT, prefix_D)
     weights = []
     for block, gate in zip(self.blocks, gates):
-      h_BTD = block(h_BTD, mask, head_mask=gate, return_weights=return_weights)
+      h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, kv_lengths=kv_lengths)
       if return_weights:
         h_BTD, w_BHTS = h_BTD
         weights.append(w_BHTS)
@@ -399,13 +404,11 @@ class DecoderLM(nnx.Module):
     With return_weights, (logits, [self-attention weights (B,H,T,T) of each layer]).
     """
     self.embed.check(tokens_BT)
-    B, T = tokens_BT.shape
-    gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
-    mask = masks.causal_mask(T)
+    gates = layer_gates(head_mask, tokens_BT.shape[0], len(self.blocks), self.cfg.num_heads)
     h_BTD = self.embed(tokens_BT)
     weights = []
     for block, gate in zip(self.blocks, gates):
-      h_BTD = block(h_BTD, mask, head_mask=gate, return_weights=return_weights)
+      h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, is_causal=True)
       if return_weights:
         h_BTD, w_BHTS = h_BTD
         weights.append(w_BHTS)
@@ -478,12 +481,10 @@ class EncoderDecoder(nnx.Module):
     enc_mask = None if head_mask is None else (
         head_mask[:n_enc] if head_mask.ndim == 2 else head_mask[:, :n_enc])
     mem_BSD = self.encoder.hidden(src_BS, lengths_B=src_lengths, head_mask=enc_mask)
-    S, T = src_BS.shape[1], tgt_BT.shape[1]
-    src_mask = None if src_lengths is None else masks.padding_mask(src_lengths, S)
     h_BTD = self.tgt_embed(tgt_BT)
-    causal = masks.causal_mask(T)
     for block, gate in zip(self.decoder, gates[n_enc:]):
-      h_BTD = block(h_BTD, causal, mem_BSD, src_mask, head_mask=gate)
+      h_BTD = block(h_BTD, context_BSD=mem_BSD, head_mask=gate, is_causal=True,
+                    context_kv_lengths=src_lengths)
     return self.head(_norm(self.decoder_norm, h_BTD))
 
 

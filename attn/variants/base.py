@@ -6,10 +6,11 @@ return_weights, head_mask, is_causal, kv_lengths)` returns `(y_BTD,
 weights_BHTS or None)`; `context_BSD` is None for self-attention; `head_mask`
 (H,) or (B,H) gates each query head's output before W^O (Michel et al. 2019),
 None meaning all ones; `is_causal` and `kv_lengths` are kernel.attention's
-structured masks, passed through to attend_and_project. Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
-element, forward only, for T queries and S keys. The KV-cache width is the
-elements cached per decoded token; the score weights are the weights the
-attention logits depend on, biases excluded.
+structured masks, passed through to attend_and_project. Counts are per
+layer; FLOPs count a multiply-add as 2 and are per batch element, forward
+only, for T queries and S keys. The KV-cache width is the elements cached per
+decoded token; the score weights are the weights the attention logits depend
+on, biases excluded.
 """
 
 from __future__ import annotations
