@@ -6,7 +6,8 @@
 
 For each NAME it runs `attn sweep configs/NAME.toml --out runs/NAME` (resuming
 a finished run costs nothing), then copies runs/NAME/report.md and its PNGs to
-experiments/NAME/ and writes experiments/NAME/run.json: the command, the
+experiments/NAME/ (with an analysed sweep, also one trial's plots as
+trial_*.png, named in trial_plots.txt) and writes experiments/NAME/run.json: the command, the
 wall time of this invocation, the date and the machine. The write-up
 experiments/NAME/README.md is prose and is not touched.
 """
@@ -38,6 +39,17 @@ def _cpu() -> str:
   return platform.processor() or platform.machine()
 
 
+def _example_trial(run_dir: str) -> str | None:
+  """The analysed trial (attn analyze) with the largest prunable fraction, first in sweep order on ties."""
+  best, best_value = None, -1.0
+  for path in sorted(glob.glob(os.path.join(run_dir, "trials", "*", "analysis.json"))):
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f).get("summary", {}).get("prunable_fraction") or 0.0
+    if value > best_value:
+      best, best_value = os.path.dirname(path), value
+  return best
+
+
 def reproduce(name: str, runs: str, report_only: bool) -> None:
   config = os.path.join("configs", f"{name}.toml")
   out = os.path.join(runs, name)
@@ -47,10 +59,17 @@ def reproduce(name: str, runs: str, report_only: bool) -> None:
   subprocess.run(cmd, cwd=ROOT, check=True)
   wall = time.perf_counter() - t0
   os.makedirs(dest, exist_ok=True)
-  for old in glob.glob(os.path.join(dest, "*.png")):
+  for old in glob.glob(os.path.join(dest, "*.png")) + glob.glob(os.path.join(dest, "trial_plots.txt")):
     os.remove(old)
   for path in [os.path.join(ROOT, out, "report.md"), *glob.glob(os.path.join(ROOT, out, "*.png"))]:
     shutil.copy(path, dest)
+  example = _example_trial(os.path.join(ROOT, out))
+  if example:  # one analysed trial's own plots, as trial_*.png
+    for path in glob.glob(os.path.join(example, "*.png")):
+      shutil.copy(path, os.path.join(dest, "trial_" + os.path.basename(path)))
+    with open(os.path.join(dest, "trial_plots.txt"), "w", encoding="utf-8") as f:
+      f.write(f"trial_*.png are the plots of trial {os.path.basename(example)} "
+              f"({os.path.relpath(example, ROOT)}): the analysed trial with the largest prunable fraction.\n")
   if report_only:
     return
   info = {"command": " ".join(cmd), "wall_s": round(wall, 1),
