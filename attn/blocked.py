@@ -151,12 +151,14 @@ def _scaled_q(plan: _Plan, q_BTHK: Array) -> Array:
   return q_BTHK * jnp.asarray(plan.scale, q_BTHK.dtype) if plan.scale_q else q_BTHK
 
 
-def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows)."""
-  B, Tp, H, K = q_BTHK.shape
+def _forward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
+  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
+
+  qs is q already scaled when plan.scale_q.
+  """
+  B, Tp, H, K = qs_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R, M = H // G, (H // G) * plan.bq
-  qs_BTHK = _scaled_q(plan, q_BTHK)
   key_end = jnp.max(limit_B)
 
   def query_block(i, carry):
@@ -189,22 +191,22 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
     lse_BTH = lax.dynamic_update_slice_in_dim(lse_BTH, _unrows(lse_BGM, R), i * plan.bq, axis=1)
     return out_BTHV, lse_BTH
 
-  init = (jnp.zeros((B, Tp, H, V), q_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
+  init = (jnp.zeros((B, Tp, H, V), qs_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV):
+def _backward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV):
   """dq, dk, dv by recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
-  are all plain matmuls, with no transposed copy of a score block. dQ
-  accumulates transposed, (B,G,K,R,Tp), and is transposed once at the end.
+  are all plain matmuls, with no transposed copy of a score block. Key block
+  j is read only by outer step j, so dk and dv overwrite k and v block by
+  block in the loop's carry: XLA may then reuse their buffers.
   """
-  B, Tp, H, K = q_BTHK.shape
-  Sp, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGV.shape[3]
-  R, M = H // G, (H // G) * plan.bq
-  dtype = q_BTHK.dtype
-  qs_BTHK = _scaled_q(plan, q_BTHK)
+  B, Tp, H, K = qs_BTHK.shape
+  G, V = k_BSGK.shape[2], v_BSGV.shape[3]
+  R = H // G
+  dtype = qs_BTHK.dtype
   # delta_t = Σ_v dO·O = Σ_s P·dP: the softmax Jacobian's row term.
   delta_BTH = jnp.einsum("BTHV,BTHV->BTH", do_BTHV.astype(jnp.float32),
                          out_BTHV.astype(jnp.float32))
@@ -213,13 +215,13 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse
   dk_scale = 1.0 if plan.scale_q else plan.scale
 
   def key_block(j, carry):
-    dq_BGKRT, dk_BSGK, dv_BSGV = carry
-    k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
-    v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
+    dq_BTHK, kdk_BSGK, vdv_BSGV = carry  # blocks >= j still hold k and v
+    k_BGsK = _keys(kdk_BSGK, j * plan.bk, plan.bk)
+    v_BGsV = _keys(vdv_BSGV, j * plan.bk, plan.bk)
     k_BGKs = k_BGsK.transpose(0, 1, 3, 2)
 
     def query_block(i, state):
-      dq_BGKRT, dk_BGsK, dv_BGsV = state
+      dq_BTHK, dk_BGsK, dv_BGsV = state
       t0 = i * plan.bq
       q_BGMK = _rows(qs_BTHK, t0, plan.bq, G)
       do_BGMV = _rows(do_BTHV, t0, plan.bq, G)
@@ -234,44 +236,47 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse
       ds = (p * (dp - delta_BGM[:, :, None, :])).astype(dtype)
       dk_BGsK = dk_BGsK + jnp.einsum("BGsM,BGMK->BGsK", ds, q_BGMK,
                                      preferred_element_type=jnp.float32)
+      # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
       dq_BGKM = jnp.einsum("BGKs,BGsM->BGKM", k_BGKs, ds, preferred_element_type=jnp.float32)
-      dq_old = lax.dynamic_slice_in_dim(dq_BGKRT, t0, plan.bq, axis=4)
-      dq_new = dq_old + dq_BGKM.reshape(B, G, K, R, plan.bq)
-      return lax.dynamic_update_slice_in_dim(dq_BGKRT, dq_new, t0, axis=4), dk_BGsK, dv_BGsV
+      dq_BtHK = _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * dq_scale
+      dq_old = lax.dynamic_slice_in_dim(dq_BTHK, t0, plan.bq, axis=1)
+      dq_BTHK = lax.dynamic_update_slice_in_dim(dq_BTHK, dq_old + dq_BtHK, t0, axis=1)
+      return dq_BTHK, dk_BGsK, dv_BGsV
 
-    init = (dq_BGKRT, jnp.zeros((B, G, plan.bk, K), jnp.float32),
+    init = (dq_BTHK, jnp.zeros((B, G, plan.bk, K), jnp.float32),
             jnp.zeros((B, G, plan.bk, V), jnp.float32))
-    dq_BGKRT, dk_BGsK, dv_BGsV = lax.fori_loop(_query_blocks_for(plan, j), plan.nq,
-                                               query_block, init)
+    # A key block past every kv length runs no query block: its dk, dv are 0.
+    lo = _query_blocks_for(plan, j)
+    hi = jnp.where(j < nk_seen, plan.nq, lo)
+    dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(lo, hi, query_block, init)
     s0 = j * plan.bk
-    dk_BSGK = lax.dynamic_update_slice_in_dim(
-        dk_BSGK, (dk_BGsK * dk_scale).transpose(0, 2, 1, 3).astype(dk_BSGK.dtype), s0, axis=1)
-    dv_BSGV = lax.dynamic_update_slice_in_dim(
-        dv_BSGV, dv_BGsV.transpose(0, 2, 1, 3).astype(dv_BSGV.dtype), s0, axis=1)
-    return dq_BGKRT, dk_BSGK, dv_BSGV
+    kdk_BSGK = lax.dynamic_update_slice_in_dim(
+        kdk_BSGK, (dk_BGsK * dk_scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype), s0, axis=1)
+    vdv_BSGV = lax.dynamic_update_slice_in_dim(
+        vdv_BSGV, dv_BGsV.transpose(0, 2, 1, 3).astype(vdv_BSGV.dtype), s0, axis=1)
+    return dq_BTHK, kdk_BSGK, vdv_BSGV
 
-  # Key blocks past every kv length are skipped: their dk, dv stay 0.
-  hi = (jnp.max(limit_B) + plan.bk - 1) // plan.bk
-  init = (jnp.zeros((B, G, K, R, Tp), jnp.float32), jnp.zeros((B, Sp, G, K), k_BSGK.dtype),
-          jnp.zeros((B, Sp, G, V), v_BSGV.dtype))
-  dq_BGKRT, dk_BSGK, dv_BSGV = lax.fori_loop(0, hi, key_block, init)
-  dq_BTHK = (dq_BGKRT * dq_scale).transpose(0, 4, 1, 3, 2).reshape(B, Tp, H, K)
+  nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk
+  init = (jnp.zeros((B, Tp, H, K), jnp.float32), k_BSGK, v_BSGV)
+  dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nk, key_block, init)
   return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)[0]
+  return _forward(plan, _scaled_q(plan, q_BTHK), k_BSGK, v_BSGV, limit_B, mask5)[0]
 
 
 def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)
-  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH)
+  # The residual is the scaled q, so that q itself (often a slice of a packed
+  # projection) need not stay alive until the backward pass.
+  qs_BTHK = _scaled_q(plan, q_BTHK)
+  out_BTHV, lse_BTH = _forward(plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5)
+  return out_BTHV, (qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH)
 
 
 def _core_bwd(plan: _Plan, res, do_BTHV):
-  q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH = res
-  dq, dk, dv = _backward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV)
+  dq, dk, dv = _backward(plan, *res, do_BTHV)
   return dq, dk, dv, None, None
 
 
@@ -302,7 +307,7 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   bq, bk = block_sizes(T, S, block_q, block_k)
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               scale_q=q_BTHK.dtype == jnp.float32,
+               scale_q=False,
                key_limit=kv_lengths is not None or Sp > S)
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
