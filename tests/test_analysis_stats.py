@@ -115,6 +115,7 @@ CFG = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4, d_ff=24,
                   variant="per_head")
 
 
+@pytest.mark.slow
 def test_decoder_weights_are_causal_softmax_rows_and_leave_logits_unchanged():
   model = DecoderLM(CFG, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (3, 9)), jnp.int32)
@@ -129,6 +130,7 @@ def test_decoder_weights_are_causal_softmax_rows_and_leave_logits_unchanged():
     assert float(jnp.abs(jnp.triu(w, 1)).max()) == 0.0
 
 
+@pytest.mark.slow
 def test_classifier_weights_cover_cls_and_mask_padding():
   model = SequenceClassifier(CFG.replace(num_classes=3, variant="fused"), rngs=nnx.Rngs(1))
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, 13, (2, 7)), jnp.int32)

@@ -23,6 +23,7 @@ def qkv(seed, B, T, S, H, G, K):
   return randn(seed, (B, T, H, K)), randn(seed + 1, (B, S, G, K)), randn(seed + 2, (B, S, G, K))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_dot_product_attention_impl_equals_einsum_kernel(shape):
   """impl="xla" (jax.nn.dot_product_attention) is the einsum kernel's function, blank rows included."""
@@ -57,6 +58,7 @@ def test_impl_refusals_are_clear_errors():
                             v.astype(jnp.bfloat16)) == "einsum"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cross", [False, True])
 def test_fused_implementations_agree_and_match_per_head(cross):
   """fused with each impl, per_head and the canonical conversion: one function."""
@@ -109,6 +111,26 @@ def test_bench_shape_rows_and_ratios():
   table = bench.markdown("tiny", result)
   assert table.count("\n| ") == len(rows) + 1 and "flax.nnx.MultiHeadAttention" in table
   json.dumps(result)  # JSON-serializable as is
+
+
+def test_long_shapes_time_cores_behind_the_same_projections(monkeypatch):
+  assert bench._names("long", bench.SHAPES, "--shapes", (), bench.GROUPS) == [
+      f"long-{T}{c}" for T in bench.LONG_LENGTHS for c in ("", "-causal")]
+  shape = bench.Shape(B=1, T=600, D=16, H=2, K=8, causal=True, long=True)
+  # A 4 MB budget: the blocked kernel fits (about 2 MB), the T×S arrays of the others do not.
+  monkeypatch.setattr(bench.peers_lib, "available_bytes", lambda: 2 * 4 * 2**20)
+  result = bench.bench_shape("tiny-long", shape, ["per_head"], "float32", repeats=1, peers=True,
+                             matmul_n=64, log=lambda _: None)
+  rows = {r["name"]: r for r in result["rows"]}
+  assert "fused" in rows and "per_head" not in rows  # the family times the fused layer only
+  for name in ("einsum", "jax_dpa"):
+    assert "budget" in result["skipped"][name]
+  assert rows["fused"]["peak_bytes"] <= 4 * 2**20
+  if "torch_sdpa" in rows:
+    assert "× torch SDPA" in bench.markdown("tiny-long", result)
+  pair = {"long-1024": result, "long-1024-causal": result}
+  assert bench.causal_ratios(pair) == {1024: pytest.approx(1.0)}
+  json.dumps(result)
 
 
 def test_cli_smoke_run_writes_json(tmp_path, capsys):

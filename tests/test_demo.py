@@ -9,6 +9,7 @@ from attn import HeadConfig, cli, demo
 from attn.convert import CONVERTERS, REGROUPERS, Converter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [
     HeadConfig(d_model=24, num_heads=4),
     HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=3, num_kv_heads=2),

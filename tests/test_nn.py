@@ -330,6 +330,7 @@ def test_decoder_lm_head_mask_is_zeroing_w_o():
     np.testing.assert_allclose(gated[b], run(ref, toks)[b], **TOL)
 
 
+@pytest.mark.slow
 def test_classifier_and_encoder_decoder_head_masks():
   cfg = GATED.replace(variant="merged", num_classes=3, norm="post")
   toks, lengths = tokens(9, (2, 5)), np.array([5, 3])
