@@ -11,6 +11,14 @@ GFLOP/s are divided by the rate of a 2048³ matmul in the same dtype, measured
 in the same run, to give "% mm". Peak memory is XLA's buffer assignment for the
 compiled forward+backward call: arguments + outputs + temporaries - aliased
 bytes (compiled.memory_analysis()), not the process's resident set.
+
+The long family (`--shapes long`: B=1, T = 1024, 4096, 16384, with and
+without a causal mask) times attention cores behind the same projections:
+attn's fused layer with the blocked kernel (the "fused" row) and with the
+einsum kernel, jax.nn.dot_product_attention, and torch's
+F.scaled_dot_product_attention; candidates whose XLA buffers would exceed half
+the available memory are skipped with that reason (--variants does not apply
+to the family). The candidates live in attn.bench_peers.
 """
 
 from __future__ import annotations
@@ -29,14 +37,18 @@ import jax
 import jax.numpy as jnp
 
 import attn
+from attn import bench_peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
-from attn.variants import fused
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-PEERS = ("flax", "jax_dpa", "torch")
+PEERS = ("flax", "jax_dpa", "torch", "torch_sdpa")  # rows that other rows are divided by
 PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "jax_dpa": "jax.nn.dot_product_attention",
-               "torch": "torch.nn.MultiheadAttention"}
+               "torch": "torch.nn.MultiheadAttention",
+               "torch_sdpa": "torch F.scaled_dot_product_attention",
+               "einsum": "fused, einsum kernel"}
+RATIO_LABELS = {"flax": "× flax", "jax_dpa": "× jax dpa", "torch": "× torch",
+                "torch_sdpa": "× torch SDPA"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +61,7 @@ class Shape:
   H: int
   K: int
   causal: bool = False
+  long: bool = False  # attention cores behind the fused projections (module docstring)
 
   @property
   def cfg(self) -> HeadConfig:
@@ -58,9 +71,15 @@ class Shape:
 SHAPES = {
     "reference": Shape(B=8, T=256, D=512, H=8, K=64),
     "causal": Shape(B=8, T=256, D=512, H=8, K=64, causal=True),
-    "long": Shape(B=8, T=1024, D=512, H=8, K=64),
     "small": Shape(B=32, T=64, D=64, H=4, K=16),  # the experiment runner's default model
 }
+LONG_LENGTHS = (1024, 4096, 16384)
+for _T in LONG_LENGTHS:
+  for _causal in (False, True):
+    SHAPES[f"long-{_T}{'-causal' if _causal else ''}"] = Shape(
+        B=1, T=_T, D=512, H=8, K=64, causal=_causal, long=True)
+GROUPS = {"long": tuple(n for n in SHAPES if n.startswith("long-"))}
+DEFAULT_SHAPES = ("reference", "causal", "small")
 QUICK_SHAPES = ("reference", "small")
 SWEEP_CONFIG = "builtin"
 # The runner's model and task for `--sweep` without a CONFIG: d_model 64, 2 layers, h = 1,
@@ -95,7 +114,8 @@ NOISY_SPREAD = 0.25  # (max - min) / median of the matmul's times above which a 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--shapes", default=None,
-                      help=f"comma-separated, from {','.join(SHAPES)} (default: all; --quick: "
+                      help=f"comma-separated, from {','.join([*SHAPES, *GROUPS])} (long: every "
+                           f"long-*; default: {','.join(DEFAULT_SHAPES)}; --quick: "
                            f"{','.join(QUICK_SHAPES)})")
   parser.add_argument("--variants", default=None,
                       help="comma-separated variant names (default: every registered variant)")
@@ -115,16 +135,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="training steps per trial for --sweep (default: the config's; --quick 20)")
 
 
-def _names(text: str | None, known, field: str, default) -> list[str]:
+def _names(text: str | None, known, field: str, default, groups=None) -> list[str]:
+  groups = groups or {}
   if text is None:
     return list(default)
-  names = [n.strip() for n in text.split(",") if n.strip()]
-  for n in names:
-    if n not in known:
-      raise invalid(field, n, f"comma-separated names from {sorted(known)}")
+  names = []
+  for n in (n.strip() for n in text.split(",") if n.strip()):
+    if n not in known and n not in groups:
+      raise invalid(field, n, f"comma-separated names from {sorted([*known, *groups])}")
+    names.extend(groups.get(n, (n,)))
   if not names:
     raise invalid(field, text, "at least one name")
-  return names
+  return list(dict.fromkeys(names))
 
 
 def machine_info() -> dict[str, Any]:
@@ -147,15 +169,20 @@ def machine_info() -> dict[str, Any]:
       versions[lib] = None
   return {"cpu": model, "cores": os.cpu_count(), "threads": _threads(),
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
+          "load_average": _load_average(),
           "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _threads() -> int:
-  """Cores this process may use: XLA's CPU thread pool uses one thread per core."""
+  return peers_lib.threads()
+
+
+def _load_average() -> list[float] | None:
+  """1, 5 and 15 minute load averages: how busy the machine was."""
   try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:
-    return os.cpu_count() or 1
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return None
 
 
 def _timer(fn: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
@@ -167,100 +194,30 @@ def _timer(fn: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
   return timed
 
 
-def _block(f, *args):
-  return lambda: jax.block_until_ready(f(*args))
-
-
-def _peak_bytes(compiled) -> int | None:
-  """XLA's assigned bytes for one call: arguments + outputs + temporaries - aliased."""
-  try:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-  except Exception:  # memory_analysis is not available on every backend
-    return None
-
-
-def _jax_pair(apply: Callable, params, x, dtype) -> dict[str, Any]:
-  """Forward and forward+backward calls of y = apply(params, x), with a fixed cotangent."""
-  ct = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(dtype)
-  fwd = jax.jit(apply).lower(params, x).compile()
-  # ct is an argument, not a closure constant, which XLA would try to fold into the program.
-  fb = jax.jit(jax.grad(lambda p, x, ct: jnp.sum((apply(p, x) * ct).astype(jnp.float32)),
-                        argnums=(0, 1))).lower(params, x, ct).compile()
-  return {"fwd": _block(fwd, params, x), "fb": _block(fb, params, x, ct),
-          "peak_bytes": _peak_bytes(fb)}
-
-
 def _variant_case(variant, shape: Shape, dtype, mask) -> dict[str, Any]:
-  cfg = shape.cfg
-  params = variant.init(jax.random.PRNGKey(0), cfg, dtype)
-  x = jax.random.normal(jax.random.PRNGKey(1), (shape.B, shape.T, shape.D)).astype(dtype)
-  apply = lambda p, x: variant.apply(p, x, None, cfg=cfg, mask=mask)[0]
-  return _jax_pair(apply, params, x, dtype)
+  return peers_lib.variant_case(variant, shape.cfg, shape.B, shape.T, dtype, mask)
 
 
-def _jax_dpa_case(shape: Shape, dtype, mask) -> dict[str, Any]:
-  """The fused variant's projections around jax.nn.dot_product_attention (XLA)."""
-  cfg = shape.cfg
-  params = fused.init(jax.random.PRNGKey(0), cfg, dtype)
-  x = jax.random.normal(jax.random.PRNGKey(1), (shape.B, shape.T, shape.D)).astype(dtype)
-  apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, mask=mask, impl="xla")[0]
-  return _jax_pair(apply, params, x, dtype)
-
-
-def _flax_case(shape: Shape, dtype, mask) -> dict[str, Any]:
-  from flax import nnx
-  layer = nnx.MultiHeadAttention(
-      num_heads=shape.H, in_features=shape.D, qkv_features=shape.H * shape.K,
-      out_features=shape.D, decode=False, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-  graph, state = nnx.split(layer)
-  x = jax.random.normal(jax.random.PRNGKey(1), (shape.B, shape.T, shape.D)).astype(dtype)
-  apply = lambda s, x: nnx.merge(graph, s)(x, mask=mask, deterministic=True)
-  return _jax_pair(apply, state, x, dtype)
-
-
-def _torch_case(shape: Shape, dtype_name: str) -> dict[str, Any] | None:
-  """torch.nn.MultiheadAttention, when installed and the shape has K = D / H (torch's only option)."""
-  try:
-    import torch
-  except ImportError:
-    return None
-  if shape.H * shape.K != shape.D:
-    return None
-  torch.set_num_threads(_threads())
-  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-  torch.manual_seed(0)
-  layer = torch.nn.MultiheadAttention(shape.D, shape.H, batch_first=True).to(tdtype)
-  x = torch.randn(shape.B, shape.T, shape.D, dtype=tdtype)
-  ct = torch.randn(shape.B, shape.T, shape.D, dtype=tdtype)
-  # torch's boolean attn_mask is True where attention is NOT allowed.
-  kw = {"need_weights": False}
-  if shape.causal:
-    kw.update(attn_mask=torch.ones(shape.T, shape.T, dtype=torch.bool).triu(1), is_causal=True)
-
-  def fwd():
-    with torch.no_grad():
-      layer(x, x, x, **kw)
-
-  def fb():
-    xg = x.detach().requires_grad_(True)
-    for p in layer.parameters():
-      p.grad = None
-    layer(xg, xg, xg, **kw)[0].backward(ct)
-  return {"fwd": fwd, "fb": fb, "peak_bytes": None}
-
-
-def _matmul_cases(dtype, dtype_name: str, n: int) -> dict[str, Callable[[], Any]]:
-  a = jax.random.normal(jax.random.PRNGKey(2), (n, n)).astype(dtype)
-  cases = {"jnp": _block(jax.jit(jnp.matmul), a, a)}
-  try:
-    import torch
-    ta = torch.randn(n, n, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name])
-    cases["torch"] = lambda: ta @ ta
-  except ImportError:
-    pass
-  return cases
+def _long_cases(shape: Shape, dtype, dtype_name: str,
+                peers: bool) -> tuple[dict[str, Any], dict[str, str]]:
+  """The fused layer with the blocked kernel, and the other cores behind the same projections."""
+  cfg, B, T, causal = shape.cfg, shape.B, shape.T, shape.causal
+  avail = peers_lib.available_bytes()
+  budget = None if avail is None else avail // 2
+  cases, skipped = {}, {}
+  cases["fused"] = peers_lib.fused_case(cfg, B, T, dtype, impl="blocked", is_causal=causal)
+  others = {"einsum": "einsum"} | ({"jax_dpa": "xla"} if peers else {})
+  for name, impl in others.items():
+    c = peers_lib.fused_case(cfg, B, T, dtype, impl=impl, is_causal=causal, max_bytes=budget)
+    if "skip" in c:
+      skipped[name] = c["skip"]
+    else:
+      cases[name] = c
+  if peers:
+    torch_case = peers_lib.torch_sdpa_case(cfg, B, T, dtype_name, causal)
+    if torch_case is not None:
+      cases["torch_sdpa"] = torch_case
+  return cases, skipped
 
 
 def _round_robin(groups: list[dict[str, Callable[[], Any]]], repeats: int,
@@ -299,7 +256,9 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
   dtype = DTYPES[dtype_name]
   mask = attn.causal_mask(shape.T) if shape.causal else None
   cases, skipped = {}, {}
-  for v in variants:
+  if shape.long:
+    cases, skipped = _long_cases(shape, dtype, dtype_name, peers)
+  for v in [] if shape.long else variants:
     variant = attn.get_variant(v)
     try:
       variant.check(shape.cfg)
@@ -307,17 +266,18 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
       skipped[v] = str(e)
       continue
     cases[v] = _variant_case(variant, shape, dtype, mask)
-  if peers:
-    cases["jax_dpa"] = _jax_dpa_case(shape, dtype, mask)
-    cases["flax"] = _flax_case(shape, dtype, mask)
-    torch_case = _torch_case(shape, dtype_name)
+  if peers and not shape.long:
+    cfg = shape.cfg
+    cases["jax_dpa"] = peers_lib.fused_case(cfg, shape.B, shape.T, dtype, impl="xla", mask=mask)
+    cases["flax"] = peers_lib.flax_case(cfg, shape.B, shape.T, dtype, mask)
+    torch_case = peers_lib.torch_mha_case(cfg, shape.B, shape.T, dtype_name, shape.causal)
     if torch_case is not None:
       cases["torch"] = torch_case
   groups = [{}, {}]  # jax, torch
-  for k, f in _matmul_cases(dtype, dtype_name, matmul_n).items():
+  for k, f in peers_lib.matmul_cases(dtype, dtype_name, matmul_n).items():
     groups[k == "torch"][f"mm:{k}"] = f
   for k, c in cases.items():
-    groups[k == "torch"].update({f"{k}:fwd": c["fwd"], f"{k}:fb": c["fb"]})
+    groups[k.startswith("torch")].update({f"{k}:fwd": c["fwd"], f"{k}:fb": c["fb"]})
   groups = [g for g in groups if g]
   log(f"[{name}] timing {sum(map(len, groups))} calls x {repeats} rounds ...")
   times = _round_robin(groups, repeats)
@@ -364,19 +324,24 @@ def markdown(name: str, result: dict[str, Any]) -> str:
   mm = result["matmul"]
   mm_text = ", ".join(f"{k} {v['gflops']:.0f} GFLOP/s (spread {100 * v['spread']:.0f}%)"
                       for k, v in mm.items())
+  names = {r["name"] for r in result["rows"]}
+  peers = [p for p in PEERS if p in names]
+  ratio_heads = "".join(f" {RATIO_LABELS[p]}{' (fwd / f+b)' if i == 0 else ''} |"
+                        for i, p in enumerate(peers))
   lines = [
       f"### {name}: B={s['B']} T=S={s['T']} D={s['D']} H={s['H']} K=V={s['K']}"
       f"{' causal' if s['causal'] else ''}, {result['dtype']}, median of {result['repeats']}",
       "", f"Matmul rate in this run: {mm_text}.", "",
-      "| layer | fwd ms | fwd % mm | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd % mm "
-      "| × flax (fwd / f+b) | × jax dpa | × torch | peak MB |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "| layer | fwd ms | fwd % mm | fwd+bwd ms | fwd+bwd GFLOP/s | fwd+bwd % mm |"
+      f"{ratio_heads} peak MB |",
+      "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(peers) + 1)]
   for r in result["rows"]:
     label = PEER_LABELS.get(r["name"], r["name"])
+    ratios = "".join(f" {_ratio(r, p)} |" for p in peers)
     lines.append(
         f"| {label} | {r['fwd']['ms']:.1f} | {r['fwd']['pct_matmul']:.0f}% | {r['fb']['ms']:.1f} "
-        f"| {r['fb']['gflops']:.0f} | {r['fb']['pct_matmul']:.0f}% | {_ratio(r, 'flax')} "
-        f"| {_ratio(r, 'jax_dpa')} | {_ratio(r, 'torch')} | {_mb(r['peak_bytes'])} |")
+        f"| {r['fb']['gflops']:.0f} | {r['fb']['pct_matmul']:.0f}% |{ratios} "
+        f"{_mb(r['peak_bytes'])} |")
   for v, why in result["skipped"].items():
     lines.append(f"\n{v}: skipped, {why}")
   spread = max(v["spread"] for v in mm.values())
@@ -385,6 +350,17 @@ def markdown(name: str, result: dict[str, Any]) -> str:
                  "of its median over the rounds, so ratios are rough; re-run on a quiet machine "
                  "(the JSON also holds min and process-CPU times).")
   return "\n".join(lines)
+
+
+def causal_ratios(results: dict[str, Any]) -> dict[int, float]:
+  """The fused layer's forward+backward time with a causal mask over without, per long T."""
+  out = {}
+  for T in LONG_LENGTHS:
+    pair = [results.get(f"long-{T}{suffix}") for suffix in ("", "-causal")]
+    if all(pair):
+      fb = [{r["name"]: r for r in p["rows"]}["fused"]["fb"]["ms"] for p in pair]
+      out[T] = fb[1] / fb[0]
+  return out
 
 
 def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[str, Any]:
@@ -443,7 +419,8 @@ def run(args: argparse.Namespace) -> int:
   dtype = args.dtype
   if dtype not in DTYPES:
     raise invalid("--dtype", dtype, f"one of {sorted(DTYPES)}")
-  shapes = _names(args.shapes, SHAPES, "--shapes", QUICK_SHAPES if args.quick else SHAPES)
+  shapes = _names(args.shapes, SHAPES, "--shapes", QUICK_SHAPES if args.quick else DEFAULT_SHAPES,
+                  GROUPS)
   variants = _names(args.variants, attn.VARIANTS, "--variants", attn.VARIANTS)
   repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
   if isinstance(repeats, bool) or repeats < 1:
@@ -452,7 +429,8 @@ def run(args: argparse.Namespace) -> int:
   log = lambda text: print(text, file=sys.stderr, flush=True)
   print(f"# attn bench\n\n{info['cpu']}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
-        + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "\n")
+        + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+        + f"; load average at start {info['load_average']}\n")
   print("Times are medians (ms). % mm: analytic GFLOP/s over this run's matmul rate. "
         "× peer: this layer's time over the peer's (below 1 is faster). "
         "fwd+bwd FLOPs = 3 × forward.\n")
@@ -462,7 +440,10 @@ def run(args: argparse.Namespace) -> int:
                                 not args.no_peers, log=log)
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
-            "shapes": results}
+            "shapes": results, "causal_ratio": causal_ratios(results)}
+  if report["causal_ratio"]:
+    print("Long sequences, fused layer, forward+backward time causal ÷ non-causal: "
+          + ", ".join(f"T={T} {x:.2f}" for T, x in report["causal_ratio"].items()) + "\n")
   if args.sweep:
     log("[sweep] training ...")
     steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)

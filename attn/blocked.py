@@ -6,8 +6,9 @@ running max m, running sum l and unnormalised output in float32; it keeps only
 the output and the row log-sum-exp. The custom VJP recomputes each block's
 scores from q, k and lse instead of storing them, running over key blocks
 (dK, dV of a block finish in one pass) and, inside, over query blocks (dQ
-accumulates). Peak memory is inputs + outputs + a few (B,H,block_q,block_k)
-blocks, whatever T·S is.
+accumulates). Memory is the inputs and outputs, the saved output and row
+log-sum-exp (for the backward pass), and a few (B,H,block_q,block_k) blocks,
+whatever T·S is.
 
 Structured masks never become arrays: is_causal (bottom-right aligned, key s
 visible to query t iff s <= t + S - T, as attn.masks.causal_mask) and
@@ -35,7 +36,7 @@ Array = jax.Array
 # Target block sizes, measured on a 2-core Zen 3 CPU (experiments/performance.md,
 # Long sequences): the actual blocks split T and S into equal parts no larger.
 BLOCK_Q = 256
-BLOCK_K = 512
+BLOCK_K = 256
 
 
 def block_sizes(T: int, S: int, block_q: int | None = None,
@@ -59,7 +60,6 @@ class _Plan:
   bk: int
   is_causal: bool
   scale: float
-  scale_q: bool  # float32: scale q (T·K values) rather than each block of logits
   key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
 
   @property
@@ -140,43 +140,43 @@ def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
   return keep
 
 
-def _masked(plan: _Plan, s, keep):
-  """Logits in float32, scaled unless q was, masked entries -inf."""
-  if not plan.scale_q:
-    s = s * plan.scale
+def _dot(spec: str, a: Array, b: Array) -> Array:
+  """A block matmul in float32."""
+  # Half-precision blocks are upcast first: XLA's CPU matmul lacks a bf16 x bf16
+  # -> f32 kernel for some block shapes, and the upcast copies one block only.
+  return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def _logits(plan: _Plan, s, keep):
+  """Scaled float32 logits of a block, masked entries -inf."""
+  # The scale rides on the block (fused into the exp pass), not on q: a scaled
+  # copy of q would be one more (B,T,H,K) array alive through the backward pass.
+  s = s * plan.scale
   return s if keep is True else jnp.where(keep, s, -jnp.inf)
 
 
-def _scaled_q(plan: _Plan, q_BTHK: Array) -> Array:
-  return q_BTHK * jnp.asarray(plan.scale, q_BTHK.dtype) if plan.scale_q else q_BTHK
-
-
-def _forward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
-
-  qs is q already scaled when plan.scale_q.
-  """
-  B, Tp, H, K = qs_BTHK.shape
+def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
+  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows)."""
+  B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R, M = H // G, (H // G) * plan.bq
   key_end = jnp.max(limit_B)
 
   def query_block(i, carry):
     out_BTHV, lse_BTH = carry
-    q_BGMK = _rows(qs_BTHK, i * plan.bq, plan.bq, G)
+    q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
 
     def key_block(j, state):
       m_BGM, l_BGM, acc_BGMV = state
       k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
       v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
-      s = jnp.einsum("BGMK,BGsK->BGMs", q_BGMK, k_BGsK, preferred_element_type=jnp.float32)
-      s = _masked(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      s = _dot("BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
+      s = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
       m_new = jnp.maximum(m_BGM, s.max(-1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
       p = jnp.exp(s - m_use[..., None])
       alpha = jnp.exp(m_BGM - m_use)
-      pv = jnp.einsum("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV,
-                      preferred_element_type=jnp.float32)
+      pv = _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV)
       return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
 
     init = (jnp.full((B, G, M), -jnp.inf, jnp.float32), jnp.zeros((B, G, M), jnp.float32),
@@ -191,11 +191,11 @@ def _forward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
     lse_BTH = lax.dynamic_update_slice_in_dim(lse_BTH, _unrows(lse_BGM, R), i * plan.bq, axis=1)
     return out_BTHV, lse_BTH
 
-  init = (jnp.zeros((B, Tp, H, V), qs_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
+  init = (jnp.zeros((B, Tp, H, V), q_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _backward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV):
+def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV):
   """dq, dk, dv by recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
@@ -203,16 +203,15 @@ def _backward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, ls
   j is read only by outer step j, so dk and dv overwrite k and v block by
   block in the loop's carry: XLA may then reuse their buffers.
   """
-  B, Tp, H, K = qs_BTHK.shape
+  B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R = H // G
-  dtype = qs_BTHK.dtype
+  dtype = q_BTHK.dtype
   # delta_t = Σ_v dO·O = Σ_s P·dP: the softmax Jacobian's row term.
   delta_BTH = jnp.einsum("BTHV,BTHV->BTH", do_BTHV.astype(jnp.float32),
                          out_BTHV.astype(jnp.float32))
-  # With q pre-scaled, dS/dq = dS·k·scale and dS/dk = dSᵀ·(q·scale); else both carry scale.
-  dq_scale = plan.scale
-  dk_scale = 1.0 if plan.scale_q else plan.scale
+  # logits = scale·q·kᵀ: dq = scale·dS·k and dk = scale·dSᵀ·q.
+  nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk  # key blocks before every length ends
 
   def key_block(j, carry):
     dq_BTHK, kdk_BSGK, vdv_BSGV = carry  # blocks >= j still hold k and v
@@ -223,22 +222,20 @@ def _backward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, ls
     def query_block(i, state):
       dq_BTHK, dk_BGsK, dv_BGsV = state
       t0 = i * plan.bq
-      q_BGMK = _rows(qs_BTHK, t0, plan.bq, G)
+      q_BGMK = _rows(q_BTHK, t0, plan.bq, G)
       do_BGMV = _rows(do_BTHV, t0, plan.bq, G)
       lse_BGM = _rows(lse_BTH, t0, plan.bq, G)
       delta_BGM = _rows(delta_BTH, t0, plan.bq, G)
-      s = jnp.einsum("BGsK,BGMK->BGsM", k_BGsK, q_BGMK, preferred_element_type=jnp.float32)
-      s = _masked(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
+      s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
+      s = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
       p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
-      dv_BGsV = dv_BGsV + jnp.einsum("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV,
-                                     preferred_element_type=jnp.float32)
-      dp = jnp.einsum("BGsV,BGMV->BGsM", v_BGsV, do_BGMV, preferred_element_type=jnp.float32)
+      dv_BGsV = dv_BGsV + _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
+      dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
       ds = (p * (dp - delta_BGM[:, :, None, :])).astype(dtype)
-      dk_BGsK = dk_BGsK + jnp.einsum("BGsM,BGMK->BGsK", ds, q_BGMK,
-                                     preferred_element_type=jnp.float32)
+      dk_BGsK = dk_BGsK + _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
       # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
-      dq_BGKM = jnp.einsum("BGKs,BGsM->BGKM", k_BGKs, ds, preferred_element_type=jnp.float32)
-      dq_BtHK = _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * dq_scale
+      dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGKs, ds)
+      dq_BtHK = _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
       dq_old = lax.dynamic_slice_in_dim(dq_BTHK, t0, plan.bq, axis=1)
       dq_BTHK = lax.dynamic_update_slice_in_dim(dq_BTHK, dq_old + dq_BtHK, t0, axis=1)
       return dq_BTHK, dk_BGsK, dv_BGsV
@@ -250,13 +247,12 @@ def _backward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, ls
     hi = jnp.where(j < nk_seen, plan.nq, lo)
     dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(lo, hi, query_block, init)
     s0 = j * plan.bk
-    kdk_BSGK = lax.dynamic_update_slice_in_dim(
-        kdk_BSGK, (dk_BGsK * dk_scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype), s0, axis=1)
-    vdv_BSGV = lax.dynamic_update_slice_in_dim(
-        vdv_BSGV, dv_BGsV.transpose(0, 2, 1, 3).astype(vdv_BSGV.dtype), s0, axis=1)
+    dk_BsGK = (dk_BGsK * plan.scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype)
+    kdk_BSGK = lax.dynamic_update_slice_in_dim(kdk_BSGK, dk_BsGK, s0, axis=1)
+    dv_BsGV = dv_BGsV.transpose(0, 2, 1, 3).astype(vdv_BSGV.dtype)
+    vdv_BSGV = lax.dynamic_update_slice_in_dim(vdv_BSGV, dv_BsGV, s0, axis=1)
     return dq_BTHK, kdk_BSGK, vdv_BSGV
 
-  nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk
   init = (jnp.zeros((B, Tp, H, K), jnp.float32), k_BSGK, v_BSGV)
   dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nk, key_block, init)
   return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV
@@ -264,15 +260,12 @@ def _backward(plan: _Plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, ls
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  return _forward(plan, _scaled_q(plan, q_BTHK), k_BSGK, v_BSGV, limit_B, mask5)[0]
+  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)[0]
 
 
 def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  # The residual is the scaled q, so that q itself (often a slice of a packed
-  # projection) need not stay alive until the backward pass.
-  qs_BTHK = _scaled_q(plan, q_BTHK)
-  out_BTHV, lse_BTH = _forward(plan, qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5)
-  return out_BTHV, (qs_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH)
+  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)
+  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH)
 
 
 def _core_bwd(plan: _Plan, res, do_BTHV):
@@ -307,7 +300,6 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   bq, bk = block_sizes(T, S, block_q, block_k)
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               scale_q=False,
                key_limit=kv_lengths is not None or Sp > S)
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
@@ -321,14 +313,8 @@ def work_fraction(T: int, S: int, *, is_causal: bool, block_q: int | None = None
                   block_k: int | None = None) -> float:
   """The share of the T×S blocks the forward pass computes (1.0 without a causal mask)."""
   bq, bk = block_sizes(T, S, block_q, block_k)
-  plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=is_causal, scale=1.0, scale_q=True)
-  done = 0
-  for i in range(plan.nq):
-    hi = plan.nk
-    if is_causal:
-      t_last = min((i + 1) * bq, T) - 1
-      hi = min(hi, max(0, (t_last + S - T) // bk + 1))
-    done += hi
+  plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=is_causal, scale=1.0)
+  done = sum(int(_key_blocks_for(plan, i, S)) for i in range(plan.nq))
   return done / (plan.nq * plan.nk)
 
 

@@ -154,7 +154,7 @@ def check_head_mask(head_mask: Any, batch: int, num_heads: int) -> None:
 
 
 def check_kv_lengths(kv_lengths: Any, batch: int, length: int) -> None:
-  """kv_lengths: (B,) integers, keys s >= kv_lengths[b] masked; concrete values must lie in [0, S]."""
+  """kv_lengths: (B,) integers (keys s >= kv_lengths[b] are masked); concrete ones in [0, S]."""
   if kv_lengths is None:
     return
   shape = getattr(kv_lengths, "shape", None)

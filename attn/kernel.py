@@ -82,15 +82,16 @@ def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
 IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn")
 
 # impl="auto" off cuDNN: the blocked kernel from T·S >= 384² scores per (batch,
-# head). Measured forward+backward on a 2-core Zen 3, H=8, K=V=64 (python
-# scripts/blocked_crossover.py; experiments/performance.md, Long sequences):
-# blocked ÷ einsum 1.15-1.19 at T=S=256, 0.85 at 384 (B=8), 0.68 at 512 (B=1).
+# head). Measured forward+backward on a 2-core Zen 3, H=8, K=V=64, float32
+# (python scripts/blocked_crossover.py; experiments/performance.md, Long
+# sequences): blocked ÷ einsum at B=8 1.32 for T=S=256, 0.99 for 384, 0.81 for
+# 512; at B=1 the blocked kernel wins from T=S=256 (0.67).
 BLOCKED_MIN_SCORES = 384 * 384
 
 
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
               logits_bias: Array | None = None) -> str:
-  """"cudnn" on a GPU where it applies; else "blocked" for T·S >= BLOCKED_MIN_SCORES; else "einsum".
+  """"cudnn" on a GPU where it applies; "blocked" for T·S >= BLOCKED_MIN_SCORES; else "einsum".
 
   cuDNN: half-precision heads with d_v = d_k (a multiple of 8, at most 128),
   no weights out, no logits_bias. The blocked kernel needs no weights out and

@@ -1,4 +1,4 @@
-"""Where the blocked attention core overtakes the einsum one on this machine: the rule behind impl="auto".
+"""Where the blocked attention core overtakes the einsum one: the rule behind impl="auto".
 
   python scripts/blocked_crossover.py [--lengths 256,512,...] [--rounds 5] [--batch 1]
 

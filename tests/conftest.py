@@ -40,6 +40,10 @@ CONFIGS = {
 }
 
 
+# Configs with nothing awkward about them: parametrized suites run them in the slow tier only.
+PLAIN_CONFIGS = ("base", "single_head")
+
+
 @pytest.fixture(params=sorted(CONFIGS), ids=sorted(CONFIGS))
 def cfg(request):
   return CONFIGS[request.param]

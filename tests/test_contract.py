@@ -15,7 +15,7 @@ import pytest
 
 import attn
 from attn import ConfigError
-from conftest import CONFIGS, randn, random_params
+from conftest import CONFIGS, PLAIN_CONFIGS, randn, random_params
 
 B, T, S = 2, 5, 7
 
@@ -29,7 +29,9 @@ def cases():
         variant.check(cfg)
       except ConfigError:
         continue
-      out.append(pytest.param(name, cname, id=f"{name}-{cname}"))
+      # The plain configs add little to the awkward ones; they run in the slow tier.
+      marks = pytest.mark.slow if cname in PLAIN_CONFIGS else ()
+      out.append(pytest.param(name, cname, id=f"{name}-{cname}", marks=marks))
   return out
 
 

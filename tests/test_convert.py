@@ -11,7 +11,7 @@ import pytest
 import attn
 from attn import ConfigError, HeadConfig, masks
 from attn.convert import LossyConversionWarning, convert
-from conftest import CONFIGS, randn
+from conftest import CONFIGS, randn, PLAIN_CONFIGS
 from conftest import fresh_params as fresh
 
 B, T, S = 2, 5, 7
@@ -66,7 +66,8 @@ DIRECT = [("two_stage", "per_head"), ("per_head", "merged"), ("per_head", "colla
           ("split_input", "per_head")]
 COMPOSED = [("fused", "merged"), ("two_stage", "merged"), ("fused", "collaborative"),
             ("split_input", "merged"), ("two_stage", "fused")]
-EXACT_CASES = [pytest.param(s, d, c, id=f"{s}->{d}-{c}") for s, d in DIRECT
+EXACT_CASES = [pytest.param(s, d, c, id=f"{s}->{d}-{c}",
+                            marks=pytest.mark.slow if c in PLAIN_CONFIGS else ()) for s, d in DIRECT
                for c in sorted(CONFIGS) if accepts(s, CONFIGS[c]) and accepts(d, CONFIGS[c])]
 EXACT_CASES += [pytest.param(s, d, c, id=f"{s}->{d}-{c}") for s, d in COMPOSED
                 for c in ("gqa", "mqa_nobias")]

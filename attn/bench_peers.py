@@ -1,0 +1,187 @@
+"""What `attn bench` times: attn's layers and the peers, as forward and forward+backward calls.
+
+Every candidate is a dict {"fwd": call, "fb": call, "peak_bytes": int or None}
+whose calls block until done. JAX candidates are compiled here (their
+peak_bytes is XLA's buffer assignment for the forward+backward call); torch
+candidates have none. The peers at the standard shapes are whole layers
+(flax.nnx.MultiHeadAttention, torch.nn.MultiheadAttention); at the long
+shapes every core sits behind the same projections: attn's fused layer with
+the blocked or einsum kernel, with jax.nn.dot_product_attention, and torch's
+Linear + F.scaled_dot_product_attention + Linear.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from attn.config import HeadConfig
+from attn.variants import fused
+
+Candidate = dict[str, Any]
+
+
+def threads() -> int:
+  """Cores this process may use: XLA's CPU thread pool uses one thread per core."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def block(f, *args) -> Callable[[], Any]:
+  return lambda: jax.block_until_ready(f(*args))
+
+
+def peak_bytes(compiled) -> int | None:
+  """XLA's assigned bytes for one call: arguments + outputs + temporaries - aliased."""
+  try:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+  except Exception:  # memory_analysis is not available on every backend
+    return None
+
+
+def jax_pair(apply: Callable, params, x, dtype, *, max_bytes: int | None = None) -> Candidate:
+  """Forward and forward+backward calls of y = apply(params, x), with a fixed cotangent.
+
+  With max_bytes, a forward+backward whose compiled buffers exceed it is not
+  run: the candidate is {"skip": reason} instead.
+  """
+  ct = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(dtype)
+  # ct is an argument, not a closure constant, which XLA would try to fold into the program.
+  fb = jax.jit(jax.grad(lambda p, x, ct: jnp.sum((apply(p, x) * ct).astype(jnp.float32)),
+                        argnums=(0, 1))).lower(params, x, ct).compile()
+  peak = peak_bytes(fb)
+  if max_bytes is not None and peak is not None and peak > max_bytes:
+    return {"skip": f"needs {peak / 2**30:.1f} GB of XLA buffers for forward+backward, more "
+                    f"than the {max_bytes / 2**30:.1f} GB budget (half the available memory)"}
+  fwd = jax.jit(apply).lower(params, x).compile()
+  return {"fwd": block(fwd, params, x), "fb": block(fb, params, x, ct), "peak_bytes": peak}
+
+
+def _input(B: int, T: int, D: int, dtype):
+  return jax.random.normal(jax.random.PRNGKey(1), (B, T, D)).astype(dtype)
+
+
+def variant_case(variant, cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
+  """One registered variant at its default attention core."""
+  params = variant.init(jax.random.PRNGKey(0), cfg, dtype)
+  apply = lambda p, x: variant.apply(p, x, None, cfg=cfg, mask=mask)[0]
+  return jax_pair(apply, params, _input(B, T, cfg.d_model, dtype), dtype)
+
+
+def fused_case(cfg: HeadConfig, B: int, T: int, dtype, *, impl: str, mask=None,
+               is_causal: bool = False, max_bytes: int | None = None) -> Candidate:
+  """The fused variant's projections around one attention core: impl "blocked", "einsum", "xla"."""
+  params = fused.init(jax.random.PRNGKey(0), cfg, dtype)
+  apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, mask=mask, is_causal=is_causal,
+                                   impl=impl)[0]
+  return jax_pair(apply, params, _input(B, T, cfg.d_model, dtype), dtype, max_bytes=max_bytes)
+
+
+def flax_case(cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
+  from flax import nnx
+  layer = nnx.MultiHeadAttention(
+      num_heads=cfg.num_heads, in_features=cfg.d_model, qkv_features=cfg.num_heads * cfg.d_k,
+      out_features=cfg.d_model, decode=False, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(layer)
+  apply = lambda s, x: nnx.merge(graph, s)(x, mask=mask, deterministic=True)
+  return jax_pair(apply, state, _input(B, T, cfg.d_model, dtype), dtype)
+
+
+def _torch_dtype(torch, dtype_name: str):
+  return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+
+
+def _torch_calls(torch, layer, params, B: int, T: int, D: int, tdtype) -> Candidate:
+  """Forward (no grad) and forward+backward (grads of params and x) calls of a torch layer."""
+  torch.manual_seed(0)
+  x = torch.randn(B, T, D, dtype=tdtype)
+  ct = torch.randn(B, T, D, dtype=tdtype)
+  params = list(params)
+
+  def fwd():
+    with torch.no_grad():
+      layer(x)
+
+  def fb():
+    xg = x.detach().requires_grad_(True)
+    for p in params:
+      p.grad = None
+    layer(xg).backward(ct)
+  return {"fwd": fwd, "fb": fb, "peak_bytes": None}
+
+
+def torch_mha_case(cfg: HeadConfig, B: int, T: int, dtype_name: str,
+                   causal: bool) -> Candidate | None:
+  """torch.nn.MultiheadAttention, when installed and K = D / H (torch's only option)."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  if cfg.num_heads * cfg.d_k != cfg.d_model:
+    return None
+  torch.set_num_threads(threads())
+  torch.manual_seed(0)
+  mha = torch.nn.MultiheadAttention(cfg.d_model, cfg.num_heads, batch_first=True).to(
+      _torch_dtype(torch, dtype_name))
+  # torch's boolean attn_mask is True where attention is NOT allowed.
+  kw = {"need_weights": False}
+  if causal:
+    kw.update(attn_mask=torch.ones(T, T, dtype=torch.bool).triu(1), is_causal=True)
+  return _torch_calls(torch, lambda x: mha(x, x, x, **kw)[0], mha.parameters(), B, T,
+                      cfg.d_model, _torch_dtype(torch, dtype_name))
+
+
+def torch_sdpa_case(cfg: HeadConfig, B: int, T: int, dtype_name: str,
+                    causal: bool) -> Candidate | None:
+  """torch Linear(D, 3·H·K) + F.scaled_dot_product_attention + Linear(H·K, D), when installed."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  if cfg.d_k != cfg.d_v or cfg.num_kv_heads != cfg.num_heads:
+    return None
+  torch.set_num_threads(threads())
+  tdtype = _torch_dtype(torch, dtype_name)
+  torch.manual_seed(0)
+  H, K, D = cfg.num_heads, cfg.d_k, cfg.d_model
+  qkv = torch.nn.Linear(D, 3 * H * K).to(tdtype)
+  out = torch.nn.Linear(H * K, D).to(tdtype)
+
+  def layer(x):
+    q, k, v = qkv(x).view(B, T, 3, H, K).permute(2, 0, 3, 1, 4)
+    # torch's is_causal is top-left aligned; with T = S it is attn's causal mask.
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return out(o.transpose(1, 2).reshape(B, T, H * K))
+  return _torch_calls(torch, layer, [*qkv.parameters(), *out.parameters()], B, T, D, tdtype)
+
+
+def matmul_cases(dtype, dtype_name: str, n: int) -> dict[str, Callable[[], Any]]:
+  """An n³ matmul in jnp (and torch): the machine's rate, measured in the same rounds."""
+  a = jax.random.normal(jax.random.PRNGKey(2), (n, n)).astype(dtype)
+  cases = {"jnp": block(jax.jit(jnp.matmul), a, a)}
+  try:
+    import torch
+    ta = torch.randn(n, n, dtype=_torch_dtype(torch, dtype_name))
+    cases["torch"] = lambda: ta @ ta
+  except ImportError:
+    pass
+  return cases
+
+
+def available_bytes() -> int | None:
+  """MemAvailable from /proc/meminfo, or None where there is none."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
