@@ -95,6 +95,7 @@ def test_dense_is_a_matmul_over_leading_axes():
   np.testing.assert_allclose(base.dense(x[0], w, 0.0), x[0] @ w, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bench_shape_rows_and_ratios():
   shape = bench.Shape(B=2, T=8, D=16, H=2, K=8, causal=True)
   result = bench.bench_shape("tiny", shape, ["fused", "per_head"], "float32", repeats=1,

@@ -233,6 +233,7 @@ def test_apply_refuses_bad_structured_masks():
     attn.apply("fused", params, x, cfg=cfg, is_causal="yes")
 
 
+@pytest.mark.slow
 def test_models_outputs_equal_the_dense_mask_path():
   """Models pass is_causal / kv_lengths; the same blocks fed dense masks give the same outputs."""
   cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=2, num_heads=4, d_ff=32, max_len=16,
