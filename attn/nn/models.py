@@ -315,6 +315,17 @@ class TransformerBlock(nnx.Module):
     return (x_BTD, seen[0]) if return_weights else x_BTD
 
 
+def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
+  """h through each block with its row of gates; (h, [w_BHTS per block] or [])."""
+  weights = []
+  for block, gate in zip(blocks, gates):
+    h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
+    if return_weights:
+      h_BTD, w_BHTS = h_BTD
+      weights.append(w_BHTS)
+  return h_BTD, weights
+
+
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
   return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross) for _ in range(n)])
 
@@ -345,12 +356,7 @@ class Encoder(nnx.Module):
       check_lengths("lengths", lengths_B, B, T)
       kv_lengths = lengths_B + extra
     h_BTD = self.embed(tokens_BT, segments_BT, prefix_D)
-    weights = []
-    for block, gate in zip(self.blocks, gates):
-      h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, kv_lengths=kv_lengths)
-      if return_weights:
-        h_BTD, w_BHTS = h_BTD
-        weights.append(w_BHTS)
+    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, kv_lengths=kv_lengths)
     h_BTD = _norm(self.final_norm, h_BTD)
     return (h_BTD, weights) if return_weights else h_BTD
 
@@ -406,12 +412,7 @@ class DecoderLM(nnx.Module):
     self.embed.check(tokens_BT)
     gates = layer_gates(head_mask, tokens_BT.shape[0], len(self.blocks), self.cfg.num_heads)
     h_BTD = self.embed(tokens_BT)
-    weights = []
-    for block, gate in zip(self.blocks, gates):
-      h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, is_causal=True)
-      if return_weights:
-        h_BTD, w_BHTS = h_BTD
-        weights.append(w_BHTS)
+    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, is_causal=True)
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
 
