@@ -7,9 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_structured,
-                         invalid)
-from attn.variants import VARIANTS
+from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_positions,
+                         check_structured, invalid)
+from attn.variants import VARIANTS, rope
 from attn.variants.base import Params, Variant
 
 
@@ -59,7 +59,7 @@ def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
 
 def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None):
+          kv_lengths=None, positions=None):
   """y (B,T,D) of the attention layer; with return_weights, (y, weights (B,H,T,S)).
 
   context (B,S,D) gives cross-attention; None means self-attention. mask is
@@ -70,14 +70,24 @@ def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mas
   head_mask, float (H,) or (B,H), multiplies each query head's output before
   W^O (Michel et al. 2019): all ones is the layer itself, ξ_h = 0 removes head
   h, and ∂loss/∂ξ is the head's importance. None means no gates.
+  positions, integer (T,) or (B,T), are the positions of x's tokens for RoPE
+  (cfg.rope_dim > 0; ignored otherwise), used for the queries and, in
+  self-attention, for the keys; cross-attention keys sit at 0..S−1. None
+  means 0..T−1.
   """
   v = check_config(variant, cfg)
   check_inputs(cfg, x, context, mask)
   check_structured(is_causal, kv_lengths, x.shape[0], (x if context is None else context).shape[1])
   check_head_mask(head_mask, x.shape[0], cfg.num_heads)
+  check_positions(positions, x.shape[0], x.shape[1])
   check_params(v.name, params, cfg)
+  qk = None
+  if cfg.rope_dim:
+    S = (x if context is None else context).shape[1]
+    qk = rope.qk_positions(positions, x.shape[1], S, cross=context is not None)
   y, w = v.apply(params, x, context, cfg=cfg, mask=mask, return_weights=return_weights,
-                 head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
+                 head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                 qk_positions=qk)
   return (y, w) if return_weights else y
 
 

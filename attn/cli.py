@@ -14,8 +14,10 @@ COMMANDS = {
     "count": ("attn.count_cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
     "sweep": ("attn.experiments.sweep_cli", "run a sweep config: trials, metrics, resumable store"),
     "report": ("attn.experiments.report", "write report.md and plots from a sweep directory"),
+    "status": ("attn.experiments.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
     "analyze": ("attn.experiments.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
     "bench": ("attn.bench", "time every variant against flax, jax and torch attention"),
+    "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face GPT-2, before and after converting its heads"),
 }
 
 

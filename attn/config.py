@@ -38,6 +38,13 @@ class HeadConfig:
   head h reads key/value head h // (H // G). collab_width is the shared
   query/key width D̃_k of the collaborative variant (default num_heads * d_k).
   scale multiplies the scores (default 1/sqrt(d_k)).
+
+  rope_dim (even, <= d_k; 0 = off): the first rope_dim dims of every query and
+  key head rotate by position (RoPE, Su et al. 2021), pairing dim i with
+  i + rope_dim/2 (the half-split convention of GPT-NeoX and Hugging Face),
+  frequency rope_theta^(-2i/rope_dim). latent_dim is mla's KV latent width d_c
+  (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h); q_latent_dim, if set, gives mla
+  a low-rank query path through a latent of that width.
   """
 
   d_model: int
@@ -48,6 +55,10 @@ class HeadConfig:
   use_bias: bool = True
   collab_width: int | None = None
   scale: float | None = None
+  rope_dim: int = 0
+  rope_theta: float = 10000.0
+  latent_dim: int | None = None
+  q_latent_dim: int | None = None
 
   def __post_init__(self):
     _positive_int("d_model", self.d_model)
@@ -79,6 +90,21 @@ class HeadConfig:
       if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) \
           or not math.isfinite(self.scale) or self.scale <= 0:
         raise invalid("scale", self.scale, "a positive finite number or None")
+    self._check_latent_and_rope()
+
+  def _check_latent_and_rope(self) -> None:
+    r = self.rope_dim
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % 2 or r > self.d_k:
+      raise invalid("rope_dim", r,
+                    f"an even integer in [0, d_k={self.d_k}]: RoPE rotates pairs of query/key dims")
+    t = self.rope_theta
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+      raise invalid("rope_theta", t, "a positive finite number (the RoPE base, 10000 by default)")
+    if self.latent_dim is None:
+      object.__setattr__(self, "latent_dim", 4 * self.d_k)
+    _positive_int("latent_dim", self.latent_dim)
+    if self.q_latent_dim is not None:
+      _positive_int("q_latent_dim", self.q_latent_dim)
 
   @property
   def group_size(self) -> int:
@@ -138,6 +164,19 @@ def check_inputs(cfg: HeadConfig, x: Any, context: Any = None, mask: Any = None)
     s_len = cs[1]
   if mask is not None:
     check_mask(mask, (xs[0], cfg.num_heads, xs[1], s_len))
+
+
+def check_positions(positions: Any, batch: int, length: int) -> None:
+  """RoPE positions: integers of shape (T,) or (B,T), one per query token."""
+  if positions is None:
+    return
+  shape = getattr(positions, "shape", None)
+  dtype = getattr(positions, "dtype", None)
+  if shape is None or tuple(shape) not in ((length,), (batch, length)):
+    raise invalid("positions.shape", None if shape is None else tuple(shape),
+                  f"(T,)=({length},) or (B, T)=({batch}, {length}): one position per query token")
+  if "int" not in str(dtype):
+    raise invalid("positions.dtype", str(dtype), "an integer dtype")
 
 
 def check_head_mask(head_mask: Any, batch: int, num_heads: int) -> None:

@@ -3,12 +3,16 @@
 Each converter maps params of one variant to params of another for the same
 HeadConfig, or, for regrouping kv heads, to a dst_cfg that differs only in
 num_kv_heads. Exact ones give the same function (tests hold them to 1e-5);
-lossy ones (SVD of merged matrices, mean-pooled kv heads) say so: they warn
-with LossyConversionWarning and `convert(..., return_error=True)` returns the
-relative Frobenius error of what was discarded (below TOLERANCE a lossy step
-was in fact exact and stays silent). A conversion not listed here is composed
-through per_head when both halves exist; anything else is an error that lists
-what does exist.
+lossy ones (SVD of merged matrices, mean-pooled kv heads, a narrow mla latent)
+say so: they warn with LossyConversionWarning and `convert(..., return_error=True)`
+returns the relative Frobenius error of what was discarded (below TOLERANCE a
+lossy step was in fact exact and stays silent). A lossy converter may name
+the configs where it is exact (`exact_when`); there its error is 0.
+RoPE (rope_dim > 0): converters between variants that both have it hold
+exactly, rotations acting on the same head dims on both sides; merged and
+collaborative refuse RoPE, and with them the conversions into them. A
+conversion not listed here is composed through per_head when both halves
+exist; anything else is an error that lists what does exist.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ class Converter:
   exact: bool
   name: str = ""
   check: Callable[[HeadConfig], None] = _no_check  # raises ConfigError before any tracing
+  exact_when: Callable[[HeadConfig], bool] | None = None  # a lossy converter's exact configs
+
+  def is_exact(self, cfg: HeadConfig) -> bool:
+    """Whether this conversion keeps the function exactly at cfg."""
+    return self.exact or (self.exact_when is not None and self.exact_when(cfg))
 
 
 CONVERTERS: dict[tuple[str, str], Converter] = {}
@@ -51,11 +60,12 @@ REGROUPERS: dict[str, Converter] = {}
 
 
 def register(src: str, dst: str, *, exact: bool, kv_heads: str | None = None,
-             check: Callable[[HeadConfig], None] = _no_check):
+             check: Callable[[HeadConfig], None] = _no_check,
+             exact_when: Callable[[HeadConfig], bool] | None = None):
   """Registers fn(params, cfg), or with kv_heads='more'/'fewer' a fn(params, cfg, dst_cfg)."""
   def wrap(fn):
     if kv_heads is None:
-      CONVERTERS[(src, dst)] = Converter(fn, exact, f"{src} -> {dst}", check)
+      CONVERTERS[(src, dst)] = Converter(fn, exact, f"{src} -> {dst}", check, exact_when)
     else:
       REGROUPERS[kv_heads] = Converter(fn, exact, f"{src} -> {dst} with {kv_heads} kv heads", check)
     return fn
@@ -188,6 +198,98 @@ def split_input_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   return out | {n: p[n] for n in ("b_q", "b_k", "b_v", "b_o") if n in p}, 0.0
 
 
+@register("per_head", "talking_heads", exact=True)
+def per_head_to_talking_heads(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """Identity mixing P_l = P_w = I (mix_l = mix_w = 0): heads that do not talk are per_head (Q5)."""
+  zeros = jnp.zeros((cfg.num_heads, cfg.num_heads), p["w_q"].dtype)
+  return p | {"mix_l": zeros, "mix_w": zeros}, 0.0
+
+
+@register("mla", "per_head", exact=True)
+def mla_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """W_K,g = [W_KR | W_DKV·W_UK,g], W_V,g = W_DKV·W_UV,g (W_Q = W_DQ·W_UQ): exact, RoPE or not.
+
+  The shared RoPE key becomes the first rope_dim dims of every kv head's key,
+  which per_head rotates the same way; the key bias is [b_KR | 0].
+  """
+  D, G, K, r = cfg.d_model, cfg.num_kv_heads, cfg.d_k, cfg.rope_dim
+  w_q = p["w_q"] if "w_q" in p else jnp.einsum("DQ,QHK->DHK", p["w_dq"], p["w_uq"])
+  w_k = jnp.einsum("DC,CGK->DGK", p["w_dkv"], p["w_uk"])
+  if r:
+    w_k = jnp.concatenate([jnp.broadcast_to(p["w_kr"][:, None], (D, G, r)), w_k], -1)
+  out = {"w_q": w_q, "w_k": w_k, "w_v": jnp.einsum("DC,CGV->DGV", p["w_dkv"], p["w_uv"]),
+         "w_o": p["w_o"]}
+  if cfg.use_bias:
+    b_k = jnp.zeros((G, K), p["b_q"].dtype)
+    if r:
+      b_k = b_k.at[:, :r].set(p["b_kr"])
+    out.update(b_q=p["b_q"], b_k=b_k, b_v=p["b_v"], b_o=p["b_o"])
+  return out, 0.0
+
+
+def _factor(m_DN: jax.Array, rank: int):
+  """(a (D,rank), b (rank,N), lost, total) with a·b = m: exact when rank >= min(D, N), else SVD.
+
+  rank >= N: a is m itself and b selects its columns (the latent is m's output);
+  rank >= D: a is the identity (the latent is the input); otherwise the
+  truncated SVD split as a = U_r·S_r^½, b = S_r^½·V_rᵀ, losing Σ_{i>rank} s_i².
+  """
+  D, N = m_DN.shape
+  total = jnp.sum(m_DN ** 2)
+  if rank >= N:
+    return jnp.pad(m_DN, ((0, 0), (0, rank - N))), jnp.eye(rank, N, dtype=m_DN.dtype), 0.0, total
+  if rank >= D:
+    return jnp.eye(D, rank, dtype=m_DN.dtype), jnp.pad(m_DN, ((0, rank - D), (0, 0))), 0.0, total
+  u_DN, s_N, vt_NN = jnp.linalg.svd(m_DN, full_matrices=False)
+  root = jnp.sqrt(s_N[:rank])
+  return u_DN[:, :rank] * root, root[:, None] * vt_NN[:rank], jnp.sum(s_N[rank:] ** 2), total
+
+
+def _mla_exact(cfg: HeadConfig) -> bool:
+  """The latent holds every kv head's content key and value (d_c >= min(D, G·(K − r + V))), the
+  query latent every query (q_latent_dim >= min(D, H·K)), and the kv heads share one RoPE key."""
+  D, H, G, K, V, r = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v,
+                      cfg.rope_dim)
+  q = cfg.q_latent_dim
+  return (cfg.latent_dim >= min(D, G * (K - r + V)) and (q is None or q >= min(D, H * K))
+          and (r == 0 or G == 1))
+
+
+@register("per_head", "mla", exact=False, exact_when=_mla_exact)
+def per_head_to_mla(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """Latent = every kv head's stacked [W_K,g content | W_V,g], truncated by SVD when too narrow.
+
+  Exact where _mla_exact holds (the latent is the concatenated K and V). The
+  content key bias drops out of the softmax; with RoPE and G > 1 the kv heads'
+  rotated key dims become one shared RoPE key, their mean. The error is the
+  relative Frobenius norm of all that is discarded (SVD tails, RoPE keys minus
+  their mean) over the matrices it came from.
+  """
+  D, H, G, K, V, r = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v,
+                      cfg.rope_dim)
+  Kc, C = K - r, cfg.latent_dim
+  m_DN = jnp.concatenate([p["w_k"][:, :, r:].reshape(D, G * Kc), p["w_v"].reshape(D, G * V)], 1)
+  w_dkv, w_ukv, lost, total = _factor(m_DN, C)
+  out = {"w_dkv": w_dkv, "w_uk": w_ukv[:, :G * Kc].reshape(C, G, Kc),
+         "w_uv": w_ukv[:, G * Kc:].reshape(C, G, V), "w_o": p["w_o"]}
+  if cfg.q_latent_dim is None:
+    out["w_q"] = p["w_q"]
+  else:
+    w_dq, w_uq, q_lost, q_total = _factor(p["w_q"].reshape(D, H * K), cfg.q_latent_dim)
+    out.update(w_dq=w_dq, w_uq=w_uq.reshape(-1, H, K))
+    lost, total = lost + q_lost, total + q_total
+  rope_keys = [("w_kr", p["w_k"][:, :, :r], 1)] + (
+      [("b_kr", p["b_k"][:, :r], 0)] if cfg.use_bias else [])
+  for name, a, axis in rope_keys if r else []:
+    mean = a.mean(axis)
+    out[name] = mean
+    lost = lost + jnp.sum((a - jnp.expand_dims(mean, axis)) ** 2)
+    total = total + jnp.sum(a ** 2)
+  if cfg.use_bias:
+    out.update(b_q=p["b_q"], b_v=p["b_v"], b_o=p["b_o"])
+  return out, jnp.sqrt(lost / jnp.maximum(total, 1e-30))
+
+
 _KV_NAMES = ("w_k", "w_v", "b_k", "b_v")
 
 
@@ -257,7 +359,7 @@ def _jitted(fn: Callable, **configs: HeadConfig) -> Callable:
 
 def _step(c: Converter, **configs: HeadConfig) -> tuple[str, Callable, bool]:
   c.check(configs["cfg"])
-  return c.name, _jitted(c.fn, **configs), c.exact
+  return c.name, _jitted(c.fn, **configs), c.is_exact(configs["cfg"])
 
 
 def _plan(src: str, dst: str, cfg: HeadConfig,

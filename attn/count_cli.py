@@ -5,6 +5,7 @@
   attn count --preset bert-base               # whole model + its layer, every variant
   attn count --preset vaswani-table3          # Table 3 params column, paper vs ours
   attn count --preset bert-gpt2               # BERT and GPT-2 totals, published vs ours
+  attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from attn import count, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 
-_HEAD_FLAGS = ("d_model", "num_heads", "d_k", "d_v", "num_kv_heads", "collab_width")
+_HEAD_FLAGS = ("d_model", "num_heads", "d_k", "d_v", "num_kv_heads", "collab_width", "latent_dim",
+               "q_latent_dim", "rope_dim")
 _LAYER_COLUMNS = [
     ("variant", "variant"), ("analytic", "params (analytic)"), ("stored", "params (stored)"),
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
@@ -185,6 +187,13 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
   head = (f"One attention layer: d_model={c['d_model']}, h={c['num_heads']}, d_k={c['d_k']}, "
           f"d_v={c['d_v']}, kv heads={c['num_kv_heads']}, bias={c['use_bias']}; FLOPs per "
           f"sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
+  if c["rope_dim"]:
+    head = head[:-1] + f"; RoPE on the first {c['rope_dim']} dims of each head."
+  if any(r["variant"] == "mla" and "error" not in r for r in report["rows"]):
+    q = c["q_latent_dim"]
+    head += (f" mla: KV latent d_c={c['latent_dim']}"
+             + (f", query latent {q}" if q else "") + f"; caches d_c + rope_dim = "
+             f"{c['latent_dim'] + c['rope_dim']} elements per token.")
   text = head + "\n\n" + markdown(report["rows"], columns)
   if "model" in report:
     m = report["model"]

@@ -88,10 +88,10 @@ def _applies(c: Converter, src: str, dst: str, cfg: HeadConfig) -> bool:
   return True
 
 
-def _claim(c: Converter) -> str:
-  """'src -> dst (exact|lossy): the first line of the converter's docstring'."""
+def _claim(c: Converter, cfg: HeadConfig) -> str:
+  """'src -> dst (exact|lossy): the first line of the converter's docstring' at cfg."""
   doc = (c.fn.__doc__ or "").strip().splitlines()
-  return f"{c.name} ({'exact' if c.exact else 'lossy, error reported'})" + (
+  return f"{c.name} ({'exact' if c.is_exact(cfg) else 'lossy, error reported'})" + (
       f": {doc[0]}" if doc else "")
 
 
@@ -107,16 +107,17 @@ def identities(cfg: HeadConfig) -> list[tuple[str, float, float]]:
   for (src, dst), c in sorted(CONVERTERS.items()):
     if not _applies(c, src, dst, cfg):
       continue
-    rows.append((_claim(c), *max_error([src, dst], cfg, inputs)))
+    rows.append((_claim(c, cfg), *max_error([src, dst], cfg, inputs)))
     inverse = CONVERTERS.get((dst, src))
-    if not c.exact and inverse is not None and inverse.exact and _applies(inverse, dst, src, cfg):
+    if (not c.is_exact(cfg) and inverse is not None and inverse.is_exact(cfg)
+        and _applies(inverse, dst, src, cfg)):
       rows.append((f"{dst} -> {src} -> {dst} (exact: {c.name} undoes {inverse.name})",
                    *max_error([dst, src, dst], cfg, inputs)))
   if cfg.num_kv_heads > 1:
     mqa = cfg.replace(num_kv_heads=1)
     for kind, c in sorted(REGROUPERS.items()):
       src_cfg, dst_cfg = (mqa, cfg) if kind == "more" else (cfg, mqa)
-      rows.append((f"{_claim(c)} [G {src_cfg.num_kv_heads} -> {dst_cfg.num_kv_heads}]",
+      rows.append((f"{_claim(c, src_cfg)} [G {src_cfg.num_kv_heads} -> {dst_cfg.num_kv_heads}]",
                    *max_error(["per_head", "per_head"], src_cfg, inputs, dst_cfg=dst_cfg)))
   return rows
 

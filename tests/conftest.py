@@ -40,8 +40,34 @@ CONFIGS = {
 }
 
 
+# RoPE inside awkward shapes (rope_theta small, so that a few positions tell the frequencies
+# apart). Kept out of CONFIGS so that the contract matrix does not double; suites that test RoPE
+# (the contract's offsets test, the exact converters) read them.
+ROPE_CONFIGS = {
+    "rope_gqa": HeadConfig(d_model=24, num_heads=6, d_k=6, d_v=7, num_kv_heads=2, rope_dim=4,
+                           rope_theta=100.0),
+    "rope_mqa_nobias": HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=5, num_kv_heads=1,
+                                  rope_dim=2, rope_theta=100.0, use_bias=False),
+}
+
+
 # Configs with nothing awkward about them: parametrized suites run them in the slow tier only.
 PLAIN_CONFIGS = ("base", "single_head")
+
+# Variants whose generic cases (contract matrix, counts against XLA and the Jacobian) run in the
+# fast tier. The fast tier is at its time limit, so a variant registered later runs its generic
+# cases in the slow tier (CI runs both) and keeps a few quick checks of its own in its test file.
+FAST_VARIANTS = ("collaborative", "fused", "merged", "per_head", "split_input", "two_stage")
+
+
+def tier(variant: str, cname: str | None = None):
+  """Marks of one generic case: slow for a plain config or a variant outside FAST_VARIANTS."""
+  return pytest.mark.slow if cname in PLAIN_CONFIGS or variant not in FAST_VARIANTS else ()
+
+
+def variant_params(names=None):
+  """pytest params over attn.VARIANTS (or names), each in its tier."""
+  return [pytest.param(n, marks=tier(n), id=n) for n in sorted(names or attn.VARIANTS)]
 
 
 @pytest.fixture(params=sorted(CONFIGS), ids=sorted(CONFIGS))

@@ -8,7 +8,7 @@ import pytest
 import attn
 import attn.analysis as analysis
 from attn import ConfigError, HeadConfig
-from conftest import CONFIGS, fresh_params, randn
+from conftest import CONFIGS, fresh_params, randn, tier
 
 B, T, S = 2, 4, 5
 # Compiled once per (variant, cfg): eager mode would compile every small op on its own.
@@ -28,7 +28,7 @@ def cases():
         variant.check(cfg)
       except ConfigError:
         continue
-      out.append(pytest.param(name, cname, id=f"{name}-{cname}"))
+      out.append(pytest.param(name, cname, id=f"{name}-{cname}", marks=tier(name)))
   return out
 
 

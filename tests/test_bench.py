@@ -114,6 +114,7 @@ def test_bench_shape_rows_and_ratios():
   json.dumps(result)  # JSON-serializable as is
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 4 minutes
 def test_long_shapes_time_cores_behind_the_same_projections(monkeypatch):
   assert bench._names("long", bench.SHAPES, "--shapes", (), bench.GROUPS) == [
       f"long-{T}{c}" for T in bench.LONG_LENGTHS for c in ("", "-causal")]
@@ -134,6 +135,7 @@ def test_long_shapes_time_cores_behind_the_same_projections(monkeypatch):
   json.dumps(result)
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 4 minutes
 def test_cli_smoke_run_writes_json(tmp_path, capsys):
   out = tmp_path / "bench.json"
   code = cli.main(["bench", "--shapes", "small", "--variants", "fused", "--repeats", "1",

@@ -15,7 +15,7 @@ import pytest
 
 import attn
 from attn import ConfigError
-from conftest import CONFIGS, PLAIN_CONFIGS, randn, random_params
+from conftest import CONFIGS, ROPE_CONFIGS, randn, random_params, tier, variant_params
 
 B, T, S = 2, 5, 7
 
@@ -29,9 +29,8 @@ def cases():
         variant.check(cfg)
       except ConfigError:
         continue
-      # The plain configs add little to the awkward ones; they run in the slow tier.
-      marks = pytest.mark.slow if cname in PLAIN_CONFIGS else ()
-      out.append(pytest.param(name, cname, id=f"{name}-{cname}", marks=marks))
+      # The plain configs add little to the awkward ones; they run in the slow tier (tier()).
+      out.append(pytest.param(name, cname, id=f"{name}-{cname}", marks=tier(name, cname)))
   return out
 
 
@@ -168,7 +167,7 @@ def test_head_mask_gradient_is_each_heads_contribution(variant, cname):
   np.testing.assert_allclose(grad_H, f_H[:H] - f_H[H], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("variant", variant_params())
 def test_bad_inputs_are_clear_errors(variant):
   cfg = CONFIGS["base"]
   params = attn.init(variant, jax.random.PRNGKey(0), cfg)
@@ -190,3 +189,77 @@ def test_bad_inputs_are_clear_errors(variant):
   other = attn.HeadConfig(d_model=32, num_heads=4, d_k=4, d_v=4)
   with pytest.raises(ConfigError, match=r"params\["):
     attn.apply(variant, attn.init(variant, jax.random.PRNGKey(0), other), x, cfg=cfg)
+
+
+# RoPE: one awkward config with rotated dims; a variant that refuses it must say why.
+ROPE_CFG = ROPE_CONFIGS["rope_gqa"]
+
+
+def rope_cases():
+  out = []
+  for name, variant in sorted(attn.VARIANTS.items()):
+    try:
+      variant.check(ROPE_CFG)
+    except ConfigError as e:
+      assert "rope_dim=4 is not allowed" in str(e), (name, e)
+      continue
+    # per_head in the fast tier; the other variants share its RoPE code (base.attend_and_project).
+    out.append(pytest.param(name, marks=() if name == "per_head" else pytest.mark.slow, id=name))
+  return out
+
+
+ROPE_CASES = rope_cases()
+
+
+@pytest.mark.parametrize("variant", ROPE_CASES)
+def test_rope_weights_depend_only_on_offsets(variant):
+  """Shifting all positions by a constant keeps y and the weights; reordering them does not."""
+  cfg = ROPE_CFG
+  params = random_params(attn.init(variant, jax.random.PRNGKey(0), cfg), 1)
+  x = randn(2, (B, T, cfg.d_model))
+  pos_BT = jnp.asarray(np.random.default_rng(3).integers(0, 50, (B, T)))
+
+  @jax.jit
+  def run(params, x, pos):  # self-attention, so keys share the queries' positions
+    return attn.apply(variant, params, x, cfg=cfg, positions=pos, return_weights=True)
+
+  y, w = run(params, x, pos_BT)
+  y2, w2 = run(params, x, pos_BT + 1000)
+  np.testing.assert_allclose(w2, w, atol=2e-5)
+  np.testing.assert_allclose(y2, y, atol=2e-4 * float(jnp.abs(y).max()))
+  _, w3 = run(params, x, pos_BT[:, ::-1])
+  assert float(jnp.abs(w3 - w).max()) > 1e-3  # the positions do reach the scores
+
+
+@pytest.mark.parametrize("variant", ["merged", "collaborative"])
+def test_rope_is_refused_with_the_reason(variant):
+  assert variant not in [c.values[0] for c in ROPE_CASES]
+  with pytest.raises(ConfigError, match="rope_dim=4 is not allowed: 0 for " + variant):
+    attn.init(variant, jax.random.PRNGKey(0), ROPE_CFG)
+
+
+DECODE_CASES = [pytest.param(n, c, marks=tier(n, c), id=f"{n}-{c}")
+                for n, v in sorted(attn.VARIANTS.items()) if v.decode_apply is not None
+                for c in ("gqa", "mqa_nobias", "rope")]
+
+
+@pytest.mark.parametrize("variant, cname", DECODE_CASES)
+def test_decode_form_equals_apply(variant, cname):
+  """A variant's decode_apply (mla: queries absorbed into the latent) is apply's function."""
+  cfg = ROPE_CFG if cname == "rope" else CONFIGS[cname]
+  v = attn.VARIANTS[variant]
+  params = random_params(attn.init(variant, jax.random.PRNGKey(0), cfg), 4)
+  x, ctx = randn(5, (B, T, cfg.d_model)), randn(6, (B, S, cfg.d_model))
+  mask = attn.combine_masks(attn.padding_mask(jnp.array([S, 3]), S),
+                            jnp.ones((B, 1, T, S), bool).at[:, :, 1].set(False))
+  xi = jnp.asarray(np.random.default_rng(7).uniform(0, 2, cfg.num_heads), jnp.float32)
+
+  @jax.jit
+  def both(params, x, ctx):
+    kw = dict(cfg=cfg, mask=mask, return_weights=True, head_mask=xi,
+              qk_positions=(jnp.arange(T) + 3, jnp.arange(S)))
+    return v.apply(params, x, ctx, **kw), v.decode_apply(params, x, ctx, **kw)
+
+  (y, w), (y_dec, w_dec) = both(params, x, ctx)
+  np.testing.assert_allclose(w_dec, w, atol=1e-5)
+  np.testing.assert_allclose(y_dec, y, atol=1e-5 * max(1.0, float(jnp.abs(y).max())))

@@ -10,8 +10,8 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig, masks
-from attn.convert import LossyConversionWarning, convert
-from conftest import CONFIGS, randn, PLAIN_CONFIGS
+from attn.convert import CONVERTERS, LossyConversionWarning, convert
+from conftest import CONFIGS, ROPE_CONFIGS, randn, PLAIN_CONFIGS, tier
 from conftest import fresh_params as fresh
 
 B, T, S = 2, 5, 7
@@ -62,20 +62,41 @@ def accepts(variant, cfg):
   return True
 
 
+ALL_CONFIGS = {**CONFIGS, **ROPE_CONFIGS}
 DIRECT = [("two_stage", "per_head"), ("per_head", "merged"), ("per_head", "collaborative"),
           ("split_input", "per_head")]
+# Converters of variants outside the fast tier's (conftest.tier): every case in the slow tier.
+NEWER = [("mla", "per_head"), ("per_head", "mla"), ("per_head", "talking_heads")]
 COMPOSED = [("fused", "merged"), ("two_stage", "merged"), ("fused", "collaborative"),
             ("split_input", "merged"), ("two_stage", "fused")]
-EXACT_CASES = [pytest.param(s, d, c, id=f"{s}->{d}-{c}",
-                            marks=pytest.mark.slow if c in PLAIN_CONFIGS else ()) for s, d in DIRECT
-               for c in sorted(CONFIGS) if accepts(s, CONFIGS[c]) and accepts(d, CONFIGS[c])]
+
+
+def exact_at(src, dst, cfg):
+  """Both variants accept cfg and the conversion is exact there (a lossy one may be, at some)."""
+  c = CONVERTERS.get((src, dst))
+  return accepts(src, cfg) and accepts(dst, cfg) and (c is None or c.is_exact(cfg))
+
+
+def _marks(s, d, c):
+  return pytest.mark.slow if c in PLAIN_CONFIGS or tier(s) or tier(d) else ()
+
+
+EXACT_CASES = [pytest.param(s, d, c, id=f"{s}->{d}-{c}", marks=_marks(s, d, c))
+               for s, d in DIRECT + NEWER for c in sorted(CONFIGS) if exact_at(s, d, CONFIGS[c])]
 EXACT_CASES += [pytest.param(s, d, c, id=f"{s}->{d}-{c}") for s, d in COMPOSED
                 for c in ("gqa", "mqa_nobias")]
+# Under RoPE every conversion between variants that have it stays exact; one fast case.
+EXACT_CASES += [pytest.param(s, d, c, id=f"{s}->{d}-{c}",
+                             marks=() if (s, d, c) == ("two_stage", "per_head", "rope_gqa")
+                             else pytest.mark.slow)
+                for s, d in DIRECT + NEWER + COMPOSED + [("per_head", "fused"),
+                                                         ("fused", "per_head")]
+                for c in sorted(ROPE_CONFIGS) if exact_at(s, d, ROPE_CONFIGS[c])]
 
 
 @pytest.mark.parametrize("src, dst, cname", EXACT_CASES)
 def test_exact_converters_keep_the_function(src, dst, cname):
-  cfg = CONFIGS[cname]
+  cfg = ALL_CONFIGS[cname]
   p_src = fresh(src, cfg)
   p_dst, err = convert(p_src, src, dst, cfg, return_error=True)
   assert err == 0.0

@@ -19,7 +19,7 @@ from jax.flatten_util import ravel_pytree
 import attn
 from attn import ConfigError, HeadConfig, cli, count, kernel, presets
 from attn.nn import models
-from conftest import CONFIGS, random_params
+from conftest import CONFIGS, random_params, tier, variant_params
 
 
 def random_configs(n: int, seed: int = 0) -> list[HeadConfig]:
@@ -55,7 +55,7 @@ def accepted(name: str, configs: list[HeadConfig]) -> list[HeadConfig]:
 # ---------------------------------------------------------------- per layer
 
 
-@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("name", variant_params())
 def test_analytic_equals_stored_and_effective_at_most_stored(name):
   configs = accepted(name, ALL_CONFIGS)
   for cfg in configs:
@@ -87,14 +87,35 @@ def _accepts(name: str, cfg: HeadConfig) -> bool:
 JACOBIAN_CONFIGS = [HeadConfig(d_model=4, num_heads=4, d_k=1, d_v=2, num_kv_heads=2),
                     HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=3, num_kv_heads=1, use_bias=False),
                     HeadConfig(d_model=6, num_heads=2, d_k=2, d_v=3, num_kv_heads=1)]
-JACOBIAN_CASES = [pytest.param(name, cfg, id=f"{name}-{i}") for name in sorted(attn.VARIANTS)
+JACOBIAN_CASES = [pytest.param(name, cfg, id=f"{name}-{i}", marks=tier(name))
+                  for name in sorted(attn.VARIANTS)
                   for i, cfg in enumerate(JACOBIAN_CONFIGS) if _accepts(name, cfg)] + [
     pytest.param("per_head", HeadConfig(d_model=4, num_heads=2, d_k=5, d_v=5, use_bias=False),
                  id="per_head-dk>D"),
     pytest.param("collaborative", HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=2, collab_width=7,
                                              use_bias=False), id="collaborative-width7"),
     pytest.param("split_input", HeadConfig(d_model=6, num_heads=3, d_k=4, d_v=2), id="split_input-dk>D/H"),
-]
+] + [pytest.param(name, HeadConfig(**dims), id=f"{name}-{label}", marks=pytest.mark.slow)
+     for name, label, dims in [
+         # RoPE (rope_theta small, so that T = 5 positions tell the frequencies apart): the rotated
+         # dims have their own count and the key bias stays (base.rope_score_dof).
+         ("per_head", "rope-mqa", dict(d_model=4, num_heads=2, d_k=4, d_v=2, num_kv_heads=1,
+                                        rope_dim=2, rope_theta=3.0)),
+         ("per_head", "rope-nobias", dict(d_model=4, num_heads=2, d_k=3, d_v=2, rope_dim=2,
+                                           rope_theta=3.0, use_bias=False)),
+         ("split_input", "rope", dict(d_model=6, num_heads=3, d_k=4, d_v=2, rope_dim=2,
+                                      rope_theta=3.0)),
+         ("talking_heads", "rope", dict(d_model=4, num_heads=2, d_k=3, d_v=2, num_kv_heads=1,
+                                        rope_dim=2, rope_theta=3.0)),
+         # mla with a latent narrower than G·(K + V), a query latent, and a shared RoPE key.
+         ("mla", "latent4", dict(d_model=6, num_heads=3, d_k=3, d_v=2, latent_dim=4)),
+         ("mla", "latent3-rope", dict(d_model=6, num_heads=2, d_k=4, d_v=2, num_kv_heads=1,
+                                      latent_dim=3, rope_dim=2, rope_theta=3.0)),
+         ("mla", "qlatent-nobias", dict(d_model=6, num_heads=3, d_k=2, d_v=2, latent_dim=4,
+                                        q_latent_dim=3, use_bias=False)),
+         ("mla", "qlatent-rope", dict(d_model=6, num_heads=2, d_k=4, d_v=2, latent_dim=3,
+                                      q_latent_dim=4, rope_dim=2, rope_theta=3.0)),
+     ]]
 
 
 @pytest.mark.parametrize("name, cfg", JACOBIAN_CASES)
@@ -116,7 +137,7 @@ def test_effective_count_is_the_rank_of_the_jacobian(name, cfg):
     assert s[eff] < 1e-6 and s[eff] < s[eff - 1] / 30, (cfg, s[eff - 3:eff + 3])
 
 
-@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("name", variant_params())
 def test_score_weights_are_the_weights_the_logits_depend_on(name):
   cfg = HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, collab_width=7)
   params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 3)
@@ -141,7 +162,7 @@ def xla_flops(f, *args) -> float:
   return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
-@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("name", variant_params())
 def test_flops_agree_with_xla_cost_analysis(name):
   # Small shapes where matmuls dominate: XLA also counts bias adds and softmax
   # (a few ops per score).
@@ -184,33 +205,38 @@ def test_kv_cache_mha_gqa_mqa():
     count.kv_cache_bytes_per_token("fused", mha, "not-a-dtype")
 
 
-@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("name", variant_params())
 def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypatch):
-  # Distinct per-head key and value slices the kernel receives = what a decoder must cache.
+  # The distinct key and value columns the kernel receives in the variant's decode form
+  # (decode_apply, else apply) = what a decoder must cache. A column repeated (a kv head shared
+  # by query heads, mla's latent read as key and as value) is cached once; a constant one
+  # (mla's column of ones carrying b_v) not at all. Keys and values are read where the kernel
+  # takes them: attention(q, k, v), or its pieces scores(q, k) and weighted_sum(w, v) for a
+  # variant that mixes explicit logits (talking_heads).
   cfg = HeadConfig(d_model=12, num_heads=6, d_k=3, d_v=5, num_kv_heads=3, collab_width=7)
   seen = []
-  real = kernel.attention
 
-  def spy(q, k, v, *args, **kwargs):
-    seen.append((np.asarray(k), np.asarray(v)))
-    return real(q, k, v, *args, **kwargs)
+  def spy(fn, *read):
+    def wrapped(*args, **kwargs):
+      seen.extend(np.asarray(args[i]) for i in read)
+      return fn(*args, **kwargs)
+    return wrapped
 
-  monkeypatch.setattr(kernel, "attention", spy)
+  for fn_name, read in (("attention", (1, 2)), ("scores", (1,)), ("weighted_sum", (1,))):
+    monkeypatch.setattr(kernel, fn_name, spy(getattr(kernel, fn_name), *read))
   params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 1)
-  attn.VARIANTS[name].apply(params, jax.random.normal(jax.random.PRNGKey(1), (1, 4, 12)),
-                            cfg=cfg)
-  assert seen, "the variant did not call attn.kernel.attention"
-
-  def distinct_width(arrays):
-    slices = []
-    for a_BSGW in arrays:
-      for g in range(a_BSGW.shape[2]):
-        if not any(np.array_equal(a_BSGW[:, :, g], s) for s in slices):
-          slices.append(a_BSGW[:, :, g])
-    return sum(s.shape[-1] for s in slices)
-
-  width = distinct_width(k for k, _ in seen) + distinct_width(v for _, v in seen)
-  assert count.kv_cache_bytes_per_token(name, cfg, jnp.int8) == width
+  v = attn.VARIANTS[name]
+  (v.decode_apply or v.apply)(params, jax.random.normal(jax.random.PRNGKey(1), (1, 4, 12)),
+                              cfg=cfg)
+  assert seen, "the variant did not call attn.kernel"
+  columns = []
+  for a_BSGW in seen:
+    for g in range(a_BSGW.shape[2]):
+      for w in range(a_BSGW.shape[3]):
+        col = a_BSGW[:, :, g, w]
+        if np.ptp(col) > 0 and not any(np.array_equal(col, c) for c in columns):
+          columns.append(col)
+  assert count.kv_cache_bytes_per_token(name, cfg, jnp.int8) == len(columns)
 
 
 def test_every_variant_has_cache_and_score_formulas():
@@ -265,7 +291,7 @@ def test_model_formula_equals_the_flax_parameter_tree(kind, changes):
   assert count.model_param_count(cfg, kind) == built_count(cfg, kind)
 
 
-@pytest.mark.parametrize("name", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("name", variant_params())
 def test_model_formula_for_every_variant(name):
   cfg = models.ModelConfig(**{**SMALL, "variant": name, "num_decoder_layers": 1, "num_kv_heads": 1})
   assert count.model_param_count(cfg, "encoder_decoder") == built_count(cfg, "encoder_decoder")

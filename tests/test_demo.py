@@ -44,6 +44,7 @@ def test_identities_come_from_the_converter_registry(monkeypatch):
   assert not any(claim.startswith("per_head -> collaborative") for claim in claims)
 
 
+@pytest.mark.slow  # > 10 s: the fast tier stays under 4 minutes
 def test_demo_command_prints_every_variant(capsys):
   assert cli.main(["demo", "--d-model", "32", "--num-heads", "4"]) == 0
   out = capsys.readouterr().out

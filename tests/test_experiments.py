@@ -48,6 +48,7 @@ seeds = [0, 1]
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
   monkeypatch.setenv("ATTN_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "jax_cache"))
+  monkeypatch.setenv("ATTN_TEXT_CACHE", str(tmp_path_factory.getbasetemp() / "text_cache"))
 
 
 def write(tmp_path, text, name="c.toml"):
@@ -98,7 +99,7 @@ def test_fixed_width_and_fixed_params_constraints(tmp_path):
     (('"train.lr" = [1e-2, 1e30]', '"train.lr" = []'), ["sweep.grid.train.lr", "non-empty list"]),
     (("seeds = [0, 1]", 'seeds = [0]\nderive = ["wide"]'), ["sweep.derive", "wide", "fixed_width"]),
     (('name = "mqar"', 'name = "mqqar"'), ["task.name", "mqqar", "induction"]),
-    (('name = "mqar"\nvocab_size = 16\nseq_len = 12\nnum_pairs = 2', 'name = "char_lm"\npath = "/no/such/file.txt"'), ["task.path", "/no/such/file.txt", "existing"]),
+    (('name = "mqar"\nvocab_size = 16\nseq_len = 12\nnum_pairs = 2', 'name = "text"\npath = "/no/such/file.txt"'), ["task.path", "/no/such/file.txt", "existing"]),
     (("num_pairs = 2", "num_pairs = 9"), ["task.seq_len", "integer >="]),
     (('name = "mqar"', 'name = "induction"'), ["task.num_pairs", "induction"]),
     (("seeds = [0, 1]", 'seeds = [0]\n[sweep.zip]\n"model.num_heads" = [1, 2]\n"model.d_k" = [4]'),
@@ -141,7 +142,7 @@ def test_train_config_defaults_and_resolved_dict(tmp_path):
   assert sw.trials[0].config["train"] == {
       "steps": 3, "batch_size": 4, "lr": 0.01, "warmup_steps": 1, "end_lr_ratio": 0.1,
       "weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0, "eval_every": 2,
-      "eval_batches": 1, "seed": 0, "checkpoint_every": 0}
+      "eval_batches": 1, "seed": 0, "checkpoint_every": 0, "data_parallel": 1, "data_parallel_axis": "batch"}
 
 
 def test_induction_refuses_one_layer(tmp_path):
@@ -169,9 +170,8 @@ def test_set_overrides_base_and_pins_swept_keys(tmp_path):
   assert [t.config["train"]["seed"] for t in sw.trials] == [3, 3]
   text = tmp_path / "t.txt"
   text.write_text("some local text to model, character by character. " * 10)
-  sw = config_lib.load(path, ["task.name=char_lm", f"task.path={text}"])  # mqar-only keys dropped
-  assert sw.trials[0].config["task"] == {"name": "char_lm", "path": str(text), "seq_len": 12,
-                                         "eval_fraction": 0.1}
+  sw = config_lib.load(path, ["task.name=text", f"task.path={text}"])  # mqar-only keys dropped
+  assert sw.trials[0].config["task"] == {"name": "text", "path": str(text), "glob": "", "seq_len": 12}
   with pytest.raises(ConfigError, match="--set"):
     config_lib.load(path, ["steps"])
   with pytest.raises(ConfigError, match=r"train\.steps='x' is not allowed"):
@@ -226,9 +226,9 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
   assert set(am["labels"].tolist()) == {0, 1, 2} and len(set(np.argmax(am["tokens"] == 1, 1))) == 10
   text = tmp_path / "t.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-  ch = tasks.CharLM(path=str(text), seq_len=16)
+  ch = tasks.Text(path=str(text), seq_len=16)
   cb = ch.batch(0, tasks.TRAIN, 0, 3)
-  assert ch.vocab_size == len(set(text.read_text()))
+  assert ch.vocab_size == 256
   assert (cb["tokens"][:, 1:] == cb["targets"][:, :-1]).all()
 
 
@@ -237,10 +237,10 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
     {"name": "induction", "vocab_size": 16, "seq_len": 12},
     {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
     {"name": "after_marker", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
-    {"name": "char_lm", "seq_len": 12},
+    {"name": "text", "seq_len": 12},
 ])
 def test_one_training_step_of_every_task(tmp_path, task):
-  if task["name"] == "char_lm":
+  if task["name"] == "text":
     (tmp_path / "c.txt").write_text("abcdefghij klmnop, qrstuv. " * 10)
     task = {**task, "path": str(tmp_path / "c.txt")}
   cfg = config_lib.resolve({"task": task, "model": {"d_model": 16, "num_layers": 2, "num_heads": 2, "d_ff": 16,

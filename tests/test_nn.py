@@ -134,7 +134,8 @@ def test_module_bf16():
 @pytest.mark.parametrize("changes,match", [
     (dict(vocab_size=0), "vocab_size=0 .*integer >= 1"),
     (dict(num_segments=-1), "num_segments=-1"),
-    (dict(positional="rope"), "positional='rope' .*'learned', 'sinusoidal', 'none'"),
+    (dict(positional="rotary"), "positional='rotary' .*'learned', 'sinusoidal', 'none', 'rope'"),
+    (dict(positional="rope"), "rope_dim=0 .*positional='rope'"),
     (dict(norm="sandwich"), "norm='sandwich' .*'pre', 'post'"),
     (dict(activation="swish"), "activation='swish'"),
     (dict(pooling="max"), "pooling='max' .*'cls', 'mean'"),

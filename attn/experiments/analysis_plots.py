@@ -17,9 +17,11 @@ PLOTS = ("attention.png", "spectra.png", "importance.png", "pruning.png")
 
 
 def _title(a: dict[str, Any]) -> str:
+  dims = f"{a['variant']}, h={a['num_heads']}, d_k={a['d_k']}, d_v={a['d_v']}"
+  if a.get("hf"):  # a pretrained model (attn analyze --hf)
+    return f"{a['hf']} (pretrained)\n{dims}, text {a['text'] or 'Python stdlib'}"
   label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in a["label"].items())
-  return (f"trial {a['trial']} [{label}]\n{a['variant']}, h={a['num_heads']}, d_k={a['d_k']}, "
-          f"d_v={a['d_v']}, checkpoint of step {a['step']}")
+  return f"trial {a['trial']} [{label}]\n{dims}, checkpoint of step {a['step']}"
 
 
 def attention_grid(plt, a: dict[str, Any], weights: list[np.ndarray], path: str) -> None:

@@ -18,6 +18,12 @@ training evaluated, task.batch(seed, EVAL, j, batch_size) for j < eval_batches
 eval_loss. Importance uses as many training batches (TRAIN, j): the pruning
 order is not chosen on the batches that then score it. L(x) in the importance
 is example x's own loss: its weighted mean cross-entropy.
+
+`attn analyze --hf PATH --text FILE_OR_DIR --out DIR` runs the same analysis
+on a pretrained Hugging Face GPT-2 (attn.nn.hf.from_hf) and writes
+DIR/analysis.json and the PNGs: held-out batches from the text's held-out
+split, importance batches from its train split (attn.experiments.hf_text);
+--batches N (default 4) of --batch-size windows of --seq-len tokens each.
 """
 
 from __future__ import annotations
@@ -40,15 +46,37 @@ ANALYSIS = "analysis.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("dir", metavar="DIR", help="a sweep directory written by `attn sweep`")
+  parser.add_argument("dir", metavar="DIR", nargs="?", default=None,
+                      help="a sweep directory written by `attn sweep` (or use --hf)")
   parser.add_argument("--trial", metavar="ID", action="append", default=[], dest="trials",
                       help="analyse only this trial (repeatable; default: every finished trial)")
   parser.add_argument("--batches", metavar="N", type=int, default=None,
                       help="held-out (and training) batches per trial (default: the trial's eval_batches)")
   parser.add_argument("--no-plots", action="store_true", help="write analysis.json only")
+  hf = parser.add_argument_group("a pretrained model instead of a sweep (needs the hf extra)")
+  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face GPT-2 directory with its tokenizer")
+  hf.add_argument("--text", metavar="FILE_OR_DIR", help="text to analyse on ('' for the Python stdlib)")
+  hf.add_argument("--glob", default=None, help="files of a --text directory (default '**/*')")
+  hf.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go")
+  hf.add_argument("--seq-len", type=int, default=128, metavar="L", help="window length in tokens")
+  hf.add_argument("--batch-size", type=int, default=8)
 
 
 def run(args: argparse.Namespace) -> int:
+  if args.hf is not None or args.dir is None:
+    if args.dir is not None or args.trials:
+      raise invalid("DIR", args.dir or args.trials, "no sweep directory or --trial with --hf")
+    for name in ("hf", "text", "out"):
+      if getattr(args, name) is None:
+        raise invalid("--" + name, None, "a value: `attn analyze DIR` for a sweep, or "
+                      "`attn analyze --hf PATH --text FILE_OR_DIR --out DIR` for a pretrained model")
+    out = analyze_hf(args.hf, args.text, args.out, args.batches or HF_BATCHES, plots=not args.no_plots,
+                     glob=args.glob, seq_len=args.seq_len, batch_size=args.batch_size)
+    s = out["summary"]
+    print(f"analysed {args.hf} in {out['seconds']:.1f} s: held-out loss {out['eval']['loss']:.4f}, prunable "
+          f"{s['prunable_fraction']:.2f}, W_QK eff. rank {s['qk_effective_rank']:.2f} (d_k={out['d_k']}); "
+          f"wrote {os.path.join(args.out, ANALYSIS)} and {len(out.get('plots', []))} PNGs")
+    return 0
   done = analyze_sweep(args.dir, args.trials or None, args.batches, plots=not args.no_plots)
   print(f"analysed {len(done)} trials of {args.dir}: trials/ID/{ANALYSIS} and PNGs")
   return 0
@@ -234,21 +262,35 @@ def summarize(layers: list[dict[str, Any]], curve: dict[str, Any]) -> dict[str, 
 
 def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots: bool = True) -> dict[str, Any]:
   """Analyses one trial from its final checkpoint; writes trials/ID/analysis.json (and PNGs); returns it."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from attn import analysis
-  from attn.analysis.attention_stats import RANK_RTOL
   from attn.experiments import checkpoints, load_trial, tasks
   t0 = time.perf_counter()
   trial_dir = os.path.join(run_dir, "trials", trial_id)
   cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
   model, model_cfg, task = load_trial(run_dir, trial_id)
   step = checkpoints.steps(os.path.join(trial_dir, store_lib.CHECKPOINTS))[-1]  # the one load_trial read
-  train, kind = cfg["train"], task.kind
+  train = cfg["train"]
   n, B = batches or train["eval_batches"], train["batch_size"]
   held_out = _batches(task, train["seed"], tasks.EVAL, n, B)
   seen = _batches(task, train["seed"], tasks.TRAIN, n, B)
+  about = {"trial": trial_id, "label": cfg.get("label", {}), "step": step, "task": cfg["task"]["name"]}
+  return analyze_model(model, model_cfg, task.kind, held_out, seen, trial_dir, about, plots, t0)
+
+
+def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], seen: dict[str, np.ndarray],
+                  out_dir: str, about: dict[str, Any], plots: bool = True,
+                  t0: float | None = None) -> dict[str, Any]:
+  """Analyses one model on batches (n, B, ...) of its task; writes out_dir/analysis.json (and PNGs).
+
+  held_out scores the attention statistics and the pruning curve; seen (other
+  data) gives the importance that orders the pruning. about's keys lead the JSON.
+  """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from attn import analysis
+  from attn.analysis.attention_stats import RANK_RTOL
+  t0 = time.perf_counter() if t0 is None else t0
+  n, B = held_out["tokens"].shape[:2]
   graphdef, state = nnx.split(model)
   gate_grads, pruned, stats = _compiled(graphdef, kind)
   blocks = _blocks(model)
@@ -281,17 +323,56 @@ def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots
         "importance": {"raw": importance["raw"][l], "normalized": importance["normalized"][l]}})
   layers = _jsonable(layers)
   result = _jsonable({
-      "trial": trial_id, "label": cfg.get("label", {}), "step": step, "variant": model_cfg.variant,
+      **about, "variant": model_cfg.variant,
       "num_layers": L, "num_heads": H, "d_model": model_cfg.d_model, "d_k": model_cfg.head.d_k,
-      "d_v": model_cfg.head.d_v, "task": cfg["task"]["name"],
-      "data": {"held_out_batches": n, "importance_batches": n, "batch_size": B,
+      "d_v": model_cfg.head.d_v,
+      "data": {"held_out_batches": n, "importance_batches": seen["tokens"].shape[0], "batch_size": B,
                "importance_split": "train", "attention_rank_rtol": RANK_RTOL},
       "eval": {"loss": curve["loss"][0], "accuracy": curve["accuracy"][0]},
       "layers": layers, "pruning": curve, "summary": summarize(layers, curve),
       "example": {"tokens": held_out["tokens"][0, 0]}})
   if plots:
     from attn.experiments import analysis_plots
-    result["plots"] = analysis_plots.make_plots(result, [np.asarray(w) for w in example], trial_dir)
+    result["plots"] = analysis_plots.make_plots(result, [np.asarray(w) for w in example], out_dir)
   result["seconds"] = time.perf_counter() - t0
-  store_lib.write_json(os.path.join(trial_dir, ANALYSIS), result)
+  store_lib.write_json(os.path.join(out_dir, ANALYSIS), result)
   return result
+
+
+HF_BATCHES = 4
+
+
+def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, plots: bool = True,
+               glob: str | None = None, seq_len: int = 128, batch_size: int = 8) -> dict[str, Any]:
+  """The analysis of a pretrained Hugging Face GPT-2 on local text; writes out_dir/analysis.json (and PNGs).
+
+  Held-out batches (statistics, pruning curve) come from the corpus's held-out
+  split, importance batches from its train split, both full windows of seq_len
+  tokens cut by the checkpoint's own tokenizer (attn.experiments.hf_text).
+  """
+  from attn import eval_cli
+  from attn.experiments import hf_text
+  from attn.nn import hf
+  if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+    raise invalid("--batches", batches, "an integer >= 1")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise invalid("--out", out_dir, "a directory (it is a file)")
+  config = eval_cli.check_checkpoint(path, "attn analyze --hf")
+  seq_len = min(seq_len, config.get("n_positions", seq_len))
+  t0 = time.perf_counter()
+  data = {}
+  for split in ("heldout", "train"):
+    tokens = hf_text.tokenize(hf_text.load_tokenizer(path), hf_text.documents(text, glob, split)[0],
+                              config["vocab_size"])
+    w = hf_text.windows(tokens, seq_len, batches * batch_size * seq_len)
+    full = {k: a[w["weights"].all(-1)] for k, a in w.items()}  # whole windows: no padding in the statistics
+    if full["tokens"].shape[0] < batch_size:
+      raise invalid("--text", text, f"a {split} split with at least --batch-size={batch_size} windows of "
+                    f"--seq-len={seq_len} tokens (it has {full['tokens'].shape[0]}); lower either")
+    data[split] = hf_text.batches(full, batch_size, batches)
+  model, model_cfg = hf.from_hf(path)
+  os.makedirs(out_dir, exist_ok=True)
+  about = {"trial": None, "hf": os.path.abspath(path), "text": text, "step": None, "label": {},
+           "task": "hf_text"}
+  return analyze_model(model, model_cfg, "decoder_lm", data["heldout"], data["train"], out_dir, about,
+                       plots, t0)

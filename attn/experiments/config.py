@@ -15,8 +15,10 @@ constraints applied to every trial, in order:
 
 [train] is a TrainConfig (frozen, validated: each error names train.<field>).
 A trial's id is the hash of its resolved config (the dict stored in its
-config.json) without train.checkpoint_every, which changes how often a trial
-saves but not what it computes.
+config.json) without train.checkpoint_every, train.data_parallel and
+train.data_parallel_axis, which change how often a trial saves and on how many
+devices it runs but not what it computes (to float tolerance,
+attn.experiments.parallel).
 
 Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
 """
@@ -47,6 +49,34 @@ _TRAIN_RANGES = {
     "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
     "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
 }
+DATA_PARALLEL_AXES = ("batch", "seed")
+
+
+def check_train_field(name: str, value: Any) -> Any:
+  """value of [train] field `name`, checked alone (ints -> floats where a float is wanted); else a ConfigError."""
+  if name == "data_parallel":
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise invalid("train.data_parallel", value, '"auto" (every local device) or an integer >= 1')
+    return value
+  if name == "data_parallel_axis":
+    if value not in DATA_PARALLEL_AXES:
+      raise invalid("train.data_parallel_axis", value,
+                    '"batch" (split each batch) or "seed" (one seed per device, with sweep.vmap_seeds)')
+    return value
+  low, inclusive, allowed = _TRAIN_RANGES[name]
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if _TRAIN_TYPES[name] == "int" and not (number and isinstance(value, int)):
+    raise invalid(f"train.{name}", value, allowed)
+  if _TRAIN_TYPES[name] == "float":
+    if not number:
+      raise invalid(f"train.{name}", value, allowed)
+    value = float(value)  # 1 and 1.0 are one config, with one trial id
+  ok = value >= low if inclusive else value > low
+  if name in ("b1", "b2"):
+    ok = ok and value < 1
+  if not (ok and math.isfinite(value)):
+    raise invalid(f"train.{name}", value, allowed)
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +86,15 @@ class TrainConfig:
   checkpoint_every: save model, optimiser state and step every this many steps
   and at the last step; 0 (the default) saves at each evaluation, every
   eval_every steps (with eval_every = 0 too, only at the end).
+
+  data_parallel: local devices each train step and evaluation run on, or
+  "auto" (all of them). The default 1 runs exactly the single-device program,
+  so results made before this option existed, or on any machine, do not
+  change; more devices give rows equal to float tolerance (summed in another
+  order), and the summary records the count used. data_parallel_axis: "batch"
+  splits each batch (batch_size must be a multiple of the count), "seed"
+  spreads seeds trained together (sweep.vmap_seeds) one or more per device.
+  See attn.experiments.parallel.
   """
 
   steps: int = 200
@@ -71,23 +110,17 @@ class TrainConfig:
   eval_batches: int = 4
   seed: int = 0
   checkpoint_every: int = 0
+  data_parallel: int | str = 1
+  data_parallel_axis: str = "batch"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      value, (low, inclusive, allowed) = getattr(self, f.name), _TRAIN_RANGES[f.name]
-      number = isinstance(value, (int, float)) and not isinstance(value, bool)
-      if f.type == "int" and not (number and isinstance(value, int)):
-        raise invalid(f"train.{f.name}", value, allowed)
-      if f.type == "float":
-        if not number:
-          raise invalid(f"train.{f.name}", value, allowed)
-        value = float(value)  # 1 and 1.0 are one config, with one trial id
-        object.__setattr__(self, f.name, value)
-      ok = value >= low if inclusive else value > low
-      if f.name in ("b1", "b2"):
-        ok = ok and value < 1
-      if not (ok and math.isfinite(value)):
-        raise invalid(f"train.{f.name}", value, allowed)
+      object.__setattr__(self, f.name, check_train_field(f.name, getattr(self, f.name)))
+    B, N = self.batch_size, self.data_parallel
+    if self.data_parallel_axis == "batch" and N != "auto" and B % N:
+      raise invalid("train.batch_size", B,
+                    f"a multiple of train.data_parallel={N}: each train and eval batch is split evenly "
+                    f"over the devices, and {B} rows over {N} devices leave {B % N} over")
 
   @property
   def checkpoint_interval(self) -> int:
@@ -96,6 +129,9 @@ class TrainConfig:
 
   def replace(self, **changes) -> TrainConfig:
     return dataclasses.replace(self, **changes)
+
+
+_TRAIN_TYPES = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
 
 META_KEYS = {"name": str, "question": str}
@@ -133,8 +169,14 @@ class Sweep:
 
 
 # Resolved keys that change how a trial runs but not its rows or parameters: left out of its
-# id, so that e.g. --set train.checkpoint_every=10 resumes the same trials.
-UNHASHED = (("train", "checkpoint_every"),)
+# id, so that e.g. --set train.checkpoint_every=10 resumes the same trials, and a trial
+# resumes on another device count.
+UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train", "data_parallel_axis"))
+# Keys added after trials were first stored, hashed only away from the default that reproduces
+# the older behaviour: a store written before they existed keeps its ids and still resumes.
+LATER_DEFAULTS = {("model", "norm_eps"): 1e-5, ("model", "latent_dim"): None,
+                  ("model", "q_latent_dim"): None, ("model", "rope_dim"): 0,
+                  ("model", "rope_theta"): 10000.0}
 
 
 def trial_id(resolved: dict[str, Any]) -> str:
@@ -142,6 +184,9 @@ def trial_id(resolved: dict[str, Any]) -> str:
   cfg = copy.deepcopy(resolved)
   for section, key in UNHASHED:
     cfg[section].pop(key, None)
+  for (section, key), default in LATER_DEFAULTS.items():
+    if key in cfg.get(section, {}) and cfg[section][key] == default:
+      del cfg[section][key]
   return stable_hash(cfg)
 
 
@@ -180,6 +225,8 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
 
 def _check_type(key: str, value: Any, default: Any) -> Any:
   """value, converted int -> float where the default is a float; else an error naming key."""
+  if key.endswith("train.data_parallel"):  # "auto" or an integer: checked by check_train_field
+    return value
   if default is None:  # required or optional integer dimension
     ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok:
@@ -197,7 +244,7 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
 
 
 def _check_train(key: str, value: Any) -> None:
-  TrainConfig(**{key: value})  # raises naming train.<key>, the value and what is allowed
+  check_train_field(key, value)  # raises naming train.<key>, the value and what is allowed
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -418,9 +465,12 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
       raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[tid]}])")
     seen[tid] = label
     trials.append(Trial(tid, combo, resolved))
+  vmap_seeds = bool(sweep.get("vmap_seeds", False))
+  from attn.experiments import parallel  # lazy: jax
+  parallel.check_seed_axis(trials, vmap_seeds)
   meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
   axes = [k for k, _ in grid] + [k for k, _ in tied]
-  return Sweep(path, meta, axes, trials, bool(sweep.get("vmap_seeds", False)),
+  return Sweep(path, meta, axes, trials, vmap_seeds,
                stable_hash(sorted(t.id for t in trials)), raw.get("analysis", {}).get("enabled", False))
 
 

@@ -3,8 +3,9 @@
 Every seed is a point and the mean over seeds a line, so nothing is drawn
 outside a metric's range (no error bars). Swept values sit at evenly spaced
 ticks labelled with the values themselves (1, 2, 4, 8, not 2⁰, 2¹, ...).
-Learning curves show held-out accuracy and loss against step, one colour per
-value of the legend axis and one panel per setting of the other axes.
+Learning curves show held-out accuracy and loss (for the `text` task: bits per
+byte and next-byte accuracy) against step, one colour per value of the legend
+axis and one panel per setting of the other axes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import numpy as np
 
 SEED_KEYS = ("train.seed",)
 METRICS = (("eval_accuracy", "held-out accuracy"), ("eval_loss", "held-out loss"))
+# The byte-level `text` task: bits per byte (eval_loss / ln 2, lower is better) first.
+TEXT_METRICS = (("eval_bpb", "held-out bits per byte"), ("eval_accuracy", "held-out next-byte accuracy"))
+
+
+def _full_range(metric: str, metrics) -> bool:
+  """Accuracy spans 0..1 where it leads (tasks that saturate); next-byte accuracy zooms to its data."""
+  return metric == "eval_accuracy" and metrics[0][0] == "eval_accuracy"
 MAX_PANELS = 8
 
 
@@ -70,7 +78,7 @@ def _log_if_spanning(ax, values: list[float]) -> None:
 
 
 def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path: str,
-                  axes_order: list[str]) -> None:
+                  axes_order: list[str], metrics=METRICS) -> None:
   """Final held-out accuracy and loss against one axis: seeds as points, the mean as a line."""
   skip = {axis, *tied}
   values = _order([r["label"][axis] for r in rows])
@@ -81,7 +89,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
   fig, panels = plt.subplots(1, 2, figsize=(10, 4))
   numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
   spread = 0.3 if len(lines) > 1 else 0.0  # side by side, so seeds of different lines do not overlap
-  for ax, (metric, title) in zip(panels, METRICS):
+  for ax, (metric, title) in zip(panels, metrics):
     for i, (name, rs) in enumerate(lines.items()):
       rs = sorted(rs, key=lambda r: values.index(r["label"][axis]))
       xs = np.array([values.index(r["label"][axis]) for r in rs], float)
@@ -100,7 +108,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
     ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), mean a {'line' if numeric else 'bar'}",
                  fontsize=9)
-    if metric == "eval_accuracy":
+    if _full_range(metric, metrics):
       ax.set_ylim(-0.02, 1.02)
     else:
       _log_if_spanning(ax, [v for r in rows for v in r["seed_values"][metric]])
@@ -112,8 +120,8 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
   plt.close(fig)
 
 
-def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: str) -> None:
-  """Held-out accuracy (top) and loss (bottom) against step; one colour per legend value, one panel per rest."""
+def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: str, metrics=METRICS) -> None:
+  """Held-out metrics (accuracy top, loss bottom) against step; one colour per legend value, one panel per rest."""
   ok = [t for t in trials if t["summary"] and t["summary"]["status"] == "ok"]
   swept = [a for a in axes if a not in SEED_KEYS]
   # The legend carries the axis with the fewest values; panels split by every other axis.
@@ -133,17 +141,21 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
     for t in panels[name]:
       c = colours.index(t["label"][legend]) if legend else 0
       colour = colour_of(c)
-      ev = [r for r in t["rows"] if "eval_accuracy" in r]
+      ev = [r for r in t["rows"] if metrics[0][0] in r]
       steps = [r["step"] + 1 for r in ev]
-      for i, (metric, title) in enumerate(METRICS):
+      for i, (metric, title) in enumerate(metrics):
         grid[i, j].plot(steps, [r[metric] for r in ev], "-", color=colour, lw=1.2, alpha=0.8, marker=".", ms=3)
         grid[i, j].set_ylabel(title if j == 0 else "")
     grid[0, j].set_title(name, fontsize=9)
-    grid[0, j].set_ylim(-0.02, 1.02)
+    for i, (metric, _) in enumerate(metrics):
+      if _full_range(metric, metrics):
+        grid[i, j].set_ylim(-0.02, 1.02)
     grid[1, j].set_xlabel("step")
     for i in range(2):
       grid[i, j].grid(alpha=0.3)
-  _log_if_spanning(grid[1, 0], [r["eval_loss"] for t in ok for r in t["rows"] if "eval_loss" in r])
+  for i, (metric, _) in enumerate(metrics):
+    if metric != "eval_accuracy":
+      _log_if_spanning(grid[i, 0], [r[metric] for t in ok for r in t["rows"] if metric in r])
   if legend:
     handles = [plt.Line2D([], [], color=colour_of(i))
                for i in range(len(colours))]
@@ -155,7 +167,7 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
 
 
 def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: list[str],
-               out_dir: str) -> list[str]:
+               out_dir: str, metrics=METRICS) -> list[str]:
   """Writes the sweep's PNGs into out_dir; returns their file names ([] without matplotlib)."""
   plt = _pyplot()
   if plt is None or not rows:
@@ -168,7 +180,7 @@ def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: l
     if axis in hidden or len({repr(r["label"][axis]) for r in rows}) < 2:
       continue
     name = f"final_vs_{short(axis)}.png"
-    final_vs_axis(plt, rows, axis, tied.get(axis, []), os.path.join(out_dir, name), swept)
+    final_vs_axis(plt, rows, axis, tied.get(axis, []), os.path.join(out_dir, name), swept, metrics)
     made.append(name)
-  learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"))
+  learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"), metrics)
   return made + ["learning_curves.png"]

@@ -1,7 +1,9 @@
 """`attn report DIR`: report.md and PNG plots from a sweep's store (reads the store only).
 
 Trials are grouped by their axis values without the seed; each group shows the
-mean ± std over seeds of the final held-out accuracy and loss; the plots are
+mean ± std over seeds of the final held-out accuracy and loss (on the
+byte-level `text` task, held-out bits per byte leads instead, and groups are
+ranked and compared by it, lower is better); the plots are
 attn/experiments/plots.py's. A table lists every trial with its parameter counts,
 FLOPs, step time and final metrics; failed trials are listed with their reason.
 """
@@ -18,7 +20,7 @@ import numpy as np
 from attn.experiments import analysis_report
 from attn.experiments import plots as plots_lib
 from attn.experiments import store as store_lib
-from attn.experiments.plots import METRICS, SEED_KEYS
+from attn.experiments.plots import METRICS, SEED_KEYS, TEXT_METRICS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +54,31 @@ def _fmt(x: Any, digits: int = 4) -> str:
   return str(x)
 
 
-def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One row per group of trials equal but for the seed: mean and std of final metrics."""
+LN2 = math.log(2)
+LOWER_IS_BETTER = ("eval_bpb", "eval_loss")
+TITLES = {"eval_accuracy": "held-out accuracy", "eval_bpb": "held-out bits per byte"}
+
+
+def add_bits_per_byte(trials: list[dict[str, Any]]) -> bool:
+  """Adds eval_bpb = eval_loss / ln 2 to the rows and final metrics of `text` trials; True if all are.
+
+  The text task's tokens are bytes and every position is weighted, so its
+  eval_loss is the mean held-out cross-entropy in nats per predicted byte.
+  """
+  text = [t for t in trials if (t.get("config") or {}).get("task", {}).get("name") == "text"]
+  for t in text:
+    for r in t["rows"]:
+      if "eval_loss" in r:
+        r["eval_bpb"] = r["eval_loss"] / LN2
+    final = (t["summary"] or {}).get("final")
+    if final and "eval_loss" in final:
+      final["eval_bpb"] = final["eval_loss"] / LN2
+  return bool(trials) and len(text) == len(trials)
+
+
+def summarize(trials: list[dict[str, Any]], primary: str = "eval_accuracy") -> list[dict[str, Any]]:
+  """One row per group of trials equal but for the seed: mean and std of final metrics, best first by `primary`."""
+  keys = list(dict.fromkeys([primary] + [k for k, _ in METRICS]))
   groups: dict[str, list[dict[str, Any]]] = {}
   for t in trials:
     if t["summary"] and t["summary"]["status"] == "ok":
@@ -63,12 +88,17 @@ def summarize(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     row = {"group": name, "label": {k: v for k, v in ts[0]["label"].items() if k not in SEED_KEYS},
            "n": len(ts), "model_params": ts[0]["summary"].get("model_params"),
            "accuracies": [float(t["summary"]["final"]["eval_accuracy"]) for t in ts],
-           "seed_values": {key: [float(t["summary"]["final"][key]) for t in ts] for key, _ in METRICS},
+           "seed_values": {key: [float(t["summary"]["final"][key]) for t in ts] for key in keys},
            "solved_at": [solved_at(t["rows"]) for t in ts]}
-    for key, _ in METRICS:
+    for key in keys:
       row[key] = _mean_std([t["summary"]["final"][key] for t in ts])
     rows.append(row)
-  return sorted(rows, key=lambda r: -r["eval_accuracy"][0])
+  return sorted(rows, key=lambda r: _score(r, primary))
+
+
+def _score(r: dict[str, Any], primary: str) -> float:
+  """Sort key: the best group first (lowest bits per byte or loss, highest accuracy)."""
+  return r[primary][0] if primary in LOWER_IS_BETTER else -r[primary][0]
 
 
 SOLVED = 0.99
@@ -123,11 +153,12 @@ def _tied(rows: list[dict[str, Any]], a: str, b: str) -> bool:
 
 
 LEVEL = 0.005
-"""Mean accuracies closer than this count as level when a numeric axis's trend is described."""
+"""Means (accuracies, or bits per byte) closer than this count as level when a numeric axis's trend is described."""
 
 
-def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) -> list[str]:
-  """One line per swept axis and setting of the other axes: accuracy along the axis, best vs worst.
+def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8,
+                 primary: str = "eval_accuracy") -> list[str]:
+  """One line per swept axis and setting of the other axes: `primary` along the axis, best vs worst.
 
   An axis is compared only among groups that agree on every other axis, so a
   sweep over h and variant answers "does h matter for fused?" and "does the
@@ -155,9 +186,8 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) ->
       shown += 1
       if all(_is_number(r["label"][axis]) for r in rs):
         rs = sorted(rs, key=lambda r: r["label"][axis])
-      means = [r["eval_accuracy"][0] for r in rs]
-      along = ", ".join(f"{r['label'][axis]}: {r['eval_accuracy'][0]:.3f} ± {r['eval_accuracy'][1]:.3f}"
-                        for r in rs)
+      means = [r[primary][0] for r in rs]
+      along = ", ".join(f"{r['label'][axis]}: {r[primary][0]:.3f} ± {r[primary][1]:.3f}" for r in rs)
       trend = ""
       if _is_number(rs[0]["label"][axis]) and len(rs) > 2:
         steps = np.diff(means)
@@ -168,10 +198,14 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) ->
                  " Rises or stays level at every step." if ((steps > 0) | level).all() else
                  " Falls or stays level at every step." if ((steps < 0) | level).all() else
                  " Not monotone.")
-      best = max(rs, key=lambda r: r["eval_accuracy"][0])
-      worst = min(rs, key=lambda r: r["eval_accuracy"][0])
+      best = min(rs, key=lambda r: _score(r, primary))
+      worst = max(rs, key=lambda r: _score(r, primary))
       where = f" ({rest})" if rest else ""
-      if best["eval_accuracy"][0] == worst["eval_accuracy"][0]:  # saturated: tell apart by held-out loss
+      if primary in LOWER_IS_BETTER:  # e.g. bits per byte: the lower wins
+        signed = lambda r: [-v for v in r["seed_values"][primary]]
+        gap = (f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
+               f"{worst[primary][0] - best[primary][0]:.3f}, {verdict(signed(best), signed(worst))}.")
+      elif best["eval_accuracy"][0] == worst["eval_accuracy"][0]:  # saturated: tell apart by held-out loss
         lo = min(rs, key=lambda r: r["eval_loss"][0])
         hi = max(rs, key=lambda r: r["eval_loss"][0])
         losses = lambda r: [-v for v in r["seed_values"]["eval_loss"]]  # lower loss wins
@@ -182,24 +216,30 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8) ->
         gap = (f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
                f"{best['eval_accuracy'][0] - worst['eval_accuracy'][0]:.3f}, "
                f"{verdict(best['accuracies'], worst['accuracies'])}.")
-      lines.append(f"- **{name}**{where}: held-out accuracy {along}.{trend} {gap}")
+      lower = " (lower is better)" if primary in LOWER_IS_BETTER else ""
+      lines.append(f"- **{name}**{where}: {TITLES.get(primary, primary)}{lower} {along}.{trend} {gap}")
   return lines
 
 
-def answer(rows: list[dict[str, Any]], axes: list[str] | None = None) -> str:
+def answer(rows: list[dict[str, Any]], axes: list[str] | None = None, primary: str = "eval_accuracy") -> str:
   """The measured answer: the best group, then each swept axis with the others held fixed."""
   if not rows:
     return "No trial finished, so there is no answer yet."
   best = rows[0]
-  text = (f"Best: **{best['group']}**, held-out accuracy {best['eval_accuracy'][0]:.3f} ± "
-          f"{best['eval_accuracy'][1]:.3f} (loss {best['eval_loss'][0]:.3f}, {best['n']} seeds).")
-  per_axis = axis_answers(rows, list(axes or []))
+  if primary == "eval_bpb":
+    text = (f"Best: **{best['group']}**, held-out bits per byte {best['eval_bpb'][0]:.3f} ± "
+            f"{best['eval_bpb'][1]:.3f} (next-byte accuracy {best['eval_accuracy'][0]:.3f}, {best['n']} seeds).")
+  else:
+    text = (f"Best: **{best['group']}**, held-out accuracy {best['eval_accuracy'][0]:.3f} ± "
+            f"{best['eval_accuracy'][1]:.3f} (loss {best['eval_loss'][0]:.3f}, {best['n']} seeds).")
+  per_axis = axis_answers(rows, list(axes or []), primary=primary)
   if per_axis:
     text += " Along each swept axis, the other axes held fixed (mean ± std over seeds):\n\n" + "\n".join(per_axis)
   elif len(rows) > 1:  # no axis varies alone (e.g. a zip whose values repeat): best against worst
     worst = rows[-1]
-    text += (f" Worst: **{worst['group']}**, {worst['eval_accuracy'][0]:.3f} ± {worst['eval_accuracy'][1]:.3f};"
-             f" the gap is {verdict(best['accuracies'], worst['accuracies'])}.")
+    signed = lambda r: [v if primary not in LOWER_IS_BETTER else -v for v in r["seed_values"][primary]]
+    text += (f" Worst: **{worst['group']}**, {worst[primary][0]:.3f} ± {worst[primary][1]:.3f};"
+             f" the gap is {verdict(signed(best), signed(worst))}.")
   return text
 
 
@@ -225,27 +265,38 @@ def write_report(root: str) -> str:
   """Writes DIR/report.md and DIR/*.png from the store; returns the report's path."""
   header = store_lib.load_sweep(root)
   trials = list(store_lib.iter_trials(root))
-  rows = summarize(trials)
-  plots = plots_lib.make_plots(rows, trials, header["axes"], root)
+  text = add_bits_per_byte(trials)
+  primary = "eval_bpb" if text else "eval_accuracy"
+  rows = summarize(trials, primary)
+  plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
   status = [t["summary"]["status"] if t["summary"] else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
   md = [f"# {header['name']}", ""]
   if header.get("question"):
     md += [f"**Question.** {header['question']}", ""]
-  md += [f"**Measured answer.** {answer(rows, header['axes'])}", "",
+  md += [f"**Measured answer.** {answer(rows, header['axes'], primary)}", "",
          f"Sweep `{header['sweep_id']}` from `{header['config_path']}`; reproduce with "
          f"`attn sweep {header['config_path']} --out {root}{' ' + sets if sets else ''}`. "
          f"{len(trials)} trials: {status.count('ok')} ok, {status.count('failed')} failed, "
          f"{status.count('unfinished')} unfinished. Metrics are the last step's; held-out "
-         "metrics come from batches the trial never trained on.", "",
-         "## Groups (mean ± std over seeds)", "",
-         f"| group | seeds | model params | eval accuracy | eval loss | step reaching {SOLVED} (per seed) |",
-         "|---|---|---|---|---|---|"]
-  for r in rows:
-    md.append(f"| {r['group']} | {r['n']} | {_fmt(r['model_params'])} | "
-              f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
-              f"{r['eval_loss'][0]:.3g} ± {r['eval_loss'][1]:.2g} | "
-              f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |")
+         "metrics come from batches the trial never trained on."
+         + (" Bits per byte are the held-out cross-entropy in nats per predicted byte / ln 2 "
+            "(lower is better); accuracy is next-byte accuracy." if text else ""), "",
+         "## Groups (mean ± std over seeds)", ""]
+  if text:  # nothing saturates, so no 'step reaching' column
+    md += ["| group | seeds | model params | eval bits/byte | eval accuracy | per seed (bits/byte) |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {r['group']} | {r['n']} | {_fmt(r['model_params'])} | "
+           f"{r['eval_bpb'][0]:.4f} ± {r['eval_bpb'][1]:.4f} | "
+           f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
+           f"{', '.join(f'{v:.4f}' for v in r['seed_values']['eval_bpb'])} |" for r in rows]
+  else:
+    md += [f"| group | seeds | model params | eval accuracy | eval loss | step reaching {SOLVED} (per seed) |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {r['group']} | {r['n']} | {_fmt(r['model_params'])} | "
+           f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
+           f"{r['eval_loss'][0]:.3g} ± {r['eval_loss'][1]:.2g} | "
+           f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |" for r in rows]
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run

@@ -1,4 +1,4 @@
-"""Sweeps: a validated config -> trials -> training -> the store, with resume and progress.
+"""Sweeps: a validated config -> trials -> training -> the store, with resume, leases and progress.
 
 Trials that are already finished in the store are skipped; an unfinished one
 resumes from its newest readable checkpoint (a warning on the stream names any
@@ -7,25 +7,40 @@ configs but for train.seed) train together under jax.vmap over seeds when
 sweep.vmap_seeds is true (default false: slower on CPU, measured in the README);
 each seed still saves its own checkpoints. A trial whose training raises is
 recorded as failed with the error, and the sweep goes on.
+
+Any number of workers may share one store (`attn sweep` processes, the local
+workers of --workers N, Slurm array tasks): each runs `run_trials`, which
+leases an unfinished trial before training it (attn.experiments.leases) and
+leaves one that a live worker holds. A seed group is leased trial by trial and
+a worker trains together the members it holds. With wait=True (what `attn
+sweep` and its local workers use) a worker that runs out of trials waits for
+those others hold, taking over any whose heartbeat stops. Training runs in a
+thread that attn.experiments.preempt can stop after a step, with a checkpoint.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
 import traceback
 from typing import Any, TextIO
 
-from attn.config import ConfigError
+from attn.config import ConfigError, invalid
 from attn.experiments import config as config_lib
-from attn.experiments.store import Store
+from attn.experiments import leases, preempt
+from attn.experiments.store import CONFIG, Store, load_sweep, read_json
+
+DEFAULT_LEASE_TIMEOUT = leases.DEFAULT_TIMEOUT
 
 
 def header(sweep: config_lib.Sweep, config_text: str, overrides: list[str]) -> dict[str, Any]:
   """What sweep.json holds: enough to know which sweep a directory belongs to."""
   return {"sweep_id": sweep.id, "name": sweep.meta["name"], "question": sweep.meta["question"],
           "config_path": sweep.path, "config_text": config_text, "overrides": list(overrides),
-          "axes": sweep.axes, "trials": [{"id": t.id, "label": t.label} for t in sweep.trials]}
+          "axes": sweep.axes, "vmap_seeds": sweep.vmap_seeds,
+          "trials": [{"id": t.id, "label": t.label} for t in sweep.trials]}
 
 
 def _fmt_time(seconds: float) -> str:
@@ -79,51 +94,209 @@ def _label(group: list[config_lib.Trial]) -> str:
   return ", ".join(f"{k}={','.join(map(str, v))}" for k, v in parts.items())
 
 
-def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
-              overrides: list[str] | None = None, stream: TextIO = sys.stderr) -> dict[str, int]:
-  """Runs every unfinished trial of `sweep` into the store at `out`; returns ok/failed/skipped counts."""
-  from attn.experiments import train  # lazy: jax
+def check_lease_timeout(seconds: Any) -> float:
+  """seconds as a float; anything but a finite number >= 1 is refused by name."""
+  ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+  if not ok or seconds < 1:
+    raise invalid("--lease-timeout", seconds, "a number of seconds >= 1 (default "
+                  f"{DEFAULT_LEASE_TIMEOUT:g}; heartbeats come every quarter of it)")
+  return float(seconds)
+
+
+def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None) -> bool:
+  """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already."""
   store = Store(out)
   resumed = store.claim(header(sweep, config_text, overrides or []))
   for t in sweep.trials:
     store.write_config(t.id, {"id": t.id, "label": t.label, **t.config})
-  pending = [t for t in sweep.trials if not store.is_done(t.id)]
-  counts = {"ok": 0, "failed": 0, "skipped": len(sweep.trials) - len(pending)}
-  if resumed:
-    stream.write(f"resuming {out}: {counts['skipped']} of {len(sweep.trials)} trials already finished\n")
-  cache = train.enable_compilation_cache()
-  stream.write(f"{len(pending)} trials to run into {out} (JAX compilation cache: {cache})\n")
-  progress = Progress(sum(t.config["train"]["steps"] for t in pending), len(sweep.trials), stream)
-  index = {t.id: i + 1 for i, t in enumerate(sweep.trials)}
-  for group in _groups(pending, sweep.vmap_seeds):
+  return resumed
+
+
+def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
+  """The trials of a claimed store in sweep order (from their config.json), and its sweep.vmap_seeds."""
+  head = load_sweep(out)
+  trials = []
+  for entry in head["trials"]:
+    path = os.path.join(out, "trials", entry["id"], CONFIG)
+    if not os.path.exists(path):
+      raise invalid("DIR", out, f"a store claimed by `attn sweep` with every trial's {CONFIG} ({path} is missing)")
+    cfg = read_json(path)
+    trials.append(config_lib.Trial(entry["id"], cfg["label"],
+                                   {k: v for k, v in cfg.items() if k not in ("id", "label")}))
+  return trials, bool(head.get("vmap_seeds", False))
+
+
+def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
+              overrides: list[str] | None = None, stream: TextIO = sys.stderr,
+              lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict[str, int]:
+  """Runs every unfinished trial of `sweep` into the store at `out`, waiting for those other workers hold.
+
+  Returns ok/failed counts of the trials it ran and skipped (finished before,
+  or by other workers), plus "unfinished" when it stopped early (preempted).
+  """
+  lease_timeout = check_lease_timeout(lease_timeout)
+  if prepare(sweep, out, config_text, overrides):
+    done = sum(Store(out).is_done(t.id) for t in sweep.trials)
+    stream.write(f"resuming {out}: {done} of {len(sweep.trials)} trials already finished\n")
+  worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None)
+  return preempt.run(worker.run, sweep.trials, True)
+
+
+def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+               stream: TextIO = sys.stderr, wait: bool = False, worker: str | None = None) -> dict[str, int]:
+  """Runs each given (None: every) unfinished trial of the claimed store at `out` that it can lease, in sweep order.
+
+  Trials finished or held by a live worker are skipped; with wait=True it then
+  waits for those, taking over any whose lease goes stale. Writes no report.
+  Counts as run_sweep's, "unfinished" counting trials left to other workers.
+  """
+  lease_timeout = check_lease_timeout(lease_timeout)
+  trials, vmap_seeds = stored_trials(out)
+  mine = trials
+  if trial_ids is not None:
+    known = [t.id for t in trials]
+    unknown = [i for i in trial_ids if i not in known]
+    if unknown:
+      raise invalid("trial_ids", unknown, f"ids of the {len(known)} trials of {out}: {', '.join(known)}")
+    mine = [t for t in trials if t.id in set(trial_ids)]
+  from attn.experiments import parallel  # lazy: jax
+  parallel.check_devices(mine, vmap_seeds)  # this machine's devices, before any trial is leased
+  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker)
+  return preempt.run(w.run, mine, wait)
+
+
+class _Worker:
+  """One worker's pass over a store's trials: lease, train, finish, release; wait for the others' trials."""
+
+  def __init__(self, store: Store, trials: list[config_lib.Trial], vmap_seeds: bool, lease_timeout: float,
+               stream: TextIO, worker: str | None):
+    self.store, self.vmap_seeds, self.lease_timeout = store, vmap_seeds, lease_timeout
+    self.stream, self.worker = stream, worker
+    self.index = {t.id: i + 1 for i, t in enumerate(trials)}
+    self.n = len(trials)
+    self.told: set[str] = set()  # trials reported as held by another worker
+    self.progress: Progress | None = None
+
+  def name(self, trial: config_lib.Trial) -> str:
+    return f"{self.index[trial.id]}/{self.n} [{_label([trial])}]"
+
+  def run(self, trials: list[config_lib.Trial], wait: bool) -> dict[str, int]:
+    from attn.experiments import train  # lazy: jax
+    store = self.store
+    pending = [t for t in trials if not store.is_done(t.id)]
+    counts = {"ok": 0, "failed": 0, "skipped": len(trials) - len(pending)}
+    cache = train.enable_compilation_cache()
+    self.stream.write(f"{len(pending)} trials to run into {store.root} (JAX compilation cache: {cache})\n")
+    self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), self.n, self.stream)
+    stopped, waiting = False, None
+    while not stopped:
+      ran = False
+      for group in _groups([t for t in pending if not store.is_done(t.id)], self.vmap_seeds):
+        if preempt.requested():
+          stopped = True
+          break
+        held = self._lease(group)
+        if held:
+          ran = True
+          statuses = self._train(train, held)
+          if statuses is None:
+            stopped = True
+            break
+          for status in statuses:
+            counts[status] += 1
+      left = [t for t in pending if not store.is_done(t.id)]
+      if not left or not wait or stopped:
+        break
+      if not ran:
+        if waiting != len(left):
+          waiting = len(left)
+          self.stream.write(f"waiting for {len(left)} trial{'s' * (len(left) > 1)} other workers hold "
+                            f"(one whose heartbeat stops for {self.lease_timeout:g} s is taken over)\n")
+        stopped = preempt.sleep(max(0.2, min(self.lease_timeout / 8, 2.0)))
+    store.close()
+    left = [t for t in pending if not store.is_done(t.id)]
+    elsewhere = len(pending) - len(left) - counts["ok"] - counts["failed"]
+    line = f"done: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already finished"
+    line += f", {elsewhere} finished by other workers" if elsewhere else ""
+    line += f"; {len(left)} unfinished" if left else ""
+    self.stream.write(line + "\n")
+    counts["skipped"] += elsewhere
+    if left:
+      counts["unfinished"] = len(left)
+    return counts
+
+  def _lease(self, group: list[config_lib.Trial]) -> list[config_lib.Trial]:
+    """The members of a group this worker now holds the lease of (and that are still unfinished)."""
+    held = []
+    for t in group:
+      if self.store.is_done(t.id):
+        continue
+      lease = self.store.lease(t.id, self.lease_timeout, self.worker)
+      steps = t.config["train"]["steps"]
+      if lease is None:
+        if t.id not in self.told:
+          self.told.add(t.id)
+          other, _ = leases.read(os.path.join(self.store.trial_dir(t.id), leases.LEASE))
+          self.stream.write(f"trial {self.name(t)} is held by {leases.describe(other or {})}: left to it\n")
+          self.progress.total -= steps
+        continue
+      if self.store.is_done(t.id):  # finished by its holder in between
+        self.store.release(t.id)
+        continue
+      if t.id in self.told:
+        self.told.discard(t.id)
+        self.progress.total += steps
+      if lease.took_over is not None:
+        self.stream.write(f"trial {self.name(t)}: taken over from {leases.describe(lease.took_over)}: "
+                          f"{lease.took_over['reason']}\n")
+      held.append(t)
+    return held
+
+  def _train(self, train, group: list[config_lib.Trial]) -> list[str] | None:
+    """Trains the held trials of one group; their statuses (none if it lost them), None when preempted."""
+    store, progress, stream = self.store, self.progress, self.stream
     ids = [t.id for t in group]
     label, steps = _label(group), group[0].config["train"]["steps"]
 
-    def on_start(j: int, step: int, group=group) -> None:
+    def on_start(j: int, step: int) -> None:
       store.start(group[j].id, resume_from=step)
       if step:
         progress.total -= step
-        stream.write(f"trial {index[group[j].id]}/{len(sweep.trials)} [{_label([group[j]])}] "
-                     f"resumes at step {step} from {store.checkpoint_dir(group[j].id)}\n")
+        stream.write(f"trial {self.name(group[j])} resumes at step {step} from {store.checkpoint_dir(group[j].id)}\n")
 
-    def on_step(step: int, loss: float, group=group, label=label, steps=steps) -> None:
-      progress.update(index[group[0].id], len(group), label, step, steps, loss)
+    def on_step(step: int, loss: float) -> None:
+      progress.update(self.index[group[0].id], len(group), label, step, steps, loss)
 
     try:
-      summaries = train.train_group([t.config for t in group],
-                                    on_row=lambda j, row, ids=ids: store.append(ids[j], row),
-                                    on_step=on_step, vmap=sweep.vmap_seeds,
-                                    checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
-                                    on_start=on_start, log=lambda line: stream.write(line + "\n"))
-    except (ConfigError, ValueError, TypeError, RuntimeError, FloatingPointError) as e:
-      stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
-      tb = traceback.format_exception_only(type(e), e)[-1].strip()
-      summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
-    for t, summary in zip(group, summaries):
-      store.finish(t.id, {"id": t.id, "label": t.label, **summary})
-      counts[summary["status"]] += 1
-      if summary["status"] == "failed":
-        stream.write(f"trial {index[t.id]}/{len(sweep.trials)} [{_label([t])}] failed: {summary['reason']}\n")
-  store.close()
-  stream.write(f"done: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already finished\n")
-  return counts
+      try:
+        summaries = train.train_group([t.config for t in group],
+                                      on_row=lambda j, row: store.append(ids[j], row),
+                                      on_step=on_step, vmap=self.vmap_seeds,
+                                      checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
+                                      on_start=on_start, log=lambda line: stream.write(line + "\n"))
+      except (ConfigError, ValueError, TypeError, RuntimeError, FloatingPointError) as e:
+        stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
+        tb = traceback.format_exception_only(type(e), e)[-1].strip()
+        summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
+      statuses = []
+      for t, summary in zip(group, summaries):
+        try:
+          store.finish(t.id, {"id": t.id, "label": t.label, **summary})
+        except leases.LeaseLost as e:
+          stream.write(f"trial {self.name(t)} not recorded: {e}\n")
+          continue
+        statuses.append(summary["status"])
+        if summary["status"] == "failed":
+          stream.write(f"trial {self.name(t)} failed: {summary['reason']}\n")
+      return statuses
+    except leases.LeaseLost as e:
+      stream.write(f"\ntrial [{label}] stopped: {e}; left to the worker that holds it now\n")
+      return []
+    except preempt.Preempted as p:
+      for t in group:
+        preempt.record(self.name(t), p.step)
+      stream.write(f"\ntrial [{label}] saved at step {p.step} and stopped (preempted)\n")
+      return None
+    finally:
+      for t in group:
+        store.release(t.id)

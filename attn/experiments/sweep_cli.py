@@ -1,11 +1,24 @@
-"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--analyze]`: run a sweep config, then write its report."""
+"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N] [--analyze]`.
+
+Runs a sweep config into its store, then writes its report. --executor local
+(the default) trains in this process (--workers 1) or in N local worker
+processes; --executor slurm claims the store, submits one job array
+(attn.experiments.slurm), prints the job id and returns. Re-running the same
+command resumes; `attn status DIR` shows progress for any executor.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from attn.experiments import config as config_lib
+from attn.experiments import leases
+from attn.experiments import workers as workers_lib
+
+workers_lib.import_submitit()  # first, without its logging setup (see there); slurm imports it too
+from attn.experiments import slurm  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,16 +31,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--analyze", action="store_true",
                       help="run `attn analyze` on the trained trials before the report "
                            "(also: [analysis] enabled = true in the config)")
+  parser.add_argument("--executor", choices=("local", "slurm"), default="local",
+                      help="local: this machine (default); slurm: submit one job array and return")
+  parser.add_argument("--workers", metavar="N", type=int, default=None,
+                      help="local worker processes (default 1: train in this process); logs in DIR/local/")
+  parser.add_argument("--lease-timeout", metavar="SECONDS", type=float, default=leases.DEFAULT_TIMEOUT,
+                      help="a trial whose worker sent no heartbeat for this long is taken over by another "
+                           f"(default {leases.DEFAULT_TIMEOUT:g})")
+  if slurm is not None:
+    slurm.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+  from attn.config import invalid
+  from attn.experiments import preempt
+  from attn.experiments import sweep as sweep_lib  # lazy: jax
+  workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
+  lease_timeout = sweep_lib.check_lease_timeout(args.lease_timeout)
+  if args.executor == "slurm" and workers != 1:
+    raise invalid("--workers", workers, "left out with --executor slurm (one array task per trial)")
+  slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
+  if args.executor == "local":  # a Slurm node may have other devices: its tasks check there
+    from attn.experiments import parallel
+    parallel.check_devices(sweep.trials, sweep.vmap_seeds)
   out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   with open(args.config, encoding="utf-8") as f:
     text = f.read()
-  from attn.experiments import sweep as sweep_lib  # lazy: jax
-  counts = sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides)
-  if (args.analyze or sweep.analyze) and counts["ok"] + counts["skipped"]:
+  if args.executor == "slurm":
+    sweep_lib.prepare(sweep, out, text, args.overrides)
+    return slurm.submit(sweep, out, args, text)
+  if workers == 1:
+    preempt.install_handlers()
+    try:
+      counts = sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides,
+                                   lease_timeout=lease_timeout)
+    except KeyboardInterrupt:
+      print("\n" + preempt.message("interrupted"), file=sys.stderr)
+      return 130
+    if counts.get("unfinished"):
+      print(f"{counts['unfinished']} trials unfinished: re-run the same command to resume", file=sys.stderr)
+      return 1
+    done = counts["ok"] + counts["skipped"]
+  else:
+    if sweep_lib.prepare(sweep, out, text, args.overrides):
+      print(f"resuming {out}", file=sys.stderr)
+    _, unfinished, stopped_by = workers_lib.run_workers(out, workers, lease_timeout)
+    if stopped_by:
+      return 128 + stopped_by
+    if unfinished:
+      print(f"{unfinished} trials unfinished: re-run the same command to resume", file=sys.stderr)
+      return 1
+    done = len(sweep.trials)
+  if (args.analyze or sweep.analyze) and done:
     from attn.experiments import analyze
     analyze.analyze_sweep(out)
   if not args.no_report:

@@ -11,12 +11,12 @@ per position; classification tasks ("classifier") give tokens, lengths, labels.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, ClassVar
 
 import numpy as np
 
 from attn.config import invalid
+from attn.experiments import corpus as corpus_lib
 
 TRAIN, EVAL = 0, 1
 
@@ -205,45 +205,51 @@ class AfterMarker:
 
 
 @dataclasses.dataclass(frozen=True)
-class CharLM:
-  """Character-level language model over a local UTF-8 text file; the last 10% is held out."""
+class Text:
+  """Byte-level language modelling on local text (vocabulary: the 256 byte values).
+
+  path: a text file, a directory, or "" for the running Python's standard
+  library sources; glob filters a directory ("" means `**/*`, every file, and
+  `**/*.py` for the stdlib). attn.experiments.corpus reads, checks, caches and
+  splits the text by file (about 5% of the files held out).
+  Training windows of seq_len + 1 bytes start at uniform random offsets of the
+  train bytes, drawn from (seed, TRAIN, index). Held-out windows depend on the
+  index only, not the seed: every trial is scored on the same held-out bytes,
+  so settings and seeds are compared on one sample. Every position counts, so
+  eval_loss / ln 2 is held-out bits per byte.
+  """
 
   kind: ClassVar[str] = "decoder_lm"
+  vocab_size: ClassVar[int] = 256
   path: str = ""
-  seq_len: int = 64
-  eval_fraction: float = 0.1
+  glob: str = ""
+  seq_len: int = 128
 
   def __post_init__(self):
     _check_int("seq_len", self.seq_len, 2)
-    if not isinstance(self.path, str) or not self.path or not os.path.isfile(self.path):
-      raise invalid("task.path", self.path, "an existing, readable text file")
-    if not isinstance(self.eval_fraction, float) or not 0.0 < self.eval_fraction < 1.0:
-      raise invalid("task.eval_fraction", self.eval_fraction, "a float between 0 and 1")
-    try:
-      with open(self.path, encoding="utf-8") as f:
-        text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-      raise invalid("task.path", self.path, f"a readable UTF-8 text file ({e})") from None
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = np.fromiter((lookup[c] for c in text), np.int32, len(text))
-    n_eval = int(len(data) * self.eval_fraction)
-    need = self.seq_len + 2
-    if n_eval < need or len(data) - n_eval < need:
-      raise invalid("task.path", self.path,
-                    f"a text long enough that both splits hold seq_len+2={need} characters "
-                    f"(it has {len(data)}; eval_fraction={self.eval_fraction})")
-    object.__setattr__(self, "_chars", "".join(chars))
-    object.__setattr__(self, "_splits", (data[:-n_eval], data[-n_eval:]))
+    if not isinstance(self.path, str):
+      raise invalid("task.path", self.path, "a path to a text file or directory, or '' for the Python stdlib")
+    if not isinstance(self.glob, str):
+      raise invalid("task.glob", self.glob, "a glob string such as '**/*.txt' ('' for the default)")
+    data = corpus_lib.load(self.path, self.glob)
+    need = self.seq_len + 1
+    for split, array in (("train", data.train), ("held-out", data.heldout)):
+      if array.size < need:
+        raise invalid("task.path", self.path or data.root,
+                      f"a corpus whose {split} split holds at least seq_len+1={need} bytes (it holds "
+                      f"{array.size} of {data.num_bytes}, {len(data.files)} files; about 5% of the "
+                      "files are held out, a single file's last 5%)")
+    object.__setattr__(self, "_corpus", data)
 
   @property
-  def vocab_size(self) -> int:
-    return len(self._chars)
+  def corpus(self) -> corpus_lib.Corpus:
+    """The text, split into train and held-out bytes (attn.experiments.corpus)."""
+    return self._corpus
 
   def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
-    data = self._splits[split]
-    rng = _rng(seed, split, index)
-    start_B = rng.integers(0, len(data) - self.seq_len - 1, batch_size)
+    data = self._corpus.train if split == TRAIN else self._corpus.heldout
+    rng = _rng(seed if split == TRAIN else 0, split, index)
+    start_B = rng.integers(0, data.size - self.seq_len, batch_size)
     seq = data[start_B[:, None] + np.arange(self.seq_len + 1)]
     return _lm_arrays(seq, np.ones((batch_size, self.seq_len)))
 
@@ -253,7 +259,7 @@ TASKS: dict[str, type] = {
     "induction": Induction,
     "marker_position": MarkerPosition,
     "after_marker": AfterMarker,
-    "char_lm": CharLM,
+    "text": Text,
 }
 
 

@@ -5,7 +5,9 @@ stacks their parameters and runs one compiled program under jax.vmap over the
 seed axis; each seed keeps its own data, init and optimiser state. Every step
 yields, per seed, loss, accuracy, gradient/parameter/update norms and step
 time. A non-finite loss or gradient stops that seed, which is recorded as
-failed with the reason; the other seeds go on.
+failed with the reason; the other seeds go on. With train.data_parallel > 1
+the step and the evaluation run sharded over local devices, the batch or the
+seeds split (attn.experiments.parallel); the summary records the device count.
 
 Given checkpoint directories, a trial saves its state every
 train.checkpoint_interval steps and at the end (attn.experiments.checkpoints)
@@ -13,6 +15,8 @@ and starts from its newest readable checkpoint. A resumed trial computes the
 same rows and parameters, bit for bit on CPU, as one never stopped: data
 batches depend only on (seed, step), the learning rate is looked up by step,
 and the optimiser state (Adam moments and count) is restored with the model.
+Once attn.experiments.preempt.save_now() asks, the loop saves after the step
+it is in, waits for the save and raises preempt.Preempted (no summary).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from flax import nnx
 
 from attn import count
 from attn.config import ConfigError, invalid
-from attn.experiments import checkpoints
+from attn.experiments import checkpoints, parallel, preempt
 from attn.experiments import tasks as tasks_lib
 from attn.experiments.config import TrainConfig
 from attn.nn import models
@@ -168,6 +172,8 @@ def train_group(configs: list[dict[str, Any]],
   model_cfg = models.ModelConfig(**cfg0["model"])
   train, kind = TrainConfig(**cfg0["train"]), task.kind
   seeds = [TrainConfig(**c["train"]).seed for c in configs]
+  batched = vmap and len(seeds) > 1
+  layout = parallel.layout(train, len(seeds) if batched else 1, batched)  # refuses before any model is built
   tx = optimizer(train)
   graphdef, states = None, []
   for s in seeds:
@@ -176,7 +182,6 @@ def train_group(configs: list[dict[str, Any]],
   step, evaluate = _step_fns(graphdef, tx, kind)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
-  batched = vmap and len(seeds) > 1
   groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]
   fns = (jax.vmap(step), jax.vmap(evaluate)) if batched else (step, evaluate)
   log = log or (lambda line: print(line, file=sys.stderr))
@@ -191,7 +196,7 @@ def train_group(configs: list[dict[str, Any]],
         on_start(i, start)
     state = _stack(group_states) if batched else group_states[0]
     out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
-               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs)
+               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs, layout)
     for i, summary in zip(group, out):
       summaries[i] = {**summary, **counts}
   return summaries
@@ -199,7 +204,8 @@ def train_group(configs: list[dict[str, Any]],
 
 def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
          on_row, on_step, batched: bool, start: int = 0,
-         checkpoint_dirs: list[str] | None = None) -> list[dict[str, Any]]:
+         checkpoint_dirs: list[str] | None = None,
+         layout: parallel.Layout = parallel.Layout()) -> list[dict[str, Any]]:
   """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries."""
   n, B = len(seeds), train.batch_size
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
@@ -208,22 +214,28 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
   eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train.eval_batches)])
   if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
     eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data)
+  eval_data, state = layout.put(eval_data, "eval"), layout.put(state, "state")
   t0 = time.perf_counter()
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
-    batch0 = pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B))
-    jit_step = jax.jit(step_fn, donate_argnums=(0, 1)).lower(*state, batch0, lr0).compile()
-    jit_eval = jax.jit(eval_fn).lower(state[0], state[2], eval_data).compile()
+    batch0 = layout.put(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B)), "train")
+    jit_step = layout.jit(step_fn, ("state",) * 3 + ("train", "replicated"), ("state", "state", "replicated"),
+                          donate=(0, 1)).lower(*state, batch0, lr0).compile()
+    jit_eval = layout.jit(eval_fn, ("state", "state", "eval"), "replicated").lower(
+        state[0], state[2], eval_data).compile()
   compile_s = time.perf_counter() - t0
+  if preempt.requested():  # save_now() during the compile: nothing new to save
+    raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
   times, checkpoint_s, every = [], 0.0, train.checkpoint_interval
   savers = [checkpoints.Saver(d) for d in checkpoint_dirs or []]
   try:
     for t in range(start, train.steps):
-      batch = pick(_batches(task, seeds, tasks_lib.TRAIN, t, B))
+      batch = layout.put(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B)), "train")
       t0 = time.perf_counter()
-      params, opt_state, m = jit_step(*state, batch, np.full(lr0.shape, lrs[t], np.float32))
+      lr = layout.put(np.full(lr0.shape, lrs[t], np.float32), "replicated")
+      params, opt_state, m = jit_step(*state, batch, lr)
       m = jax.device_get(m)
       times.append(time.perf_counter() - t0)
       state = (params, opt_state, state[2])
@@ -244,7 +256,8 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
         if last:
           summaries[j] = {"status": "ok", "steps_done": t + 1,
                           "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
-      if savers and (last or (every > 0 and (t + 1) % every == 0)):
+      stop = preempt.requested() and not last  # save_now(): save after this step and stop
+      if savers and (stop or last or (every > 0 and (t + 1) % every == 0)):
         t0 = time.perf_counter()
         tree = {"params": state[0], "opt_state": state[1], "rest": state[2]}
         for j, saver in enumerate(savers):
@@ -253,6 +266,10 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
         checkpoint_s += time.perf_counter() - t0
       if on_step:
         on_step(t, float(np.mean(m["loss"])))
+      if stop:
+        for saver in savers:
+          saver.wait()  # the checkpoint is in place before save_now() returns
+        raise preempt.Preempted(t + 1)
       if all(s is not None and s["status"] == "failed" for s in summaries):
         break
   finally:  # also on an error: no save is left running (the final one completes before the summary)
@@ -262,5 +279,5 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
     checkpoint_s += time.perf_counter() - t0
   timing = {"compile_s": compile_s, "group_size": n, "train_s": float(np.sum(times)),
             "step_time_s_median": float(np.median(times[1:] or times)),
-            "checkpoint_s": checkpoint_s, "resumed_from": start}
+            "checkpoint_s": checkpoint_s, "resumed_from": start, **layout.summary()}
   return [{**s, **timing} for s in summaries]

@@ -50,12 +50,13 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, x_BTD: jax.Array, context_BSD: jax.Array | None = None, *,
                mask: jax.Array | None = None, return_weights: bool = False,
                head_mask: jax.Array | None = None, is_causal: bool = False,
-               kv_lengths: jax.Array | None = None):
+               kv_lengths: jax.Array | None = None, positions: jax.Array | None = None):
     """y (B,T,D); with return_weights, (y, weights (B,H,T,S)). mask: True = may attend.
 
     head_mask (H,) or (B,H) gates each query head's output before W^O;
-    is_causal and kv_lengths (B,) are structured masks (attn.apply).
+    is_causal and kv_lengths (B,) are structured masks; positions (T,) or (B,T) place
+    x's tokens for RoPE (attn.apply).
     """
     return api.apply(self.variant, self.params_dict(), x_BTD, context_BSD, cfg=self.cfg,
                      mask=mask, return_weights=return_weights, head_mask=head_mask,
-                     is_causal=is_causal, kv_lengths=kv_lengths)
+                     is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)

@@ -3,6 +3,9 @@
 ModelConfig covers GPT-2 (pre-norm, final LayerNorm, tied embeddings), BERT
 (post-norm, embedding LayerNorm, token types, pooler) and the encoder-decoder
 of Vaswani et al. 2017 (post-norm, sinusoidal positions, shared embeddings).
+activation "gelu" is the tanh approximation (GPT-2's gelu_new), "gelu_exact"
+the erf form (BERT's gelu); norm_eps is the LayerNorm epsilon (GPT-2 1e-5,
+BERT 1e-12). attn.nn.hf loads and saves Hugging Face GPT-2 and BERT weights.
 
 Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
   embeddings   vocab·D [+ max_len·D learned positions] [+ num_segments·D] [+ LN if embed_norm]
@@ -14,6 +17,10 @@ Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
   pooler       D² + D;  classifier: [CLS] vector D (pooling "cls") + D·C + b·C
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
+positional "rope": no position embedding; every attention layer rotates the
+first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
+parameters), tokens at positions 0..T−1. ModelConfig's latent_dim,
+q_latent_dim, rope_dim and rope_theta are HeadConfig's.
 
 Letters as in the README's table, plus F for d_ff, N for the vocabulary and L
 for attention layers. Token ids outside [0, vocab) (negative ones included)
@@ -49,9 +56,9 @@ from attn.nn.attention import MultiHeadAttention
 
 Array = jax.Array
 _CHOICES = {
-    "positional": ("learned", "sinusoidal", "none"),
+    "positional": ("learned", "sinusoidal", "none", "rope"),
     "norm": ("pre", "post"),
-    "activation": ("gelu", "relu"),
+    "activation": ("gelu", "gelu_exact", "relu"),
     "pooling": ("cls", "mean"),
 }
 _BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
@@ -72,6 +79,10 @@ class ModelConfig:
   d_v: int | None = None
   num_kv_heads: int | None = None
   collab_width: int | None = None
+  latent_dim: int | None = None
+  q_latent_dim: int | None = None
+  rope_dim: int = 0
+  rope_theta: float = 10000.0
   variant: str = "fused"
   max_len: int = 512
   positional: str = "learned"
@@ -84,6 +95,7 @@ class ModelConfig:
   activation: str = "gelu"
   tie_embeddings: bool = True
   embed_init_std: float = 0.02
+  norm_eps: float = 1e-5
   pooler: bool = False
   num_decoder_layers: int = 0
   share_src_tgt_embeddings: bool = True
@@ -104,14 +116,25 @@ class ModelConfig:
     std = self.embed_init_std
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < float("inf"):
       raise invalid("embed_init_std", std, "a positive finite number")
+    eps = self.norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+      raise invalid("norm_eps", eps, "a positive finite number (LayerNorm epsilon)")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
+    if self.positional == "rope" and not self.rope_dim:
+      raise invalid("rope_dim", self.rope_dim,
+                    f"an even integer in [2, d_k={self.head.d_k}] with positional='rope'")
+    if self.rope_dim and self.positional != "rope":
+      raise invalid("positional", self.positional,
+                    f"'rope' when rope_dim={self.rope_dim}: rotary positions replace additive ones")
 
   @property
   def head(self) -> HeadConfig:
     """The HeadConfig of every attention layer in the model."""
     return HeadConfig(d_model=self.d_model, num_heads=self.num_heads, d_k=self.d_k, d_v=self.d_v,
                       num_kv_heads=self.num_kv_heads, use_bias=self.use_bias,
-                      collab_width=self.collab_width)
+                      collab_width=self.collab_width, latent_dim=self.latent_dim,
+                      q_latent_dim=self.q_latent_dim, rope_dim=self.rope_dim,
+                      rope_theta=self.rope_theta)
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -197,7 +220,7 @@ def sinusoidal(T: int, D: int) -> Array:
 
 def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True) -> nnx.LayerNorm | None:
   """A LayerNorm over D, or None when not wanted or cfg.layernorm is False."""
-  return nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs) if wanted and cfg.layernorm else None
+  return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs) if wanted and cfg.layernorm else None
 
 
 def _norm(norm: nnx.LayerNorm | None, x: Array) -> Array:
@@ -264,7 +287,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     h_BTF = self.up(x_BTD)
-    h_BTF = jax.nn.gelu(h_BTF) if self.activation == "gelu" else jax.nn.relu(h_BTF)
+    if self.activation == "relu":
+      h_BTF = jax.nn.relu(h_BTF)
+    else:
+      h_BTF = jax.nn.gelu(h_BTF, approximate=self.activation == "gelu")
     return self.down(h_BTF)
 
 
@@ -404,15 +430,21 @@ class DecoderLM(nnx.Module):
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
 
   def __call__(self, tokens_BT: Array, head_mask: Array | None = None,
-               return_weights: bool = False):
+               return_weights: bool = False, lengths_B: Array | None = None):
     """Logits (B,T,vocab); position t sees tokens up to t, so right padding needs no mask.
 
+    lengths_B (B,) also masks the keys past each length (Hugging Face's attention_mask for
+    right padding), which changes only the logits at padded positions.
     With return_weights, (logits, [self-attention weights (B,H,T,T) of each layer]).
     """
     self.embed.check(tokens_BT)
-    gates = layer_gates(head_mask, tokens_BT.shape[0], len(self.blocks), self.cfg.num_heads)
+    B, T = tokens_BT.shape
+    gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
+    if lengths_B is not None:
+      check_lengths("lengths", lengths_B, B, T)
     h_BTD = self.embed(tokens_BT)
-    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, is_causal=True)
+    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, is_causal=True,
+                                kv_lengths=lengths_B)
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
 

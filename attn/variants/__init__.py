@@ -2,6 +2,7 @@
 
 from attn.variants import fused, per_head
 from attn.variants import collaborative, merged, split_input, two_stage
+from attn.variants import mla, talking_heads
 from attn.variants.base import Variant
 
 VARIANTS: dict[str, Variant] = {
@@ -11,4 +12,6 @@ VARIANTS: dict[str, Variant] = {
     "two_stage": two_stage.VARIANT,
     "split_input": split_input.VARIANT,
     "collaborative": collaborative.VARIANT,
+    "mla": mla.VARIANT,
+    "talking_heads": talking_heads.VARIANT,
 }

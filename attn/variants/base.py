@@ -2,15 +2,21 @@
 
 A variant is a parameterization of one multi-head attention layer over a plain
 dict of arrays. Its `apply(params, x_BTD, context_BSD, *, cfg, mask,
-return_weights, head_mask, is_causal, kv_lengths)` returns `(y_BTD,
-weights_BHTS or None)`; `context_BSD` is None for self-attention; `head_mask`
-(H,) or (B,H) gates each query head's output before W^O (Michel et al. 2019),
-None meaning all ones; `is_causal` and `kv_lengths` are kernel.attention's
-structured masks, passed through to attend_and_project. Counts are per
-layer; FLOPs count a multiply-add as 2 and are per batch element, forward
-only, for T queries and S keys. The KV-cache width is the elements cached per
-decoded token; the score weights are the weights the attention logits depend
-on, biases excluded.
+return_weights, head_mask, is_causal, kv_lengths, qk_positions)` returns
+`(y_BTD, weights_BHTS or None)`; `context_BSD` is None for self-attention;
+`head_mask` (H,) or (B,H) gates each query head's output before W^O (Michel
+et al. 2019), None meaning all ones; `is_causal` and `kv_lengths` are
+kernel.attention's structured masks, passed through to attend_and_project;
+`qk_positions` is None or (query positions, key positions) for RoPE
+(cfg.rope_dim > 0; None: 0..T−1 and 0..S−1), also passed through. A variant
+that cannot have RoPE refuses rope_dim > 0 in its `check`, with the reason.
+Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
+element, forward only, for T queries and S keys. The KV-cache width is the
+elements cached per decoded token; the score weights are the weights the
+attention logits depend on, biases excluded. `decode_apply`, when a variant
+has one, computes the same function as `apply` the way a decoder would, its
+kernel reading only the kv_cache_width columns a cache holds (mla: queries
+absorbed into the latent); None means `apply` already does.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
+from attn.variants import rope
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -45,6 +52,7 @@ class Variant:
   kv_cache_width: Callable[[HeadConfig], int]
   score_weights: Callable[[HeadConfig], int]
   check: Callable[[HeadConfig], None] = _no_constraint
+  decode_apply: Callable[..., tuple[Array, Array | None]] | None = None
 
 
 def normal(key: Array, shape: tuple[int, ...], fan_in: int, dtype=jnp.float32) -> Array:
@@ -105,12 +113,16 @@ def gate_heads(out_BTHV: Array, head_mask) -> Array:
 
 def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *,
                        cfg: HeadConfig, mask, return_weights: bool, dtype, head_mask=None,
-                       is_causal: bool = False, kv_lengths=None, impl: str = "auto"):
-  """The shared tail of every variant: attention, head gates, then w_o (as (H,V,D)) and b_o.
+                       is_causal: bool = False, kv_lengths=None, impl: str = "auto",
+                       qk_positions=None):
+  """The shared tail of every variant: RoPE, attention, head gates, then w_o (as (H,V,D)) and b_o.
 
-  impl "auto" (kernel.best_impl) is the einsum kernel for short sequences on CPU
-  and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES) without weights out.
+  RoPE (cfg.rope_dim > 0) rotates the first rope_dim dims of every query and
+  key head (attn.variants.rope). impl "auto" (kernel.best_impl) is the einsum
+  kernel for short sequences on CPU and the blocked one for long
+  (T·S >= kernel.BLOCKED_MIN_SCORES) without weights out.
   """
+  q_BTHK, k_BSGK = rope.rotate_qk(q_BTHK, k_BSGK, cfg, qk_positions)
   out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
                          kv_lengths=kv_lengths, scale=cfg.score_scale,
                          return_weights=return_weights, impl=impl)
@@ -164,10 +176,34 @@ def value_output_dof(cfg: HeadConfig, d_in: int) -> int:
   return G * lowrank_dof(d_in, R * D, V) + (D if cfg.use_bias else 0)
 
 
-def factored_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
-  """Score degrees of freedom of W_Q,h·W_K,gᵀ with query heads reading d_q inputs, keys d_kv."""
+def rope_score_dof(cfg: HeadConfig, n_q: int, d_kv: int) -> int:
+  """Degrees of freedom of the RoPE dims of scores whose n_q query rows (with biases) share one key.
+
+  Pair i of the rotated dims scores Re(e^{iω_iΔ}·conj(q_i) k_i) with q_i = x̃·u,
+  k_i = c̃·w complex (x̃, c̃ with a trailing 1 when biased): one complex rank-1
+  n_q × (d_kv + b) matrix per pair, 2·(n_q + d_kv + b − 1) real dims. The key
+  bias no longer drops out of the softmax: rotated, it varies with s.
+  """
   b = 1 if cfg.use_bias else 0
-  return cfg.num_kv_heads * lowrank_dof(cfg.group_size * (d_q + b), d_kv, cfg.d_k)
+  return cfg.rope_dim * (n_q + d_kv + b - 1)
+
+
+def factored_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
+  """Score degrees of freedom of W_Q,h·W_K,gᵀ with query heads reading d_q inputs, keys d_kv.
+
+  With RoPE, the d_k − rope_dim unrotated dims keep the low-rank count and each
+  kv group's rotated dims add rope_score_dof.
+  """
+  b = 1 if cfg.use_bias else 0
+  n_q = cfg.group_size * (d_q + b)
+  return cfg.num_kv_heads * (lowrank_dof(n_q, d_kv, cfg.d_k - cfg.rope_dim)
+                             + rope_score_dof(cfg, n_q, d_kv))
+
+
+def score_space_dim(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
+  """Dimension of all H score functions: per head (d_q + b)·d_kv, + rope_dim·(d_q + b)·(d_kv + b)."""
+  b = 1 if cfg.use_bias else 0
+  return cfg.num_heads * (d_q + b) * (d_kv + cfg.rope_dim * (d_kv + b))
 
 
 def factored_effective_param_count(cfg: HeadConfig) -> int:

@@ -15,7 +15,7 @@ Effective: scores are the H×(D+b)×D tensor Σ_j m_j ⊗ [w̃_Q,j; b̃_Q,j] ⊗
   term), lowrank(D+b, D; D̃) for H = 1; b̃_K drops out of the softmax;
   + Σ_g lowrank(D, R·D; V) + b·D as in base.py.
 KV cache: one shared key c_s·W̃_K (D̃ wide, no heads) plus the G·V values.
-Score weights: 2·D·D̃ + H·D̃.
+Score weights: 2·D·D̃ + H·D̃. No RoPE (rope_dim > 0 is refused; `check` says why).
 """
 
 from __future__ import annotations
@@ -23,9 +23,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig
+from attn.config import HeadConfig, invalid
 from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
                                 lowrank_dof, normal, project_heads, value_output_dof)
+
+
+def check(cfg: HeadConfig) -> None:
+  if cfg.rope_dim:
+    raise invalid("rope_dim", cfg.rope_dim,
+                  "0 for collaborative: its heads are one shared D̃-wide query/key scaled per "
+                  "dimension by m_h, which does not commute with RoPE's pair rotations; rotating "
+                  "the shared dims cannot express per_head's per-head rotations, so the variant "
+                  "would no longer contain per_head (per_head -> collaborative exact)")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -44,7 +53,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None):
+          kv_lengths=None, qk_positions=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, _ = c_BSD.shape
   G, J = cfg.num_kv_heads, cfg.collab_width
@@ -56,7 +65,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
   return attend_and_project(params, q_BTHJ, k_BSGJ, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            qk_positions=qk_positions)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -98,4 +108,5 @@ VARIANT = Variant(
     flops=flops,
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
+    check=check,
 )

@@ -61,12 +61,12 @@ DEFAULT_IMPL = "auto"
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, impl: str | None = None):
+          kv_lengths=None, impl: str | None = None, qk_positions=None):
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg)
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
                             head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            impl=DEFAULT_IMPL if impl is None else impl)
+                            impl=DEFAULT_IMPL if impl is None else impl, qk_positions=qk_positions)
 
 
 VARIANT = Variant(

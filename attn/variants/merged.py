@@ -20,6 +20,8 @@ The factored count (per_head, fused, two_stage) lives in base.py:
   row) times W_K,gᵀ is one (R·(D+b))×D matrix of rank ≤ K.
 KV cache: the raw context c_s (D) that x_t·W_h is scored against, plus the
 G·V values: D + G·V per token. Score weights: H·D².
+No RoPE (rope_dim > 0 is refused): rotations by t − s sit between W_Q,h and
+W_K,hᵀ, so no single W_h exists.
 """
 
 from __future__ import annotations
@@ -27,9 +29,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig
+from attn.config import HeadConfig, invalid
 from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, normal,
                                 value_output_dof)
+
+
+def check(cfg: HeadConfig) -> None:
+  if cfg.rope_dim:
+    raise invalid("rope_dim", cfg.rope_dim,
+                  "0 for merged: with RoPE the score is x W_Q,h R(t − s) W_K,hᵀ c, so no "
+                  "position-free W_h exists (attn.variants.rope.position_free_fit gives the "
+                  "best one and its error)")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -46,7 +56,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None):
+          kv_lengths=None, qk_positions=None):
   """Scores as (x W_h + b_kc,h)·c: a D-wide query per head against the raw context."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, D = c_BSD.shape
@@ -57,7 +67,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
   return attend_and_project(params, qm_BTHD, c_BSGD, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            qk_positions=qk_positions)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -95,4 +106,5 @@ VARIANT = Variant(
     flops=flops,
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
+    check=check,
 )

@@ -44,7 +44,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None):
+          kv_lengths=None, qk_positions=None):
   """Each head's (D,K), (D,K), (D,V) and (V,D) matrices, all heads in one matmul each."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
@@ -52,7 +52,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            qk_positions=qk_positions)
 
 
 VARIANT = Variant(

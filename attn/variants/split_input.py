@@ -46,7 +46,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None):
+          kv_lengths=None, qk_positions=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, T, D = x_BTD.shape
   S = c_BSD.shape[1]
@@ -58,7 +58,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   v_BSGV = jnp.einsum("BSGE,GEV->BSGV", c_BSGE, params["w_v"]) + bias(params, "b_v")
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            qk_positions=qk_positions)
 
 
 def param_count(cfg: HeadConfig) -> int:

@@ -39,7 +39,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None):
+          kv_lengths=None, qk_positions=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   xq_BTD = x_BTD @ params["w_q1"] + bias(params, "b_q1")
   ck_BSD = c_BSD @ params["w_k1"] + bias(params, "b_k1")
@@ -49,7 +49,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   v_BSGV = project_heads(cv_BSD, params["w_v"], bias(params, "b_v"))
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths)
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            qk_positions=qk_positions)
 
 
 def param_count(cfg: HeadConfig) -> int:

@@ -1,0 +1,161 @@
+"""`attn status DIR [--lease-timeout S]`: each trial done, failed, running, stale or pending; totals; an ETA.
+
+It reads the store only, so it works whatever runs the trials (`attn sweep`,
+its local workers, Slurm array tasks):
+
+  ok, failed   summary.json exists (failed: with its reason)
+  running      lease.json's heartbeat (its mtime) is younger than the lease timeout:
+               the worker (host, pid, Slurm job), the step reached (the partial rows), heartbeat age
+  stale        a lease older than the timeout: its worker is gone; the next worker takes it over
+  pending      none of these (with the step of its checkpoint, if it has one)
+
+ETA: seconds per trial-step, from the finished trials' timings ((compile +
+train + checkpoint time) / group size / steps run), else from the running
+trials' recent step times; times the steps left (all of a pending trial's, the
+rest of a running or stale one's); divided by the number of running trials
+(at least 1, the next worker). Heartbeat ages compare the file's mtime with
+this host's clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from attn.experiments import leases
+from attn.experiments import store as store_lib
+
+STATES = ("ok", "failed", "running", "stale", "pending")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("dir", metavar="DIR", help="a sweep directory written by `attn sweep`")
+  parser.add_argument("--lease-timeout", metavar="SECONDS", type=float, default=leases.DEFAULT_TIMEOUT,
+                      help="a lease whose heartbeat is older is shown as stale (default "
+                           f"{leases.DEFAULT_TIMEOUT:g}, as `attn sweep`)")
+
+
+def _tail(path: str, n: int = 8) -> list[dict[str, Any]]:
+  """The last n complete JSON rows of a metrics file ([] if none)."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      size = f.seek(max(0, f.tell() - 64 * 1024))
+      lines = f.read().split(b"\n")
+  except FileNotFoundError:
+    return []
+  rows = []
+  for line in lines[1:] if size else lines:  # the first may be cut by the seek
+    try:
+      rows.append(json.loads(line))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+      pass
+  return rows[-n:]
+
+
+def _checkpoint(trial_dir: str) -> int:
+  d = os.path.join(trial_dir, store_lib.CHECKPOINTS)
+  return max((int(x) for x in os.listdir(d) if x.isdigit()), default=0) if os.path.isdir(d) else 0
+
+
+def collect(out: str, lease_timeout: float = leases.DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+  """One dict per trial, in sweep order: index, id, label, state, steps, step reached, lease, age, summary."""
+  header = store_lib.load_sweep(out)
+  now, rows = time.time(), []
+  for i, entry in enumerate(header["trials"]):
+    d = os.path.join(out, "trials", entry["id"])
+    label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in entry["label"].items())
+    t = {"index": i + 1, "id": entry["id"], "label": label, "steps": None, "step": 0, "lease": None,
+         "age": None, "summary": None, "recent": []}
+    config = os.path.join(d, store_lib.CONFIG)
+    if os.path.exists(config):
+      t["steps"] = store_lib.read_json(config)["train"]["steps"]
+    if os.path.exists(os.path.join(d, store_lib.SUMMARY)):
+      t["summary"] = store_lib.read_json(os.path.join(d, store_lib.SUMMARY))
+      t["state"] = "ok" if t["summary"].get("status") == "ok" else "failed"
+      rows.append(t)
+      continue
+    held, mtime = leases.read(os.path.join(d, leases.LEASE))
+    t["recent"] = _tail(os.path.join(d, store_lib.PARTIAL))
+    t["step"] = t["recent"][-1]["step"] + 1 if t["recent"] else 0
+    if held is not None:
+      t["lease"], t["age"] = held, now - mtime
+      t["state"] = "running" if now - mtime < lease_timeout else "stale"
+    else:
+      t["state"], t["checkpoint"] = "pending", _checkpoint(d)
+    rows.append(t)
+  return rows
+
+
+def totals(trials: list[dict[str, Any]]) -> dict[str, int]:
+  """How many trials are in each state."""
+  return {s: sum(t["state"] == s for t in trials) for s in STATES}
+
+
+def eta(trials: list[dict[str, Any]]) -> float | None:
+  """Seconds until every trial is finished (the module docstring's estimate); None when nothing is known yet."""
+  spent, ran = 0.0, 0.0
+  for t in trials:
+    s = t["summary"]
+    if t["state"] == "ok" and s.get("steps_done", 0) > s.get("resumed_from", 0) and "train_s" in s:
+      spent += (s.get("compile_s", 0.0) + s["train_s"] + s.get("checkpoint_s", 0.0)) / s.get("group_size", 1)
+      ran += s["steps_done"] - s.get("resumed_from", 0)
+  if not ran:
+    times = [r["step_time_s"] for t in trials if t["state"] == "running" for r in t["recent"] if "step_time_s" in r]
+    spent, ran = sum(times), len(times)
+  left = sum((t["steps"] or 0) - (t["step"] if t["state"] != "pending" else 0)
+             for t in trials if t["state"] in ("running", "stale", "pending"))
+  if not left:
+    return 0.0
+  if not ran:
+    return None
+  return left * spent / ran / max(1, totals(trials)["running"])
+
+
+def fmt_time(seconds: float | None) -> str:
+  """1h02m, 3m05s, or `unknown`."""
+  if seconds is None:
+    return "unknown"
+  seconds = int(seconds)
+  return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def summary_line(trials: list[dict[str, Any]]) -> str:
+  """`12 trials: 4 ok, 0 failed, 2 running, 0 stale, 6 pending; ETA 3m10s`."""
+  n = totals(trials)
+  counts = ", ".join(f"{n[s]} {s}" for s in STATES)
+  left = n["running"] + n["stale"] + n["pending"]
+  return f"{len(trials)} trials: {counts}" + (f"; ETA {fmt_time(eta(trials))}" if left else "")
+
+
+def _detail(t: dict[str, Any], lease_timeout: float) -> str:
+  s, steps = t["summary"], t["steps"] or "?"
+  if t["state"] == "ok":
+    final = s.get("final", {})
+    took = s.get("compile_s", 0.0) + s.get("train_s", 0.0) + s.get("checkpoint_s", 0.0)
+    return (f"eval_accuracy {final.get('eval_accuracy', float('nan')):.4f}  "
+            f"eval_loss {final.get('eval_loss', float('nan')):.4f}  ({took:.0f} s)")
+  if t["state"] == "failed":
+    return s.get("reason", "?")
+  if t["state"] in ("running", "stale"):
+    where = f"step {t['step']}/{steps} on {leases.describe(t['lease'])}, heartbeat {t['age']:.0f} s ago"
+    return where + (f" (> {lease_timeout:g} s: the next worker takes it over)" if t["state"] == "stale" else "")
+  return f"stopped at step {t['step']}/{steps}, resumes from its checkpoint of step {t['checkpoint']}" \
+      if t["step"] else ""
+
+
+def run(args: argparse.Namespace) -> int:
+  from attn.experiments import sweep  # the one check of --lease-timeout
+  timeout = sweep.check_lease_timeout(args.lease_timeout)
+  trials = collect(args.dir, timeout)
+  width = max((len(t["label"]) for t in trials), default=0)
+  for t in trials:
+    print(f"{t['index']:>4}/{len(trials)}  {t['state']:<8} {t['label']:<{width}}  {_detail(t, timeout)}".rstrip())
+  print(summary_line(trials))
+  for sub in ("local", "slurm"):
+    if os.path.isdir(os.path.join(args.dir, sub)):
+      print(f"logs: {os.path.join(args.dir, sub)}/")
+  return 0

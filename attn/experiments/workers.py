@@ -1,0 +1,145 @@
+"""Local workers: `attn sweep --workers N` runs N processes on this machine through submitit's LocalExecutor.
+
+Each worker runs `sweep.run_trials(DIR, wait=True)`: it leases pending trials
+one at a time (seed groups member by member), waits for those other workers
+hold, and takes over a trial whose worker died once its lease goes stale. The
+parent claims the store, prints a status line while the workers run, and then
+writes the report as one process would.
+
+Worker k is pinned to its share of the CPUs this process may use
+(os.sched_setaffinity; with more workers than CPUs, CPUs are shared round
+robin): XLA sizes its CPU thread pools by the CPUs a process may run on, so N
+workers on C cores run about C/N threads each, not C each. Every worker uses
+the same persistent compilation cache. On GPUs, each worker sees the GPUs
+this process sees (submitit's CUDA_VISIBLE_DEVICES="" is undone) and does
+not preallocate memory.
+
+Logs: DIR/local/JOBID_0_log.{out,err}, one pair per worker; submitit's own job
+files (its pickle of the call: the store path, worker number, CPUs) sit beside
+them. Results stay in the JSON/Orbax store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+from attn.config import invalid
+from attn.experiments import preempt
+from attn.experiments import status as status_lib
+
+NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local jobs are killed at timeout_min (default 2)
+
+
+def import_submitit() -> Any:
+  """submitit (None if not installed), imported without its logging setup.
+
+  On import submitit calls logging.config.dictConfig, which closes every
+  logging handler already installed (pytest's own, when a test runs `attn
+  sweep` in-process). SUBMITIT_LOG_LEVEL=NOCONFIG skips that for this import
+  only; its warnings still reach stderr, and worker processes log as usual.
+  """
+  if "submitit" not in sys.modules:
+    previous = os.environ.get("SUBMITIT_LOG_LEVEL")
+    os.environ["SUBMITIT_LOG_LEVEL"] = "NOCONFIG"
+    try:
+      import submitit  # noqa: F401
+    except ImportError:
+      return None
+    finally:
+      if previous is None:
+        del os.environ["SUBMITIT_LOG_LEVEL"]
+      else:
+        os.environ["SUBMITIT_LOG_LEVEL"] = previous
+  return sys.modules["submitit"]
+
+
+def check_workers(n: Any) -> int:
+  """n as an int; anything but an integer >= 1 is refused by name."""
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise invalid("--workers", n, "an integer >= 1 (1: train in this process)")
+  return n
+
+
+def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
+  """Disjoint, near-equal slices of the CPUs for n workers (round robin when n exceeds them)."""
+  cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+  if n >= len(cpus):
+    return [[cpus[k % len(cpus)]] for k in range(n)]
+  return [cpus[k * len(cpus) // n:(k + 1) * len(cpus) // n] for k in range(n)]
+
+
+def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cuda: str | None) -> dict[str, int]:
+  """What worker k of n runs, in its own process."""
+  os.sched_setaffinity(0, cpus)
+  if cuda is None:
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+  else:
+    os.environ["CUDA_VISIBLE_DEVICES"] = cuda
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  preempt.install_handlers()
+  from attn.experiments import sweep  # lazy: jax
+  return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}")
+
+
+def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.stderr) -> tuple[int, int, int]:
+  """Runs n local workers on the claimed store at `out` until they end.
+
+  Returns (failed workers, unfinished trials, the signal that stopped them or 0).
+  SIGTERM or SIGUSR1 to this process is passed on: each worker saves its trial and exits.
+  """
+  submitit = import_submitit()
+  if submitit is None:
+    raise invalid("--workers", n, "1, or an install with submitit for local worker processes: "
+                  "pip install submitit")
+  folder = os.path.join(out, "local")
+  executor = submitit.LocalExecutor(folder=folder)
+  executor.update_parameters(timeout_min=NO_TIME_LIMIT_MIN)
+  shares = cpu_shares(n)
+  cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
+  jobs = [executor.submit(_worker, os.path.abspath(out), k, n, shares[k], lease_timeout, cuda) for k in range(n)]
+  stream.write(f"{n} local workers on CPUs {'; '.join(','.join(map(str, s)) for s in shares)} "
+               f"(logs: {folder}/)\n")
+  stopping: list[int] = []
+
+  def forward(signum: int, frame: Any) -> None:  # each worker saves its trial and exits
+    stopping.append(signum)
+    for job in jobs:
+      if job._process is not None and job._process.poll() is None:  # submitit's controller forwards it
+        job._process.send_signal(signal.SIGTERM)
+
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+  tty = hasattr(stream, "isatty") and stream.isatty()
+  last = 0.0
+  try:
+    while not all(job.done() for job in jobs):
+      if time.monotonic() - last >= (1.0 if tty else 10.0):
+        last = time.monotonic()
+        running = sum(not job.done() for job in jobs)
+        line = f"workers {running}/{n} running; {status_lib.summary_line(status_lib.collect(out, lease_timeout))}"
+        stream.write(("\r\033[K" + line) if tty else line + "\n")
+        stream.flush()
+      time.sleep(0.2)
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+  if tty:
+    stream.write("\n")
+  failed = 0
+  for k, job in enumerate(jobs):
+    try:
+      job.result()
+    except Exception:  # a worker that raised, was killed or was stopped by a signal
+      failed += 1
+      stream.write(f"worker {k + 1}/{n} stopped before the end (killed, stopped by a signal, or an error): "
+                   f"see its log {job.paths.stderr}\n")
+  trials = status_lib.collect(out, lease_timeout)
+  unfinished = sum(t["state"] not in ("ok", "failed") for t in trials)
+  stream.write(f"workers done: {status_lib.summary_line(trials)}\n")
+  if stopping:
+    stream.write(f"{signal.Signals(stopping[0]).name}: the workers saved their trials and stopped; "
+                 "re-run the same command to resume\n")
+  return failed, unfinished, stopping[0] if stopping else 0

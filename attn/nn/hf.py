@@ -1,0 +1,412 @@
+"""Hugging Face GPT-2 and BERT weights in and out (the optional `hf` extra).
+
+from_hf(source, variant="per_head", num_kv_heads=None) reads a transformers
+GPT2LMHeadModel, GPT2Model or BertModel object, or a local directory as
+save_pretrained writes it (config.json + model.safetensors, or a sharded
+model.safetensors.index.json), and returns (model, model_config): a DecoderLM
+for "gpt2", an Encoder (embedding LayerNorm, token types, post-norm, pooler)
+for "bert". A directory is read with safetensors' numpy API: no torch, no
+transformers, never pickle (pytorch_model.bin is refused). variant= converts
+every layer through attn.convert; a lossy conversion warns with its error
+(LossyConversionWarning). With num_kv_heads it returns (model, model_config,
+error): the key/value heads are mean-pooled (Ainslie et al. 2023) and error is
+the largest relative Frobenius error of any layer (attn.convert's
+return_error); convert_model gives every layer's. to_hf(model, model_config)
+builds a GPT2LMHeadModel with the same logits; from_hf(to_hf(m)) gives m's
+parameters back exactly.
+
+Layouts: GPT-2's Conv1D weights are (in, out), y = x W + b, and c_attn packs
+[q | k | v] column blocks, head h in columns h·K..(h+1)·K of each; BERT's
+Linear weights are (out, in), y = x Wᵀ + b. GPT-2's "gelu_new" is jax's tanh
+gelu (attn's "gelu"); BERT's "gelu" is the erf form ("gelu_exact").
+
+Padding: attn's models take right padding as lengths (B,), which is Hugging
+Face's attention_mask with its ones first (lengths_from_attention_mask): keys
+past the length are masked, as HF masks them, so outputs agree at every
+position, padded ones included. Left padding is refused: HF numbers positions
+from the first pad token, which attn's models cannot express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn.config import invalid
+from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
+from attn.nn.models import MODELS, DecoderLM, ModelConfig
+
+SUPPORTED = {"gpt2": "decoder_lm", "bert": "encoder"}  # HF model_type -> attn model kind
+_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "BertModel": "bert"}
+# HF activation name -> attn's: tanh forms are "gelu", the erf form "gelu_exact".
+_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",
+                "gelu": "gelu_exact", "gelu_python": "gelu_exact", "relu": "relu"}
+_TO_HF_ACTIVATION = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
+# Checkpoint keys that hold no weights attn needs: buffers (causal masks, ids), the tied LM head, task heads.
+_SKIPPED_ENDS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
+_SKIPPED_STARTS = ("lm_head.", "cls.")
+
+
+def require(module: str) -> Any:
+  """An optional module of the hf extra, imported; its absence is refused with how to install it."""
+  try:
+    return importlib.import_module(module)
+  except ImportError:
+    raise invalid("import", module, "an installed module: pip install -e '.[hf]' (transformers, "
+                  "safetensors, tokenizers; to_hf and live transformers models also need torch)") from None
+
+
+_REQUIRED = object()
+
+
+def _get(hf: dict[str, Any], *names: str, default: Any = _REQUIRED) -> Any:
+  """The first of names in the config; a missing required one is refused by name."""
+  for name in names:
+    if name in hf:
+      return hf[name]
+  if default is _REQUIRED:
+    raise invalid(f"config.{names[0]}", None, f"a value: a {hf.get('model_type')} config.json has one")
+  return default
+
+
+def _refuse(hf: dict[str, Any], name: str, allowed: Any, why: str) -> None:
+  """Refuses config[name] unless it is `allowed` (or absent: older configs lack newer switches)."""
+  value = hf.get(name, allowed)
+  if value != allowed:
+    raise invalid(f"config.{name}", value, f"{allowed!r}: {why}")
+
+
+def _activation(hf: dict[str, Any], name: str, default: str) -> str:
+  act = hf.get(name, default)
+  if act not in _ACTIVATIONS:
+    raise invalid(f"config.{name}", act, f"one of {sorted(_ACTIVATIONS)}")
+  return _ACTIVATIONS[act]
+
+
+def _divisible(D: int, H: int, field: str) -> None:
+  if D % H:
+    raise invalid(field, H, f"a divisor of the width {D}")
+
+
+def model_config(hf: dict[str, Any], variant: str = "per_head",
+                 num_kv_heads: int | None = None) -> ModelConfig:
+  """The ModelConfig of a Hugging Face config dict; unsupported settings are refused by name."""
+  kind = hf.get("model_type")
+  if kind not in SUPPORTED:
+    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)} (GPT-2 or BERT)")
+  if variant != "per_head" and ("per_head", variant) not in CONVERTERS:
+    known = sorted(f"{dst} ({'exact' if c.exact else 'lossy'})" for (src, dst), c in CONVERTERS.items()
+                   if src == "per_head")
+    raise invalid("variant", variant, f"per_head or one converted from it: {', '.join(known)}")
+  if kind == "gpt2":
+    _refuse(hf, "scale_attn_weights", True, "attn scales scores by 1/sqrt(d_k)")
+    _refuse(hf, "scale_attn_by_inverse_layer_idx", False, "attn has no per-layer score scale")
+    _refuse(hf, "add_cross_attention", False, "cross-attention GPT-2 is not supported")
+    _refuse(hf, "tie_word_embeddings", True, "attn's DecoderLM with biases ties its output to wte")
+    D, H = _get(hf, "n_embd", "hidden_size"), _get(hf, "n_head", "num_attention_heads")
+    _divisible(D, H, "config.n_head")
+    return ModelConfig(
+        vocab_size=_get(hf, "vocab_size"), d_model=D, num_layers=_get(hf, "n_layer", "num_hidden_layers"),
+        num_heads=H, d_ff=hf.get("n_inner") or 4 * D, num_kv_heads=num_kv_heads, variant=variant,
+        max_len=_get(hf, "n_positions", "max_position_embeddings"), norm="pre", final_norm=True,
+        activation=_activation(hf, "activation_function", "gelu_new"), tie_embeddings=True,
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+  _refuse(hf, "position_embedding_type", "absolute", "attn has learned absolute positions only")
+  _refuse(hf, "is_decoder", False, "a causal BERT is not supported")
+  _refuse(hf, "add_cross_attention", False, "cross-attention BERT is not supported")
+  D, H = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+  _divisible(D, H, "config.num_attention_heads")
+  return ModelConfig(
+      vocab_size=_get(hf, "vocab_size"), d_model=D, num_layers=_get(hf, "num_hidden_layers"), num_heads=H,
+      d_ff=_get(hf, "intermediate_size"), num_kv_heads=num_kv_heads, variant=variant,
+      max_len=_get(hf, "max_position_embeddings"), num_segments=hf.get("type_vocab_size", 2),
+      embed_norm=True, norm="post", final_norm=False, activation=_activation(hf, "hidden_act", "gelu"),
+      pooler=True, norm_eps=float(hf.get("layer_norm_eps", 1e-12)))
+
+
+# ---- reading: a directory (numpy only) or a live transformers object (torch tensors).
+
+def read_config(path: str) -> dict[str, Any]:
+  """config.json of a local Hugging Face checkpoint directory, refusing anything else."""
+  where = os.path.join(path, "config.json") if isinstance(path, (str, os.PathLike)) else None
+  if where is None or not os.path.isdir(path) or not os.path.isfile(where):
+    raise invalid("source", str(path), "a Hugging Face checkpoint directory holding config.json and "
+                  "model.safetensors (as save_pretrained writes it), or a GPT2LMHeadModel or BertModel")
+  try:
+    with open(where, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise invalid("source", where, f"a readable JSON config.json ({e})") from None
+
+
+def read_weights(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of model.safetensors (or its shards) as numpy, through safetensors' numpy API."""
+  load_file = require("safetensors.numpy").load_file
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    with open(index, encoding="utf-8") as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  elif os.path.isfile(os.path.join(path, "model.safetensors")):
+    files = ["model.safetensors"]
+  else:
+    found = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".safetensors", ".h5", ".msgpack")))
+    raise invalid("source", str(path), "a directory with model.safetensors (or its index); found "
+                  f"{found or 'no weights'}: attn reads safetensors only, never pickle "
+                  "(re-save with save_pretrained)")
+  out = {}
+  for name in files:
+    try:
+      out.update(load_file(os.path.join(path, name)))
+    except Exception as e:  # a truncated file, or a dtype numpy lacks (bfloat16)
+      raise invalid("source", os.path.join(path, name), f"a safetensors file numpy can read ({e})") from None
+  return out
+
+
+def _read_object(obj: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  name = type(obj).__name__
+  if name not in _CLASSES or not hasattr(obj, "state_dict"):
+    raise invalid("source", name, f"one of {sorted(_CLASSES)}, or a local checkpoint directory")
+  weights = {k: t.detach().cpu().float().numpy() for k, t in obj.state_dict().items()}
+  return obj.config.to_dict(), weights
+
+
+def _strip(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Keys without the task model's prefix (transformer., bert.), minus buffers and heads."""
+  out = {}
+  for k, a in weights.items():
+    for prefix in ("transformer.", "bert."):
+      k = k[len(prefix):] if k.startswith(prefix) else k
+    if not k.endswith(_SKIPPED_ENDS) and not k.startswith(_SKIPPED_STARTS):
+      out[k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = a
+  return out
+
+
+class _Weights:
+  """Named checkpoint arrays as float32; a missing name is refused with the checkpoint's names."""
+
+  def __init__(self, weights: dict[str, np.ndarray]):
+    self.arrays, self.used = _strip(weights), set()
+
+  def __call__(self, name: str) -> np.ndarray:
+    if name not in self.arrays:
+      raise invalid("checkpoint", f"no tensor {name!r}",
+                    f"a GPT-2 or BERT checkpoint; it has {sorted(self.arrays)[:8]}...")
+    self.used.add(name)
+    return np.asarray(self.arrays[name], np.float32)
+
+  def norm(self, name: str) -> dict[str, np.ndarray]:
+    return {"scale": self(f"{name}.weight"), "bias": self(f"{name}.bias")}
+
+  def unused(self) -> list[str]:
+    return sorted(set(self.arrays) - self.used)
+
+
+def _gpt2_pure(w: _Weights, cfg: ModelConfig) -> dict[str, Any]:
+  D, H = cfg.d_model, cfg.num_heads
+  blocks = {}
+  for l in range(cfg.num_layers):
+    p = f"h.{l}"
+    w_q, w_k, w_v = np.split(w(f"{p}.attn.c_attn.weight"), 3, axis=1)
+    b_q, b_k, b_v = np.split(w(f"{p}.attn.c_attn.bias"), 3)
+    heads = {"w_q": w_q.reshape(D, H, -1), "w_k": w_k.reshape(D, H, -1), "w_v": w_v.reshape(D, H, -1),
+             "w_o": w(f"{p}.attn.c_proj.weight").reshape(H, -1, D), "b_q": b_q.reshape(H, -1),
+             "b_k": b_k.reshape(H, -1), "b_v": b_v.reshape(H, -1), "b_o": w(f"{p}.attn.c_proj.bias")}
+    blocks[l] = {"attn": {"params": heads}, "attn_norm": w.norm(f"{p}.ln_1"),
+                 "mlp_norm": w.norm(f"{p}.ln_2"),
+                 "mlp": {"up": {"kernel": w(f"{p}.mlp.c_fc.weight"), "bias": w(f"{p}.mlp.c_fc.bias")},
+                         "down": {"kernel": w(f"{p}.mlp.c_proj.weight"), "bias": w(f"{p}.mlp.c_proj.bias")}}}
+  return {"embed": {"token": w("wte.weight"), "position": w("wpe.weight")}, "blocks": blocks,
+          "final_norm": w.norm("ln_f")}
+
+
+def _linear(w: _Weights, name: str) -> dict[str, np.ndarray]:
+  return {"kernel": w(f"{name}.weight").T, "bias": w(f"{name}.bias")}
+
+
+def _bert_pure(w: _Weights, cfg: ModelConfig) -> dict[str, Any]:
+  D, H = cfg.d_model, cfg.num_heads
+  blocks = {}
+  for l in range(cfg.num_layers):
+    p = f"encoder.layer.{l}"
+    heads = {f"w_{n}": w(f"{p}.attention.self.{full}.weight").T.reshape(D, H, -1)
+             for n, full in (("q", "query"), ("k", "key"), ("v", "value"))}
+    heads |= {f"b_{n}": w(f"{p}.attention.self.{full}.bias").reshape(H, -1)
+              for n, full in (("q", "query"), ("k", "key"), ("v", "value"))}
+    heads |= {"w_o": w(f"{p}.attention.output.dense.weight").T.reshape(H, -1, D),
+              "b_o": w(f"{p}.attention.output.dense.bias")}
+    blocks[l] = {"attn": {"params": heads}, "attn_norm": w.norm(f"{p}.attention.output.LayerNorm"),
+                 "mlp": {"up": _linear(w, f"{p}.intermediate.dense"), "down": _linear(w, f"{p}.output.dense")},
+                 "mlp_norm": w.norm(f"{p}.output.LayerNorm")}
+  e = "embeddings"
+  embed = {"token": w(f"{e}.word_embeddings.weight"), "position": w(f"{e}.position_embeddings.weight"),
+           "norm": w.norm(f"{e}.LayerNorm")}
+  if cfg.num_segments:
+    embed["segment"] = w(f"{e}.token_type_embeddings.weight")
+  out = {"embed": embed, "blocks": blocks}
+  if cfg.pooler:
+    out["pooler"] = _linear(w, "pooler.dense")
+  return out
+
+
+def _flat(tree: dict[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
+  out = {}
+  for k, v in tree.items():
+    out |= _flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v}
+  return out
+
+
+def _unflat(flat: dict[tuple, Any]) -> dict[str, Any]:
+  out: dict = {}
+  for key, a in flat.items():
+    node = out
+    for k in key[:-1]:
+      node = node.setdefault(k, {})
+    node[key[-1]] = a
+  return out
+
+
+def build(kind: str, cfg: ModelConfig, pure: dict[str, Any]) -> nnx.Module:
+  """The attn model of `kind` holding exactly the arrays of `pure` (shapes checked, nothing random)."""
+  abstract = nnx.eval_shape(lambda: MODELS[kind](cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  want, got = _flat(nnx.to_pure_dict(state)), _flat(pure)
+  if set(want) != set(got):
+    raise invalid("checkpoint", sorted(set(want) ^ set(got))[:4], f"the parameters of {kind}")
+  for key, a in got.items():
+    if tuple(a.shape) != tuple(want[key].shape):
+      raise invalid(f"checkpoint {'.'.join(map(str, key))}.shape", tuple(a.shape),
+                    f"{tuple(want[key].shape)} from config.json")
+  nnx.replace_by_pure_dict(state, _unflat({k: jnp.asarray(a) for k, a in got.items()}))
+  return nnx.merge(graphdef, state)
+
+
+def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str,
+                  num_kv_heads: int | None = None) -> tuple[nnx.Module, ModelConfig, list[float]]:
+  """The same model in another variant and/or with fewer kv heads; (model, cfg, per-layer error).
+
+  Each layer's attention goes through attn.convert: exact conversions give
+  error 0; mean-pooled kv heads (Ainslie et al. 2023) give the relative
+  Frobenius error of the key/value weights they discard.
+  """
+  dst_cfg = cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads)
+  graphdef, state = nnx.split(model)
+  pure = nnx.to_pure_dict(state)
+  blocks = pure["blocks"] if "blocks" in pure else pure["encoder"]["blocks"]
+  errors = []
+  with warnings.catch_warnings():  # one warning for the model below, not one per layer
+    warnings.simplefilter("ignore", LossyConversionWarning)
+    for l in sorted(blocks):
+      params, err = convert(blocks[l]["attn"]["params"], cfg.variant, variant, cfg.head,
+                            dst_cfg=dst_cfg.head, return_error=True)
+      blocks[l]["attn"]["params"] = dict(params)
+      errors.append(float(err))
+  if max(errors, default=0.0) > TOLERANCE:
+    warnings.warn(f"{cfg.variant} -> {variant} with {dst_cfg.head.num_kv_heads} kv heads is lossy: relative "
+                  f"error up to {max(errors):.3g} (layer {int(np.argmax(errors))})", LossyConversionWarning,
+                  stacklevel=2)
+  kind = next(k for k, cls in MODELS.items() if type(model) is cls)
+  return build(kind, dst_cfg, pure), dst_cfg, errors
+
+
+def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = None):
+  """(model, model_config) from a HF GPT-2/BERT object or local directory; + error with num_kv_heads."""
+  is_dir = isinstance(source, (str, os.PathLike))
+  hf, weights = (read_config(source), None) if is_dir else _read_object(source)
+  cfg = model_config(hf, "per_head")
+  model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
+  w = _Weights(read_weights(source) if is_dir else weights)
+  kind = SUPPORTED[hf["model_type"]]
+  if kind == "encoder":
+    cfg = cfg.replace(pooler=any(k.startswith("pooler.") for k in w.arrays))
+    pure = _bert_pure(w, cfg)
+  else:
+    pure = _gpt2_pure(w, cfg)
+  if w.unused():
+    raise invalid("checkpoint", w.unused()[:4], f"only the tensors of a plain {hf['model_type']} model")
+  model = build(kind, cfg, pure)
+  if variant == "per_head" and num_kv_heads in (None, cfg.num_heads):
+    return (model, cfg) if num_kv_heads is None else (model, cfg, 0.0)
+  model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads)
+  return (model, cfg) if num_kv_heads is None else (model, cfg, max(errors))
+
+
+def lengths_from_attention_mask(attention_mask: Any) -> np.ndarray:
+  """(B,) lengths of a right-padded HF attention_mask (B,T) of ones then zeros; others refused."""
+  m = np.asarray(attention_mask)
+  if m.ndim != 2:
+    raise invalid("attention_mask.shape", m.shape, "(B, T)")
+  lengths = m.astype(bool).sum(-1)
+  if not (m.astype(bool) == (np.arange(m.shape[1]) < lengths[:, None])).all():
+    raise invalid("attention_mask", "not right-padded",
+                  "ones then zeros in every row (right padding); attn cannot express left padding")
+  return lengths.astype(np.int32)
+
+
+# ---- saving: a DecoderLM as a transformers GPT2LMHeadModel (needs torch).
+
+_GPT2_FIELDS = {"positional": "learned", "norm": "pre", "final_norm": True, "use_bias": True,
+                "layernorm": True, "tie_embeddings": True, "num_segments": 0}
+# Fields to_hf maps itself or that a DecoderLM ignores; any other must keep its default.
+_MAPPED = {"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v", "num_kv_heads",
+           "collab_width", "variant", "max_len", "activation", "embed_init_std", "norm_eps",
+           "pooling", "share_src_tgt_embeddings", *_GPT2_FIELDS}
+
+
+def _check_gpt2(model: Any, cfg: ModelConfig) -> None:
+  if not isinstance(model, DecoderLM) or not isinstance(cfg, ModelConfig):
+    raise invalid("model", type(model).__name__, "an attn.nn.DecoderLM and its ModelConfig")
+  for name, want in _GPT2_FIELDS.items():
+    if getattr(cfg, name) != want:
+      raise invalid(name, getattr(cfg, name), f"{want!r}: GPT-2 has it so")
+  for f in dataclasses.fields(ModelConfig):
+    if f.name not in _MAPPED and getattr(cfg, f.name) != f.default:
+      raise invalid(f.name, getattr(cfg, f.name), f"{f.default!r}: GPT-2 has no such setting")
+  D, H = cfg.d_model, cfg.num_heads
+  if cfg.head.d_k * H != D or cfg.head.d_v * H != D:
+    raise invalid("d_k, d_v", (cfg.head.d_k, cfg.head.d_v), f"d_model / num_heads = {D / H:g}: "
+                  "GPT-2's heads are D/H wide")
+
+
+def to_hf(model: DecoderLM, model_config: ModelConfig):
+  """A transformers GPT2LMHeadModel (eval mode, no dropout) with the same logits as `model`."""
+  _check_gpt2(model, model_config)
+  torch, transformers = require("torch"), require("transformers")
+  cfg = model_config
+  D, H = cfg.d_model, cfg.num_heads
+  per_head = cfg.head if cfg.head.num_kv_heads == H else dataclasses.replace(cfg.head, num_kv_heads=H)
+  pure = nnx.to_pure_dict(nnx.state(model))
+  sd = {"transformer.wte.weight": pure["embed"]["token"], "transformer.wpe.weight": pure["embed"]["position"],
+        "transformer.ln_f.weight": pure["final_norm"]["scale"],
+        "transformer.ln_f.bias": pure["final_norm"]["bias"], "lm_head.weight": pure["embed"]["token"]}
+  for l, block in pure["blocks"].items():
+    p = convert(block["attn"]["params"], cfg.variant, "per_head", cfg.head, dst_cfg=per_head)
+    h = f"transformer.h.{l}"
+    sd |= {f"{h}.attn.c_attn.weight": jnp.concatenate([p[n].reshape(D, D) for n in ("w_q", "w_k", "w_v")], 1),
+           f"{h}.attn.c_attn.bias": jnp.concatenate([p[n].ravel() for n in ("b_q", "b_k", "b_v")]),
+           f"{h}.attn.c_proj.weight": p["w_o"].reshape(D, D), f"{h}.attn.c_proj.bias": p["b_o"],
+           f"{h}.ln_1.weight": block["attn_norm"]["scale"], f"{h}.ln_1.bias": block["attn_norm"]["bias"],
+           f"{h}.ln_2.weight": block["mlp_norm"]["scale"], f"{h}.ln_2.bias": block["mlp_norm"]["bias"],
+           f"{h}.mlp.c_fc.weight": block["mlp"]["up"]["kernel"], f"{h}.mlp.c_fc.bias": block["mlp"]["up"]["bias"],
+           f"{h}.mlp.c_proj.weight": block["mlp"]["down"]["kernel"],
+           f"{h}.mlp.c_proj.bias": block["mlp"]["down"]["bias"]}
+  hf_cfg = transformers.GPT2Config(
+      vocab_size=cfg.vocab_size, n_positions=cfg.max_len, n_embd=D, n_layer=cfg.num_layers, n_head=H,
+      n_inner=cfg.d_ff, activation_function=_TO_HF_ACTIVATION[cfg.activation],
+      layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+  hf = transformers.GPT2LMHeadModel(hf_cfg)
+  tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}
+  missing, unexpected = hf.load_state_dict(tensors, strict=False)
+  left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+  if left or unexpected:  # a transformers release whose GPT-2 names differ from these
+    raise invalid("transformers.GPT2LMHeadModel", transformers.__version__,
+                  f"a release with GPT-2's usual parameter names (missing {left}, unexpected {unexpected})")
+  return hf.eval()

@@ -1,0 +1,202 @@
+"""mla: multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, §2.1).
+
+Keys and values come from one latent c_s = x_s·W_DKV of width d_c =
+cfg.latent_dim: kv head g reads k_g = c·W_UK,g and v_g = c·W_UV,g + b_v,g, so
+a decoder caches d_c numbers per token instead of G·(d_k + d_v). With RoPE,
+a decoupled key k^R = x·W_KR + b_KR of width rope_dim is shared by every head.
+Each query/key head is d_k wide: its first rope_dim dims are the rotated part
+(query head h's own, against the shared k^R), the other d_k − rope_dim the
+content part against k_g. Queries are per_head's (w_q (D,H,K), b_q), or with
+cfg.q_latent_dim a low-rank path x·W_DQ·W_UQ. DeepSeek-V2's RMSNorms on the
+latents are left out: every piece here is linear, so the exact converters hold.
+
+Absorption (decode_apply, the inference path): q_h·k_gᵀ = (q_h·W_UK,gᵀ)·c, so
+a query absorbed into the latent scores the cached c directly, and the
+weighted sum of latents is projected by W_UV,g afterwards. This is seed
+question 4's merge W_Q·W_Kᵀ, taken only as far as the latent; with RoPE the
+rotated dims cannot be absorbed and stay apart (k^R is cached).
+
+Params: [D·H·K, or D·Q' + Q'·H·K] + D·d_c + d_c·G·(K − r) + d_c·G·V + D·r + H·V·D
+  [+ H·K + r + G·V + D], r = rope_dim, Q' = q_latent_dim.
+FLOPs (unabsorbed, as apply computes): 2·T·D·H·K (or 2·T·Q'·(D + H·K))
+  + 2·S·D·(d_c + r) + 2·S·d_c·G·(K − r + V) + 2·T·S·H·(K + V) + 2·T·H·V·D.
+Effective: the key/value inputs live in the latent subspace of R^D, of
+  dimension c* = min(d_c, D, G·(K − r + V)) (ranks capped): c*·(D − c*) for
+  the subspace, then per_head's count inside it: Σ_g lowrank(R·(d_q + b), c*;
+  K − r) + Σ_g lowrank(c*, R·D; V) + b·D, plus the RoPE part
+  base.rope_score_dof with one key shared by all H query heads, and with
+  q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
+  q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
+KV cache: d_c + rope_dim per token. Score weights: the query weights + D·d_c +
+  d_c·G·(K − r) + D·r.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn import kernel
+from attn.config import HeadConfig, invalid
+from attn.variants import rope
+from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, dense,
+                                gate_heads, lowrank_dof, normal, output_projection,
+                                project_heads, rope_score_dof)
+
+
+def check(cfg: HeadConfig) -> None:
+  if cfg.rope_dim >= cfg.d_k:
+    raise invalid("rope_dim", cfg.rope_dim,
+                  f"less than d_k={cfg.d_k} for mla: the d_k − rope_dim content dims of each key "
+                  "head are what the latent gives")
+
+
+def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+  C, Q, r = cfg.latent_dim, cfg.q_latent_dim, cfg.rope_dim
+  kq, kuq, kd, kk, kv, kr, ko = jax.random.split(key, 7)
+  if Q is None:
+    params = {"w_q": normal(kq, (D, H, K), D, dtype)}
+  else:
+    params = {"w_dq": normal(kq, (D, Q), D, dtype), "w_uq": normal(kuq, (Q, H, K), Q, dtype)}
+  params.update({
+      "w_dkv": normal(kd, (D, C), D, dtype),
+      "w_uk": normal(kk, (C, G, K - r), C, dtype),
+      "w_uv": normal(kv, (C, G, V), C, dtype),
+      "w_o": normal(ko, (H, V, D), H * V, dtype),
+  })
+  biases = {"b_q": (H, K), "b_v": (G, V), "b_o": (D,)}
+  if r:
+    params["w_kr"] = normal(kr, (D, r), D, dtype)
+    biases["b_kr"] = (r,)
+  return add_bias(params, cfg, biases, dtype)
+
+
+def queries(params: Params, x_BTD) -> jax.Array:
+  """q (B,T,H,K): x·W_Q + b_q, or x·W_DQ·W_UQ + b_q with the low-rank query path."""
+  if "w_q" in params:
+    return project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
+  return project_heads(x_BTD @ params["w_dq"], params["w_uq"], bias(params, "b_q"))
+
+
+def _latent_and_rope_key(params: Params, c_BSD, cfg: HeadConfig):
+  lat_BSC = c_BSD @ params["w_dkv"]
+  kr_BSR = dense(c_BSD, params["w_kr"], bias(params, "b_kr")) if cfg.rope_dim else None
+  return lat_BSC, kr_BSR
+
+
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
+          return_weights: bool = False, head_mask=None, is_causal: bool = False,
+          kv_lengths=None, qk_positions=None):
+  """Unabsorbed (training) form: keys and values up-projected from the latent, per kv head."""
+  c_BSD = x_BTD if context_BSD is None else context_BSD
+  B, S, _ = c_BSD.shape
+  G, r = cfg.num_kv_heads, cfg.rope_dim
+  q_BTHK = queries(params, x_BTD)
+  lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
+  k_BSGK = jnp.einsum("BSC,CGK->BSGK", lat_BSC, params["w_uk"])
+  if r:  # the shared RoPE key fills the first r dims of every kv head; the base rotates them
+    k_BSGK = jnp.concatenate([jnp.broadcast_to(kr_BSR[:, :, None], (B, S, G, r)), k_BSGK], -1)
+  v_BSGV = jnp.einsum("BSC,CGV->BSGV", lat_BSC, params["w_uv"]) + bias(params, "b_v")
+  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
+                            return_weights=return_weights, dtype=x_BTD.dtype,
+                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                            qk_positions=qk_positions)
+
+
+def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
+                 return_weights: bool = False, head_mask=None, is_causal: bool = False,
+                 kv_lengths=None, qk_positions=None):
+  """Absorbed (inference) form: the kernel reads only [k^R | c], d_c + rope_dim per token.
+
+  Query head h becomes [q^R_h | q_h·W_UK,gᵀ] (r + d_c wide) against the one
+  shared key [k^R_s | c_s]; the weights mix the latents c_s, and W_UV,g then
+  gives head h's value. The value bias b_v is carried by a constant 1 column
+  next to the latent (not cached: it is the same for every token), so a fully
+  masked row still gets zero output.
+  """
+  c_BSD = x_BTD if context_BSD is None else context_BSD
+  B, S, _ = c_BSD.shape
+  H, R, r, C = cfg.num_heads, cfg.group_size, cfg.rope_dim, cfg.latent_dim
+  q_BTHK = queries(params, x_BTD)
+  lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
+  w_uk_CHK = jnp.repeat(params["w_uk"], R, axis=1)
+  w_uv_CHV = jnp.repeat(params["w_uv"], R, axis=1)
+  q_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_BTHK[..., r:], w_uk_CHK)
+  q_BTHW = jnp.concatenate([q_BTHK[..., :r], q_BTHC], -1)
+  k_BS1W = (lat_BSC if not r else jnp.concatenate([kr_BSR, lat_BSC], -1))[:, :, None]
+  q_BTHW, k_BS1W = rope.rotate_qk(q_BTHW, k_BS1W, cfg, qk_positions)
+  v_BS1C = lat_BSC[:, :, None]
+  if cfg.use_bias:
+    v_BS1C = jnp.concatenate([v_BS1C, jnp.ones((B, S, 1, 1), lat_BSC.dtype)], -1)
+  out = kernel.attention(q_BTHW, k_BS1W, v_BS1C, mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                         scale=cfg.score_scale, return_weights=return_weights, impl="auto")
+  o_BTHC, w_BHTS = out if return_weights else (out, None)
+  o_BTHV = jnp.einsum("BTHC,CHV->BTHV", o_BTHC[..., :C], w_uv_CHV)
+  if cfg.use_bias:  # b_v times the row's total weight: 1, or 0 for a fully masked row
+    o_BTHV = o_BTHV + o_BTHC[..., C:] * jnp.repeat(params["b_v"], R, axis=0)
+  w_o_HVD = params["w_o"]
+  y_BTD = output_projection(gate_heads(o_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
+  return y_BTD.astype(x_BTD.dtype), w_BHTS
+
+
+def _query_params(cfg: HeadConfig) -> int:
+  D, H, K, Q = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.q_latent_dim
+  return D * H * K if Q is None else D * Q + Q * H * K
+
+
+def param_count(cfg: HeadConfig) -> int:
+  D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+  C, r = cfg.latent_dim, cfg.rope_dim
+  weights = _query_params(cfg) + D * C + C * G * (K - r) + C * G * V + D * r + H * V * D
+  biases = H * K + r + G * V + D
+  return weights + (biases if cfg.use_bias else 0)
+
+
+def effective_param_count(cfg: HeadConfig) -> int:
+  D, H, G, R, K, V = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.d_k,
+                      cfg.d_v)
+  C, Q, r = cfg.latent_dim, cfg.q_latent_dim, cfg.rope_dim
+  b = 1 if cfg.use_bias else 0
+  Kc = K - r
+  d_q = D if Q is None else min(Q, D, H * K)
+  # The latent subspace: spanned by the kv groups' key (rank ≤ K − r) and value (≤ V) inputs.
+  c_star = min(C, D, G * (min(Kc, R * (d_q + b)) + min(V, R * D)))
+  if Q is not None:  # the query subspace: spanned by each head's content and rotated inputs
+    d_q = min(d_q, H * (min(Kc, c_star) + r))
+  total = c_star * (D - c_star) + (d_q * (D - d_q) if Q is not None else 0)
+  total += G * lowrank_dof(R * (d_q + b), c_star, Kc) + G * lowrank_dof(c_star, R * D, V)
+  if r:
+    total += rope_score_dof(cfg, H * (d_q + b), D)
+  return total + b * D
+
+
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+  C, r = cfg.latent_dim, cfg.rope_dim
+  query = 2 * T * _query_params(cfg)
+  kv = 2 * S * D * (C + r) + 2 * S * C * G * (K - r + V)
+  return query + kv + 2 * T * S * H * (K + V) + 2 * T * H * V * D
+
+
+def kv_cache_width(cfg: HeadConfig) -> int:
+  return cfg.latent_dim + cfg.rope_dim
+
+
+def score_weights(cfg: HeadConfig) -> int:
+  D, G, K, C, r = cfg.d_model, cfg.num_kv_heads, cfg.d_k, cfg.latent_dim, cfg.rope_dim
+  return _query_params(cfg) + D * C + C * G * (K - r) + D * r
+
+
+VARIANT = Variant(
+    name="mla",
+    init=init,
+    apply=apply,
+    param_count=param_count,
+    effective_param_count=effective_param_count,
+    flops=flops,
+    kv_cache_width=kv_cache_width,
+    score_weights=score_weights,
+    check=check,
+    decode_apply=decode_apply,
+)

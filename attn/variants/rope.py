@@ -1,0 +1,122 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) at the head level.
+
+The first rope_dim dims of a query or key head rotate by position p: dim i
+pairs with dim i + rope_dim/2 (the half-split convention of GPT-NeoX and
+Hugging Face's rotate_half, not the interleaved pairs (2i, 2i+1) of the
+paper), and pair i turns by the angle p·ω_i, ω_i = rope_theta^(-2i/rope_dim).
+The remaining d_k − rope_dim dims are left as they are. A query at t and a key
+at s then score (q R(t))·(k R(s)) = q R(t − s) kᵀ (row vectors): only t − s matters.
+
+Seed question 4 with RoPE: the score x W_Q R(t − s) W_Kᵀ c has no single
+position-free W_h; `position_free_fit` gives the best one in least squares and
+its relative error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn.config import HeadConfig
+
+Array = jax.Array
+
+
+def frequencies(rope_dim: int, theta: float) -> np.ndarray:
+  """ω_i = theta^(-2i/rope_dim) for the rope_dim/2 pairs, float64."""
+  return theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+
+
+def rotate(x_BTNK: Array, positions, rope_dim: int, theta: float) -> Array:
+  """x with its first rope_dim dims rotated by position; positions (T,) or (B,T) integers.
+
+  x is (B,T,N,K) (N heads) or (B,T,K); the angles are computed in float32 and
+  the result has x's dtype.
+  """
+  if rope_dim == 0:
+    return x_BTNK
+  heads = x_BTNK.ndim == 4
+  half = rope_dim // 2
+  pos_BT = jnp.asarray(positions)
+  pos_BT = pos_BT[None] if pos_BT.ndim == 1 else pos_BT
+  omega = jnp.asarray(frequencies(rope_dim, theta), jnp.float32)
+  angle_BTP = pos_BT.astype(jnp.float32)[..., None] * omega
+  if heads:
+    angle_BTP = angle_BTP[:, :, None, :]
+  cos, sin = jnp.cos(angle_BTP), jnp.sin(angle_BTP)
+  x = x_BTNK.astype(jnp.float32)
+  x1, x2, rest = x[..., :half], x[..., half:rope_dim], x[..., rope_dim:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+  return out.astype(x_BTNK.dtype)
+
+
+def qk_positions(positions, T: int, S: int, cross: bool):
+  """(query positions, key positions): given or 0..T−1; keys the same, or 0..S−1 if cross."""
+  q_pos = jnp.arange(T) if positions is None else jnp.asarray(positions)
+  return q_pos, (jnp.arange(S) if cross else q_pos)
+
+
+def rotate_qk(q_BTHK: Array, k_BSGK: Array, cfg: HeadConfig, qk_positions=None):
+  """q and k with RoPE applied to every head (cfg.rope_dim = 0: unchanged).
+
+  qk_positions None means queries at 0..T−1 and keys at 0..S−1.
+  """
+  if cfg.rope_dim == 0:
+    return q_BTHK, k_BSGK
+  if qk_positions is None:
+    qk_positions = (jnp.arange(q_BTHK.shape[1]), jnp.arange(k_BSGK.shape[1]))
+  q_pos, k_pos = qk_positions
+  return (rotate(q_BTHK, q_pos, cfg.rope_dim, cfg.rope_theta),
+          rotate(k_BSGK, k_pos, cfg.rope_dim, cfg.rope_theta))
+
+
+def rotation_matrices(offsets, rope_dim: int, theta: float, K: int) -> np.ndarray:
+  """R(δ) (len(offsets), K, K) in float64: k ↦ rotate(k, δ) as a matrix acting on row vectors."""
+  half = rope_dim // 2
+  out = np.tile(np.eye(K), (len(offsets), 1, 1))
+  angle = np.asarray(offsets, np.float64)[:, None] * frequencies(rope_dim, theta)
+  c, s = np.cos(angle), np.sin(angle)
+  i = np.arange(half)
+  # Row vector k times R: (k R)[i] = k_i cos − k_{i+half} sin,
+  # (k R)[i+half] = k_{i+half} cos + k_i sin.
+  out[:, i, i] = c
+  out[:, i + half, i] = -s
+  out[:, i, i + half] = s
+  out[:, i + half, i + half] = c
+  return out
+
+
+def position_free_fit(w_q_DHK, w_k_DGK, cfg: HeadConfig, length: int, causal: bool = True):
+  """The best position-free W_h for a RoPE layer, and its relative error.
+
+  Query head h at t scores key s through M_h(Δ) = W_Q,h R(Δ) W_K,gᵀ, Δ = t − s
+  (biases left out). Over the pairs of a length-`length` sequence (causal:
+  every s <= t, so Δ = d occurs length − d times; else every pair), the
+  W_h minimising Σ_pairs ‖M_h(Δ) − W_h‖²_F is the weighted mean of M_h(Δ); with
+  isotropic inputs x, c it is also the least-squares fit of the scores
+  themselves. Returns (W (H,D,D), relative error sqrt(Σ‖M − W‖² / Σ‖M‖²) over
+  all heads and pairs), in float64.
+  """
+  w_q = np.asarray(w_q_DHK, np.float64)
+  w_k = np.repeat(np.asarray(w_k_DGK, np.float64), cfg.group_size, axis=1)
+  if cfg.rope_dim == 0:
+    return np.einsum("DHK,EHK->HDE", w_q, w_k), 0.0
+  d = np.arange(length)
+  offsets = d if causal else np.concatenate([-d[:0:-1], d])
+  weights = (length - np.abs(offsets)).astype(np.float64)
+  weights /= weights.sum()
+  R_NKK = rotation_matrices(offsets, cfg.rope_dim, cfg.rope_theta, cfg.d_k)
+  R_bar = np.einsum("N,NKL->KL", weights, R_NKK)
+  # ‖W_Q R W_Kᵀ‖² = tr(Gq R Gk Rᵀ) with the K×K Gram matrices Gq = W_QᵀW_Q, Gk = W_KᵀW_K;
+  # E‖M − M̄‖² = E‖M‖² − ‖M̄‖² since M is linear in R.
+  Gq_HKK = np.einsum("DHK,DHL->HKL", w_q, w_q)
+  Gk_HKK = np.einsum("DHK,DHL->HKL", w_k, w_k)
+  second = 0.0
+  for i in range(0, len(offsets), 64):  # R Gk Rᵀ for 64 offsets at a time, as batched matmuls
+    R = R_NKK[i:i + 64, None]
+    second += np.einsum("N,NHKL,HKL->", weights[i:i + 64], R @ Gk_HKK @ np.swapaxes(R, -1, -2),
+                        Gq_HKK)
+  first = np.sum(Gq_HKK * (R_bar @ Gk_HKK @ R_bar.T))
+  w_HDD = np.einsum("DHK,KL,EHL->HDE", w_q, R_bar, w_k)
+  return w_HDD, float(np.sqrt(max(second - first, 0.0) / second))

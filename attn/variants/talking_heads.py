@@ -1,0 +1,109 @@
+"""talking_heads: per_head with the H attention maps mixed across heads (Shazeer et al. 2020).
+
+Talking-heads attention: logits'_h = Σ_i P_l[i,h]·logits_i before the softmax
+and weights'_h = Σ_i P_w[i,h]·softmax(logits')_i after it, then head h's
+weights' mix kv head g(h)'s values as in per_head (seed question 5's "h
+attention matrices", now talking to each other). P_l = I + mix_l and
+P_w = I + mix_w are (H,H) and start at the identity (mix_l = mix_w = 0), so
+per_head -> talking_heads is exact. Storing the difference from the identity
+makes weight decay pull towards per_head, not towards no attention at all.
+With the same number of logit, softmax and value heads (H), and grouped kv
+heads as in per_head. After P_w the mask is applied again, so a key masked
+for head h gets no weight in it even if another head's mask differs.
+
+The kernel: mixing needs every head's explicit (B,H,T,S) logits, so this
+variant runs the einsum path (kernel.scores, masked_softmax, weighted_sum);
+the per-head fused kernels ("blocked", "xla", "cudnn") never hold all heads'
+logits at once and are refused by name. Returned weights are each head's
+softmax output, before P_w: distributions over the keys.
+
+Params: per_head's + 2·H².
+FLOPs: per_head's + 2·2·T·S·H² (the two mixes).
+Effective: a group's R query heads share W_K,g, so mixing within a group stays
+  in per_head's class: P_l adds H² − G·R² to the scores' count, capped at the
+  dimension of all H score functions (base.score_space_dim); P_w likewise to
+  the Σ_g lowrank(D, R·D; V) of W_V·W_O, capped at H·D²; + b·D.
+KV cache: G·(K + V) per token. Score weights: D·(H + G)·K + H² (mix_l).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn import kernel, masks
+from attn.config import HeadConfig, invalid
+from attn.variants import per_head, rope
+from attn.variants.base import (Params, Variant, bias, factored_score_dof, gate_heads,
+                                lowrank_dof, output_projection, project_heads,
+                                score_space_dim, standard_flops, standard_kv_cache_width,
+                                standard_param_count, standard_score_weights)
+
+
+def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  zeros = jnp.zeros((cfg.num_heads, cfg.num_heads), dtype)
+  return per_head.init(key, cfg, dtype) | {"mix_l": zeros, "mix_w": zeros}
+
+
+def mixing(params: Params, name: str) -> jax.Array:
+  """P_l (name "mix_l") or P_w ("mix_w"): the identity plus the stored difference, float32."""
+  m = params[name].astype(jnp.float32)
+  return m + jnp.eye(m.shape[0], dtype=jnp.float32)
+
+
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
+          return_weights: bool = False, head_mask=None, is_causal: bool = False,
+          kv_lengths=None, qk_positions=None, impl: str | None = None):
+  """Per-head projections, logits mixed across heads, softmax, weights mixed, values."""
+  if impl not in (None, "auto", "einsum"):
+    raise invalid("impl", impl, '"einsum" or "auto" for talking_heads: mixing logits across '
+                  "heads needs all H score matrices, which the per-head fused kernels never hold")
+  c_BSD = x_BTD if context_BSD is None else context_BSD
+  T, S = x_BTD.shape[1], c_BSD.shape[1]
+  q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
+  k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
+  v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
+  q_BTHK, k_BSGK = rope.rotate_qk(q_BTHK, k_BSGK, cfg, qk_positions)
+  logits_BITS = kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale
+  logits_BHTS = jnp.einsum("BITS,IH->BHTS", logits_BITS, mixing(params, "mix_l"))
+  full_mask = masks.combine_masks(mask, kernel.structured_mask(T, S, is_causal, kv_lengths))
+  probs_BITS = kernel.masked_softmax(logits_BHTS, full_mask)
+  mixed_BHTS = jnp.einsum("BITS,IH->BHTS", probs_BITS, mixing(params, "mix_w"))
+  if full_mask is not None:
+    mixed_BHTS = jnp.where(full_mask, mixed_BHTS, 0.0)
+  out_BTHV = kernel.weighted_sum(mixed_BHTS, v_BSGV).astype(x_BTD.dtype)
+  w_o_HVD = params["w_o"]
+  y_BTD = output_projection(gate_heads(out_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
+  return y_BTD.astype(x_BTD.dtype), (probs_BITS if return_weights else None)
+
+
+def param_count(cfg: HeadConfig) -> int:
+  return standard_param_count(cfg) + 2 * cfg.num_heads ** 2
+
+
+def effective_param_count(cfg: HeadConfig) -> int:
+  D, H, G, R, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.d_v
+  mixing = H * H - G * R * R
+  scores = min(factored_score_dof(cfg, D, D) + mixing, score_space_dim(cfg, D, D))
+  values = min(G * lowrank_dof(D, R * D, V) + mixing, H * D * D)
+  return scores + values + (D if cfg.use_bias else 0)
+
+
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  return standard_flops(cfg, T, S) + 4 * T * S * cfg.num_heads ** 2
+
+
+def score_weights(cfg: HeadConfig) -> int:
+  return standard_score_weights(cfg) + cfg.num_heads ** 2
+
+
+VARIANT = Variant(
+    name="talking_heads",
+    init=init,
+    apply=apply,
+    param_count=param_count,
+    effective_param_count=effective_param_count,
+    flops=flops,
+    kv_cache_width=standard_kv_cache_width,
+    score_weights=score_weights,
+)
