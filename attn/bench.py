@@ -130,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also measure sweep throughput, trials per minute, sequential vs "
                            "seeds under vmap, on the first trial of CONFIG (default: a built-in "
                            "copy of the quick sweep's h=1 per_head trial)")
+  parser.add_argument("--decode", action="store_true",
+                      help="instead: per-token KV-cache decode time and cache bytes per variant "
+                           "at contexts 256, 1024, 4096 (attn.bench_decode)")
   parser.add_argument("--sweep-seeds", type=int, default=4, help="seeds trained for --sweep")
   parser.add_argument("--sweep-steps", type=int, default=None,
                       help="training steps per trial for --sweep (default: the config's; --quick 20)")
@@ -427,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
     raise invalid("--repeats", repeats, "a positive integer")
   info = machine_info()
   log = lambda text: print(text, file=sys.stderr, flush=True)
+  if args.decode:
+    return _run_decode(args, variants, repeats, info, log)
   print(f"# attn bench\n\n{info['cpu']}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
@@ -452,5 +457,22 @@ def run(args: argparse.Namespace) -> int:
   if args.out:
     with open(args.out, "w") as f:
       json.dump(report, f, indent=1)
+    log(f"wrote {args.out}")
+  return 0
+
+
+def _run_decode(args: argparse.Namespace, variants: list[str], repeats: int, info, log) -> int:
+  from attn import bench_decode
+  contexts = (64, 256) if args.quick else bench_decode.CONTEXTS
+  print(f"# attn bench --decode\n\n{info['cpu']}, {info['cores']} cores, {info['device']}; "
+        f"load average at start {info['load_average']}\n\nOne attention layer, D=512, H=8, "
+        "d_k=d_v=64 (mla: d_c=256), B=1, float32, one token decoded at position L against a "
+        "cache of L+1 slots (attn.bench_decode). Medians of ms per decoded token.\n")
+  r = bench_decode.run_decode(variants, repeats, contexts, torch_peer=not args.no_peers,
+                              round_robin=_round_robin, log=log)
+  print(bench_decode.markdown(r))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"machine": info, "repeats": repeats, "decode": r}, f, indent=1)
     log(f"wrote {args.out}")
   return 0

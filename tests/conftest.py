@@ -65,6 +65,12 @@ def tier(variant: str, cname: str | None = None):
   return pytest.mark.slow if cname in PLAIN_CONFIGS or variant not in FAST_VARIANTS else ()
 
 
+def in_matrix(variant: str, cname: str) -> bool:
+  """Whether a config-by-variant matrix runs this case: a variant outside FAST_VARIANTS skips
+  the plain configs (they add little to the awkward ones) to keep the slow tier's time down."""
+  return variant in FAST_VARIANTS or cname not in PLAIN_CONFIGS
+
+
 def variant_params(names=None):
   """pytest params over attn.VARIANTS (or names), each in its tier."""
   return [pytest.param(n, marks=tier(n), id=n) for n in sorted(names or attn.VARIANTS)]
@@ -98,3 +104,19 @@ def random_params(params, seed: int):
     std = 0.5 if name.startswith("b") else 1.0 / np.sqrt(a.size / a.shape[-1])
     out[name] = jnp.asarray(std * rng.standard_normal(a.shape), a.dtype)
   return out
+
+
+# The [task] and [model] of the tiny MQAR sweeps that runner tests build on (they add [train], [sweep]).
+TINY_MQAR = """
+[task]
+name = "mqar"
+vocab_size = 16
+seq_len = 12
+num_pairs = 2
+
+[model]
+d_model = 16
+num_layers = 1
+num_heads = 2
+d_ff = 16
+"""

@@ -14,19 +14,9 @@ from flax import nnx
 from attn.config import ConfigError
 from attn.experiments import checkpoints, load_trial, store, sweep, tasks
 from attn.experiments import config as config_lib
+from conftest import TINY_MQAR
 
-TINY = """
-[task]
-name = "mqar"
-vocab_size = 16
-seq_len = 12
-num_pairs = 2
-
-[model]
-d_model = 16
-num_layers = 1
-num_heads = 2
-d_ff = 16
+TINY = TINY_MQAR + """
 
 [train]
 steps = 7

@@ -101,16 +101,11 @@ JACOBIAN_CASES = [pytest.param(name, cfg, id=f"{name}-{i}", marks=tier(name))
          # dims have their own count and the key bias stays (base.rope_score_dof).
          ("per_head", "rope-mqa", dict(d_model=4, num_heads=2, d_k=4, d_v=2, num_kv_heads=1,
                                         rope_dim=2, rope_theta=3.0)),
-         ("per_head", "rope-nobias", dict(d_model=4, num_heads=2, d_k=3, d_v=2, rope_dim=2,
-                                           rope_theta=3.0, use_bias=False)),
          ("split_input", "rope", dict(d_model=6, num_heads=3, d_k=4, d_v=2, rope_dim=2,
                                       rope_theta=3.0)),
          ("talking_heads", "rope", dict(d_model=4, num_heads=2, d_k=3, d_v=2, num_kv_heads=1,
                                         rope_dim=2, rope_theta=3.0)),
-         # mla with a latent narrower than G·(K + V), a query latent, and a shared RoPE key.
-         ("mla", "latent4", dict(d_model=6, num_heads=3, d_k=3, d_v=2, latent_dim=4)),
-         ("mla", "latent3-rope", dict(d_model=6, num_heads=2, d_k=4, d_v=2, num_kv_heads=1,
-                                      latent_dim=3, rope_dim=2, rope_theta=3.0)),
+         # mla with latents narrower than G·(K + V) and H·K, with and without a RoPE key.
          ("mla", "qlatent-nobias", dict(d_model=6, num_heads=3, d_k=2, d_v=2, latent_dim=4,
                                         q_latent_dim=3, use_bias=False)),
          ("mla", "qlatent-rope", dict(d_model=6, num_heads=2, d_k=4, d_v=2, latent_dim=3,

@@ -27,19 +27,9 @@ import pytest
 from attn.config import ConfigError
 from attn.experiments import config as config_lib
 from attn.experiments import parallel
+from conftest import TINY_MQAR
 
-TINY = """
-[task]
-name = "mqar"
-vocab_size = 16
-seq_len = 12
-num_pairs = 2
-
-[model]
-d_model = 16
-num_layers = 1
-num_heads = 2
-d_ff = 16
+TINY = TINY_MQAR + """
 
 [train]
 steps = 3

@@ -19,19 +19,9 @@ import pytest
 from flax import nnx
 
 from attn.experiments import checkpoints, load_trial, store
+from conftest import TINY_MQAR
 
-CONFIG = """
-[task]
-name = "mqar"
-vocab_size = 16
-seq_len = 12
-num_pairs = 2
-
-[model]
-d_model = 16
-num_layers = 1
-num_heads = 2
-d_ff = 16
+CONFIG = TINY_MQAR + """
 
 [train]
 steps = 300

@@ -141,7 +141,7 @@ def test_model_config_rope():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["fused", "mla", "talking_heads"])
+@pytest.mark.parametrize("variant", ["fused", "mla"])
 def test_rope_models_are_causal_and_know_positions(variant):
   """DecoderLM with positional='rope' and no position table: causal, and rotating in its layers."""
   cfg = models.ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4, d_k=6, d_ff=24,

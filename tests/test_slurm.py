@@ -21,19 +21,9 @@ import pytest
 from attn import cli
 from attn.config import ConfigError
 from attn.experiments import checkpoints, leases, slurm, store, sweep_cli
+from conftest import TINY_MQAR
 
-CONFIG = """
-[task]
-name = "mqar"
-vocab_size = 16
-seq_len = 12
-num_pairs = 2
-
-[model]
-d_model = 16
-num_layers = 1
-num_heads = 2
-d_ff = 16
+CONFIG = TINY_MQAR + """
 
 [train]
 steps = 300

@@ -5,7 +5,9 @@ outside a metric's range (no error bars). Swept values sit at evenly spaced
 ticks labelled with the values themselves (1, 2, 4, 8, not 2⁰, 2¹, ...).
 Learning curves show held-out accuracy and loss (for the `text` task: bits per
 byte and next-byte accuracy) against step, one colour per value of the legend
-axis and one panel per setting of the other axes.
+axis and one panel per setting of the other axes. When the settings differ in
+KV cache (rows carrying kv_bytes), frontier_kv_cache.png plots bits per byte
+(else held-out loss) against cache bytes per token and draws the frontier.
 """
 
 from __future__ import annotations
@@ -166,6 +168,59 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   plt.close(fig)
 
 
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+  """Indices of the (x, y) points no other point beats on both (lower x and lower y win), by x."""
+  front, best = [], float("inf")
+  for i in sorted(range(len(points)), key=lambda i: points[i]):
+    if points[i][1] < best:
+      front.append(i)
+      best = points[i][1]
+  return front
+
+
+def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[0]) -> None:
+  """A metric (lower is better) against KV-cache bytes per token: seeds as dots, means as bars, the frontier of the means."""
+  from matplotlib import ticker
+  key, title = metric
+  fig, ax = plt.subplots(figsize=(8, 5))
+  xs = sorted({r["kv_bytes"] for r in rows})
+  log = xs[-1] / xs[0] >= 4
+  at_x = {x: [r for r in rows if r["kv_bytes"] == x] for x in xs}
+  cmap = plt.get_cmap("tab10")
+  pos = []
+  for i, r in enumerate(rows):
+    same = at_x[r["kv_bytes"]]
+    k, n = same.index(r), len(same)
+    # Settings of equal cache size sit side by side, 12% apart on a log axis.
+    pos.append(r["kv_bytes"] * (1.12 ** (k - (n - 1) / 2) if log else 1 + 0.04 * (k - (n - 1) / 2)))
+  front = pareto_front([(r["kv_bytes"], r[key][0]) for r in rows])
+  ax.plot([pos[i] for i in front], [rows[i][key][0] for i in front], "-", color="0.6", lw=4, alpha=0.35,
+          zorder=1, label="frontier of the means (no setting has as small a cache and a lower mean)")
+  for i, r in enumerate(rows):
+    same = at_x[r["kv_bytes"]]
+    left = len(same) > 1 and same.index(r) == 0
+    seeds = r["seed_values"][key]
+    ax.plot([pos[i]] * len(seeds), seeds, "o", ms=5, alpha=0.6, color=cmap(i % 10), mec="none", zorder=2)
+    ax.plot([pos[i]], [r[key][0]], "_", ms=16, mew=2.5, color=cmap(i % 10), zorder=3)
+    ax.annotate(r.get("setting") or r["group"], (pos[i], r[key][0]), xytext=(-10 if left else 10, 0),
+                textcoords="offset points", ha="right" if left else "left", va="center", fontsize=8,
+                color=cmap(i % 10), zorder=4)
+  if log:
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+  ax.set_xticks(xs, [str(x) for x in xs])
+  ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
+  ax.set_xlabel("KV cache, bytes per token (all layers, float32)")
+  ax.set_ylabel(title)
+  n_seeds = max(len(r["seed_values"][key]) for r in rows)
+  ax.set_title(f"{title} against KV cache: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
+  ax.legend(fontsize=8, loc="upper right")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
 def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: list[str],
                out_dir: str, metrics=METRICS) -> list[str]:
   """Writes the sweep's PNGs into out_dir; returns their file names ([] without matplotlib)."""
@@ -183,4 +238,9 @@ def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: l
     final_vs_axis(plt, rows, axis, tied.get(axis, []), os.path.join(out_dir, name), swept, metrics)
     made.append(name)
   learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"), metrics)
-  return made + ["learning_curves.png"]
+  made.append("learning_curves.png")
+  if len({r.get("kv_bytes") for r in rows}) > 1 and all(r.get("kv_bytes") for r in rows):
+    lower_better = metrics[0] if metrics[0][0] != "eval_accuracy" else ("eval_loss", "held-out loss")
+    kv_frontier(plt, rows, os.path.join(out_dir, "frontier_kv_cache.png"), lower_better)
+    made.append("frontier_kv_cache.png")
+  return made

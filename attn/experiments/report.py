@@ -243,6 +243,44 @@ def answer(rows: list[dict[str, Any]], axes: list[str] | None = None, primary: s
   return text
 
 
+def kv_cache_bytes(trial: dict[str, Any]) -> int | None:
+  """KV-cache bytes per generated token of a decoder trial's model (all layers, float32); None otherwise."""
+  from attn import count  # lazy: imports jax
+  from attn.config import ConfigError
+  from attn.experiments import tasks
+  from attn.nn.models import ModelConfig
+  cfg = trial.get("config") or {}
+  try:
+    model = ModelConfig(**cfg["model"])
+    return count.model_kv_cache_bytes_per_token(model, tasks.TASKS[cfg["task"]["name"]].kind, "float32")
+  except (KeyError, TypeError, ConfigError):
+    return None
+
+
+def setting_name(model: dict[str, Any]) -> str:
+  """A short name for a model's attention: MHA, GQA G=2, MQA, mla d_c=16, or the variant's name."""
+  H, G = model["num_heads"], model.get("num_kv_heads") or model["num_heads"]
+  if model["variant"] == "mla":
+    return f"mla d_c={model.get('latent_dim') or 4 * model['d_k']}"
+  if model["variant"] in ("fused", "per_head"):
+    return "MHA" if G == H else "MQA" if G == 1 else f"GQA G={G}"
+  return model["variant"].replace("_", " ") + (f" G={G}" if G != H else "")
+
+
+def frontier_section(rows: list[dict[str, Any]], primary: str) -> list[str]:
+  """Markdown: each group's KV cache and mean `primary`, and whether it sits on the frontier."""
+  key = primary if primary in LOWER_IS_BETTER else "eval_loss"
+  front = set(plots_lib.pareto_front([(r["kv_bytes"], r[key][0]) for r in rows]))
+  order = sorted(range(len(rows)), key=lambda i: (rows[i]["kv_bytes"], rows[i][key][0]))
+  md = ["## Quality against KV cache", "",
+        f"KV cache per generated token over all layers in float32 (`attn count`), against {TITLES.get(key, key)} "
+        "(mean ± std over seeds). On the frontier: no other setting has a cache as small and a lower mean.", "",
+        "| setting | group | KV cache B/token | " + TITLES.get(key, key) + " | on the frontier |", "|---|---|---|---|---|"]
+  md += [f"| {rows[i].get('setting', '–')} | {rows[i]['group']} | {rows[i]['kv_bytes']:,} | "
+         f"{rows[i][key][0]:.4f} ± {rows[i][key][1]:.4f} | {'yes' if i in front else 'no'} |" for i in order]
+  return md + [""]
+
+
 def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
   cols = ["id", "trial", "status", "model params", "attn params (analytic)", "attn params (effective)",
           "attn FLOPs fwd/seq", "step ms", "compile s", "train loss", "eval loss", "eval acc"]
@@ -268,6 +306,13 @@ def write_report(root: str) -> str:
   text = add_bits_per_byte(trials)
   primary = "eval_bpb" if text else "eval_accuracy"
   rows = summarize(trials, primary)
+  first = {}
+  for t in trials:
+    if t["summary"] and t["summary"]["status"] == "ok":
+      first.setdefault(_group_name(t["label"]), t)
+  for r in rows:  # the KV cache and a short name of each group, from its first trial's config
+    r["kv_bytes"] = kv_cache_bytes(first[r["group"]])
+    r["setting"] = setting_name(first[r["group"]]["config"]["model"]) if r["kv_bytes"] else None
   plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
   status = [t["summary"]["status"] if t["summary"] else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
@@ -297,6 +342,8 @@ def write_report(root: str) -> str:
            f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
            f"{r['eval_loss'][0]:.3g} ± {r['eval_loss'][1]:.2g} | "
            f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |" for r in rows]
+  if len({r["kv_bytes"] for r in rows}) > 1 and all(r["kv_bytes"] for r in rows):
+    md += [""] + frontier_section(rows, primary)[:-1]
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run

@@ -178,6 +178,9 @@ def train_group(configs: list[dict[str, Any]],
   graphdef, states = None, []
   for s in seeds:
     graphdef, p, r = nnx.split(models.MODELS[kind](model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
+    # A variant's init may hand one array to two leaves (talking_heads' zero mixings); the
+    # donated step needs a buffer per leaf.
+    p = jax.tree.map(jnp.copy, p)
     states.append({"params": p, "opt_state": tx.init(p), "rest": r})
   step, evaluate = _step_fns(graphdef, tx, kind)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}

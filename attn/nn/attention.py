@@ -14,6 +14,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, invalid
+from attn.variants import cache as kv_cache
 from attn.variants.base import Params
 
 
@@ -31,6 +32,19 @@ class MultiHeadAttention(nnx.Module):
     else:
       api.check_params(self.variant, params, cfg)
     self.params = nnx.Dict({name: nnx.Param(jnp.asarray(a)) for name, a in params.items()})
+    self.cache: nnx.Dict | None = nnx.data(None)  # KV cache entries, set by init_cache
+    self.cache_index: nnx.Cache | None = nnx.data(None)
+
+  def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
+    """An empty KV cache (nnx.Cache variables) for decode=True; what it holds is the variant's.
+
+    Per token it holds Variant.kv_cache_width numbers (attn.variants.cache);
+    cache_index is the number of tokens already decoded.
+    """
+    entries = kv_cache.init(api.get_variant(self.variant), self.params_dict(), self.cfg,
+                            batch_size, max_len, dtype)
+    self.cache = nnx.Dict({name: nnx.Cache(a) for name, a in entries.items()})
+    self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
   @classmethod
   def from_params(cls, cfg: HeadConfig, variant: str, params: Params) -> MultiHeadAttention:
@@ -50,13 +64,38 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, x_BTD: jax.Array, context_BSD: jax.Array | None = None, *,
                mask: jax.Array | None = None, return_weights: bool = False,
                head_mask: jax.Array | None = None, is_causal: bool = False,
-               kv_lengths: jax.Array | None = None, positions: jax.Array | None = None):
+               kv_lengths: jax.Array | None = None, positions: jax.Array | None = None,
+               decode: bool = False):
     """y (B,T,D); with return_weights, (y, weights (B,H,T,S)). mask: True = may attend.
+
+    decode=True: x's tokens follow the cache_index tokens already cached (init_cache first);
+    they are attended causally against the cache, written into it, and cache_index advances.
 
     head_mask (H,) or (B,H) gates each query head's output before W^O;
     is_causal and kv_lengths (B,) are structured masks; positions (T,) or (B,T) place
     x's tokens for RoPE (attn.apply).
     """
+    if decode:
+      return self._decode(x_BTD, head_mask)
     return api.apply(self.variant, self.params_dict(), x_BTD, context_BSD, cfg=self.cfg,
                      mask=mask, return_weights=return_weights, head_mask=head_mask,
                      is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)
+
+  def _decode(self, x_BTD: jax.Array, head_mask) -> jax.Array:
+    if self.cache is None:
+      raise invalid("decode", True, "decode=False, or call init_cache(batch_size, max_len) first")
+    cache = {name: c[...] for name, c in self.cache.items()}
+    B, M = next(iter(cache.values())).shape[:2]
+    if x_BTD.shape[0] != B:
+      raise invalid("x.shape[0]", x_BTD.shape[0], f"the cache's batch size {B} (init_cache)")
+    index = self.cache_index[...]
+    if not isinstance(index, jax.core.Tracer) and int(index) + x_BTD.shape[1] > M:
+      raise invalid("x.shape[1]", x_BTD.shape[1],
+                    f"at most max_len - cache_index = {M} - {int(index)} = {M - int(index)} "
+                    "tokens: positions beyond the cache")
+    y_BTD, cache = kv_cache.decode_step(api.get_variant(self.variant), self.params_dict(), x_BTD,
+                                        cache, index, cfg=self.cfg, head_mask=head_mask)
+    for name, a in cache.items():
+      self.cache[name][...] = a
+    self.cache_index[...] = index + x_BTD.shape[1]
+    return y_BTD

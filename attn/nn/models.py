@@ -52,6 +52,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, invalid
+from attn.nn import decoding
 from attn.nn.attention import MultiHeadAttention
 
 Array = jax.Array
@@ -210,9 +211,12 @@ def lookup(table: Array, ids: Array) -> Array:
   return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-def sinusoidal(T: int, D: int) -> Array:
-  """Vaswani et al. 2017 §3.5: PE(p, 2i) = sin(p / 10000^(2i/D)), PE(p, 2i+1) = cos(same)."""
-  p_T1 = jnp.arange(T, dtype=jnp.float32)[:, None]
+def sinusoidal(T: int, D: int, offset=0) -> Array:
+  """Vaswani et al. 2017 §3.5: PE(p, 2i) = sin(p / 10000^(2i/D)), PE(p, 2i+1) = cos(same).
+
+  Positions offset..offset+T−1 (offset may be traced: decoding).
+  """
+  p_T1 = (offset + jnp.arange(T, dtype=jnp.float32))[:, None]
   i_D = jnp.arange(D)
   angle_TD = p_T1 / jnp.power(10000.0, (2 * (i_D // 2)) / D)
   return jnp.where(i_D % 2 == 0, jnp.sin(angle_TD), jnp.cos(angle_TD))
@@ -258,17 +262,22 @@ class Embeddings(nnx.Module):
                       f"equal to tokens.shape={tokens_BT.shape}")
 
   def __call__(self, tokens_BT: Array, segments_BT: Array | None = None,
-               prefix_D: Array | None = None) -> Array:
-    """(B,T,D), or (B,1+T,D) with prefix_D (a [CLS] vector) at position 0 (type 0)."""
+               prefix_D: Array | None = None, offset=0) -> Array:
+    """(B,T,D), or (B,1+T,D) with prefix_D (a [CLS] vector) at position 0 (type 0).
+
+    offset: the position of the first token (decoding), in range by the caller's check.
+    """
     x_BTD = lookup(self.token[...], tokens_BT)
     if prefix_D is not None:
       prefix_B1D = jnp.broadcast_to(prefix_D, (x_BTD.shape[0], 1, x_BTD.shape[2]))
       x_BTD = jnp.concatenate([prefix_B1D.astype(x_BTD.dtype), x_BTD], axis=1)
     T = x_BTD.shape[1]
     if self.position is not None:
-      x_BTD = x_BTD + self.position[...][:T]
+      table = self.position[...]
+      x_BTD = x_BTD + (table[:T] if isinstance(offset, int) and offset == 0
+                       else jax.lax.dynamic_slice_in_dim(table, offset, T))
     elif self.cfg.positional == "sinusoidal":
-      x_BTD = x_BTD + sinusoidal(T, self.cfg.d_model)
+      x_BTD = x_BTD + sinusoidal(T, self.cfg.d_model, offset)
     if self.segment is not None:
       seg_BT = jnp.zeros(tokens_BT.shape, jnp.int32) if segments_BT is None else segments_BT
       if prefix_D is not None:
@@ -315,8 +324,11 @@ class TransformerBlock(nnx.Module):
   def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
                context_mask: Array | None = None, head_mask: Array | None = None,
                return_weights: bool = False, is_causal: bool = False,
-               kv_lengths: Array | None = None, context_kv_lengths: Array | None = None):
+               kv_lengths: Array | None = None, context_kv_lengths: Array | None = None,
+               decode: bool = False):
     """x (B,T,D); with return_weights, (x, self-attention weights (B,H,T,S)).
+
+    decode=True: the self-attention reads and extends its KV cache (MultiHeadAttention).
 
     head_mask (H,) or (B,H) gates the heads of the self-attention only.
     is_causal and kv_lengths are the self-attention's structured masks,
@@ -326,7 +338,7 @@ class TransformerBlock(nnx.Module):
 
     def attend(h_BTD: Array) -> Array:
       y = self.attn(h_BTD, mask=mask, head_mask=head_mask, return_weights=return_weights,
-                    is_causal=is_causal, kv_lengths=kv_lengths)
+                    is_causal=is_causal, kv_lengths=kv_lengths, decode=decode)
       if return_weights:
         y, w_BHTS = y
         seen.append(w_BHTS)
@@ -430,13 +442,17 @@ class DecoderLM(nnx.Module):
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
 
   def __call__(self, tokens_BT: Array, head_mask: Array | None = None,
-               return_weights: bool = False, lengths_B: Array | None = None):
+               return_weights: bool = False, lengths_B: Array | None = None,
+               decode: bool = False):
     """Logits (B,T,vocab); position t sees tokens up to t, so right padding needs no mask.
 
     lengths_B (B,) also masks the keys past each length (Hugging Face's attention_mask for
     right padding), which changes only the logits at padded positions.
     With return_weights, (logits, [self-attention weights (B,H,T,T) of each layer]).
+    decode=True: tokens_BT follow the tokens already in the KV cache (init_cache first).
     """
+    if decode:
+      return decoding.decode(self, tokens_BT, head_mask, return_weights, lengths_B)
     self.embed.check(tokens_BT)
     B, T = tokens_BT.shape
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
@@ -447,6 +463,15 @@ class DecoderLM(nnx.Module):
                                 kv_lengths=lengths_B)
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
+
+  def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
+    """Empty KV caches in every layer for decode=True, max_len tokens (prompt + generated)."""
+    decoding.init_cache(self, batch_size, max_len, dtype)
+
+  def generate(self, prompt_BT: Array, steps: int, *, temperature: float = 0.0,
+               key: Array | None = None) -> Array:
+    """(B, T + steps): the prompt then `steps` tokens, greedy (temperature 0) or sampled."""
+    return decoding.generate(self, prompt_BT, steps, temperature=temperature, key=key)
 
 
 class SequenceClassifier(nnx.Module):

@@ -17,10 +17,24 @@ attention logits depend on, biases excluded. `decode_apply`, when a variant
 has one, computes the same function as `apply` the way a decoder would, its
 kernel reading only the kv_cache_width columns a cache holds (mla: queries
 absorbed into the latent); None means `apply` already does.
+
+Decoding with a KV cache (attn.variants.cache; DecoderLM.init_cache) caches,
+per token, exactly kv_cache_width(cfg) numbers. By default these are the keys
+(rotated once, at their own positions) and values that `apply` hands to
+attend_and_project: every variant that projects its keys and values and then
+calls attend_and_project (or calls `cached_kv` itself, as talking_heads does)
+decodes with nothing more. A key shared by all kv heads (merged's raw context,
+collaborative's D̃-wide key) is passed with one head, so it is cached once.
+A variant that caches something else sets both `cache_entries(params, x_BTD,
+*, cfg, positions)` -> dict of (B,T,...) arrays per token, and
+`attend_cached(params, x_BTD, cache, *, cfg, positions, mask, head_mask)` ->
+y_BTD, cache holding the same names over the cache length (mla: the latent
+and the rotated RoPE key).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable
 
@@ -53,6 +67,8 @@ class Variant:
   score_weights: Callable[[HeadConfig], int]
   check: Callable[[HeadConfig], None] = _no_constraint
   decode_apply: Callable[..., tuple[Array, Array | None]] | None = None
+  cache_entries: Callable[..., dict[str, Array]] | None = None
+  attend_cached: Callable[..., Array] | None = None
 
 
 def normal(key: Array, shape: tuple[int, ...], fan_in: int, dtype=jnp.float32) -> Array:
@@ -117,12 +133,18 @@ def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Arr
                        qk_positions=None):
   """The shared tail of every variant: RoPE, attention, head gates, then w_o (as (H,V,D)) and b_o.
 
+  k_BSGK may have one head (a key shared by every kv head); while decoding,
+  the keys and values are the cache's (cached_kv).
+
   RoPE (cfg.rope_dim > 0) rotates the first rope_dim dims of every query and
   key head (attn.variants.rope). impl "auto" (kernel.best_impl) is the einsum
   kernel for short sequences on CPU and the blocked one for long
   (T·S >= kernel.BLOCKED_MIN_SCORES) without weights out.
   """
   q_BTHK, k_BSGK = rope.rotate_qk(q_BTHK, k_BSGK, cfg, qk_positions)
+  k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
+  if k_BSGK.shape[2] != v_BSGV.shape[2]:  # one key shared by all kv heads
+    k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], v_BSGV.shape[2], k_BSGK.shape[3]))
   out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
                          kv_lengths=kv_lengths, scale=cfg.score_scale,
                          return_weights=return_weights, impl=impl)
@@ -130,6 +152,16 @@ def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Arr
   w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
   y_BTD = output_projection(gate_heads(out_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
   return y_BTD.astype(dtype), w_BHTS
+
+
+# Set by attn.variants.cache while decoding: (k_BSGK, v_BSGV) -> the keys and values to attend to.
+KV_HOOK: contextvars.ContextVar = contextvars.ContextVar("attn_kv_hook", default=None)
+
+
+def cached_kv(k_BSGK: Array, v_BSGV: Array) -> tuple[Array, Array]:
+  """The keys and values attention reads: these, or while decoding the cache's, with these written."""
+  hook = KV_HOOK.get()
+  return (k_BSGK, v_BSGV) if hook is None else hook(k_BSGK, v_BSGV)
 
 
 def standard_param_count(cfg: HeadConfig) -> int:

@@ -55,15 +55,13 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
           kv_lengths=None, qk_positions=None):
   c_BSD = x_BTD if context_BSD is None else context_BSD
-  B, S, _ = c_BSD.shape
-  G, J = cfg.num_kv_heads, cfg.collab_width
   q_BTJ = x_BTD @ params["w_q"] + bias(params, "b_q")
   k_BSJ = c_BSD @ params["w_k"] + bias(params, "b_k")
   q_BTHJ = q_BTJ[:, :, None, :] * params["m"]
-  # The shared keys serve every kv group: broadcast them to G heads for the kernel.
-  k_BSGJ = jnp.broadcast_to(k_BSJ[:, :, None], (B, S, G, J))
+  # The shared keys serve every kv group: one key head (attend_and_project broadcasts it).
+  k_BS1J = k_BSJ[:, :, None]
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
-  return attend_and_project(params, q_BTHJ, k_BSGJ, v_BSGV, cfg=cfg, mask=mask,
+  return attend_and_project(params, q_BTHJ, k_BS1J, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
                             head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
                             qk_positions=qk_positions)

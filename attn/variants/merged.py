@@ -59,13 +59,11 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
           kv_lengths=None, qk_positions=None):
   """Scores as (x W_h + b_kc,h)·c: a D-wide query per head against the raw context."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
-  B, S, D = c_BSD.shape
-  G = cfg.num_kv_heads
   qm_BTHD = jnp.einsum("BTD,HDE->BTHE", x_BTD, params["w_qk"]) + bias(params, "b_kc")
-  # Every kv group compares against the same raw context: broadcast it to G heads.
-  c_BSGD = jnp.broadcast_to(c_BSD[:, :, None], (B, S, G, D))
+  # Every kv group compares against the same raw context: one key head, shared (and cached once).
+  c_BS1D = c_BSD[:, :, None]
   v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
-  return attend_and_project(params, qm_BTHD, c_BSGD, v_BSGV, cfg=cfg, mask=mask,
+  return attend_and_project(params, qm_BTHD, c_BS1D, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
                             head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
                             qk_positions=qk_positions)

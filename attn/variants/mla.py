@@ -116,16 +116,31 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, ma
   masked row still gets zero output.
   """
   c_BSD = x_BTD if context_BSD is None else context_BSD
-  B, S, _ = c_BSD.shape
+  lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
+  if cfg.rope_dim:
+    q_pos, k_pos = rope.qk_positions(None, x_BTD.shape[1], c_BSD.shape[1], True) \
+        if qk_positions is None else qk_positions
+    kr_BSR = rope.rotate(kr_BSR, k_pos, cfg.rope_dim, cfg.rope_theta)
+    qk_positions = (q_pos, None)
+  return _attend_latent(params, x_BTD, lat_BSC, kr_BSR, cfg=cfg, mask=mask,
+                        return_weights=return_weights, head_mask=head_mask, is_causal=is_causal,
+                        kv_lengths=kv_lengths, q_positions=qk_positions and qk_positions[0])
+
+
+def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, *, cfg: HeadConfig, mask,
+                   return_weights: bool, head_mask, is_causal: bool, kv_lengths, q_positions):
+  """decode_apply's kernel over latents and already rotated RoPE keys; queries at q_positions."""
+  B, S, _ = lat_BSC.shape
   H, R, r, C = cfg.num_heads, cfg.group_size, cfg.rope_dim, cfg.latent_dim
   q_BTHK = queries(params, x_BTD)
-  lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
   w_uk_CHK = jnp.repeat(params["w_uk"], R, axis=1)
   w_uv_CHV = jnp.repeat(params["w_uv"], R, axis=1)
   q_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_BTHK[..., r:], w_uk_CHK)
   q_BTHW = jnp.concatenate([q_BTHK[..., :r], q_BTHC], -1)
+  if r:
+    q_pos = jnp.arange(x_BTD.shape[1]) if q_positions is None else q_positions
+    q_BTHW = rope.rotate(q_BTHW, q_pos, r, cfg.rope_theta)
   k_BS1W = (lat_BSC if not r else jnp.concatenate([kr_BSR, lat_BSC], -1))[:, :, None]
-  q_BTHW, k_BS1W = rope.rotate_qk(q_BTHW, k_BS1W, cfg, qk_positions)
   v_BS1C = lat_BSC[:, :, None]
   if cfg.use_bias:
     v_BS1C = jnp.concatenate([v_BS1C, jnp.ones((B, S, 1, 1), lat_BSC.dtype)], -1)
@@ -138,6 +153,24 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, ma
   w_o_HVD = params["w_o"]
   y_BTD = output_projection(gate_heads(o_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
   return y_BTD.astype(x_BTD.dtype), w_BHTS
+
+
+def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, positions) -> dict:
+  """Per token: the latent c (d_c) and the RoPE key k^R (rope_dim), rotated at its position."""
+  lat_BTC, kr_BTR = _latent_and_rope_key(params, x_BTD, cfg)
+  if not cfg.rope_dim:
+    return {"latent": lat_BTC}
+  return {"latent": lat_BTC, "k_rope": rope.rotate(kr_BTR, positions, cfg.rope_dim,
+                                                   cfg.rope_theta)}
+
+
+def attend_cached(params: Params, x_BTD, cache: dict, *, cfg: HeadConfig, positions, mask,
+                  head_mask=None):
+  """The absorbed form against a cache of latents and rotated RoPE keys."""
+  y_BTD, _ = _attend_latent(params, x_BTD, cache["latent"], cache.get("k_rope"), cfg=cfg,
+                            mask=mask, return_weights=False, head_mask=head_mask,
+                            is_causal=False, kv_lengths=None, q_positions=positions)
+  return y_BTD
 
 
 def _query_params(cfg: HeadConfig) -> int:
@@ -199,4 +232,6 @@ VARIANT = Variant(
     score_weights=score_weights,
     check=check,
     decode_apply=decode_apply,
+    cache_entries=cache_entries,
+    attend_cached=attend_cached,
 )

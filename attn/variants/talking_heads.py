@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from attn import kernel, masks
 from attn.config import HeadConfig, invalid
 from attn.variants import per_head, rope
-from attn.variants.base import (Params, Variant, bias, factored_score_dof, gate_heads,
+from attn.variants.base import (Params, Variant, bias, cached_kv, factored_score_dof, gate_heads,
                                 lowrank_dof, output_projection, project_heads,
                                 score_space_dim, standard_flops, standard_kv_cache_width,
                                 standard_param_count, standard_score_weights)
@@ -64,6 +64,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
   q_BTHK, k_BSGK = rope.rotate_qk(q_BTHK, k_BSGK, cfg, qk_positions)
+  k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
+  T, S = x_BTD.shape[1], k_BSGK.shape[1]
   logits_BITS = kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale
   logits_BHTS = jnp.einsum("BITS,IH->BHTS", logits_BITS, mixing(params, "mix_l"))
   full_mask = masks.combine_masks(mask, kernel.structured_mask(T, S, is_causal, kv_lengths))
