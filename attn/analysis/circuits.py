@@ -18,9 +18,8 @@ Without biases they are zeros of the same shapes.
 Per variant: anything with an exact converter to per_head (fused, two_stage,
 split_input: its product sits in its input block, zeros elsewhere) is read
 through it; merged is read as trained (W_h, b_kc: no exact converter);
-collaborative is W̃_Q·diag(m_h)·W̃_Kᵀ; talking_heads mixes per_head's
-circuits, qk[h] = Σ_i P_l[i,h]·qk_i and ov[i] = Σ_h P_w[i,h]·ov_h, so that the
-formulas above hold with its returned (pre-P_w) weights. With RoPE, qk is
+collaborative is W̃_Q·diag(m_h)·W̃_Kᵀ; any other variant reads itself through
+Variant.circuits (talking_heads mixes per_head's circuits). With RoPE, qk is
 the score at t = s (the rotation R(t − s) sits between the factors). Pure
 functions of the params: they work under jax.jit with variant and cfg static.
 """
@@ -94,29 +93,8 @@ def _from_collaborative(p: Params, cfg: HeadConfig) -> dict:
   return out
 
 
-def _from_talking_heads(p: Params, cfg: HeadConfig) -> dict:
-  """Per_head's factors mixed: qk width H·d_k (every head's W_Q,i scaled by P_l[i,h]), ov H·d_v."""
-  H, D = cfg.num_heads, cfg.d_model
-  heads = _from_per_head(p, cfg)
-  w_q_IDK, w_k_IDK = heads["qk"]
-  w_v_IDV, w_o_IDV = heads["ov"]
-  eye = jnp.eye(H, dtype=p["mix_l"].dtype)
-  p_l, p_w = eye + p["mix_l"], eye + p["mix_w"]
-
-  def stacked(a_IDW):  # (D, I·W), the same for every head
-    return jnp.broadcast_to(a_IDW.transpose(1, 0, 2).reshape(D, -1), (H, D, a_IDW.size // D))
-
-  out = {"qk": (_einsum("IH,IDK->HDIK", p_l, w_q_IDK).reshape(H, D, -1), stacked(w_k_IDK)),
-         "ov": (_einsum("IH,HDV->IDHV", p_w, w_v_IDV).reshape(H, D, -1), stacked(w_o_IDV))}
-  if cfg.use_bias:
-    out.update({n: _einsum("IH,I...->H...", p_l, heads[n])
-                for n in ("qk_key_bias", "qk_query_bias", "qk_const")})
-    out.update(ov_bias=_einsum("IH,H...->I...", p_w, heads["ov_bias"]), b_o=heads["b_o"])
-  return out
-
-
 _OWN_LAYOUT = {"per_head": _from_per_head, "merged": _from_merged,
-               "collaborative": _from_collaborative, "talking_heads": _from_talking_heads}
+               "collaborative": _from_collaborative}
 
 
 def _read(variant: str, params: Params, cfg: HeadConfig) -> dict:
@@ -124,10 +102,12 @@ def _read(variant: str, params: Params, cfg: HeadConfig) -> dict:
   check_params(v.name, params, cfg)
   if v.name in _OWN_LAYOUT:
     return _OWN_LAYOUT[v.name](params, cfg)
+  if v.circuits is not None:
+    return v.circuits(params, cfg)
   step = CONVERTERS.get((v.name, "per_head"))
   if step is None or not step.exact:
-    raise invalid("variant", v.name, f"one of {sorted(_OWN_LAYOUT)} or one with an exact "
-                  "converter to per_head (attn.convert)")
+    raise invalid("variant", v.name, f"one of {sorted(_OWN_LAYOUT)}, one with an exact converter "
+                  "to per_head (attn.convert) or one with Variant.circuits")
   step.check(cfg)
   return _from_per_head(step.fn(params, cfg)[0], cfg)
 

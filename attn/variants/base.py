@@ -30,6 +30,11 @@ A variant that caches something else sets both `cache_entries(params, x_BTD,
 `attend_cached(params, x_BTD, cache, *, cfg, positions, mask, head_mask)` ->
 y_BTD, cache holding the same names over the cache length (mla: the latent
 and the rotated RoPE key).
+
+attn.analysis.circuits reads a variant through its exact converter to per_head.
+A variant without one sets `circuits(params, cfg)` -> the same dict of factors
+as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
+e.g. talking_heads, which mixes per_head's.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Variant:
   decode_apply: Callable[..., tuple[Array, Array | None]] | None = None
   cache_entries: Callable[..., dict[str, Array]] | None = None
   attend_cached: Callable[..., Array] | None = None
+  circuits: Callable[..., dict[str, Any]] | None = None
 
 
 def normal(key: Array, shape: tuple[int, ...], fan_in: int, dtype=jnp.float32) -> Array:

@@ -41,8 +41,8 @@ from attn.variants.base import (Params, Variant, bias, cached_kv, factored_score
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
-  zeros = jnp.zeros((cfg.num_heads, cfg.num_heads), dtype)
-  return per_head.init(key, cfg, dtype) | {"mix_l": zeros, "mix_w": zeros}
+  H = cfg.num_heads
+  return per_head.init(key, cfg, dtype) | {"mix_l": jnp.zeros((H, H), dtype), "mix_w": jnp.zeros((H, H), dtype)}
 
 
 def mixing(params: Params, name: str) -> jax.Array:
@@ -99,6 +99,28 @@ def score_weights(cfg: HeadConfig) -> int:
   return standard_score_weights(cfg) + cfg.num_heads ** 2
 
 
+def circuits(p: Params, cfg: HeadConfig) -> dict:
+  """Per_head's circuits mixed, qk[h] = Σ_i P_l[i,h]·qk_i and ov[i] = Σ_h P_w[i,h]·ov_h, so that the
+  circuit formulas hold with the returned (pre-P_w) weights: qk width H·d_k, ov H·d_v."""
+  from attn.analysis.circuits import _einsum as mix, _from_per_head  # lazy: it imports the registry
+  H, D = cfg.num_heads, cfg.d_model
+  heads = _from_per_head(p, cfg)
+  w_q_IDK, w_k_IDK = heads["qk"]
+  w_v_IDV, w_o_IDV = heads["ov"]
+  eye = jnp.eye(H, dtype=p["mix_l"].dtype)
+  p_l, p_w = eye + p["mix_l"], eye + p["mix_w"]
+
+  def stacked(a_IDW):  # (D, I·W), the same for every head
+    return jnp.broadcast_to(a_IDW.transpose(1, 0, 2).reshape(D, -1), (H, D, a_IDW.size // D))
+
+  out = {"qk": (mix("IH,IDK->HDIK", p_l, w_q_IDK).reshape(H, D, -1), stacked(w_k_IDK)),
+         "ov": (mix("IH,HDV->IDHV", p_w, w_v_IDV).reshape(H, D, -1), stacked(w_o_IDV))}
+  if cfg.use_bias:
+    out.update({n: mix("IH,I...->H...", p_l, heads[n]) for n in ("qk_key_bias", "qk_query_bias", "qk_const")})
+    out.update(ov_bias=mix("IH,H...->I...", p_w, heads["ov_bias"]), b_o=heads["b_o"])
+  return out
+
+
 VARIANT = Variant(
     name="talking_heads",
     init=init,
@@ -108,4 +130,5 @@ VARIANT = Variant(
     flops=flops,
     kv_cache_width=standard_kv_cache_width,
     score_weights=score_weights,
+    circuits=circuits,
 )
