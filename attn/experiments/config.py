@@ -479,3 +479,11 @@ def shape_key(trial: Trial) -> str:
   cfg = copy.deepcopy(trial.config)
   del cfg["train"]["seed"]
   return trial_id(cfg)
+
+
+def seed_groups(trials: list[Trial], vmap_seeds: bool) -> list[list[Trial]]:
+  """Trials that train as one program, in sweep order: equal but for seed under vmap_seeds, else one each."""
+  groups: dict[str, list[Trial]] = {}
+  for t in trials:
+    groups.setdefault(shape_key(t) if vmap_seeds else t.id, []).append(t)
+  return list(groups.values())

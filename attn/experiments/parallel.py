@@ -112,17 +112,9 @@ def layout(train: TrainConfig, group_size: int, batched: bool) -> Layout:
   return Layout(device_count(train, group_size, batched), train.data_parallel_axis, batched)
 
 
-def _groups(trials: list[config_lib.Trial], vmap_seeds: bool) -> list[list[config_lib.Trial]]:
-  """Trials that train as one program: equal but for seed under vmap_seeds, else one each."""
-  groups: dict[str, list[config_lib.Trial]] = {}
-  for t in trials:
-    groups.setdefault(config_lib.shape_key(t) if vmap_seeds else t.id, []).append(t)
-  return list(groups.values())
-
-
 def check_seed_axis(trials: list[config_lib.Trial], vmap_seeds: bool) -> None:
   """Config validation: the seed axis needs seeds trained together, and an explicit count dividing each group."""
-  for group in _groups(trials, True):
+  for group in config_lib.seed_groups(trials, True):
     train = group[0].config["train"]
     if train["data_parallel_axis"] != "seed":
       continue
@@ -144,6 +136,6 @@ def check_devices(trials: list[config_lib.Trial], vmap_seeds: bool) -> None:
   other devices than the one that submits); a runner that calls this first
   refuses the sweep instead of recording every trial as failed.
   """
-  for group in _groups(trials, vmap_seeds):
+  for group in config_lib.seed_groups(trials, vmap_seeds):
     n = len(group)
     device_count(TrainConfig(**group[0].config["train"]), n, vmap_seeds and n > 1)

@@ -209,13 +209,8 @@ def _check_cluster(params: dict[str, Any]) -> None:
 
 def groups(sweep: Any, pending: list[Any]) -> list[list[str]]:
   """Trial ids per array task: one trial each, or one seed group each with sweep.vmap_seeds."""
-  if not sweep.vmap_seeds:
-    return [[t.id] for t in pending]
   from attn.experiments import config as config_lib
-  by_shape: dict[str, list[str]] = {}
-  for t in pending:
-    by_shape.setdefault(config_lib.shape_key(t), []).append(t.id)
-  return list(by_shape.values())
+  return [[t.id for t in group] for group in config_lib.seed_groups(pending, sweep.vmap_seeds)]
 
 
 def _exit(code: int) -> None:

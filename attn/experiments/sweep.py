@@ -74,16 +74,6 @@ class Progress:
     self.stream.flush()
 
 
-def _groups(trials: list[config_lib.Trial], vmap_seeds: bool) -> list[list[config_lib.Trial]]:
-  """Consecutive batches of trials sharing a shape (seed-only differences), in sweep order."""
-  if not vmap_seeds:
-    return [[t] for t in trials]
-  groups: dict[str, list[config_lib.Trial]] = {}
-  for t in trials:
-    groups.setdefault(config_lib.shape_key(t), []).append(t)
-  return list(groups.values())
-
-
 def _label(group: list[config_lib.Trial]) -> str:
   parts = {}
   for t in group:
@@ -191,7 +181,7 @@ class _Worker:
     stopped, waiting = False, None
     while not stopped:
       ran = False
-      for group in _groups([t for t in pending if not store.is_done(t.id)], self.vmap_seeds):
+      for group in config_lib.seed_groups([t for t in pending if not store.is_done(t.id)], self.vmap_seeds):
         if preempt.requested():
           stopped = True
           break

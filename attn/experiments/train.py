@@ -178,8 +178,7 @@ def train_group(configs: list[dict[str, Any]],
   graphdef, states = None, []
   for s in seeds:
     graphdef, p, r = nnx.split(models.MODELS[kind](model_cfg, rngs=nnx.Rngs(s)), nnx.Param, ...)
-    # A variant's init may hand one array to two leaves (talking_heads' zero mixings); the
-    # donated step needs a buffer per leaf.
+    # The donated step needs a buffer per leaf; an init handing one array to two leaves would fail.
     p = jax.tree.map(jnp.copy, p)
     states.append({"params": p, "opt_state": tx.init(p), "rest": r})
   step, evaluate = _step_fns(graphdef, tx, kind)
