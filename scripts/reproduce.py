@@ -3,12 +3,14 @@
   python scripts/reproduce.py                 # every config in configs/
   python scripts/reproduce.py quick kv_heads  # just these
   python scripts/reproduce.py --report-only   # re-draw reports and plots from runs/NAME
+  python scripts/reproduce.py --workers 2 text_heads_fixed_width   # attn sweep --workers 2
 
 For each NAME it runs `attn sweep configs/NAME.toml --out runs/NAME` (resuming
 a finished run costs nothing), then copies runs/NAME/report.md and its PNGs to
 experiments/NAME/ (with an analysed sweep, also one trial's plots as
 trial_*.png, named in trial_plots.txt) and writes experiments/NAME/run.json: the command, the
-wall time of this invocation, the date and the machine. The write-up
+wall time of this invocation, the date, the machine and its load average
+(1 minute) at the start and end. The write-up
 experiments/NAME/README.md is prose and is not touched.
 """
 
@@ -50,11 +52,14 @@ def _example_trial(run_dir: str) -> str | None:
   return best
 
 
-def reproduce(name: str, runs: str, report_only: bool) -> None:
+def reproduce(name: str, runs: str, report_only: bool, workers: int | None = None) -> None:
   config = os.path.join("configs", f"{name}.toml")
   out = os.path.join(runs, name)
   dest = os.path.join(ROOT, "experiments", name)
   cmd = ["attn", "report", out] if report_only else ["attn", "sweep", config, "--out", out]
+  if workers and not report_only:
+    cmd += ["--workers", str(workers)]
+  load_start = os.getloadavg()[0]
   t0 = time.perf_counter()
   subprocess.run(cmd, cwd=ROOT, check=True)
   wall = time.perf_counter() - t0
@@ -74,7 +79,8 @@ def reproduce(name: str, runs: str, report_only: bool) -> None:
     return
   info = {"command": " ".join(cmd), "wall_s": round(wall, 1),
           "date": datetime.date.today().isoformat(), "cpu": _cpu(), "cores": os.cpu_count(),
-          "python": platform.python_version()}
+          "python": platform.python_version(), "load_start": round(load_start, 2),
+          "load_end": round(os.getloadavg()[0], 2)}
   with open(os.path.join(dest, "run.json"), "w", encoding="utf-8") as f:
     json.dump(info, f, indent=1)
     f.write("\n")
@@ -87,12 +93,14 @@ def main() -> int:
   parser.add_argument("names", nargs="*", help=f"configs to run (default all: {', '.join(names)})")
   parser.add_argument("--runs", default="runs", help="where the stores go (default runs/)")
   parser.add_argument("--report-only", action="store_true", help="only re-draw reports from existing stores")
+  parser.add_argument("--workers", type=int, default=None,
+                      help="passed to attn sweep --workers (parallel local worker processes)")
   args = parser.parse_args()
   for name in args.names or names:
     if name not in names:
       print(f"reproduce: error: NAME={name!r}: one of {names}", file=sys.stderr)
       return 2
-    reproduce(name, args.runs, args.report_only)
+    reproduce(name, args.runs, args.report_only, args.workers)
   return 0
 
 

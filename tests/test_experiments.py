@@ -411,6 +411,16 @@ def test_measured_answer_compares_each_axis_with_the_others_fixed():
   assert "best 32 (0.11) vs worst 16 (0.51): a clear difference" in line
 
 
+def test_late_change_measures_the_end_of_a_curve():
+  # Evaluations every 100 steps of a 1000-step run: the last 10% reaches back to step 899.
+  rows = [{"step": s, "eval_bpb": 3.0 - s / 1000} for s in range(99, 1000, 100)] + [{"step": 999}]
+  change, span = report.late_change(rows, "eval_bpb")
+  assert span == 100 and change == pytest.approx(-0.1)
+  # A longer window reaches the evaluation at or before 1000 * 0.75 = 750 steps from the end.
+  assert report.late_change(rows, "eval_bpb", frac=0.25) == (pytest.approx(-0.3), 300)
+  assert report.late_change(rows[:1], "eval_bpb") is None
+
+
 def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
   from attn import cli
   path = write(tmp_path, TINY.replace("d_ff = 16", "d_ff = -1"))

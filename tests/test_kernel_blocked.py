@@ -304,3 +304,44 @@ def test_long_sequence_memory_does_not_grow_with_scores():
                              argnums=(0, 1, 2)))
   m = with_ct.lower(x, x, x, x).compile().memory_analysis()
   assert m.temp_size_in_bytes <= (32 + 16) * 2**20, m.temp_size_in_bytes / 2**20
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("G,V", [(3, 5), (1, 7)])  # grouped heads and multi-query, d_v != d_k
+def test_fused_split_projections_equal_the_packed_matmul(G, V, use_bias):
+  """fused's long-sequence path (one matmul per column block) = the packed matmul, value and grads."""
+  from attn.config import HeadConfig
+  from attn.variants import fused
+  cfg = HeadConfig(d_model=10, num_heads=6, num_kv_heads=G, d_k=3, d_v=V, use_bias=use_bias)
+  params = fresh_params("fused", cfg, seed=4)
+  x = randn(5, (2, 9, 10))
+  cts = randn(6, (2, 9, 6, 3)), randn(7, (2, 9, G, 3)), randn(8, (2, 9, G, V))
+
+  def proj(split):
+    loss = lambda p, x: sum(jnp.sum(a * c) for a, c in
+                            zip(fused.project_qkv(p, x, None, cfg, split=split), cts))
+    return jax.value_and_grad(loss, argnums=(0, 1))
+  (packed, g_packed), (split, g_split) = proj(False)(params, x), proj(True)(params, x)
+  np.testing.assert_allclose(split, packed, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_packed)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fused_layer_memory_at_16384_holds_no_packed_copies():
+  """The fused layer's forward+backward at T = 16384 (attn bench --shapes long): O(T) buffers.
+
+  Arguments and outputs (x, cotangent, dx, weights and their gradients) are 104 MB; the kernel's
+  backward loop holds q, k, v, dq and dO (5 × 32 MB). With the packed product's q, k, v slices
+  as copies it was 361 MB; one (B,H,T,S) float32 score array alone would be 8 GB.
+  """
+  from attn.bench_peers import peak_bytes
+  from attn.config import HeadConfig
+  from attn.variants import fused
+  cfg = HeadConfig(d_model=512, num_heads=8, d_k=64, d_v=64)
+  params = jax.eval_shape(lambda: fused.init(jax.random.PRNGKey(0), cfg))
+  x = jax.ShapeDtypeStruct((1, 16384, 512), jnp.float32)
+  apply = lambda p, x: fused.apply(p, x, cfg=cfg)[0]  # impl "auto": blocked at this length
+  fb = jax.jit(jax.grad(lambda p, x, ct: jnp.sum(apply(p, x) * ct), argnums=(0, 1)))
+  peak = peak_bytes(fb.lower(params, x, x).compile())
+  assert peak <= 310 * 2**20, peak / 2**20

@@ -214,7 +214,8 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
   ax.set_title(f"{title} against KV cache: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
-  ax.legend(fontsize=8, loc="upper right")
+  # Below the axes: inside, the legend can hide a seed's dot.
+  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=90)

@@ -16,6 +16,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
+from attn import kernel
 from attn.config import HeadConfig
 from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, dense,
                                 factored_effective_param_count, normal, standard_flops,
@@ -33,21 +34,28 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_qkv": (H * K + G * K + G * V,), "b_o": (D,)}, dtype)
 
 
-def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig):
-  """q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) from the packed matrix."""
+def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig, *, split: bool = False):
+  """q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) from the packed matrix.
+
+  Self-attention takes one matmul and slices its product. With split (long
+  sequences, see apply) or a context, each of Q, K and V is its own matmul
+  over its column block of w_qkv: the same numbers, but no packed product
+  whose slices the blocked kernel would hold as copies through the backward
+  pass (90 MB more at T = 16384, D = 512; experiments/performance.md).
+  """
   H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
-  n_q = H * K
+  cols = (H * K, (H + G) * K)  # where the Q, K and V column blocks start
   w, b = params["w_qkv"], bias(params, "b_qkv")
-  if context_BSD is None:
-    qkv = dense(x_BTD, w, b)
-    q, kv = qkv[..., :n_q], qkv[..., n_q:]
+  if context_BSD is None and not split:
+    q, k, v = jnp.split(dense(x_BTD, w, b), cols, axis=-1)
   else:
-    b_q, b_kv = (b[:n_q], b[n_q:]) if cfg.use_bias else (0.0, 0.0)
-    q = dense(x_BTD, w[:, :n_q], b_q)
-    kv = dense(context_BSD, w[:, n_q:], b_kv)
+    src_BSD = x_BTD if context_BSD is None else context_BSD
+    w_q, w_k, w_v = jnp.split(w, cols, axis=1)
+    b_q, b_k, b_v = jnp.split(b, cols) if cfg.use_bias else (0.0, 0.0, 0.0)
+    q, k, v = dense(x_BTD, w_q, b_q), dense(src_BSD, w_k, b_k), dense(src_BSD, w_v, b_v)
   q_BTHK = einops.rearrange(q, "B T (H K) -> B T H K", H=H)
-  k_BSGK = einops.rearrange(kv[..., :G * K], "B S (G K) -> B S G K", G=G)
-  v_BSGV = einops.rearrange(kv[..., G * K:], "B S (G V) -> B S G V", G=G)
+  k_BSGK = einops.rearrange(k, "B S (G K) -> B S G K", G=G)
+  v_BSGV = einops.rearrange(v, "B S (G V) -> B S G V", G=G)
   return q_BTHK, k_BSGK, v_BSGV
 
 
@@ -62,11 +70,14 @@ DEFAULT_IMPL = "auto"
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
           kv_lengths=None, impl: str | None = None, qk_positions=None):
-  q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg)
+  impl = DEFAULT_IMPL if impl is None else impl
+  S = x_BTD.shape[1] if context_BSD is None else context_BSD.shape[1]
+  long = impl == "blocked" or (impl == "auto" and x_BTD.shape[1] * S >= kernel.BLOCKED_MIN_SCORES)
+  q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg, split=long)
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
                             head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            impl=DEFAULT_IMPL if impl is None else impl, qk_positions=qk_positions)
+                            impl=impl, qk_positions=qk_positions)
 
 
 VARIANT = Variant(
