@@ -81,12 +81,12 @@ def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
 
 IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn")
 
-# impl="auto" off cuDNN: the blocked kernel from T·S >= 384² scores per (batch,
-# head). Measured forward+backward on a 2-core Zen 3, H=8, K=V=64, float32
-# (python scripts/blocked_crossover.py; experiments/performance.md, Long
-# sequences): blocked ÷ einsum at B=8 1.32 for T=S=256, 0.99 for 384, 0.81 for
-# 512; at B=1 the blocked kernel wins from T=S=256 (0.67).
-BLOCKED_MIN_SCORES = 384 * 384
+# impl="auto" off cuDNN: the blocked kernel from T·S >= 512² scores per (batch,
+# head). Measured forward+backward on a 2-core Zen 3, H=8, K=V=64, float32,
+# blocks of 512 × 256 (python scripts/blocked_crossover.py; experiments/
+# performance.md, Long sequences): blocked ÷ einsum at B=8 1.57 for T=S=256,
+# 1.01 for 384, 0.88 for 512; at B=1 1.03, 1.10 and 0.86.
+BLOCKED_MIN_SCORES = 512 * 512
 
 
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
@@ -179,7 +179,7 @@ def attention(
   no T×S array, masked blocks skipped; no weights out, no logits_bias), "xla"
   or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k and no weights
   out), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
-  from T·S >= BLOCKED_MIN_SCORES = 384², the crossover measured on CPU, else
+  from T·S >= BLOCKED_MIN_SCORES = 512², the crossover measured on CPU, else
   einsum).
   """
   _check_qkv(q_BTHK, k_BSGK, v_BSGV)

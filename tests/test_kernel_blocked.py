@@ -156,7 +156,7 @@ def test_jit_with_traced_lengths_and_vmap():
 
 
 def test_block_sizes_and_causal_work():
-  assert blocked.block_sizes(1000, 1000) == (250, 250)  # equal splits no larger than the targets
+  assert blocked.block_sizes(1000, 1000) == (500, 250)  # equal splits no larger than the targets
   assert blocked.block_sizes(7, 3, block_q=4, block_k=8) == (4, 3)
   assert blocked.block_sizes(5, 5) == (5, 5)
   assert blocked.work_fraction(4096, 4096, is_causal=False) == 1.0
