@@ -9,7 +9,10 @@ from flax import nnx
 
 import attn
 from attn import ConfigError, blocked, kernel
+from attn.bench_peers import peak_bytes
+from attn.config import HeadConfig
 from attn.nn import DecoderLM, Encoder, EncoderDecoder, ModelConfig
+from attn.variants import fused
 from conftest import CONFIGS, fresh_params, randn
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k
@@ -310,8 +313,6 @@ def test_long_sequence_memory_does_not_grow_with_scores():
 @pytest.mark.parametrize("G,V", [(3, 5), (1, 7)])  # grouped heads and multi-query, d_v != d_k
 def test_fused_split_projections_equal_the_packed_matmul(G, V, use_bias):
   """fused's long-sequence path (one matmul per column block) = the packed matmul, value and grads."""
-  from attn.config import HeadConfig
-  from attn.variants import fused
   cfg = HeadConfig(d_model=10, num_heads=6, num_kv_heads=G, d_k=3, d_v=V, use_bias=use_bias)
   params = fresh_params("fused", cfg, seed=4)
   x = randn(5, (2, 9, 10))
@@ -335,9 +336,6 @@ def test_fused_layer_memory_at_16384_holds_no_packed_copies():
   backward loop holds q, k, v, dq and dO (5 × 32 MB). With the packed product's q, k, v slices
   as copies it was 361 MB; one (B,H,T,S) float32 score array alone would be 8 GB.
   """
-  from attn.bench_peers import peak_bytes
-  from attn.config import HeadConfig
-  from attn.variants import fused
   cfg = HeadConfig(d_model=512, num_heads=8, d_k=64, d_v=64)
   params = jax.eval_shape(lambda: fused.init(jax.random.PRNGKey(0), cfg))
   x = jax.ShapeDtypeStruct((1, 16384, 512), jnp.float32)

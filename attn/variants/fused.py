@@ -72,7 +72,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
           kv_lengths=None, impl: str | None = None, qk_positions=None):
   impl = DEFAULT_IMPL if impl is None else impl
   S = x_BTD.shape[1] if context_BSD is None else context_BSD.shape[1]
-  long = impl == "blocked" or (impl == "auto" and x_BTD.shape[1] * S >= kernel.BLOCKED_MIN_SCORES)
+  long = impl == "blocked" or (impl == "auto" and kernel.is_long(x_BTD.shape[1], S))
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg, split=long)
   return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
                             return_weights=return_weights, dtype=x_BTD.dtype,
