@@ -12,11 +12,11 @@ from attn.config import ConfigError
 COMMANDS = {
     "demo": ("attn.demo", "answer the seed questions for one config in one screen"),
     "count": ("attn.count_cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
-    "sweep": ("attn.experiments.sweep_cli", "run a sweep config: trials, metrics, resumable store"),
-    "report": ("attn.experiments.report", "write report.md and plots from a sweep directory"),
-    "status": ("attn.experiments.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
-    "analyze": ("attn.experiments.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
-    "bench": ("attn.bench", "time every variant against flax, jax and torch attention"),
+    "sweep": ("attn.experiments.cli", "run a sweep config: trials, metrics, resumable store"),
+    "report": ("attn.experiments.reading.report", "write report.md and plots from a sweep directory"),
+    "status": ("attn.experiments.running.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
+    "analyze": ("attn.experiments.reading.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
+    "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
     "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face GPT-2, before and after converting its heads"),
 }
 

@@ -7,7 +7,7 @@
 PATH is a local Hugging Face GPT-2 directory as save_pretrained writes it
 (config.json, model.safetensors and the tokenizer's files); its weights are read
 with numpy, without torch. The text is tokenised with that tokenizer and the
-held-out split of the corpus is scored (attn.experiments.hf_text): mean
+held-out split of the corpus is scored (attn.experiments.data.hf_text): mean
 next-token cross-entropy in nats over every predicted token, and perplexity
 exp(loss). With --variant or --num-kv-heads the same weights are converted
 (attn.nn.hf.convert_model: exact variants, or key/value heads mean-pooled as
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_checkpoint(path: str, command: str = "attn eval") -> dict[str, Any]:
   """config.json of a GPT-2 checkpoint with its tokenizer; anything else refused before loading weights."""
   from attn.nn import hf
-  from attn.experiments import hf_text
+  from attn.experiments.data import hf_text
   config = hf.read_config(path)
   if config.get("model_type") != "gpt2":
     raise invalid("config.model_type", config.get("model_type"),
@@ -91,7 +91,7 @@ def _row(name: str, cfg, error: float | None, loss: float, seconds: float) -> st
 
 
 def run(args: argparse.Namespace) -> int:
-  from attn.experiments import hf_text
+  from attn.experiments.data import hf_text
   for name in ("max_tokens", "batch_size", "seq_len"):
     value = getattr(args, name)
     if value < 1:

@@ -11,8 +11,9 @@ import pytest
 
 from attn import cli
 from attn.config import ConfigError
-from attn.experiments import analyze, store
-from attn.experiments import config as config_lib
+from attn.experiments.reading import analyze
+from attn.experiments.running import store
+from attn.experiments.running import config as config_lib
 
 TINY = """
 [meta]

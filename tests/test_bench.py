@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import attn
-from attn import ConfigError, bench, cli, kernel, masks
+from attn import ConfigError, cli, kernel, masks
+from attn.bench import layer as bench
 from attn.variants import base, fused, per_head
 from conftest import randn, random_params
 

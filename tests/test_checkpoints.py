@@ -12,8 +12,12 @@ import pytest
 from flax import nnx
 
 from attn.config import ConfigError
-from attn.experiments import checkpoints, load_trial, store, sweep, tasks
-from attn.experiments import config as config_lib
+from attn.experiments.training import checkpoints
+from attn.experiments import load_trial
+from attn.experiments.running import store
+from attn.experiments.running import sweep
+from attn.experiments.data import tasks
+from attn.experiments.running import config as config_lib
 from conftest import TINY_MQAR
 
 TINY = TINY_MQAR + """

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from attn.config import ConfigError
-from attn.experiments import config as config_lib
-from attn.experiments import parallel
+from attn.experiments.running import config as config_lib
+from attn.experiments.training import parallel
+from attn.experiments.training.config import TrainConfig
 from conftest import TINY_MQAR
 
 TINY = TINY_MQAR + """
@@ -47,7 +48,7 @@ def _load(*overrides):
 
 
 def _check(sweep) -> None:
-  parallel.check_devices(sweep.trials, sweep.vmap_seeds)
+  config_lib.check_devices(sweep.trials, sweep.vmap_seeds)
 
 
 def _refusal(*overrides) -> str:
@@ -105,10 +106,10 @@ def test_the_seed_axis_needs_vmapped_seeds_and_a_count_dividing_them():
 
 def test_more_devices_than_present_are_refused_with_the_count_available():
   n = len(jax.local_devices())
-  train = config_lib.TrainConfig(batch_size=12 * (n + 1), data_parallel=n + 1)
+  train = TrainConfig(batch_size=12 * (n + 1), data_parallel=n + 1)
   with pytest.raises(ConfigError, match=rf"train.data_parallel={n + 1} is not allowed: at most the {n} local"):
     parallel.layout(train, 1, False)
-  auto = config_lib.TrainConfig(batch_size=12 * n, data_parallel="auto")
+  auto = TrainConfig(batch_size=12 * n, data_parallel="auto")
   assert parallel.layout(auto, 1, False).devices == n
   _check(_load("train.data_parallel=auto"))
   with pytest.raises(ConfigError, match=rf"train.data_parallel={n + 1} is not allowed: at most the {n} local"):
@@ -117,7 +118,7 @@ def test_more_devices_than_present_are_refused_with_the_count_available():
 
 def test_one_device_places_nothing():
   x = {"tokens": np.zeros((4, 3), np.int32)}
-  layout = parallel.layout(config_lib.TrainConfig(), 3, True)
+  layout = parallel.layout(TrainConfig(), 3, True)
   assert layout.devices == 1 and layout.put(x, "train") is x
   assert layout.summary() == {"data_parallel_devices": 1, "data_parallel_axis": "batch"}
 
@@ -128,7 +129,10 @@ SCRIPT = r'''
 import json, sys
 import jax, numpy as np
 from attn.config import ConfigError
-from attn.experiments import config as config_lib, parallel, train
+from attn.experiments.running import config as config_lib
+from attn.experiments.training import parallel
+from attn.experiments.training.config import TrainConfig
+from attn.experiments.training import train
 
 out, tmp = {"devices": len(jax.local_devices())}, sys.argv[2]
 train.enable_compilation_cache()  # $ATTN_JAX_CACHE: a resumed run reuses its reference's programs
@@ -161,13 +165,13 @@ run("vmap_seed_resumed_on_1", SEED, seeds=4, vmap=True, ckpt="seed4")  # resumes
 run("batch4_resumed", DP4, ckpt="one")
 
 # The first seed of a group of three pending seeds on 4 devices: the largest divisor, 3.
-out["partial_group"] = parallel.layout(config_lib.TrainConfig(data_parallel=4, data_parallel_axis="seed"), 3, True).devices
+out["partial_group"] = parallel.layout(TrainConfig(data_parallel=4, data_parallel_axis="seed"), 3, True).devices
 x = np.arange(4 * 8 * 5).reshape(4, 8, 5)
 for axis, kind in (("batch", "train"), ("seed", "state")):
   placed = parallel.Layout(4, axis, True).put(x, kind)
   out[f"shards_{axis}"] = sorted({tuple(s.data.shape) for s in placed.addressable_shards}) + [len(placed.addressable_shards)]
-for name, cfg in (("refuse_8", config_lib.TrainConfig(data_parallel=8, batch_size=16)),
-                  ("refuse_auto", config_lib.TrainConfig(data_parallel="auto", batch_size=6))):
+for name, cfg in (("refuse_8", TrainConfig(data_parallel=8, batch_size=16)),
+                  ("refuse_auto", TrainConfig(data_parallel="auto", batch_size=6))):
   try:
     parallel.layout(cfg, 1, False)
     out[name] = None

@@ -153,7 +153,7 @@ def test_bad_decoding_input_is_refused_naming_the_field():
 
 @pytest.mark.slow
 def test_decode_bench_table_smoke():
-  from attn import bench, bench_decode
+  from attn.bench import decode as bench_decode, layer as bench
   cfg = attn.HeadConfig(d_model=16, num_heads=4, d_k=4, d_v=4)
   r = bench_decode.run_decode(["per_head", "mla"], 1, (8, 16), cfg=cfg, torch_peer=False,
                               round_robin=bench._round_robin, log=lambda _: None)

@@ -10,8 +10,13 @@ import pytest
 from attn import count
 from attn.nn import models
 from attn.config import ConfigError
-from attn.experiments import config as config_lib
-from attn.experiments import report, store, sweep, tasks, train
+from attn.experiments.running import config as config_lib
+from attn.experiments.reading import report
+from attn.experiments.running import store
+from attn.experiments.running import sweep
+from attn.experiments.data import tasks
+from attn.experiments.training import train
+from attn.experiments.training.config import TrainConfig
 
 TINY = """
 [meta]
@@ -129,12 +134,12 @@ def test_validation_errors_name_file_key_value_and_allowed(tmp_path, edit, words
 ])
 def test_train_config_names_field_value_and_allowed(field, value, allowed):
   with pytest.raises(ConfigError) as e:
-    config_lib.TrainConfig(**{field: value})
+    TrainConfig(**{field: value})
   assert str(e.value).startswith(f"train.{field}={value!r} is not allowed: {allowed}")
 
 
 def test_train_config_defaults_and_resolved_dict(tmp_path):
-  cfg = config_lib.TrainConfig(lr=1, steps=10)
+  cfg = TrainConfig(lr=1, steps=10)
   assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # 1 and 1.0 are one config, one trial id
   assert cfg.checkpoint_interval == 50 and cfg.replace(checkpoint_every=7).checkpoint_interval == 7
   assert cfg.replace(eval_every=0).checkpoint_interval == 0  # only at the end

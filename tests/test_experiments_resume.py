@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn.experiments import checkpoints, load_trial, store
+from attn.experiments.training import checkpoints
+from attn.experiments import load_trial
+from attn.experiments.running import store
 from conftest import TINY_MQAR
 
 CONFIG = TINY_MQAR + """

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from attn.experiments import plots, report
+from attn.experiments.reading import plots
+from attn.experiments.reading import report
 from attn.nn.models import ModelConfig
 
 

@@ -172,7 +172,7 @@ def test_eval_refuses_bad_checkpoints(tmp_path, capsys):
 
 def test_tokenizer_from_either_file_layout(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
-  from attn.experiments import hf_text
+  from attn.experiments.data import hf_text
   text = "multi-head attention: a query, a key and a value per head; héads ≠ heads\n" * 30
   tok = tokenizers.ByteLevelBPETokenizer()
   tok.train_from_iterator([text], vocab_size=300, min_frequency=2, show_progress=False)
@@ -347,7 +347,7 @@ def _hf_loss(m, ids_per_doc, seq_len):
 
 @pytest.mark.slow
 def test_eval_end_to_end(tmp_path, capsys):
-  from attn.experiments import corpus
+  from attn.experiments.data import corpus
   m, tok, ckpt, texts = _tiny_checkpoint(tmp_path)
   code, out, err = _eval(capsys, "--hf", ckpt, "--text", texts, "--num-kv-heads", "2", "--seq-len", "24",
                          "--max-tokens", "100000")

@@ -9,7 +9,7 @@ from flax import nnx
 
 import attn
 from attn import ConfigError, blocked, kernel
-from attn.bench_peers import peak_bytes
+from attn.bench.peers import peak_bytes
 from attn.config import HeadConfig
 from attn.nn import DecoderLM, Encoder, EncoderDecoder, ModelConfig
 from attn.variants import fused

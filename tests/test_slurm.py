@@ -20,7 +20,11 @@ import pytest
 
 from attn import cli
 from attn.config import ConfigError
-from attn.experiments import checkpoints, leases, slurm, store, sweep_cli
+from attn.experiments.training import checkpoints
+from attn.experiments.running import leases
+from attn.experiments.running import slurm
+from attn.experiments.running import store
+from attn.experiments import cli as sweep_cli
 from conftest import TINY_MQAR
 
 CONFIG = TINY_MQAR + """

@@ -17,7 +17,10 @@ import pytest
 
 from attn import cli
 from attn.config import ConfigError
-from attn.experiments import leases, preempt, status, store
+from attn.experiments.running import leases
+from attn.experiments.training import preempt
+from attn.experiments.running import status
+from attn.experiments.running import store
 
 
 def _write_lease(trial_dir, age=0.0, **fields):

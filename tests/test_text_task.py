@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from attn.config import ConfigError
-from attn.experiments import corpus, report, tasks
+from attn.experiments.data import corpus
+from attn.experiments.reading import report
+from attn.experiments.data import tasks
 
 
 @pytest.fixture(autouse=True)

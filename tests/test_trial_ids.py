@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from attn.experiments import config as config_lib
+from attn.experiments.running import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(n[:-5] for n in os.listdir(os.path.join(ROOT, "configs"))

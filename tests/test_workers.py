@@ -22,8 +22,10 @@ import time
 
 import pytest
 
-from attn.experiments import checkpoints, leases, store
-from attn.experiments.workers import cpu_shares
+from attn.experiments.training import checkpoints
+from attn.experiments.running import leases
+from attn.experiments.running import store
+from attn.experiments.running.workers import cpu_shares
 from conftest import TINY_MQAR
 
 CONFIG = TINY_MQAR + """

@@ -1,4 +1,4 @@
-"""Checkpoints: a trial's model state, optimiser state and step, saved with Orbax; load_trial.
+"""Checkpoints: a trial's model state, optimiser state and step, saved with Orbax.
 
   DIR/trials/ID/checkpoints/N/   the training state after N steps (the trial's rows 0..N-1)
 
@@ -18,7 +18,7 @@ A checkpoint is the Orbax tree {"arrays": {dtype: 1-D array}, "step": N} and,
 in its custom metadata, "leaves": [path, shape, dtype] of every leaf of
 {"params", "opt_state", "rest"} in tree order: the packing cuts a save from
 ~120 arrays to three (Orbax costs about a millisecond per array), and the index
-lets any reader cut the arrays back into leaves. load_trial does that for you.
+lets any reader cut the arrays back into leaves (attn.experiments.load_trial does that).
 
 Trials trained together under vmap (sweep.vmap_seeds) save one checkpoint per
 seed, sliced from the stacked state, and resume from the newest step that every
@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import shlex
 import shutil
 from typing import Any, Callable
 
@@ -39,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn.config import invalid
-from attn.experiments import store as store_lib
 
 KEEP = 2
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -137,7 +135,7 @@ def restore(directory: str, step: int, like: dict[str, Any]) -> dict[str, Any]:
   return _unpack({d: np.asarray(a) for d, a in out["arrays"].items()}, like)
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
   text = (str(e).strip().splitlines() or [""])[0]
   return f"{type(e).__name__}: {text[:200]}"
 
@@ -162,7 +160,7 @@ def resume(directories: list[str], like: list[dict[str, Any]], below: int,
       try:
         try_states.append(restore(d, step, target))
       except Exception as e:  # any failure to read makes this checkpoint unusable
-        log(f"warning: checkpoint {os.path.join(d, str(step))} could not be read ({_first_line(e)}); "
+        log(f"warning: checkpoint {os.path.join(d, str(step))} could not be read ({first_line(e)}); "
             "deleting it and resuming from an earlier one")
         break
     if len(try_states) == len(directories):
@@ -173,53 +171,3 @@ def resume(directories: list[str], like: list[dict[str, Any]], below: int,
       if newer > found:
         shutil.rmtree(os.path.join(d, str(newer)), ignore_errors=True)
   return found, states
-
-
-def _rerun_command(run_dir: str, header: dict[str, Any]) -> str:
-  sets = "".join(f" --set {shlex.quote(o)}" for o in header.get("overrides", []))
-  return f"attn sweep {shlex.quote(header.get('config_path', 'CONFIG'))} --out {shlex.quote(run_dir)}{sets}"
-
-
-def load_trial(run_dir: str, trial_id: str, step: int | None = None):
-  """(model, model_config, task) of a trial, restored from its final checkpoint or from `step`.
-
-  step=None takes the newest checkpoint: the final one of a finished trial. The
-  held-out batches that the summary's eval_loss averages are
-  task.batch(seed, tasks.EVAL, j, batch_size) for j < eval_batches, with the
-  train table of DIR/trials/ID/config.json.
-  """
-  from flax import nnx
-  from attn.experiments import config as config_lib
-  from attn.experiments import tasks, train
-  from attn.nn import models
-  header = store_lib.load_sweep(run_dir)
-  known = [t["id"] for t in header["trials"]]
-  if trial_id not in known:
-    raise invalid("trial_id", trial_id, f"one of the {len(known)} trials of {run_dir}: {', '.join(known)}")
-  trial_dir = os.path.join(run_dir, "trials", trial_id)
-  directory = os.path.join(trial_dir, store_lib.CHECKPOINTS)
-  have = steps(directory)
-  if not have:
-    if os.path.exists(os.path.join(trial_dir, store_lib.SUMMARY)):
-      how = (f"it finished without one (trained before attn saved checkpoints, or failed before its "
-             f"first); to train it again, remove {trial_dir} and run {_rerun_command(run_dir, header)}")
-    else:
-      how = f"it has not reached its first one; run {_rerun_command(run_dir, header)} to train it"
-    raise invalid("trial_id", trial_id, f"a trial with a checkpoint: {directory} holds none, {how}")
-  if step is None:
-    step = have[-1]
-  elif step not in have:
-    raise invalid("step", step, f"one of the checkpointed steps of trial {trial_id}: {have}")
-  cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
-  task = tasks.make_task(cfg["task"])
-  model_cfg = models.ModelConfig(**cfg["model"])
-  abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  tx = train.optimizer(config_lib.TrainConfig(**cfg["train"]))
-  like = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "rest": rest}
-  try:
-    state = restore(directory, step, like)
-  except Exception as e:
-    raise invalid("step", step, f"a readable checkpoint: {os.path.join(directory, str(step))} could not be "
-                  f"read ({_first_line(e)}); the others: {[s for s in have if s != step]}") from None
-  return nnx.merge(graphdef, state["params"], state["rest"]), model_cfg, task

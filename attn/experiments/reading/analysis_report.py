@@ -4,7 +4,7 @@ Reads DIR/trials/ID/analysis.json (written by `attn analyze`) of every finished
 trial that has one. Groups are the report's (trials equal but for the seed);
 each metric is shown as mean ± std over seeds, in a table, one line per swept
 axis and setting of the other axes, and one plot per axis with each seed a dot
-and the mean a line (the convention of attn/experiments/plots.py).
+and the mean a line (the convention of attn/experiments/reading/plots.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from attn.experiments import store as store_lib
-from attn.experiments.plots import SEED_KEYS, _order, _pyplot, short, tied_axes
+from attn.experiments.running import store as store_lib
+from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, short, tied_axes
 
 ANALYSIS = "analysis.json"
 # summary key of analysis.json -> what the report calls it

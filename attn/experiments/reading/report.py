@@ -4,7 +4,7 @@ Trials are grouped by their axis values without the seed; each group shows the
 mean ± std over seeds of the final held-out accuracy and loss (on the
 byte-level `text` task, held-out bits per byte leads instead, and groups are
 ranked and compared by it, lower is better); the plots are
-attn/experiments/plots.py's. A table lists every trial with its parameter counts,
+attn/experiments/reading/plots.py's. A table lists every trial with its parameter counts,
 FLOPs, step time and final metrics; failed trials are listed with their reason.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from attn.experiments import analysis_report
-from attn.experiments import plots as plots_lib
-from attn.experiments import store as store_lib
-from attn.experiments.plots import METRICS, SEED_KEYS, TEXT_METRICS
+from attn.experiments.reading import analysis_report
+from attn.experiments.reading import plots as plots_lib
+from attn.experiments.running import store as store_lib
+from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -268,7 +268,7 @@ def kv_cache_bytes(trial: dict[str, Any]) -> int | None:
   """KV-cache bytes per generated token of a decoder trial's model (all layers, float32); None otherwise."""
   from attn import count  # lazy: imports jax
   from attn.config import ConfigError
-  from attn.experiments import tasks
+  from attn.experiments.data import tasks
   from attn.nn.models import ModelConfig
   cfg = trial.get("config") or {}
   try:

@@ -50,7 +50,7 @@ import sys
 from typing import Any
 
 from attn.config import ConfigError, invalid
-from attn.experiments.workers import import_submitit
+from attn.experiments.running.workers import import_submitit
 
 # submitit is needed to submit and inside a task; without it the options still parse, submit() refuses.
 _submitit = import_submitit()
@@ -209,7 +209,7 @@ def _check_cluster(params: dict[str, Any]) -> None:
 
 def groups(sweep: Any, pending: list[Any]) -> list[list[str]]:
   """Trial ids per array task: one trial each, or one seed group each with sweep.vmap_seeds."""
-  from attn.experiments import config as config_lib
+  from attn.experiments.running import config as config_lib
   return [[t.id for t in group] for group in config_lib.seed_groups(pending, sweep.vmap_seeds)]
 
 
@@ -236,7 +236,7 @@ class SlurmTask(Checkpointable):
       self._requeue = (sig, signal.getsignal(sig))
       signal.signal(sig, self._on_requeue_signal)
     signal.signal(signal.SIGTERM, self._on_sigterm)
-    from attn.experiments import sweep as sweep_lib  # lazy: jax
+    from attn.experiments.running import sweep as sweep_lib  # lazy: jax
     kwargs = {} if self.lease_timeout is None else {"lease_timeout": self.lease_timeout}
     return sweep_lib.run_trials(self.out, list(trial_ids), **kwargs)
 
@@ -247,7 +247,7 @@ class SlurmTask(Checkpointable):
     return _submitit.helpers.DelayedSubmission(SlurmTask(self.out, self.lease_timeout), *args, **kwargs)
 
   def _save(self) -> None:
-    from attn.experiments import preempt
+    from attn.experiments.training import preempt
     preempt.save_now()
 
   def _requeue_and_exit(self, frame: Any) -> None:
@@ -278,7 +278,7 @@ def submit(sweep: Any, out: str, args: argparse.Namespace, config_text: str = ""
   """Submits one job array for the unfinished trials of a claimed store; prints the job id and returns 0."""
   params = check_args(args)
   _check_cluster(params)
-  from attn.experiments.store import Store
+  from attn.experiments.running.store import Store
   submitit = _submitit
   store = Store(out)
   pending = [t for t in sweep.trials if not store.is_done(t.id)]

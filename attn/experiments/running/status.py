@@ -25,8 +25,8 @@ import os
 import time
 from typing import Any
 
-from attn.experiments import leases
-from attn.experiments import store as store_lib
+from attn.experiments.running import leases
+from attn.experiments.running import store as store_lib
 
 STATES = ("ok", "failed", "running", "stale", "pending")
 
@@ -148,7 +148,7 @@ def _detail(t: dict[str, Any], lease_timeout: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-  from attn.experiments import sweep  # the one check of --lease-timeout
+  from attn.experiments.running import sweep  # the one check of --lease-timeout
   timeout = sweep.check_lease_timeout(args.lease_timeout)
   trials = collect(args.dir, timeout)
   width = max((len(t["label"]) for t in trials), default=0)

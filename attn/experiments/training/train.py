@@ -7,15 +7,15 @@ yields, per seed, loss, accuracy, gradient/parameter/update norms and step
 time. A non-finite loss or gradient stops that seed, which is recorded as
 failed with the reason; the other seeds go on. With train.data_parallel > 1
 the step and the evaluation run sharded over local devices, the batch or the
-seeds split (attn.experiments.parallel); the summary records the device count.
+seeds split (attn.experiments.training.parallel); the summary records the device count.
 
 Given checkpoint directories, a trial saves its state every
-train.checkpoint_interval steps and at the end (attn.experiments.checkpoints)
+train.checkpoint_interval steps and at the end (attn.experiments.training.checkpoints)
 and starts from its newest readable checkpoint. A resumed trial computes the
 same rows and parameters, bit for bit on CPU, as one never stopped: data
 batches depend only on (seed, step), the learning rate is looked up by step,
 and the optimiser state (Adam moments and count) is restored with the model.
-Once attn.experiments.preempt.save_now() asks, the loop saves after the step
+Once attn.experiments.training.preempt.save_now() asks, the loop saves after the step
 it is in, waits for the save and raises preempt.Preempted (no summary).
 """
 
@@ -36,9 +36,11 @@ from flax import nnx
 
 from attn import count
 from attn.config import ConfigError, invalid
-from attn.experiments import checkpoints, parallel, preempt
-from attn.experiments import tasks as tasks_lib
-from attn.experiments.config import TrainConfig
+from attn.experiments.training import checkpoints
+from attn.experiments.training import parallel
+from attn.experiments.training import preempt
+from attn.experiments.data import tasks as tasks_lib
+from attn.experiments.training.config import TrainConfig
 from attn.nn import models
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")

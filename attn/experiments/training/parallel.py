@@ -33,8 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from attn.config import invalid
-from attn.experiments import config as config_lib
-from attn.experiments.config import TrainConfig
+from attn.experiments.training.config import TrainConfig
 
 AXIS = "devices"  # the mesh's one axis
 KINDS = ("state", "train", "eval", "replicated")
@@ -110,32 +109,3 @@ class Layout:
 def layout(train: TrainConfig, group_size: int, batched: bool) -> Layout:
   """The layout of a group of `group_size` seeds (stacked under vmap when batched); refuses before tracing."""
   return Layout(device_count(train, group_size, batched), train.data_parallel_axis, batched)
-
-
-def check_seed_axis(trials: list[config_lib.Trial], vmap_seeds: bool) -> None:
-  """Config validation: the seed axis needs seeds trained together, and an explicit count dividing each group."""
-  for group in config_lib.seed_groups(trials, True):
-    train = group[0].config["train"]
-    if train["data_parallel_axis"] != "seed":
-      continue
-    if not vmap_seeds:
-      raise invalid("train.data_parallel_axis", "seed",
-                    '"batch" unless sweep.vmap_seeds = true (only seeds trained together can be spread over devices)')
-    N, n = train["data_parallel"], len(group)
-    if N != "auto" and n % N:
-      raise invalid("train.data_parallel", N,
-                    f"a divisor of the {n} seeds trained together under sweep.vmap_seeds "
-                    f'(train.data_parallel_axis = "seed" gives each device the same number of seeds), '
-                    f"e.g. one of {[d for d in range(1, n + 1) if n % d == 0]}")
-
-
-def check_devices(trials: list[config_lib.Trial], vmap_seeds: bool) -> None:
-  """Refuses a sweep whose train.data_parallel cannot run on this machine's devices, before any trial starts.
-
-  train_group checks again on the machine that trains (a Slurm node may have
-  other devices than the one that submits); a runner that calls this first
-  refuses the sweep instead of recording every trial as failed.
-  """
-  for group in config_lib.seed_groups(trials, vmap_seeds):
-    n = len(group)
-    device_count(TrainConfig(**group[0].config["train"]), n, vmap_seeds and n > 1)

@@ -4,7 +4,7 @@ Sweeps train in a worker thread (`run`) while the main thread waits, so a signal
 handler, which Python runs in the main thread, never cuts a train step, an
 Orbax save or a metrics row in half. save_now() asks the worker thread to stop
 and waits for it: at the end of its current step the training loop
-(attn.experiments.train) saves each trial it trains at that step N and waits
+(attn.experiments.training.train) saves each trial it trains at that step N and waits
 until Orbax has renamed the checkpoint into place; the sweep fsyncs the
 trials' partial metrics (rows 0..N-1: the checkpoint's) and releases their
 leases. Whoever runs a trial next resumes from N and keeps rows < N (the

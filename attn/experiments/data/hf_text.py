@@ -1,6 +1,6 @@
 """Local text as token batches for a pretrained Hugging Face model (`attn eval`, `attn analyze --hf`).
 
-The text is an attn.experiments.corpus: a file, or a directory's files matching
+The text is an attn.experiments.data.corpus: a file, or a directory's files matching
 a glob, split by file into train and held-out (a single file holds out its last
 5%). A pretrained model never saw this text, so any of it is held out for it;
 attn evaluates on the corpus's held-out split all the same, so that every
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from attn.config import invalid
-from attn.experiments import corpus as corpus_lib
+from attn.experiments.data import corpus as corpus_lib
 from attn.nn.hf import require
 
 TOKENIZER_FILES = "tokenizer.json, or vocab.json + merges.txt (GPT-2's byte-level BPE)"

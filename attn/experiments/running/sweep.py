@@ -10,12 +10,12 @@ recorded as failed with the error, and the sweep goes on.
 
 Any number of workers may share one store (`attn sweep` processes, the local
 workers of --workers N, Slurm array tasks): each runs `run_trials`, which
-leases an unfinished trial before training it (attn.experiments.leases) and
+leases an unfinished trial before training it (attn.experiments.running.leases) and
 leaves one that a live worker holds. A seed group is leased trial by trial and
 a worker trains together the members it holds. With wait=True (what `attn
 sweep` and its local workers use) a worker that runs out of trials waits for
 those others hold, taking over any whose heartbeat stops. Training runs in a
-thread that attn.experiments.preempt can stop after a step, with a checkpoint.
+thread that attn.experiments.training.preempt can stop after a step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import traceback
 from typing import Any, TextIO
 
 from attn.config import ConfigError, invalid
-from attn.experiments import config as config_lib
-from attn.experiments import leases, preempt
-from attn.experiments.store import CONFIG, Store, load_sweep, read_json
+from attn.experiments.running import config as config_lib
+from attn.experiments.running import leases
+from attn.experiments.training import preempt
+from attn.experiments.running.store import CONFIG, Store, load_sweep, read_json
 
 DEFAULT_LEASE_TIMEOUT = leases.DEFAULT_TIMEOUT
 
@@ -149,8 +150,7 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
     if unknown:
       raise invalid("trial_ids", unknown, f"ids of the {len(known)} trials of {out}: {', '.join(known)}")
     mine = [t for t in trials if t.id in set(trial_ids)]
-  from attn.experiments import parallel  # lazy: jax
-  parallel.check_devices(mine, vmap_seeds)  # this machine's devices, before any trial is leased
+  config_lib.check_devices(mine, vmap_seeds)  # this machine's devices, before any trial is leased
   w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker)
   return preempt.run(w.run, mine, wait)
 
@@ -171,7 +171,7 @@ class _Worker:
     return f"{self.index[trial.id]}/{self.n} [{_label([trial])}]"
 
   def run(self, trials: list[config_lib.Trial], wait: bool) -> dict[str, int]:
-    from attn.experiments import train  # lazy: jax
+    from attn.experiments.training import train  # lazy: jax
     store = self.store
     pending = [t for t in trials if not store.is_done(t.id)]
     counts = {"ok": 0, "failed": 0, "skipped": len(trials) - len(pending)}

@@ -28,8 +28,8 @@ import time
 from typing import Any, TextIO
 
 from attn.config import invalid
-from attn.experiments import preempt
-from attn.experiments import status as status_lib
+from attn.experiments.training import preempt
+from attn.experiments.running import status as status_lib
 
 NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local jobs are killed at timeout_min (default 2)
 
@@ -81,7 +81,7 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
     os.environ["CUDA_VISIBLE_DEVICES"] = cuda
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   preempt.install_handlers()
-  from attn.experiments import sweep  # lazy: jax
+  from attn.experiments.running import sweep  # lazy: jax
   return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from attn.experiments.plots import _pyplot
+from attn.experiments.reading.plots import _pyplot
 
 PLOTS = ("attention.png", "spectra.png", "importance.png", "pruning.png")
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from attn.config import invalid
-from attn.experiments import corpus as corpus_lib
+from attn.experiments.data import corpus as corpus_lib
 
 TRAIN, EVAL = 0, 1
 
@@ -210,7 +210,7 @@ class Text:
 
   path: a text file, a directory, or "" for the running Python's standard
   library sources; glob filters a directory ("" means `**/*`, every file, and
-  `**/*.py` for the stdlib). attn.experiments.corpus reads, checks, caches and
+  `**/*.py` for the stdlib). attn.experiments.data.corpus reads, checks, caches and
   splits the text by file (about 5% of the files held out).
   Training windows of seq_len + 1 bytes start at uniform random offsets of the
   train bytes, drawn from (seed, TRAIN, index). Held-out windows depend on the
@@ -243,7 +243,7 @@ class Text:
 
   @property
   def corpus(self) -> corpus_lib.Corpus:
-    """The text, split into train and held-out bytes (attn.experiments.corpus)."""
+    """The text, split into train and held-out bytes (attn.experiments.data.corpus)."""
     return self._corpus
 
   def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import attn
-from attn import bench_peers as peers_lib
+from attn.bench import peers as peers_lib
 from attn.config import HeadConfig
 from attn.variants import cache as kv_cache
 

@@ -3,7 +3,7 @@
 Runs a sweep config into its store, then writes its report. --executor local
 (the default) trains in this process (--workers 1) or in N local worker
 processes; --executor slurm claims the store, submits one job array
-(attn.experiments.slurm), prints the job id and returns. Re-running the same
+(attn.experiments.running.slurm), prints the job id and returns. Re-running the same
 command resumes; `attn status DIR` shows progress for any executor.
 """
 
@@ -13,12 +13,12 @@ import argparse
 import os
 import sys
 
-from attn.experiments import config as config_lib
-from attn.experiments import leases
-from attn.experiments import workers as workers_lib
+from attn.experiments.running import config as config_lib
+from attn.experiments.running import leases
+from attn.experiments.running import workers as workers_lib
 
 workers_lib.import_submitit()  # first, without its logging setup (see there); slurm imports it too
-from attn.experiments import slurm  # noqa: E402
+from attn.experiments.running import slurm  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   from attn.config import invalid
-  from attn.experiments import preempt
-  from attn.experiments import sweep as sweep_lib  # lazy: jax
+  from attn.experiments.training import preempt
+  from attn.experiments.running import sweep as sweep_lib  # lazy: jax
   workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
   lease_timeout = sweep_lib.check_lease_timeout(args.lease_timeout)
   if args.executor == "slurm" and workers != 1:
@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
   slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
   if args.executor == "local":  # a Slurm node may have other devices: its tasks check there
-    from attn.experiments import parallel
-    parallel.check_devices(sweep.trials, sweep.vmap_seeds)
+    config_lib.check_devices(sweep.trials, sweep.vmap_seeds)
   out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   with open(args.config, encoding="utf-8") as f:
     text = f.read()
@@ -84,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
       return 1
     done = len(sweep.trials)
   if (args.analyze or sweep.analyze) and done:
-    from attn.experiments import analyze
+    from attn.experiments.reading import analyze
     analyze.analyze_sweep(out)
   if not args.no_report:
-    from attn.experiments import report
+    from attn.experiments.reading import report
     path = report.write_report(out)
     print(f"report: {path}")
   return 0

@@ -18,7 +18,7 @@ attn's fused layer with the blocked kernel (the "fused" row) and with the
 einsum kernel, jax.nn.dot_product_attention, and torch's
 F.scaled_dot_product_attention; candidates whose XLA buffers would exceed half
 the available memory are skipped with that reason (--variants does not apply
-to the family). The candidates live in attn.bench_peers.
+to the family). The candidates live in attn.bench.peers.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 import attn
-from attn import bench_peers as peers_lib
+from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "copy of the quick sweep's h=1 per_head trial)")
   parser.add_argument("--decode", action="store_true",
                       help="instead: per-token KV-cache decode time and cache bytes per variant "
-                           "at contexts 256, 1024, 4096 (attn.bench_decode)")
+                           "at contexts 256, 1024, 4096 (attn.bench.decode)")
   parser.add_argument("--sweep-seeds", type=int, default=4, help="seeds trained for --sweep")
   parser.add_argument("--sweep-steps", type=int, default=None,
                       help="training steps per trial for --sweep (default: the config's; --quick 20)")
@@ -373,8 +373,8 @@ def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[st
   compiles once per shape, so a sweep pays it once per group), with the
   persistent compilation cache the runner turns on.
   """
-  from attn.experiments import config as config_lib
-  from attn.experiments import train
+  from attn.experiments.running import config as config_lib
+  from attn.experiments.training import train
   for field, value in (("--sweep-seeds", seeds), ("--sweep-steps", steps)):
     if value is not None and (isinstance(value, bool) or value < 1):
       raise invalid(field, value, "a positive integer")
@@ -462,12 +462,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_decode(args: argparse.Namespace, variants: list[str], repeats: int, info, log) -> int:
-  from attn import bench_decode
+  from attn.bench import decode as bench_decode
   contexts = (64, 256) if args.quick else bench_decode.CONTEXTS
   print(f"# attn bench --decode\n\n{info['cpu']}, {info['cores']} cores, {info['device']}; "
         f"load average at start {info['load_average']}\n\nOne attention layer, D=512, H=8, "
         "d_k=d_v=64 (mla: d_c=256), B=1, float32, one token decoded at position L against a "
-        "cache of L+1 slots (attn.bench_decode). Medians of ms per decoded token.\n")
+        "cache of L+1 slots (attn.bench.decode). Medians of ms per decoded token.\n")
   r = bench_decode.run_decode(variants, repeats, contexts, torch_peer=not args.no_peers,
                               round_robin=_round_robin, log=log)
   print(bench_decode.markdown(r))

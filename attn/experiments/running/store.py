@@ -4,9 +4,9 @@
   DIR/trials/ID/config.json          the resolved trial config and its axis values
   DIR/trials/ID/metrics.jsonl        one JSON row per training step (complete trials)
   DIR/trials/ID/metrics.jsonl.partial  rows of the trial now running
-  DIR/trials/ID/checkpoints/N/       Orbax checkpoints after N steps (attn.experiments.checkpoints)
+  DIR/trials/ID/checkpoints/N/       Orbax checkpoints after N steps (attn.experiments.training.checkpoints)
   DIR/trials/ID/summary.json         status ok|failed, reason, final metrics, counts, timings
-  DIR/trials/ID/lease.json           the worker running the trial (attn.experiments.leases)
+  DIR/trials/ID/lease.json           the worker running the trial (attn.experiments.running.leases)
 
 Every JSON file is written to a temporary file, fsynced and renamed over the
 target (os.replace is atomic), so a reader or a kill -9 sees the old file or
@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Iterator
 
 from attn.config import invalid
-from attn.experiments import leases
+from attn.experiments.running import leases
 
 SWEEP, CONFIG, METRICS, SUMMARY = "sweep.json", "config.json", "metrics.jsonl", "summary.json"
 PARTIAL, CHECKPOINTS = METRICS + ".partial", "checkpoints"

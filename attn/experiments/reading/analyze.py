@@ -22,7 +22,7 @@ is example x's own loss: its weighted mean cross-entropy.
 `attn analyze --hf PATH --text FILE_OR_DIR --out DIR` runs the same analysis
 on a pretrained Hugging Face GPT-2 (attn.nn.hf.from_hf) and writes
 DIR/analysis.json and the PNGs: held-out batches from the text's held-out
-split, importance batches from its train split (attn.experiments.hf_text);
+split, importance batches from its train split (attn.experiments.data.hf_text);
 --batches N (default 4) of --batch-size windows of --seq-len tokens each.
 """
 
@@ -40,7 +40,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from attn.config import invalid
-from attn.experiments import store as store_lib
+from attn.experiments.running import store as store_lib
 
 ANALYSIS = "analysis.json"
 
@@ -130,7 +130,7 @@ def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int
   chosen, skipped = select_trials(run_dir, trial_ids)
   for line in skipped:
     stream.write(line + "\n")
-  from attn.experiments import train  # lazy: jax
+  from attn.experiments.training import train  # lazy: jax
   train.enable_compilation_cache()
   t0 = time.perf_counter()
   for i, tid in enumerate(chosen):
@@ -262,7 +262,9 @@ def summarize(layers: list[dict[str, Any]], curve: dict[str, Any]) -> dict[str, 
 
 def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots: bool = True) -> dict[str, Any]:
   """Analyses one trial from its final checkpoint; writes trials/ID/analysis.json (and PNGs); returns it."""
-  from attn.experiments import checkpoints, load_trial, tasks
+  from attn.experiments.training import checkpoints
+  from attn.experiments import load_trial
+  from attn.experiments.data import tasks
   t0 = time.perf_counter()
   trial_dir = os.path.join(run_dir, "trials", trial_id)
   cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
@@ -332,7 +334,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
       "layers": layers, "pruning": curve, "summary": summarize(layers, curve),
       "example": {"tokens": held_out["tokens"][0, 0]}})
   if plots:
-    from attn.experiments import analysis_plots
+    from attn.experiments.reading import analysis_plots
     result["plots"] = analysis_plots.make_plots(result, [np.asarray(w) for w in example], out_dir)
   result["seconds"] = time.perf_counter() - t0
   store_lib.write_json(os.path.join(out_dir, ANALYSIS), result)
@@ -348,10 +350,10 @@ def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, pl
 
   Held-out batches (statistics, pruning curve) come from the corpus's held-out
   split, importance batches from its train split, both full windows of seq_len
-  tokens cut by the checkpoint's own tokenizer (attn.experiments.hf_text).
+  tokens cut by the checkpoint's own tokenizer (attn.experiments.data.hf_text).
   """
   from attn import eval_cli
-  from attn.experiments import hf_text
+  from attn.experiments.data import hf_text
   from attn.nn import hf
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
     raise invalid("--batches", batches, "an integer >= 1")

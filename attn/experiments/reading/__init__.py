@@ -1,0 +1,5 @@
+"""Reading results: report.md and plots, `attn analyze` (inside the heads), load_trial.
+
+Reads a store, never trains a sweep. Imports attn's library and the data,
+training and running stages.
+"""

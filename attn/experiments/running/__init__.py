@@ -1,0 +1,5 @@
+"""Running: sweep configs expanded into trials, the crash-safe store, leases, workers, Slurm, status.
+
+Decides which trial runs where and records it. Imports attn's library and the
+data and training stages; never the reading stage.
+"""

@@ -1,0 +1,108 @@
+"""[train]: TrainConfig, the optimiser, schedule, evaluation, checkpoint and device settings of one trial.
+
+Frozen and validated: every error names train.<field>, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from attn.config import invalid
+
+# (lowest allowed, whether the lowest itself is allowed, what to say) per [train] field.
+_TRAIN_RANGES = {
+    "steps": (1, True, "an integer >= 1"), "batch_size": (1, True, "an integer >= 1"),
+    "lr": (0.0, False, "a finite number > 0"), "warmup_steps": (0, True, "an integer >= 0"),
+    "end_lr_ratio": (0.0, True, "a finite number >= 0"),
+    "weight_decay": (0.0, True, "a finite number >= 0"),
+    "b1": (0.0, True, "a number in [0, 1)"), "b2": (0.0, True, "a number in [0, 1)"),
+    "grad_clip": (0.0, True, "a finite number >= 0 (0 turns clipping off)"),
+    "eval_every": (0, True, "an integer >= 0 (0: only at the end)"),
+    "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
+    "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
+}
+DATA_PARALLEL_AXES = ("batch", "seed")
+
+
+def check_train_field(name: str, value: Any) -> Any:
+  """value of [train] field `name`, checked alone (ints -> floats where a float is wanted); else a ConfigError."""
+  if name == "data_parallel":
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise invalid("train.data_parallel", value, '"auto" (every local device) or an integer >= 1')
+    return value
+  if name == "data_parallel_axis":
+    if value not in DATA_PARALLEL_AXES:
+      raise invalid("train.data_parallel_axis", value,
+                    '"batch" (split each batch) or "seed" (one seed per device, with sweep.vmap_seeds)')
+    return value
+  low, inclusive, allowed = _TRAIN_RANGES[name]
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if _TRAIN_TYPES[name] == "int" and not (number and isinstance(value, int)):
+    raise invalid(f"train.{name}", value, allowed)
+  if _TRAIN_TYPES[name] == "float":
+    if not number:
+      raise invalid(f"train.{name}", value, allowed)
+    value = float(value)  # 1 and 1.0 are one config, with one trial id
+  ok = value >= low if inclusive else value > low
+  if name in ("b1", "b2"):
+    ok = ok and value < 1
+  if not (ok and math.isfinite(value)):
+    raise invalid(f"train.{name}", value, allowed)
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """[train]: optimiser, schedule, evaluation and checkpoint cadence of one trial.
+
+  checkpoint_every: save model, optimiser state and step every this many steps
+  and at the last step; 0 (the default) saves at each evaluation, every
+  eval_every steps (with eval_every = 0 too, only at the end).
+
+  data_parallel: local devices each train step and evaluation run on, or
+  "auto" (all of them). The default 1 runs exactly the single-device program,
+  so results made before this option existed, or on any machine, do not
+  change; more devices give rows equal to float tolerance (summed in another
+  order), and the summary records the count used. data_parallel_axis: "batch"
+  splits each batch (batch_size must be a multiple of the count), "seed"
+  spreads seeds trained together (sweep.vmap_seeds) one or more per device.
+  See attn.experiments.training.parallel.
+  """
+
+  steps: int = 200
+  batch_size: int = 32
+  lr: float = 3e-3
+  warmup_steps: int = 20
+  end_lr_ratio: float = 0.1
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.98
+  grad_clip: float = 1.0
+  eval_every: int = 50
+  eval_batches: int = 4
+  seed: int = 0
+  checkpoint_every: int = 0
+  data_parallel: int | str = 1
+  data_parallel_axis: str = "batch"
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      object.__setattr__(self, f.name, check_train_field(f.name, getattr(self, f.name)))
+    B, N = self.batch_size, self.data_parallel
+    if self.data_parallel_axis == "batch" and N != "auto" and B % N:
+      raise invalid("train.batch_size", B,
+                    f"a multiple of train.data_parallel={N}: each train and eval batch is split evenly "
+                    f"over the devices, and {B} rows over {N} devices leave {B % N} over")
+
+  @property
+  def checkpoint_interval(self) -> int:
+    """Steps between checkpoints; 0: only the last step's."""
+    return self.checkpoint_every or self.eval_every
+
+  def replace(self, **changes) -> TrainConfig:
+    return dataclasses.replace(self, **changes)
+
+
+_TRAIN_TYPES = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
