@@ -21,8 +21,10 @@ from attn import count, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 
-_HEAD_FLAGS = ("d_model", "num_heads", "d_k", "d_v", "num_kv_heads", "collab_width", "latent_dim",
-               "q_latent_dim", "rope_dim")
+# Every HeadConfig field is a flag: --d-k 64, --rope-theta 1e6, --no-use-bias (a field true by
+# default), --sinks (false by default); typed by its annotation, checked by HeadConfig.
+_HEAD_FIELDS = {f.name: f for f in dataclasses.fields(HeadConfig)}
+_ARG_TYPES = {"int": int, "float": float, "str": str}
 _LAYER_COLUMNS = [
     ("variant", "variant"), ("analytic", "params (analytic)"), ("stored", "params (stored)"),
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
@@ -42,9 +44,16 @@ _PUBLISHED_COLUMNS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", help="a whole model: " + ", ".join(
       sorted(presets.PRESETS) + sorted(presets.GROUPS)))
-  for name in _HEAD_FLAGS:
-    parser.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-  parser.add_argument("--no-bias", action="store_true", help="layers without biases")
+  for name, f in _HEAD_FIELDS.items():
+    flag = name.replace("_", "-")
+    kind = [n.strip() for n in str(f.type).split("|") if n.strip() != "None"][0]
+    if kind == "bool":
+      parser.add_argument(f"--no-{flag}" if f.default else f"--{flag}", dest=name,
+                          action="store_const", const=not f.default, default=None)
+    else:
+      parser.add_argument(f"--{flag}", dest=name, type=_ARG_TYPES[kind], default=None)
+  parser.add_argument("--no-bias", dest="use_bias", action="store_const", const=False,
+                      help="layers without biases (--no-use-bias)")
   parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
@@ -54,10 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-  changes = {n: getattr(args, n) for n in _HEAD_FLAGS if getattr(args, n) is not None}
-  if args.no_bias:
-    changes["use_bias"] = False
-  return changes
+  return {n: getattr(args, n) for n in _HEAD_FIELDS if getattr(args, n) is not None}
 
 
 def _fmt(value: Any) -> str:

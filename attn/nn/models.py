@@ -19,8 +19,8 @@ EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 positional "rope": no position embedding; every attention layer rotates the
 first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
-parameters), tokens at positions 0..T−1. ModelConfig's latent_dim,
-q_latent_dim, rope_dim and rope_theta are HeadConfig's.
+parameters), tokens at positions 0..T−1. ModelConfig has every HeadConfig
+field (with_head_fields), declared once there.
 
 Letters as in the README's table, plus F for d_ff, N for the vocabulary and L
 for attention layers. Token ids outside [0, vocab) (negative ones included)
@@ -67,23 +67,37 @@ _BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings",
 _EMBED_INIT = nnx.initializers.normal(0.02)  # GPT-2 / BERT embedding scale
 
 
-@dataclasses.dataclass(frozen=True)
+def with_head_fields(cls):
+  """cls as a frozen dataclass that also has every field of HeadConfig it does not declare.
+
+  A head field (d_k, num_kv_heads, rope_dim, ...) is declared once, in
+  HeadConfig, with its type and default; ModelConfig, the TOML schema
+  ([model] keys, typed by the annotation) and the validation (HeadConfig's)
+  follow from there.
+  """
+  own = cls.__dict__.get("__annotations__", {})
+  annotations = dict(own)
+  for f in dataclasses.fields(HeadConfig):
+    if f.name not in own:
+      annotations[f.name] = f.type
+      setattr(cls, f.name, f.default)
+  cls.__annotations__ = annotations
+  return dataclasses.dataclass(frozen=True)(cls)
+
+
+@with_head_fields
 class ModelConfig:
-  """One transformer: sizes, attention variant and the architecture switches (module docstring)."""
+  """One transformer: sizes, attention variant and the architecture switches (module docstring).
+
+  Every HeadConfig field but d_model and num_heads (declared here) is also a
+  field, with HeadConfig's default: `ModelConfig.head` is the layers' HeadConfig.
+  """
 
   vocab_size: int
   d_model: int
   num_layers: int
   num_heads: int
   d_ff: int
-  d_k: int | None = None
-  d_v: int | None = None
-  num_kv_heads: int | None = None
-  collab_width: int | None = None
-  latent_dim: int | None = None
-  q_latent_dim: int | None = None
-  rope_dim: int = 0
-  rope_theta: float = 10000.0
   variant: str = "fused"
   max_len: int = 512
   positional: str = "learned"
@@ -91,7 +105,6 @@ class ModelConfig:
   embed_norm: bool = False
   norm: str = "pre"
   final_norm: bool = True
-  use_bias: bool = True
   layernorm: bool = True
   activation: str = "gelu"
   tie_embeddings: bool = True
@@ -131,11 +144,7 @@ class ModelConfig:
   @property
   def head(self) -> HeadConfig:
     """The HeadConfig of every attention layer in the model."""
-    return HeadConfig(d_model=self.d_model, num_heads=self.num_heads, d_k=self.d_k, d_v=self.d_v,
-                      num_kv_heads=self.num_kv_heads, use_bias=self.use_bias,
-                      collab_width=self.collab_width, latent_dim=self.latent_dim,
-                      q_latent_dim=self.q_latent_dim, rope_dim=self.rope_dim,
-                      rope_theta=self.rope_theta)
+    return HeadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HeadConfig)})
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)

@@ -76,11 +76,24 @@ class Sweep:
 # id, so that e.g. --set train.checkpoint_every=10 resumes the same trials, and a trial
 # resumes on another device count.
 UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train", "data_parallel_axis"))
-# Keys added after trials were first stored, hashed only away from the default that reproduces
-# the older behaviour: a store written before they existed keeps its ids and still resumes.
-LATER_DEFAULTS = {("model", "norm_eps"): 1e-5, ("model", "latent_dim"): None,
-                  ("model", "q_latent_dim"): None, ("model", "rope_dim"): 0,
-                  ("model", "rope_theta"): 10000.0}
+# The [model] and [train] keys that trial ids have hashed since the first store. A key added
+# later (a HeadConfig or ModelConfig field, a train option) is hashed only away from its
+# default, the value that reproduces the older behaviour: a store written before it existed
+# keeps its ids and still resumes, and adding a field needs no entry here.
+FIRST_KEYS = {
+    "model": ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v",
+              "num_kv_heads", "collab_width", "variant", "max_len", "positional", "num_segments",
+              "embed_norm", "norm", "final_norm", "use_bias", "layernorm", "activation",
+              "tie_embeddings", "embed_init_std", "pooler", "num_decoder_layers",
+              "share_src_tgt_embeddings", "num_classes", "pooling"),
+    "train": ("steps", "batch_size", "lr", "warmup_steps", "end_lr_ratio", "weight_decay", "b1",
+              "b2", "grad_clip", "eval_every", "eval_batches", "seed"),
+}
+
+
+def _field_defaults(section: str) -> dict[str, Any]:
+  fields = _model_fields().values() if section == "model" else dataclasses.fields(TrainConfig)
+  return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
 
 
 def trial_id(resolved: dict[str, Any]) -> str:
@@ -88,9 +101,11 @@ def trial_id(resolved: dict[str, Any]) -> str:
   cfg = copy.deepcopy(resolved)
   for section, key in UNHASHED:
     cfg[section].pop(key, None)
-  for (section, key), default in LATER_DEFAULTS.items():
-    if key in cfg.get(section, {}) and cfg[section][key] == default:
-      del cfg[section][key]
+  for section, first in FIRST_KEYS.items():
+    defaults = _field_defaults(section)
+    for key in [k for k in cfg.get(section, {}) if k not in first and k in defaults]:
+      if cfg[section][key] == defaults[key]:
+        del cfg[section][key]
   return stable_hash(cfg)
 
 
@@ -107,18 +122,15 @@ MODEL_DEFAULTS = {"embed_init_std": 1.0}
 
 
 def _model_fields() -> dict[str, Any]:
-  """Settable [model] keys -> default (None for required or optional ints)."""
+  """Settable [model] keys -> their dataclass field (HeadConfig's fields among them, declared there)."""
   from attn.nn.models import ModelConfig  # lazy: flax is only needed once models are built
-  out = {}
-  for f in dataclasses.fields(ModelConfig):
-    if f.name not in DERIVED_MODEL_KEYS:
-      out[f.name] = None if f.default is dataclasses.MISSING else f.default
-  return out
+  return {f.name: f for f in dataclasses.fields(ModelConfig) if f.name not in DERIVED_MODEL_KEYS}
 
 
 def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
+  """Settable keys of a section -> a dataclass field (model, train) or a default value (task)."""
   if section == "train":
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
   if section == "model":
     return _model_fields()
   name = raw_task.get("name")
@@ -127,23 +139,39 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
   return {"name": name, **tasks.task_fields(name)}
 
 
-def _check_type(key: str, value: Any, default: Any) -> Any:
-  """value, converted int -> float where the default is a float; else an error naming key."""
-  if key.endswith("train.data_parallel"):  # "auto" or an integer: checked by check_train_field
-    return value
-  if default is None:  # required or optional integer dimension
-    ok = isinstance(value, int) and not isinstance(value, bool)
+# TOML values by a field's annotation ("int | None", "float", "str | None", "bool", "int | str").
+_TOML_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "dict": "a table"}
+
+
+def _check_type(key: str, value: Any, spec: Any) -> Any:
+  """value, converted int -> float where a float is wanted; else an error naming key.
+
+  spec is a dataclass field, whose annotation gives the allowed types (a
+  field's own checks then judge the value), or a task field's default.
+  """
+  if isinstance(spec, dataclasses.Field):
+    names = [n.strip() for n in str(spec.type).split("|") if n.strip() != "None"]
+    if isinstance(value, bool):
+      ok = "bool" in names
+    else:
+      ok = any(isinstance(value, tuple(_TOML_TYPES[n])) for n in names if n in _TOML_TYPES)
     if not ok:
-      raise invalid(key, value, "an integer")
+      like = "" if spec.default in (None, dataclasses.MISSING) else f" (like {spec.default!r})"
+      words = " or ".join(_TYPE_WORDS.get(n, n) for n in names)
+      raise invalid(key, value, f"{words}{like}")
+    if "float" in names and "int" not in names and isinstance(value, int):
+      return float(value)  # 1 and 1.0 are one config, with one trial id
     return value
-  if isinstance(default, bool):
+  if isinstance(spec, bool):
     if not isinstance(value, bool):
       raise invalid(key, value, "true or false")
     return value
-  if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+  if isinstance(spec, float) and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
-  if type(value) is not type(default):
-    raise invalid(key, value, f"a {type(default).__name__} (like {default!r})")
+  if type(value) is not type(spec):
+    raise invalid(key, value, f"a {type(spec).__name__} (like {spec!r})")
   return value
 
 
