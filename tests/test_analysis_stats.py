@@ -160,3 +160,18 @@ def test_per_head_and_fused_carrying_one_function_give_equal_statistics():
     for key in sa:
       np.testing.assert_allclose(sa[key], sb[key], atol=1e-5, rtol=1e-5, err_msg=key)
     assert float(sa["diversity"]) > 0.0
+
+
+def test_first_mass_and_sink_mass_against_hand_computed_rows():
+  T = 6
+  causal = np.tril(np.ones((T, T), bool))
+  first = np.zeros((T, T))
+  first[:, 0] = 1.0  # head 0: every query on key 0
+  uniform = causal / causal.sum(1, keepdims=True)  # head 1: uniform over the visible keys
+  sinky = 0.5 * uniform  # head 2: a learned sink takes half of every row
+  w = jnp.asarray(np.stack([first, uniform, sinky])[None], jnp.float32)
+  out = stats(w, jnp.asarray(causal))
+  rows = range(1, T)  # row 0 sees one key only: no choice, not counted for first_mass
+  np.testing.assert_allclose(out["first_mass"], [1.0, np.mean([1 / (t + 1) for t in rows]),
+                                                 0.5 * np.mean([1 / (t + 1) for t in rows])], rtol=1e-5)
+  np.testing.assert_allclose(out["sink_mass"], [0.0, 0.0, 0.5], atol=1e-6)

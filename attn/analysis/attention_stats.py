@@ -18,6 +18,13 @@ Per head, averaged over the counted queries of every example:
               is full rank whatever the head does; at 1e-2 uniform causal
               attention over T = 32 is still full rank (σ_min/σ_max = 0.011),
               while every query reading the same few keys gives rank a few.
+  first_mass  w_t0, the weight on the first key (the "attention sink" of Xiao et
+              al. 2023; Qiu et al. 2025 report it falling from ~47% to ~5% with
+              output gates), over the counted rows that see key 0 and at least
+              one other key (a row with one key has no choice, e.g. t = 0
+              under a causal mask)
+  sink_mass   1 − Σ_s w_ts: the mass a learned sink logit (HeadConfig.sinks,
+              gpt-oss) takes from the keys; 0 for a plain softmax
 Per layer:
   head_js     (H,H): the Jensen–Shannon divergence (nats) between heads h and g,
               per query row, averaged: 0 for equal rows, log 2 for rows on disjoint keys
@@ -86,7 +93,8 @@ def head_js(w_BHTS, mask=None) -> Array:
 
 
 def attention_stats(w_BHTS, mask=None, rtol: float = RANK_RTOL) -> dict[str, Array]:
-  """{"entropy", "confidence", "distance", "rank"} (H,), "head_js" (H,H), "diversity", "max_entropy"."""
+  """{"entropy", "confidence", "distance", "rank", "first_mass", "sink_mass"} (H,), "head_js" (H,H),
+  "diversity", "max_entropy"."""
   w_BHTS, mask = _check(w_BHTS, mask)
   B, H, T, S = w_BHTS.shape
   rows_BHT = mask.any(-1)
@@ -100,11 +108,14 @@ def attention_stats(w_BHTS, mask=None, rtol: float = RANK_RTOL) -> dict[str, Arr
   off = ~jnp.eye(H, dtype=bool)
   diversity = jnp.where(off, js_HH, 0.0).sum() / (H * (H - 1)) if H > 1 else jnp.float32(jnp.nan)
   n_keys_BHT = mask.sum(-1)
+  chooses_BHT = mask[..., 0] & (n_keys_BHT > 1)
   return {
       "entropy": _row_mean(entropy_BHT, rows_BHT),
       "confidence": _row_mean(w_BHTS.max(-1), rows_BHT),
       "distance": _row_mean((w_BHTS * distance_TS).sum(-1), rows_BHT),
       "rank": jnp.where(rows_BHT.any(-1), rank_BH, 0).sum(0) / jnp.maximum(examples_H, 1),
+      "first_mass": _row_mean(w_BHTS[..., 0], chooses_BHT),
+      "sink_mass": _row_mean(1.0 - w_BHTS.sum(-1), rows_BHT),
       "head_js": js_HH,
       "diversity": diversity,
       "max_entropy": _row_mean(jnp.log(jnp.maximum(n_keys_BHT, 1)).astype(w_BHTS.dtype),
