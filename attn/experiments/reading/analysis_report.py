@@ -26,6 +26,8 @@ METRICS = (
     ("ov_effective_rank", "W_OV effective rank"),
     ("attention_entropy", "attention entropy (nats)"),
     ("head_diversity", "head diversity (mean JS, nats)"),
+    ("first_mass", "attention on the first position"),
+    ("sink_mass", "attention on a learned sink"),
     ("prunable_fraction", "prunable fraction (≤ 0.01 acc. lost)"),
 )
 
@@ -106,7 +108,9 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
   for r in rows:
     rest = ", ".join(f"{short(k)}={v}" for k, v in r["label"].items() if k not in skip)
     lines.setdefault(rest or "mean", []).append(r)
-  fig, grid = plt.subplots(2, 3, figsize=(13, 7))
+  fig, grid = plt.subplots(-(-len(METRICS) // 3), 3, figsize=(13, 3.5 * -(-len(METRICS) // 3)))
+  for ax in grid.ravel()[len(METRICS):]:
+    ax.axis("off")
   spread = 0.12 if len(lines) > 1 else 0.0
   for ax, (key, name) in zip(grid.ravel(), METRICS):
     for i, (line_name, rs) in enumerate(lines.items()):
@@ -133,7 +137,7 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
     ax.set_xlim(-0.5, len(values) - 0.5)
     ax.set_title(name + (" (grey: d_k)" if key in ("qk_effective_rank", "qk_rank") else ""), fontsize=9)
     ax.tick_params(axis="y", labelsize=7)
-    if key == "prunable_fraction":
+    if key in ("prunable_fraction", "first_mass", "sink_mass"):  # fractions
       ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
   if len(lines) > 1:

@@ -257,6 +257,7 @@ def summarize(layers: list[dict[str, Any]], curve: dict[str, Any]) -> dict[str, 
           "ov_effective_rank": over("ov", "effective_rank"), "ov_rank": over("ov", "rank"),
           "attention_entropy": over("attention", "entropy"), "attention_rank": over("attention", "rank"),
           "head_diversity": _mean([d for d in diversity if d is not None]),  # None with one head
+          "first_mass": over("attention", "first_mass"), "sink_mass": over("attention", "sink_mass"),
           "prunable_fraction": curve["prunable_fraction"]}
 
 
