@@ -456,3 +456,26 @@ def test_cli_refuses_an_out_that_is_a_file(tmp_path, capsys):
   err = capsys.readouterr().err
   assert f"--out={str(out)!r} is not allowed: a directory" in err and "existing file" in err
   assert "Traceback" not in err and out.read_text() == "mine"
+
+
+def test_sweep_cases_are_named_settings_crossed_with_the_grid(tmp_path):
+  text = TINY + '''
+[[sweep.cases]]
+name = "base"
+[[sweep.cases]]
+name = "two kv heads, no bias"
+model.num_kv_heads = 1
+model.use_bias = false
+'''
+  sweep = config_lib.loads(text, "c.toml")
+  assert sweep.axes[0] == "case"
+  cases = {(t.label["case"], t.label["train.seed"]): t.config["model"] for t in sweep.trials}
+  assert sorted(cases) == [("base", 0), ("base", 1), ("two kv heads, no bias", 0), ("two kv heads, no bias", 1)]
+  assert cases[("base", 0)]["use_bias"] is True
+  assert cases[("two kv heads, no bias", 1)]["num_kv_heads"] == 1
+  assert cases[("two kv heads, no bias", 1)]["use_bias"] is False
+  bad = text.replace('model.num_kv_heads = 1', 'model.num_kv_heads = "one"')
+  with pytest.raises(ConfigError, match=r"sweep.cases\[1\].model.num_kv_heads='one'.*an integer"):
+    config_lib.loads(bad, "c.toml")
+  with pytest.raises(ConfigError, match=r"sweep.cases\[1\].name"):
+    config_lib.loads(text.replace('"two kv heads, no bias"', '"base"'), "c.toml")

@@ -4,6 +4,8 @@ A config has the tables [meta] (name, question), [task], [model], [train],
 [sweep] and, optionally, [analysis] (enabled = true: `attn analyze` runs on the
 trained trials before the report; it changes no trial). [sweep.grid] axes combine as a product, [sweep.zip] axes are tied
 (zipped, equal lengths); both map dotted keys ("model.num_heads") to lists.
+[[sweep.cases]] tables (name = "+qk_norm", model.qk_norm = true) are named
+settings of several keys at once, one more axis ("case") crossed with the others.
 sweep.seeds is shorthand for a grid axis over train.seed. sweep.derive lists
 constraints applied to every trial, in order:
 
@@ -40,9 +42,10 @@ from attn.experiments.training.config import TrainConfig, check_train_field
 
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
-SWEEP_KEYS = {"grid": dict, "zip": dict, "seeds": list, "derive": list,
+SWEEP_KEYS = {"grid": dict, "zip": dict, "cases": list, "seeds": list, "derive": list,
               "param_budget": (int, str), "vmap_seeds": bool}
 SWEEP_KINDS = {"grid": "a table of dotted keys to lists", "zip": "a table of dotted keys to lists",
+               "cases": 'a list of tables, each a name = "..." and dotted keys to values',
                "seeds": "a list of integers", "derive": 'a list of "fixed_width", "fixed_params"',
                "param_budget": '"base" or a positive integer', "vmap_seeds": "true or false"}
 DERIVED_MODEL_KEYS = ("vocab_size", "num_classes", "max_len")
@@ -227,6 +230,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         sweep["grid"] = {k: v for k, v in axes.items() if k != key}
     if key == "train.seed" and "seeds" in sweep:
       del sweep["seeds"]
+    cased = [c.get("name") for c in sweep.get("cases", []) if isinstance(c, dict) and key in _flatten(c)]
+    if cased:
+      raise invalid("--set", item, f"a key that no sweep.cases entry sets ({key} is set by {cased})")
   return raw
 
 
@@ -309,6 +315,51 @@ def _axes(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]]):
   return grid, tied
 
 
+CASE = "case"  # the label key of sweep.cases
+
+
+def _cases(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]],
+           swept: list[str]) -> list[tuple[str | None, dict[str, Any]]]:
+  """sweep.cases as (name, {dotted key: value}), each value type-checked; [(None, {})] without any.
+
+  A case is one named setting of several keys at once ("+qk_norm": model.qk_norm
+  = true; "local/global": model.window and model.global_every): an axis whose
+  values are such settings, crossed with the grid and zip axes. Keys a case
+  leaves out keep the base config's value.
+  """
+  if "cases" not in raw_sweep:
+    return [(None, {})]
+  out, names = [], set()
+  for i, case in enumerate(raw_sweep["cases"]):
+    where = f"sweep.cases[{i}]"
+    if not isinstance(case, dict) or not isinstance(case.get("name"), str) or not case["name"]:
+      raise invalid(where, case, SWEEP_KINDS["cases"])
+    name = case["name"]
+    if name in names:
+      raise invalid(f"{where}.name", name, "a name no other case has")
+    names.add(name)
+    values = {}
+    for key, value in _flatten({k: v for k, v in case.items() if k != "name"}).items():
+      key = ALIASES.get(key, key)
+      section, _, field = key.partition(".")
+      if section not in ("task", "model", "train") or not field:
+        raise invalid(f"{where}.{key}", value, "a dotted key task.X, model.X or train.X")
+      schema = _schema(section, base["task"])
+      if field not in schema or (section == "model" and field in DERIVED_MODEL_KEYS):
+        raise invalid(f"{where}.{key}", value, f"a key of [{section}]: {sorted(schema)}")
+      if key in swept:
+        raise invalid(f"{where}.{key}", value, f"a key that no grid or zip axis sweeps ({key} is one)")
+      if section != "task" or field != "name":
+        value = _check_type(f"{where}.{key}", value, schema[field])
+      if section == "train":
+        _check_train(field, value)
+      values[key] = value
+    out.append((name, values))
+  if not out:
+    raise invalid("sweep.cases", [], "at least one case")
+  return out
+
+
 def _combos(grid, tied):
   rows = [dict(zip([k for k, _ in tied], vs)) for vs in zip(*[v for _, v in tied])] or [{}]
   for values in itertools.product(*[v for _, v in grid]):
@@ -382,11 +433,14 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
     base_cfg = resolve(base, [d for d in derive if d != "fixed_params"], None)
     budget = count.model_param_count(ModelConfig(**base_cfg["model"]), tasks.TASKS[base["task"]["name"]].kind)
   trials, seen = [], {}
-  for combo in _combos(grid, tied):
+  cases = _cases(sweep, base, [k for k, _ in grid + tied])
+  for combo, (case, case_values) in itertools.product(list(_combos(grid, tied)), cases):
     cfg = copy.deepcopy(base)
-    for key, value in combo.items():
+    for key, value in {**case_values, **combo}.items():
       section, _, name = key.partition(".")
       cfg[section][name] = value
+    if case is not None:
+      combo = {CASE: case, **combo}
     label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in combo.items())
     try:
       resolved = resolve(cfg, derive, budget)
@@ -400,7 +454,7 @@ def _expand(path: str, raw: dict[str, Any]) -> Sweep:
   vmap_seeds = bool(sweep.get("vmap_seeds", False))
   check_seed_axis(trials, vmap_seeds)
   meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
-  axes = [k for k, _ in grid] + [k for k, _ in tied]
+  axes = ([CASE] if cases[0][0] is not None else []) + [k for k, _ in grid] + [k for k, _ in tied]
   return Sweep(path, meta, axes, trials, vmap_seeds,
                stable_hash(sorted(t.id for t in trials)), raw.get("analysis", {}).get("enabled", False))
 
