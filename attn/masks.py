@@ -25,6 +25,21 @@ def causal_mask(T: int, S: int | None = None) -> Array:
   return (s <= t + (S - T))[None, None]
 
 
+def window_mask(T: int, S: int, window: int) -> Array:
+  """(1,1,T,S): query t (at position t + S - T, as causal_mask) may attend keys s with |t + S - T - s| < window.
+
+  ANDed with causal_mask it leaves the window keys ending at the query itself.
+  A window of max(T, S) or more masks nothing.
+  """
+  for name, value in (("T", T), ("S", S), ("window", window)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise invalid(name, value, "a positive integer")
+  window = min(window, max(T, S))  # wider is the same mask; keeps int32 iotas safe
+  t = jnp.arange(T)[:, None] + (S - T)
+  s = jnp.arange(S)[None, :]
+  return (jnp.abs(t - s) < window)[None, None]
+
+
 def padding_mask(kv_lengths: Array, S: int, q_lengths: Array | None = None,
                  T: int | None = None) -> Array:
   """Key padding (B,1,1,S) from per-example key lengths; with q_lengths, (B,1,T,S).
