@@ -244,7 +244,7 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
 
 def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
               do_BTHV):
-  """dq, dk, dv (and dsinks) by recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
+  """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
   are all plain matmuls, with no transposed copy of a score block. Key block
@@ -346,10 +346,11 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
 
 def _plan(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
           window: int | None, scale: float = 1.0, softcap: float | None = None,
-          key_limit: bool = True) -> _Plan:
+          has_lengths: bool = False) -> _Plan:
   bq, bk = block_sizes(T, S, block_q, block_k)
   return _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               key_limit=key_limit, window=None if window is None else min(window, max(T, S)),
+               key_limit=has_lengths or S % bk > 0,
+               window=None if window is None else min(window, max(T, S)),
                softcap=None if softcap is None else float(softcap))
 
 
@@ -357,13 +358,12 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
               sinks: Array | None = None, softcap: float | None = None) -> Array:
-  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks; inputs checked by attn.kernel.attention."""
+  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks; inputs checked by kernel.attention."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-  bq, bk = block_sizes(T, S, block_q, block_k)
-  Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
-               softcap=softcap, key_limit=kv_lengths is not None or Sp > S)
+               softcap=softcap, has_lengths=kv_lengths is not None)
+  Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
     limit_B = jnp.minimum(jnp.asarray(kv_lengths).astype(jnp.int32), S)
@@ -391,10 +391,9 @@ def query_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int |
 def work_fraction(T: int, S: int, *, is_causal: bool, window: int | None = None,
                   block_q: int | None = None, block_k: int | None = None) -> float:
   """The share of the T×S blocks the forward pass computes (1.0 with no causal mask or window)."""
-  ranges = key_block_ranges(T, S, is_causal=is_causal, window=window, block_q=block_q,
-                            block_k=block_k)
-  bq, bk = block_sizes(T, S, block_q, block_k)
-  return sum(hi - lo for lo, hi in ranges) / (len(ranges) * -(-S // bk))
+  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
+  done = sum(int(hi - lo) for lo, hi in (_key_blocks_for(plan, i, S) for i in range(plan.nq)))
+  return done / (plan.nq * plan.nk)
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "attention", "block_sizes", "key_block_ranges",

@@ -140,7 +140,7 @@ def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bo
 
 def structured_mask(T: int, S: int, is_causal: bool = False, kv_lengths: Array | None = None,
                     window: int | None = None) -> Array | None:
-  """The dense mask of is_causal (bottom-right aligned), kv_lengths and window: (1|B,1,T|1,S), or None."""
+  """The dense mask of is_causal (bottom-right aligned), kv_lengths and window: (1|B,1,T|1,S)."""
   causal = masks.causal_mask(T, S) if is_causal else None
   padding = None if kv_lengths is None else masks.padding_mask(kv_lengths, S)
   local = None if window is None else masks.window_mask(T, S, window)

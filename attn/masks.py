@@ -26,10 +26,11 @@ def causal_mask(T: int, S: int | None = None) -> Array:
 
 
 def window_mask(T: int, S: int, window: int) -> Array:
-  """(1,1,T,S): query t (at position t + S - T, as causal_mask) may attend keys s with |t + S - T - s| < window.
+  """(1,1,T,S): query t may attend keys s with |t + (S - T) - s| < window.
 
-  ANDed with causal_mask it leaves the window keys ending at the query itself.
-  A window of max(T, S) or more masks nothing.
+  Query t sits at position t + S - T, aligned at the end as in causal_mask;
+  ANDed with causal_mask the window is the `window` keys ending at the query
+  itself. A window of max(T, S) or more masks nothing.
   """
   for name, value in (("T", T), ("S", S), ("window", window)):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
