@@ -133,6 +133,13 @@ def test_long_shapes_time_cores_behind_the_same_projections(monkeypatch):
     assert "× torch SDPA" in bench.markdown("tiny-long", result)
   pair = {"long-1024": result, "long-1024-causal": result}
   assert bench.causal_ratios(pair) == {1024: pytest.approx(1.0)}
+  # the windowed core's FLOPs count the pairs inside the window: 256 per query past the first 256
+  flops = bench.core_flops_of(shape)
+  per_pair = 2 * 2 * (8 + 8)
+  assert flops["core"] == per_pair * 600 * 600
+  assert flops["core_window"] == per_pair * (256 * 257 // 2 + (600 - 256) * 256)
+  ratio = bench.window_ratios(pair)[1024]
+  assert ratio == rows["core_window"]["fb"]["ms"] / rows["core"]["fb"]["ms"]
   json.dumps(result)
 
 

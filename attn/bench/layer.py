@@ -18,7 +18,10 @@ attn's fused layer with the blocked kernel (the "fused" row) and with the
 einsum kernel, jax.nn.dot_product_attention, and torch's
 F.scaled_dot_product_attention; candidates whose XLA buffers would exceed half
 the available memory are skipped with that reason (--variants does not apply
-to the family). The candidates live in attn.bench.peers.
+to the family). Causal long shapes also time the blocked core alone ("core",
+no projections) against the same core with a sliding window of LONG_WINDOW
+keys ("core_window"), whose FLOPs count only the pairs inside the window. The
+candidates live in attn.bench.peers.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "jax_dpa": "jax.nn.dot_product_attention",
                "torch": "torch.nn.MultiheadAttention",
                "torch_sdpa": "torch F.scaled_dot_product_attention",
-               "einsum": "fused, einsum kernel"}
+               "einsum": "fused, einsum kernel",
+               "core": "blocked core alone, causal",
+               "core_window": "blocked core alone, causal window 256"}
 RATIO_LABELS = {"flax": "× flax", "jax_dpa": "× jax dpa", "torch": "× torch",
                 "torch_sdpa": "× torch SDPA"}
 
@@ -74,6 +79,7 @@ SHAPES = {
     "small": Shape(B=32, T=64, D=64, H=4, K=16),  # the experiment runner's default model
 }
 LONG_LENGTHS = (1024, 4096, 16384)
+LONG_WINDOW = 256  # the sliding window of the long family's core_window row
 for _T in LONG_LENGTHS:
   for _causal in (False, True):
     SHAPES[f"long-{_T}{'-causal' if _causal else ''}"] = Shape(
@@ -216,6 +222,9 @@ def _long_cases(shape: Shape, dtype, dtype_name: str,
       skipped[name] = c["skip"]
     else:
       cases[name] = c
+  if causal:
+    cases["core"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True)
+    cases["core_window"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True, window=LONG_WINDOW)
   if peers:
     torch_case = peers_lib.torch_sdpa_case(cfg, B, T, dtype_name, causal)
     if torch_case is not None:
@@ -251,6 +260,14 @@ def _round_robin(groups: list[dict[str, Callable[[], Any]]], repeats: int,
     out[k] = {"median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall),
               "cpu_median_s": statistics.median([c for _, c in s])}
   return out
+
+
+def core_flops_of(shape: Shape) -> dict[str, int]:
+  """Forward FLOPs of the core rows: every T×S pair for "core", the pairs inside the window for "core_window"."""
+  cfg, T = shape.cfg, shape.T
+  per_pair = 2 * cfg.num_heads * (cfg.d_k + cfg.d_v) * shape.B
+  pairs = sum(min(LONG_WINDOW, t + 1) for t in range(T))
+  return {"core": per_pair * T * T, "core_window": per_pair * pairs}
 
 
 def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, repeats: int,
@@ -292,9 +309,10 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
   rate = matmul["jnp"]["gflops"]
   fwd_flops = attn.get_variant("fused").flops(shape.cfg, shape.T, shape.T) * shape.B
   rows = []
+  core_flops = core_flops_of(shape)
   for k, c in cases.items():
     flops = (attn.get_variant(k).flops(shape.cfg, shape.T, shape.T) * shape.B
-             if k in attn.VARIANTS else fwd_flops)
+             if k in attn.VARIANTS else core_flops.get(k, fwd_flops))
     row = {"name": k, "kind": "peer" if k in PEERS else "variant", "fwd_flops": flops,
            "peak_bytes": c["peak_bytes"]}
     for part, mult in (("fwd", 1), ("fb", 3)):
@@ -363,6 +381,17 @@ def causal_ratios(results: dict[str, Any]) -> dict[int, float]:
     if all(pair):
       fb = [{r["name"]: r for r in p["rows"]}["fused"]["fb"]["ms"] for p in pair]
       out[T] = fb[1] / fb[0]
+  return out
+
+
+def window_ratios(results: dict[str, Any]) -> dict[int, float]:
+  """The blocked core's forward+backward time with a causal window of LONG_WINDOW over full causal, per T."""
+  out = {}
+  for T in LONG_LENGTHS:
+    r = results.get(f"long-{T}-causal")
+    if r:
+      rows = {row["name"]: row for row in r["rows"]}
+      out[T] = rows["core_window"]["fb"]["ms"] / rows["core"]["fb"]["ms"]
   return out
 
 
@@ -445,10 +474,15 @@ def run(args: argparse.Namespace) -> int:
                                 not args.no_peers, log=log)
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
-            "shapes": results, "causal_ratio": causal_ratios(results)}
+            "shapes": results, "causal_ratio": causal_ratios(results),
+            "window_ratio": window_ratios(results)}
   if report["causal_ratio"]:
     print("Long sequences, fused layer, forward+backward time causal ÷ non-causal: "
           + ", ".join(f"T={T} {x:.2f}" for T, x in report["causal_ratio"].items()) + "\n")
+  if report["window_ratio"]:
+    print(f"Long sequences, blocked core alone, forward+backward time with a causal window of "
+          f"{LONG_WINDOW} ÷ full causal: "
+          + ", ".join(f"T={T} {x:.3f}" for T, x in report["window_ratio"].items()) + "\n")
   if args.sweep:
     log("[sweep] training ...")
     steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from attn import kernel
 from attn.config import HeadConfig
 from attn.variants import fused
 
@@ -82,6 +83,19 @@ def fused_case(cfg: HeadConfig, B: int, T: int, dtype, *, impl: str, mask=None,
   apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, mask=mask, is_causal=is_causal,
                                    impl=impl)[0]
   return jax_pair(apply, params, _input(B, T, cfg.d_model, dtype), dtype, max_bytes=max_bytes)
+
+
+def core_case(cfg: HeadConfig, B: int, T: int, dtype, *, is_causal: bool,
+              window: int | None = None) -> Candidate:
+  """The blocked attention core alone, no projections: gradients for q (the input), k and v."""
+  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  G, K, V = cfg.num_kv_heads, cfg.d_k, cfg.d_v
+  q = jax.random.normal(keys[0], (B, T, cfg.num_heads, K)).astype(dtype)
+  kv = {"k": jax.random.normal(keys[1], (B, T, G, K)).astype(dtype),
+        "v": jax.random.normal(keys[2], (B, T, G, V)).astype(dtype)}
+  apply = lambda p, q: kernel.attention(q, p["k"], p["v"], is_causal=is_causal, window=window,
+                                        impl="blocked")
+  return jax_pair(apply, kv, q, dtype)
 
 
 def flax_case(cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
