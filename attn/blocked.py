@@ -11,13 +11,21 @@ log-sum-exp (for the backward pass), and a few (B,H,block_q,block_k) blocks,
 whatever T·S is.
 
 Structured masks never become arrays: is_causal (bottom-right aligned, key s
-visible to query t iff s <= t + S - T, as attn.masks.causal_mask) and
-kv_lengths (keys s >= kv_lengths[b] masked) are compared per block from
+visible to query t iff s <= t + S - T, as attn.masks.causal_mask),
+kv_lengths (keys s >= kv_lengths[b] masked) and window w (key s visible iff
+|t + S - T - s| < w, as attn.masks.window_mask) are compared per block from
 iotas, and key blocks that no query of a block can see (above the causal
-diagonal, or past every length in the batch) are skipped by the loop bounds:
-causal attention does about half the work. A dense boolean mask is sliced
+diagonal, outside the window, or past every length in the batch) are skipped
+by the loop bounds (key_block_ranges): causal attention does about half the
+work, and a window O(T·w) instead of O(T·S). A dense boolean mask is sliced
 per block and combined with them. Fully masked rows give 0, in value and
 gradient.
+
+softcap c caps each block's scaled logits to c·tanh(l / c); the backward
+pass multiplies dS by its derivative 1 - tanh². sinks (H,) start each row's
+running max and sum at (sink_h, 1), as a key with no value would; their
+gradient is -Σ_t p_sink(t)·D_t with p_sink = exp(sink - lse) and
+D_t = Σ_v dO·O.
 
 Letters as in the README; t and s index a block's queries and keys.
 """
@@ -64,6 +72,8 @@ class _Plan:
   is_causal: bool
   scale: float
   key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
+  window: int | None = None  # at most max(T, S): wider is the same mask
+  softcap: float | None = None
 
   @property
   def nq(self) -> int:
@@ -104,19 +114,32 @@ def _keys(x_BSGX: Array, start, size: int) -> Array:
 
 
 def _key_blocks_for(plan: _Plan, i, key_end):
-  """Key blocks [0, hi) that query block i may see: causal diagonal and the longest kv length."""
-  hi = (key_end + plan.bk - 1) // plan.bk
-  if plan.is_causal:
-    t_last = jnp.minimum((i + 1) * plan.bq, plan.T) - 1  # the block's last real query
-    hi = jnp.minimum(hi, jnp.clip((t_last + plan.S - plan.T) // plan.bk + 1, 0, plan.nk))
-  return hi
+  """Key blocks [lo, hi) that query block i may see: window, causal diagonal, longest kv length."""
+  # Positions: query t sits at t + S - T; the block's real queries span [p0, p1].
+  shift = plan.S - plan.T
+  p0 = i * plan.bq + shift
+  p1 = jnp.minimum((i + 1) * plan.bq, plan.T) - 1 + shift
+  lo, hi = 0, (key_end + plan.bk - 1) // plan.bk
+  if plan.is_causal:  # s <= p
+    hi = jnp.minimum(hi, jnp.clip(p1 // plan.bk + 1, 0, plan.nk))
+  if plan.window is not None:  # p - w < s < p + w
+    lo = jnp.clip((p0 - plan.window + 1) // plan.bk, 0, plan.nk)
+    hi = jnp.minimum(hi, jnp.clip((p1 + plan.window - 1) // plan.bk + 1, 0, plan.nk))
+  return lo, jnp.maximum(lo, hi)
 
 
 def _query_blocks_for(plan: _Plan, j):
-  """First query block that may see key block j (causal), else 0."""
-  if not plan.is_causal:
-    return 0
-  return jnp.clip((j * plan.bk - (plan.S - plan.T)) // plan.bq, 0, plan.nq)
+  """Query blocks [lo, hi) that may see key block j: causal diagonal and window."""
+  # Key block j's real keys span [s0, s1]; query t sits at position t + S - T.
+  shift = plan.S - plan.T
+  s0, s1 = j * plan.bk, jnp.minimum((j + 1) * plan.bk, plan.S) - 1
+  lo, hi = 0, plan.nq
+  if plan.is_causal:  # p >= s
+    lo = jnp.clip((s0 - shift) // plan.bq, 0, plan.nq)
+  if plan.window is not None:  # s - w < p < s + w
+    lo = jnp.maximum(lo, jnp.clip((s0 - plan.window + 1 - shift) // plan.bq, 0, plan.nq))
+    hi = jnp.clip((s1 + plan.window - 1 - shift) // plan.bq + 1, 0, plan.nq)
+  return lo, jnp.maximum(lo, hi)
 
 
 def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
@@ -127,10 +150,15 @@ def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
   if plan.key_limit:
     keep_Bs = s_pos[None, :] < limit_B[:, None]
     keep = keep_Bs[:, None, :, None] if keys_first else keep_Bs[:, None, None, :]
-  if plan.is_causal:
-    shift = plan.S - plan.T
-    keep = keep & (s_pos[:, None] <= t_pos[None, :] + shift if keys_first
-                   else s_pos[None, :] <= t_pos[:, None] + shift)
+  shift = plan.S - plan.T
+  if plan.is_causal or plan.window is not None:
+    # Query position minus key position, (M, s) or (s, M): >= 0 causal, |.| < w in the window.
+    d = (t_pos[None, :] + shift - s_pos[:, None] if keys_first
+         else t_pos[:, None] + shift - s_pos[None, :])
+    if plan.is_causal:
+      keep = keep & (d >= 0)
+    if plan.window is not None:
+      keep = keep & (jnp.abs(d) < plan.window)
   if mask5 is not None:
     m = mask5
     if m.shape[3] > 1:
@@ -151,15 +179,27 @@ def _dot(spec: str, a: Array, b: Array) -> Array:
 
 
 def _logits(plan: _Plan, s, keep):
-  """Scaled float32 logits of a block, masked entries -inf."""
+  """Scaled (and capped) float32 logits of a block, masked entries -inf; and d cap / d logit."""
   # The scale rides on the block (fused into the exp pass), not on q: a scaled
   # copy of q would be one more (B,T,H,K) array alive through the backward pass.
   s = s * plan.scale
-  return s if keep is True else jnp.where(keep, s, -jnp.inf)
+  dcap = None
+  if plan.softcap is not None:
+    u = jnp.tanh(s / plan.softcap)
+    s, dcap = plan.softcap * u, 1.0 - u * u
+  return (s if keep is True else jnp.where(keep, s, -jnp.inf)), dcap
 
 
-def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows)."""
+def _sink_rows(sinks_H: Array, G: int, bq: int) -> Array:
+  """Sink logits (H,) as (G, M) in float32, M = R·bq rows as _rows stacks them."""
+  return jnp.repeat(sinks_H.astype(jnp.float32).reshape(G, -1), bq, axis=1)
+
+
+def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+  """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
+
+  With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink.
+  """
   B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R, M = H // G, (H // G) * plan.bq
@@ -174,7 +214,7 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
       k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
       v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
       s = _dot("BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
-      s = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      s, _ = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
       m_new = jnp.maximum(m_BGM, s.max(-1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
       p = jnp.exp(s - m_use[..., None])
@@ -182,9 +222,13 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
       pv = _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV)
       return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
 
-    init = (jnp.full((B, G, M), -jnp.inf, jnp.float32), jnp.zeros((B, G, M), jnp.float32),
-            jnp.zeros((B, G, M, V), jnp.float32))
-    m, l, acc = lax.fori_loop(0, _key_blocks_for(plan, i, key_end), key_block, init)
+    if sinks_H is None:
+      m0, l0 = jnp.full((B, G, M), -jnp.inf, jnp.float32), jnp.zeros((B, G, M), jnp.float32)
+    else:  # the sink is a key seen first: logit sink_h, no value
+      m0 = jnp.broadcast_to(_sink_rows(sinks_H, G, plan.bq), (B, G, M))
+      l0 = jnp.ones((B, G, M), jnp.float32)
+    init = (m0, l0, jnp.zeros((B, G, M, V), jnp.float32))
+    m, l, acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end), key_block, init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
@@ -198,8 +242,9 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH, do_BTHV):
-  """dq, dk, dv by recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
+def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
+              do_BTHV):
+  """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
   are all plain matmuls, with no transposed copy of a score block. Key block
@@ -213,6 +258,10 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse
   # delta_t = Σ_v dO·O = Σ_s P·dP: the softmax Jacobian's row term.
   delta_BTH = jnp.einsum("BTHV,BTHV->BTH", do_BTHV.astype(jnp.float32),
                          out_BTHV.astype(jnp.float32))
+  dsinks_H = None
+  if sinks_H is not None:  # dO/dsink = -p_sink·O per row: dsink = -Σ_t p_sink·delta
+    p_sink_BTH = jnp.exp(sinks_H.astype(jnp.float32) - lse_BTH)
+    dsinks_H = -jnp.einsum("BTH,BTH->H", p_sink_BTH, delta_BTH).astype(sinks_H.dtype)
   # logits = scale·q·kᵀ: dq = scale·dS·k and dk = scale·dSᵀ·q.
   nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk  # key blocks before every length ends
 
@@ -230,11 +279,12 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse
       lse_BGM = _rows(lse_BTH, t0, plan.bq, G)
       delta_BGM = _rows(delta_BTH, t0, plan.bq, G)
       s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
-      s = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
+      s, dcap = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
       p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
       dv_BGsV = dv_BGsV + _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
       dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
-      ds = (p * (dp - delta_BGM[:, :, None, :])).astype(dtype)
+      ds = p * (dp - delta_BGM[:, :, None, :])
+      ds = (ds if dcap is None else ds * dcap).astype(dtype)
       dk_BGsK = dk_BGsK + _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
       # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
       dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGKs, ds)
@@ -246,8 +296,8 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse
     init = (dq_BTHK, jnp.zeros((B, G, plan.bk, K), jnp.float32),
             jnp.zeros((B, G, plan.bk, V), jnp.float32))
     # A key block past every kv length runs no query block: its dk, dv are 0.
-    lo = _query_blocks_for(plan, j)
-    hi = jnp.where(j < nk_seen, plan.nq, lo)
+    lo, hi = _query_blocks_for(plan, j)
+    hi = jnp.where(j < nk_seen, hi, lo)
     dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(lo, hi, query_block, init)
     s0 = j * plan.bk
     dk_BsGK = (dk_BGsK * plan.scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype)
@@ -258,22 +308,22 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse
 
   init = (jnp.zeros((B, Tp, H, K), jnp.float32), k_BSGK, v_BSGV)
   dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nk, key_block, init)
-  return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV
+  return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV, dsinks_H
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)[0]
+def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)[0]
 
 
-def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5):
-  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5)
-  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, out_BTHV, lse_BTH)
+def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)
+  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH)
 
 
 def _core_bwd(plan: _Plan, res, do_BTHV):
-  dq, dk, dv = _backward(plan, *res, do_BTHV)
-  return dq, dk, dv, None, None
+  dq, dk, dv, dsinks = _backward(plan, *res, do_BTHV)
+  return dq, dk, dv, None, None, dsinks
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -294,31 +344,57 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
   return m5
 
 
+def _plan(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
+          window: int | None, scale: float = 1.0, softcap: float | None = None,
+          has_lengths: bool = False) -> _Plan:
+  bq, bk = block_sizes(T, S, block_q, block_k)
+  return _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
+               key_limit=has_lengths or S % bk > 0,
+               window=None if window is None else min(window, max(T, S)),
+               softcap=None if softcap is None else float(softcap))
+
+
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
-              block_q: int | None = None, block_k: int | None = None) -> Array:
-  """softmax(scale · q kᵀ, masked) v over blocks; inputs checked by attn.kernel.attention."""
+              block_q: int | None = None, block_k: int | None = None, window: int | None = None,
+              sinks: Array | None = None, softcap: float | None = None) -> Array:
+  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks; inputs checked by kernel.attention."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-  bq, bk = block_sizes(T, S, block_q, block_k)
-  Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
-  plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               key_limit=kv_lengths is not None or Sp > S)
+  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
+               softcap=softcap, has_lengths=kv_lengths is not None)
+  Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
     limit_B = jnp.minimum(jnp.asarray(kv_lengths).astype(jnp.int32), S)
   out_BTHV = _core(plan, _pad(q_BTHK, 1, Tp), _pad(k_BSGK, 1, Sp), _pad(v_BSGV, 1, Sp),
-                   limit_B, _mask5(mask, H, G, Tp, Sp))
+                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks)
   return out_BTHV[:, :T]
 
 
-def work_fraction(T: int, S: int, *, is_causal: bool, block_q: int | None = None,
-                  block_k: int | None = None) -> float:
-  """The share of the T×S blocks the forward pass computes (1.0 without a causal mask)."""
-  bq, bk = block_sizes(T, S, block_q, block_k)
-  plan = _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=is_causal, scale=1.0)
-  done = sum(int(_key_blocks_for(plan, i, S)) for i in range(plan.nq))
+def key_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
+                     block_q: int | None = None, block_k: int | None = None
+                     ) -> list[tuple[int, int]]:
+  """Per query block, the key blocks [lo, hi) the forward pass visits (no kv_lengths)."""
+  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
+  return [tuple(int(x) for x in _key_blocks_for(plan, i, S)) for i in range(plan.nq)]
+
+
+def query_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
+                       block_q: int | None = None, block_k: int | None = None
+                       ) -> list[tuple[int, int]]:
+  """Per key block, the query blocks [lo, hi) the backward pass visits (no kv_lengths)."""
+  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
+  return [tuple(int(x) for x in _query_blocks_for(plan, j)) for j in range(plan.nk)]
+
+
+def work_fraction(T: int, S: int, *, is_causal: bool, window: int | None = None,
+                  block_q: int | None = None, block_k: int | None = None) -> float:
+  """The share of the T×S blocks the forward pass computes (1.0 with no causal mask or window)."""
+  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
+  done = sum(int(hi - lo) for lo, hi in (_key_blocks_for(plan, i, S) for i in range(plan.nq)))
   return done / (plan.nq * plan.nk)
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "block_sizes", "work_fraction"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "block_sizes", "key_block_ranges",
+           "query_block_ranges", "work_fraction"]

@@ -3,16 +3,19 @@
 No parameters. Grouped heads: query head h reads key/value head h // R with
 R = H // G. Masks are boolean, True where a query may attend a key, and
 broadcast to (B,H,T,S). A fully masked row gives zero weights and zero output.
-Structured masks travel as arguments: is_causal and kv_lengths (attention's
-docstring); the blocked implementation (attn.blocked) never builds them.
+Structured masks travel as arguments: is_causal, kv_lengths and window
+(attention's docstring); the blocked implementation (attn.blocked) never
+builds them. attention's docstring also defines sinks and softcap.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from attn import blocked, masks
 from attn.config import check_mask, check_structured, invalid
@@ -57,9 +60,16 @@ def scores(q_BTHK: Array, k_BSGK: Array) -> Array:
   return logits_BGMS.reshape(B, H, T, S)
 
 
-def masked_softmax(logits_BHTS: Array, mask: Array | None = None) -> Array:
-  """Softmax over S in float32; masked entries and fully masked rows get weight 0."""
+def masked_softmax(logits_BHTS: Array, mask: Array | None = None,
+                   sinks: Array | None = None) -> Array:
+  """Softmax over S in float32; masked entries and fully masked rows get weight 0.
+
+  sinks (H,), if given, join every row's denominator as one more logit per
+  query head with no value: the weights then sum to 1 - the sink's share.
+  """
   logits_BHTS = logits_BHTS.astype(jnp.float32)
+  if sinks is not None:
+    return _softmax_with_sinks(logits_BHTS, mask, sinks)
   if mask is None:
     return jax.nn.softmax(logits_BHTS, axis=-1)
   mask = jnp.broadcast_to(mask, logits_BHTS.shape)
@@ -67,6 +77,20 @@ def masked_softmax(logits_BHTS: Array, mask: Array | None = None) -> Array:
   # uniform, and the final where() zeroes it, in value and in gradient.
   logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
   return jnp.where(mask, jax.nn.softmax(logits_BHTS, axis=-1), 0.0)
+
+
+def _softmax_with_sinks(logits_BHTS: Array, mask: Array | None, sinks: Array) -> Array:
+  """exp(l_ts) / (exp(sink_h) + Σ_s' exp(l_ts')); a fully masked row is all zeros."""
+  sink_1H11 = sinks.astype(jnp.float32).reshape(1, -1, 1, 1)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, logits_BHTS.shape)
+    logits_BHTS = jnp.where(mask, logits_BHTS, jnp.finfo(jnp.float32).min)
+  # The sink bounds the max from below, so a fully masked row's exps underflow to 0.
+  m_BHT1 = lax.stop_gradient(jnp.maximum(logits_BHTS.max(-1, keepdims=True), sink_1H11))
+  e_BHTS = jnp.exp(logits_BHTS - m_BHT1)
+  if mask is not None:
+    e_BHTS = jnp.where(mask, e_BHTS, 0.0)
+  return e_BHTS / (jnp.exp(sink_1H11 - m_BHT1) + e_BHTS.sum(-1, keepdims=True))
 
 
 def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
@@ -95,16 +119,18 @@ def is_long(T: int, S: int) -> bool:
 
 
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
-              logits_bias: Array | None = None) -> str:
+              logits_bias: Array | None = None, sinks: Array | None = None,
+              softcap: float | None = None) -> str:
   """"cudnn" on a GPU where it applies; "blocked" for T·S >= BLOCKED_MIN_SCORES; else "einsum".
 
   cuDNN: half-precision heads with d_v = d_k (a multiple of 8, at most 128),
-  no weights out, no logits_bias. The blocked kernel needs no weights out and
-  no logits_bias either.
+  no weights out, no logits_bias, no sinks, no softcap. The blocked kernel
+  needs no weights out and no logits_bias either.
   """
   K, V = q_BTHK.shape[-1], v_BSGV.shape[-1]
   plain = not return_weights and logits_bias is None
   fits_cudnn = (K == V and K % 8 == 0 and K <= 128 and plain
+                and sinks is None and softcap is None
                 and q_BTHK.dtype in (jnp.bfloat16, jnp.float16)
                 and q_BTHK.dtype == k_BSGK.dtype == v_BSGV.dtype)
   if fits_cudnn and jax.default_backend() == "gpu":
@@ -112,29 +138,38 @@ def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bo
   return "blocked" if plain and is_long(q_BTHK.shape[1], k_BSGK.shape[1]) else "einsum"
 
 
-def structured_mask(T: int, S: int, is_causal: bool = False,
-                    kv_lengths: Array | None = None) -> Array | None:
-  """The dense mask of is_causal (bottom-right aligned) and kv_lengths: (1|B,1,T|1,S), or None."""
+def structured_mask(T: int, S: int, is_causal: bool = False, kv_lengths: Array | None = None,
+                    window: int | None = None) -> Array | None:
+  """The dense mask of is_causal (bottom-right aligned), kv_lengths and window: (1|B,1,T|1,S)."""
   causal = masks.causal_mask(T, S) if is_causal else None
   padding = None if kv_lengths is None else masks.padding_mask(kv_lengths, S)
-  return masks.combine_masks(causal, padding)
+  local = None if window is None else masks.window_mask(T, S, window)
+  return masks.combine_masks(causal, padding, local)
 
 
 def _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl,
-                           is_causal, kv_lengths):
+                           is_causal, kv_lengths, window):
   """The same function through jax.nn.dot_product_attention ("xla" or "cudnn")."""
   B, T, H, _ = q_BTHK.shape
   S = k_BSGK.shape[1]
-  # jax's is_causal is top-left aligned (key s visible iff s <= t); attn's is
-  # bottom-right, so for T != S the causal part travels as a dense mask.
+  # jax's is_causal and local_window_size are top-left aligned (key s visible
+  # iff s <= t, and t - left <= s <= t + right); attn's are bottom-right, so
+  # for T != S they travel as a dense mask. At T == S a causal window w is
+  # jax's (w - 1, 0), which cuDNN runs as its sliding window.
   jax_causal = is_causal and T == S
+  jax_window = None
+  if window is not None and jax_causal:
+    jax_window = (min(window, S) - 1, 0)
+  elif window is not None:
+    mask = masks.combine_masks(mask, masks.window_mask(T, S, window))
   if is_causal and T != S:
     mask = masks.combine_masks(mask, masks.causal_mask(T, S))
   out_BTHV = jax.nn.dot_product_attention(
       q_BTHK, k_BSGK, v_BSGV, bias=logits_bias, mask=mask, scale=scale, is_causal=jax_causal,
       key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
-      implementation=impl)
-  full = masks.combine_masks(mask, structured_mask(T, S, jax_causal, kv_lengths))
+      local_window_size=jax_window, implementation=impl)
+  full = masks.combine_masks(mask, structured_mask(T, S, jax_causal, kv_lengths,
+                                                   window if jax_window else None))
   if full is None:
     return out_BTHV
   # jax gives a fully masked row uniform weights; attn's contract is zeros.
@@ -145,6 +180,23 @@ def _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, imp
 def _check_block(name: str, value) -> None:
   if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
     raise invalid(name, value, "a positive integer or None (chosen from the shapes)")
+
+
+def check_options(window, sinks, softcap, num_heads: int) -> None:
+  """window a positive int, sinks (H,) floats, softcap a positive finite number; each or None."""
+  if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                             or window <= 0):
+    raise invalid("window", window, "a positive integer (keys closer than it to the query) or None")
+  if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                              or not math.isfinite(softcap) or softcap <= 0):
+    raise invalid("softcap", softcap, "a positive finite Python number or None")
+  if sinks is not None:
+    shape = getattr(sinks, "shape", None)
+    if shape is None or tuple(shape) != (num_heads,):
+      raise invalid("sinks.shape", None if shape is None else tuple(shape),
+                    f"(H,)=({num_heads},): one sink logit per query head")
+    if "float" not in str(getattr(sinks, "dtype", None)):
+      raise invalid("sinks.dtype", str(sinks.dtype), "a float dtype: sinks are learned logits")
 
 
 def attention(
@@ -161,28 +213,40 @@ def attention(
     impl: str = "einsum",
     block_q: int | None = None,
     block_k: int | None = None,
+    window: int | None = None,
+    sinks: Array | None = None,
+    softcap: float | None = None,
 ) -> Array | tuple[Array, Array]:
-  """softmax(scale · q kᵀ + logits_bias, masked) v for already projected heads.
+  """softmax(cap(scale · q kᵀ) + logits_bias, masked, sinks) v for already projected heads.
 
   q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) with H a multiple of G. scale defaults
-  to 1/sqrt(K). logits_bias, if given, is added to the scaled logits and must
-  broadcast to (B,H,T,S). Returns (B,T,H,V), and the weights (B,H,T,S) in
-  float32 when return_weights is set.
+  to 1/sqrt(K). softcap c, if given, caps the scaled logits to c·tanh(l / c)
+  (Gemma 2) before the bias, the masks and the softmax. logits_bias, if given,
+  is added to the (capped) logits and must broadcast to (B,H,T,S). sinks (H,),
+  if given, is one learned logit per query head that joins every row's softmax
+  denominator and carries no value (gpt-oss): p_ts = exp(l_ts) / (exp(sink_h)
+  + Σ_s' exp(l_ts')), in float32. Returns (B,T,H,V), and the weights (B,H,T,S)
+  in float32 when return_weights is set (without the sink's share: a row sums
+  to 1 - its sink weight).
 
-  Masks combine by AND: mask (dense boolean, True = may attend), is_causal and
-  kv_lengths. is_causal is bottom-right aligned, as attn.causal_mask(T, S):
-  query t sees key s iff s <= t + (S - T), so with S > T (a cache of S - T
-  earlier keys) the last query sees every key, and with S < T the first T - S
-  queries see none (zero output). (jax.nn.dot_product_attention's and torch's
-  is_causal are top-left aligned, s <= t; the two agree when T == S.)
-  kv_lengths (B,) integers in [0, S] mask keys s >= kv_lengths[b].
+  Masks combine by AND: mask (dense boolean, True = may attend), is_causal,
+  kv_lengths and window. is_causal is bottom-right aligned, as
+  attn.causal_mask(T, S): query t sees key s iff s <= t + (S - T), so with
+  S > T (a cache of S - T earlier keys) the last query sees every key, and
+  with S < T the first T - S queries see none (zero output).
+  (jax.nn.dot_product_attention's and torch's is_causal are top-left aligned,
+  s <= t; the two agree when T == S.) kv_lengths (B,) integers in [0, S] mask
+  keys s >= kv_lengths[b]. window w (a positive int) keeps keys s with
+  |t + (S - T) - s| < w, aligned as is_causal: with is_causal that is the w
+  keys ending at the query itself, without it w - 1 on each side; a window of
+  max(T, S) or more masks nothing.
 
   impl picks the implementation of the same function: "einsum" (this module,
   the default; materialises (B,H,T,S)), "blocked" (attn.blocked: online
   softmax over blocks of block_q queries and block_k keys, a recomputing VJP,
   no T×S array, masked blocks skipped; no weights out, no logits_bias), "xla"
-  or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k and no weights
-  out), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
+  or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k, no weights out,
+  no sinks, no softcap), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
   from T·S >= BLOCKED_MIN_SCORES = 512², the crossover measured on CPU, else
   einsum).
   """
@@ -194,13 +258,14 @@ def attention(
   check_structured(is_causal, kv_lengths, B, S)
   _check_block("block_q", block_q)
   _check_block("block_k", block_k)
+  check_options(window, sinks, softcap, H)
   if impl not in IMPLS:
     raise invalid("impl", impl, f"one of {IMPLS}")
   if scale is None:
     scale = 1.0 / math.sqrt(K)
   if impl == "auto":
     impl = best_impl(q_BTHK, k_BSGK, v_BSGV, return_weights=return_weights,
-                     logits_bias=logits_bias)
+                     logits_bias=logits_bias, sinks=sinks, softcap=softcap)
   if impl != "einsum" and return_weights:
     raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
   if impl == "blocked":
@@ -208,13 +273,18 @@ def attention(
       raise invalid("impl", impl, '"einsum", "xla" or "auto" with a logits_bias')
     return blocked.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
                              kv_lengths=kv_lengths, scale=scale, block_q=block_q,
-                             block_k=block_k)
+                             block_k=block_k, window=window, sinks=sinks, softcap=softcap)
   if impl != "einsum":
+    for name, value in (("sinks", sinks), ("softcap", softcap)):
+      if value is not None:
+        raise invalid(name, value if name == "softcap" else "an array",
+                      f'None with impl="{impl}" (jax.nn.dot_product_attention has no {name}): '
+                      'impl "einsum", "blocked" or "auto" take it')
     if v_BSGV.shape[-1] != K:
       raise invalid("impl", impl, f'"einsum" or "auto" when d_v={v_BSGV.shape[-1]} != d_k={K}')
     return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl,
-                                  is_causal, kv_lengths)
-  mask = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths))
+                                  is_causal, kv_lengths, window)
+  mask = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths, window))
   if q_BTHK.dtype == jnp.float32:
     # Scaling q (T·K values) rather than the logits (T·S) is the same product
     # up to rounding, and keeps XLA's CPU matmul fusion from materialising a
@@ -223,9 +293,11 @@ def attention(
     logits_BHTS = scores(q_BTHK * jnp.float32(scale), k_BSGK)
   else:
     logits_BHTS = scores(q_BTHK, k_BSGK) * scale
+  if softcap is not None:
+    logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
   if logits_bias is not None:
     logits_BHTS = logits_BHTS + logits_bias.astype(jnp.float32)
-  probs_BHTS = masked_softmax(logits_BHTS, mask)
+  probs_BHTS = masked_softmax(logits_BHTS, mask, sinks)
   out_BTHV = weighted_sum(probs_BHTS, v_BSGV).astype(q_BTHK.dtype)
   return (out_BTHV, probs_BHTS) if return_weights else out_BTHV
 

@@ -25,6 +25,22 @@ def causal_mask(T: int, S: int | None = None) -> Array:
   return (s <= t + (S - T))[None, None]
 
 
+def window_mask(T: int, S: int, window: int) -> Array:
+  """(1,1,T,S): query t may attend keys s with |t + (S - T) - s| < window.
+
+  Query t sits at position t + S - T, aligned at the end as in causal_mask;
+  ANDed with causal_mask the window is the `window` keys ending at the query
+  itself. A window of max(T, S) or more masks nothing.
+  """
+  for name, value in (("T", T), ("S", S), ("window", window)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise invalid(name, value, "a positive integer")
+  window = min(window, max(T, S))  # wider is the same mask; keeps int32 iotas safe
+  t = jnp.arange(T)[:, None] + (S - T)
+  s = jnp.arange(S)[None, :]
+  return (jnp.abs(t - s) < window)[None, None]
+
+
 def padding_mask(kv_lengths: Array, S: int, q_lengths: Array | None = None,
                  T: int | None = None) -> Array:
   """Key padding (B,1,1,S) from per-example key lengths; with q_lengths, (B,1,T,S).
