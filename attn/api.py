@@ -7,10 +7,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from attn import kernel
 from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_positions,
                          check_structured, invalid)
 from attn.variants import VARIANTS, rope
-from attn.variants.base import Params, Variant
+from attn.variants.base import Options, Params, Variant
 
 
 def get_variant(name: str) -> Variant:
@@ -57,6 +58,30 @@ def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
       raise invalid(f"params[{name!r}].shape", got[name], f"{shape} for variant {variant!r} and this cfg")
 
 
+def options(cfg: HeadConfig, x, context=None, *, mask=None, return_weights: bool = False,
+            head_mask=None, is_causal: bool = False, kv_lengths=None, positions=None,
+            impl: str | None = None) -> Options:
+  """The validated Options of one call with attn.apply's keywords, checked before tracing.
+
+  RoPE positions become (query positions, key positions): `positions` (or
+  0..T−1) for the queries and, in self-attention, the keys; 0..S−1 for
+  cross-attention keys.
+  """
+  check_inputs(cfg, x, context, mask)
+  S = (x if context is None else context).shape[1]
+  check_structured(is_causal, kv_lengths, x.shape[0], S)
+  check_head_mask(head_mask, x.shape[0], cfg.num_heads)
+  check_positions(positions, x.shape[0], x.shape[1])
+  if not isinstance(return_weights, bool):
+    raise invalid("return_weights", return_weights, "True or False")
+  if impl is not None and impl not in kernel.IMPLS:
+    raise invalid("impl", impl, f"None or one of {list(kernel.IMPLS)}")
+  qk = rope.qk_positions(positions, x.shape[1], S, cross=context is not None) \
+      if cfg.rope_dim else None
+  return Options(mask=mask, is_causal=is_causal, kv_lengths=kv_lengths, qk_positions=qk,
+                 head_mask=head_mask, return_weights=return_weights, impl=impl)
+
+
 def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
           kv_lengths=None, positions=None):
@@ -76,19 +101,12 @@ def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mas
   means 0..T−1.
   """
   v = check_config(variant, cfg)
-  check_inputs(cfg, x, context, mask)
-  check_structured(is_causal, kv_lengths, x.shape[0], (x if context is None else context).shape[1])
-  check_head_mask(head_mask, x.shape[0], cfg.num_heads)
-  check_positions(positions, x.shape[0], x.shape[1])
+  opts = options(cfg, x, context, mask=mask, return_weights=return_weights, head_mask=head_mask,
+                 is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)
   check_params(v.name, params, cfg)
-  qk = None
-  if cfg.rope_dim:
-    S = (x if context is None else context).shape[1]
-    qk = rope.qk_positions(positions, x.shape[1], S, cross=context is not None)
-  y, w = v.apply(params, x, context, cfg=cfg, mask=mask, return_weights=return_weights,
-                 head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                 qk_positions=qk)
+  y, w = v.apply(params, x, context, cfg=cfg, opts=opts)
   return (y, w) if return_weights else y
 
 
-__all__ = ["ConfigError", "apply", "check_config", "check_params", "get_variant", "init", "param_shapes"]
+__all__ = ["ConfigError", "Options", "apply", "check_config", "check_params", "get_variant", "init",
+           "options", "param_shapes"]

@@ -226,3 +226,17 @@ def check_mask(mask: Any, target_BHTS: tuple[int, int, int, int]) -> None:
   if not ok:
     raise invalid("mask.shape", ms,
                   f"broadcastable to (B,H,T,S)={target_BHTS}, e.g. (B,1,1,S) or (1,1,T,S)")
+
+
+def check_ids(name: str, ids: Any, upper: int, *, rank: int = 2) -> None:
+  """Integer ids (tokens, segments) of the given rank; concrete ones must lie in [0, upper)."""
+  shape = getattr(ids, "shape", None)
+  if shape is None or len(shape) != rank:
+    raise invalid(f"{name}.shape", shape, f"rank {rank} of integer ids")
+  if not np.issubdtype(np.dtype(ids.dtype), np.integer):
+    raise invalid(f"{name}.dtype", str(ids.dtype), "an integer dtype")
+  if not isinstance(ids, _Tracer) and ids.size:
+    a = np.asarray(ids)  # host values: np.min on a jax array captured under jit would be traced
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= upper:
+      raise invalid(name, f"ids in [{lo}, {hi}]", f"ids in [0, {upper})")

@@ -11,6 +11,7 @@ import attn
 from attn import ConfigError, cli, kernel, masks
 from attn.bench import layer as bench
 from attn.variants import base, fused, per_head
+from attn.variants.base import Options
 from conftest import randn, random_params
 
 SHAPES = [  # B, T, S, H, G, K
@@ -69,11 +70,12 @@ def test_fused_implementations_agree_and_match_per_head(cross):
   x = randn(2, (2, 5, 24))
   ctx = randn(3, (2, 7, 24)) if cross else None
   mask = jnp.ones((2, 1, 5, 7 if cross else 5), bool).at[1, :, 2].set(False)
-  y_head = per_head.apply(p_head, x, ctx, cfg=cfg, mask=mask)[0]
+  y_head = per_head.apply(p_head, x, ctx, cfg=cfg, opts=Options(mask=mask))[0]
   for impl in ("einsum", "xla"):
-    y = fused.apply(p_fused, x, ctx, cfg=cfg, mask=mask, impl=impl)[0]
+    y = fused.apply(p_fused, x, ctx, cfg=cfg, opts=Options(mask=mask, impl=impl))[0]
     np.testing.assert_allclose(y, y_head, atol=1e-5, rtol=1e-5)
-  grads = [jax.grad(lambda x: (fused.apply(p_fused, x, ctx, cfg=cfg, mask=mask, impl=impl)[0]
+  grads = [jax.grad(lambda x: (fused.apply(p_fused, x, ctx, cfg=cfg,
+                                           opts=Options(mask=mask, impl=impl))[0]
                                ** 2).sum())(x) for impl in ("einsum", "xla")]
   np.testing.assert_allclose(grads[0], grads[1], atol=1e-4, rtol=1e-4)
 

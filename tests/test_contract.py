@@ -258,9 +258,10 @@ def test_decode_form_equals_apply(variant, cname):
 
   @jax.jit
   def both(params, x, ctx):
-    kw = dict(cfg=cfg, mask=mask, return_weights=True, head_mask=xi,
-              qk_positions=(jnp.arange(T) + 3, jnp.arange(S)))
-    return v.apply(params, x, ctx, **kw), v.decode_apply(params, x, ctx, **kw)
+    opts = attn.api.Options(mask=mask, return_weights=True, head_mask=xi,
+                            qk_positions=(jnp.arange(T) + 3, jnp.arange(S)))
+    return (v.apply(params, x, ctx, cfg=cfg, opts=opts),
+            v.decode_apply(params, x, ctx, cfg=cfg, opts=opts))
 
   (y, w), (y_dec, w_dec) = both(params, x, ctx)
   np.testing.assert_allclose(w_dec, w, atol=1e-5)

@@ -138,7 +138,8 @@ def test_score_weights_are_the_weights_the_logits_depend_on(name):
   params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 3)
   x_BTD = jax.random.normal(jax.random.PRNGKey(4), (2, 5, cfg.d_model))
   r_BHTS = jax.random.normal(jax.random.PRNGKey(5), (2, 4, 5, 5))
-  loss = lambda p: (attn.VARIANTS[name].apply(p, x_BTD, None, cfg=cfg, return_weights=True)[1]
+  opts = attn.api.Options(return_weights=True)
+  loss = lambda p: (attn.VARIANTS[name].apply(p, x_BTD, None, cfg=cfg, opts=opts)[1]
                     * r_BHTS).sum()
   grads = jax.jit(jax.grad(loss))(params)
   touched = sum(int((jnp.abs(g) > 0).sum()) for k, g in grads.items() if not k.startswith("b"))

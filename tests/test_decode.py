@@ -19,6 +19,7 @@ import attn
 from attn.config import ConfigError
 from attn.nn import DecoderLM, ModelConfig
 from attn.variants import cache as kv_cache
+from attn.variants.base import Options
 
 ALL = sorted(attn.VARIANTS)
 
@@ -71,11 +72,11 @@ def test_decode_step_equals_the_causal_forward_pass(variant):
   for name, cfg in cases:
     params = fresh_params(variant, cfg, seed=1)
     x_BTD = randn(2, (2, 7, cfg.d_model))
-    full, _ = var.apply(params, x_BTD, cfg=cfg, is_causal=True)
+    full, _ = var.apply(params, x_BTD, cfg=cfg, opts=Options(is_causal=True))
     got = _decode_in_chunks(var, params, x_BTD, cfg, (1,) * 7)
     np.testing.assert_allclose(got, full, atol=2e-5, rtol=2e-5, err_msg=f"{name} one at a time")
     gates = jnp.asarray(np.random.default_rng(3).uniform(size=(2, cfg.num_heads)), jnp.float32)
-    gated, _ = var.apply(params, x_BTD, cfg=cfg, is_causal=True, head_mask=gates)
+    gated, _ = var.apply(params, x_BTD, cfg=cfg, opts=Options(is_causal=True, head_mask=gates))
     got = _decode_in_chunks(var, params, x_BTD, cfg, (4, 1, 2), head_mask=gates)
     np.testing.assert_allclose(got, gated, atol=2e-5, rtol=2e-5, err_msg=f"{name} chunked, gated")
 

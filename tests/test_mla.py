@@ -17,6 +17,7 @@ import attn
 from attn import ConfigError, HeadConfig, cli, count
 from attn.convert import CONVERTERS, LossyConversionWarning, convert
 from attn.variants import talking_heads
+from attn.variants.base import Options
 from conftest import ROPE_CONFIGS, fresh_params, randn
 from test_count import xla_flops
 from test_rope import numpy_rotate
@@ -117,7 +118,7 @@ def test_talking_heads_refuses_the_fused_kernels():
   cfg = HeadConfig(d_model=8, num_heads=2)
   for impl in ("blocked", "xla", "cudnn"):
     with pytest.raises(ConfigError, match=f"impl='{impl}' is not allowed.*talking_heads"):
-      talking_heads.apply({}, np.zeros((1, 3, 8), np.float32), cfg=cfg, impl=impl)
+      talking_heads.apply({}, np.zeros((1, 3, 8), np.float32), cfg=cfg, opts=Options(impl=impl))
 
 
 CONFIGS_LOSSY = HeadConfig(d_model=10, num_heads=4, d_k=3, d_v=2, num_kv_heads=2)  # G(K+V) = 10

@@ -32,49 +32,17 @@ import jax.numpy as jnp
 from attn.api import check_config, check_params
 from attn.config import HeadConfig, invalid
 from attn.convert import CONVERTERS
+from attn.variants import factors
 from attn.variants.base import Params
 
 Array = jax.Array
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _einsum(spec: str, *arrays) -> Array:
-  return jnp.einsum(spec, *arrays, precision=_HIGHEST)
-
-
-def _per_query_head(a_GX, cfg: HeadConfig, axis: int) -> Array:
-  """A kv-head array repeated so that index h holds kv head g(h) = h // R."""
-  return jnp.repeat(a_GX, cfg.group_size, axis=axis)
-
-
-def _values(p: Params, cfg: HeadConfig) -> dict:
-  """ov factors (W_V,g(h), W_O,hᵀ) and its bias terms, from w_v (D,G,V), w_o (H,V,D), b_v, b_o."""
-  w_v_HDV = _per_query_head(p["w_v"], cfg, 1).transpose(1, 0, 2)
-  w_o_HVD = p["w_o"]
-  out = {"ov": (w_v_HDV, w_o_HVD.transpose(0, 2, 1))}
-  if cfg.use_bias:
-    out["ov_bias"] = _einsum("HV,HVD->HD", _per_query_head(p["b_v"], cfg, 0), w_o_HVD)
-    out["b_o"] = p["b_o"]
-  return out
-
-
-def _from_per_head(p: Params, cfg: HeadConfig) -> dict:
-  w_q_HDK = p["w_q"].transpose(1, 0, 2)
-  w_k_HDK = _per_query_head(p["w_k"], cfg, 1).transpose(1, 0, 2)
-  out = {"qk": (w_q_HDK, w_k_HDK), **_values(p, cfg)}
-  if cfg.use_bias:
-    b_k_HK = _per_query_head(p["b_k"], cfg, 0)
-    out.update(qk_key_bias=_einsum("HDK,HK->HD", w_k_HDK, p["b_q"]),
-               qk_query_bias=_einsum("HDK,HK->HD", w_q_HDK, b_k_HK),
-               qk_const=jnp.sum(p["b_q"] * b_k_HK, axis=-1))
-  return out
 
 
 def _from_merged(p: Params, cfg: HeadConfig) -> dict:
   """W_h as trained, the identity as its second factor; b_kc is the key-side term."""
   H, D = cfg.num_heads, cfg.d_model
   eye_HDD = jnp.broadcast_to(jnp.eye(D, dtype=p["w_qk"].dtype), (H, D, D))
-  out = {"qk": (p["w_qk"], eye_HDD), **_values(p, cfg)}
+  out = {"qk": (p["w_qk"], eye_HDD), **factors.values(p, cfg)}
   if cfg.use_bias:
     out["qk_key_bias"] = p["b_kc"]
   return out
@@ -85,15 +53,15 @@ def _from_collaborative(p: Params, cfg: HeadConfig) -> dict:
   H = cfg.num_heads
   a_HDJ = p["w_q"][None] * p["m"][:, None, :]
   b_HDJ = jnp.broadcast_to(p["w_k"], (H,) + p["w_k"].shape)
-  out = {"qk": (a_HDJ, b_HDJ), **_values(p, cfg)}
+  out = {"qk": (a_HDJ, b_HDJ), **factors.values(p, cfg)}
   if cfg.use_bias:
-    out.update(qk_key_bias=_einsum("DJ,HJ->HD", p["w_k"], p["m"] * p["b_q"]),
-               qk_query_bias=_einsum("DJ,HJ->HD", p["w_q"], p["m"] * p["b_k"]),
-               qk_const=_einsum("HJ,J->H", p["m"], p["b_q"] * p["b_k"]))
+    out.update(qk_key_bias=factors.einsum("DJ,HJ->HD", p["w_k"], p["m"] * p["b_q"]),
+               qk_query_bias=factors.einsum("DJ,HJ->HD", p["w_q"], p["m"] * p["b_k"]),
+               qk_const=factors.einsum("HJ,J->H", p["m"], p["b_q"] * p["b_k"]))
   return out
 
 
-_OWN_LAYOUT = {"per_head": _from_per_head, "merged": _from_merged,
+_OWN_LAYOUT = {"per_head": factors.from_per_head, "merged": _from_merged,
                "collaborative": _from_collaborative}
 
 
@@ -109,7 +77,7 @@ def _read(variant: str, params: Params, cfg: HeadConfig) -> dict:
     raise invalid("variant", v.name, f"one of {sorted(_OWN_LAYOUT)}, one with an exact converter "
                   "to per_head (attn.convert) or one with Variant.circuits")
   step.check(cfg)
-  return _from_per_head(step.fn(params, cfg)[0], cfg)
+  return factors.from_per_head(step.fn(params, cfg)[0], cfg)
 
 
 def circuit_factors(variant: str, params: Params,
@@ -135,6 +103,6 @@ def circuits(variant: str, params: Params, cfg: HeadConfig) -> dict[str, Array]:
   dtype = read["ov"][0].dtype
   zeros = {"qk_key_bias": (H, D), "qk_query_bias": (H, D), "qk_const": (H,), "ov_bias": (H, D),
            "b_o": (D,)}
-  out = {name: _einsum("HDW,HEW->HDE", *read[name]) for name in ("qk", "ov")}
+  out = {name: factors.einsum("HDW,HEW->HDE", *read[name]) for name in ("qk", "ov")}
   out.update({name: read.get(name, jnp.zeros(shape, dtype)) for name, shape in zeros.items()})
   return out

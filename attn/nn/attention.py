@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn import api
-from attn.config import HeadConfig, invalid
+from attn.config import HeadConfig, check_head_mask, invalid
 from attn.variants import cache as kv_cache
 from attn.variants.base import Params
 
@@ -88,6 +88,7 @@ class MultiHeadAttention(nnx.Module):
     B, M = next(iter(cache.values())).shape[:2]
     if x_BTD.shape[0] != B:
       raise invalid("x.shape[0]", x_BTD.shape[0], f"the cache's batch size {B} (init_cache)")
+    check_head_mask(head_mask, B, self.cfg.num_heads)
     index = self.cache_index[...]
     if not isinstance(index, jax.core.Tracer) and int(index) + x_BTD.shape[1] > M:
       raise invalid("x.shape[1]", x_BTD.shape[1],

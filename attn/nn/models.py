@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from attn import api
-from attn.config import HeadConfig, invalid
+from attn.config import HeadConfig, check_ids, invalid
 from attn.nn import decoding
 from attn.nn.attention import MultiHeadAttention
 
@@ -171,20 +171,6 @@ def _require(cfg: ModelConfig, model: str, **wanted) -> None:
 
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
-
-
-def check_ids(name: str, ids: Any, upper: int, *, rank: int = 2) -> None:
-  """Integer ids of the given rank; concrete ones must lie in [0, upper)."""
-  shape = getattr(ids, "shape", None)
-  if shape is None or len(shape) != rank:
-    raise invalid(f"{name}.shape", shape, f"rank {rank} of integer ids")
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise invalid(f"{name}.dtype", str(ids.dtype), "an integer dtype")
-  if _is_concrete(ids) and ids.size:
-    a = np.asarray(ids)  # host values: np.min on a jax array captured under jit would be traced
-    lo, hi = int(a.min()), int(a.max())
-    if lo < 0 or hi >= upper:
-      raise invalid(name, f"ids in [{lo}, {hi}]", f"ids in [0, {upper})")
 
 
 def check_lengths(name: str, lengths: Any, batch: int, length: int) -> None:
@@ -461,7 +447,7 @@ class DecoderLM(nnx.Module):
     decode=True: tokens_BT follow the tokens already in the KV cache (init_cache first).
     """
     if decode:
-      return decoding.decode(self, tokens_BT, head_mask, return_weights, lengths_B)
+      return self._decode(tokens_BT, head_mask, return_weights, lengths_B)
     self.embed.check(tokens_BT)
     B, T = tokens_BT.shape
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
@@ -472,6 +458,26 @@ class DecoderLM(nnx.Module):
                                 kv_lengths=lengths_B)
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
+
+  def _decode(self, tokens_BT: Array, head_mask, return_weights: bool, lengths_B) -> Array:
+    """Logits (B,T,vocab) of tokens_BT placed after the cached tokens; the caches grow by T."""
+    if return_weights:
+      raise invalid("return_weights", True, "False with decode=True")
+    if lengths_B is not None:
+      raise invalid("lengths", "given", "None with decode=True: decoding is causal against the "
+                    "cache's fill")
+    check_ids("tokens", tokens_BT, self.cfg.vocab_size)
+    index, B, M = decoding.cache_state(self)
+    T = tokens_BT.shape[1]
+    if tokens_BT.shape[0] != B:
+      raise invalid("tokens.shape[0]", tokens_BT.shape[0], f"the cache's batch size {B}")
+    if _is_concrete(index) and int(index) + T > M:
+      raise invalid("tokens.shape[1]", T, f"at most max_len - cache_index = {M} - {int(index)} = "
+                    f"{M - int(index)}: positions beyond the cache")
+    gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
+    h_BTD = self.embed(tokens_BT, offset=index)
+    h_BTD, _ = run_blocks(self.blocks, h_BTD, gates, False, decode=True)
+    return self.head(_norm(self.final_norm, h_BTD))
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
     """Empty KV caches in every layer for decode=True, max_len tokens (prompt + generated)."""

@@ -1,22 +1,28 @@
 """The variant contract, and the pieces every variant shares.
 
 A variant is a parameterization of one multi-head attention layer over a plain
-dict of arrays. Its `apply(params, x_BTD, context_BSD, *, cfg, mask,
-return_weights, head_mask, is_causal, kv_lengths, qk_positions)` returns
-`(y_BTD, weights_BHTS or None)`; `context_BSD` is None for self-attention;
-`head_mask` (H,) or (B,H) gates each query head's output before W^O (Michel
-et al. 2019), None meaning all ones; `is_causal` and `kv_lengths` are
-kernel.attention's structured masks, passed through to attend_and_project;
-`qk_positions` is None or (query positions, key positions) for RoPE
-(cfg.rope_dim > 0; None: 0..T−1 and 0..S−1), also passed through. A variant
-that cannot have RoPE refuses rope_dim > 0 in its `check`, with the reason.
+dict of arrays. Its `apply(params, x_BTD, context_BSD=None, *, cfg,
+opts=Options())` returns `(y_BTD, weights_BHTS or None)`; `context_BSD` is
+None for self-attention. `opts` (Options, below) is everything the call asks
+besides its inputs (masks, RoPE positions, head gates, weights out, kernel),
+built and validated once by attn.api.options; a variant hands it whole to
+attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, *, cfg, opts) and
+reads a field itself only if it uses it (fused: impl; talking_heads: impl,
+return_weights). An option of the attention core or a head feature is added
+here and in attn.kernel, not in variant files: a variant that computes its
+own logits or attends to something else calls the pieces of the shared path
+(queries_and_keys, core or full_mask + probabilities, project_out) instead of
+attend_and_project. A variant that cannot carry a HeadConfig feature (RoPE:
+rope_dim > 0) refuses it in its `check`, with the reason.
+
 Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
 element, forward only, for T queries and S keys. The KV-cache width is the
 elements cached per decoded token; the score weights are the weights the
-attention logits depend on, biases excluded. `decode_apply`, when a variant
-has one, computes the same function as `apply` the way a decoder would, its
-kernel reading only the kv_cache_width columns a cache holds (mla: queries
-absorbed into the latent); None means `apply` already does.
+attention logits depend on, biases excluded. `decode_apply(params, x_BTD,
+context_BSD, *, cfg, opts)`, when a variant has one, computes the same
+function as `apply` the way a decoder would, its kernel reading only the
+kv_cache_width columns a cache holds (mla: queries absorbed into the latent);
+None means `apply` already does.
 
 Decoding with a KV cache (attn.variants.cache; DecoderLM.init_cache) caches,
 per token, exactly kv_cache_width(cfg) numbers. By default these are the keys
@@ -26,15 +32,16 @@ calls attend_and_project (or calls `cached_kv` itself, as talking_heads does)
 decodes with nothing more. A key shared by all kv heads (merged's raw context,
 collaborative's D̃-wide key) is passed with one head, so it is cached once.
 A variant that caches something else sets both `cache_entries(params, x_BTD,
-*, cfg, positions)` -> dict of (B,T,...) arrays per token, and
-`attend_cached(params, x_BTD, cache, *, cfg, positions, mask, head_mask)` ->
-y_BTD, cache holding the same names over the cache length (mla: the latent
-and the rotated RoPE key).
+*, cfg, opts)` -> dict of (B,T,...) arrays per token (keys at
+opts.qk_positions[1]), and `attend_cached(params, x_BTD, cache, *, cfg,
+opts)` -> y_BTD, cache holding the same names over the cache length and
+opts.mask saying which slots each query sees (mla: the latent and the rotated
+RoPE key).
 
 attn.analysis.circuits reads a variant through its exact converter to per_head.
 A variant without one sets `circuits(params, cfg)` -> the same dict of factors
 as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
-e.g. talking_heads, which mixes per_head's.
+e.g. talking_heads, which mixes per_head's (attn.variants.factors).
 """
 
 from __future__ import annotations
@@ -46,12 +53,47 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
+from attn import kernel, masks
 from attn.config import HeadConfig
 from attn.variants import rope
 
 Array = jax.Array
 Params = dict[str, Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What one call asks of a layer besides its inputs, as one record a variant forwards whole.
+
+  Built and validated once, before tracing: attn.api.options (attn.apply, the
+  NNX module) or attn.variants.cache (decoding). A pytree: the arrays are
+  leaves, is_causal, return_weights and impl are static.
+
+  mask: boolean, True where a query may attend, broadcastable to (B,H,T,S).
+  is_causal, kv_lengths (B,): kernel.attention's structured masks, ANDed with mask.
+  qk_positions: None, or (query positions (T,)|(B,T), key positions (S,)|(B,S))
+    for RoPE (cfg.rope_dim > 0); None means 0..T−1 and 0..S−1.
+  head_mask: (H,) or (B,H) gates on each query head's output before W^O
+    (Michel et al. 2019); None means all ones.
+  return_weights: also return the softmax weights (B,H,T,S).
+  impl: kernel.attention's implementation; None means the variant's default ("auto").
+  """
+
+  mask: Array | None = None
+  is_causal: bool = False
+  kv_lengths: Array | None = None
+  qk_positions: tuple[Array, Array] | None = None
+  head_mask: Array | None = None
+  return_weights: bool = False
+  impl: str | None = None
+
+  def replace(self, **changes) -> Options:
+    return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask"],
+    meta_fields=["is_causal", "return_weights", "impl"])
 
 
 def _no_constraint(cfg: HeadConfig) -> None:
@@ -133,31 +175,70 @@ def gate_heads(out_BTHV: Array, head_mask) -> Array:
   return out_BTHV * xi_BTHV.astype(out_BTHV.dtype)
 
 
-def attend_and_project(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *,
-                       cfg: HeadConfig, mask, return_weights: bool, dtype, head_mask=None,
-                       is_causal: bool = False, kv_lengths=None, impl: str = "auto",
-                       qk_positions=None):
-  """The shared tail of every variant: RoPE, attention, head gates, then w_o (as (H,V,D)) and b_o.
+# The shared path. attend_and_project is the tail of every variant that projects queries, keys
+# and values; a variant that computes its own logits or attends to something else (talking_heads,
+# mla's absorbed form) calls the pieces instead, so that an option or head feature added here
+# reaches it too.
 
-  k_BSGK may have one head (a key shared by every kv head); while decoding,
-  the keys and values are the cache's (cached_kv).
+def queries_and_keys(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig,
+                     opts: Options) -> tuple[Array, Array]:
+  """q and k as the scores read them: RoPE at opts.qk_positions (cfg.rope_dim > 0)."""
+  del params
+  return rope.rotate_qk(q_BTHK, k_BSGK, cfg, opts.qk_positions)
 
-  RoPE (cfg.rope_dim > 0) rotates the first rope_dim dims of every query and
-  key head (attn.variants.rope). impl "auto" (kernel.best_impl) is the einsum
-  kernel for short sequences on CPU and the blocked one for long
-  (T·S >= kernel.BLOCKED_MIN_SCORES) without weights out.
+
+def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
+         opts: Options) -> tuple[Array, Array | None]:
+  """kernel.attention under the call's masks: (o (B,T,H,V), weights (B,H,T,S) or None).
+
+  impl None or "auto" (kernel.best_impl) is the einsum kernel for short
+  sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
+  without weights out.
   """
-  q_BTHK, k_BSGK = rope.rotate_qk(q_BTHK, k_BSGK, cfg, qk_positions)
+  del params
+  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, opts.mask, is_causal=opts.is_causal,
+                         kv_lengths=opts.kv_lengths, scale=cfg.score_scale,
+                         return_weights=opts.return_weights, impl=opts.impl or "auto")
+  return out if opts.return_weights else (out, None)
+
+
+def full_mask(opts: Options, T: int, S: int) -> Array | None:
+  """The call's masks as one dense boolean array broadcastable to (B,H,T,S), or None."""
+  return masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal,
+                                                               opts.kv_lengths))
+
+
+def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) -> Array:
+  """Softmax weights (float32) of explicit logits under a dense mask (full_mask)."""
+  del params, cfg
+  return kernel.masked_softmax(logits_BHTS, mask)
+
+
+def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
+                opts: Options) -> Array:
+  """o_h of each head (gated by opts.head_mask) through W^O (as (H,V,D)) plus b_o, in x's dtype.
+
+  x_BTD is the query-side input of the layer: the tokens whose outputs o_h are.
+  """
+  w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
+  y_BTD = output_projection(gate_heads(o_BTHV, opts.head_mask), w_o_HVD, bias(params, "b_o"))
+  return y_BTD.astype(x_BTD.dtype)
+
+
+def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Array,
+                       v_BSGV: Array, *, cfg: HeadConfig, opts: Options):
+  """The shared tail of every variant: RoPE, attention, head gates, then W^O and b_o.
+
+  x_BTD is the layer's query-side input (it sets the output dtype). k_BSGK
+  may have one head (a key shared by every kv head); while decoding, the keys
+  and values are the cache's (cached_kv). Returns (y_BTD, weights or None).
+  """
+  q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
   if k_BSGK.shape[2] != v_BSGV.shape[2]:  # one key shared by all kv heads
     k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], v_BSGV.shape[2], k_BSGK.shape[3]))
-  out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
-                         kv_lengths=kv_lengths, scale=cfg.score_scale,
-                         return_weights=return_weights, impl=impl)
-  out_BTHV, w_BHTS = out if return_weights else (out, None)
-  w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
-  y_BTD = output_projection(gate_heads(out_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
-  return y_BTD.astype(dtype), w_BHTS
+  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 
 # Set by attn.variants.cache while decoding: (k_BSGK, v_BSGV) -> the keys and values to attend to.

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants.base import KV_HOOK, Params, Variant
+from attn.variants.base import KV_HOOK, Options, Params, Variant
 
 Array = jax.Array
 
@@ -34,15 +34,16 @@ def _with_hook(hook, f, *args, **kwargs):
 def entries(variant: Variant, params: Params, x_BTD: Array, *, cfg: HeadConfig,
             positions: Array) -> dict[str, Array]:
   """What the layer caches for x's tokens at `positions` (T,): a dict of (B,T,...) arrays."""
+  opts = Options(qk_positions=(positions, positions))
   if variant.cache_entries is not None:
-    return variant.cache_entries(params, x_BTD, cfg=cfg, positions=positions)
+    return variant.cache_entries(params, x_BTD, cfg=cfg, opts=opts)
   seen = {}
 
   def capture(k_BTGK, v_BTGV):
     seen.update(k=k_BTGK, v=v_BTGV)
     return k_BTGK, v_BTGV
 
-  _with_hook(capture, variant.apply, params, x_BTD, cfg=cfg, qk_positions=(positions, positions))
+  _with_hook(capture, variant.apply, params, x_BTD, cfg=cfg, opts=opts)
   return seen
 
 
@@ -83,7 +84,8 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
   T = x_BTD.shape[1]
   max_len = next(iter(cache.values())).shape[1]
   pos_T = index + jnp.arange(T)
-  mask = causal_mask(index, T, max_len)
+  opts = Options(mask=causal_mask(index, T, max_len), head_mask=head_mask,
+                 qk_positions=(pos_T, pos_T))
 
   def write(name, new):
     return jax.lax.dynamic_update_slice_in_dim(cache[name], new.astype(cache[name].dtype),
@@ -92,8 +94,7 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
   if variant.cache_entries is not None:
     new = entries(variant, params, x_BTD, cfg=cfg, positions=pos_T)
     full = {name: write(name, a) for name, a in new.items()}
-    y_BTD = variant.attend_cached(params, x_BTD, full, cfg=cfg, positions=pos_T, mask=mask,
-                                  head_mask=head_mask)
+    y_BTD = variant.attend_cached(params, x_BTD, full, cfg=cfg, opts=opts)
     return y_BTD, full
   full = {}
 
@@ -101,6 +102,5 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
     full.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return full["k"], full["v"]
 
-  y_BTD, _ = _with_hook(swap, variant.apply, params, x_BTD, cfg=cfg, mask=mask,
-                        head_mask=head_mask, qk_positions=(pos_T, pos_T))
+  y_BTD, _ = _with_hook(swap, variant.apply, params, x_BTD, cfg=cfg, opts=opts)
   return y_BTD, full

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 lowrank_dof, normal, project_heads, value_output_dof)
 
 
@@ -51,9 +51,8 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_q": (J,), "b_k": (J,), "b_v": (G, V), "b_o": (D,)}, dtype)
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   q_BTJ = x_BTD @ params["w_q"] + bias(params, "b_q")
   k_BSJ = c_BSD @ params["w_k"] + bias(params, "b_k")
@@ -61,10 +60,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   # The shared keys serve every kv group: one key head (attend_and_project broadcasts it).
   k_BS1J = k_BSJ[:, :, None]
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
-  return attend_and_project(params, q_BTHJ, k_BS1J, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, q_BTHJ, k_BS1J, v_BSGV, cfg=cfg, opts=opts)
 
 
 def param_count(cfg: HeadConfig) -> int:

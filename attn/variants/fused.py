@@ -18,8 +18,8 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, dense,
-                                factored_effective_param_count, normal, standard_flops,
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
+                                dense, factored_effective_param_count, normal, standard_flops,
                                 standard_kv_cache_width, standard_param_count,
                                 standard_score_weights)
 
@@ -62,22 +62,19 @@ def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig, *, split: b
 # The attention core behind the projections: "auto" (the default) picks
 # kernel.best_impl for the inputs: on CPU the einsum kernel, or the blocked
 # one for long sequences; cuDNN flash attention on a GPU where it applies.
-# Set this, or pass impl= to apply, to force "einsum", "blocked", "xla" or
-# "cudnn" (jax.nn.dot_product_attention).
+# Set this, or pass Options(impl=...) to apply, to force "einsum", "blocked",
+# "xla" or "cudnn" (jax.nn.dot_product_attention).
 DEFAULT_IMPL = "auto"
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, impl: str | None = None, qk_positions=None):
-  impl = DEFAULT_IMPL if impl is None else impl
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
+  impl = DEFAULT_IMPL if opts.impl is None else opts.impl
   S = x_BTD.shape[1] if context_BSD is None else context_BSD.shape[1]
   long = impl == "blocked" or (impl == "auto" and kernel.is_long(x_BTD.shape[1], S))
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg, split=long)
-  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            impl=impl, qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg,
+                            opts=opts.replace(impl=impl))
 
 
 VARIANT = Variant(

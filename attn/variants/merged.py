@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, normal,
-                                value_output_dof)
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
+                                normal, value_output_dof)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -54,19 +54,15 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_kc": (H, D), "b_v": (G, V), "b_o": (D,)}, dtype)
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   """Scores as (x W_h + b_kc,h)·c: a D-wide query per head against the raw context."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   qm_BTHD = jnp.einsum("BTD,HDE->BTHE", x_BTD, params["w_qk"]) + bias(params, "b_kc")
   # Every kv group compares against the same raw context: one key head, shared (and cached once).
   c_BS1D = c_BSD[:, :, None]
   v_BSGV = jnp.einsum("BSD,DGV->BSGV", c_BSD, params["w_v"]) + bias(params, "b_v")
-  return attend_and_project(params, qm_BTHD, c_BS1D, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, qm_BTHD, c_BS1D, v_BSGV, cfg=cfg, opts=opts)
 
 
 def param_count(cfg: HeadConfig) -> int:

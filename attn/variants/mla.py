@@ -36,12 +36,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig, invalid
 from attn.variants import rope
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias, dense,
-                                gate_heads, lowrank_dof, normal, output_projection,
-                                project_heads, rope_score_dof)
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
+                                core, dense, lowrank_dof, normal, project_heads, project_out,
+                                rope_score_dof)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -85,9 +84,8 @@ def _latent_and_rope_key(params: Params, c_BSD, cfg: HeadConfig):
   return lat_BSC, kr_BSR
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   """Unabsorbed (training) form: keys and values up-projected from the latent, per kv head."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, _ = c_BSD.shape
@@ -98,15 +96,11 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   if r:  # the shared RoPE key fills the first r dims of every kv head; the base rotates them
     k_BSGK = jnp.concatenate([jnp.broadcast_to(kr_BSR[:, :, None], (B, S, G, r)), k_BSGK], -1)
   v_BSGV = jnp.einsum("BSC,CGV->BSGV", lat_BSC, params["w_uv"]) + bias(params, "b_v")
-  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
 
 
-def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-                 return_weights: bool = False, head_mask=None, is_causal: bool = False,
-                 kv_lengths=None, qk_positions=None):
+def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+                 opts: Options = Options()):
   """Absorbed (inference) form: the kernel reads only [k^R | c], d_c + rope_dim per token.
 
   Query head h becomes [q^R_h | q_h·W_UK,gᵀ] (r + d_c wide) against the one
@@ -117,21 +111,19 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, ma
   """
   c_BSD = x_BTD if context_BSD is None else context_BSD
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
+  q_pos = None
   if cfg.rope_dim:
-    q_pos, k_pos = rope.qk_positions(None, x_BTD.shape[1], c_BSD.shape[1], True) \
-        if qk_positions is None else qk_positions
+    q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1],
+                                                          c_BSD.shape[1], True)
     kr_BSR = rope.rotate(kr_BSR, k_pos, cfg.rope_dim, cfg.rope_theta)
-    qk_positions = (q_pos, None)
-  return _attend_latent(params, x_BTD, lat_BSC, kr_BSR, cfg=cfg, mask=mask,
-                        return_weights=return_weights, head_mask=head_mask, is_causal=is_causal,
-                        kv_lengths=kv_lengths, q_positions=qk_positions and qk_positions[0])
+  return _attend_latent(params, x_BTD, lat_BSC, kr_BSR, q_pos, cfg=cfg, opts=opts)
 
 
-def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, *, cfg: HeadConfig, mask,
-                   return_weights: bool, head_mask, is_causal: bool, kv_lengths, q_positions):
+def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, q_positions, *, cfg: HeadConfig,
+                   opts: Options):
   """decode_apply's kernel over latents and already rotated RoPE keys; queries at q_positions."""
   B, S, _ = lat_BSC.shape
-  H, R, r, C = cfg.num_heads, cfg.group_size, cfg.rope_dim, cfg.latent_dim
+  R, r, C = cfg.group_size, cfg.rope_dim, cfg.latent_dim
   q_BTHK = queries(params, x_BTD)
   w_uk_CHK = jnp.repeat(params["w_uk"], R, axis=1)
   w_uv_CHV = jnp.repeat(params["w_uv"], R, axis=1)
@@ -144,32 +136,27 @@ def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, *, cfg: HeadConfig, m
   v_BS1C = lat_BSC[:, :, None]
   if cfg.use_bias:
     v_BS1C = jnp.concatenate([v_BS1C, jnp.ones((B, S, 1, 1), lat_BSC.dtype)], -1)
-  out = kernel.attention(q_BTHW, k_BS1W, v_BS1C, mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                         scale=cfg.score_scale, return_weights=return_weights, impl="auto")
-  o_BTHC, w_BHTS = out if return_weights else (out, None)
+  o_BTHC, w_BHTS = core(params, q_BTHW, k_BS1W, v_BS1C, cfg=cfg, opts=opts)
   o_BTHV = jnp.einsum("BTHC,CHV->BTHV", o_BTHC[..., :C], w_uv_CHV)
   if cfg.use_bias:  # b_v times the row's total weight: 1, or 0 for a fully masked row
     o_BTHV = o_BTHV + o_BTHC[..., C:] * jnp.repeat(params["b_v"], R, axis=0)
-  w_o_HVD = params["w_o"]
-  y_BTD = output_projection(gate_heads(o_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), w_BHTS
+  return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 
-def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, positions) -> dict:
+def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, opts: Options) -> dict:
   """Per token: the latent c (d_c) and the RoPE key k^R (rope_dim), rotated at its position."""
   lat_BTC, kr_BTR = _latent_and_rope_key(params, x_BTD, cfg)
   if not cfg.rope_dim:
     return {"latent": lat_BTC}
-  return {"latent": lat_BTC, "k_rope": rope.rotate(kr_BTR, positions, cfg.rope_dim,
-                                                   cfg.rope_theta)}
+  _, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1], x_BTD.shape[1], False)
+  return {"latent": lat_BTC, "k_rope": rope.rotate(kr_BTR, k_pos, cfg.rope_dim, cfg.rope_theta)}
 
 
-def attend_cached(params: Params, x_BTD, cache: dict, *, cfg: HeadConfig, positions, mask,
-                  head_mask=None):
-  """The absorbed form against a cache of latents and rotated RoPE keys."""
-  y_BTD, _ = _attend_latent(params, x_BTD, cache["latent"], cache.get("k_rope"), cfg=cfg,
-                            mask=mask, return_weights=False, head_mask=head_mask,
-                            is_causal=False, kv_lengths=None, q_positions=positions)
+def attend_cached(params: Params, x_BTD, cache: dict, *, cfg: HeadConfig, opts: Options):
+  """The absorbed form against a cache of latents and rotated RoPE keys; opts' query positions."""
+  q_pos = None if opts.qk_positions is None else opts.qk_positions[0]
+  y_BTD, _ = _attend_latent(params, x_BTD, cache["latent"], cache.get("k_rope"), q_pos, cfg=cfg,
+                            opts=opts)
   return y_BTD
 
 

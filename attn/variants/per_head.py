@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 factored_effective_param_count, normal, project_heads,
                                 standard_flops, standard_kv_cache_width, standard_param_count,
                                 standard_score_weights)
@@ -42,18 +42,14 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_q": (H, K), "b_k": (G, K), "b_v": (G, V), "b_o": (D,)}, dtype)
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   """Each head's (D,K), (D,K), (D,V) and (V,D) matrices, all heads in one matmul each."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
-  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
 
 
 VARIANT = Variant(

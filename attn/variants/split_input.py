@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core_flops, factored_score_dof, normal, standard_kv_cache_width,
                                 value_output_dof)
 
@@ -44,9 +44,8 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_q": (H, K), "b_k": (G, K), "b_v": (G, V), "b_o": (D,)}, dtype)
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, T, D = x_BTD.shape
   S = c_BSD.shape[1]
@@ -56,10 +55,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   q_BTHK = jnp.einsum("BTHE,HEK->BTHK", x_BTHE, params["w_q"]) + bias(params, "b_q")
   k_BSGK = jnp.einsum("BSGE,GEK->BSGK", c_BSGE, params["w_k"]) + bias(params, "b_k")
   v_BSGV = jnp.einsum("BSGE,GEV->BSGV", c_BSGE, params["w_v"]) + bias(params, "b_v")
-  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
 
 
 def param_count(cfg: HeadConfig) -> int:

@@ -12,7 +12,7 @@ heads as in per_head. After P_w the mask is applied again, so a key masked
 for head h gets no weight in it even if another head's mask differs.
 
 The kernel: mixing needs every head's explicit (B,H,T,S) logits, so this
-variant runs the einsum path (kernel.scores, masked_softmax, weighted_sum);
+variant runs the einsum path (kernel.scores, base.probabilities, weighted_sum);
 the per-head fused kernels ("blocked", "xla", "cudnn") never hold all heads'
 logits at once and are refused by name. Returned weights are each head's
 softmax output, before P_w: distributions over the keys.
@@ -31,13 +31,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import kernel, masks
+from attn import kernel
 from attn.config import HeadConfig, invalid
-from attn.variants import per_head, rope
-from attn.variants.base import (Params, Variant, bias, cached_kv, factored_score_dof, gate_heads,
-                                lowrank_dof, output_projection, project_heads,
-                                score_space_dim, standard_flops, standard_kv_cache_width,
-                                standard_param_count, standard_score_weights)
+from attn.variants import factors, per_head
+from attn.variants.base import (Options, Params, Variant, bias, cached_kv, factored_score_dof,
+                                full_mask, lowrank_dof, probabilities, project_heads, project_out,
+                                queries_and_keys, score_space_dim, standard_flops,
+                                standard_kv_cache_width, standard_param_count,
+                                standard_score_weights)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -51,32 +52,29 @@ def mixing(params: Params, name: str) -> jax.Array:
   return m + jnp.eye(m.shape[0], dtype=jnp.float32)
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None, impl: str | None = None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   """Per-head projections, logits mixed across heads, softmax, weights mixed, values."""
-  if impl not in (None, "auto", "einsum"):
-    raise invalid("impl", impl, '"einsum" or "auto" for talking_heads: mixing logits across '
+  if opts.impl not in (None, "auto", "einsum"):
+    raise invalid("impl", opts.impl, '"einsum" or "auto" for talking_heads: mixing logits across '
                   "heads needs all H score matrices, which the per-head fused kernels never hold")
   c_BSD = x_BTD if context_BSD is None else context_BSD
-  T, S = x_BTD.shape[1], c_BSD.shape[1]
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
-  q_BTHK, k_BSGK = rope.rotate_qk(q_BTHK, k_BSGK, cfg, qk_positions)
+  q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
   T, S = x_BTD.shape[1], k_BSGK.shape[1]
   logits_BITS = kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale
   logits_BHTS = jnp.einsum("BITS,IH->BHTS", logits_BITS, mixing(params, "mix_l"))
-  full_mask = masks.combine_masks(mask, kernel.structured_mask(T, S, is_causal, kv_lengths))
-  probs_BITS = kernel.masked_softmax(logits_BHTS, full_mask)
+  mask = full_mask(opts, T, S)
+  probs_BITS = probabilities(params, logits_BHTS, mask, cfg=cfg)
   mixed_BHTS = jnp.einsum("BITS,IH->BHTS", probs_BITS, mixing(params, "mix_w"))
-  if full_mask is not None:
-    mixed_BHTS = jnp.where(full_mask, mixed_BHTS, 0.0)
+  if mask is not None:
+    mixed_BHTS = jnp.where(mask, mixed_BHTS, 0.0)
   out_BTHV = kernel.weighted_sum(mixed_BHTS, v_BSGV).astype(x_BTD.dtype)
-  w_o_HVD = params["w_o"]
-  y_BTD = output_projection(gate_heads(out_BTHV, head_mask), w_o_HVD, bias(params, "b_o"))
-  return y_BTD.astype(x_BTD.dtype), (probs_BITS if return_weights else None)
+  y_BTD = project_out(params, x_BTD, out_BTHV, cfg=cfg, opts=opts)
+  return y_BTD, (probs_BITS if opts.return_weights else None)
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -102,9 +100,9 @@ def score_weights(cfg: HeadConfig) -> int:
 def circuits(p: Params, cfg: HeadConfig) -> dict:
   """Per_head's circuits mixed, qk[h] = Σ_i P_l[i,h]·qk_i and ov[i] = Σ_h P_w[i,h]·ov_h, so that the
   circuit formulas hold with the returned (pre-P_w) weights: qk width H·d_k, ov H·d_v."""
-  from attn.analysis.circuits import _einsum as mix, _from_per_head  # lazy: it imports the registry
+  mix = factors.einsum
   H, D = cfg.num_heads, cfg.d_model
-  heads = _from_per_head(p, cfg)
+  heads = factors.from_per_head(p, cfg)
   w_q_IDK, w_k_IDK = heads["qk"]
   w_v_IDV, w_o_IDV = heads["ov"]
   eye = jnp.eye(H, dtype=p["mix_l"].dtype)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig
 from attn.variants import per_head
-from attn.variants.base import (Params, Variant, add_bias, attend_and_project, bias,
+from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 factored_effective_param_count, normal, project_heads,
                                 standard_flops, standard_kv_cache_width, standard_param_count,
                                 standard_score_weights)
@@ -37,9 +37,8 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_q1": (D,), "b_k1": (D,), "b_v1": (D,)}, dtype)
 
 
-def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None,
-          return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, qk_positions=None):
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
+          opts: Options = Options()):
   c_BSD = x_BTD if context_BSD is None else context_BSD
   xq_BTD = x_BTD @ params["w_q1"] + bias(params, "b_q1")
   ck_BSD = c_BSD @ params["w_k1"] + bias(params, "b_k1")
@@ -47,10 +46,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, mask=None
   q_BTHK = project_heads(xq_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(ck_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(cv_BSD, params["w_v"], bias(params, "b_v"))
-  return attend_and_project(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, mask=mask,
-                            return_weights=return_weights, dtype=x_BTD.dtype,
-                            head_mask=head_mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                            qk_positions=qk_positions)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
 
 
 def param_count(cfg: HeadConfig) -> int:
