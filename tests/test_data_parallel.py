@@ -27,6 +27,7 @@ import pytest
 from attn.config import ConfigError
 from attn.experiments.running import config as config_lib
 from attn.experiments.training import parallel
+from attn.nn.models import ModelConfig
 from attn.experiments.training.config import TrainConfig
 from conftest import TINY_MQAR
 
@@ -68,6 +69,8 @@ def test_default_is_one_device_and_the_device_count_leaves_trial_ids_alone():
     for key, value in (("norm_eps", 1e-5), ("latent_dim", None), ("q_latent_dim", None),
                          ("rope_dim", 0), ("rope_theta", 10000.0)):  # hashed only when set (newer keys)
       assert cfg["model"].pop(key) == value
+    for key in [k for k in cfg["model"] if k not in config_lib.FIRST_KEYS["model"]]:
+      assert cfg["model"].pop(key) == getattr(ModelConfig, key)  # a newer key at its default
     text = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
     assert t.id == hashlib.sha256(text.encode()).hexdigest()[:12]
     assert (t.config["train"]["data_parallel"], t.config["train"]["data_parallel_axis"]) == (1, "batch")

@@ -25,6 +25,7 @@ import attn
 from attn.bench import peers as peers_lib
 from attn.config import HeadConfig
 from attn.variants import cache as kv_cache
+from attn.variants.base import Options
 
 CONTEXTS = (256, 1024, 4096)
 CFG = HeadConfig(d_model=512, num_heads=8, d_k=64, d_v=64)
@@ -61,7 +62,8 @@ def _recompute_case(cfg: HeadConfig, L: int) -> Callable[[], Any]:
   var = attn.VARIANTS["fused"]
   params = var.init(jax.random.PRNGKey(0), cfg)
   x_BSD = jax.random.normal(jax.random.PRNGKey(2), (1, L + 1, cfg.d_model))
-  f = jax.jit(lambda p, x: var.apply(p, x, cfg=cfg, is_causal=True)[0][:, -1])
+  causal = Options(is_causal=True)
+  f = jax.jit(lambda p, x: var.apply(p, x, cfg=cfg, opts=causal)[0][:, -1])
   return peers_lib.block(f, params, x_BSD)
 
 

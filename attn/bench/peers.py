@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.config import HeadConfig
 from attn.variants import fused
+from attn.variants.base import Options
 
 Candidate = dict[str, Any]
 
@@ -72,7 +73,8 @@ def _input(B: int, T: int, D: int, dtype):
 def variant_case(variant, cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
   """One registered variant at its default attention core."""
   params = variant.init(jax.random.PRNGKey(0), cfg, dtype)
-  apply = lambda p, x: variant.apply(p, x, None, cfg=cfg, mask=mask)[0]
+  opts = Options(mask=mask)
+  apply = lambda p, x: variant.apply(p, x, None, cfg=cfg, opts=opts)[0]
   return jax_pair(apply, params, _input(B, T, cfg.d_model, dtype), dtype)
 
 
@@ -80,8 +82,8 @@ def fused_case(cfg: HeadConfig, B: int, T: int, dtype, *, impl: str, mask=None,
                is_causal: bool = False, max_bytes: int | None = None) -> Candidate:
   """The fused variant's projections around one attention core: impl "blocked", "einsum", "xla"."""
   params = fused.init(jax.random.PRNGKey(0), cfg, dtype)
-  apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, mask=mask, is_causal=is_causal,
-                                   impl=impl)[0]
+  opts = Options(mask=mask, is_causal=is_causal, impl=impl)
+  apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, opts=opts)[0]
   return jax_pair(apply, params, _input(B, T, cfg.d_model, dtype), dtype, max_bytes=max_bytes)
 
 
