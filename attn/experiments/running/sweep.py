@@ -31,7 +31,7 @@ from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.training import preempt
-from attn.experiments.running.store import CONFIG, Store, load_sweep, read_json
+from attn.experiments.running.store import CONFIG, Store, config_todo, load_sweep, read_config
 
 DEFAULT_LEASE_TIMEOUT = leases.DEFAULT_TIMEOUT
 
@@ -97,9 +97,10 @@ def check_lease_timeout(seconds: Any) -> float:
 def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None) -> bool:
   """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already."""
   store = Store(out)
-  resumed = store.claim(header(sweep, config_text, overrides or []))
-  for t in sweep.trials:
-    store.write_config(t.id, {"id": t.id, "label": t.label, **t.config})
+  head = header(sweep, config_text, overrides or [])
+  resumed = store.claim(head)
+  for t in sweep.trials:  # an existing config.json that does not parse is refused here, before any training
+    store.write_config(t.id, {"id": t.id, "label": t.label, **t.config}, head)
   return resumed
 
 
@@ -111,7 +112,7 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
     path = os.path.join(out, "trials", entry["id"], CONFIG)
     if not os.path.exists(path):
       raise invalid("DIR", out, f"a store claimed by `attn sweep` with every trial's {CONFIG} ({path} is missing)")
-    cfg = read_json(path)
+    cfg = read_config(path, config_todo(out, head))
     trials.append(config_lib.Trial(entry["id"], cfg["label"],
                                    {k: v for k, v in cfg.items() if k not in ("id", "label")}))
   return trials, bool(head.get("vmap_seeds", False))
@@ -239,6 +240,9 @@ class _Worker:
       if lease.took_over is not None:
         self.stream.write(f"trial {self.name(t)}: taken over from {leases.describe(lease.took_over)}: "
                           f"{lease.took_over['reason']}\n")
+      damage = self.store.damage(t.id)
+      if damage:
+        self.stream.write(f"trial {self.name(t)}: warning: {damage}: re-running it from its checkpoint\n")
       held.append(t)
     return held
 
@@ -249,7 +253,8 @@ class _Worker:
     label, steps = _label(group), group[0].config["train"]["steps"]
 
     def on_start(j: int, step: int) -> None:
-      store.start(group[j].id, resume_from=step)
+      for problem in store.start(group[j].id, resume_from=step):
+        stream.write(f"trial {self.name(group[j])}: warning: {problem}: dropped\n")
       if step:
         progress.total -= step
         stream.write(f"trial {self.name(group[j])} resumes at step {step} from {store.checkpoint_dir(group[j].id)}\n")
