@@ -319,7 +319,8 @@ def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
     if step_ms is not None and s.get("group_size", 1) > 1:
       step_ms = f"{step_ms:.3g} (×{s['group_size']} seeds)"
     cells = [t["id"], ", ".join(f"{_short(k)}={v}" for k, v in t["label"].items()) or "–",
-             s.get("status", "damaged" if t.get("damaged") else "unfinished"), s.get("model_params"), s.get("attention_params_analytic"),
+             s.get("status", "damaged" if t.get("damaged") else "unfinished"), s.get("model_params"),
+             s.get("attention_params_analytic"),
              s.get("attention_params_effective"), s.get("attention_flops_fwd"), step_ms,
              s.get("compile_s"), final.get("loss"), final.get("eval_loss"), final.get("eval_accuracy")]
     lines.append("| " + " | ".join(_fmt(c, 3) if not isinstance(c, str) else c for c in cells) + " |")

@@ -385,8 +385,8 @@ def check_derived(raw: dict[str, Any], set_keys: dict[str, str] | None = None) -
       if d == "fixed_params" and sweep.get("param_budget", "base") == "base":
         continue  # the base model's d_ff: its parameter count is the budget
       where = "sweep.param_budget is an integer, so " if d == "fixed_params" else ""
-      raise invalid(key, raw[section][name],
-                    f"left out of [{section}]: {where}{why}; to set it by hand, drop the derive (sweep.derive = {rest})")
+      raise invalid(key, raw[section][name], f"left out of [{section}]: {where}{why}; to set it by hand, "
+                    f"drop the derive (sweep.derive = {rest})")
 
 
 def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = None) -> Sweep:

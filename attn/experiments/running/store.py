@@ -114,6 +114,10 @@ def _row_problem(line: bytes) -> str | None:
   return problem
 
 
+def _torn(path: str, line: bytes, problem: str) -> str:
+  return f"{path}: its last line ({len(line)} bytes) is torn, a write cut short ({problem})"
+
+
 def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
   """(rows, what was left out) of a JSON-lines file: lines that do not parse are skipped and named.
 
@@ -130,7 +134,7 @@ def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
     if problem is None:
       rows.append(json.loads(line))
     elif i == len(lines) - 1:
-      problems.append(f"{path}: its last line ({len(line)} bytes) is torn, a write cut short ({problem})")
+      problems.append(_torn(path, line, problem))
     else:
       problems.append(f"{path}: line {i + 1} of {len(lines)} is left out ({problem})")
   return rows, problems
@@ -155,7 +159,7 @@ def torn_tail(path: str) -> str | None:
     return None
   last = body.rsplit(b"\n", 1)[-1]
   problem = _row_problem(last)
-  return None if problem is None else f"{path}: its last line ({len(last)} bytes) is torn, a write cut short ({problem})"
+  return None if problem is None else _torn(path, last, problem)
 
 
 def rerun_command(root: str, header: dict[str, Any]) -> str:
