@@ -14,6 +14,7 @@ tensorboard extra (tensorboardX): pip install -e ".[tensorboard]".
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TextIO
 
@@ -57,7 +58,7 @@ def export_tensorboard(root: str, logdir: str, stream: TextIO = sys.stderr) -> d
 def run(args: argparse.Namespace) -> int:
   counts = export_tensorboard(args.dir, args.tensorboard)
   left = [f"{counts[k]} {k}" for k in ("unfinished", "damaged") if counts[k]]
-  print(f"tensorboard: {counts['runs']} runs, {counts['rows']} rows in {tb_writer.check(args.tensorboard)}"
+  print(f"tensorboard: {counts['runs']} runs, {counts['rows']} rows in {os.path.abspath(args.tensorboard)}"
         + (f" ({', '.join(left)} trials left out: export again once they finish)" if left else ""))
   print(f"view: tensorboard --logdir {args.tensorboard}")
   return 0

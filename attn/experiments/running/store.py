@@ -107,11 +107,12 @@ def read_json(path: str) -> Any:
   return value
 
 
-def _row_problem(line: bytes) -> str | None:
+def _row(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
+  """(row, None) for a metrics line, else (None, what is wrong with it)."""
   row, problem = _parse(line)
   if problem is None and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
-    problem = "not a JSON object with an integer step"
-  return problem
+    return None, "not a JSON object with an integer step"
+  return row, problem
 
 
 def _torn(path: str, line: bytes, problem: str) -> str:
@@ -130,9 +131,9 @@ def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
   if lines and not lines[-1]:
     lines.pop()  # the end of the last complete line
   for i, line in enumerate(lines):
-    problem = _row_problem(line)
+    row, problem = _row(line)
     if problem is None:
-      rows.append(json.loads(line))
+      rows.append(row)
     elif i == len(lines) - 1:
       problems.append(_torn(path, line, problem))
     else:
@@ -158,7 +159,7 @@ def torn_tail(path: str) -> str | None:
   if not body or (start and b"\n" not in body):  # empty, or one line longer than the window
     return None
   last = body.rsplit(b"\n", 1)[-1]
-  problem = _row_problem(last)
+  problem = _row(last)[1]
   return None if problem is None else _torn(path, last, problem)
 
 
