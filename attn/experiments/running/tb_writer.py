@@ -11,10 +11,20 @@ store has it; an error while writing events is reported once, after which that
 worker writes no more events, and it never fails, stops or changes a trial.
 Each time a trial starts (from step 0, or resumed from its checkpoint at step N)
 its run is rewritten: the run's earlier event files are deleted and the rows
-the store keeps (steps < N) are written again before the new ones, with
-purge_step=0, so each step shows once even where a killed worker had written
-rows past its checkpoint. Writers name their files by host, pid and start
-time: several workers (--workers N, Slurm tasks) never overwrite one another.
+the store keeps (steps < N) are written again before the new ones, after a
+SessionLog START at step 0 (what SummaryWriter's purge_step writes: a
+TensorBoard that had read the old files drops their steps), so each step shows
+once even where a killed worker had written rows past its checkpoint. Writers
+name their files by host, pid and start time: several workers (--workers N,
+Slurm tasks) never overwrite one another. Events are flushed every few seconds
+and when the trial ends.
+
+Events go through tensorboardX's synchronous EventsWriter, one Event per row,
+not its SummaryWriter: SummaryWriter hands events to a writer thread through a
+bounded queue, and once a write fails (a full disk) that thread is gone, the
+11th add_scalar after it blocks for good and the process hangs at exit
+(tensorboardX 2.6.5). Written here, a failed write raises in the training
+thread, where it is caught and reported.
 """
 
 from __future__ import annotations
@@ -49,14 +59,16 @@ def run_name(trial_id: str, label: dict[str, Any]) -> str:
 
 
 def add_row(writer: Any, row: dict[str, Any]) -> None:
-  """Every number of a row but its step, as a scalar at the row's step."""
-  for key, value in row.items():
-    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-      writer.add_scalar(key, float(value), row["step"])
+  """One event: every number of a row but its step, a scalar of its key at the row's step."""
+  from tensorboardX.proto.event_pb2 import Event
+  from tensorboardX.proto.summary_pb2 import Summary
+  values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in row.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
+  writer.write_event(Event(wall_time=time.time(), step=row["step"], summary=Summary(value=values)))
 
 
 class Writer:
-  """One tensorboardX SummaryWriter per trial being written, under logdir.
+  """One tensorboardX EventsWriter per trial being written, under logdir.
 
   strict=False (a sweep's workers): the first error is written to `stream`
   and turns this writer off; strict=True (export): errors are raised.
@@ -66,6 +78,7 @@ class Writer:
     self.logdir, self.stream, self.strict, self.flush_secs = logdir, stream, strict, flush_secs
     self.error: str | None = None
     self._open: dict[str, Any] = {}
+    self._flushed: dict[str, float] = {}
 
   def _guard(self, what: str, fn, *args) -> None:
     if self.error is not None:
@@ -92,22 +105,33 @@ class Writer:
     self._guard(f"starting the run of trial {trial_id}", self._start, trial_id, label, list(rows))
 
   def _start(self, trial_id: str, label: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    from tensorboardX import SummaryWriter  # lazy: an optional extra
+    from tensorboardX.event_file_writer import EventsWriter  # lazy: an optional extra
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
     self._close(trial_id)
     d = os.path.join(self.logdir, run_name(trial_id, label))
-    for name in os.listdir(d) if os.path.isdir(d) else []:
+    os.makedirs(d, exist_ok=True)
+    for name in os.listdir(d):
       if name.startswith(PREFIX):
         os.remove(os.path.join(d, name))
-    writer = SummaryWriter(d, purge_step=0, flush_secs=self.flush_secs,
-                           filename_suffix=f".{time.time_ns()}.{os.getpid()}")
+    writer = EventsWriter(os.path.join(d, "events"), f".{time.time_ns()}.{os.getpid()}")
     self._open[trial_id] = writer
+    writer.write_event(Event(wall_time=time.time(), step=0, session_log=SessionLog(status=SessionLog.START)))
     for row in rows:
       add_row(writer, row)
+    writer.flush()
+    self._flushed[trial_id] = time.monotonic()
 
   def row(self, trial_id: str, row: dict[str, Any]) -> None:
-    """One new row of a started trial (after the store has it)."""
+    """One new row of a started trial (after the store has it); flushed every flush_secs."""
     if trial_id in self._open:
-      self._guard(f"writing step {row.get('step')} of trial {trial_id}", add_row, self._open[trial_id], row)
+      self._guard(f"writing step {row.get('step')} of trial {trial_id}", self._row, trial_id, row)
+
+  def _row(self, trial_id: str, row: dict[str, Any]) -> None:
+    writer = self._open[trial_id]
+    add_row(writer, row)
+    if time.monotonic() - self._flushed[trial_id] >= self.flush_secs:
+      writer.flush()
+      self._flushed[trial_id] = time.monotonic()
 
   def close(self, trial_id: str) -> None:
     """Flushes and closes the trial's event file."""
@@ -115,6 +139,7 @@ class Writer:
 
   def _close(self, trial_id: str) -> None:
     writer = self._open.pop(trial_id, None)
+    self._flushed.pop(trial_id, None)
     if writer is not None:
       writer.close()
 
