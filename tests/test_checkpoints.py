@@ -230,8 +230,8 @@ def test_store_start_keeps_rows_before_the_checkpoint_and_refuses_a_gap(tmp_path
   partial = os.path.join(st.trial_dir("t"), store.PARTIAL)
   with open(partial, "w") as f:
     f.write("".join(f'{{"loss": {s / 10}, "step": {s}}}\n' for s in (0, 1, 3)) + '{"loss": 0.')  # torn last line
-  with pytest.raises(ValueError, match=re.escape(f"{partial} holds 3 rows before the checkpoint of step 4, "
-                                                 "not rows 0..3")):
+  with pytest.raises(store.StoreDamaged, match=re.escape(f"{partial} is damaged (3 rows before the checkpoint of "
+                                                        "step 4, not rows 0..3; ") + ".* is torn"):
     st.start("t", resume_from=4)
   st.start("t", resume_from=2)
   st.append("t", {"step": 2, "loss": 9.0})

@@ -91,6 +91,59 @@ def test_fixed_width_and_fixed_params_constraints(tmp_path):
   assert max(counts) - min(counts) <= per_unit
 
 
+def _derived(tmp_path, edit=()):
+  text = TINY.replace('"train.lr" = [1e-2, 1e30]', '"model.num_heads" = [1, 2]')
+  text = text.replace("seeds = [0, 1]", 'derive = ["fixed_width", "fixed_params"]\nseeds = [0, 1]')
+  return write(tmp_path, text.replace(*edit) if edit else text)
+
+
+@pytest.mark.parametrize("edit, overrides, words", [
+    ((), ["model.d_k=0"], ["--set='model.d_k=0' is not allowed", "'fixed_width' computes model.d_k",
+                           """--set 'sweep.derive=["fixed_params"]'"""]),
+    (("d_ff = 16", "d_ff = 16\nd_v = 8"), [], ["model.d_v=8 is not allowed: left out of [model]", "'fixed_width'"]),
+    ((), ["sweep.grid.model.d_k=[4, 8]"], ["sweep.grid.model.d_k=[4, 8] is not allowed", "'fixed_width'"]),
+    (("seeds = [0, 1]", 'seeds = [0]\n[sweep.zip]\n"model.d_v" = [4]'), [],
+     ["sweep.zip.model.d_v=[4] is not allowed", "'fixed_width' computes model.d_v"]),
+    ((), ["model.d_ff=64"], ["--set='model.d_ff=64' is not allowed", "'fixed_params' computes model.d_ff",
+                             "sweep.param_budget=N"]),
+    (("seeds = [0, 1]", "seeds = [0]\nparam_budget = 5000"), [],
+     ["model.d_ff=16 is not allowed: left out of [model]: sweep.param_budget is an integer", "'fixed_params'"]),
+    ((), ['sweep.grid.model.d_ff=[8]'], ["sweep.grid.model.d_ff=[8] is not allowed", "'fixed_params'"]),
+])
+def test_a_value_that_a_derive_would_overwrite_is_refused(tmp_path, edit, overrides, words):
+  path = _derived(tmp_path, edit)
+  with pytest.raises(ConfigError) as e:
+    config_lib.load(path, overrides)
+  msg = str(e.value)
+  assert msg.startswith(path)
+  for w in words:
+    assert w in msg, (w, msg)
+
+
+def test_a_value_a_derive_leaves_alone_is_kept(tmp_path):
+  path = _derived(tmp_path)
+  assert {t.config["model"]["d_k"] for t in config_lib.load(path).trials} == {16, 8}
+  # The derive dropped, the value is the trials'.
+  sw = config_lib.load(path, ["model.d_k=4", "model.d_v=8", 'sweep.derive=["fixed_params"]'])
+  assert {(t.config["model"]["d_k"], t.config["model"]["d_v"]) for t in sw.trials} == {(4, 8)}
+  # Under fixed_params an integer budget needs no d_ff in [model]; the file's d_ff with "base" sets the budget.
+  fitted = config_lib.load(_derived(tmp_path, ("d_ff = 16\n", "")), ["sweep.param_budget=5000"])
+  for t in fitted.trials:
+    cfg = models.ModelConfig(**t.config["model"])
+    per_unit = count.model_param_count(cfg.replace(d_ff=2), "decoder_lm") - count.model_param_count(
+        cfg.replace(d_ff=1), "decoder_lm")
+    assert abs(count.model_param_count(cfg, "decoder_lm") - 5000) <= per_unit / 2
+
+
+def test_cli_refuses_a_set_that_fixed_width_would_overwrite(tmp_path, capsys):
+  from attn import cli
+  out = tmp_path / "o"
+  assert cli.main(["sweep", QUICK, "--set", "model.d_k=0", "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"attn sweep: error: {QUICK}: --set='model.d_k=0' is not allowed: ")
+  assert "sweep.derive 'fixed_width' computes model.d_k" in err and "Traceback" not in err and not out.exists()
+
+
 @pytest.mark.parametrize("edit, words", [
     (("[model]", "[modle]"), ["modle", "[model]"]),
     (("d_ff = 16", "d_ff = 16\nwidth = 3"), ["model.width", "num_heads"]),

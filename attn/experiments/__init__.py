@@ -5,8 +5,8 @@ list (and attn's library below all of them); `cli` (attn sweep) sits on top:
 
   data/      tasks and corpora, deterministic from a seed
   training/  [train] config, the optax train loop, Orbax checkpoints, devices, preemption
-  running/   sweep configs -> trials, the store, leases, workers, Slurm, status
-  reading/   reports, plots, `attn analyze`, load_trial
+  running/   sweep configs -> trials, the store, leases, workers, Slurm, status, TensorBoard events
+  reading/   reports, plots, `attn analyze`, `attn export`, load_trial
 
 `load_trial(run_dir, trial_id, step=None) -> (model, model_config, task)` gives
 back a trained model from its checkpoint (attn.experiments.reading.trials).

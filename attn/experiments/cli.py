@@ -1,10 +1,20 @@
-"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N] [--analyze]`.
+"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N] [--analyze]
+[--tensorboard LOGDIR]`.
 
 Runs a sweep config into its store, then writes its report. --executor local
 (the default) trains in this process (--workers 1) or in N local worker
 processes; --executor slurm claims the store, submits one job array
 (attn.experiments.running.slurm), prints the job id and returns. Re-running the same
 command resumes; `attn status DIR` shows progress for any executor.
+
+--tensorboard LOGDIR: live curves. Whatever trains a trial (this process, each
+local worker, each Slurm task) also writes its metric rows to LOGDIR, one
+TensorBoard run per trial named by its settings and id
+(LOGDIR/num_heads=4,seed=0-<id>), after the store has them; a resumed trial's
+run is rewritten from the rows the store keeps, so no step shows twice
+(attn.experiments.running.tb_writer). Needs the tensorboard extra (tensorboardX):
+pip install -e ".[tensorboard]". `attn export DIR --tensorboard LOGDIR` writes
+the same runs from a store afterwards. View: tensorboard --logdir LOGDIR.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import sys
 
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
+from attn.experiments.running import tb_writer
 from attn.experiments.running import workers as workers_lib
 
 workers_lib.import_submitit()  # first, without its logging setup (see there); slurm imports it too
@@ -38,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--lease-timeout", metavar="SECONDS", type=float, default=leases.DEFAULT_TIMEOUT,
                       help="a trial whose worker sent no heartbeat for this long is taken over by another "
                            f"(default {leases.DEFAULT_TIMEOUT:g})")
+  parser.add_argument("--tensorboard", metavar="LOGDIR", default=None,
+                      help="also write each trial's metric rows as it trains to this TensorBoard log directory, "
+                           'one run per trial (needs: pip install -e ".[tensorboard]")')
   if slurm is not None:
     slurm.add_arguments(parser)
 
@@ -51,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
   if args.executor == "slurm" and workers != 1:
     raise invalid("--workers", workers, "left out with --executor slurm (one array task per trial)")
   slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
+  if args.tensorboard is not None:  # tensorboardX is there, LOGDIR is no file; absolute for workers and tasks
+    args.tensorboard = tb_writer.check(args.tensorboard)
+    print(f"live curves: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
   if args.executor == "local":  # a Slurm node may have other devices: its tasks check there
     config_lib.check_devices(sweep.trials, sweep.vmap_seeds)
@@ -64,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     preempt.install_handlers()
     try:
       counts = sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides,
-                                   lease_timeout=lease_timeout)
+                                   lease_timeout=lease_timeout, tensorboard=args.tensorboard)
     except KeyboardInterrupt:
       print("\n" + preempt.message("interrupted"), file=sys.stderr)
       return 130
@@ -75,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
   else:
     if sweep_lib.prepare(sweep, out, text, args.overrides):
       print(f"resuming {out}", file=sys.stderr)
-    _, unfinished, stopped_by = workers_lib.run_workers(out, workers, lease_timeout)
+    _, unfinished, stopped_by = workers_lib.run_workers(out, workers, lease_timeout, tensorboard=args.tensorboard)
     if stopped_by:
       return 128 + stopped_by
     if unfinished:

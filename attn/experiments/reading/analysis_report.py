@@ -38,7 +38,12 @@ def load(root: str, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for t in trials:
     path = os.path.join(root, "trials", t["id"], ANALYSIS)
     if t["summary"] and t["summary"].get("status") == "ok" and os.path.exists(path):
-      out.append({**t, "analysis": store_lib.read_json(path)})
+      try:
+        analysis = store_lib.read_json(path)
+      except store_lib.StoreDamaged as e:
+        raise store_lib.StoreDamaged(path, e.problem, f"remove it and run `attn analyze {root} --trial {t['id']}` "
+                                     "to write it again") from None
+      out.append({**t, "analysis": analysis})
   return out
 
 

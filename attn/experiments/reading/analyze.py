@@ -32,7 +32,6 @@ import argparse
 import functools
 import math
 import os
-import shlex
 import sys
 import time
 from typing import Any, TextIO
@@ -82,11 +81,6 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _rerun(run_dir: str, header: dict[str, Any]) -> str:
-  sets = "".join(f" --set {shlex.quote(o)}" for o in header.get("overrides", []))
-  return f"attn sweep {shlex.quote(header.get('config_path', 'CONFIG'))} --out {shlex.quote(run_dir)}{sets}"
-
-
 def _has_checkpoint(run_dir: str, trial_id: str) -> bool:
   d = os.path.join(run_dir, "trials", trial_id, store_lib.CHECKPOINTS)
   return os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
@@ -103,7 +97,7 @@ def select_trials(run_dir: str, trial_ids: list[str] | None = None) -> tuple[lis
     return list(dict.fromkeys(trial_ids)), []
   chosen, skipped, no_checkpoint = [], [], []
   for t in store_lib.iter_trials(run_dir):
-    status = (t["summary"] or {}).get("status", "unfinished")
+    status = (t["summary"] or {}).get("status", "damaged" if t["damaged"] else "unfinished")
     if status != "ok":
       skipped.append(f"skipped {t['id']}: {status}")
     elif not _has_checkpoint(run_dir, t["id"]):
@@ -114,10 +108,10 @@ def select_trials(run_dir: str, trial_ids: list[str] | None = None) -> tuple[lis
     raise invalid("DIR", run_dir,
                   f"a sweep whose finished trials have checkpoints: none of its {len(no_checkpoint)} finished "
                   f"trials has one (trained before attn saved checkpoints). Train them again: remove "
-                  f"{os.path.join(run_dir, 'trials')} and run {_rerun(run_dir, header)}")
+                  f"{os.path.join(run_dir, 'trials')} and run {store_lib.rerun_command(run_dir, header)}")
   if not chosen:
     raise invalid("DIR", run_dir, f"a sweep with a finished trial: none of its {len(known)} has finished; "
-                  f"run {_rerun(run_dir, header)}")
+                  f"run {store_lib.rerun_command(run_dir, header)}")
   skipped += [f"skipped {tid}: finished without a checkpoint" for tid in no_checkpoint]
   return chosen, skipped
 
@@ -268,7 +262,7 @@ def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots
   from attn.experiments.data import tasks
   t0 = time.perf_counter()
   trial_dir = os.path.join(run_dir, "trials", trial_id)
-  cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
+  cfg = store_lib.read_config(os.path.join(trial_dir, store_lib.CONFIG), store_lib.config_todo(run_dir))
   model, model_cfg, task = load_trial(run_dir, trial_id)
   step = checkpoints.steps(os.path.join(trial_dir, store_lib.CHECKPOINTS))[-1]  # the one load_trial read
   train = cfg["train"]

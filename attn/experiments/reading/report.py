@@ -6,6 +6,11 @@ byte-level `text` task, held-out bits per byte leads instead, and groups are
 ranked and compared by it, lower is better); the plots are
 attn/experiments/reading/plots.py's. A table lists every trial with its parameter counts,
 FLOPs, step time and final metrics; failed trials are listed with their reason.
+
+A damaged store file is named by path: a damaged sweep.json or config.json is
+refused (attn.experiments.running.store); a trial whose summary.json does not
+parse is listed as damaged (`attn sweep` re-runs it), and metrics rows left out
+(a torn last line) are named; both as warnings on stderr and in the report.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -313,17 +319,21 @@ def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
     if step_ms is not None and s.get("group_size", 1) > 1:
       step_ms = f"{step_ms:.3g} (×{s['group_size']} seeds)"
     cells = [t["id"], ", ".join(f"{_short(k)}={v}" for k, v in t["label"].items()) or "–",
-             s.get("status", "unfinished"), s.get("model_params"), s.get("attention_params_analytic"),
+             s.get("status", "damaged" if t.get("damaged") else "unfinished"), s.get("model_params"),
+             s.get("attention_params_analytic"),
              s.get("attention_params_effective"), s.get("attention_flops_fwd"), step_ms,
              s.get("compile_s"), final.get("loss"), final.get("eval_loss"), final.get("eval_accuracy")]
     lines.append("| " + " | ".join(_fmt(c, 3) if not isinstance(c, str) else c for c in cells) + " |")
   return lines
 
 
-def write_report(root: str) -> str:
-  """Writes DIR/report.md and DIR/*.png from the store; returns the report's path."""
+def write_report(root: str, stream: TextIO = sys.stderr) -> str:
+  """Writes DIR/report.md and DIR/*.png from the store; returns the report's path. Warnings go to `stream`."""
   header = store_lib.load_sweep(root)
   trials = list(store_lib.iter_trials(root))
+  warnings = [w for t in trials for w in ([t["damaged"]] if t["damaged"] else []) + t["warnings"]]
+  for w in warnings:
+    stream.write(f"warning: {w}\n")
   text = add_bits_per_byte(trials)
   primary = "eval_bpb" if text else "eval_accuracy"
   rows = summarize(trials, primary)
@@ -338,7 +348,7 @@ def write_report(root: str) -> str:
     for r in rows:
       r["setting"] = None
   plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
-  status = [t["summary"]["status"] if t["summary"] else "unfinished" for t in trials]
+  status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
   md = [f"# {header['name']}", ""]
   if header.get("question"):
@@ -347,7 +357,9 @@ def write_report(root: str) -> str:
          f"Sweep `{header['sweep_id']}` from `{header['config_path']}`; reproduce with "
          f"`attn sweep {header['config_path']} --out {root}{' ' + sets if sets else ''}`. "
          f"{len(trials)} trials: {status.count('ok')} ok, {status.count('failed')} failed, "
-         f"{status.count('unfinished')} unfinished. Metrics are the last step's; held-out "
+         f"{status.count('unfinished')} unfinished"
+         + (f", {status.count('damaged')} damaged (see Damaged store files)" if "damaged" in status else "")
+         + ". Metrics are the last step's; held-out "
          "metrics come from batches the trial never trained on."
          + (" Bits per byte are the held-out cross-entropy in nats per predicted byte / ln 2 "
             "(lower is better); accuracy is next-byte accuracy." if text else ""), "",
@@ -379,6 +391,8 @@ def write_report(root: str) -> str:
          "of the function (see `attn count`). Step time is the median wall time of one step "
          "(a step of a vmapped group trains all its seeds at once).", ""]
   md += _trial_table(trials)
+  if warnings:
+    md += ["", "## Damaged store files", ""] + [f"- {w}" for w in warnings]
   failed = [t for t in trials if t["summary"] and t["summary"]["status"] == "failed"]
   if failed:
     md += ["", "## Failed trials", ""]

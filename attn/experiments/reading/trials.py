@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
-from typing import Any
 
 import jax
 from flax import nnx
@@ -15,11 +13,6 @@ from attn.experiments.running import store as store_lib
 from attn.experiments.training import checkpoints, train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
-
-
-def _rerun_command(run_dir: str, header: dict[str, Any]) -> str:
-  sets = "".join(f" --set {shlex.quote(o)}" for o in header.get("overrides", []))
-  return f"attn sweep {shlex.quote(header.get('config_path', 'CONFIG'))} --out {shlex.quote(run_dir)}{sets}"
 
 
 def load_trial(run_dir: str, trial_id: str, step: int | None = None):
@@ -40,15 +33,15 @@ def load_trial(run_dir: str, trial_id: str, step: int | None = None):
   if not have:
     if os.path.exists(os.path.join(trial_dir, store_lib.SUMMARY)):
       how = (f"it finished without one (trained before attn saved checkpoints, or failed before its "
-             f"first); to train it again, remove {trial_dir} and run {_rerun_command(run_dir, header)}")
+             f"first); to train it again, remove {trial_dir} and run {store_lib.rerun_command(run_dir, header)}")
     else:
-      how = f"it has not reached its first one; run {_rerun_command(run_dir, header)} to train it"
+      how = f"it has not reached its first one; run {store_lib.rerun_command(run_dir, header)} to train it"
     raise invalid("trial_id", trial_id, f"a trial with a checkpoint: {directory} holds none, {how}")
   if step is None:
     step = have[-1]
   elif step not in have:
     raise invalid("step", step, f"one of the checkpointed steps of trial {trial_id}: {have}")
-  cfg = store_lib.read_json(os.path.join(trial_dir, store_lib.CONFIG))
+  cfg = store_lib.read_config(os.path.join(trial_dir, store_lib.CONFIG), store_lib.config_todo(run_dir, header))
   task = tasks.make_task(cfg["task"])
   model_cfg = models.ModelConfig(**cfg["model"])
   abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))

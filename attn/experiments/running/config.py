@@ -15,6 +15,14 @@ constraints applied to every trial, in order:
                   d_ff = f; P is affine in d_ff, so every trial lands within half a
                   feed-forward unit of sweep.param_budget ("base": the base config's count).
 
+A field that a derive computes (fixed_width: model.d_k and model.d_v;
+fixed_params: model.d_ff) is refused, naming the field and the derive, when it
+is given anyway, in [model], by --set or as a sweep axis: the derive would
+overwrite it in every trial. One exception: under fixed_params with
+param_budget = "base", [model] d_ff is the base model whose count is the budget
+(with an integer budget, d_ff is left out); --set sweep.param_budget=N changes
+the budget from the command line.
+
 [train] is a TrainConfig (frozen, validated: each error names train.<field>).
 A trial's id is the hash of its resolved config (the dict stored in its
 config.json) without train.checkpoint_every, train.data_parallel and
@@ -50,6 +58,9 @@ SWEEP_KINDS = {"grid": "a table of dotted keys to lists", "zip": "a table of dot
                "param_budget": '"base" or a positive integer', "vmap_seeds": "true or false"}
 DERIVED_MODEL_KEYS = ("vocab_size", "num_classes", "max_len")
 DERIVES = ("fixed_width", "fixed_params")
+# The fields each derive computes in every trial, and how.
+DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
+           "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
 
 
@@ -201,6 +212,15 @@ def _parse_value(text: str) -> Any:
     return text
 
 
+def override_keys(overrides: list[str]) -> dict[str, str]:
+  """Dotted key -> the --set item that sets it (SECTION.KEY=VALUE items only; axes are set as sweep.grid.*)."""
+  out = {}
+  for item in overrides:
+    key = item.partition("=")[0].strip()
+    out[ALIASES.get(key, key)] = item
+  return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
   """raw with each --set KEY=VALUE applied; a swept key that is set is pinned (its axis dropped)."""
   raw = copy.deepcopy(raw)
@@ -275,7 +295,9 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         _check_train(key, values[key])
     base[section] = values
   base["model"] = {**MODEL_DEFAULTS, **base["model"]}
-  for key in ("d_model", "num_layers", "num_heads", "d_ff"):
+  sweep = raw.get("sweep", {})
+  fitted = "fixed_params" in sweep.get("derive", []) and isinstance(sweep.get("param_budget", "base"), int)
+  for key in ("d_model", "num_layers", "num_heads") + (() if fitted else ("d_ff",)):
     if key not in base["model"]:
       raise invalid(f"model.{key}", None, "required: an integer")
   return base
@@ -385,6 +407,8 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if model["num_layers"] < min_layers:
     raise invalid("model.num_layers", model["num_layers"],
                   f">= {min_layers} for task {cfg['task']['name']!r} (an induction head needs two layers)")
+  if "fixed_params" in derive:
+    model.setdefault("d_ff", 1)  # a start: fit_d_ff sets it (with an integer budget [model] leaves it out)
   model_cfg = train.model_config(model, task)
   if "fixed_params" in derive:
     model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
@@ -403,7 +427,7 @@ def load(path: str, overrides: list[str] | None = None) -> Sweep:
   except tomllib.TOMLDecodeError as e:
     raise invalid("CONFIG", path, f"valid TOML ({e})") from None
   try:
-    return _expand(path, apply_overrides(raw, overrides or []))
+    return _expand(path, apply_overrides(raw, overrides or []), override_keys(overrides or []))
   except ConfigError as e:
     raise ConfigError(f"{path}: {e}") from None
 
@@ -411,18 +435,47 @@ def load(path: str, overrides: list[str] | None = None) -> Sweep:
 def loads(text: str, name: str, overrides: list[str] | None = None) -> Sweep:
   """Like `load`, from TOML text; `name` stands for the file in messages."""
   try:
-    return _expand(name, apply_overrides(tomllib.loads(text), overrides or []))
+    return _expand(name, apply_overrides(tomllib.loads(text), overrides or []), override_keys(overrides or []))
   except ConfigError as e:
     raise ConfigError(f"{name}: {e}") from None
 
 
-def _expand(path: str, raw: dict[str, Any]) -> Sweep:
+def check_derived(raw: dict[str, Any], set_keys: dict[str, str] | None = None) -> None:
+  """Refuses a value of a field that a derive computes (module docstring), naming the field and the derive."""
+  sweep, set_keys = raw.get("sweep", {}), set_keys or {}
+  derive = sweep.get("derive", [])
+  for d in derive:
+    keys, rule = DERIVED[d]
+    rest = json.dumps([x for x in derive if x != d])
+    for key in keys:
+      section, _, name = key.partition(".")
+      why = f"sweep.derive {d!r} computes {key} in every trial ({rule}) and would overwrite it"
+      for kind in ("grid", "zip"):
+        axes = _flatten(sweep.get(kind, {}))
+        if key in axes:
+          raise invalid(f"sweep.{kind}.{key}", axes[key],
+                        f"left out: {why}; to sweep it by hand, drop the derive (sweep.derive = {rest})")
+      if name not in raw.get(section, {}):
+        continue
+      if key in set_keys:
+        also = " or change the budget: --set sweep.param_budget=N" if d == "fixed_params" else ""
+        raise invalid("--set", set_keys[key],
+                      f"left out: {why}; to set it by hand, also drop the derive: --set 'sweep.derive={rest}'{also}")
+      if d == "fixed_params" and sweep.get("param_budget", "base") == "base":
+        continue  # the base model's d_ff: its parameter count is the budget
+      where = "sweep.param_budget is an integer, so " if d == "fixed_params" else ""
+      raise invalid(key, raw[section][name], f"left out of [{section}]: {where}{why}; to set it by hand, "
+                    f"drop the derive (sweep.derive = {rest})")
+
+
+def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = None) -> Sweep:
   base = _validate_base(raw)
   sweep = raw.get("sweep", {})
   derive = sweep.get("derive", [])
   for d in derive:
     if d not in DERIVES:
       raise invalid("sweep.derive", d, f"a list of {list(DERIVES)}")
+  check_derived(raw, set_keys)
   grid, tied = _axes(sweep, base)
   budget = sweep.get("param_budget", "base")
   if "fixed_params" in derive and not isinstance(budget, int):

@@ -3,8 +3,9 @@
 Each array task runs `sweep.run_trials(out, ids)` for one trial (or one seed group with
 sweep.vmap_seeds), so the store's leases, skips and resume work as for local workers; the
 command prints the job id and returns. submitit's files and the tasks' logs go to DIR/slurm/.
-The pickle submitit hands to a task holds only `SlurmTask(out, lease_timeout)` and the trial
-ids (strings): results stay in the JSON/Orbax store.
+The pickle submitit hands to a task holds only `SlurmTask(out, lease_timeout, tensorboard)` and
+the trial ids (strings): results stay in the JSON/Orbax store (with --tensorboard LOGDIR, each
+task also writes its trials' events there, as local workers do).
 
 Preemption and time limits, as submitit 1.5.4 does them (core/job_environment.py, helpers.py):
 - Before calling the task, submitit's `process_job` installs `SignalHandler`: its preemption
@@ -225,8 +226,8 @@ def _exit(code: int) -> None:
 class SlurmTask(Checkpointable):
   """One array task: runs its trials from the store; on USR1 checkpoints and requeues, on SIGTERM saves and exits."""
 
-  def __init__(self, out: str, lease_timeout: float | None = None):
-    self.out, self.lease_timeout = out, lease_timeout
+  def __init__(self, out: str, lease_timeout: float | None = None, tensorboard: str | None = None):
+    self.out, self.lease_timeout, self.tensorboard = out, lease_timeout, tensorboard
     self._stopping, self._requeue_pending, self._requeue = False, False, None
 
   def __call__(self, trial_ids: list[str]) -> dict[str, int]:
@@ -238,13 +239,15 @@ class SlurmTask(Checkpointable):
     signal.signal(signal.SIGTERM, self._on_sigterm)
     from attn.experiments.running import sweep as sweep_lib  # lazy: jax
     kwargs = {} if self.lease_timeout is None else {"lease_timeout": self.lease_timeout}
-    return sweep_lib.run_trials(self.out, list(trial_ids), **kwargs)
+    tensorboard = getattr(self, "tensorboard", None)  # None in a task pickled before the option existed
+    return sweep_lib.run_trials(self.out, list(trial_ids), tensorboard=tensorboard, **kwargs)
 
   def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
     """Called by submitit on its signal: saves the running trial, then returns the requeue of this task."""
     self._stopping = True
     self._save()
-    return _submitit.helpers.DelayedSubmission(SlurmTask(self.out, self.lease_timeout), *args, **kwargs)
+    task = SlurmTask(self.out, self.lease_timeout, getattr(self, "tensorboard", None))
+    return _submitit.helpers.DelayedSubmission(task, *args, **kwargs)
 
   def _save(self) -> None:
     from attn.experiments.training import preempt
@@ -293,7 +296,7 @@ def submit(sweep: Any, out: str, args: argparse.Namespace, config_text: str = ""
       job_name=options.pop("job-name", f"attn-{os.path.basename(os.path.abspath(out))}"),
       signal_delay_s=SIGNAL_DELAY_S, setup=[f"export SUBMITIT_PREEMPT_SIGNAL={SIGNAL}"],
       additional_parameters={**options, "signal": f"{SIGNAL}@{SIGNAL_DELAY_S}"}, **params)
-  task = SlurmTask(os.path.abspath(out), getattr(args, "lease_timeout", None))
+  task = SlurmTask(os.path.abspath(out), getattr(args, "lease_timeout", None), getattr(args, "tensorboard", None))
   try:
     jobs = executor.map_array(task, tasks)
   except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedSubmissionError) as e:

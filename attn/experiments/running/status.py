@@ -8,6 +8,11 @@ its local workers, Slurm array tasks):
                the worker (host, pid, Slurm job), the step reached (the partial rows), heartbeat age
   stale        a lease older than the timeout: its worker is gone; the next worker takes it over
   pending      none of these (with the step of its checkpoint, if it has one)
+  damaged      its config.json or summary.json does not parse (the file and what is
+               wrong; `attn sweep` re-runs a trial whose summary.json is damaged)
+
+A torn last line of a trial's metrics (a write cut short) is named in a warning
+on stderr; the trial keeps its state.
 
 ETA: seconds per trial-step, from the finished trials' timings ((compile +
 train + checkpoint time) / group size / steps run), else from the running
@@ -22,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
 from attn.experiments.running import leases
 from attn.experiments.running import store as store_lib
 
-STATES = ("ok", "failed", "running", "stale", "pending")
+STATES = ("ok", "failed", "running", "stale", "pending", "damaged")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,31 +68,49 @@ def _checkpoint(trial_dir: str) -> int:
 
 
 def collect(out: str, lease_timeout: float = leases.DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
-  """One dict per trial, in sweep order: index, id, label, state, steps, step reached, lease, age, summary."""
+  """One dict per trial, in sweep order: index, id, label, state, steps, step reached, lease, age, summary.
+
+  "damaged" holds what is wrong with a damaged trial's files, "warnings" a torn last line of its metrics.
+  """
   header = store_lib.load_sweep(out)
   now, rows = time.time(), []
   for i, entry in enumerate(header["trials"]):
     d = os.path.join(out, "trials", entry["id"])
     label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in entry["label"].items())
     t = {"index": i + 1, "id": entry["id"], "label": label, "steps": None, "step": 0, "lease": None,
-         "age": None, "summary": None, "recent": []}
+         "age": None, "summary": None, "recent": [], "damaged": None, "warnings": []}
+    rows.append(t)
     config = os.path.join(d, store_lib.CONFIG)
-    if os.path.exists(config):
-      t["steps"] = store_lib.read_json(config)["train"]["steps"]
-    if os.path.exists(os.path.join(d, store_lib.SUMMARY)):
-      t["summary"] = store_lib.read_json(os.path.join(d, store_lib.SUMMARY))
+    try:
+      if os.path.exists(config):
+        t["steps"] = store_lib.read_config(config, store_lib.config_todo(out, header))["train"]["steps"]
+    except store_lib.StoreDamaged as e:
+      t["damaged"] = str(e)
+    try:
+      if os.path.exists(os.path.join(d, store_lib.SUMMARY)):
+        t["summary"] = store_lib.read_summary(os.path.join(d, store_lib.SUMMARY))
+    except store_lib.StoreDamaged as e:
+      t["damaged"] = t["damaged"] or f"{e}: {store_lib.summary_todo(out, header)}"
+    if t["summary"] is not None:
       t["state"] = "ok" if t["summary"].get("status") == "ok" else "failed"
-      rows.append(t)
+      t["warnings"] = [w for w in [store_lib.torn_tail(os.path.join(d, store_lib.METRICS))] if w]
+      if t["damaged"] is not None:
+        t["state"] = "damaged"
       continue
     held, mtime = leases.read(os.path.join(d, leases.LEASE))
     t["recent"] = _tail(os.path.join(d, store_lib.PARTIAL))
     t["step"] = t["recent"][-1]["step"] + 1 if t["recent"] else 0
-    if held is not None:
-      t["lease"], t["age"] = held, now - mtime
-      t["state"] = "running" if now - mtime < lease_timeout else "stale"
+    if held is not None and now - mtime < lease_timeout:  # a live worker may be mid-row: its tail is not judged
+      t["lease"], t["age"], t["state"] = held, now - mtime, "running"
+      continue
+    torn = store_lib.torn_tail(os.path.join(d, store_lib.PARTIAL))
+    t["warnings"] = [f"{torn}: dropped when the trial resumes"] if torn else []
+    if t["damaged"] is not None:
+      t["state"] = "damaged"
+    elif held is not None:
+      t["lease"], t["age"], t["state"] = held, now - mtime, "stale"
     else:
       t["state"], t["checkpoint"] = "pending", _checkpoint(d)
-    rows.append(t)
   return rows
 
 
@@ -124,9 +148,9 @@ def fmt_time(seconds: float | None) -> str:
 
 
 def summary_line(trials: list[dict[str, Any]]) -> str:
-  """`12 trials: 4 ok, 0 failed, 2 running, 0 stale, 6 pending; ETA 3m10s`."""
+  """`12 trials: 4 ok, 0 failed, 2 running, 0 stale, 6 pending; ETA 3m10s` (and `, 1 damaged` if any)."""
   n = totals(trials)
-  counts = ", ".join(f"{n[s]} {s}" for s in STATES)
+  counts = ", ".join(f"{n[s]} {s}" for s in STATES if s != "damaged" or n[s])
   left = n["running"] + n["stale"] + n["pending"]
   return f"{len(trials)} trials: {counts}" + (f"; ETA {fmt_time(eta(trials))}" if left else "")
 
@@ -140,6 +164,8 @@ def _detail(t: dict[str, Any], lease_timeout: float) -> str:
             f"eval_loss {final.get('eval_loss', float('nan')):.4f}  ({took:.0f} s)")
   if t["state"] == "failed":
     return s.get("reason", "?")
+  if t["state"] == "damaged":
+    return t["damaged"]
   if t["state"] in ("running", "stale"):
     where = f"step {t['step']}/{steps} on {leases.describe(t['lease'])}, heartbeat {t['age']:.0f} s ago"
     return where + (f" (> {lease_timeout:g} s: the next worker takes it over)" if t["state"] == "stale" else "")
@@ -155,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
   for t in trials:
     print(f"{t['index']:>4}/{len(trials)}  {t['state']:<8} {t['label']:<{width}}  {_detail(t, timeout)}".rstrip())
   print(summary_line(trials))
+  for t in trials:
+    for warning in t["warnings"]:
+      print(f"warning: trial {t['index']}/{len(trials)}: {warning}", file=sys.stderr)
   for sub in ("local", "slurm"):
     if os.path.isdir(os.path.join(args.dir, sub)):
       print(f"logs: {os.path.join(args.dir, sub)}/")

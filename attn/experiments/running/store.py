@@ -11,9 +11,22 @@
 Every JSON file is written to a temporary file, fsynced and renamed over the
 target (os.replace is atomic), so a reader or a kill -9 sees the old file or
 the new one, never half of one. summary.json is written last: a trial is
-finished exactly when it exists. A trial without it resumes from its newest
+finished exactly when it exists and parses. A trial without it resumes from its newest
 readable checkpoint N (or step 0): its partial rows of steps < N are kept and
 later ones dropped, so nothing is lost or counted twice.
+
+A file that does not parse is named by path with what is wrong (StoreDamaged,
+an attn.ConfigError) and what to do:
+
+  sweep.json, trials/ID/config.json   refused: `attn sweep`, `attn report` and
+                                      `attn analyze` stop before any work (`attn
+                                      status` shows such a trial as damaged)
+  trials/ID/summary.json              the trial counts as unfinished: `attn sweep`
+                                      re-runs it from its checkpoint; `attn report`
+                                      and `attn status` show it as damaged
+  a torn last line of metrics.jsonl   (a write cut short) left out: dropped when
+  (or .partial)                       the trial resumes, a warning in `attn report`
+                                      and `attn status`
 
 Several workers may share a store. sweep.json is created by link(2) of a fully
 written file, so of two `attn sweep` processes claiming one DIR at once one
@@ -26,10 +39,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import uuid
 from typing import Any, Iterator
 
-from attn.config import invalid
+from attn.config import ConfigError, invalid
 from attn.experiments.running import leases
 
 SWEEP, CONFIG, METRICS, SUMMARY = "sweep.json", "config.json", "metrics.jsonl", "summary.json"
@@ -64,21 +78,148 @@ def write_json(path: str, obj: Any) -> None:
   atomic_write(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
+class StoreDamaged(ConfigError):
+  """A file of the store that does not parse: its path, what is wrong with it and what to do."""
+
+  def __init__(self, path: str, problem: str, todo: str = ""):
+    self.path, self.problem = path, problem
+    super().__init__(f"{path} is damaged ({problem})" + (f": {todo}" if todo else ""))
+
+
+def _parse(text: bytes) -> tuple[Any, str | None]:
+  """(value, None) for a JSON text, else (None, what is wrong with it)."""
+  if not text.strip():
+    return None, "empty"
+  try:
+    return json.loads(text.decode("utf-8")), None
+  except UnicodeDecodeError:
+    return None, "not UTF-8 text"
+  except json.JSONDecodeError as e:
+    return None, f"not JSON, cut short or overwritten: {e.msg} (line {e.lineno} column {e.colno})"
+
+
 def read_json(path: str) -> Any:
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  """The JSON value of a file; one that does not parse raises StoreDamaged naming it."""
+  with open(path, "rb") as f:
+    value, problem = _parse(f.read())
+  if problem:
+    raise StoreDamaged(path, problem)
+  return value
+
+
+def _row(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
+  """(row, None) for a metrics line, else (None, what is wrong with it)."""
+  row, problem = _parse(line)
+  if problem is None and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+    return None, "not a JSON object with an integer step"
+  return row, problem
+
+
+def _torn(path: str, line: bytes, problem: str) -> str:
+  return f"{path}: its last line ({len(line)} bytes) is torn, a write cut short ({problem})"
+
+
+def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
+  """(rows, what was left out) of a JSON-lines file: lines that do not parse are skipped and named.
+
+  A torn last line (a write cut short by a kill) is the one expected kind:
+  it is dropped when the trial resumes. Any other bad line is damage.
+  """
+  rows, problems = [], []
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  if lines and not lines[-1]:
+    lines.pop()  # the end of the last complete line
+  for i, line in enumerate(lines):
+    row, problem = _row(line)
+    if problem is None:
+      rows.append(row)
+    elif i == len(lines) - 1:
+      problems.append(_torn(path, line, problem))
+    else:
+      problems.append(f"{path}: line {i + 1} of {len(lines)} is left out ({problem})")
+  return rows, problems
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
-  """JSON lines; a torn last line (a kill mid-write of a partial file) is dropped."""
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
-  return rows
+  """The rows of a JSON-lines file, without any line that does not parse (see scan_rows)."""
+  return scan_rows(path)[0]
+
+
+def torn_tail(path: str) -> str | None:
+  """What is wrong with the last line of a JSON-lines file (read from its end only), or None."""
+  try:
+    with open(path, "rb") as f:
+      start = max(0, f.seek(0, os.SEEK_END) - 64 * 1024)
+      f.seek(start)
+      tail = f.read()
+  except FileNotFoundError:
+    return None
+  body = tail[:-1] if tail.endswith(b"\n") else tail
+  if not body or (start and b"\n" not in body):  # empty, or one line longer than the window
+    return None
+  last = body.rsplit(b"\n", 1)[-1]
+  problem = _row(last)[1]
+  return None if problem is None else _torn(path, last, problem)
+
+
+def rerun_command(root: str, header: dict[str, Any]) -> str:
+  """The `attn sweep` command that resumes the sweep of a store."""
+  sets = "".join(f" --set {shlex.quote(o)}" for o in header.get("overrides", []))
+  return f"attn sweep {shlex.quote(header.get('config_path', 'CONFIG'))} --out {shlex.quote(root)}{sets}"
+
+
+def _shape(path: str, ok: bool, wanted: str, todo: str = "") -> None:
+  if not ok:
+    raise StoreDamaged(path, f"not {wanted}", todo)
+
+
+def read_header(path: str) -> dict[str, Any]:
+  """sweep.json, checked; damage is refused with what to do."""
+  root = os.path.dirname(path) or "."
+  todo = (f"the sweep's id and trial list cannot be rebuilt from the trials: remove {root} (or choose "
+          "another --out) and run the sweep again")
+  try:
+    head = read_json(path)
+  except StoreDamaged as e:
+    raise StoreDamaged(path, e.problem, todo) from None
+  trials = head.get("trials") if isinstance(head, dict) else None
+  _shape(path, isinstance(head, dict) and isinstance(head.get("sweep_id"), str) and isinstance(trials, list)
+         and all(isinstance(t, dict) and isinstance(t.get("id"), str) and isinstance(t.get("label"), dict)
+                 for t in trials), "a sweep header (sweep_id, trials with id and label)", todo)
+  return head
+
+
+def read_config(path: str, todo: str = "") -> dict[str, Any]:
+  """A trial's config.json, checked (label, train.steps); damage is refused with `todo`."""
+  try:
+    cfg = read_json(path)
+  except StoreDamaged as e:
+    raise StoreDamaged(path, e.problem, todo) from None
+  train = cfg.get("train") if isinstance(cfg, dict) else None
+  _shape(path, isinstance(train, dict) and isinstance(train.get("steps"), int) and isinstance(cfg.get("label"), dict),
+         "a trial config (label, train.steps, ...)", todo)
+  return cfg
+
+
+def config_todo(root: str, header: dict[str, Any] | None = None) -> str:
+  """What to do about a damaged config.json: `attn sweep` writes it again, keeping the trial's rows."""
+  again = f" (`{rerun_command(root, header)}`)" if header else ""
+  return (f"remove it and run the sweep's command again{again}: it writes the file anew from the config "
+          "and keeps the trial's rows and checkpoints")
+
+
+def read_summary(path: str) -> dict[str, Any]:
+  """A trial's summary.json, checked (a JSON object with status ok or failed)."""
+  summary = read_json(path)
+  _shape(path, isinstance(summary, dict) and summary.get("status") in ("ok", "failed"),
+         "a trial summary (status ok or failed)")
+  return summary
+
+
+def summary_todo(root: str, header: dict[str, Any]) -> str:
+  """What to do about a damaged summary.json: `attn sweep` re-runs the trial from its checkpoint."""
+  return f"the sweep's command re-runs the trial from its checkpoint (`{rerun_command(root, header)}`)"
 
 
 class Store:
@@ -103,7 +244,7 @@ class Store:
                     "it is an existing file: choose another --out (nothing was overwritten)")
     if not os.path.exists(path) and self._create(path, header):
       return False
-    held = read_json(path)
+    held = read_header(path)
     if held.get("sweep_id") != header["sweep_id"]:
       raise invalid("--out", self.root,
                     f"an empty directory or one holding this same sweep; it holds sweep "
@@ -133,14 +274,31 @@ class Store:
     _fsync_dir(self.root)
     return created
 
-  def write_config(self, trial_id: str, config: dict[str, Any]) -> None:
+  def write_config(self, trial_id: str, config: dict[str, Any], header: dict[str, Any] | None = None) -> None:
+    """Writes the trial's config.json unless it exists; an existing one that does not parse is refused."""
     d = self.trial_dir(trial_id)
     os.makedirs(d, exist_ok=True)
-    if not os.path.exists(os.path.join(d, CONFIG)):
-      write_json(os.path.join(d, CONFIG), config)
+    path = os.path.join(d, CONFIG)
+    if not os.path.exists(path):
+      write_json(path, config)
+    else:
+      read_config(path, config_todo(self.root, header))
+
+  def damage(self, trial_id: str) -> str | None:
+    """What is wrong with the trial's summary.json when it exists and does not parse, else None."""
+    path = os.path.join(self.trial_dir(trial_id), SUMMARY)
+    try:
+      read_summary(path)
+    except FileNotFoundError:
+      return None
+    except StoreDamaged as e:
+      return str(e)
+    return None
 
   def is_done(self, trial_id: str) -> bool:
-    return os.path.exists(os.path.join(self.trial_dir(trial_id), SUMMARY))
+    """Whether the trial is finished: its summary.json exists and parses (a damaged one is re-run)."""
+    path = os.path.join(self.trial_dir(trial_id), SUMMARY)
+    return os.path.exists(path) and self.damage(trial_id) is None
 
   def lease(self, trial_id: str, timeout: float = leases.DEFAULT_TIMEOUT,
             worker: str | None = None) -> leases.Lease | None:
@@ -172,19 +330,24 @@ class Store:
     if lease is not None:
       lease.check()
 
-  def start(self, trial_id: str, resume_from: int = 0) -> None:
-    """Opens the partial metrics, keeping rows of steps < resume_from (a checkpoint's) and dropping the rest."""
+  def start(self, trial_id: str, resume_from: int = 0) -> list[str]:
+    """Opens the partial metrics, keeping rows of steps < resume_from (a checkpoint's) and dropping the rest.
+
+    Returns what was left out of the kept rows (a torn last line: see scan_rows).
+    """
     self._check(trial_id)
     path = os.path.join(self.trial_dir(trial_id), PARTIAL)
-    # A kill inside `finish` can leave the rows moved to metrics.jsonl and no summary yet.
+    # A kill inside `finish` can leave the rows moved to metrics.jsonl and no summary yet (or a damaged one).
     source = next((p for p in (path, os.path.join(self.trial_dir(trial_id), METRICS)) if os.path.exists(p)), None)
-    kept = [r for r in read_rows(source) if r["step"] < resume_from] if resume_from and source else []
+    rows, problems = scan_rows(source) if resume_from and source else ([], [])
+    kept = [r for r in rows if r["step"] < resume_from]
     if [r["step"] for r in kept] != list(range(resume_from)):
-      raise ValueError(f"{path} holds {len(kept)} rows before the checkpoint of step {resume_from}, "
-                       f"not rows 0..{resume_from - 1}: remove {self.trial_dir(trial_id)} and re-run "
-                       "the sweep to train this trial from step 0")
+      raise StoreDamaged(source or path, f"{len(kept)} rows before the checkpoint of step {resume_from}, "
+                         f"not rows 0..{resume_from - 1}" + (f"; {'; '.join(problems)}" if problems else ""),
+                         f"remove {self.trial_dir(trial_id)} and re-run the sweep to train this trial from step 0")
     atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
     self._files[trial_id] = open(path, "a", encoding="utf-8")
+    return problems
 
   def append(self, trial_id: str, row: dict[str, Any]) -> None:
     self._check(trial_id)
@@ -212,22 +375,38 @@ class Store:
 
 
 def load_sweep(root: str) -> dict[str, Any]:
-  """The sweep header of a store; a directory without one is refused by name."""
+  """The sweep header of a store; a directory without one, or with a damaged one, is refused by name."""
   path = os.path.join(root, SWEEP)
   if not os.path.exists(path):
     raise invalid("DIR", root, f"a sweep directory written by `attn sweep` (no {SWEEP} in it)")
-  return read_json(path)
+  return read_header(path)
 
 
 def iter_trials(root: str) -> Iterator[dict[str, Any]]:
-  """Each trial of the sweep in order: id, label, config, summary (None if not finished), rows."""
+  """Each trial of the sweep in order: id, label, config, summary (None if not finished), rows, damage.
+
+  A damaged config.json is refused (StoreDamaged). A damaged summary.json
+  gives summary None and "damaged", its message; "warnings" names rows left
+  out of metrics.jsonl (a torn last line) and rows that disagree with the summary.
+  """
   header = load_sweep(root)
   for entry in header["trials"]:
     d = os.path.join(root, "trials", entry["id"])
     summary_path, metrics_path = os.path.join(d, SUMMARY), os.path.join(d, METRICS)
     config_path = os.path.join(d, CONFIG)
-    done = os.path.exists(summary_path)
-    yield {"id": entry["id"], "label": entry["label"],
-           "config": read_json(config_path) if os.path.exists(config_path) else None,
-           "summary": read_json(summary_path) if done else None,
-           "rows": read_rows(metrics_path) if done and os.path.exists(metrics_path) else []}
+    t = {"id": entry["id"], "label": entry["label"], "summary": None, "rows": [], "damaged": None, "warnings": [],
+         "config": read_config(config_path, config_todo(root, header)) if os.path.exists(config_path) else None}
+    if os.path.exists(summary_path):
+      try:
+        t["summary"] = read_summary(summary_path)
+      except StoreDamaged as e:
+        t["damaged"] = f"{e}: {summary_todo(root, header)}"
+    if t["summary"] is not None and os.path.exists(metrics_path):
+      t["rows"], t["warnings"] = scan_rows(metrics_path)
+      t["warnings"] = [f"{w}: left out" for w in t["warnings"]]
+      done = t["summary"].get("steps_done")
+      if t["summary"]["status"] == "ok" and isinstance(done, int) and not t["warnings"] and \
+          [r["step"] for r in t["rows"]] != list(range(done)):
+        t["warnings"].append(f"{metrics_path}: {len(t['rows'])} rows, not rows 0..{done - 1} of the "
+                             f"{done} steps its {SUMMARY} counts")
+    yield t

@@ -16,6 +16,11 @@ a worker trains together the members it holds. With wait=True (what `attn
 sweep` and its local workers use) a worker that runs out of trials waits for
 those others hold, taking over any whose heartbeat stops. Training runs in a
 thread that attn.experiments.training.preempt can stop after a step, with a checkpoint.
+
+With tensorboard=LOGDIR (`attn sweep --tensorboard`), each worker also writes
+the rows of the trials it trains as TensorBoard runs, after the store has them
+(attn.experiments.running.tb_writer: one run per trial, rewritten from the
+store's rows when the trial starts or resumes; an error there never touches a trial).
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from typing import Any, TextIO
 from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
+from attn.experiments.running import tb_writer
 from attn.experiments.training import preempt
-from attn.experiments.running.store import CONFIG, Store, load_sweep, read_json
+from attn.experiments.running.store import CONFIG, PARTIAL, Store, config_todo, load_sweep, read_config, read_rows
 
 DEFAULT_LEASE_TIMEOUT = leases.DEFAULT_TIMEOUT
 
@@ -97,9 +103,10 @@ def check_lease_timeout(seconds: Any) -> float:
 def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None) -> bool:
   """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already."""
   store = Store(out)
-  resumed = store.claim(header(sweep, config_text, overrides or []))
-  for t in sweep.trials:
-    store.write_config(t.id, {"id": t.id, "label": t.label, **t.config})
+  head = header(sweep, config_text, overrides or [])
+  resumed = store.claim(head)
+  for t in sweep.trials:  # an existing config.json that does not parse is refused here, before any training
+    store.write_config(t.id, {"id": t.id, "label": t.label, **t.config}, head)
   return resumed
 
 
@@ -111,7 +118,7 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
     path = os.path.join(out, "trials", entry["id"], CONFIG)
     if not os.path.exists(path):
       raise invalid("DIR", out, f"a store claimed by `attn sweep` with every trial's {CONFIG} ({path} is missing)")
-    cfg = read_json(path)
+    cfg = read_config(path, config_todo(out, head))
     trials.append(config_lib.Trial(entry["id"], cfg["label"],
                                    {k: v for k, v in cfg.items() if k not in ("id", "label")}))
   return trials, bool(head.get("vmap_seeds", False))
@@ -119,8 +126,10 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
 
 def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
               overrides: list[str] | None = None, stream: TextIO = sys.stderr,
-              lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> dict[str, int]:
+              lease_timeout: float = DEFAULT_LEASE_TIMEOUT, tensorboard: str | None = None) -> dict[str, int]:
   """Runs every unfinished trial of `sweep` into the store at `out`, waiting for those other workers hold.
+
+  tensorboard: a TensorBoard log directory that gets each trial's rows as it trains (module docstring).
 
   Returns ok/failed counts of the trials it ran and skipped (finished before,
   or by other workers), plus "unfinished" when it stopped early (preempted).
@@ -129,12 +138,14 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   if prepare(sweep, out, config_text, overrides):
     done = sum(Store(out).is_done(t.id) for t in sweep.trials)
     stream.write(f"resuming {out}: {done} of {len(sweep.trials)} trials already finished\n")
-  worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None)
+  tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
+  worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb)
   return preempt.run(worker.run, sweep.trials, True)
 
 
 def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
-               stream: TextIO = sys.stderr, wait: bool = False, worker: str | None = None) -> dict[str, int]:
+               stream: TextIO = sys.stderr, wait: bool = False, worker: str | None = None,
+               tensorboard: str | None = None) -> dict[str, int]:
   """Runs each given (None: every) unfinished trial of the claimed store at `out` that it can lease, in sweep order.
 
   Trials finished or held by a live worker are skipped; with wait=True it then
@@ -151,7 +162,8 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
       raise invalid("trial_ids", unknown, f"ids of the {len(known)} trials of {out}: {', '.join(known)}")
     mine = [t for t in trials if t.id in set(trial_ids)]
   config_lib.check_devices(mine, vmap_seeds)  # this machine's devices, before any trial is leased
-  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker)
+  tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
+  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker, tb)
   return preempt.run(w.run, mine, wait)
 
 
@@ -159,9 +171,9 @@ class _Worker:
   """One worker's pass over a store's trials: lease, train, finish, release; wait for the others' trials."""
 
   def __init__(self, store: Store, trials: list[config_lib.Trial], vmap_seeds: bool, lease_timeout: float,
-               stream: TextIO, worker: str | None):
+               stream: TextIO, worker: str | None, tb: tb_writer.Writer | None = None):
     self.store, self.vmap_seeds, self.lease_timeout = store, vmap_seeds, lease_timeout
-    self.stream, self.worker = stream, worker
+    self.stream, self.worker, self.tb = stream, worker, tb
     self.index = {t.id: i + 1 for i, t in enumerate(trials)}
     self.n = len(trials)
     self.told: set[str] = set()  # trials reported as held by another worker
@@ -239,6 +251,9 @@ class _Worker:
       if lease.took_over is not None:
         self.stream.write(f"trial {self.name(t)}: taken over from {leases.describe(lease.took_over)}: "
                           f"{lease.took_over['reason']}\n")
+      damage = self.store.damage(t.id)
+      if damage:
+        self.stream.write(f"trial {self.name(t)}: warning: {damage}: re-running it from its checkpoint\n")
       held.append(t)
     return held
 
@@ -249,7 +264,11 @@ class _Worker:
     label, steps = _label(group), group[0].config["train"]["steps"]
 
     def on_start(j: int, step: int) -> None:
-      store.start(group[j].id, resume_from=step)
+      for problem in store.start(group[j].id, resume_from=step):
+        stream.write(f"trial {self.name(group[j])}: warning: {problem}: dropped\n")
+      if self.tb is not None:  # the run from the rows the store keeps, then each new one
+        kept = read_rows(os.path.join(store.trial_dir(group[j].id), PARTIAL)) if step else []
+        self.tb.start(group[j].id, group[j].label, kept)
       if step:
         progress.total -= step
         stream.write(f"trial {self.name(group[j])} resumes at step {step} from {store.checkpoint_dir(group[j].id)}\n")
@@ -257,10 +276,15 @@ class _Worker:
     def on_step(step: int, loss: float) -> None:
       progress.update(self.index[group[0].id], len(group), label, step, steps, loss)
 
+    def on_row(j: int, row: dict[str, Any]) -> None:
+      store.append(ids[j], row)  # the store first: TensorBoard shows only rows it holds
+      if self.tb is not None:
+        self.tb.row(ids[j], row)
+
     try:
       try:
         summaries = train.train_group([t.config for t in group],
-                                      on_row=lambda j, row: store.append(ids[j], row),
+                                      on_row=on_row,
                                       on_step=on_step, vmap=self.vmap_seeds,
                                       checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
                                       on_start=on_start, log=lambda line: stream.write(line + "\n"))
@@ -290,3 +314,5 @@ class _Worker:
     finally:
       for t in group:
         store.release(t.id)
+        if self.tb is not None:
+          self.tb.close(t.id)

@@ -15,8 +15,9 @@ this process sees (submitit's CUDA_VISIBLE_DEVICES="" is undone) and does
 not preallocate memory.
 
 Logs: DIR/local/JOBID_0_log.{out,err}, one pair per worker; submitit's own job
-files (its pickle of the call: the store path, worker number, CPUs) sit beside
-them. Results stay in the JSON/Orbax store.
+files (its pickle of the call: the store path, worker number, CPUs, the
+--tensorboard directory) sit beside them. Results stay in the JSON/Orbax store;
+with --tensorboard each worker writes the events of the trials it trains.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
   return [cpus[k * len(cpus) // n:(k + 1) * len(cpus) // n] for k in range(n)]
 
 
-def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cuda: str | None) -> dict[str, int]:
+def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cuda: str | None,
+            tensorboard: str | None = None) -> dict[str, int]:
   """What worker k of n runs, in its own process."""
   os.sched_setaffinity(0, cpus)
   if cuda is None:
@@ -82,11 +84,15 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   preempt.install_handlers()
   from attn.experiments.running import sweep  # lazy: jax
-  return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}")
+  return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}",
+                          tensorboard=tensorboard)
 
 
-def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.stderr) -> tuple[int, int, int]:
+def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.stderr,
+                tensorboard: str | None = None) -> tuple[int, int, int]:
   """Runs n local workers on the claimed store at `out` until they end.
+
+  tensorboard: a log directory (absolute) where each worker writes the events of the trials it trains.
 
   Returns (failed workers, unfinished trials, the signal that stopped them or 0).
   SIGTERM or SIGUSR1 to this process is passed on: each worker saves its trial and exits.
@@ -100,7 +106,8 @@ def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.std
   executor.update_parameters(timeout_min=NO_TIME_LIMIT_MIN)
   shares = cpu_shares(n)
   cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
-  jobs = [executor.submit(_worker, os.path.abspath(out), k, n, shares[k], lease_timeout, cuda) for k in range(n)]
+  jobs = [executor.submit(_worker, os.path.abspath(out), k, n, shares[k], lease_timeout, cuda, tensorboard)
+          for k in range(n)]
   stream.write(f"{n} local workers on CPUs {'; '.join(','.join(map(str, s)) for s in shares)} "
                f"(logs: {folder}/)\n")
   stopping: list[int] = []
