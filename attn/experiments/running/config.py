@@ -189,8 +189,13 @@ def _check_type(key: str, value: Any, spec: Any) -> Any:
   return value
 
 
-def _check_train(key: str, value: Any) -> None:
-  check_train_field(key, value)  # raises naming train.<key>, the value and what is allowed
+def _check_value(where: str, section: str, name: str, value: Any, schema: dict[str, Any]) -> Any:
+  """One [task]/[model]/[train] value, checked (and ints -> floats where floats are wanted)."""
+  if section == "train":  # TrainConfig's own check: names train.<name>, the value and what is allowed
+    return check_train_field(name, value)
+  if section == "task" and name == "name":
+    return value
+  return _check_type(where, value, schema[name])
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -289,10 +294,7 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
       if key not in schema:
         owner = f"task {raw['task']['name']!r}" if section == "task" else f"[{section}]"
         raise invalid(f"{section}.{key}", value, f"a key of {owner}: {sorted(schema)}")
-      if not (section == "task" and key == "name"):
-        values[key] = _check_type(f"{section}.{key}", value, schema[key])
-      if section == "train":
-        _check_train(key, values[key])
+      values[key] = _check_value(f"{section}.{key}", section, key, value, schema)
     base[section] = values
   base["model"] = {**MODEL_DEFAULTS, **base["model"]}
   sweep = raw.get("sweep", {})
@@ -323,11 +325,7 @@ def _axes(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]]):
         raise invalid(where, values, f"a key of [{section}]: {sorted(schema)}")
       if not isinstance(values, list) or not values:
         raise invalid(where, values, "a non-empty list of values")
-      if section != "task" or name != "name":
-        values = [_check_type(where, v, schema[name]) for v in values]
-      if section == "train":
-        for v in values:
-          _check_train(name, v)
+      values = [_check_value(where, section, name, v, schema) for v in values]
       axes.append((key, values))
     out.append(axes)
   grid, tied = out
@@ -371,11 +369,7 @@ def _cases(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]],
         raise invalid(f"{where}.{key}", value, f"a key of [{section}]: {sorted(schema)}")
       if key in swept:
         raise invalid(f"{where}.{key}", value, f"a key that no grid or zip axis sweeps ({key} is one)")
-      if section != "task" or field != "name":
-        value = _check_type(f"{where}.{key}", value, schema[field])
-      if section == "train":
-        _check_train(field, value)
-      values[key] = value
+      values[key] = _check_value(f"{where}.{key}", section, field, value, schema)
     out.append((name, values))
   if not out:
     raise invalid("sweep.cases", [], "at least one case")
