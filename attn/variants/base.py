@@ -202,8 +202,9 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   return out if opts.return_weights else (out, None)
 
 
-def full_mask(opts: Options, T: int, S: int) -> Array | None:
+def full_mask(T: int, S: int, *, cfg: HeadConfig, opts: Options) -> Array | None:
   """The call's masks as one dense boolean array broadcastable to (B,H,T,S), or None."""
+  del cfg
   return masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal,
                                                                opts.kv_lengths))
 

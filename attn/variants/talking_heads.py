@@ -67,7 +67,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   T, S = x_BTD.shape[1], k_BSGK.shape[1]
   logits_BITS = kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale
   logits_BHTS = jnp.einsum("BITS,IH->BHTS", logits_BITS, mixing(params, "mix_l"))
-  mask = full_mask(opts, T, S)
+  mask = full_mask(T, S, cfg=cfg, opts=opts)
   probs_BITS = probabilities(params, logits_BHTS, mask, cfg=cfg)
   mixed_BHTS = jnp.einsum("BITS,IH->BHTS", probs_BITS, mixing(params, "mix_w"))
   if mask is not None:
