@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_positions,
                          check_structured, invalid)
-from attn.variants import VARIANTS, rope
+from attn.variants import VARIANTS, mechanisms, rope
 from attn.variants.base import Options, Params, Variant
 
 
@@ -32,16 +32,23 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
   return v
 
 
+def _init(v: Variant, key: jax.Array, cfg: HeadConfig, dtype) -> Params:
+  # The mechanisms' parameters (cfg.gate, sinks, qk_norm) from a key of their own, so that
+  # the variant's own parameters are the same with or without them.
+  return v.init(key, cfg, dtype) | mechanisms.init(jax.random.fold_in(key, 1), cfg, dtype)
+
+
 def init(variant: str, key: jax.Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
-  """Fresh parameters of `variant` for cfg, as a plain dict of arrays."""
-  return check_config(variant, cfg).init(key, cfg, dtype)
+  """Fresh parameters of `variant` for cfg, as a plain dict of arrays (its head mechanisms' too)."""
+  return _init(check_config(variant, cfg), key, cfg, dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def param_shapes(variant: str, cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
   """Name -> shape of the parameters `init` creates, without allocating them."""
   v = check_config(variant, cfg)
-  tree = jax.eval_shape(lambda k: v.init(k, cfg), jax.ShapeDtypeStruct((2,), jnp.uint32))
+  tree = jax.eval_shape(lambda k: _init(v, k, cfg, jnp.float32),
+                        jax.ShapeDtypeStruct((2,), jnp.uint32))
   return {name: tuple(s.shape) for name, s in tree.items()}
 
 

@@ -29,6 +29,9 @@ def _positive_int(field: str, value: Any) -> None:
     raise invalid(field, value, "a positive integer")
 
 
+GATES = (None, "headwise", "elementwise")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
   """Dimensions of one attention layer; d_k and d_v are free of d_model/num_heads.
@@ -45,6 +48,17 @@ class HeadConfig:
   frequency rope_theta^(-2i/rope_dim). latent_dim is mla's KV latent width d_c
   (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h); q_latent_dim, if set, gives mla
   a low-rank query path through a latent of that width.
+
+  Head mechanisms any variant can carry (attn.variants.mechanisms; a variant
+  that cannot refuses one in its check): gate None, "headwise" or
+  "elementwise" multiplies each query head's output by σ(x·W_gate + b_gate)
+  before W^O (Qiu et al. 2025, G1); sinks adds one learned logit per query head
+  to every softmax denominator (gpt-oss); qk_norm RMS-normalises every query
+  and key head over its d_k dims, with learned scales shared by the heads,
+  before RoPE (Qwen3), epsilon qk_norm_eps; window keeps the keys closer than
+  `window` to the query (kernel.attention: with causal masks, the window keys
+  ending at the query itself); softcap caps the scaled logits to
+  softcap·tanh(logits/softcap) (Gemma 2).
   """
 
   d_model: int
@@ -59,6 +73,12 @@ class HeadConfig:
   rope_theta: float = 10000.0
   latent_dim: int | None = None
   q_latent_dim: int | None = None
+  gate: str | None = None
+  sinks: bool = False
+  qk_norm: bool = False
+  qk_norm_eps: float = 1e-6
+  window: int | None = None
+  softcap: float | None = None
 
   def __post_init__(self):
     _positive_int("d_model", self.d_model)
@@ -91,6 +111,7 @@ class HeadConfig:
           or not math.isfinite(self.scale) or self.scale <= 0:
         raise invalid("scale", self.scale, "a positive finite number or None")
     self._check_latent_and_rope()
+    self._check_mechanisms()
 
   def _check_latent_and_rope(self) -> None:
     r = self.rope_dim
@@ -105,6 +126,27 @@ class HeadConfig:
     _positive_int("latent_dim", self.latent_dim)
     if self.q_latent_dim is not None:
       _positive_int("q_latent_dim", self.q_latent_dim)
+
+  def _check_mechanisms(self) -> None:
+    if self.gate not in GATES:
+      raise invalid("gate", self.gate, f"one of {list(GATES)}: the output gate of each query head")
+    for name in ("sinks", "qk_norm"):
+      if not isinstance(getattr(self, name), bool):
+        raise invalid(name, getattr(self, name), "True or False")
+    if self.qk_norm and self.d_k < 2:
+      raise invalid("qk_norm", True, f"False when d_k={self.d_k}: RMS-normalising one dim leaves "
+                    "only its sign")
+    eps = self.qk_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) \
+        or eps <= 0:
+      raise invalid("qk_norm_eps", eps, "a positive finite number (the RMSNorm epsilon)")
+    w = self.window
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+      raise invalid("window", w, "None or a positive integer: keys closer than it to the query")
+    c = self.softcap
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not math.isfinite(c) or c <= 0):
+      raise invalid("softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
 
   @property
   def group_size(self) -> int:

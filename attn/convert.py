@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from attn.api import check_config, check_params
 from attn.config import HeadConfig, invalid
+from attn.variants import mechanisms
 from attn.variants.base import Params
 
 # Relative error under which a lossy step counts as exact (float32 round-off).
@@ -113,7 +114,18 @@ def two_stage_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   return out | ({"b_o": p["b_o"]} if cfg.use_bias else {}), 0.0
 
 
-@register("per_head", "merged", exact=True)
+def _key_bias_drops_out(dst: str) -> Callable[[HeadConfig], None]:
+  """Refuses biases with sinks or softcap for a conversion that drops the key bias (into dst)."""
+  def check(cfg: HeadConfig) -> None:
+    if cfg.use_bias and (cfg.sinks or cfg.softcap is not None):
+      raise invalid("use_bias", True,
+                    f"False for per_head -> {dst} with sinks or softcap: a row's constant "
+                    "x·W_Q,h·b_k + b_q,h·b_k then changes the weights (against the sink, inside "
+                    f"the cap), and {dst} has no parameter for it")
+  return check
+
+
+@register("per_head", "merged", exact=True, check=_key_bias_drops_out("merged"))
 def per_head_to_merged(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   """W_h = W_Q,h·W_K,gᵀ; the query bias becomes a key-side content term b_kc,h = W_K,g·b_q,h (Q4).
 
@@ -255,7 +267,8 @@ def _mla_exact(cfg: HeadConfig) -> bool:
           and (r == 0 or G == 1))
 
 
-@register("per_head", "mla", exact=False, exact_when=_mla_exact)
+@register("per_head", "mla", exact=False, exact_when=_mla_exact,
+          check=_key_bias_drops_out("mla"))
 def per_head_to_mla(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   """Latent = every kv head's stacked [W_K,g content | W_V,g], truncated by SVD when too narrow.
 
@@ -385,6 +398,9 @@ def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,
   _check_dst_cfg(cfg, dst_cfg)
   check_config(dst, dst_cfg)
   check_params(src, params, cfg)
+  # Head mechanisms (gates, sinks, QK-norm scales) act on query heads, d_k-wide heads or the
+  # core, the same in every variant: they cross unchanged, and the steps see the rest.
+  params, carried = mechanisms.split(params)
   error = 0.0
   for name, step, exact in _plan(src, dst, cfg, dst_cfg):
     params, err = step(params)
@@ -393,4 +409,5 @@ def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,
       warnings.warn(f"{name} is lossy here: relative error {err:.3g}",
                     LossyConversionWarning, stacklevel=2)
     error = max(error, err)
-  return (params, error) if return_error else dict(params)
+  params = dict(params) | carried
+  return (params, error) if return_error else params

@@ -1,6 +1,7 @@
 """Counting: parameters three ways, FLOPs and KV-cache bytes per attention layer; whole models.
 
-Per attention layer (HeadConfig, any registered variant):
+Per attention layer (HeadConfig, any registered variant), each the variant's
+own plus its head mechanisms' (attn.variants.mechanisms: gates, sinks, QK-norm):
   analytic   the variant's closed form (one line of math in its file);
   stored     the elements of the tree `attn.init` creates (read from its shapes);
   effective  the degrees of freedom of the function class (≤ stored).
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from attn import api
 from attn.config import ConfigError, HeadConfig, invalid
+from attn.variants import mechanisms
 
 if TYPE_CHECKING:
   from attn.nn.models import ModelConfig
@@ -34,13 +36,14 @@ def param_counts(variant: str, cfg: HeadConfig) -> dict[str, int]:
   """{"analytic", "stored", "effective"} parameter counts of one attention layer."""
   v = api.check_config(variant, cfg)
   stored = sum(math.prod(shape) for shape in api.param_shapes(v.name, cfg).values())
-  return {"analytic": int(v.param_count(cfg)), "stored": int(stored),
-          "effective": int(v.effective_param_count(cfg))}
+  return {"analytic": int(v.param_count(cfg) + mechanisms.param_count(cfg)),
+          "stored": int(stored),
+          "effective": int(v.effective_param_count(cfg) + mechanisms.effective_param_count(cfg))}
 
 
 def score_weight_count(variant: str, cfg: HeadConfig) -> int:
   """Weights of one layer that the attention logits depend on (no biases, no values)."""
-  return int(api.check_config(variant, cfg).score_weights(cfg))
+  return int(api.check_config(variant, cfg).score_weights(cfg) + mechanisms.score_weights(cfg))
 
 
 def _check_length(name: str, value: Any) -> int:
@@ -55,7 +58,7 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int | None = None,
   v = api.check_config(variant, cfg)
   T = _check_length("T", T)
   S = T if S is None else _check_length("S", S)
-  forward = int(v.flops(cfg, T, S))
+  forward = int(v.flops(cfg, T, S) + mechanisms.flops(cfg, T, S))
   return 3 * forward if backward else forward
 
 

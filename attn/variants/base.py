@@ -55,7 +55,7 @@ import jax.numpy as jnp
 
 from attn import kernel, masks
 from attn.config import HeadConfig
-from attn.variants import rope
+from attn.variants import mechanisms, rope
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -182,8 +182,8 @@ def gate_heads(out_BTHV: Array, head_mask) -> Array:
 
 def queries_and_keys(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig,
                      opts: Options) -> tuple[Array, Array]:
-  """q and k as the scores read them: RoPE at opts.qk_positions (cfg.rope_dim > 0)."""
-  del params
+  """q and k as the scores read them: QK-norm (cfg.qk_norm), then RoPE at opts.qk_positions."""
+  q_BTHK, k_BSGK = mechanisms.normalize_qk(params, q_BTHK, k_BSGK, cfg)
   return rope.rotate_qk(q_BTHK, k_BSGK, cfg, opts.qk_positions)
 
 
@@ -191,37 +191,46 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
          opts: Options) -> tuple[Array, Array | None]:
   """kernel.attention under the call's masks: (o (B,T,H,V), weights (B,H,T,S) or None).
 
+  The layer's window, sinks and softcap (cfg; params["sinks"]) go with it.
   impl None or "auto" (kernel.best_impl) is the einsum kernel for short
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
   without weights out.
   """
-  del params
   out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, opts.mask, is_causal=opts.is_causal,
                          kv_lengths=opts.kv_lengths, scale=cfg.score_scale,
-                         return_weights=opts.return_weights, impl=opts.impl or "auto")
+                         return_weights=opts.return_weights, impl=opts.impl or "auto",
+                         window=cfg.window, sinks=mechanisms.sinks(params, cfg),
+                         softcap=cfg.softcap)
   return out if opts.return_weights else (out, None)
 
 
-def full_mask(opts: Options, T: int, S: int) -> Array | None:
-  """The call's masks as one dense boolean array broadcastable to (B,H,T,S), or None."""
+def full_mask(T: int, S: int, *, cfg: HeadConfig, opts: Options) -> Array | None:
+  """The call's masks and the layer's window as one dense boolean array (B,H,T,S)-broadcastable."""
   return masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal,
-                                                               opts.kv_lengths))
+                                                               opts.kv_lengths, cfg.window))
 
 
 def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) -> Array:
-  """Softmax weights (float32) of explicit logits under a dense mask (full_mask)."""
-  del params, cfg
-  return kernel.masked_softmax(logits_BHTS, mask)
+  """Softmax weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
+
+  As kernel.attention: the logits capped by cfg.softcap, the sinks in every denominator.
+  """
+  logits_BHTS = logits_BHTS.astype(jnp.float32)
+  if cfg.softcap is not None:
+    logits_BHTS = cfg.softcap * jnp.tanh(logits_BHTS / cfg.softcap)
+  return kernel.masked_softmax(logits_BHTS, mask, mechanisms.sinks(params, cfg))
 
 
 def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
                 opts: Options) -> Array:
-  """o_h of each head (gated by opts.head_mask) through W^O (as (H,V,D)) plus b_o, in x's dtype.
+  """o_h of each head, gated, through W^O (as (H,V,D)) plus b_o, in x's dtype.
 
-  x_BTD is the query-side input of the layer: the tokens whose outputs o_h are.
+  x_BTD is the query-side input of the layer, the tokens whose outputs o_h
+  are: the output gate (cfg.gate) reads it. opts.head_mask multiplies too.
   """
+  o_BTHV = gate_heads(mechanisms.gate_output(params, x_BTD, o_BTHV, cfg), opts.head_mask)
   w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
-  y_BTD = output_projection(gate_heads(o_BTHV, opts.head_mask), w_o_HVD, bias(params, "b_o"))
+  y_BTD = output_projection(o_BTHV, w_o_HVD, bias(params, "b_o"))
   return y_BTD.astype(x_BTD.dtype)
 
 
@@ -290,9 +299,21 @@ def lowrank_dof(rows: int, cols: int, rank: int) -> int:
 
 
 def value_output_dof(cfg: HeadConfig, d_in: int) -> int:
-  """W_V,g·[W_O,h]_{h in g} per kv group (rank ≤ V), plus b_o; b_v folds into b_o."""
+  """W_V,g·[W_O,h]_{h in g} per kv group (rank ≤ V), plus b_o; b_v folds into b_o.
+
+  b_v folds into b_o because a row's weights sum to 1 (fully masked rows
+  aside). With sinks they sum to less, and an output gate scales each head's
+  o_h: then b_v stays, [W_V,g; b_v,g] being the (d_in + 1)-row factor. An
+  elementwise gate scales each value dim apart, so the gauge W_V,g -> W_V,g·A,
+  W_O,h -> A⁻¹·W_O,h shrinks from GL(V) to diagonal A: per kv group
+  (d_in + b)·V + R·V·D − V.
+  """
   G, R, V, D = cfg.num_kv_heads, cfg.group_size, cfg.d_v, cfg.d_model
-  return G * lowrank_dof(d_in, R * D, V) + (D if cfg.use_bias else 0)
+  b = 1 if cfg.use_bias else 0
+  if cfg.gate == "elementwise":
+    return G * ((d_in + b) * V + R * V * D - V) + b * D
+  rows = d_in + (b if cfg.gate or cfg.sinks else 0)
+  return G * lowrank_dof(rows, R * D, V) + b * D
 
 
 def rope_score_dof(cfg: HeadConfig, n_q: int, d_kv: int) -> int:
@@ -311,18 +332,71 @@ def factored_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
   """Score degrees of freedom of W_Q,h·W_K,gᵀ with query heads reading d_q inputs, keys d_kv.
 
   With RoPE, the d_k − rope_dim unrotated dims keep the low-rank count and each
-  kv group's rotated dims add rope_score_dof.
+  kv group's rotated dims add rope_score_dof. The key bias's terms
+  x·W_Q,h·b_k + b_q,h·b_k are constant along s, so the softmax drops them;
+  with a softcap (inside the cap) or sinks (against the sink) it does not, and
+  the key side gets its bias row: (d_kv + 1) columns. A sink then also
+  absorbs a head's constant b_q,h·b_k where that entry can move alone
+  (sink_trade). QK-norm counts apart (qk_norm_score_dof).
   """
+  if cfg.qk_norm:
+    return qk_norm_score_dof(cfg, d_q, d_kv)
   b = 1 if cfg.use_bias else 0
   n_q = cfg.group_size * (d_q + b)
-  return cfg.num_kv_heads * (lowrank_dof(n_q, d_kv, cfg.d_k - cfg.rope_dim)
-                             + rope_score_dof(cfg, n_q, d_kv))
+  o = kept_key_bias(cfg)
+  k = cfg.d_k - cfg.rope_dim
+  unrotated = lowrank_dof(n_q, d_kv + o, k) - (sink_trade(cfg, n_q, d_kv + 1, k) if o else 0)
+  return cfg.num_kv_heads * (unrotated + rope_score_dof(cfg, n_q, d_kv))
+
+
+def kept_key_bias(cfg: HeadConfig) -> int:
+  """1 when a key bias's terms, constant along s, still move the weights: biases with sinks or
+  a softcap (factored_score_dof); else 0, the softmax dropping them."""
+  return 1 if cfg.use_bias and (cfg.sinks or cfg.softcap is not None) else 0
+
+
+def sink_trade(cfg: HeadConfig, n_q: int, n_k: int, rank: int) -> int:
+  """Per kv group, the heads' constant score entries b_q,h·b_k that a sink absorbs.
+
+  Shifting head h's logits by c and its sink by −c is the same layer, but
+  the shift stays among the group's scores, an n_q × n_k matrix M = A·Bᵀ of
+  rank ≤ r, only where the entry (h's bias row, the key-bias column) is a
+  tangent direction: all R of them when B spans all n_k columns (r = n_k),
+  else as many as the R bias rows' span meets A's column space,
+  max(0, r + R − n_q). None under a softcap, where a shift moves the cap.
+  """
+  if not cfg.sinks or cfg.softcap is not None:
+    return 0
+  r, R = min(rank, n_q, n_k), cfg.group_size
+  return R if r == n_k else max(0, r + R - n_q)
+
+
+def qk_norm_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
+  """Score degrees of freedom with QK-norm: every query and key head's map up to its scale.
+
+  q̂_h = RMSNorm(x̃·[W_Q,h; b_q,h]) forgets the map's scale, and nothing else
+  trades between heads (the group gauge A no longer preserves the norm):
+  H·((d_q + b)·K − 1) + G·((d_kv + b)·K − 1), the key bias now inside the norm.
+  The scales q_norm and k_norm enter as products: one per unrotated dim, and
+  for a RoPE pair (i, i'), which the rotation mixes, the rank-one 2×2
+  [γq_i; γq_i']·[γk_i, γk_i']: 3. In all, K + rope_dim/2. (Assumes d_k ≤ the
+  inputs a query and a key read, d_q + b and d_kv + b: else some dims are unseen.)
+  """
+  b = 1 if cfg.use_bias else 0
+  H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
+  return H * ((d_q + b) * K - 1) + G * ((d_kv + b) * K - 1) + K + cfg.rope_dim // 2
 
 
 def score_space_dim(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
-  """Dimension of all H score functions: per head (d_q + b)·d_kv, + rope_dim·(d_q + b)·(d_kv + b)."""
+  """Dimension of all H score functions: per head (d_q + b)·(d_kv + o), + rope_dim·(d_q + b)·(d_kv + b).
+
+  o = kept_key_bias(cfg): the key bias's column, when sinks or a softcap keep it; with
+  sinks (no softcap) each head's constant score is its sink's (sink_trade): H fewer.
+  """
   b = 1 if cfg.use_bias else 0
-  return cfg.num_heads * (d_q + b) * (d_kv + cfg.rope_dim * (d_kv + b))
+  o = kept_key_bias(cfg)
+  traded = cfg.num_heads if o and cfg.sinks and cfg.softcap is None else 0
+  return cfg.num_heads * (d_q + b) * (d_kv + o + cfg.rope_dim * (d_kv + b)) - traded
 
 
 def factored_effective_param_count(cfg: HeadConfig) -> int:

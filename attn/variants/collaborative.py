@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
-                                lowrank_dof, normal, project_heads, value_output_dof)
+                                kept_key_bias, lowrank_dof, normal, project_heads,
+                                score_space_dim, value_output_dof)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -35,6 +36,10 @@ def check(cfg: HeadConfig) -> None:
                   "dimension by m_h, which does not commute with RoPE's pair rotations; rotating "
                   "the shared dims cannot express per_head's per-head rotations, so the variant "
                   "would no longer contain per_head (per_head -> collaborative exact)")
+  if cfg.qk_norm:
+    raise invalid("qk_norm", True, "False for collaborative: its heads are one shared D̃-wide "
+                  "query scaled by m_h against one shared key, so there are no d_k-wide query and "
+                  "key heads to normalise")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -71,11 +76,11 @@ def param_count(cfg: HeadConfig) -> int:
 
 def effective_param_count(cfg: HeadConfig) -> int:
   D, H, J = cfg.d_model, cfg.num_heads, cfg.collab_width
-  b = 1 if cfg.use_bias else 0
+  b, o = (1 if cfg.use_bias else 0), kept_key_bias(cfg)  # o: b̃_K stays (sinks, softcap)
   if H == 1:
-    scores = lowrank_dof(D + b, D, J)
+    scores = lowrank_dof(D + b, D + o, J)
   else:
-    scores = min(J * (H + 2 * D + b - 2), H * (D + b) * D)
+    scores = min(J * (H + 2 * D + b + o - 2), score_space_dim(cfg, D, D))
   return scores + value_output_dof(cfg, D)
 
 

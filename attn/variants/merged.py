@@ -40,6 +40,9 @@ def check(cfg: HeadConfig) -> None:
                   "0 for merged: with RoPE the score is x W_Q,h R(t − s) W_K,hᵀ c, so no "
                   "position-free W_h exists (attn.variants.rope.position_free_fit gives the "
                   "best one and its error)")
+  if cfg.qk_norm:
+    raise invalid("qk_norm", True, "False for merged: merged has no separate queries and keys "
+                  "to normalise, only x·W_h against the raw context")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:

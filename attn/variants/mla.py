@@ -23,7 +23,7 @@ FLOPs (unabsorbed, as apply computes): 2·T·D·H·K (or 2·T·Q'·(D + H·K))
 Effective: the key/value inputs live in the latent subspace of R^D, of
   dimension c* = min(d_c, D, G·(K − r + V)) (ranks capped): c*·(D − c*) for
   the subspace, then per_head's count inside it: Σ_g lowrank(R·(d_q + b), c*;
-  K − r) + Σ_g lowrank(c*, R·D; V) + b·D, plus the RoPE part
+  K − r) + base.value_output_dof(c*) (Σ_g lowrank(c*, R·D; V) + b·D), plus the RoPE part
   base.rope_score_dof with one key shared by all H query heads, and with
   q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
   q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
@@ -40,7 +40,7 @@ from attn.config import HeadConfig, invalid
 from attn.variants import rope
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core, dense, lowrank_dof, normal, project_heads, project_out,
-                                rope_score_dof)
+                                rope_score_dof, value_output_dof)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -48,6 +48,10 @@ def check(cfg: HeadConfig) -> None:
     raise invalid("rope_dim", cfg.rope_dim,
                   f"less than d_k={cfg.d_k} for mla: the d_k − rope_dim content dims of each key "
                   "head are what the latent gives")
+  if cfg.qk_norm:
+    raise invalid("qk_norm", True, "False for mla: its absorbed (decoding) form scores "
+                  "q·W_UKᵀ against the cached latent, exact because a key is linear in the "
+                  "latent; a normalised key is not, so the cache could not hold it")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -185,10 +189,10 @@ def effective_param_count(cfg: HeadConfig) -> int:
   if Q is not None:  # the query subspace: spanned by each head's content and rotated inputs
     d_q = min(d_q, H * (min(Kc, c_star) + r))
   total = c_star * (D - c_star) + (d_q * (D - d_q) if Q is not None else 0)
-  total += G * lowrank_dof(R * (d_q + b), c_star, Kc) + G * lowrank_dof(c_star, R * D, V)
+  total += G * lowrank_dof(R * (d_q + b), c_star, Kc) + value_output_dof(cfg, c_star)
   if r:
     total += rope_score_dof(cfg, H * (d_q + b), D)
-  return total + b * D
+  return total
 
 
 def flops(cfg: HeadConfig, T: int, S: int) -> int:

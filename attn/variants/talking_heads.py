@@ -22,7 +22,10 @@ FLOPs: per_head's + 2·2·T·S·H² (the two mixes).
 Effective: a group's R query heads share W_K,g, so mixing within a group stays
   in per_head's class: P_l adds H² − G·R² to the scores' count, capped at the
   dimension of all H score functions (base.score_space_dim); P_w likewise to
-  the Σ_g lowrank(D, R·D; V) of W_V·W_O, capped at H·D²; + b·D.
+  the Σ_g lowrank(D, R·D; V) of W_V·W_O (base.value_output_dof), capped at
+  H·D²; + b·D. With QK-norm, W_Q absorbs no mix of normalised queries: P_l adds
+  H² − 1 (one scale trades with the norm scales). With an output gate, W_O,h
+  absorbs only P_w's column scales: P_w adds H² − H, capped at H²·(D + b)·D.
 KV cache: G·(K + V) per token. Score weights: D·(H + G)·K + H² (mix_l).
 """
 
@@ -35,10 +38,10 @@ from attn import kernel
 from attn.config import HeadConfig, invalid
 from attn.variants import factors, per_head
 from attn.variants.base import (Options, Params, Variant, bias, cached_kv, factored_score_dof,
-                                full_mask, lowrank_dof, probabilities, project_heads, project_out,
+                                full_mask, probabilities, project_heads, project_out,
                                 queries_and_keys, score_space_dim, standard_flops,
                                 standard_kv_cache_width, standard_param_count,
-                                standard_score_weights)
+                                standard_score_weights, value_output_dof)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -67,7 +70,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   T, S = x_BTD.shape[1], k_BSGK.shape[1]
   logits_BITS = kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale
   logits_BHTS = jnp.einsum("BITS,IH->BHTS", logits_BITS, mixing(params, "mix_l"))
-  mask = full_mask(opts, T, S)
+  mask = full_mask(T, S, cfg=cfg, opts=opts)
   probs_BITS = probabilities(params, logits_BHTS, mask, cfg=cfg)
   mixed_BHTS = jnp.einsum("BITS,IH->BHTS", probs_BITS, mixing(params, "mix_w"))
   if mask is not None:
@@ -82,11 +85,19 @@ def param_count(cfg: HeadConfig) -> int:
 
 
 def effective_param_count(cfg: HeadConfig) -> int:
-  D, H, G, R, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.d_v
+  D, H, G, R = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size
+  b = 1 if cfg.use_bias else 0
   mixing = H * H - G * R * R
-  scores = min(factored_score_dof(cfg, D, D) + mixing, score_space_dim(cfg, D, D))
-  values = min(G * lowrank_dof(D, R * D, V) + mixing, H * D * D)
-  return scores + values + (D if cfg.use_bias else 0)
+  if cfg.qk_norm:
+    scores = factored_score_dof(cfg, D, D) + H * H - 1
+  else:
+    scores = min(factored_score_dof(cfg, D, D) + mixing, score_space_dim(cfg, D, D))
+  values = value_output_dof(cfg, D) - b * D
+  if cfg.gate is None:
+    values = min(values + mixing, H * (D + (b if cfg.sinks else 0)) * D)
+  else:
+    values = min(values + H * H - H, H * H * (D + b) * D)
+  return scores + values + b * D
 
 
 def flops(cfg: HeadConfig, T: int, S: int) -> int:
