@@ -171,5 +171,56 @@ def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfl
                  else score / cfg.num_heads,
                  "flops_fwd": flops(name, cfg, T, S),
                  "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
-                 "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype)})
+                 "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype),
+                 "kv_bytes_at_T": kv_cache_bytes(name, cfg, T, dtype)})
+  return rows
+
+
+# What each head mechanism adds to one layer, in closed form (attn.variants.mechanisms).
+MECHANISMS = (
+    ("gate headwise", {"gate": "headwise"}, "H·(D + b)", "2·T·D·H"),
+    ("gate elementwise", {"gate": "elementwise"}, "H·V·(D + b)", "2·T·D·H·V"),
+    ("sinks", {"sinks": True}, "H", "0"),
+    ("qk_norm", {"qk_norm": True}, "2·K", "0"),
+    ("window", {}, "0", "0 (fewer in practice: the kernels skip keys outside the window)"),
+    ("softcap", {}, "0", "0"),
+)
+
+
+def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:
+  """Bytes one layer caches after `length` tokens: a window layer keeps only the last `window`."""
+  kept = _check_length("length", length) if cfg.window is None else min(length, cfg.window)
+  return kept * kv_cache_bytes_per_token(variant, cfg, dtype)
+
+
+def mechanism_table(variant: str, cfg: HeadConfig, T: int, dtype: Any = "bfloat16",
+                    window: int | None = None) -> list[dict[str, Any]]:
+  """One row per head mechanism: what it adds to one layer of `variant` at cfg's sizes.
+
+  Parameters and forward FLOPs (for T tokens) added over the layer without any
+  mechanism, in closed form and as numbers; the KV cache after T tokens, which
+  only a window (default cfg.window, else T // 4) changes.
+  """
+  plain = cfg.replace(gate=None, sinks=False, qk_norm=False, window=None, softcap=None)
+  base_params = param_counts(variant, plain)["analytic"]
+  base_flops = flops(variant, plain, T)
+  base_cache = kv_cache_bytes(variant, plain, T, dtype)
+  w = window or cfg.window or max(T // 4, 1)
+  rows = []
+  for name, change, params_form, flops_form in MECHANISMS:
+    if name == "window":
+      change = {"window": w}
+    elif name == "softcap":
+      change = {"softcap": 30.0}
+    on = plain.replace(**change)
+    try:
+      api.check_config(variant, on)
+    except ConfigError as e:
+      rows.append({"mechanism": name, "error": str(e)})
+      continue
+    rows.append({"mechanism": name + (f" {w}" if name == "window" else ""),
+                 "params_formula": params_form,
+                 "params": param_counts(variant, on)["analytic"] - base_params,
+                 "flops_formula": flops_form, "flops_fwd": flops(variant, on, T) - base_flops,
+                 "kv_cache_bytes": kv_cache_bytes(variant, on, T, dtype) - base_cache})
   return rows

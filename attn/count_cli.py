@@ -29,7 +29,11 @@ _LAYER_COLUMNS = [
     ("variant", "variant"), ("analytic", "params (analytic)"), ("stored", "params (stored)"),
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
     ("score_weights_per_head", "W_Q·W_Kᵀ weights/head"), ("flops_fwd", "FLOPs fwd"),
-    ("flops_fwd_bwd", "FLOPs fwd+bwd"), ("kv_bytes_per_token", "KV cache B/token")]
+    ("flops_fwd_bwd", "FLOPs fwd+bwd"), ("kv_bytes_per_token", "KV cache B/token"),
+    ("kv_bytes_at_T", "KV cache B at T")]
+_MECHANISM_COLUMNS = [
+    ("mechanism", "mechanism"), ("params_formula", "adds params"), ("params", "="),
+    ("flops_formula", "adds FLOPs fwd"), ("flops_fwd", "="), ("kv_cache_bytes", "KV cache B at T")]
 _TABLE3_COLUMNS = [
     ("row", "row"), ("num_layers", "N"), ("d_model", "d_model"), ("d_ff", "d_ff"),
     ("num_heads", "h"), ("d_k", "d_k"), ("d_v", "d_v"), ("paper_millions", "paper (×10⁶)"),
@@ -170,6 +174,11 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
   S = args.seq_len if args.kv_len is None else args.kv_len
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
                             "dtype": args.dtype, "rows": rows}
+  ok = [r["variant"] for r in rows if "error" not in r]
+  if ok:
+    report["mechanisms_of"] = "per_head" if "per_head" in ok else ok[0]
+    report["mechanisms"] = count.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
+                                                 args.dtype)
   if preset is not None:
     m, kind = preset.config, preset.kind
     report["model"] = {
@@ -201,6 +210,10 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
              + (f", query latent {q}" if q else "") + f"; caches d_c + rope_dim = "
              f"{c['latent_dim'] + c['rope_dim']} elements per token.")
   text = head + "\n\n" + markdown(report["rows"], columns)
+  if "mechanisms" in report:
+    text += (f"\n\nWhat each head mechanism adds to one {report['mechanisms_of']} layer (b = 1 with "
+             f"biases; T={report['T']}; a window keeps its last `window` tokens in the cache):\n\n"
+             + markdown(report["mechanisms"], _MECHANISM_COLUMNS))
   if "model" in report:
     m = report["model"]
     parts = [{"component": k, "params": v} for k, v in m["breakdown"].items() if v]

@@ -490,3 +490,25 @@ def test_doc_tables_are_what_the_command_prints(capsys, doc):
     assert code == 0
     chunks = [c for c in out.strip().split("\n\n") if not c.startswith("One attention layer")]
     assert chunks and body.strip() == "\n\n".join(chunks).strip(), args
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_mechanism_table_matches_closed_forms_and_stored_arrays(use_bias):
+  cfg = attn.HeadConfig(d_model=24, num_heads=6, d_k=5, d_v=3, num_kv_heads=2, use_bias=use_bias)
+  D, H, K, V, b = 24, 6, 5, 3, int(use_bias)
+  rows = {r["mechanism"].split(" ")[0] + (" " + r["mechanism"].split(" ")[1]
+                                          if r["mechanism"].startswith("gate") else ""): r
+          for r in count.mechanism_table("per_head", cfg, T=40, dtype="float32", window=7)}
+  assert rows["gate headwise"]["params"] == H * (D + b)
+  assert rows["gate elementwise"]["params"] == H * V * (D + b)
+  assert rows["sinks"]["params"] == H and rows["qk_norm"]["params"] == 2 * K
+  assert rows["gate headwise"]["flops_fwd"] == 2 * 40 * D * H
+  width = 2 * (K + V) * 4  # G·(K + V) float32 numbers per token
+  assert rows["window"]["kv_cache_bytes"] == (7 - 40) * width
+  plain = sum(np.prod(s) for s in attn.param_shapes("per_head", cfg).values())
+  for name, change in (("gate elementwise", {"gate": "elementwise"}), ("sinks", {"sinks": True}),
+                       ("qk_norm", {"qk_norm": True})):
+    stored = sum(np.prod(s) for s in attn.param_shapes("per_head", cfg.replace(**change)).values())
+    assert rows[name]["params"] == stored - plain, name
+  assert count.kv_cache_bytes("per_head", cfg.replace(window=7), 5, "float32") == 5 * width
+  assert count.kv_cache_bytes("per_head", cfg.replace(window=7), 500, "float32") == 7 * width
