@@ -34,17 +34,20 @@ class MultiHeadAttention(nnx.Module):
     self.params = nnx.Dict({name: nnx.Param(jnp.asarray(a)) for name, a in params.items()})
     self.cache: nnx.Dict | None = nnx.data(None)  # KV cache entries, set by init_cache
     self.cache_index: nnx.Cache | None = nnx.data(None)
+    self.cache_max_len: int | None = None  # positions the cache serves (a window's ring: fewer slots)
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
     """An empty KV cache (nnx.Cache variables) for decode=True; what it holds is the variant's.
 
-    Per token it holds Variant.kv_cache_width numbers (attn.variants.cache);
+    Per token it holds Variant.kv_cache_width numbers (attn.variants.cache), for
+    max_len tokens, or with cfg.window a ring of min(window, max_len);
     cache_index is the number of tokens already decoded.
     """
     entries = kv_cache.init(api.get_variant(self.variant), self.params_dict(), self.cfg,
                             batch_size, max_len, dtype)
     self.cache = nnx.Dict({name: nnx.Cache(a) for name, a in entries.items()})
     self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+    self.cache_max_len = max_len
 
   @classmethod
   def from_params(cls, cfg: HeadConfig, variant: str, params: Params) -> MultiHeadAttention:
@@ -85,7 +88,7 @@ class MultiHeadAttention(nnx.Module):
     if self.cache is None:
       raise invalid("decode", True, "decode=False, or call init_cache(batch_size, max_len) first")
     cache = {name: c[...] for name, c in self.cache.items()}
-    B, M = next(iter(cache.values())).shape[:2]
+    B, M = next(iter(cache.values())).shape[0], self.cache_max_len
     if x_BTD.shape[0] != B:
       raise invalid("x.shape[0]", x_BTD.shape[0], f"the cache's batch size {B} (init_cache)")
     check_head_mask(head_mask, B, self.cfg.num_heads)

@@ -44,8 +44,8 @@ def cache_state(model: nnx.Module) -> tuple[Array, int, int]:
   attn0 = model.blocks[0].attn
   if getattr(attn0, "cache", None) is None:
     raise invalid("decode", True, "decode=False, or call init_cache(batch_size, max_len) first")
-  B, M = next(iter(attn0.cache.values()))[...].shape[:2]
-  return attn0.cache_index[...], B, M
+  B = next(iter(attn0.cache.values()))[...].shape[0]
+  return attn0.cache_index[...], B, attn0.cache_max_len
 
 
 @nnx.jit

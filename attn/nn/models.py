@@ -20,7 +20,12 @@ reuses the source token table when share_src_tgt_embeddings.
 positional "rope": no position embedding; every attention layer rotates the
 first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
 parameters), tokens at positions 0..T−1. ModelConfig has every HeadConfig
-field (with_head_fields), declared once there.
+field (with_head_fields), declared once there: the head mechanisms gate, sinks,
+qk_norm, qk_norm_eps, window and softcap among them (attn.variants.mechanisms).
+With a window, global_every = k makes every k-th self-attention layer of a
+stack global (l % k == 0, l counted from 1) and the rest local (0: all local;
+ModelConfig.layer_head); decoding keeps a local layer's cache as a ring of
+`window` slots. Cross-attention has no window.
 
 Letters as in the README's table, plus F for d_ff, N for the vocabulary and L
 for attention layers. Token ids outside [0, vocab) (negative ones included)
@@ -115,6 +120,7 @@ class ModelConfig:
   share_src_tgt_embeddings: bool = True
   num_classes: int = 0
   pooling: str = "cls"
+  global_every: int = 0  # with HeadConfig.window: every k-th layer global, the rest local
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -140,11 +146,26 @@ class ModelConfig:
     if self.rope_dim and self.positional != "rope":
       raise invalid("positional", self.positional,
                     f"'rope' when rope_dim={self.rope_dim}: rotary positions replace additive ones")
+    _check_int("global_every", self.global_every, minimum=0)
+    if self.global_every and self.window is None:
+      raise invalid("global_every", self.global_every,
+                    "0 without a window: it makes every k-th layer global and the rest local")
 
   @property
   def head(self) -> HeadConfig:
     """The HeadConfig of every attention layer in the model."""
     return HeadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HeadConfig)})
+
+  def layer_head(self, index: int) -> HeadConfig:
+    """The HeadConfig of self-attention layer `index` (0-based) of a stack.
+
+    With a window, layer l = index + 1 is global (window None) when global_every = k > 0
+    divides l, else local; global_every 0 makes every layer local.
+    """
+    layer = index + 1
+    if self.window is not None and self.global_every and layer % self.global_every == 0:
+      return self.head.replace(window=None)
+    return self.head
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -301,11 +322,15 @@ class MLP(nnx.Module):
 class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
+               head: HeadConfig | None = None):
     self.post_norm = cfg.norm == "post"
-    self.attn = MultiHeadAttention(cfg.head, cfg.variant, rngs=rngs)
+    head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
+    self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs)
     self.attn_norm = layer_norm(cfg, rngs)
-    self.cross = MultiHeadAttention(cfg.head, cfg.variant, rngs=rngs) if cross else None
+    # A window is about positions in one sequence: cross-attention reads the whole context.
+    self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs) \
+        if cross else None
     self.cross_norm = layer_norm(cfg, rngs, cross)
     self.mlp = MLP(cfg, rngs=rngs)
     self.mlp_norm = layer_norm(cfg, rngs)
@@ -360,7 +385,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
-  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross) for _ in range(n)])
+  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i))
+                   for i in range(n)])
 
 
 class Encoder(nnx.Module):

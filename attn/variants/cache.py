@@ -10,6 +10,13 @@ whole cache to attend to. A variant with `cache_entries` and `attend_cached`
 
 The mask of a decode step is causal against the cache fill: the query at
 position p sees cache slots s ≤ p; slots past the fill are never seen.
+
+A layer with a window (cfg.window = W) needs only the last W tokens: its
+cache is a ring of min(W, max_len) slots, position p in slot p mod slots. A
+step attends to the ring as it was plus its own new tokens (ring_mask gives
+what each query sees, by position), then writes the new tokens over the
+oldest slots, so a step longer than the ring (a prompt) is exact too. The
+variant then runs with window=None: the mask already holds the window.
 """
 
 from __future__ import annotations
@@ -47,13 +54,18 @@ def entries(variant: Variant, params: Params, x_BTD: Array, *, cfg: HeadConfig,
   return seen
 
 
+def slots(cfg: HeadConfig, max_len: int) -> int:
+  """Token slots a layer's cache holds for max_len positions: max_len, or its window's ring."""
+  return max_len if cfg.window is None else min(cfg.window, max_len)
+
+
 def init(variant: Variant, params: Params, cfg: HeadConfig, batch_size: int, max_len: int,
          dtype=jnp.float32) -> dict[str, Array]:
-  """An empty cache: zeros of (batch_size, max_len, ...) for each entry the layer caches."""
+  """An empty cache: zeros of (batch_size, slots(cfg, max_len), ...) for each entry it caches."""
   x_shape = jax.ShapeDtypeStruct((batch_size, 1, cfg.d_model), dtype)
   shapes = jax.eval_shape(lambda x: entries(variant, params, x, cfg=cfg,
                                             positions=jnp.zeros((1,), jnp.int32)), x_shape)
-  return {name: jnp.zeros((batch_size, max_len, *s.shape[2:]), s.dtype)
+  return {name: jnp.zeros((batch_size, slots(cfg, max_len), *s.shape[2:]), s.dtype)
           for name, s in shapes.items()}
 
 
@@ -74,13 +86,65 @@ def causal_mask(index, T: int, max_len: int) -> Array:
   return (jnp.arange(max_len)[None, :] <= pos_T[:, None])[None, None]
 
 
+def ring_mask(index, T: int, n_slots: int, window: int) -> Array:
+  """(1,1,T,n_slots+T): what the queries at index..index+T−1 see of [the ring | the new tokens].
+
+  Slot j holds the latest position P_j < index with P_j ≡ j (mod n_slots),
+  none when P_j < 0; a query at q sees it when q − P_j < window, and new
+  token k when k ≤ its own t and t − k < window.
+  """
+  j = jnp.arange(n_slots)
+  held_S = j + n_slots * jnp.floor_divide(index - 1 - j, n_slots)
+  q_T = index + jnp.arange(T)
+  old_TS = (held_S >= 0)[None, :] & (q_T[:, None] - held_S[None, :] < window)
+  t = jnp.arange(T)
+  new_TT = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window)
+  return jnp.concatenate([old_TS, new_TT], axis=1)[None, None]
+
+
+def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, Array], index,
+               *, cfg: HeadConfig, head_mask) -> tuple[Array, dict[str, Array]]:
+  """decode_step for a window layer: attend to [ring | new tokens], then write them in the ring."""
+  T = x_BTD.shape[1]
+  n_slots = next(iter(cache.values())).shape[1]
+  pos_T = index + jnp.arange(T)
+  step_cfg = cfg.replace(window=None)  # the ring's mask holds the window, by position
+  opts = Options(mask=ring_mask(index, T, n_slots, cfg.window), head_mask=head_mask,
+                 qk_positions=(pos_T, pos_T))
+  m = min(T, n_slots)  # only the last m new tokens stay in the ring
+  slot_M = (index + T - m + jnp.arange(m)) % n_slots
+
+  def seen(name, new):
+    return jnp.concatenate([cache[name], new.astype(cache[name].dtype)], axis=1)
+
+  def write(name, new):
+    return cache[name].at[:, slot_M].set(new[:, T - m:].astype(cache[name].dtype))
+
+  if variant.cache_entries is not None:
+    new = entries(variant, params, x_BTD, cfg=step_cfg, positions=pos_T)
+    y_BTD = variant.attend_cached(params, x_BTD, {n: seen(n, a) for n, a in new.items()},
+                                  cfg=step_cfg, opts=opts)
+    return y_BTD, {name: write(name, a) for name, a in new.items()}
+  ring = {}
+
+  def swap(k_BTGK, v_BTGV):
+    ring.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
+    return seen("k", k_BTGK), seen("v", v_BTGV)
+
+  y_BTD, _ = _with_hook(swap, variant.apply, params, x_BTD, cfg=step_cfg, opts=opts)
+  return y_BTD, ring
+
+
 def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, Array], index,
                 *, cfg: HeadConfig, head_mask=None) -> tuple[Array, dict[str, Array]]:
   """y (B,T,D) for x's tokens at positions index..index+T−1, and the cache with them written.
 
   The caller checks index + T ≤ max_len (under jit, index is traced and
-  dynamic_update_slice would clamp instead of failing).
+  dynamic_update_slice would clamp instead of failing). A window layer's
+  cache is a ring (module docstring).
   """
+  if cfg.window is not None:
+    return _ring_step(variant, params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
   T = x_BTD.shape[1]
   max_len = next(iter(cache.values())).shape[1]
   pos_T = index + jnp.arange(T)
