@@ -66,7 +66,8 @@ def test_default_is_one_device_and_the_device_count_leaves_trial_ids_alone():
     for key in ("checkpoint_every", "data_parallel", "data_parallel_axis"):
       del cfg["train"][key]
     for key, value in (("norm_eps", 1e-5), ("latent_dim", None), ("q_latent_dim", None),
-                         ("rope_dim", 0), ("rope_theta", 10000.0)):  # hashed only when set (newer keys)
+                         ("rope_dim", 0), ("rope_theta", 10000.0), ("dtype", "float32"),
+                         ("param_dtype", "float32")):  # hashed only when set (newer keys)
       assert cfg["model"].pop(key) == value
     text = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
     assert t.id == hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -80,7 +80,8 @@ UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train",
 # the older behaviour: a store written before they existed keeps its ids and still resumes.
 LATER_DEFAULTS = {("model", "norm_eps"): 1e-5, ("model", "latent_dim"): None,
                   ("model", "q_latent_dim"): None, ("model", "rope_dim"): 0,
-                  ("model", "rope_theta"): 10000.0}
+                  ("model", "rope_theta"): 10000.0, ("model", "dtype"): "float32",
+                  ("model", "param_dtype"): "float32"}
 
 
 def trial_id(resolved: dict[str, Any]) -> str:
