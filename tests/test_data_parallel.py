@@ -63,7 +63,7 @@ def test_default_is_one_device_and_the_device_count_leaves_trial_ids_alone():
   default = _load()
   for t in default.trials:  # the id hashes the resolved config without how-to-run keys
     cfg = json.loads(json.dumps(t.config))
-    for key in ("checkpoint_every", "data_parallel", "data_parallel_axis"):
+    for key in ("checkpoint_every", "data_parallel", "data_parallel_axis", "grad_accum"):
       del cfg["train"][key]
     for key, value in (("norm_eps", 1e-5), ("latent_dim", None), ("q_latent_dim", None),
                          ("rope_dim", 0), ("rope_theta", 10000.0), ("dtype", "float32"),

@@ -15,10 +15,10 @@ constraints applied to every trial, in order:
 
 [train] is a TrainConfig (frozen, validated: each error names train.<field>).
 A trial's id is the hash of its resolved config (the dict stored in its
-config.json) without train.checkpoint_every, train.data_parallel and
-train.data_parallel_axis, which change how often a trial saves and on how many
-devices it runs but not what it computes (to float tolerance,
-attn.experiments.training.parallel).
+config.json) without train.checkpoint_every, train.data_parallel,
+train.data_parallel_axis and train.grad_accum, which change how often a trial
+saves, on how many devices it runs and in how many micro-batches, but not what
+it computes (to float tolerance, attn.experiments.training.parallel and .train).
 
 Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
 """
@@ -75,7 +75,8 @@ class Sweep:
 # Resolved keys that change how a trial runs but not its rows or parameters: left out of its
 # id, so that e.g. --set train.checkpoint_every=10 resumes the same trials, and a trial
 # resumes on another device count.
-UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train", "data_parallel_axis"))
+UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train", "data_parallel_axis"),
+            ("train", "grad_accum"))
 # Keys added after trials were first stored, hashed only away from the default that reproduces
 # the older behaviour: a store written before they existed keeps its ids and still resumes.
 LATER_DEFAULTS = {("model", "norm_eps"): 1e-5, ("model", "latent_dim"): None,

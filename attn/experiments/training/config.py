@@ -22,6 +22,7 @@ _TRAIN_RANGES = {
     "eval_every": (0, True, "an integer >= 0 (0: only at the end)"),
     "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
     "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
+    "grad_accum": (1, True, "an integer >= 1 (micro-batches per batch)"),
 }
 DATA_PARALLEL_AXES = ("batch", "seed")
 
@@ -69,6 +70,13 @@ class TrainConfig:
   splits each batch (batch_size must be a multiple of the count), "seed"
   spreads seeds trained together (sweep.vmap_seeds) one or more per device.
   See attn.experiments.training.parallel.
+
+  grad_accum: k splits each train batch into k micro-batches of
+  batch_size / k rows, run one after another inside the compiled step, their
+  gradients summed: the update of the whole batch (to float32 summation
+  order) with the activations of one micro-batch. k must divide batch_size,
+  and each micro-batch must split over the data-parallel devices. Evaluation
+  batches are not split.
   """
 
   steps: int = 200
@@ -86,6 +94,7 @@ class TrainConfig:
   checkpoint_every: int = 0
   data_parallel: int | str = 1
   data_parallel_axis: str = "batch"
+  grad_accum: int = 1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -95,6 +104,16 @@ class TrainConfig:
       raise invalid("train.batch_size", B,
                     f"a multiple of train.data_parallel={N}: each train and eval batch is split evenly "
                     f"over the devices, and {B} rows over {N} devices leave {B % N} over")
+    k = self.grad_accum
+    if B % k:
+      raise invalid("train.grad_accum", k,
+                    f"a divisor of train.batch_size={B} (micro-batches of equal size): one of "
+                    f"{[d for d in range(1, B + 1) if B % d == 0]}")
+    if self.data_parallel_axis == "batch" and N != "auto" and (B // k) % N:
+      raise invalid("train.grad_accum", k,
+                    f"a divisor of train.batch_size={B} leaving micro-batches that split over "
+                    f"train.data_parallel={N} devices: {B} // {k} = {B // k} rows do not; one of "
+                    f"{[d for d in range(1, B + 1) if B % (d * N) == 0]}")
 
   @property
   def checkpoint_interval(self) -> int:

@@ -89,17 +89,28 @@ def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
           "attention_flops_fwd": int(fl) * L}
 
 
-def _loss(model, batch: dict[str, jax.Array], kind: str):
-  """Mean cross-entropy and accuracy (weighted positions for LM tasks)."""
+def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:
+  """The weight of each scored position (LM tasks) or example (classifiers)."""
+  return batch["weights"] if kind == "decoder_lm" else jnp.ones(batch["labels"].shape, jnp.float32)
+
+
+def _loss(model, batch: dict[str, jax.Array], kind: str, denom=None):
+  """Mean cross-entropy and accuracy (weighted positions for LM tasks), float32.
+
+  denom: what the weighted sums are divided by; None: this batch's total weight
+  (at least 1). A micro-batch passes its whole batch's, so that the micro-batch
+  losses add up to the batch's.
+  """
   if kind == "decoder_lm":
     logits = model(batch["tokens"]).astype(jnp.float32)
-    labels, w = batch["targets"], batch["weights"]
+    labels = batch["targets"]
   else:
     logits = model(batch["tokens"], batch["lengths"]).astype(jnp.float32)
-    labels, w = batch["labels"], jnp.ones(batch["labels"].shape, jnp.float32)
+    labels = batch["labels"]
+  w = _weights(batch, kind)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-  denom = jnp.maximum(w.sum(), 1.0)
+  denom = jnp.maximum(w.sum(), 1.0) if denom is None else denom
   return (nll * w).sum() / denom, (hit * w).sum() / denom
 
 
@@ -132,13 +143,58 @@ def _batches(task, seeds: list[int], split: int, index: int, batch_size: int) ->
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str):
-  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted."""
+def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+  """The batch as k micro-batches (k, B/k, ...): micro-batch j holds rows j, j + k, j + 2k, ...
 
-  def step(params, opt_state, rest, batch, lr):
+  Rows are dealt out this way, not cut in k runs, so that the B/k rows of every
+  micro-batch keep the batch's split over the mesh's "data" axis: each device
+  holds B/(k·N) rows of each micro-batch, and no row moves between devices.
+  """
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
+
+
+def _value_and_grad(graphdef, kind: str, grad_accum: int):
+  """(loss, accuracy), grads of the batch's mean loss; with grad_accum > 1, micro-batch by micro-batch.
+
+  The micro-batches run one after another under lax.scan, so only one holds
+  activations at a time; their gradients, each of its weighted sum over the
+  whole batch's weight, add up in float32 to the whole batch's gradient (to
+  float32 summation order), then take the parameters' dtype.
+  """
+  def whole(params, rest, batch):
     def loss_fn(p):
       return _loss(nnx.merge(graphdef, p, rest), batch, kind)
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+  if grad_accum == 1:
+    return whole
+
+  def accumulated(params, rest, batch):
+    denom = jnp.maximum(_weights(batch, kind).sum(), 1.0)
+
+    def one(carry, micro):
+      def loss_fn(p):
+        return _loss(nnx.merge(graphdef, p, rest), micro, kind, denom)
+      (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      total, g_sum = carry
+      g_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), g_sum, grads)
+      return (total + jnp.stack([loss, acc]), g_sum), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (total, g_sum), _ = jax.lax.scan(one, (jnp.zeros(2, jnp.float32), zeros),
+                                     micro_batches(batch, grad_accum))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), g_sum, params)
+    return (total[0], total[1]), grads
+
+  return accumulated
+
+
+def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum: int = 1):
+  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted."""
+  value_and_grad = _value_and_grad(graphdef, kind, grad_accum)
+
+  def step(params, opt_state, rest, batch, lr):
+    (loss, acc), grads = value_and_grad(params, rest, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     updates = jax.tree.map(lambda u: -lr * u, updates)
     params = optax.apply_updates(params, updates)
@@ -183,7 +239,7 @@ def train_group(configs: list[dict[str, Any]],
     # The donated step needs a buffer per leaf; an init handing one array to two leaves would fail.
     p = jax.tree.map(jnp.copy, p)
     states.append({"params": p, "opt_state": tx.init(p), "rest": r})
-  step, evaluate = _step_fns(graphdef, tx, kind)
+  step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
   groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]
