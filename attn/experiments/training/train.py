@@ -5,9 +5,11 @@ stacks their parameters and runs one compiled program under jax.vmap over the
 seed axis; each seed keeps its own data, init and optimiser state. Every step
 yields, per seed, loss, accuracy, gradient/parameter/update norms and step
 time. A non-finite loss or gradient stops that seed, which is recorded as
-failed with the reason; the other seeds go on. With train.data_parallel > 1
-the step and the evaluation run sharded over local devices, the batch or the
-seeds split (attn.experiments.training.parallel); the summary records the device count.
+failed with the reason; the other seeds go on. With train.mesh (or
+train.data_parallel) beyond one device the step and the evaluation run as one
+program over a ("data", "heads") mesh of local devices, the batch or the seeds
+split on "data", the attention heads on "heads"
+(attn.experiments.training.parallel); the summary records the mesh.
 
 Given checkpoint directories, a trial saves its state every
 train.checkpoint_interval steps and at the end (attn.experiments.training.checkpoints)
@@ -217,13 +219,16 @@ def train_group(configs: list[dict[str, Any]],
                 vmap: bool = True,
                 checkpoint_dirs: list[str] | None = None,
                 on_start: Callable[[int, int], None] | None = None,
-                log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                log: Callable[[str], None] | None = None,
+                on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
   """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries.
 
   checkpoint_dirs: one directory per trial to save checkpoints in and resume
   from (None: neither). on_start(i, step) is called once per trial, before its
   first row, with the step it starts at (0, or its checkpoint's). log receives
-  warning lines (an unreadable checkpoint); default stderr.
+  warning lines (an unreadable checkpoint); default stderr. on_compiled(step,
+  evaluate) receives each program's compiled train step and evaluation
+  (jax.stages.Compiled: memory_analysis(), as_text(), input_shardings) before it runs.
   """
   cfg0 = configs[0]
   task = tasks_lib.make_task(cfg0["task"])
@@ -231,7 +236,8 @@ def train_group(configs: list[dict[str, Any]],
   train, kind = TrainConfig(**cfg0["train"]), task.kind
   seeds = [TrainConfig(**c["train"]).seed for c in configs]
   batched = vmap and len(seeds) > 1
-  layout = parallel.layout(train, len(seeds) if batched else 1, batched)  # refuses before any model is built
+  # Refuses a mesh that does not fit, before any model is built.
+  layout = parallel.layout(train, len(seeds) if batched else 1, batched, model_cfg.num_heads)
   tx = optimizer(train)
   graphdef, states = None, []
   for s in seeds:
@@ -239,6 +245,9 @@ def train_group(configs: list[dict[str, Any]],
     # The donated step needs a buffer per leaf; an init handing one array to two leaves would fail.
     p = jax.tree.map(jnp.copy, p)
     states.append({"params": p, "opt_state": tx.init(p), "rest": r})
+  s0 = states[0]
+  layout = layout.with_state(nnx.merge(graphdef, s0["params"], s0["rest"]), s0["params"], s0["opt_state"],
+                             s0["rest"], tx)
   step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
@@ -256,7 +265,8 @@ def train_group(configs: list[dict[str, Any]],
         on_start(i, start)
     state = _stack(group_states) if batched else group_states[0]
     out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
-               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs, layout)
+               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs, layout,
+               on_compiled)
     for i, summary in zip(group, out):
       summaries[i] = {**summary, **counts}
   return summaries
@@ -265,7 +275,8 @@ def train_group(configs: list[dict[str, Any]],
 def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
          on_row, on_step, batched: bool, start: int = 0,
          checkpoint_dirs: list[str] | None = None,
-         layout: parallel.Layout = parallel.Layout()) -> list[dict[str, Any]]:
+         layout: parallel.Layout = parallel.Layout(),
+         on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
   """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries."""
   n, B = len(seeds), train.batch_size
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
@@ -274,17 +285,20 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
   eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train.eval_batches)])
   if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
     eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data)
-  eval_data, state = layout.put(eval_data, "eval"), layout.put(state, "state")
+  eval_data = layout.put(eval_data, "eval")
+  state = tuple(layout.put(x, kind) for x, kind in zip(state, parallel.STATE_KINDS))
   t0 = time.perf_counter()
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
     batch0 = layout.put(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B)), "train")
-    jit_step = layout.jit(step_fn, ("state",) * 3 + ("train", "replicated"), ("state", "state", "replicated"),
-                          donate=(0, 1)).lower(*state, batch0, lr0).compile()
-    jit_eval = layout.jit(eval_fn, ("state", "state", "eval"), "replicated").lower(
+    jit_step = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
+                          ("params", "opt_state", "replicated"), donate=(0, 1)).lower(*state, batch0, lr0).compile()
+    jit_eval = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
         state[0], state[2], eval_data).compile()
   compile_s = time.perf_counter() - t0
+  if on_compiled:
+    on_compiled(jit_step, jit_eval)
   if preempt.requested():  # save_now() during the compile: nothing new to save
     raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
