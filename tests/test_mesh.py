@@ -15,7 +15,8 @@ split by heads as the table says, not replicated. Measured over 4 steps, every
 variant, H = 4 with G = 4 and G = 2: at most 2.3e-7 relative apart. The fast
 tier runs one case (per_head, G = 2, data 2 × heads 2); the slow tier the
 matrix of every variant, both G, the three meshes, seeds split on data beside
-heads, and a checkpoint saved on heads = 4 resumed on one device.
+heads, micro-batches (train.grad_accum) on data 2 × heads 2, and a checkpoint
+saved on heads = 4 resumed on one device.
 """
 
 import json
@@ -286,7 +287,7 @@ def test_every_variant_on_every_mesh_gives_the_one_device_rows_with_split_weight
 
 
 @pytest.mark.slow
-def test_seeds_on_data_beside_heads_and_a_checkpoint_resumed_on_another_mesh(tmp_path):
+def test_seeds_on_data_beside_heads_micro_batches_and_a_checkpoint_resumed_on_another_mesh(tmp_path):
   vmap = ["sweep.seeds=[0, 1]", "sweep.vmap_seeds=true"]
   out = _run_on_4_devices(tmp_path, [
       {"name": "seeds", "sets": vmap, "vmap": True},
@@ -294,7 +295,9 @@ def test_seeds_on_data_beside_heads_and_a_checkpoint_resumed_on_another_mesh(tmp
       {"name": "one", "sets": []},
       {"name": "h4", "sets": MESHES["h4"], "ckpt": "h4"},
       {"name": "h4_resumed_on_1", "sets": [], "ckpt": "h4"},  # resumes from the step-2 checkpoint
+      {"name": "d2h2_accum2", "sets": MESHES["d2h2"] + ["train.grad_accum=2"]},
   ])
+  _assert_rows_close(out["d2h2_accum2"]["rows"], out["one"]["rows"])
   assert out["seeds/d2h2"]["mesh"] == {"data": 2, "heads": 2}
   _assert_rows_close(out["seeds/d2h2"]["rows"], out["seeds"]["rows"])
   _assert_rows_close(out["h4"]["rows"], out["one"]["rows"])
