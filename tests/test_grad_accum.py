@@ -61,7 +61,7 @@ def test_grad_accum_leaves_trial_ids_alone():
   assert [t.id for t in _load("train.grad_accum=4").trials] == [t.id for t in _load().trials]
 
 
-@pytest.mark.parametrize("task,k", [("mqar", 4), ("marker", 2)])
+@pytest.mark.parametrize("task,k", [("mqar", 4), pytest.param("marker", 2, marks=pytest.mark.slow)])
 def test_k_micro_batches_give_the_whole_batch_gradient_and_metrics(task, k):
   text = TINY if task == "mqar" else TINY.replace(TINY_MQAR.split("[model]")[0].split("[task]")[1].strip(), MARKER)
   trial = _load(text=text).trials[0]
