@@ -64,10 +64,11 @@ def test_default_is_one_device_and_the_device_count_leaves_trial_ids_alone():
   default = _load()
   for t in default.trials:  # the id hashes the resolved config without how-to-run keys
     cfg = json.loads(json.dumps(t.config))
-    for key in ("checkpoint_every", "data_parallel", "data_parallel_axis"):
+    for key in ("checkpoint_every", "data_parallel", "data_parallel_axis", "grad_accum", "mesh"):
       del cfg["train"][key]
     for key, value in (("norm_eps", 1e-5), ("latent_dim", None), ("q_latent_dim", None),
-                         ("rope_dim", 0), ("rope_theta", 10000.0)):  # hashed only when set (newer keys)
+                         ("rope_dim", 0), ("rope_theta", 10000.0), ("dtype", "float32"),
+                         ("param_dtype", "float32")):  # hashed only when set (newer keys)
       assert cfg["model"].pop(key) == value
     for key in [k for k in cfg["model"] if k not in config_lib.FIRST_KEYS["model"]]:
       assert cfg["model"].pop(key) == getattr(ModelConfig, key)  # a newer key at its default
@@ -123,7 +124,8 @@ def test_one_device_places_nothing():
   x = {"tokens": np.zeros((4, 3), np.int32)}
   layout = parallel.layout(TrainConfig(), 3, True)
   assert layout.devices == 1 and layout.put(x, "train") is x
-  assert layout.summary() == {"data_parallel_devices": 1, "data_parallel_axis": "batch"}
+  assert layout.summary() == {"data_parallel_devices": 1, "data_parallel_axis": "batch",
+                              "mesh": {"data": 1, "heads": 1}}
 
 
 # --- 4 CPU devices, in a subprocess (slow) -------------------------------------------------
@@ -171,7 +173,7 @@ run("batch4_resumed", DP4, ckpt="one")
 out["partial_group"] = parallel.layout(TrainConfig(data_parallel=4, data_parallel_axis="seed"), 3, True).devices
 x = np.arange(4 * 8 * 5).reshape(4, 8, 5)
 for axis, kind in (("batch", "train"), ("seed", "state")):
-  placed = parallel.Layout(4, axis, True).put(x, kind)
+  placed = parallel.Layout(4, 1, axis, True).put(x, kind)
   out[f"shards_{axis}"] = sorted({tuple(s.data.shape) for s in placed.addressable_shards}) + [len(placed.addressable_shards)]
 for name, cfg in (("refuse_8", TrainConfig(data_parallel=8, batch_size=16)),
                   ("refuse_auto", TrainConfig(data_parallel="auto", batch_size=6))):

@@ -4,6 +4,11 @@ The module is a shell over the functional core: its nnx.Params are exactly the
 arrays of `attn.init(variant, ...)`, held in an nnx.Dict under the variant's
 own names, and `__call__` is `attn.apply(variant, params, ...)`, so checks and
 math are shared with the functional API.
+
+dtype and param_dtype are Flax's: parameters are created and stored in
+param_dtype; with dtype set, the inputs and parameters are cast to it for the
+computation (the kernel's softmax stays float32), and None computes in the
+inputs' dtype.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ class MultiHeadAttention(nnx.Module):
   """One attention layer of any registered variant, with its parameters as nnx.Params."""
 
   def __init__(self, cfg: HeadConfig, variant: str = "fused", *, rngs: nnx.Rngs | None = None,
-               dtype=jnp.float32, params: Params | None = None):
+               dtype=None, param_dtype=jnp.float32, params: Params | None = None):
     self.variant = api.check_config(variant, cfg).name
     self.cfg = cfg
+    self.dtype = None if dtype is None else jnp.dtype(dtype)
     if params is None:
       if not isinstance(rngs, nnx.Rngs):
         raise invalid("rngs", rngs, "an nnx.Rngs (or pass params=... to load existing weights)")
-      params = api.init(self.variant, rngs.params(), cfg, dtype)
+      params = api.init(self.variant, rngs.params(), cfg, param_dtype)
     else:
       api.check_params(self.variant, params, cfg)
     self.params = nnx.Dict({name: nnx.Param(jnp.asarray(a)) for name, a in params.items()})
@@ -58,6 +64,14 @@ class MultiHeadAttention(nnx.Module):
     """The parameters as a plain dict of arrays, ready for attn.apply or attn.convert."""
     return {name: p[...] for name, p in self.params.items()}
 
+  def _compute(self, x_BTD: jax.Array, context_BSD: jax.Array | None = None):
+    """(params, x, context) in the compute dtype: cast when self.dtype is set."""
+    params, dtype = self.params_dict(), self.dtype
+    if dtype is None:
+      return params, x_BTD, context_BSD
+    cast = lambda a: a if a is None else a.astype(dtype)
+    return {name: cast(a) for name, a in params.items()}, cast(x_BTD), cast(context_BSD)
+
   def load_params(self, params: Params) -> None:
     """Replaces the parameter values with a plain dict of the variant's names and shapes."""
     api.check_params(self.variant, params, self.cfg)
@@ -80,7 +94,8 @@ class MultiHeadAttention(nnx.Module):
     """
     if decode:
       return self._decode(x_BTD, head_mask)
-    return api.apply(self.variant, self.params_dict(), x_BTD, context_BSD, cfg=self.cfg,
+    params, x_BTD, context_BSD = self._compute(x_BTD, context_BSD)
+    return api.apply(self.variant, params, x_BTD, context_BSD, cfg=self.cfg,
                      mask=mask, return_weights=return_weights, head_mask=head_mask,
                      is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)
 
@@ -97,7 +112,8 @@ class MultiHeadAttention(nnx.Module):
       raise invalid("x.shape[1]", x_BTD.shape[1],
                     f"at most max_len - cache_index = {M} - {int(index)} = {M - int(index)} "
                     "tokens: positions beyond the cache")
-    y_BTD, cache = kv_cache.decode_step(api.get_variant(self.variant), self.params_dict(), x_BTD,
+    params, x_BTD, _ = self._compute(x_BTD)
+    y_BTD, cache = kv_cache.decode_step(api.get_variant(self.variant), params, x_BTD,
                                         cache, index, cfg=self.cfg, head_mask=head_mask)
     for name, a in cache.items():
       self.cache[name][...] = a

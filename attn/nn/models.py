@@ -27,6 +27,13 @@ stack global (l % k == 0, l counted from 1) and the rest local (0: all local;
 ModelConfig.layer_head); decoding keeps a local layer's cache as a ring of
 `window` slots. Cross-attention has no window.
 
+Precision (Flax's names and meaning): param_dtype, "float32" or "bfloat16",
+is the dtype parameters are stored, updated and checkpointed in; dtype is the
+dtype activations and matmuls compute in, parameters cast to it on use. The
+attention softmax runs in float32 whatever dtype is (attn.kernel), and so do
+LayerNorm statistics (Flax) and the training loss; with param_dtype "float32"
+the optimiser state and the master weights are float32 too.
+
 Letters as in the README's table, plus F for d_ff, N for the vocabulary and L
 for attention layers. Token ids outside [0, vocab) (negative ones included)
 never wrap: on concrete arrays they raise ConfigError; under jit they embed as
@@ -66,6 +73,8 @@ _CHOICES = {
     "norm": ("pre", "post"),
     "activation": ("gelu", "gelu_exact", "relu"),
     "pooling": ("cls", "mean"),
+    "dtype": ("float32", "bfloat16"),
+    "param_dtype": ("float32", "bfloat16"),
 }
 _BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
           "share_src_tgt_embeddings")
@@ -120,6 +129,8 @@ class ModelConfig:
   share_src_tgt_embeddings: bool = True
   num_classes: int = 0
   pooling: str = "cls"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
   global_every: int = 0  # with HeadConfig.window: every k-th layer global, the rest local
 
   def __post_init__(self):
@@ -166,6 +177,16 @@ class ModelConfig:
     if self.window is not None and self.global_every and layer % self.global_every == 0:
       return self.head.replace(window=None)
     return self.head
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    """The dtype activations and matmuls run in (Flax's `dtype`); softmax and the loss stay float32."""
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    """The dtype parameters are stored, updated and checkpointed in (Flax's `param_dtype`)."""
+    return jnp.dtype(self.param_dtype)
 
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -239,8 +260,22 @@ def sinusoidal(T: int, D: int, offset=0) -> Array:
 
 
 def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True) -> nnx.LayerNorm | None:
-  """A LayerNorm over D, or None when not wanted or cfg.layernorm is False."""
-  return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs) if wanted and cfg.layernorm else None
+  """A LayerNorm over D (statistics in float32), or None when not wanted or cfg.layernorm is False."""
+  if not (wanted and cfg.layernorm):
+    return None
+  return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                       param_dtype=cfg.weight_dtype, rngs=rngs)
+
+
+def linear(cfg: ModelConfig, d_in: int, d_out: int, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
+  """nnx.Linear storing cfg.param_dtype, computing in cfg.dtype."""
+  return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=cfg.compute_dtype,
+                    param_dtype=cfg.weight_dtype, rngs=rngs)
+
+
+def embedding(cfg: ModelConfig, init, key: Array, shape: tuple[int, ...]) -> nnx.Param:
+  """A table drawn in float32 and stored in cfg.param_dtype (rounded once: the same start as float32)."""
+  return nnx.Param(init(key, shape).astype(cfg.weight_dtype))
 
 
 def _norm(norm: nnx.LayerNorm | None, x: Array) -> Array:
@@ -253,11 +288,11 @@ class Embeddings(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, token: nnx.Param | None = None,
                segments: bool = True):
     self.cfg = cfg
-    self.token = token if token is not None else nnx.Param(
-        nnx.initializers.normal(cfg.embed_init_std)(rngs.params(), (cfg.vocab_size, cfg.d_model)))
-    self.position = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.max_len, cfg.d_model))) \
+    self.token = token if token is not None else embedding(
+        cfg, nnx.initializers.normal(cfg.embed_init_std), rngs.params(), (cfg.vocab_size, cfg.d_model))
+    self.position = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.max_len, cfg.d_model)) \
         if cfg.positional == "learned" else None
-    self.segment = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.num_segments, cfg.d_model))) \
+    self.segment = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.num_segments, cfg.d_model)) \
         if segments and cfg.num_segments else None
     self.norm = layer_norm(cfg, rngs, cfg.embed_norm)
 
@@ -283,7 +318,8 @@ class Embeddings(nnx.Module):
 
     offset: the position of the first token (decoding), in range by the caller's check.
     """
-    x_BTD = lookup(self.token[...], tokens_BT)
+    dtype = self.cfg.compute_dtype
+    x_BTD = lookup(self.token[...].astype(dtype), tokens_BT)
     if prefix_D is not None:
       prefix_B1D = jnp.broadcast_to(prefix_D, (x_BTD.shape[0], 1, x_BTD.shape[2]))
       x_BTD = jnp.concatenate([prefix_B1D.astype(x_BTD.dtype), x_BTD], axis=1)
@@ -291,14 +327,14 @@ class Embeddings(nnx.Module):
     if self.position is not None:
       table = self.position[...]
       x_BTD = x_BTD + (table[:T] if isinstance(offset, int) and offset == 0
-                       else jax.lax.dynamic_slice_in_dim(table, offset, T))
+                       else jax.lax.dynamic_slice_in_dim(table, offset, T)).astype(dtype)
     elif self.cfg.positional == "sinusoidal":
-      x_BTD = x_BTD + sinusoidal(T, self.cfg.d_model, offset)
+      x_BTD = x_BTD + sinusoidal(T, self.cfg.d_model, offset).astype(dtype)
     if self.segment is not None:
       seg_BT = jnp.zeros(tokens_BT.shape, jnp.int32) if segments_BT is None else segments_BT
       if prefix_D is not None:
         seg_BT = jnp.pad(seg_BT, ((0, 0), (1, 0)))
-      x_BTD = x_BTD + lookup(self.segment[...], seg_BT)
+      x_BTD = x_BTD + lookup(self.segment[...].astype(dtype), seg_BT)
     return _norm(self.norm, x_BTD)
 
 
@@ -307,8 +343,8 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.activation = cfg.activation
-    self.up = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=cfg.use_bias, rngs=rngs)
-    self.down = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=cfg.use_bias, rngs=rngs)
+    self.up = linear(cfg, cfg.d_model, cfg.d_ff, rngs, cfg.use_bias)
+    self.down = linear(cfg, cfg.d_ff, cfg.d_model, rngs, cfg.use_bias)
 
   def __call__(self, x_BTD: Array) -> Array:
     h_BTF = self.up(x_BTD)
@@ -326,10 +362,11 @@ class TransformerBlock(nnx.Module):
                head: HeadConfig | None = None):
     self.post_norm = cfg.norm == "post"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
-    self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs)
+    dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+    self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs, **dtypes)
     self.attn_norm = layer_norm(cfg, rngs)
     # A window is about positions in one sequence: cross-attention reads the whole context.
-    self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs) \
+    self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
     self.cross_norm = layer_norm(cfg, rngs, cross)
     self.mlp = MLP(cfg, rngs=rngs)
@@ -397,7 +434,7 @@ class Encoder(nnx.Module):
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
-    self.pooler = nnx.Linear(cfg.d_model, cfg.d_model, rngs=rngs) if cfg.pooler else None
+    self.pooler = linear(cfg, cfg.d_model, cfg.d_model, rngs) if cfg.pooler else None
 
   def hidden(self, tokens_BT: Array, segments_BT: Array | None = None,
              lengths_B: Array | None = None, prefix_D: Array | None = None,
@@ -442,13 +479,13 @@ class OutputHead(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
     self.tied = token if cfg.tie_embeddings else None
-    self.linear = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.d_model, cfg.vocab_size, use_bias=cfg.use_bias, rngs=rngs)
+    self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.vocab_size, rngs,
+                                                         cfg.use_bias)
 
   def __call__(self, h_BTD: Array) -> Array:
     if self.linear is not None:
       return self.linear(h_BTD)
-    return jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...])
+    return jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...].astype(h_BTD.dtype))
 
 
 class DecoderLM(nnx.Module):
@@ -522,9 +559,9 @@ class SequenceClassifier(nnx.Module):
     _require(cfg, "SequenceClassifier", num_classes="> 0", num_decoder_layers=0)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)
-    self.cls = nnx.Param(_EMBED_INIT(rngs.params(), (cfg.d_model,))) \
+    self.cls = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.d_model,)) \
         if cfg.pooling == "cls" else None
-    self.head = nnx.Linear(cfg.d_model, cfg.num_classes, use_bias=cfg.use_bias, rngs=rngs)
+    self.head = linear(cfg, cfg.d_model, cfg.num_classes, rngs, cfg.use_bias)
 
   def __call__(self, tokens_BT: Array, lengths_B: Array | None = None,
                segments_BT: Array | None = None, head_mask: Array | None = None,

@@ -25,10 +25,12 @@ the budget from the command line.
 
 [train] is a TrainConfig (frozen, validated: each error names train.<field>).
 A trial's id is the hash of its resolved config (the dict stored in its
-config.json) without train.checkpoint_every, train.data_parallel and
-train.data_parallel_axis, which change how often a trial saves and on how many
-devices it runs but not what it computes (to float tolerance,
-attn.experiments.training.parallel).
+config.json) without train.checkpoint_every, train.data_parallel,
+train.data_parallel_axis, train.mesh and train.grad_accum, which change how
+often a trial saves, on how many devices it runs and in how many micro-batches,
+but not what it computes (to float tolerance, attn.experiments.training.parallel
+and .train). train.mesh is a table: `mesh = {data = 2, heads = 2}` in the file,
+`--set train.mesh.heads=2` (or `--set "train.mesh={heads = 2}"`) on the command line.
 
 Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
 """
@@ -46,7 +48,7 @@ from typing import Any
 
 from attn.config import ConfigError, invalid
 from attn.experiments.data import tasks
-from attn.experiments.training.config import TrainConfig, check_train_field
+from attn.experiments.training.config import TrainConfig, check_heads, check_train_field
 
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
@@ -62,6 +64,7 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
+TABLE_KEYS = (("train", "mesh"),)  # keys whose value is a table: --set SECTION.KEY.SUBKEY=VALUE sets one entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,8 @@ class Sweep:
 # Resolved keys that change how a trial runs but not its rows or parameters: left out of its
 # id, so that e.g. --set train.checkpoint_every=10 resumes the same trials, and a trial
 # resumes on another device count.
-UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train", "data_parallel_axis"))
+UNHASHED = (("train", "checkpoint_every"), ("train", "data_parallel"), ("train", "data_parallel_axis"),
+            ("train", "grad_accum"), ("train", "mesh"))
 # The [model] and [train] keys that trial ids have hashed since the first store. A key added
 # later (a HeadConfig or ModelConfig field, a train option) is hashed only away from its
 # default, the value that reproduces the older behaviour: a store written before it existed
@@ -239,8 +243,15 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     if parts[0] == "sweep" and len(parts) > 2 and parts[1] in ("grid", "zip"):
       raw.setdefault("sweep", {}).setdefault(parts[1], {})[".".join(parts[2:])] = value
       continue
+    if len(parts) == 3 and tuple(parts[:2]) in TABLE_KEYS:  # one key of a table, e.g. train.mesh.heads
+      table = raw.setdefault(parts[0], {}).setdefault(parts[1], {})
+      if not isinstance(table, dict):
+        raise invalid(".".join(parts[:2]), table, "a table, to set its key " + parts[2])
+      table[parts[2]] = value
+      continue
     if len(parts) != 2:
-      raise invalid("--set", item, "SECTION.KEY=VALUE, or sweep.grid.SECTION.KEY=[...]")
+      raise invalid("--set", item, "SECTION.KEY=VALUE, SECTION.TABLE.KEY=VALUE for "
+                    f"{['.'.join(k) for k in TABLE_KEYS]}, or sweep.grid.SECTION.KEY=[...]")
     if key == "task.name" and value in tasks.TASKS and value != raw.get("task", {}).get("name"):
       # Another task keeps only the file's [task] keys it shares (seq_len, vocab_size, ...).
       known = tasks.task_fields(value)
@@ -407,8 +418,9 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if "fixed_params" in derive:
     model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
-  return {"task": task_cfg, "model": dataclasses.asdict(model_cfg),
-          "train": dataclasses.asdict(TrainConfig(**cfg["train"]))}
+  train_cfg = TrainConfig(**cfg["train"])
+  check_heads(train_cfg, model_cfg.num_heads)
+  return {"task": task_cfg, "model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(train_cfg)}
 
 
 def load(path: str, overrides: list[str] | None = None) -> Sweep:

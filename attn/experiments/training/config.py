@@ -22,8 +22,27 @@ _TRAIN_RANGES = {
     "eval_every": (0, True, "an integer >= 0 (0: only at the end)"),
     "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
     "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
+    "grad_accum": (1, True, "an integer >= 1 (micro-batches per batch)"),
 }
 DATA_PARALLEL_AXES = ("batch", "seed")
+MESH_KEYS = ("data", "heads")
+MESH_ALLOWED = 'a table {data = N, heads = M}: data "auto" or an integer >= 1, heads an integer >= 1'
+
+
+def _check_mesh(value: Any) -> dict[str, Any]:
+  """train.mesh as given (None: unset), each key checked; else a ConfigError naming train.mesh[.key]."""
+  if value is None:
+    return {}
+  if not isinstance(value, dict):
+    raise invalid("train.mesh", value, MESH_ALLOWED)
+  for key, n in value.items():
+    if key not in MESH_KEYS:
+      raise invalid(f"train.mesh.{key}", n, f"a key of train.mesh: {list(MESH_KEYS)}")
+    auto_ok = key == "data" and n == "auto"
+    if not auto_ok and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+      raise invalid(f"train.mesh.{key}", n, '"auto" (every local device) or an integer >= 1' if key == "data"
+                    else "an integer >= 1 dividing model.num_heads")
+  return dict(value)
 
 
 def check_train_field(name: str, value: Any) -> Any:
@@ -32,6 +51,8 @@ def check_train_field(name: str, value: Any) -> Any:
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
       raise invalid("train.data_parallel", value, '"auto" (every local device) or an integer >= 1')
     return value
+  if name == "mesh":
+    return _check_mesh(value)
   if name == "data_parallel_axis":
     if value not in DATA_PARALLEL_AXES:
       raise invalid("train.data_parallel_axis", value,
@@ -69,6 +90,18 @@ class TrainConfig:
   splits each batch (batch_size must be a multiple of the count), "seed"
   spreads seeds trained together (sweep.vmap_seeds) one or more per device.
   See attn.experiments.training.parallel.
+
+  mesh: {data = N, heads = M}, one mesh of N·M local devices: "data" is
+  data_parallel (give one or the other), "heads" splits every attention layer
+  by heads over M devices (M must divide num_heads). Resolved, both are set:
+  data_parallel = mesh["data"] (default 1) and mesh["heads"] (default 1).
+
+  grad_accum: k splits each train batch into k micro-batches of
+  batch_size / k rows, run one after another inside the compiled step, their
+  gradients summed: the update of the whole batch (to float32 summation
+  order) with the activations of one micro-batch. k must divide batch_size,
+  and each micro-batch must split over the data-parallel devices. Evaluation
+  batches are not split.
   """
 
   steps: int = 200
@@ -86,15 +119,33 @@ class TrainConfig:
   checkpoint_every: int = 0
   data_parallel: int | str = 1
   data_parallel_axis: str = "batch"
+  grad_accum: int = 1
+  mesh: dict[str, Any] | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       object.__setattr__(self, f.name, check_train_field(f.name, getattr(self, f.name)))
+    mesh = self.mesh
+    if "data" in mesh and self.data_parallel not in (1, mesh["data"]):
+      raise invalid("train.mesh.data", mesh["data"],
+                    f"unset, or train.data_parallel={self.data_parallel}: both name the mesh's data axis")
+    object.__setattr__(self, "data_parallel", mesh.get("data", self.data_parallel))
+    object.__setattr__(self, "mesh", {"data": self.data_parallel, "heads": mesh.get("heads", 1)})
     B, N = self.batch_size, self.data_parallel
     if self.data_parallel_axis == "batch" and N != "auto" and B % N:
       raise invalid("train.batch_size", B,
                     f"a multiple of train.data_parallel={N}: each train and eval batch is split evenly "
                     f"over the devices, and {B} rows over {N} devices leave {B % N} over")
+    k = self.grad_accum
+    if B % k:
+      raise invalid("train.grad_accum", k,
+                    f"a divisor of train.batch_size={B} (micro-batches of equal size): one of "
+                    f"{[d for d in range(1, B + 1) if B % d == 0]}")
+    if self.data_parallel_axis == "batch" and N != "auto" and (B // k) % N:
+      raise invalid("train.grad_accum", k,
+                    f"a divisor of train.batch_size={B} leaving micro-batches that split over "
+                    f"train.data_parallel={N} devices: {B} // {k} = {B // k} rows do not; one of "
+                    f"{[d for d in range(1, B + 1) if B % (d * N) == 0]}")
 
   @property
   def checkpoint_interval(self) -> int:
@@ -106,3 +157,13 @@ class TrainConfig:
 
 
 _TRAIN_TYPES = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+
+def check_heads(train: TrainConfig, num_heads: int) -> None:
+  """Refuses a mesh whose heads axis does not divide the model's query heads."""
+  M = train.mesh["heads"]
+  if num_heads % M:
+    raise invalid("train.mesh.heads", M,
+                  f"a divisor of model.num_heads={num_heads}: each of the {M} devices holds "
+                  f"num_heads / {M} whole query heads, and {num_heads} leaves {num_heads % M} over; one of "
+                  f"{[d for d in range(1, num_heads + 1) if num_heads % d == 0]}")

@@ -5,9 +5,11 @@ stacks their parameters and runs one compiled program under jax.vmap over the
 seed axis; each seed keeps its own data, init and optimiser state. Every step
 yields, per seed, loss, accuracy, gradient/parameter/update norms and step
 time. A non-finite loss or gradient stops that seed, which is recorded as
-failed with the reason; the other seeds go on. With train.data_parallel > 1
-the step and the evaluation run sharded over local devices, the batch or the
-seeds split (attn.experiments.training.parallel); the summary records the device count.
+failed with the reason; the other seeds go on. With train.mesh (or
+train.data_parallel) beyond one device the step and the evaluation run as one
+program over a ("data", "heads") mesh of local devices, the batch or the seeds
+split on "data", the attention heads on "heads"
+(attn.experiments.training.parallel); the summary records the mesh.
 
 Given checkpoint directories, a trial saves its state every
 train.checkpoint_interval steps and at the end (attn.experiments.training.checkpoints)
@@ -89,17 +91,28 @@ def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
           "attention_flops_fwd": int(fl) * L}
 
 
-def _loss(model, batch: dict[str, jax.Array], kind: str):
-  """Mean cross-entropy and accuracy (weighted positions for LM tasks)."""
+def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:
+  """The weight of each scored position (LM tasks) or example (classifiers)."""
+  return batch["weights"] if kind == "decoder_lm" else jnp.ones(batch["labels"].shape, jnp.float32)
+
+
+def _loss(model, batch: dict[str, jax.Array], kind: str, denom=None):
+  """Mean cross-entropy and accuracy (weighted positions for LM tasks), float32.
+
+  denom: what the weighted sums are divided by; None: this batch's total weight
+  (at least 1). A micro-batch passes its whole batch's, so that the micro-batch
+  losses add up to the batch's.
+  """
   if kind == "decoder_lm":
     logits = model(batch["tokens"]).astype(jnp.float32)
-    labels, w = batch["targets"], batch["weights"]
+    labels = batch["targets"]
   else:
     logits = model(batch["tokens"], batch["lengths"]).astype(jnp.float32)
-    labels, w = batch["labels"], jnp.ones(batch["labels"].shape, jnp.float32)
+    labels = batch["labels"]
+  w = _weights(batch, kind)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-  denom = jnp.maximum(w.sum(), 1.0)
+  denom = jnp.maximum(w.sum(), 1.0) if denom is None else denom
   return (nll * w).sum() / denom, (hit * w).sum() / denom
 
 
@@ -132,13 +145,58 @@ def _batches(task, seeds: list[int], split: int, index: int, batch_size: int) ->
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str):
-  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted."""
+def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+  """The batch as k micro-batches (k, B/k, ...): micro-batch j holds rows j, j + k, j + 2k, ...
 
-  def step(params, opt_state, rest, batch, lr):
+  Rows are dealt out this way, not cut in k runs, so that the B/k rows of every
+  micro-batch keep the batch's split over the mesh's "data" axis: each device
+  holds B/(k·N) rows of each micro-batch, and no row moves between devices.
+  """
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
+
+
+def _value_and_grad(graphdef, kind: str, grad_accum: int):
+  """(loss, accuracy), grads of the batch's mean loss; with grad_accum > 1, micro-batch by micro-batch.
+
+  The micro-batches run one after another under lax.scan, so only one holds
+  activations at a time; their gradients, each of its weighted sum over the
+  whole batch's weight, add up in float32 to the whole batch's gradient (to
+  float32 summation order), then take the parameters' dtype.
+  """
+  def whole(params, rest, batch):
     def loss_fn(p):
       return _loss(nnx.merge(graphdef, p, rest), batch, kind)
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+  if grad_accum == 1:
+    return whole
+
+  def accumulated(params, rest, batch):
+    denom = jnp.maximum(_weights(batch, kind).sum(), 1.0)
+
+    def one(carry, micro):
+      def loss_fn(p):
+        return _loss(nnx.merge(graphdef, p, rest), micro, kind, denom)
+      (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      total, g_sum = carry
+      g_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), g_sum, grads)
+      return (total + jnp.stack([loss, acc]), g_sum), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (total, g_sum), _ = jax.lax.scan(one, (jnp.zeros(2, jnp.float32), zeros),
+                                     micro_batches(batch, grad_accum))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), g_sum, params)
+    return (total[0], total[1]), grads
+
+  return accumulated
+
+
+def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum: int = 1):
+  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted."""
+  value_and_grad = _value_and_grad(graphdef, kind, grad_accum)
+
+  def step(params, opt_state, rest, batch, lr):
+    (loss, acc), grads = value_and_grad(params, rest, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     updates = jax.tree.map(lambda u: -lr * u, updates)
     params = optax.apply_updates(params, updates)
@@ -161,13 +219,16 @@ def train_group(configs: list[dict[str, Any]],
                 vmap: bool = True,
                 checkpoint_dirs: list[str] | None = None,
                 on_start: Callable[[int, int], None] | None = None,
-                log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                log: Callable[[str], None] | None = None,
+                on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
   """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries.
 
   checkpoint_dirs: one directory per trial to save checkpoints in and resume
   from (None: neither). on_start(i, step) is called once per trial, before its
   first row, with the step it starts at (0, or its checkpoint's). log receives
-  warning lines (an unreadable checkpoint); default stderr.
+  warning lines (an unreadable checkpoint); default stderr. on_compiled(step,
+  evaluate) receives each program's compiled train step and evaluation
+  (jax.stages.Compiled: memory_analysis(), as_text(), input_shardings) before it runs.
   """
   cfg0 = configs[0]
   task = tasks_lib.make_task(cfg0["task"])
@@ -175,7 +236,8 @@ def train_group(configs: list[dict[str, Any]],
   train, kind = TrainConfig(**cfg0["train"]), task.kind
   seeds = [TrainConfig(**c["train"]).seed for c in configs]
   batched = vmap and len(seeds) > 1
-  layout = parallel.layout(train, len(seeds) if batched else 1, batched)  # refuses before any model is built
+  # Refuses a mesh that does not fit, before any model is built.
+  layout = parallel.layout(train, len(seeds) if batched else 1, batched, model_cfg.num_heads)
   tx = optimizer(train)
   graphdef, states = None, []
   for s in seeds:
@@ -183,7 +245,10 @@ def train_group(configs: list[dict[str, Any]],
     # The donated step needs a buffer per leaf; an init handing one array to two leaves would fail.
     p = jax.tree.map(jnp.copy, p)
     states.append({"params": p, "opt_state": tx.init(p), "rest": r})
-  step, evaluate = _step_fns(graphdef, tx, kind)
+  s0 = states[0]
+  layout = layout.with_state(nnx.merge(graphdef, s0["params"], s0["rest"]), s0["params"], s0["opt_state"],
+                             s0["rest"], tx)
+  step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
   groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]
@@ -200,7 +265,8 @@ def train_group(configs: list[dict[str, Any]],
         on_start(i, start)
     state = _stack(group_states) if batched else group_states[0]
     out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
-               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs, layout)
+               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs, layout,
+               on_compiled)
     for i, summary in zip(group, out):
       summaries[i] = {**summary, **counts}
   return summaries
@@ -209,7 +275,8 @@ def train_group(configs: list[dict[str, Any]],
 def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
          on_row, on_step, batched: bool, start: int = 0,
          checkpoint_dirs: list[str] | None = None,
-         layout: parallel.Layout = parallel.Layout()) -> list[dict[str, Any]]:
+         layout: parallel.Layout = parallel.Layout(),
+         on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
   """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries."""
   n, B = len(seeds), train.batch_size
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
@@ -218,17 +285,20 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
   eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train.eval_batches)])
   if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
     eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data)
-  eval_data, state = layout.put(eval_data, "eval"), layout.put(state, "state")
+  eval_data = layout.put(eval_data, "eval")
+  state = tuple(layout.put(x, kind) for x, kind in zip(state, parallel.STATE_KINDS))
   t0 = time.perf_counter()
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
     batch0 = layout.put(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B)), "train")
-    jit_step = layout.jit(step_fn, ("state",) * 3 + ("train", "replicated"), ("state", "state", "replicated"),
-                          donate=(0, 1)).lower(*state, batch0, lr0).compile()
-    jit_eval = layout.jit(eval_fn, ("state", "state", "eval"), "replicated").lower(
+    jit_step = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
+                          ("params", "opt_state", "replicated"), donate=(0, 1)).lower(*state, batch0, lr0).compile()
+    jit_eval = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
         state[0], state[2], eval_data).compile()
   compile_s = time.perf_counter() - t0
+  if on_compiled:
+    on_compiled(jit_step, jit_eval)
   if preempt.requested():  # save_now() during the compile: nothing new to save
     raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
