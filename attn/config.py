@@ -45,6 +45,11 @@ class HeadConfig:
   frequency rope_theta^(-2i/rope_dim). latent_dim is mla's KV latent width d_c
   (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h); q_latent_dim, if set, gives mla
   a low-rank query path through a latent of that width.
+
+  q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
+  token's queries are a sum of q_rank head-by-dim outer products, its keys and
+  values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
+  1-based index in its model, for differential's λ_init; set by the models.
   """
 
   d_model: int
@@ -59,6 +64,9 @@ class HeadConfig:
   rope_theta: float = 10000.0
   latent_dim: int | None = None
   q_latent_dim: int | None = None
+  q_rank: int = 6
+  kv_rank: int = 2
+  layer: int = 1
 
   def __post_init__(self):
     _positive_int("d_model", self.d_model)
@@ -105,6 +113,8 @@ class HeadConfig:
     _positive_int("latent_dim", self.latent_dim)
     if self.q_latent_dim is not None:
       _positive_int("q_latent_dim", self.q_latent_dim)
+    for name in ("q_rank", "kv_rank", "layer"):
+      _positive_int(name, getattr(self, name))
 
   @property
   def group_size(self) -> int:

@@ -301,11 +301,12 @@ class MLP(nnx.Module):
 class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False, layer: int = 1):
     self.post_norm = cfg.norm == "post"
-    self.attn = MultiHeadAttention(cfg.head, cfg.variant, rngs=rngs)
+    head = cfg.head.replace(layer=layer)  # the block's 1-based index in its stack
+    self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs)
     self.attn_norm = layer_norm(cfg, rngs)
-    self.cross = MultiHeadAttention(cfg.head, cfg.variant, rngs=rngs) if cross else None
+    self.cross = MultiHeadAttention(head, cfg.variant, rngs=rngs) if cross else None
     self.cross_norm = layer_norm(cfg, rngs, cross)
     self.mlp = MLP(cfg, rngs=rngs)
     self.mlp_norm = layer_norm(cfg, rngs)
@@ -360,7 +361,7 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
-  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross) for _ in range(n)])
+  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, layer=l) for l in range(1, n + 1)])
 
 
 class Encoder(nnx.Module):
