@@ -20,8 +20,9 @@ AWKWARD = ("gqa", "mqa_nobias")
 
 
 def refusal(name, cfg):
-  """The ConfigError of a variant that has no per-head circuits (its Variant.circuits says why), or None."""
-  shapes = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in attn.param_shapes(name, cfg).items()}
+  """The ConfigError of a variant without per-head circuits (Variant.circuits says why), or None."""
+  shapes = {k: jax.ShapeDtypeStruct(s, jnp.float32)
+            for k, s in attn.param_shapes(name, cfg).items()}
   try:
     jax.eval_shape(lambda p: analysis.circuits(name, p, cfg), shapes)
   except ConfigError as e:

@@ -1,8 +1,8 @@
 """differential: each head's weights are the difference of two softmaxes (Ye et al. 2024).
 
-Differential Transformer (arXiv:2410.05258), Eq. 1–3. Query head h has two
-queries Q_1,h, Q_2,h and reads two keys K_1,g, K_2,g of its kv head g = h // R
-(each d_k wide) and one value V_g (d_v wide):
+Differential Transformer (arXiv:2410.05258). Query head h has two queries
+Q_1,h, Q_2,h and reads two keys K_1,g, K_2,g of its kv head g = h // R (each
+d_k wide) and one value V_g (d_v wide):
 
   A_i,h = softmax(scale·Q_i,h K_i,gᵀ)  (i = 1, 2),   o_h = (A_1,h − λ·A_2,h)·V_g,
   λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init,  λ_init = 0.8 − 0.6·exp(−0.3·(l − 1)),
@@ -23,7 +23,9 @@ unmasked rows sum to 1 − λ, not 1 (Variant.signed_weights).
 
 Params: D·(2·H·K + 2·G·K + G·V) + H·V·D + 4·K + V [+ 2·H·K + 2·G·K + G·V + D].
 FLOPs: 2·D·(2·T·H·K + 2·S·G·K + S·G·V) + 2·2·T·S·H·(K + V) + 2·T·H·V·D.
-Effective: each softmax has per_head's score count (base.factored_score_dof),
+Effective: 2·factored_score_dof(D, D) + 1 + G·((D + b)·v − v(v − 1)/2 + R·D·v
+  − [b = 1 and V ≥ D + 1]) + b·D, v = min(V, D + b). Each softmax has
+  per_head's score count (base.factored_score_dof),
   λ's four vectors give one number (+1), the norm's scale folds into W^O. The
   norm keeps only W_V,g's orthogonal gauge: per kv group the map depends on
   Σ_g = M_g M_gᵀ and M_g·[W_O,h]_{h in g}, M_g = [W_V,g; b_v,g] ((D + b)×V), so

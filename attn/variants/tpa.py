@@ -1,6 +1,6 @@
 """tpa: tensor product attention, queries, keys and values as sums of outer products (Zhang et al. 2025).
 
-"Tensor Product Attention Is All You Need" (arXiv:2501.06425), §3.1. Each
+"Tensor Product Attention Is All You Need" (arXiv:2501.06425). Each
 token's H×K queries, G×K keys and G×V values are low-rank sums of a head factor
 and a dim factor, all linear in the token (plus biases under use_bias):
 
@@ -10,15 +10,17 @@ and a dim factor, all linear in the token (plus biases under use_bias):
 
 then attention as in per_head (query head h reads kv head h // R) and W^O.
 RoPE rotates the dim factors b^q and b^k at their token's position before the
-outer product (the paper's §3.2; rotation is linear, so Q and K rotate).
+outer product, as the paper does (rotation is linear, so Q and K rotate).
 
 Layout: w_aq (D,R_q,H), w_bq (D,R_q,K), w_ak (D,R_kv,G), w_bk (D,R_kv,K),
 w_av (D,R_kv,G), w_bv (D,R_kv,V), w_o (H,V,D); biases b_aq (R_q,H), b_bq
 (R_q,K), b_ak (R_kv,G), b_bk (R_kv,K), b_av (R_kv,G), b_bv (R_kv,V), b_o (D,).
 
 Decoding caches the factors, not K and V (cache_entries / attend_cached): per
-token a^k, b^k (rotated at its position), a^v and b^v; the keys and values
-are rebuilt from them for each step.
+token k_heads a^k, k_dims b^k (rotated at its position), v_heads a^v and
+v_dims b^v; the keys and values are rebuilt from them at each step. RoPE is
+applied here, not through base.queries_and_keys: a head feature that acts on
+whole query and key heads would not reach the cached factors.
 
 Params: D·(R_q·(H + K) + R_kv·(G + K) + R_kv·(G + V)) + H·V·D
   [+ R_q·(H + K) + R_kv·(G + K) + R_kv·(G + V) + D].
@@ -75,11 +77,12 @@ def _positions(positions, length: int):
 
 
 def kv_factors(params: Params, c_BSD, k_positions, *, cfg: HeadConfig) -> dict:
-  """Per token: a^k (R_kv,G), b^k (R_kv,K) rotated at k_positions (None: 0..S−1), a^v, b^v."""
+  """Per token: k_heads a^k (R_kv,G), k_dims b^k (R_kv,K) rotated at k_positions (None: 0..S−1),
+  v_heads a^v (R_kv,G), v_dims b^v (R_kv,V)."""
   bk_BSRK = rope.rotate(factor(params, c_BSD, "bk"), _positions(k_positions, c_BSD.shape[1]),
                         cfg.rope_dim, cfg.rope_theta)
-  return {"a_k": factor(params, c_BSD, "ak"), "b_k": bk_BSRK,
-          "a_v": factor(params, c_BSD, "av"), "b_v": factor(params, c_BSD, "bv")}
+  return {"k_heads": factor(params, c_BSD, "ak"), "k_dims": bk_BSRK,
+          "v_heads": factor(params, c_BSD, "av"), "v_dims": factor(params, c_BSD, "bv")}
 
 
 def _attend(params: Params, x_BTD, q_positions, kv: dict, *, cfg: HeadConfig, opts: Options):
@@ -87,8 +90,8 @@ def _attend(params: Params, x_BTD, q_positions, kv: dict, *, cfg: HeadConfig, op
   bq_BTRK = rope.rotate(factor(params, x_BTD, "bq"), _positions(q_positions, x_BTD.shape[1]),
                         cfg.rope_dim, cfg.rope_theta)
   q_BTHK = jnp.einsum("BTRH,BTRK->BTHK", factor(params, x_BTD, "aq"), bq_BTRK) / cfg.q_rank
-  k_BSGK = jnp.einsum("BSRG,BSRK->BSGK", kv["a_k"], kv["b_k"]) / cfg.kv_rank
-  v_BSGV = jnp.einsum("BSRG,BSRV->BSGV", kv["a_v"], kv["b_v"]) / cfg.kv_rank
+  k_BSGK = jnp.einsum("BSRG,BSRK->BSGK", kv["k_heads"], kv["k_dims"]) / cfg.kv_rank
+  v_BSGV = jnp.einsum("BSRG,BSRV->BSGV", kv["v_heads"], kv["v_dims"]) / cfg.kv_rank
   o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
