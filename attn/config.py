@@ -32,6 +32,11 @@ def _positive_int(field: str, value: Any) -> None:
 GATES = (None, "headwise", "elementwise")
 
 
+# HeadConfig fields that a model sets for each layer itself, not model settings (ModelConfig
+# leaves them out).
+PER_LAYER_FIELDS = ("layer",)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
   """Dimensions of one attention layer; d_k and d_v are free of d_model/num_heads.
@@ -59,6 +64,10 @@ class HeadConfig:
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2).
+  q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
+  token's queries are a sum of q_rank head-by-dim outer products, its keys and
+  values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
+  1-based index in its model, for differential's λ_init; set by the models.
   """
 
   d_model: int
@@ -79,6 +88,9 @@ class HeadConfig:
   qk_norm_eps: float = 1e-6
   window: int | None = None
   softcap: float | None = None
+  q_rank: int = 6
+  kv_rank: int = 2
+  layer: int = 1
 
   def __post_init__(self):
     _positive_int("d_model", self.d_model)
@@ -126,6 +138,8 @@ class HeadConfig:
     _positive_int("latent_dim", self.latent_dim)
     if self.q_latent_dim is not None:
       _positive_int("q_latent_dim", self.q_latent_dim)
+    for name in ("q_rank", "kv_rank", "layer"):
+      _positive_int(name, getattr(self, name))
 
   def _check_mechanisms(self) -> None:
     if self.gate not in GATES:

@@ -19,8 +19,20 @@ circuits = jax.jit(analysis.circuits, static_argnums=(0, 2))
 AWKWARD = ("gqa", "mqa_nobias")
 
 
-def cases():
-  """(variant, config name) for every registered variant and each AWKWARD config it accepts."""
+def refusal(name, cfg):
+  """The ConfigError of a variant without per-head circuits (Variant.circuits says why), or None."""
+  shapes = {k: jax.ShapeDtypeStruct(s, jnp.float32)
+            for k, s in attn.param_shapes(name, cfg).items()}
+  try:
+    jax.eval_shape(lambda p: analysis.circuits(name, p, cfg), shapes)
+  except ConfigError as e:
+    return e
+  return None
+
+
+def cases(with_circuits=True):
+  """(variant, config name) for every registered variant and each AWKWARD config it accepts,
+  with circuits (or, with_circuits=False, refusing them)."""
   out = []
   for name, variant in sorted(attn.VARIANTS.items()):
     for cname, cfg in sorted((c, CONFIGS[c]) for c in AWKWARD):
@@ -28,7 +40,8 @@ def cases():
         variant.check(cfg)
       except ConfigError:
         continue
-      out.append(pytest.param(name, cname, id=f"{name}-{cname}", marks=tier(name)))
+      if (refusal(name, cfg) is None) == with_circuits:
+        out.append(pytest.param(name, cname, id=f"{name}-{cname}", marks=tier(name)))
   return out
 
 
@@ -137,6 +150,13 @@ def test_circuits_rebuild_each_variants_weights_and_output(variant, cname):
   for name, s in spectra.items():
     dense = np.linalg.svd(k[name], compute_uv=False)
     np.testing.assert_allclose(s, dense, atol=1e-4 * dense.max())
+
+
+@pytest.mark.parametrize("variant, cname", cases(with_circuits=False))
+def test_a_variant_without_circuits_says_why(variant, cname):
+  """No fixed W_QK,h (differential: two softmaxes; tpa: token-dependent head factors): refused by name."""
+  e = refusal(variant, CONFIGS[cname])
+  assert f"variant={variant!r} is not allowed" in str(e) and "W_QK" in str(e)
 
 
 def random_orthogonal(rng, n):

@@ -208,7 +208,8 @@ def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypa
   # by query heads, mla's latent read as key and as value) is cached once; a constant one
   # (mla's column of ones carrying b_v) not at all. Keys and values are read where the kernel
   # takes them: attention(q, k, v), or its pieces scores(q, k) and weighted_sum(w, v) for a
-  # variant that mixes explicit logits (talking_heads).
+  # variant that mixes explicit logits (talking_heads). A variant whose kernel reads keys and values
+  # rebuilt from what it caches (cache_entries without decode_apply: tpa's factors) is read there.
   cfg = HeadConfig(d_model=12, num_heads=6, d_k=3, d_v=5, num_kv_heads=3, collab_width=7)
   seen = []
 
@@ -222,8 +223,12 @@ def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypa
     monkeypatch.setattr(kernel, fn_name, spy(getattr(kernel, fn_name), *read))
   params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 1)
   v = attn.VARIANTS[name]
-  (v.decode_apply or v.apply)(params, jax.random.normal(jax.random.PRNGKey(1), (1, 4, 12)),
-                              cfg=cfg)
+  x_BTD = jax.random.normal(jax.random.PRNGKey(1), (1, 4, 12))
+  if v.cache_entries is not None and v.decode_apply is None:
+    opts = attn.api.Options(qk_positions=(jnp.arange(4), jnp.arange(4)))
+    seen.extend(np.asarray(a) for a in v.cache_entries(params, x_BTD, cfg=cfg, opts=opts).values())
+  else:
+    (v.decode_apply or v.apply)(params, x_BTD, cfg=cfg)
   assert seen, "the variant did not call attn.kernel"
   columns = []
   for a_BSGW in seen:

@@ -63,7 +63,7 @@ import numpy as np
 from flax import nnx
 
 from attn import api
-from attn.config import HeadConfig, check_ids, invalid
+from attn.config import PER_LAYER_FIELDS, HeadConfig, check_ids, invalid
 from attn.nn import decoding
 from attn.nn.attention import MultiHeadAttention
 
@@ -92,7 +92,7 @@ def with_head_fields(cls):
   own = cls.__dict__.get("__annotations__", {})
   annotations = dict(own)
   for f in dataclasses.fields(HeadConfig):
-    if f.name not in own:
+    if f.name not in own and f.name not in PER_LAYER_FIELDS:
       annotations[f.name] = f.type
       setattr(cls, f.name, f.default)
   cls.__annotations__ = annotations
@@ -165,18 +165,20 @@ class ModelConfig:
   @property
   def head(self) -> HeadConfig:
     """The HeadConfig of every attention layer in the model."""
-    return HeadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HeadConfig)})
+    return HeadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HeadConfig)
+                         if f.name not in PER_LAYER_FIELDS})
 
   def layer_head(self, index: int) -> HeadConfig:
-    """The HeadConfig of self-attention layer `index` (0-based) of a stack.
+    """The HeadConfig of self-attention layer `index` (0-based) of a stack, with layer = index + 1.
 
     With a window, layer l = index + 1 is global (window None) when global_every = k > 0
     divides l, else local; global_every 0 makes every layer local.
     """
     layer = index + 1
+    head = self.head.replace(layer=layer)  # differential's λ_init reads it
     if self.window is not None and self.global_every and layer % self.global_every == 0:
-      return self.head.replace(window=None)
-    return self.head
+      return head.replace(window=None)
+    return head
 
   @property
   def compute_dtype(self) -> jnp.dtype:

@@ -3,6 +3,7 @@
 from attn.variants import fused, per_head
 from attn.variants import collaborative, merged, split_input, two_stage
 from attn.variants import mla, talking_heads
+from attn.variants import differential, tpa
 from attn.variants.base import Variant
 
 VARIANTS: dict[str, Variant] = {
@@ -14,4 +15,6 @@ VARIANTS: dict[str, Variant] = {
     "collaborative": collaborative.VARIANT,
     "mla": mla.VARIANT,
     "talking_heads": talking_heads.VARIANT,
+    "differential": differential.VARIANT,
+    "tpa": tpa.VARIANT,
 }

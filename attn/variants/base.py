@@ -41,7 +41,12 @@ RoPE key).
 attn.analysis.circuits reads a variant through its exact converter to per_head.
 A variant without one sets `circuits(params, cfg)` -> the same dict of factors
 as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
-e.g. talking_heads, which mixes per_head's (attn.variants.factors).
+e.g. talking_heads, which mixes per_head's (attn.variants.factors); one
+that has no per-head W_QK sets a `circuits` that raises ConfigError saying why.
+
+return_weights gives softmax weights (rows sum to 1, fully masked rows 0)
+unless `signed_weights`: then a signed map whose rows need not sum to 1
+(differential's A_1 − λ·A_2).
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class Variant:
   cache_entries: Callable[..., dict[str, Array]] | None = None
   attend_cached: Callable[..., Array] | None = None
   circuits: Callable[..., dict[str, Any]] | None = None
+  signed_weights: bool = False
 
 
 def normal(key: Array, shape: tuple[int, ...], fan_in: int, dtype=jnp.float32) -> Array:
