@@ -54,6 +54,8 @@ return_weights; attn.analysis.attention_stats reads them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -412,14 +414,35 @@ class TransformerBlock(nnx.Module):
     return (x_BTD, seen[0]) if return_weights else x_BTD
 
 
+# Set by record_residuals: the list run_blocks appends each block's output to.
+RESIDUALS: contextvars.ContextVar = contextvars.ContextVar("attn_residuals", default=None)
+
+
+@contextlib.contextmanager
+def record_residuals():
+  """Yields a list; each model call inside appends every block's output h (B,T,D), in order.
+
+  The residual stream after each block, as attn analyze reads it for the
+  "massive activations" of Sun et al. 2024. Works under jit (at trace time).
+  """
+  seen: list = []
+  token = RESIDUALS.set(seen)
+  try:
+    yield seen
+  finally:
+    RESIDUALS.reset(token)
+
+
 def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
   """h through each block with its row of gates; (h, [w_BHTS per block] or [])."""
-  weights = []
+  weights, seen = [], RESIDUALS.get()
   for block, gate in zip(blocks, gates):
     h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
     if return_weights:
       h_BTD, w_BHTS = h_BTD
       weights.append(w_BHTS)
+    if seen is not None:
+      seen.append(h_BTD)
   return h_BTD, weights
 
 

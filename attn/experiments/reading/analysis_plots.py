@@ -31,15 +31,20 @@ def attention_grid(plt, a: dict[str, Any], weights: list[np.ndarray], path: str)
   size = max(1.3, min(3.0, 16 / max(H, 1), 11 / max(L, 1)))
   fig, grid = plt.subplots(L, H, figsize=(max(size * H + 1.4, 6.0), (size + 0.45) * L + 1.1), squeeze=False)
   image = None
+  signed = any(float(np.min(w)) < 0 for w in weights)
   for l, w_HTS in enumerate(weights):
     stats = a["layers"][l]["attention"]
     importance = a["layers"][l]["importance"]["normalized"]
     for h in range(H):
       ax = grid[l, h]
-      image = ax.imshow(w_HTS[h], cmap="Blues", norm=PowerNorm(0.5, vmin=0.0, vmax=1.0),
-                        interpolation="nearest")
-      ax.set_title(f"layer {l} head {h}\nentropy {stats['entropy'][h]:.2f}, imp. {importance[h]:.2f}",
-                   fontsize=7)
+      if signed:  # differential's weights A1 − λ·A2
+        image = ax.imshow(w_HTS[h], cmap="RdBu_r", vmin=-1.0, vmax=1.0, interpolation="nearest")
+      else:
+        image = ax.imshow(w_HTS[h], cmap="Blues", norm=PowerNorm(0.5, vmin=0.0, vmax=1.0),
+                          interpolation="nearest")
+      entropy = stats["entropy"][h]
+      ax.set_title(f"layer {l} head {h}\nentropy {'–' if entropy is None else f'{entropy:.2f}'}, "
+                   f"imp. {importance[h]:.2f}", fontsize=7)
       ax.set_xticks([])
       ax.set_yticks([])
       if l == L - 1:
@@ -150,12 +155,17 @@ def pruning(plt, a: dict[str, Any], path: str) -> None:
 
 
 def make_plots(a: dict[str, Any], weights: list[np.ndarray], out_dir: str) -> list[str]:
-  """Writes the four PNGs of one trial into out_dir; returns their names ([] without matplotlib)."""
+  """Writes the PNGs of one trial into out_dir; returns their names ([] without matplotlib).
+
+  A variant without per-head circuits (its refusal is in the layers' "refused") has no spectra plot.
+  """
   plt = _pyplot()
   if plt is None:
     return []
   attention_grid(plt, a, weights, os.path.join(out_dir, PLOTS[0]))
-  spectra(plt, a, os.path.join(out_dir, PLOTS[1]))
+  has_spectra = "refused" not in a["layers"][0]["qk"]
+  if has_spectra:
+    spectra(plt, a, os.path.join(out_dir, PLOTS[1]))
   importance(plt, a, os.path.join(out_dir, PLOTS[2]))
   pruning(plt, a, os.path.join(out_dir, PLOTS[3]))
-  return list(PLOTS)
+  return [name for name in PLOTS if has_spectra or name != PLOTS[1]]

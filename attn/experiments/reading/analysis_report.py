@@ -28,6 +28,8 @@ METRICS = (
     ("head_diversity", "head diversity (mean JS, nats)"),
     ("first_mass", "attention on the first position"),
     ("sink_mass", "attention on a learned sink"),
+    ("residual_max", "largest residual |h|"),
+    ("residual_max_over_median", "largest / median residual |h|"),
     ("prunable_fraction", "prunable fraction (≤ 0.01 acc. lost)"),
 )
 

@@ -38,7 +38,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from attn.config import invalid
+from attn.config import ConfigError, invalid
 from attn.experiments.running import store as store_lib
 
 ANALYSIS = "analysis.json"
@@ -154,6 +154,17 @@ def _forward(model, batch: dict[str, Any], kind: str, gates=None, return_weights
   return model(batch["tokens"], batch["lengths"], head_mask=gates, return_weights=return_weights)
 
 
+def _residual_stats(h_BTD, real_BT) -> dict[str, Any]:
+  """The residual stream after a block at real positions: its largest |h| and its median |h|.
+
+  Sun et al. 2024's "massive activations" are a few entries thousands of times
+  the median; residual_max / residual_median says how far from that a model is.
+  """
+  import jax.numpy as jnp
+  a_BTD = jnp.where(real_BT[..., None], jnp.abs(h_BTD.astype(jnp.float32)), jnp.nan)
+  return {"residual_max": jnp.nanmax(a_BTD), "residual_median": jnp.nanmedian(a_BTD)}
+
+
 def _per_example(logits, batch: dict[str, Any], kind: str):
   """(summed weighted nll (B,), summed weighted hits (B,), summed weights (B,)), as train._loss weighs them."""
   import jax.numpy as jnp
@@ -175,6 +186,7 @@ def _compiled(graphdef, kind: str):
   import jax.numpy as jnp
   from flax import nnx
   from attn import analysis
+  from attn.nn import models
 
   def gate_grads(state, batch, gates_BLH):
     def example_loss(g_BLH):
@@ -192,17 +204,19 @@ def _compiled(graphdef, kind: str):
     return jax.lax.map(at, gates_KLH)
 
   def stats(state, batch):
-    _, weights = _forward(nnx.merge(graphdef, state), batch, kind, return_weights=True)
+    with models.record_residuals() as residuals:
+      _, weights = _forward(nnx.merge(graphdef, state), batch, kind, return_weights=True)
     out = []
-    for w_BHTS in weights:
+    for w_BHTS, h_BTD in zip(weights, residuals):
       T, S = w_BHTS.shape[-2:]
       if kind == "decoder_lm":
         mask = jnp.tril(jnp.ones((T, S), bool))
+        real_BT = jnp.ones(h_BTD.shape[:2], bool)
       else:  # real positions ([CLS] first, when the model has one) attend real positions
         extra = T - batch["tokens"].shape[1]
         real_BT = jnp.arange(T)[None, :] < batch["lengths"][:, None] + extra
         mask = (real_BT[:, :, None] & real_BT[:, None, :])[:, None]
-      out.append(analysis.attention_stats(w_BHTS, mask))
+      out.append({**analysis.attention_stats(w_BHTS, mask), **_residual_stats(h_BTD, real_BT)})
     return out, [w_BHTS[0] for w_BHTS in weights]
 
   return jax.jit(gate_grads), jax.jit(pruned), jax.jit(stats)
@@ -243,15 +257,32 @@ def _mean(values: list[float]) -> float | None:
   return float(np.mean(finite)) if finite else None
 
 
-def summarize(layers: list[dict[str, Any]], curve: dict[str, Any]) -> dict[str, float | None]:
-  """The scalars the report compares: means over layers and heads, head diversity, prunable fraction."""
+def _max(values: list[float | None]) -> float | None:
+  finite = [v for v in values if v is not None and math.isfinite(v)]
+  return float(max(finite)) if finite else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+  return None if a is None or not b else a / b
+
+
+def summarize(layers: list[dict[str, Any]], curve: dict[str, Any],
+              signed: bool = False) -> dict[str, float | None]:
+  """The scalars the report compares: means over layers and heads, head diversity, prunable fraction.
+
+  signed: the variant's weights are a difference of softmaxes (differential), whose rows do not
+  sum to 1 for want of a sink: no sink mass then.
+  """
   over = lambda part, key: _mean([v for lay in layers for v in lay[part][key]])
   diversity = [lay["attention"]["diversity"] for lay in layers]
   return {"qk_effective_rank": over("qk", "effective_rank"), "qk_rank": over("qk", "rank"),
           "ov_effective_rank": over("ov", "effective_rank"), "ov_rank": over("ov", "rank"),
           "attention_entropy": over("attention", "entropy"), "attention_rank": over("attention", "rank"),
           "head_diversity": _mean([d for d in diversity if d is not None]),  # None with one head
-          "first_mass": over("attention", "first_mass"), "sink_mass": over("attention", "sink_mass"),
+          "first_mass": over("attention", "first_mass"), "sink_mass": None if signed else over("attention", "sink_mass"),
+          "residual_max": _max([lay["attention"]["residual_max"] for lay in layers]),
+          "residual_max_over_median": _max([_ratio(lay["attention"]["residual_max"],
+                                                   lay["attention"]["residual_median"]) for lay in layers]),
           "prunable_fraction": curve["prunable_fraction"]}
 
 
@@ -285,24 +316,31 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   import jax.numpy as jnp
   from flax import nnx
   from attn import analysis
+  from attn import api as attn_api
   from attn.analysis.attention_stats import RANK_RTOL
   t0 = time.perf_counter() if t0 is None else t0
   n, B = held_out["tokens"].shape[:2]
+  signed = attn_api.get_variant(model_cfg.variant).signed_weights
   graphdef, state = nnx.split(model)
   gate_grads, pruned, stats = _compiled(graphdef, kind)
   blocks = _blocks(model)
   L, H = len(blocks), model_cfg.num_heads
 
-  spectra_fn = _spectra_fn(model_cfg.variant, model_cfg.head)
-  spectra = [jax.device_get(spectra_fn(block.attn.params_dict())) for block in blocks]
+  try:
+    spectra_fn = _spectra_fn(model_cfg.variant, model_cfg.head)
+    spectra = [jax.device_get(spectra_fn(block.attn.params_dict())) for block in blocks]
+  except ConfigError as e:  # no per-head W_QK (differential, tpa): the refusal says why
+    spectra = [{name: {"effective_rank": [], "rank": [], "singular_values": [], "refused": str(e)}
+                for name in ("qk", "ov")}] * L
 
   per_batch, example = [], None
   for j in range(n):
     out, first = stats(state, {k: v[j] for k, v in held_out.items()})
     per_batch.append(jax.device_get(out))
     example = example if example is not None else jax.device_get(first)
-  attention = [{k: np.mean([b[l][k] for b in per_batch], axis=0) for k in per_batch[0][l]}
-               for l in range(L)]  # equal batches: the mean of batch means is the mean
+  # Equal batches: the mean of batch means is the mean; the largest residual is the largest of all.
+  attention = [{k: (np.max if k == "residual_max" else np.mean)([b[l][k] for b in per_batch], axis=0)
+                for k in per_batch[0][l]} for l in range(L)]
 
   ones = jnp.ones((B, L, H), jnp.float32)
   grads = np.concatenate([np.asarray(gate_grads(state, {k: v[j] for k, v in seen.items()}, ones))
@@ -314,8 +352,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   layers = []
   for l in range(L):
     layers.append({
-        **{name: {"effective_rank": spectra[l][name]["effective_rank"], "rank": spectra[l][name]["rank"],
-                  "singular_values": spectra[l][name]["singular_values"]} for name in ("qk", "ov")},
+        **{name: dict(spectra[l][name]) for name in ("qk", "ov")},
         "attention": attention[l],
         "importance": {"raw": importance["raw"][l], "normalized": importance["normalized"][l]}})
   layers = _jsonable(layers)
@@ -326,7 +363,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
       "data": {"held_out_batches": n, "importance_batches": seen["tokens"].shape[0], "batch_size": B,
                "importance_split": "train", "attention_rank_rtol": RANK_RTOL},
       "eval": {"loss": curve["loss"][0], "accuracy": curve["accuracy"][0]},
-      "layers": layers, "pruning": curve, "summary": summarize(layers, curve),
+      "layers": layers, "pruning": curve, "summary": summarize(layers, curve, signed),
       "example": {"tokens": held_out["tokens"][0, 0]}})
   if plots:
     from attn.experiments.reading import analysis_plots
