@@ -23,12 +23,14 @@ sentences come from disjoint topics):
               (analysis.head_importance). Their first-order score, |∂L/∂ξ| at
               ξ = 1, is measured too and is zero up to round-off: this loss is
               at its minimum at ξ = 1, so its gradient carries no ranking
-  pruning     heads gated off least important first; at each point the
+  pruning     heads gated off least important first (Michel's normalised
+              order, and raw importance alone); at each point the
               Spearman correlation between the pruned and the unpruned model's
               cosine similarities of the held-out sentence pairs, the mean
               cosine of the embeddings to the unpruned ones and the AUC of
               adjacent over random pairs. Evaluated every PRUNE_EVERY heads,
-              then at every head up to the first point below 1 − TOLERANCE
+              then at every head up to the first point below 1 − TOLERANCE;
+              auc_prunable_heads reads the AUC the same way (on that grid)
   kv          mean-pooled kv heads (G) and a latent (mla, d_c) in every layer
               and in one layer at a time: per-layer weight error (attn.convert's
               return_error), embedding cosine to the original, pair-ranking
@@ -139,6 +141,8 @@ def parity(model_dir: str, enc: SentenceEncoder, batches: list[dict], texts: lis
                      for i, n in enumerate(b["lengths"])]
   out = {"sentences": len(texts), "max_abs_diff_real_tokens": real, "max_abs_diff_all_positions": every,
          "per_sentence": per_sentence, "transformers": transformers.__version__}
+  if not os.path.isfile(os.path.join(model_dir, "modules.json")):  # not a sentence-transformers directory
+    return out
   try:
     from sentence_transformers import SentenceTransformer
   except ImportError:
@@ -210,9 +214,15 @@ def importance(enc: SentenceEncoder, batches: list[dict], base_ND: np.ndarray) -
 
 
 def pruning(enc: SentenceEncoder, batches: list[dict], pairs: dict[str, Any], base_ND: np.ndarray,
-            imp: dict[str, Any]) -> dict[str, Any]:
-  """The pruning curve on the held-out pairs, coarse then every head up to the first drop (module doc)."""
-  order = pruning_order({k: np.asarray(imp[k]) for k in ("raw", "normalized")})
+            imp: dict[str, Any], normalized: bool = True) -> dict[str, Any]:
+  """The pruning curve on the held-out pairs, coarse then every head up to the first drop (module doc).
+
+  normalized: heads ordered by Michel et al.'s per-layer normalised importance
+  (ties by raw); False: by raw importance alone, comparable across layers here
+  since every layer's score is the same drop in the same embedding.
+  """
+  raw = np.asarray(imp["raw"])
+  order = pruning_order({"raw": raw, "normalized": np.asarray(imp["normalized"]) if normalized else raw})
   N = enc.L * enc.H
   base_scores = pair_scores(base_ND, pairs)
   points: dict[int, dict] = {}
@@ -231,9 +241,11 @@ def pruning(enc: SentenceEncoder, batches: list[dict], pairs: dict[str, Any], ba
   steps = sorted(points)
   rho = [points[k]["spearman"] for k in steps]
   frac = prunable_fraction(steps, rho, N, TOLERANCE)
-  return {"order": order.tolist(), "heads_off": steps, **{m: [points[k][m] for k in steps]
-          for m in ("spearman", "cos_mean", "cos_min", "auc")},
-          "tolerance": TOLERANCE, "prunable_heads": int(round(frac * N)), "prunable_fraction": frac}
+  auc_frac = prunable_fraction(steps, [points[k]["auc"] for k in steps], N, TOLERANCE)
+  return {"order_by": "normalized" if normalized else "raw", "order": order.tolist(), "heads_off": steps,
+          **{m: [points[k][m] for k in steps] for m in ("spearman", "cos_mean", "cos_min", "auc")},
+          "tolerance": TOLERANCE, "prunable_heads": int(round(frac * N)), "prunable_fraction": frac,
+          "auc_prunable_heads": int(round(auc_frac * N))}
 
 
 def _round_trip(p: dict, head, setting: tuple[str, int]) -> tuple[dict, float]:
@@ -351,6 +363,7 @@ def run(model_dir: str, out_dir: str, sizes: Sizes = Sizes(), seed: int = 0, plo
   out["importance"] = importance(enc, b["importance"], base_importance)
   lap("importance")
   out["pruning"] = pruning(enc, b["pairs"], data["pairs"], base, out["importance"])
+  out["pruning_raw"] = pruning(enc, b["pairs"], data["pairs"], base, out["importance"], normalized=False)
   lap("pruning")
   out["kv"] = kv_settings(enc, b["pairs"], b["probe"], data["pairs"], base)
   if check:

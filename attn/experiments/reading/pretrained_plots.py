@@ -35,7 +35,8 @@ def parity(plt, out, path):
   n, d = np.array(p["per_sentence"]).T
   fig, ax = plt.subplots(figsize=(6, 3.6))
   ax.scatter(n, d, s=10)
-  ax.set_yscale("log")
+  ax.set_ylim(0, 1.15 * d.max())
+  ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
   ax.set_xlabel("sentence length (tokens, with [CLS] and [SEP])")
   ax.set_ylabel("max |attn − transformers|\nover the sentence's hidden states")
   ax.set_title(f"parity on {p['sentences']} padded sentences, float32: max {p['max_abs_diff_real_tokens']:.2g}",
@@ -107,7 +108,7 @@ def effective_rank(plt, out, path):
     m = [layer[name]["effective_rank"] for layer in r["layers"]]
     im = _heatmap(ax, m, f"effective rank of W_{name.upper()},h (mean {np.mean(m):.1f} of d_k = {r['d_k']})",
                   fmt="{:.1f}", vmin=0, vmax=r["d_k"])
-  fig.colorbar(im, ax=axes, shrink=0.8, label=f"exp(entropy of σ/‖σ‖₁), at most d_k = {r['d_k']}")
+  fig.colorbar(im, ax=axes, shrink=0.8, label="effective rank (≤ d_k)")
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
 
@@ -125,38 +126,38 @@ def importance(plt, out, path):
 
 
 def pruning(plt, out, path):
+  curves = (("pruning", "Michel order (normalised per layer)", "C0"), ("pruning_raw", "raw-importance order", "C1"))
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+  for key, name, color in curves:
+    p = out[key]
+    k = np.asarray(p["heads_off"])
+    axes[0].plot(k, p["spearman"], "o-", ms=3, color=color, label=f"{name}: {p['prunable_heads']} heads")
+    axes[0].axvline(p["prunable_heads"], color=color, ls=":", lw=1)
+    axes[1].plot(k, p["auc"], "o-", ms=3, color=color, label=f"{name}: {p['auc_prunable_heads']} heads")
+    axes[2].plot(k, p["cos_mean"], "o-", ms=3, color=color, label=f"{name}, mean")
+    axes[2].plot(k, p["cos_min"], "v--", ms=3, color=color, lw=0.8, label=f"{name}, min")
   p = out["pruning"]
-  k = np.asarray(p["heads_off"])
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-  ax = axes[0]
-  ax.plot(k, p["spearman"], "o-", ms=3, label="Spearman vs unpruned pair cosines")
-  ax.plot(k, p["auc"], "s-", ms=3, label="AUC: adjacent above random pairs")
-  ax.axhline(1 - p["tolerance"], color="k", ls="--", lw=1, label=f"1 − {p['tolerance']}")
-  ax.axvline(p["prunable_heads"], color="r", ls=":", lw=1, label=f"{p['prunable_heads']} heads off")
-  ax.set_ylim(0, 1.02)
-  ax.set_xticks(range(0, 73, 8))
-  ax.set_xlabel("heads gated off (least important first)")
-  ax.legend(fontsize=8, loc="lower left")
-  ax.grid(alpha=0.3)
-  ax.set_title("ranking of held-out sentence pairs", fontsize=10)
-  ax = axes[1]
-  ax.plot(k, p["cos_mean"], "o-", ms=3, label="mean")
-  ax.plot(k, p["cos_min"], "v-", ms=3, label="min")
-  ax.axvline(p["prunable_heads"], color="r", ls=":", lw=1)
-  ax.set_ylim(min(0, min(p["cos_min"])), 1.02)
-  ax.set_xticks(range(0, 73, 8))
-  ax.set_xlabel("heads gated off")
-  ax.set_ylabel("cosine to the unpruned embedding")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  ax.set_title("embedding drift", fontsize=10)
+  axes[0].axhline(1 - p["tolerance"], color="k", ls="--", lw=1, label=f"1 − {p['tolerance']}")
+  axes[1].axhline(p["auc"][0] - p["tolerance"], color="k", ls="--", lw=1, label=f"unpruned − {p['tolerance']}")
+  titles = ("Spearman: pruned vs unpruned pair cosines", "AUC: adjacent pairs above random pairs",
+            "cosine to the unpruned embedding")
+  N = len(out["pruning"]["order"])
+  for ax, title in zip(axes, titles):
+    ax.set_ylim(0, 1.02)
+    ax.set_xticks(range(0, N + 1, max(1, N // 9)))
+    ax.set_xlabel("heads gated off (least important first)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="lower left")
+  fig.suptitle(f"Pruning {out['model_dir']}: {len(out['pruning']['order'])} heads, held-out sentence pairs",
+               fontsize=11)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
 def _label(r):
-  return {"mha": "MHA (12 kv heads)", "gqa": f"GQA G={r['n']}", "mla": f"mla d_c={r['n']}"}[r["setting"]]
+  return {"mha": f"MHA ({r['n']} kv heads)", "gqa": f"GQA G={r['n']}", "mla": f"mla d_c={r['n']}"}[r["setting"]]
 
 
 def kv_cache(plt, out, path):
@@ -174,7 +175,7 @@ def kv_cache(plt, out, path):
   ticks = sorted({r["cache_bytes"] for r in kv})
   ax.set_xticks(ticks)
   ax.set_xticklabels([str(t) for t in ticks], rotation=45, fontsize=8)
-  ax.set_xlabel("KV-cache bytes per token, all 6 layers (bfloat16)")
+  ax.set_xlabel(f"KV-cache bytes per token, all {out['model']['num_layers']} layers (bfloat16)")
   ax.set_ylabel("mean cosine to the original embedding")
   ax.set_ylim(min(0, min(r["cos_mean"] for r in kv)), 1.02)
   ax.legend(fontsize=8, loc="lower right")
@@ -253,13 +254,23 @@ def report_markdown(out: dict[str, Any]) -> str:
             f"largest single-sentence drop {imp['max_drop']:.4f}. Gradient score |∂L/∂ξ| at ξ = 1: max "
             f"{imp['gradient_max_abs']:.2g} (zero up to round-off).", "",
             f"Pruning: {pr['prunable_heads']} of {m['num_layers'] * m['num_heads']} heads "
-            f"({pr['prunable_fraction']:.3f}) go before the pair-ranking Spearman falls more than {pr['tolerance']}.", "",
+            f"({pr['prunable_fraction']:.3f}) go before the pair-ranking Spearman falls more than {pr['tolerance']} "
+            f"(Michel order); {out['pruning_raw']['prunable_heads']} in raw-importance order. By the AUC of adjacent "
+            f"over random pairs (within {pr['tolerance']} of the unpruned {pr['auc'][0]:.4f}, on the evaluated grid): "
+            f"{pr['auc_prunable_heads']} (Michel order), {out['pruning_raw']['auc_prunable_heads']} (raw order).", "",
+            "Michel order:", "",
             "| heads off | Spearman | AUC adjacent > random | mean cosine | min cosine |", "|---" * 5 + "|"]
   for i, k in enumerate(pr["heads_off"]):
     lines.append(f"| {k} | {pr['spearman'][i]:.4f} | {pr['auc'][i]:.4f} | {pr['cos_mean'][i]:.4f} | "
                  f"{pr['cos_min'][i]:.4f} |")
+  rr = out["pruning_raw"]
+  lines += ["", "Raw-importance order:", "", "| heads off | Spearman | AUC adjacent > random | mean cosine | min cosine |",
+            "|---" * 5 + "|"]
+  for i, k in enumerate(rr["heads_off"]):
+    lines.append(f"| {k} | {rr['spearman'][i]:.4f} | {rr['auc'][i]:.4f} | {rr['cos_mean'][i]:.4f} | "
+                 f"{rr['cos_min'][i]:.4f} |")
   lines += ["", "## Fewer kv heads, or a latent", "",
-            "| setting | KV bytes/token (bf16, 6 layers) | weight error per layer | cosine, one layer converted "
+            f"| setting | KV bytes/token (bf16, {m['num_layers']} layers) | weight error per layer | cosine, one layer converted "
             "| mean cosine, all layers | min cosine | Spearman | AUC |", "|---" * 8 + "|"]
   for row in out["kv"]:
     lines.append(f"| {_label(row)} | {row['cache_bytes']} | {' '.join(f'{e:.3f}' for e in row['weight_error'])} | "
