@@ -142,8 +142,9 @@ def pruning(plt, out, path):
   titles = ("Spearman: pruned vs unpruned pair cosines", "AUC: adjacent pairs above random pairs",
             "cosine to the unpruned embedding")
   N = len(out["pruning"]["order"])
-  for ax, title in zip(axes, titles):
-    ax.set_ylim(0, 1.02)
+  for ax, title, metric in zip(axes, titles, (("spearman",), ("auc",), ("cos_mean", "cos_min"))):
+    low = min(min(out[key][m]) for key, _, _ in curves for m in metric)
+    ax.set_ylim(max(0.0, np.floor(20 * low - 1) / 20), 1.005)
     ax.set_xticks(range(0, N + 1, max(1, N // 9)))
     ax.set_xlabel("heads gated off (least important first)")
     ax.set_title(title, fontsize=10)
@@ -162,25 +163,34 @@ def _label(r):
 
 def kv_cache(plt, out, path):
   kv = out["kv"]
-  fig, ax = plt.subplots(figsize=(8, 4.6))
-  for kind, marker in (("mha", "*"), ("gqa", "o"), ("mla", "s")):
-    rows = [r for r in kv if r["setting"] == kind]
-    ax.plot([r["cache_bytes"] for r in rows], [r["cos_mean"] for r in rows], marker + "-", ms=7,
-            label={"mha": "original", "gqa": "mean-pooled kv heads", "mla": "latent (SVD)"}[kind])
-    for r in rows:
-      ax.annotate(_label(r).split(" (")[0], (r["cache_bytes"], r["cos_mean"]), fontsize=7,
-                  xytext=(4, -10), textcoords="offset points")
-  ax.axhline(0.99, color="k", ls="--", lw=1, label="cosine 0.99")
-  ax.set_xscale("log", base=2)
-  ticks = sorted({r["cache_bytes"] for r in kv})
-  ax.set_xticks(ticks)
-  ax.set_xticklabels([str(t) for t in ticks], rotation=45, fontsize=8)
-  ax.set_xlabel(f"KV-cache bytes per token, all {out['model']['num_layers']} layers (bfloat16)")
-  ax.set_ylabel("mean cosine to the original embedding")
-  ax.set_ylim(min(0, min(r["cos_mean"] for r in kv)), 1.02)
-  ax.legend(fontsize=8, loc="lower right")
-  ax.grid(alpha=0.3)
-  ax.set_title("Every layer converted: embedding drift against cache size (held-out sentences)", fontsize=10)
+  fig, axes = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+  near = [r for r in kv if r["cos_mean"] >= 0.9]  # the zoomed panel: settings near the original
+  for i, ax in enumerate(axes):
+    for kind, marker in (("mha", "*"), ("gqa", "o"), ("mla", "s")):
+      rows = [r for r in kv if r["setting"] == kind]
+      ax.plot([r["cache_bytes"] for r in rows], [r["cos_mean"] for r in rows], marker + "-", ms=7,
+              label={"mha": "original", "gqa": "mean-pooled kv heads", "mla": "latent (SVD)"}[kind])
+    shown = kv if i == 0 else near
+    for r in shown:
+      if i == 0 and r in near and r["setting"] == "mla":
+        continue  # labelled in the zoomed panel
+      ax.annotate(_label(r).split(" (")[0], (r["cache_bytes"], r["cos_mean"]), fontsize=7.5,
+                  xytext=(5, -11), textcoords="offset points")
+    ax.axhline(0.99, color="k", ls="--", lw=1, label="cosine 0.99")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["cache_bytes"] for r in shown})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks], rotation=45, fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel(f"KV-cache bytes per token, all {out['model']['num_layers']} layers (bfloat16)")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylim(min(0, min(r["cos_mean"] for r in kv)), 1.02)
+  axes[0].set_ylabel("mean cosine to the original embedding")
+  axes[0].legend(fontsize=8, loc="lower right")
+  axes[0].set_title("every layer converted (held-out sentences)", fontsize=10)
+  axes[1].set_xlim(0.85 * min(r["cache_bytes"] for r in near), 1.3 * max(r["cache_bytes"] for r in near))
+  axes[1].set_ylim(np.floor(100 * min(r["cos_mean"] for r in near)) / 100 - 0.01, 1.005)
+  axes[1].set_title("zoom: the settings with mean cosine ≥ 0.9", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
