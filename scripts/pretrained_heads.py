@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--no-plots", action="store_true")
   args = parser.parse_args(argv)
   sizes = pretrained_heads.runlocal() if args.runlocal else pretrained_heads.Sizes()
-  about = {"command": "python scripts/pretrained_heads.py " + shlex.join(argv), "commit": commit()}
+  about = {"command": " ".join(["python scripts/pretrained_heads.py", shlex.join(argv)]).strip(),
+           "commit": commit()}
   with tempfile.TemporaryDirectory() as tmp:
     model_dir = args.model_dir or extract(tmp)
     out = pretrained_heads.run(model_dir, args.out, sizes, plots=not args.no_plots, about=about)
