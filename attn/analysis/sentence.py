@@ -110,7 +110,7 @@ def slice_share(w_DHK) -> np.ndarray:
   if w.ndim != 3 or w.shape[0] % w.shape[1]:
     raise invalid("w.shape", w.shape, "(D, H, K) with H dividing D")
   D, H, _ = w.shape
-  w_HNEK = w.reshape(H, D // H, H, -1)  # rows grouped into H slices of D/H
-  own_H = np.stack([(w_HNEK[h, :, h] ** 2).sum() for h in range(H)])
+  slices = w.reshape(H, D // H, H, -1)  # [slice, row in slice, head, K]: rows in H slices of D/H
+  own_H = np.stack([(slices[h, :, h] ** 2).sum() for h in range(H)])
   total_H = (w ** 2).sum(axis=(0, 2))
   return own_H / np.maximum(total_H, 1e-30)
