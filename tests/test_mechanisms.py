@@ -43,7 +43,8 @@ MECHS = {
 
 
 def config(variant: str, mech: str, base: HeadConfig | None = None) -> HeadConfig:
-  """The mechanism on an awkward config; "all" drops what the variant refuses (its check says why)."""
+  """The mechanism on an awkward config; "all" drops what the variant refuses (its check says
+  why), None when that is the mechanism itself."""
   base = base or (DIVIDING if variant == "split_input" else AWKWARD)
   changes = dict(MECHS[mech])
   if variant in ("merged", "collaborative", "mla"):
@@ -182,7 +183,8 @@ def test_mechanisms_in_bf16():
   assert y16.dtype == jnp.bfloat16 and w16.dtype == jnp.float32
   assert np.all(np.isfinite(np.asarray(y16, np.float32)))
   assert np.all(np.asarray(w16.sum(-1)) <= 1.0 + 1e-6)  # sinks take a share of every row
-  np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.05 * float(jnp.abs(y32).max()))
+  np.testing.assert_allclose(np.asarray(y16, np.float32), y32,
+                             atol=0.05 * float(jnp.abs(y32).max()))
 
 
 # ----------------------------------------------------------------- every variant
@@ -345,6 +347,18 @@ def test_qk_norm_needs_two_dims_and_three_variants_refuse_it():
       attn.init(name, jax.random.PRNGKey(0), cfg)
 
 
+def test_circuits_leave_the_mechanisms_out_and_refuse_qk_norm():
+  cfg = AWKWARD.replace(gate="headwise", sinks=True, window=2)
+  p = per_head_params(cfg)
+  own = {n: a for n, a in p.items() if n not in mechanisms.NAMES}
+  got, plain = attn.analysis.circuits("per_head", p, cfg), attn.analysis.circuits(
+      "per_head", own, AWKWARD)
+  assert all(np.array_equal(got[n], plain[n]) for n in plain)
+  with pytest.raises(ConfigError, match="qk_norm=True is not allowed: False for circuits"):
+    attn.analysis.circuits("per_head", per_head_params(AWKWARD.replace(qk_norm=True)),
+                           AWKWARD.replace(qk_norm=True))
+
+
 def test_conversions_carry_the_mechanisms_and_refuse_a_dropped_key_bias():
   cfg = AWKWARD.replace(gate="headwise", sinks=True, qk_norm=True, window=3, softcap=2.0)
   p = per_head_params(cfg)
@@ -356,7 +370,8 @@ def test_conversions_carry_the_mechanisms_and_refuse_a_dropped_key_bias():
                                 ravel_pytree(p)[0])
   no_norm = cfg.replace(qk_norm=False)
   for dst in ("merged", "mla"):
-    with pytest.raises(ConfigError, match=f"use_bias=True is not allowed: False for per_head -> {dst}"):
+    with pytest.raises(ConfigError,
+                       match=f"use_bias=True is not allowed: False for per_head -> {dst}"):
       attn.convert(per_head_params(no_norm), "per_head", dst, no_norm)
   attn.convert(per_head_params(cfg.replace(qk_norm=False, use_bias=False)), "per_head", "merged",
                cfg.replace(qk_norm=False, use_bias=False))
@@ -412,11 +427,11 @@ JACOBIAN = [
     HeadConfig(d_model=4, num_heads=4, d_k=2, d_v=2, num_kv_heads=2),
     HeadConfig(d_model=6, num_heads=2, d_k=2, d_v=3, num_kv_heads=1),
     HeadConfig(d_model=5, num_heads=3, d_k=2, d_v=3, num_kv_heads=1, use_bias=False),
-    HeadConfig(d_model=3, num_heads=2, d_k=4, d_v=2),  # d_k > d_model: the sink trades (base.sink_trade)
+    HeadConfig(d_model=3, num_heads=2, d_k=4, d_v=2),  # d_k > d_model: sinks trade (base.sink_trade)
 ]
 # softcap small and eps tiny so that the cap's and the norm's effects stand clear of round-off.
-JACOBIAN_MECHS = {"gate_headwise": dict(gate="headwise"), "gate_elementwise": dict(gate="elementwise"),
-                  "sinks": dict(sinks=True), "softcap": dict(softcap=0.05),
+JACOBIAN_MECHS = {"gate_headwise": dict(gate="headwise"),
+                  "gate_elementwise": dict(gate="elementwise"), "sinks": dict(sinks=True), "softcap": dict(softcap=0.05),
                   "sinks_softcap": dict(sinks=True, softcap=0.05),
                   "qk_norm": dict(qk_norm=True, qk_norm_eps=1e-12),
                   "qk_norm_rope": dict(qk_norm=True, qk_norm_eps=1e-12, rope_dim=2, rope_theta=3.0)}
