@@ -20,7 +20,10 @@ split_input: its product sits in its input block, zeros elsewhere) is read
 through it; merged is read as trained (W_h, b_kc: no exact converter);
 collaborative is W̃_Q·diag(m_h)·W̃_Kᵀ; any other variant reads itself through
 Variant.circuits (talking_heads mixes per_head's circuits). With RoPE, qk is
-the score at t = s (the rotation R(t − s) sits between the factors). Pure
+the score at t = s (the rotation R(t − s) sits between the factors). Head
+mechanisms (attn.variants.mechanisms) are left out: ov is each head's circuit
+before its output gate, sinks, a window and a softcap change the weights, not
+the circuits; QK-norm, which has no bilinear W_QK, is refused. Pure
 functions of the params: they work under jax.jit with variant and cfg static.
 """
 
@@ -68,6 +71,9 @@ _OWN_LAYOUT = {"per_head": factors.from_per_head, "merged": _from_merged,
 def _read(variant: str, params: Params, cfg: HeadConfig) -> dict:
   v = check_config(variant, cfg)
   check_params(v.name, params, cfg)
+  if cfg.qk_norm:
+    raise invalid("qk_norm", True, "False for circuits: RMS-normalised queries and keys score "
+                  "through no fixed bilinear W_QK")
   if v.name in _OWN_LAYOUT:
     return _OWN_LAYOUT[v.name](params, cfg)
   if v.circuits is not None:

@@ -40,7 +40,7 @@ class MultiHeadAttention(nnx.Module):
     self.params = nnx.Dict({name: nnx.Param(jnp.asarray(a)) for name, a in params.items()})
     self.cache: nnx.Dict | None = nnx.data(None)  # KV cache entries, set by init_cache
     self.cache_index: nnx.Cache | None = nnx.data(None)
-    self.cache_max_len: int | None = None  # positions the cache serves (a window's ring: fewer slots)
+    self.cache_max_len: int | None = None  # positions it serves (a window's ring has fewer slots)
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
     """An empty KV cache (nnx.Cache variables) for decode=True; what it holds is the variant's.

@@ -12,8 +12,11 @@ return_weights). An option of the attention core or a head feature is added
 here and in attn.kernel, not in variant files: a variant that computes its
 own logits or attends to something else calls the pieces of the shared path
 (queries_and_keys, core or full_mask + probabilities, project_out) instead of
-attend_and_project. A variant that cannot carry a HeadConfig feature (RoPE:
-rope_dim > 0) refuses it in its `check`, with the reason.
+attend_and_project. The head mechanisms (HeadConfig gate, sinks, qk_norm,
+window, softcap; attn.variants.mechanisms) live in those pieces: `init` makes
+the variant's own parameters and attn.init adds the mechanisms', attn.count
+adds their counts. A variant that cannot carry a HeadConfig feature (RoPE:
+rope_dim > 0; qk_norm) refuses it in its `check`, with the reason.
 
 Counts are per layer; FLOPs count a multiply-add as 2 and are per batch
 element, forward only, for T queries and S keys. The KV-cache width is the
@@ -394,7 +397,7 @@ def qk_norm_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
 
 
 def score_space_dim(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
-  """Dimension of all H score functions: per head (d_q + b)·(d_kv + o), + rope_dim·(d_q + b)·(d_kv + b).
+  """Dimension of all H score functions: per head (d_q + b)·(d_kv + o + rope_dim·(d_kv + b)).
 
   o = kept_key_bias(cfg): the key bias's column, when sinks or a softcap keep it; with
   sinks (no softcap) each head's constant score is its sink's (sink_trade): H fewer.
