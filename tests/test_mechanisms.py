@@ -42,15 +42,24 @@ MECHS = {
 }
 
 
+def _accepts_qk_norm(variant: str, base: HeadConfig) -> bool:
+  try:
+    attn.api.check_config(variant, base.replace(qk_norm=True, rope_dim=0))
+  except ConfigError as e:
+    assert "qk_norm" in str(e)  # refused by name, with the reason
+    return False
+  return True
+
+
 def config(variant: str, mech: str, base: HeadConfig | None = None) -> HeadConfig:
   """The mechanism on an awkward config; "all" drops what the variant refuses (its check says
   why), None when that is the mechanism itself."""
   base = base or (DIVIDING if variant == "split_input" else AWKWARD)
   changes = dict(MECHS[mech])
-  if variant in ("merged", "collaborative", "mla"):
+  if changes.get("qk_norm") and not _accepts_qk_norm(variant, base):
     if mech == "qk_norm":
       return None
-    changes.pop("qk_norm", None)
+    changes.pop("qk_norm")
   if variant in ("merged", "collaborative"):
     changes.pop("rope_dim", None)
     changes.pop("rope_theta", None)
