@@ -6,6 +6,7 @@
   attn count --preset vaswani-table3          # Table 3 params column, paper vs ours
   attn count --preset bert-gpt2               # BERT and GPT-2 totals, published vs ours
   attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
+  attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
   parser.add_argument("--variant", action="append", default=None,
                       help="only this variant (repeatable; default all)")
+  parser.add_argument("--mechanisms", action="store_true",
+                      help="also what each head mechanism (gate, sinks, qk_norm, window, softcap) adds")
   parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
 
 
@@ -175,7 +178,7 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
                             "dtype": args.dtype, "rows": rows}
   ok = [r["variant"] for r in rows if "error" not in r]
-  if ok:
+  if ok and args.mechanisms:
     report["mechanisms_of"] = "per_head" if "per_head" in ok else ok[0]
     report["mechanisms"] = count.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
                                                  args.dtype)
