@@ -237,6 +237,9 @@ def test_tpa_unsaturated_count_is_stored_less_the_gauges():
 def test_bad_ranks_and_layer_are_refused_by_name(field, value):
   with pytest.raises(ConfigError, match=f"{field}={value!r} is not allowed: a positive integer"):
     HeadConfig(d_model=8, num_heads=2, **{field: value})
+  if field == "layer":  # set per layer by the models, not a model setting
+    assert not hasattr(ModelConfig, "layer")
+    return
   with pytest.raises(ConfigError, match=f"{field}={value!r} is not allowed"):
     ModelConfig(vocab_size=5, d_model=8, num_layers=1, num_heads=2, d_ff=8, variant="tpa",
                 **{field: value})

@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from attn import kernel, masks
-from attn.config import HeadConfig
+from attn.config import HeadConfig, invalid
 from attn.variants import mechanisms, rope
 
 Array = jax.Array
@@ -102,6 +102,14 @@ class Options:
 jax.tree_util.register_dataclass(
     Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask"],
     meta_fields=["is_causal", "return_weights", "impl"])
+
+
+def no_circuits(name: str, allowed: str) -> Callable[..., dict[str, Any]]:
+  """A Variant.circuits for a variant without a fixed per-head W_QK: it refuses, saying why."""
+  def circuits(params: Params, cfg: HeadConfig) -> dict[str, Any]:
+    del params, cfg
+    raise invalid("variant", name, allowed)
+  return circuits
 
 
 def _no_constraint(cfg: HeadConfig) -> None:

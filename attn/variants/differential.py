@@ -44,10 +44,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig, invalid
+from attn.config import HeadConfig
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, cached_kv, core,
-                                factored_score_dof, normal, project_heads, project_out,
-                                queries_and_keys)
+                                factored_score_dof, no_circuits, normal, project_heads,
+                                project_out, queries_and_keys)
 
 NORM_EPS = 1e-5  # the reference code's subln RMSNorm
 
@@ -138,15 +138,6 @@ def score_weights(cfg: HeadConfig) -> int:
   return 2 * cfg.d_model * (cfg.num_heads + cfg.num_kv_heads) * cfg.d_k + 4 * cfg.d_k
 
 
-def circuits(params: Params, cfg: HeadConfig) -> dict:
-  """Refused: no single W_QK,h gives differential's weights."""
-  del params, cfg
-  raise invalid("variant", "differential",
-                "a variant with one bilinear score form per head: differential's weights "
-                "softmax(x W_Q1,h W_K1,gᵀ cᵀ) − λ·softmax(x W_Q2,h W_K2,gᵀ cᵀ) are a difference of "
-                "two softmaxes, which no single W_QK,h gives (read the two pairs' products apart)")
-
-
 VARIANT = Variant(
     name="differential",
     init=init,
@@ -156,6 +147,10 @@ VARIANT = Variant(
     flops=flops,
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
-    circuits=circuits,
+    circuits=no_circuits(
+        "differential",
+        "a variant with one bilinear score form per head: differential's weights "
+        "softmax(x W_Q1,h W_K1,gᵀ cᵀ) − λ·softmax(x W_Q2,h W_K2,gᵀ cᵀ) are a difference of "
+        "two softmaxes, which no single W_QK,h gives (read the two pairs' products apart)"),
     signed_weights=True,
 )

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants import rope
-from attn.variants.base import (Options, Params, Variant, add_bias, bias, core, normal,
-                                project_heads, project_out)
+from attn.variants.base import (Options, Params, Variant, add_bias, bias, core, no_circuits,
+                                normal, project_heads, project_out)
 
 
 def _shapes(cfg: HeadConfig) -> dict[str, tuple[int, int]]:
@@ -202,15 +202,6 @@ def score_weights(cfg: HeadConfig) -> int:
   return D * cfg.q_rank * (H + K) + D * cfg.kv_rank * (G + K)
 
 
-def circuits(params: Params, cfg: HeadConfig) -> dict:
-  """Refused: tpa has no fixed W_QK,h."""
-  del params, cfg
-  raise invalid("variant", "tpa",
-                "a variant with a fixed W_QK,h per head: tpa's query and key head factors "
-                "a^q(x_t), a^k(c_s) depend on the token, so head h's score q_h·k_g is a quartic "
-                "form of (x_t, c_s), not x_t W_QK,h c_sᵀ with one fixed matrix")
-
-
 VARIANT = Variant(
     name="tpa",
     init=init,
@@ -222,6 +213,10 @@ VARIANT = Variant(
     score_weights=score_weights,
     cache_entries=cache_entries,
     attend_cached=attend_cached,
-    circuits=circuits,
+    circuits=no_circuits(
+        "tpa",
+        "a variant with a fixed W_QK,h per head: tpa's query and key head factors "
+        "a^q(x_t), a^k(c_s) depend on the token, so head h's score q_h·k_g is a quartic "
+        "form of (x_t, c_s), not x_t W_QK,h c_sᵀ with one fixed matrix"),
     check=check,
 )
