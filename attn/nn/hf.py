@@ -44,14 +44,44 @@ from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.models import MODELS, DecoderLM, ModelConfig
 
-SUPPORTED = {"gpt2": "decoder_lm", "bert": "encoder"}  # HF model_type -> attn model kind
-_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "BertModel": "bert"}
+# The Llama-like decoders: one row each, how the family's config and weights map onto a
+# DecoderLM (RoPE over the whole head, RMSNorm, gated MLP). qkv_bias/o_bias/mlp_bias: a
+# config key (its value, default False) or a constant; norms: the checkpoint's name of each
+# of the block's norms (Gemma 2's post_attention_layernorm is after the attention, Llama's is
+# before the MLP).
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+FAMILIES = {
+    "llama": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+                  norm_type="rmsnorm", norm="pre", act="hidden_act", norms=_LLAMA_NORMS),
+    "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, norm_type="rmsnorm", norm="pre",
+                    act="hidden_act", norms=_LLAMA_NORMS, all_local=True),
+    "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, norm_type="rmsnorm", norm="pre",
+                  act="hidden_act", norms=_LLAMA_NORMS),
+    "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+                  norm_type="rmsnorm", norm="pre", act="hidden_act", norms=_LLAMA_NORMS, qk_norm=True),
+    "gemma2": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+                   norm_type="rmsnorm_plus_one", norm="sandwich", act="hidden_activation",
+                   norms={"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                          "mlp_norm": "pre_feedforward_layernorm",
+                          "mlp_post_norm": "post_feedforward_layernorm"},
+                   embed_scale=True),
+}
+# Families attn refuses, with the reason.
+REFUSED = {"gpt_oss": "its feed-forward is a mixture of experts (a router and experts in every "
+                      "block); attn's models have one dense MLP per block",
+           "mixtral": "its feed-forward is a mixture of experts; attn's models have one dense MLP"}
+SUPPORTED = {"gpt2": "decoder_lm", "bert": "encoder", **dict.fromkeys(FAMILIES, "decoder_lm")}
+_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "BertModel": "bert", "BertForMaskedLM": "bert",
+            "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2"}
 # HF activation name -> attn's: tanh forms are "gelu", the erf form "gelu_exact".
 _ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",
-                "gelu": "gelu_exact", "gelu_python": "gelu_exact", "relu": "relu"}
-_TO_HF_ACTIVATION = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
+                "gelu": "gelu_exact", "gelu_python": "gelu_exact", "relu": "relu", "silu": "silu",
+                "swish": "silu"}
+_TO_HF_ACTIVATION = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu", "silu": "silu"}
 # Checkpoint keys that hold no weights attn needs: buffers (causal masks, ids), the tied LM head, task heads.
-_SKIPPED_ENDS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
+_SKIPPED_ENDS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids",
+                 "rotary_emb.inv_freq", "embed_tokens.embed_scale")
 _SKIPPED_STARTS = ("lm_head.", "cls.")
 
 
@@ -100,12 +130,17 @@ def model_config(hf: dict[str, Any], variant: str = "per_head",
                  num_kv_heads: int | None = None) -> ModelConfig:
   """The ModelConfig of a Hugging Face config dict; unsupported settings are refused by name."""
   kind = hf.get("model_type")
+  if kind in REFUSED:
+    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)}: {kind} is refused, "
+                  + REFUSED[kind])
   if kind not in SUPPORTED:
-    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)} (GPT-2 or BERT)")
+    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)}")
   if variant != "per_head" and ("per_head", variant) not in CONVERTERS:
     known = sorted(f"{dst} ({'exact' if c.exact else 'lossy'})" for (src, dst), c in CONVERTERS.items()
                    if src == "per_head")
     raise invalid("variant", variant, f"per_head or one converted from it: {', '.join(known)}")
+  if kind in FAMILIES:
+    return _family_config(hf, kind, variant, num_kv_heads)
   if kind == "gpt2":
     _refuse(hf, "scale_attn_weights", True, "attn scales scores by 1/sqrt(d_k)")
     _refuse(hf, "scale_attn_by_inverse_layer_idx", False, "attn has no per-layer score scale")
@@ -130,6 +165,100 @@ def model_config(hf: dict[str, Any], variant: str = "per_head",
       max_len=_get(hf, "max_position_embeddings"), num_segments=hf.get("type_vocab_size", 2),
       embed_norm=True, norm="post", final_norm=False, activation=_activation(hf, "hidden_act", "gelu"),
       pooler=True, norm_eps=float(hf.get("layer_norm_eps", 1e-12)))
+
+
+def _flag(hf: dict[str, Any], rule: Any) -> bool:
+  """A family's bias rule: a constant, or the config key holding it (absent: False)."""
+  return bool(hf.get(rule) or False) if isinstance(rule, str) else rule
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+  """rope_theta of rope_parameters (transformers 5) or the older top-level keys; only the
+  "default" RoPE (no scaling) is implemented, others are refused by name."""
+  params = hf.get("rope_parameters") or {}
+  if params and all(isinstance(v, dict) for v in params.values()):  # one per layer type
+    kinds = {json.dumps(v, sort_keys=True) for v in params.values()}
+    if len(kinds) > 1:
+      raise invalid("config.rope_parameters", params, "the same RoPE for every layer type")
+    params = next(iter(params.values()))
+  scaling = hf.get("rope_scaling") or {}
+  for where, p in (("rope_parameters", params), ("rope_scaling", scaling)):
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind != "default":
+      raise invalid(f"config.{where}.rope_type", kind, "'default': attn implements plain RoPE "
+                    "(no linear, dynamic, yarn, longrope or llama3 scaling)")
+  _refuse(hf, "partial_rotary_factor", 1.0, "attn's loader rotates the whole head")
+  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _layer_types(hf: dict[str, Any], kind: str, L: int) -> list[str]:
+  """Each layer's "full_attention" or "sliding_attention", as transformers derives them."""
+  if hf.get("layer_types"):
+    return list(hf["layer_types"])
+  if kind == "mistral":
+    return ["sliding_attention" if hf.get("sliding_window") else "full_attention"] * L
+  if kind == "gemma2":
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+  first = hf.get("max_window_layers", L) if hf.get("use_sliding_window") else L
+  return ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+
+
+def _window(hf: dict[str, Any], kind: str, L: int) -> tuple[int | None, int]:
+  """(window, global_every) of the layer schedule: all full, all local, or every k-th global.
+
+  transformers keeps key s for query t when t − sliding_window < s ≤ t, as attn's window does.
+  """
+  types = _layer_types(hf, kind, L)
+  if len(types) != L or set(types) - {"full_attention", "sliding_attention"}:
+    raise invalid("config.layer_types", types, f"{L} of 'full_attention' / 'sliding_attention'")
+  local = [t == "sliding_attention" for t in types]
+  if not any(local) or not hf.get("sliding_window"):
+    return None, 0
+  if all(local):
+    return int(hf["sliding_window"]), 0
+  for k in range(2, L + 1):  # ModelConfig.layer_head: layer l = i + 1 is global when k divides l
+    if all(local[i] == bool((i + 1) % k) for i in range(L)):
+      return int(hf["sliding_window"]), k
+  raise invalid("config.layer_types", types, "all full, all sliding, or every k-th layer full "
+                "(the others sliding): attn's global_every expresses only that schedule")
+
+
+def _family_config(hf: dict[str, Any], kind: str, variant: str, num_kv_heads: int | None) -> ModelConfig:
+  """The ModelConfig of a Llama-like family (FAMILIES[kind])."""
+  fam = FAMILIES[kind]
+  _refuse(hf, "is_encoder_decoder", False, "attn loads decoder-only models here")
+  if hf.get("use_bidirectional_attention"):
+    raise invalid("config.use_bidirectional_attention", True, "False: attn's DecoderLM is causal")
+  D, H, L = _get(hf, "hidden_size"), _get(hf, "num_attention_heads"), _get(hf, "num_hidden_layers")
+  K = hf.get("head_dim") or None
+  if K is None:
+    _divisible(D, H, "config.num_attention_heads")
+    K = D // H
+  G = hf.get("num_key_value_heads") or H
+  if H % G:
+    raise invalid("config.num_key_value_heads", G, f"a divisor of num_attention_heads={H}")
+  qkv, o = _flag(hf, fam["qkv_bias"]), _flag(hf, fam["o_bias"])
+  if o and not qkv:
+    raise invalid("config.attention_bias", "an output bias without q/k/v biases",
+                  "both or neither, or q/k/v biases only (Qwen2)")
+  window, global_every = _window(hf, kind, L)
+  eps = float(hf.get("rms_norm_eps", 1e-6))
+  scale = None
+  if kind == "gemma2":
+    scalar = float(_get(hf, "query_pre_attn_scalar"))
+    scale = None if scalar == K else scalar ** -0.5
+  extra = {}
+  if kind == "gemma2":
+    extra = dict(softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
+                 embed_scale=True)
+  return ModelConfig(
+      vocab_size=_get(hf, "vocab_size"), d_model=D, num_layers=L, num_heads=H, d_ff=_get(hf, "intermediate_size"),
+      d_k=K, d_v=K, num_kv_heads=G if num_kv_heads is None else num_kv_heads, variant=variant,
+      max_len=_get(hf, "max_position_embeddings"), positional="rope", rope_dim=K, rope_theta=_rope_theta(hf),
+      norm=fam["norm"], norm_type=fam["norm_type"], final_norm=True, mlp="gated",
+      activation=_activation(hf, fam["act"], "silu"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      use_bias=qkv, dense_bias=_flag(hf, fam["mlp_bias"]), norm_eps=eps, qk_norm=fam.get("qk_norm", False),
+      qk_norm_eps=eps, window=window, global_every=global_every, scale=scale, **extra)
 
 
 # ---- reading: a directory (numpy only) or a live transformers object (torch tensors).
@@ -195,12 +324,16 @@ class _Weights:
   def __init__(self, weights: dict[str, np.ndarray]):
     self.arrays, self.used = _strip(weights), set()
 
-  def __call__(self, name: str) -> np.ndarray:
+  def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The tensor `name`; with shape, one of another shape is refused with both shapes."""
     if name not in self.arrays:
       raise invalid("checkpoint", f"no tensor {name!r}",
-                    f"a GPT-2 or BERT checkpoint; it has {sorted(self.arrays)[:8]}...")
+                    f"a checkpoint of the config's model; it has {sorted(self.arrays)[:8]}...")
     self.used.add(name)
-    return np.asarray(self.arrays[name], np.float32)
+    a = np.asarray(self.arrays[name], np.float32)
+    if shape is not None and tuple(a.shape) != tuple(shape):
+      raise invalid(f"checkpoint {name}.shape", tuple(a.shape), f"{tuple(shape)} from config.json")
+    return a
 
   def norm(self, name: str) -> dict[str, np.ndarray]:
     return {"scale": self(f"{name}.weight"), "bias": self(f"{name}.bias")}
@@ -253,6 +386,54 @@ def _bert_pure(w: _Weights, cfg: ModelConfig) -> dict[str, Any]:
   out = {"embed": embed, "blocks": blocks}
   if cfg.pooler:
     out["pooler"] = _linear(w, "pooler.dense")
+  return out
+
+
+def _family_keys(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A Llama-like checkpoint's names without "model."; its lm_head as "output" (read when untied)."""
+  out = {}
+  for k, a in weights.items():
+    k = k[len("model."):] if k.startswith("model.") else k
+    out["output.weight" if k == "lm_head.weight" else k] = a
+  return out
+
+
+def _family_pure(w: _Weights, cfg: ModelConfig, kind: str) -> dict[str, Any]:
+  """A Llama-like checkpoint as DecoderLM arrays: nn.Linear (out, in) weights transposed,
+  heads split from the columns (head h in rows h·K..(h+1)·K of q_proj)."""
+  fam = FAMILIES[kind]
+  D, H, G, K, F, N = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head.d_k, cfg.d_ff, cfg.vocab_size
+  norm = lambda name: {"scale": w(f"{name}.weight", (D,))}
+  blocks = {}
+  for l in range(cfg.num_layers):
+    a = f"layers.{l}.self_attn"
+    heads = {"w_q": w(f"{a}.q_proj.weight", (H * K, D)).T.reshape(D, H, K),
+             "w_k": w(f"{a}.k_proj.weight", (G * K, D)).T.reshape(D, G, K),
+             "w_v": w(f"{a}.v_proj.weight", (G * K, D)).T.reshape(D, G, K),
+             "w_o": w(f"{a}.o_proj.weight", (D, H * K)).T.reshape(H, K, D)}
+    if cfg.use_bias:
+      heads |= {"b_q": w(f"{a}.q_proj.bias", (H * K,)).reshape(H, K),
+                "b_k": w(f"{a}.k_proj.bias", (G * K,)).reshape(G, K),
+                "b_v": w(f"{a}.v_proj.bias", (G * K,)).reshape(G, K)}
+      # Qwen2 has no o_proj bias: attn's b_o holds zeros (the same function, D more parameters).
+      heads["b_o"] = w(f"{a}.o_proj.bias", (D,)) if fam["o_bias"] is not False else np.zeros(D, np.float32)
+    if cfg.qk_norm:
+      heads |= {"q_norm": w(f"{a}.q_norm.weight", (K,)), "k_norm": w(f"{a}.k_norm.weight", (K,))}
+    mlp = {}
+    for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+      mlp[name] = {"kernel": w(f"layers.{l}.mlp.{name}_proj.weight", shape).T}
+      if cfg.has_dense_bias:
+        mlp[name]["bias"] = w(f"layers.{l}.mlp.{name}_proj.bias", shape[:1])
+    blocks[l] = {"attn": {"params": heads}, "mlp": mlp,
+                 **{ours: norm(f"layers.{l}.{theirs}") for ours, theirs in fam["norms"].items()}}
+  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
+  if cfg.tie_embeddings:
+    if "output.weight" in w.arrays:  # a live model's state_dict lists the tied head too
+      w("output.weight", (N, D))
+  else:
+    out["head"] = {"linear": {"kernel": w("output.weight", (N, D)).T}}
+    if cfg.has_dense_bias and "output.bias" in w.arrays:
+      out["head"]["linear"]["bias"] = w("output.bias", (N,))
   return out
 
 
@@ -322,17 +503,22 @@ def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = N
   hf, weights = (read_config(source), None) if is_dir else _read_object(source)
   cfg = model_config(hf, "per_head")
   model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
-  w = _Weights(read_weights(source) if is_dir else weights)
+  weights = read_weights(source) if is_dir else weights
   kind = SUPPORTED[hf["model_type"]]
-  if kind == "encoder":
+  if hf["model_type"] in FAMILIES:
+    w = _Weights(_family_keys(weights))
+    pure = _family_pure(w, cfg, hf["model_type"])
+  elif kind == "encoder":
+    w = _Weights(weights)
     cfg = cfg.replace(pooler=any(k.startswith("pooler.") for k in w.arrays))
     pure = _bert_pure(w, cfg)
   else:
+    w = _Weights(weights)
     pure = _gpt2_pure(w, cfg)
   if w.unused():
     raise invalid("checkpoint", w.unused()[:4], f"only the tensors of a plain {hf['model_type']} model")
   model = build(kind, cfg, pure)
-  if variant == "per_head" and num_kv_heads in (None, cfg.num_heads):
+  if variant == "per_head" and num_kv_heads in (None, cfg.num_kv_heads):
     return (model, cfg) if num_kv_heads is None else (model, cfg, 0.0)
   model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads)
   return (model, cfg) if num_kv_heads is None else (model, cfg, max(errors))
