@@ -42,7 +42,7 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.models import MODELS, DecoderLM, ModelConfig
+from attn.nn.models import MODELS, DecoderLM, Encoder, ModelConfig
 
 # The Llama-like decoders: one row each, how the family's config and weights map onto a
 # DecoderLM (RoPE over the whole head, RMSNorm, gated MLP). qkv_bias/o_bias/mlp_bias: a
@@ -82,7 +82,7 @@ _TO_HF_ACTIVATION = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu", "
 # Checkpoint keys that hold no weights attn needs: buffers (causal masks, ids), the tied LM head, task heads.
 _SKIPPED_ENDS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids",
                  "rotary_emb.inv_freq", "embed_tokens.embed_scale")
-_SKIPPED_STARTS = ("lm_head.", "cls.")
+_SKIPPED_STARTS = ("lm_head.", "cls.seq_relationship.")  # BERT's next-sentence head is not read
 
 
 def require(module: str) -> Any:
@@ -386,6 +386,13 @@ def _bert_pure(w: _Weights, cfg: ModelConfig) -> dict[str, Any]:
   out = {"embed": embed, "blocks": blocks}
   if cfg.pooler:
     out["pooler"] = _linear(w, "pooler.dense")
+  if cfg.mlm_head:  # BertForMaskedLM: its decoder is the word embeddings, its bias predictions.bias
+    c = "cls.predictions"
+    out["mlm"] = {"transform": _linear(w, f"{c}.transform.dense"), "norm": w.norm(f"{c}.transform.LayerNorm"),
+                  "bias": w(f"{c}.bias", (cfg.vocab_size,))}
+    for tied in (f"{c}.decoder.weight", f"{c}.decoder.bias"):
+      if tied in w.arrays:
+        w(tied)
   return out
 
 
@@ -432,8 +439,9 @@ def _family_pure(w: _Weights, cfg: ModelConfig, kind: str) -> dict[str, Any]:
       w("output.weight", (N, D))
   else:
     out["head"] = {"linear": {"kernel": w("output.weight", (N, D)).T}}
-    if cfg.has_dense_bias and "output.bias" in w.arrays:
-      out["head"]["linear"]["bias"] = w("output.bias", (N,))
+    if cfg.has_dense_bias:  # Llama's lm_head has no bias even with mlp_bias: attn's holds zeros
+      out["head"]["linear"]["bias"] = w("output.bias", (N,)) if "output.bias" in w.arrays \
+          else np.zeros(N, np.float32)
   return out
 
 
@@ -510,7 +518,8 @@ def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = N
     pure = _family_pure(w, cfg, hf["model_type"])
   elif kind == "encoder":
     w = _Weights(weights)
-    cfg = cfg.replace(pooler=any(k.startswith("pooler.") for k in w.arrays))
+    cfg = cfg.replace(pooler=any(k.startswith("pooler.") for k in w.arrays),
+                      mlm_head=any(k.startswith("cls.predictions.") for k in w.arrays))
     pure = _bert_pure(w, cfg)
   else:
     w = _Weights(weights)
@@ -561,7 +570,186 @@ def _check_gpt2(model: Any, cfg: ModelConfig) -> None:
                   "GPT-2's heads are D/H wide")
 
 
-def to_hf(model: DecoderLM, model_config: ModelConfig):
+def _load(hf: Any, sd: dict[str, Any], name: str) -> Any:
+  """hf with the arrays of sd (float32), every parameter set and nothing left over; eval mode."""
+  torch, transformers = require("torch"), require("transformers")
+  tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}
+  missing, unexpected = hf.load_state_dict(tensors, strict=False)
+  tied = set(getattr(hf, "_tied_weights_keys", None) or {})
+  left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias")) and k not in tied]
+  if left or unexpected:  # a transformers release whose names differ from these
+    raise invalid(f"transformers.{name}", transformers.__version__,
+                  f"a release with the usual parameter names (missing {left}, unexpected {unexpected})")
+  return hf.eval()
+
+
+def _check_fields(cfg: ModelConfig, family: str, wanted: dict[str, Any], mapped: set[str]) -> None:
+  """Refuses a field the HF family cannot hold: `wanted` values, and defaults outside `mapped`."""
+  for name, want in wanted.items():
+    if getattr(cfg, name) != want:
+      raise invalid(name, getattr(cfg, name), f"{want!r}: {family} has it so")
+  for f in dataclasses.fields(ModelConfig):
+    if f.name not in mapped and f.name not in wanted and getattr(cfg, f.name) != f.default:
+      raise invalid(f.name, getattr(cfg, f.name), f"{f.default!r}: {family} has no such setting")
+
+
+_FAMILY_MAPPED = {"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v", "num_kv_heads",
+                  "collab_width", "latent_dim", "variant", "max_len", "activation", "embed_init_std", "norm_eps",
+                  "pooling", "share_src_tgt_embeddings", "rope_theta", "rope_dim", "tie_embeddings", "use_bias",
+                  "dense_bias", "qk_norm_eps", "window", "global_every", "q_rank", "kv_rank", "dtype",
+                  "param_dtype"}
+
+
+def _zero(a: Any, name: str, family: str) -> None:
+  if np.any(np.asarray(a) != 0):
+    raise invalid(name, "nonzero", f"zeros: {family} has no such bias")
+
+
+def _family_to_hf(model: DecoderLM, cfg: ModelConfig, kind: str):
+  """A transformers <Family>ForCausalLM with the same weights as a DecoderLM of FAMILIES[kind]."""
+  torch, transformers = require("torch"), require("transformers")
+  fam = FAMILIES[kind]
+  wanted = {"positional": "rope", "norm": fam["norm"], "norm_type": fam["norm_type"], "mlp": "gated",
+            "final_norm": True, "layernorm": True, "num_segments": 0, "embed_norm": False,
+            "embed_scale": bool(fam.get("embed_scale")), "qk_norm": bool(fam.get("qk_norm"))}
+  mapped = set(_FAMILY_MAPPED) | ({"scale", "softcap", "logit_softcap"} if kind == "gemma2" else set())
+  _check_fields(cfg, kind, wanted, mapped)
+  D, H, G, K, L = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head.d_k, cfg.num_layers
+  if cfg.head.d_v != K or cfg.rope_dim != K:
+    raise invalid("d_v, rope_dim", (cfg.head.d_v, cfg.rope_dim), f"d_k={K}: {kind} rotates whole heads of one width")
+  if cfg.qk_norm and cfg.qk_norm_eps != cfg.norm_eps:
+    raise invalid("qk_norm_eps", cfg.qk_norm_eps, f"norm_eps={cfg.norm_eps}: {kind} has one rms_norm_eps")
+  for name, ok in (("qkv", fam["qkv_bias"]), ("o", fam["o_bias"]), ("mlp", fam["mlp_bias"])):
+    on = cfg.use_bias if name != "mlp" else cfg.has_dense_bias
+    if on and ok is False and name != "o":
+      raise invalid("use_bias" if name != "mlp" else "dense_bias", True, f"False: {kind} has no {name} biases")
+  types = ["full_attention" if cfg.layer_head(i).window is None else "sliding_attention" for i in range(L)]
+  if "sliding_attention" in types and kind not in ("mistral", "gemma2"):
+    raise invalid("window", cfg.window, f"None: attn maps windows onto mistral and gemma2 only")
+  if kind == "mistral" and cfg.global_every:
+    raise invalid("global_every", cfg.global_every, "0: mistral's window is in every layer")
+  per_head = cfg.head
+  pure = nnx.to_pure_dict(nnx.state(model))
+  sd = {"model.embed_tokens.weight": pure["embed"]["token"], "model.norm.weight": pure["final_norm"]["scale"]}
+  sd["lm_head.weight"] = pure["embed"]["token"] if cfg.tie_embeddings else np.asarray(pure["head"]["linear"]["kernel"]).T
+  if not cfg.tie_embeddings and cfg.has_dense_bias:
+    _zero(pure["head"]["linear"]["bias"], "output bias", kind)
+  o_bias = cfg.use_bias and _flag({"attention_bias": True}, fam["o_bias"])
+  for l, block in pure["blocks"].items():
+    p = convert(block["attn"]["params"], cfg.variant, "per_head", cfg.head, dst_cfg=per_head)
+    a = f"model.layers.{l}.self_attn"
+    sd |= {f"{a}.q_proj.weight": p["w_q"].reshape(D, H * K).T, f"{a}.k_proj.weight": p["w_k"].reshape(D, G * K).T,
+           f"{a}.v_proj.weight": p["w_v"].reshape(D, G * K).T, f"{a}.o_proj.weight": p["w_o"].reshape(H * K, D).T}
+    if cfg.use_bias:
+      sd |= {f"{a}.{n}_proj.bias": p[f"b_{n}"].ravel() for n in ("q", "k", "v")}
+      if o_bias:
+        sd[f"{a}.o_proj.bias"] = p["b_o"]
+      else:
+        _zero(p["b_o"], f"blocks.{l}.attn b_o", kind)
+    if cfg.qk_norm:
+      sd |= {f"{a}.q_norm.weight": p["q_norm"], f"{a}.k_norm.weight": p["k_norm"]}
+    for n in ("gate", "up", "down"):
+      sd[f"model.layers.{l}.mlp.{n}_proj.weight"] = np.asarray(block["mlp"][n]["kernel"]).T
+      if cfg.has_dense_bias:
+        sd[f"model.layers.{l}.mlp.{n}_proj.bias"] = block["mlp"][n]["bias"]
+    sd |= {f"model.layers.{l}.{theirs}.weight": block[ours]["scale"] for ours, theirs in fam["norms"].items()}
+  act = {v: k for k, v in _ACTIVATIONS.items() if k in ("silu", "gelu_pytorch_tanh", "gelu", "relu")}
+  kw = dict(vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.d_ff, num_hidden_layers=L,
+            num_attention_heads=H, num_key_value_heads=G, head_dim=K, max_position_embeddings=cfg.max_len,
+            rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None)
+  kw["hidden_activation" if kind == "gemma2" else "hidden_act"] = act[cfg.activation]
+  if kind == "llama":
+    kw |= dict(attention_bias=cfg.use_bias, mlp_bias=cfg.has_dense_bias)
+  elif kind in ("qwen3", "gemma2"):
+    kw |= dict(attention_bias=cfg.use_bias)
+  if kind == "mistral":
+    kw |= dict(sliding_window=cfg.window)
+  if kind == "gemma2":
+    scalar = K if cfg.scale is None else 1.0 / cfg.scale ** 2
+    kw |= dict(sliding_window=cfg.window or cfg.max_len, layer_types=types,
+               query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+               attn_logit_softcapping=cfg.softcap, final_logit_softcapping=cfg.logit_softcap)
+  names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+  hf_cfg = getattr(transformers, f"{names[kind]}Config")(**kw)
+  hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
+  cls = f"{names[kind]}ForCausalLM"
+  return _load(getattr(transformers, cls)(hf_cfg), sd, cls)
+
+
+_BERT_FIELDS = {"positional": "learned", "norm": "post", "final_norm": False, "use_bias": True,
+                "layernorm": True, "embed_norm": True, "norm_type": "layernorm", "mlp": "plain",
+                "tie_embeddings": True}
+
+
+def _bert_to_hf(model: Encoder, cfg: ModelConfig):
+  """A transformers BertModel (BertForMaskedLM with cfg.mlm_head) holding the Encoder's weights."""
+  torch, transformers = require("torch"), require("transformers")
+  _check_fields(cfg, "bert", _BERT_FIELDS, set(_MAPPED) | {"num_segments", "pooler", "mlm_head"})
+  D, H = cfg.d_model, cfg.num_heads
+  if cfg.head.d_k * H != D or cfg.head.d_v * H != D:
+    raise invalid("d_k, d_v", (cfg.head.d_k, cfg.head.d_v), f"d_model / num_heads = {D / H:g}: BERT's heads "
+                  "are D/H wide")
+  if cfg.mlm_head and cfg.pooler:
+    raise invalid("pooler", True, "False with mlm_head: BertForMaskedLM has no pooler")
+  per_head = dataclasses.replace(cfg.head, num_kv_heads=H)
+  pure = nnx.to_pure_dict(nnx.state(model))
+  pre = "bert." if cfg.mlm_head else ""
+  ln = lambda n, t: {f"{n}.weight": t["scale"], f"{n}.bias": t["bias"]}
+  lin = lambda n, t: {f"{n}.weight": np.asarray(t["kernel"]).T, f"{n}.bias": t["bias"]}
+  e = f"{pre}embeddings"
+  sd = {f"{e}.word_embeddings.weight": pure["embed"]["token"],
+        f"{e}.position_embeddings.weight": pure["embed"]["position"], **ln(f"{e}.LayerNorm", pure["embed"]["norm"])}
+  if cfg.num_segments:
+    sd[f"{e}.token_type_embeddings.weight"] = pure["embed"]["segment"]
+  for l, block in pure["blocks"].items():
+    p = convert(block["attn"]["params"], cfg.variant, "per_head", cfg.head, dst_cfg=per_head)
+    b = f"{pre}encoder.layer.{l}"
+    for n, full in (("q", "query"), ("k", "key"), ("v", "value")):
+      sd |= {f"{b}.attention.self.{full}.weight": p[f"w_{n}"].reshape(D, D).T,
+             f"{b}.attention.self.{full}.bias": p[f"b_{n}"].ravel()}
+    sd |= {f"{b}.attention.output.dense.weight": p["w_o"].reshape(D, D).T, f"{b}.attention.output.dense.bias": p["b_o"],
+           **ln(f"{b}.attention.output.LayerNorm", block["attn_norm"]), **lin(f"{b}.intermediate.dense", block["mlp"]["up"]),
+           **lin(f"{b}.output.dense", block["mlp"]["down"]), **ln(f"{b}.output.LayerNorm", block["mlp_norm"])}
+  if cfg.pooler:
+    sd |= lin("pooler.dense", pure["pooler"])
+  if cfg.mlm_head:
+    c = "cls.predictions"
+    sd |= {**lin(f"{c}.transform.dense", pure["mlm"]["transform"]), **ln(f"{c}.transform.LayerNorm", pure["mlm"]["norm"]),
+           f"{c}.bias": pure["mlm"]["bias"], f"{c}.decoder.weight": pure["embed"]["token"],
+           f"{c}.decoder.bias": pure["mlm"]["bias"]}
+  hf_cfg = transformers.BertConfig(
+      vocab_size=cfg.vocab_size, hidden_size=D, num_hidden_layers=cfg.num_layers, num_attention_heads=H,
+      intermediate_size=cfg.d_ff, hidden_act=_TO_HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.max_len,
+      type_vocab_size=cfg.num_segments, layer_norm_eps=cfg.norm_eps, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0, pad_token_id=0)
+  hf_cfg._attn_implementation = "eager"
+  if cfg.mlm_head:
+    return _load(transformers.BertForMaskedLM(hf_cfg), sd, "BertForMaskedLM")
+  return _load(transformers.BertModel(hf_cfg, add_pooling_layer=cfg.pooler), sd, "BertModel")
+
+
+def to_hf(model: DecoderLM | Encoder, model_config: ModelConfig, model_type: str | None = None):
+  """A transformers model (eval mode, no dropout) with the same weights and outputs as `model`.
+
+  An Encoder gives a BertModel (BertForMaskedLM with mlm_head); a DecoderLM a
+  GPT2LMHeadModel, or with model_type one of FAMILIES that family's ForCausalLM.
+  """
+  if isinstance(model, Encoder) and isinstance(model_config, ModelConfig) and model_type in (None, "bert"):
+    return _bert_to_hf(model, model_config)
+  if model_type is None and isinstance(model_config, ModelConfig) and model_config.positional == "rope":
+    raise invalid("model_type", None, f"one of {sorted(FAMILIES)}: a DecoderLM with RoPE is not GPT-2")
+  if model_type in FAMILIES:
+    if not isinstance(model, DecoderLM) or not isinstance(model_config, ModelConfig):
+      raise invalid("model", type(model).__name__, "an attn.nn.DecoderLM and its ModelConfig")
+    return _family_to_hf(model, model_config, model_type)
+  if model_type not in (None, "gpt2"):
+    raise invalid("model_type", model_type, f"one of {sorted(SUPPORTED)}")
+  return _gpt2_to_hf(model, model_config)
+
+
+def _gpt2_to_hf(model: DecoderLM, model_config: ModelConfig):
   """A transformers GPT2LMHeadModel (eval mode, no dropout) with the same logits as `model`."""
   _check_gpt2(model, model_config)
   torch, transformers = require("torch"), require("transformers")
