@@ -218,3 +218,90 @@ def test_bert_masked_lm_out_and_back(tmp_path):
   assert set(want) == set(have) and all(np.array_equal(want[k].numpy(), have[k].numpy()) for k in want)
   plain = hf.to_hf(*hf.from_hf(transformers.BertModel(c, add_pooling_layer=True).eval()))
   assert type(plain).__name__ == "BertModel" and plain.pooler is not None
+
+
+# ---- attn eval --hf and attn analyze --hf on tiny save_pretrained directories with a tokenizer.
+
+WORDS = ["head", "query", "key", "value", "softmax", "matrix", "rank", "the", "of", "attention"]
+
+
+def _texts(root, seed=0):
+  texts = root / "texts"
+  texts.mkdir(exist_ok=True)
+  rng = np.random.default_rng(seed)
+  for name in ("a.txt", "b.txt"):
+    (texts / name).write_text("\n".join(" ".join(rng.choice(WORDS, 9)) for _ in range(40)))
+  return texts
+
+
+def _checkpoint(root, family):
+  """A tiny random `family` model saved with save_pretrained, with a tokenizer trained here."""
+  tokenizers = pytest.importorskip("tokenizers")
+  texts = _texts(root)
+  corpus = [(texts / n).read_text() for n in ("a.txt", "b.txt")]
+  if family == "bert":
+    tok = tokenizers.BertWordPieceTokenizer()
+    tok.train_from_iterator(corpus, vocab_size=60, min_frequency=1, show_progress=False)
+  else:
+    tok = tokenizers.ByteLevelBPETokenizer()
+    tok.train_from_iterator(corpus, vocab_size=280, min_frequency=2, show_progress=False)
+  path = root / family
+  if family == "bert":
+    transformers = _transformers()
+    c = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=24, max_position_embeddings=32)
+    transformers.BertForMaskedLM(c).save_pretrained(path)
+  else:
+    build(family, vocab_size=tok.get_vocab_size()).save_pretrained(path)
+  tok.save(str(path / "tokenizer.json"))
+  return str(path), str(texts)
+
+
+def _cli(capsys, *argv):
+  from attn import cli
+  code = cli.main(list(argv))
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+@pytest.mark.parametrize("family", ["bert", *sorted(FAMILIES)])
+def test_eval_every_family(tmp_path, capsys, family):
+  path, texts = _checkpoint(tmp_path, family)
+  code, out, err = _cli(capsys, "eval", "--hf", path, "--text", texts, "--seq-len", "16", "--max-tokens", "64",
+                        "--batch-size", "4", "--num-kv-heads", "1")
+  assert code == 0, err
+  assert out.startswith(f"{path}: {family}") and "| original | per_head |" in out and "| converted | per_head | 1 |" in out
+  loss = float(out.split("| original | per_head |")[1].split("|")[2])
+  assert 0 < loss < float("inf")
+  if family == "bert":
+    assert "15% masked, seed 0" in out
+
+
+def test_eval_refuses_a_missing_tokenizer_and_a_bert_without_mlm_head(tmp_path, capsys):
+  transformers = _transformers()
+  path, texts = _checkpoint(tmp_path, "llama")
+  os.remove(os.path.join(path, "tokenizer.json"))
+  code, _, err = _cli(capsys, "eval", "--hf", path, "--text", texts)
+  assert code == 2 and "tokenizer.json, or vocab.json + merges.txt" in err
+  bert = tmp_path / "plain_bert"
+  transformers.BertModel(transformers.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1,
+                                                 num_attention_heads=4, intermediate_size=24)).save_pretrained(bert)
+  (tmp_path / "bert").mkdir()
+  _, _ = _checkpoint(tmp_path / "bert", "bert")
+  os.replace(tmp_path / "bert" / "bert" / "tokenizer.json", bert / "tokenizer.json")
+  code, _, err = _cli(capsys, "eval", "--hf", str(bert), "--text", texts)
+  assert code == 2 and "BertForMaskedLM" in err
+  code, _, err = _cli(capsys, "analyze", "--hf", str(bert), "--text", texts, "--out", str(tmp_path / "a"))
+  assert code == 2 and "a causal LM" in err
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "gemma2" else pytest.mark.slow)
+                                    for f in sorted(FAMILIES)])
+def test_analyze_every_family(tmp_path, capsys, family):
+  path, texts = _checkpoint(tmp_path, family)
+  out_dir = tmp_path / "analysis"
+  code, _, err = _cli(capsys, "analyze", "--hf", path, "--text", texts, "--out", str(out_dir), "--seq-len", "16",
+                      "--batch-size", "2", "--batches", "1", "--no-plots")
+  assert code == 0, err
+  a = json.loads((out_dir / "analysis.json").read_text())
+  assert a["num_heads"] == 4 and np.isfinite(a["eval"]["loss"]) and a["hf"] == os.path.abspath(path)
