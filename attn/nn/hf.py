@@ -1,4 +1,15 @@
-"""Hugging Face GPT-2 and BERT weights in and out (the optional `hf` extra).
+"""Hugging Face GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3 and Gemma 2 weights in and out (`hf` extra).
+
+The Llama-like families map onto a DecoderLM through one row each of FAMILIES
+(RoPE over the whole head, half-split; RMSNorm; gated MLP; GQA; head_dim free;
+Qwen2's q/k/v biases with b_o held as zeros; Qwen3's QK-norm; Mistral's window
+in every layer; Gemma 2's sandwich norms, (1 + w) RMSNorm, √D embedding scale,
+attention and final soft-caps, query_pre_attn_scalar and layer_types mapped
+onto window + global_every). Only "default" RoPE is implemented; other
+rope types, gpt_oss (mixture of experts) and layer schedules global_every
+cannot express are refused by name. to_hf(model, cfg, model_type) writes
+any of them back; an Encoder goes out as BertModel, or BertForMaskedLM when
+it holds the MLM head (mlm_head).
 
 from_hf(source, variant="per_head", num_kv_heads=None) reads a transformers
 GPT2LMHeadModel, GPT2Model or BertModel object, or a local directory as
