@@ -75,15 +75,19 @@ def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat
 
 
 # Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and
-# a bias (2·D) whatever use_bias says, and the BERT pooler always has a bias.
+# a bias (2·D) whatever use_bias says, an RMSNorm a scale only (D); the BERT
+# pooler and the MLM head's transform always have a bias.
 
 
 def _layer_norm(m: ModelConfig) -> int:
-  return 2 * m.d_model if m.layernorm else 0
+  if not m.layernorm:
+    return 0
+  return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
 
 
 def _mlp(m: ModelConfig) -> int:
-  return 2 * m.d_model * m.d_ff + ((m.d_ff + m.d_model) if m.use_bias else 0)
+  n = 3 if m.mlp == "gated" else 2  # gated: gate, up and down
+  return n * m.d_model * m.d_ff + (((n - 1) * m.d_ff + m.d_model) if m.has_dense_bias else 0)
 
 
 def _attention(m: ModelConfig) -> int:
@@ -102,12 +106,13 @@ def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = Fals
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
   parts["attention"] += n * (2 if cross else 1) * _attention(m)
   parts["mlp"] += n * _mlp(m)
-  parts["layernorm"] += n * (3 if cross else 2) * _layer_norm(m) + (
+  per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
+  parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
       _layer_norm(m) if m.final_norm else 0)
 
 
 def _output(m: ModelConfig) -> int:
-  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.use_bias else 0)
+  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.has_dense_bias else 0)
 
 
 def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
@@ -115,12 +120,14 @@ def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
   names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
-           "layernorm", "pooler", "classifier", "output")
+           "layernorm", "pooler", "classifier", "output", "mlm_head")
   parts = dict.fromkeys(names, 0)
   _embeddings(m, parts, segments=kind != "decoder_lm")
   _blocks(m, parts, m.num_layers)
   if kind in ("encoder", "classifier") and m.pooler:
     parts["pooler"] = m.d_model * m.d_model + m.d_model
+  if kind == "encoder" and m.mlm_head:  # transform D² + D, its norm, the decoder's bias (weights tied)
+    parts["mlm_head"] = m.d_model * m.d_model + m.d_model + _layer_norm(m) + m.vocab_size
   if kind == "classifier":
     cls_vector = m.d_model if m.pooling == "cls" else 0
     parts["classifier"] = cls_vector + m.d_model * m.num_classes + (

@@ -281,6 +281,19 @@ MODEL_CASES = [
     ("encoder_decoder", dict(num_decoder_layers=2, share_src_tgt_embeddings=False,
                              tie_embeddings=False, layernorm=False, use_bias=False)),
     ("encoder_decoder", dict(num_decoder_layers=2, tie_embeddings=False, embed_norm=True)),
+    # The model switches of Llama, Qwen2, Gemma 2 and BERT's masked-LM head (attn.nn.hf).
+    ("decoder_lm", dict(norm_type="rmsnorm", mlp="gated", activation="silu", use_bias=False,
+                        tie_embeddings=False, positional="rope", rope_dim=4, num_kv_heads=1)),
+    ("decoder_lm", dict(norm_type="rmsnorm", mlp="gated", dense_bias=False, tie_embeddings=False,
+                        positional="none", qk_norm=True)),
+    ("decoder_lm", dict(norm_type="rmsnorm_plus_one", norm="sandwich", mlp="gated", use_bias=False,
+                        embed_scale=True, logit_softcap=30.0, softcap=50.0, window=3,
+                        global_every=2, scale=0.3, d_k=6)),
+    ("decoder_lm", dict(mlp="gated", dense_bias=True, use_bias=False, tie_embeddings=False)),
+    ("encoder", dict(num_segments=2, embed_norm=True, norm="post", final_norm=False, mlm_head=True)),
+    ("encoder", dict(norm_type="rmsnorm", norm="sandwich", mlm_head=True, pooler=True)),
+    ("encoder_decoder", dict(num_decoder_layers=2, norm="sandwich", norm_type="rmsnorm",
+                             mlp="gated")),
 ]
 
 

@@ -113,9 +113,9 @@ def test_refuses_what_is_not_a_supported_checkpoint(tmp_path):
     hf.from_hf(str(tmp_path / "missing"))
   with pytest.raises(ConfigError, match=r"source='list'.*GPT2LMHeadModel"):
     hf.from_hf([1, 2])
-  cases = [({"model_type": "llama"}, r"config.model_type='llama'.*\['bert', 'gpt2'\]"),
+  cases = [({"model_type": "phi3"}, r"config.model_type='phi3'.*\['bert', 'gemma2', 'gpt2'"),
            ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
-           ({"activation_function": "silu"}, "activation_function='silu'"),
+           ({"activation_function": "quick_gelu"}, "activation_function='quick_gelu'"),
            ({"add_cross_attention": True}, "add_cross_attention=True"),
            ({"tie_word_embeddings": False}, "tie_word_embeddings=False")]
   for i, (change, match) in enumerate(cases):
@@ -164,7 +164,7 @@ def test_eval_refuses_bad_checkpoints(tmp_path, capsys):
   assert code == 2 and "attn eval: error: source=" in err and "config.json" in err
   bert = _write_dir(tmp_path / "bert", BERT | {"model_type": "bert"}, None)
   code, _, err = _eval(capsys, "--hf", bert, "--text", str(text))
-  assert code == 2 and "config.model_type='bert'" in err and "'gpt2'" in err
+  assert code == 2 and "tokenizer.json, or vocab.json + merges.txt" in err
   gpt2 = _write_dir(tmp_path / "gpt2", GPT2 | {"model_type": "gpt2"}, None)
   code, _, err = _eval(capsys, "--hf", gpt2, "--text", str(text))
   assert code == 2 and "tokenizer.json, or vocab.json + merges.txt" in err

@@ -136,7 +136,7 @@ def test_module_bf16():
     (dict(num_segments=-1), "num_segments=-1"),
     (dict(positional="rotary"), "positional='rotary' .*'learned', 'sinusoidal', 'none', 'rope'"),
     (dict(positional="rope"), "rope_dim=0 .*positional='rope'"),
-    (dict(norm="sandwich"), "norm='sandwich' .*'pre', 'post'"),
+    (dict(norm="middle"), "norm='middle' .*'pre', 'post', 'sandwich'"),
     (dict(activation="swish"), "activation='swish'"),
     (dict(pooling="max"), "pooling='max' .*'cls', 'mean'"),
     (dict(embed_norm=1), "embed_norm=1 .*True or False"),

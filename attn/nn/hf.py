@@ -1,4 +1,15 @@
-"""Hugging Face GPT-2 and BERT weights in and out (the optional `hf` extra).
+"""Hugging Face GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3 and Gemma 2 weights in and out (`hf` extra).
+
+The Llama-like families map onto a DecoderLM through one row each of FAMILIES
+(RoPE over the whole head, half-split; RMSNorm; gated MLP; GQA; head_dim free;
+Qwen2's q/k/v biases with b_o held as zeros; Qwen3's QK-norm; Mistral's window
+in every layer; Gemma 2's sandwich norms, (1 + w) RMSNorm, √D embedding scale,
+attention and final soft-caps, query_pre_attn_scalar and layer_types mapped
+onto window + global_every). Only "default" RoPE is implemented; other
+rope types, gpt_oss (mixture of experts) and layer schedules global_every
+cannot express are refused by name. to_hf(model, cfg, model_type) writes
+any of them back; an Encoder goes out as BertModel, or BertForMaskedLM when
+it holds the MLM head (mlm_head).
 
 from_hf(source, variant="per_head", num_kv_heads=None) reads a transformers
 GPT2LMHeadModel, GPT2Model or BertModel object, or a local directory as
@@ -42,17 +53,47 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.models import MODELS, DecoderLM, ModelConfig
+from attn.nn.models import MODELS, DecoderLM, Encoder, ModelConfig
 
-SUPPORTED = {"gpt2": "decoder_lm", "bert": "encoder"}  # HF model_type -> attn model kind
-_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "BertModel": "bert"}
+# The Llama-like decoders: one row each, how the family's config and weights map onto a
+# DecoderLM (RoPE over the whole head, RMSNorm, gated MLP). qkv_bias/o_bias/mlp_bias: a
+# config key (its value, default False) or a constant; norms: the checkpoint's name of each
+# of the block's norms (Gemma 2's post_attention_layernorm is after the attention, Llama's is
+# before the MLP).
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+FAMILIES = {
+    "llama": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+                  norm_type="rmsnorm", norm="pre", act="hidden_act", norms=_LLAMA_NORMS),
+    "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, norm_type="rmsnorm", norm="pre",
+                    act="hidden_act", norms=_LLAMA_NORMS, all_local=True),
+    "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, norm_type="rmsnorm", norm="pre",
+                  act="hidden_act", norms=_LLAMA_NORMS),
+    "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+                  norm_type="rmsnorm", norm="pre", act="hidden_act", norms=_LLAMA_NORMS, qk_norm=True),
+    "gemma2": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+                   norm_type="rmsnorm_plus_one", norm="sandwich", act="hidden_activation",
+                   norms={"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                          "mlp_norm": "pre_feedforward_layernorm",
+                          "mlp_post_norm": "post_feedforward_layernorm"},
+                   embed_scale=True),
+}
+# Families attn refuses, with the reason.
+REFUSED = {"gpt_oss": "its feed-forward is a mixture of experts (a router and experts in every "
+                      "block); attn's models have one dense MLP per block",
+           "mixtral": "its feed-forward is a mixture of experts; attn's models have one dense MLP"}
+SUPPORTED = {"gpt2": "decoder_lm", "bert": "encoder", **dict.fromkeys(FAMILIES, "decoder_lm")}
+_CLASSES = {"GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "BertModel": "bert", "BertForMaskedLM": "bert",
+            "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2"}
 # HF activation name -> attn's: tanh forms are "gelu", the erf form "gelu_exact".
 _ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",
-                "gelu": "gelu_exact", "gelu_python": "gelu_exact", "relu": "relu"}
-_TO_HF_ACTIVATION = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
+                "gelu": "gelu_exact", "gelu_python": "gelu_exact", "relu": "relu", "silu": "silu",
+                "swish": "silu"}
+_TO_HF_ACTIVATION = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu", "silu": "silu"}
 # Checkpoint keys that hold no weights attn needs: buffers (causal masks, ids), the tied LM head, task heads.
-_SKIPPED_ENDS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
-_SKIPPED_STARTS = ("lm_head.", "cls.")
+_SKIPPED_ENDS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids",
+                 "rotary_emb.inv_freq", "embed_tokens.embed_scale")
+_SKIPPED_STARTS = ("lm_head.", "cls.seq_relationship.")  # BERT's next-sentence head is not read
 
 
 def require(module: str) -> Any:
@@ -100,12 +141,17 @@ def model_config(hf: dict[str, Any], variant: str = "per_head",
                  num_kv_heads: int | None = None) -> ModelConfig:
   """The ModelConfig of a Hugging Face config dict; unsupported settings are refused by name."""
   kind = hf.get("model_type")
+  if kind in REFUSED:
+    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)}: {kind} is refused, "
+                  + REFUSED[kind])
   if kind not in SUPPORTED:
-    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)} (GPT-2 or BERT)")
+    raise invalid("config.model_type", kind, f"one of {sorted(SUPPORTED)}")
   if variant != "per_head" and ("per_head", variant) not in CONVERTERS:
     known = sorted(f"{dst} ({'exact' if c.exact else 'lossy'})" for (src, dst), c in CONVERTERS.items()
                    if src == "per_head")
     raise invalid("variant", variant, f"per_head or one converted from it: {', '.join(known)}")
+  if kind in FAMILIES:
+    return _family_config(hf, kind, variant, num_kv_heads)
   if kind == "gpt2":
     _refuse(hf, "scale_attn_weights", True, "attn scales scores by 1/sqrt(d_k)")
     _refuse(hf, "scale_attn_by_inverse_layer_idx", False, "attn has no per-layer score scale")
@@ -130,6 +176,100 @@ def model_config(hf: dict[str, Any], variant: str = "per_head",
       max_len=_get(hf, "max_position_embeddings"), num_segments=hf.get("type_vocab_size", 2),
       embed_norm=True, norm="post", final_norm=False, activation=_activation(hf, "hidden_act", "gelu"),
       pooler=True, norm_eps=float(hf.get("layer_norm_eps", 1e-12)))
+
+
+def _flag(hf: dict[str, Any], rule: Any) -> bool:
+  """A family's bias rule: a constant, or the config key holding it (absent: False)."""
+  return bool(hf.get(rule) or False) if isinstance(rule, str) else rule
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+  """rope_theta of rope_parameters (transformers 5) or the older top-level keys; only the
+  "default" RoPE (no scaling) is implemented, others are refused by name."""
+  params = hf.get("rope_parameters") or {}
+  if params and all(isinstance(v, dict) for v in params.values()):  # one per layer type
+    kinds = {json.dumps(v, sort_keys=True) for v in params.values()}
+    if len(kinds) > 1:
+      raise invalid("config.rope_parameters", params, "the same RoPE for every layer type")
+    params = next(iter(params.values()))
+  scaling = hf.get("rope_scaling") or {}
+  for where, p in (("rope_parameters", params), ("rope_scaling", scaling)):
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind != "default":
+      raise invalid(f"config.{where}.rope_type", kind, "'default': attn implements plain RoPE "
+                    "(no linear, dynamic, yarn, longrope or llama3 scaling)")
+  _refuse(hf, "partial_rotary_factor", 1.0, "attn's loader rotates the whole head")
+  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _layer_types(hf: dict[str, Any], kind: str, L: int) -> list[str]:
+  """Each layer's "full_attention" or "sliding_attention", as transformers derives them."""
+  if hf.get("layer_types"):
+    return list(hf["layer_types"])
+  if kind == "mistral":
+    return ["sliding_attention" if hf.get("sliding_window") else "full_attention"] * L
+  if kind == "gemma2":
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+  first = hf.get("max_window_layers", L) if hf.get("use_sliding_window") else L
+  return ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+
+
+def _window(hf: dict[str, Any], kind: str, L: int) -> tuple[int | None, int]:
+  """(window, global_every) of the layer schedule: all full, all local, or every k-th global.
+
+  transformers keeps key s for query t when t − sliding_window < s ≤ t, as attn's window does.
+  """
+  types = _layer_types(hf, kind, L)
+  if len(types) != L or set(types) - {"full_attention", "sliding_attention"}:
+    raise invalid("config.layer_types", types, f"{L} of 'full_attention' / 'sliding_attention'")
+  local = [t == "sliding_attention" for t in types]
+  if not any(local) or not hf.get("sliding_window"):
+    return None, 0
+  if all(local):
+    return int(hf["sliding_window"]), 0
+  for k in range(2, L + 1):  # ModelConfig.layer_head: layer l = i + 1 is global when k divides l
+    if all(local[i] == bool((i + 1) % k) for i in range(L)):
+      return int(hf["sliding_window"]), k
+  raise invalid("config.layer_types", types, "all full, all sliding, or every k-th layer full "
+                "(the others sliding): attn's global_every expresses only that schedule")
+
+
+def _family_config(hf: dict[str, Any], kind: str, variant: str, num_kv_heads: int | None) -> ModelConfig:
+  """The ModelConfig of a Llama-like family (FAMILIES[kind])."""
+  fam = FAMILIES[kind]
+  _refuse(hf, "is_encoder_decoder", False, "attn loads decoder-only models here")
+  if hf.get("use_bidirectional_attention"):
+    raise invalid("config.use_bidirectional_attention", True, "False: attn's DecoderLM is causal")
+  D, H, L = _get(hf, "hidden_size"), _get(hf, "num_attention_heads"), _get(hf, "num_hidden_layers")
+  K = hf.get("head_dim") or None
+  if K is None:
+    _divisible(D, H, "config.num_attention_heads")
+    K = D // H
+  G = hf.get("num_key_value_heads") or H
+  if H % G:
+    raise invalid("config.num_key_value_heads", G, f"a divisor of num_attention_heads={H}")
+  qkv, o = _flag(hf, fam["qkv_bias"]), _flag(hf, fam["o_bias"])
+  if o and not qkv:
+    raise invalid("config.attention_bias", "an output bias without q/k/v biases",
+                  "both or neither, or q/k/v biases only (Qwen2)")
+  window, global_every = _window(hf, kind, L)
+  eps = float(hf.get("rms_norm_eps", 1e-6))
+  scale = None
+  if kind == "gemma2":
+    scalar = float(_get(hf, "query_pre_attn_scalar"))
+    scale = None if scalar == K else scalar ** -0.5
+  extra = {}
+  if kind == "gemma2":
+    extra = dict(softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
+                 embed_scale=True)
+  return ModelConfig(
+      vocab_size=_get(hf, "vocab_size"), d_model=D, num_layers=L, num_heads=H, d_ff=_get(hf, "intermediate_size"),
+      d_k=K, d_v=K, num_kv_heads=G if num_kv_heads is None else num_kv_heads, variant=variant,
+      max_len=_get(hf, "max_position_embeddings"), positional="rope", rope_dim=K, rope_theta=_rope_theta(hf),
+      norm=fam["norm"], norm_type=fam["norm_type"], final_norm=True, mlp="gated",
+      activation=_activation(hf, fam["act"], "silu"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      use_bias=qkv, dense_bias=_flag(hf, fam["mlp_bias"]), norm_eps=eps, qk_norm=fam.get("qk_norm", False),
+      qk_norm_eps=eps, window=window, global_every=global_every, scale=scale, **extra)
 
 
 # ---- reading: a directory (numpy only) or a live transformers object (torch tensors).
@@ -195,12 +335,16 @@ class _Weights:
   def __init__(self, weights: dict[str, np.ndarray]):
     self.arrays, self.used = _strip(weights), set()
 
-  def __call__(self, name: str) -> np.ndarray:
+  def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The tensor `name`; with shape, one of another shape is refused with both shapes."""
     if name not in self.arrays:
       raise invalid("checkpoint", f"no tensor {name!r}",
-                    f"a GPT-2 or BERT checkpoint; it has {sorted(self.arrays)[:8]}...")
+                    f"a checkpoint of the config's model; it has {sorted(self.arrays)[:8]}...")
     self.used.add(name)
-    return np.asarray(self.arrays[name], np.float32)
+    a = np.asarray(self.arrays[name], np.float32)
+    if shape is not None and tuple(a.shape) != tuple(shape):
+      raise invalid(f"checkpoint {name}.shape", tuple(a.shape), f"{tuple(shape)} from config.json")
+    return a
 
   def norm(self, name: str) -> dict[str, np.ndarray]:
     return {"scale": self(f"{name}.weight"), "bias": self(f"{name}.bias")}
@@ -253,6 +397,62 @@ def _bert_pure(w: _Weights, cfg: ModelConfig) -> dict[str, Any]:
   out = {"embed": embed, "blocks": blocks}
   if cfg.pooler:
     out["pooler"] = _linear(w, "pooler.dense")
+  if cfg.mlm_head:  # BertForMaskedLM: its decoder is the word embeddings, its bias predictions.bias
+    c = "cls.predictions"
+    out["mlm"] = {"transform": _linear(w, f"{c}.transform.dense"), "norm": w.norm(f"{c}.transform.LayerNorm"),
+                  "bias": w(f"{c}.bias", (cfg.vocab_size,))}
+    for tied in (f"{c}.decoder.weight", f"{c}.decoder.bias"):
+      if tied in w.arrays:
+        w(tied)
+  return out
+
+
+def _family_keys(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A Llama-like checkpoint's names without "model."; its lm_head as "output" (read when untied)."""
+  out = {}
+  for k, a in weights.items():
+    k = k[len("model."):] if k.startswith("model.") else k
+    out["output.weight" if k == "lm_head.weight" else k] = a
+  return out
+
+
+def _family_pure(w: _Weights, cfg: ModelConfig, kind: str) -> dict[str, Any]:
+  """A Llama-like checkpoint as DecoderLM arrays: nn.Linear (out, in) weights transposed,
+  heads split from the columns (head h in rows h·K..(h+1)·K of q_proj)."""
+  fam = FAMILIES[kind]
+  D, H, G, K, F, N = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head.d_k, cfg.d_ff, cfg.vocab_size
+  norm = lambda name: {"scale": w(f"{name}.weight", (D,))}
+  blocks = {}
+  for l in range(cfg.num_layers):
+    a = f"layers.{l}.self_attn"
+    heads = {"w_q": w(f"{a}.q_proj.weight", (H * K, D)).T.reshape(D, H, K),
+             "w_k": w(f"{a}.k_proj.weight", (G * K, D)).T.reshape(D, G, K),
+             "w_v": w(f"{a}.v_proj.weight", (G * K, D)).T.reshape(D, G, K),
+             "w_o": w(f"{a}.o_proj.weight", (D, H * K)).T.reshape(H, K, D)}
+    if cfg.use_bias:
+      heads |= {"b_q": w(f"{a}.q_proj.bias", (H * K,)).reshape(H, K),
+                "b_k": w(f"{a}.k_proj.bias", (G * K,)).reshape(G, K),
+                "b_v": w(f"{a}.v_proj.bias", (G * K,)).reshape(G, K)}
+      # Qwen2 has no o_proj bias: attn's b_o holds zeros (the same function, D more parameters).
+      heads["b_o"] = w(f"{a}.o_proj.bias", (D,)) if fam["o_bias"] is not False else np.zeros(D, np.float32)
+    if cfg.qk_norm:
+      heads |= {"q_norm": w(f"{a}.q_norm.weight", (K,)), "k_norm": w(f"{a}.k_norm.weight", (K,))}
+    mlp = {}
+    for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+      mlp[name] = {"kernel": w(f"layers.{l}.mlp.{name}_proj.weight", shape).T}
+      if cfg.has_dense_bias:
+        mlp[name]["bias"] = w(f"layers.{l}.mlp.{name}_proj.bias", shape[:1])
+    blocks[l] = {"attn": {"params": heads}, "mlp": mlp,
+                 **{ours: norm(f"layers.{l}.{theirs}") for ours, theirs in fam["norms"].items()}}
+  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
+  if cfg.tie_embeddings:
+    if "output.weight" in w.arrays:  # a live model's state_dict lists the tied head too
+      w("output.weight", (N, D))
+  else:
+    out["head"] = {"linear": {"kernel": w("output.weight", (N, D)).T}}
+    if cfg.has_dense_bias:  # Llama's lm_head has no bias even with mlp_bias: attn's holds zeros
+      out["head"]["linear"]["bias"] = w("output.bias", (N,)) if "output.bias" in w.arrays \
+          else np.zeros(N, np.float32)
   return out
 
 
@@ -322,17 +522,23 @@ def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = N
   hf, weights = (read_config(source), None) if is_dir else _read_object(source)
   cfg = model_config(hf, "per_head")
   model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
-  w = _Weights(read_weights(source) if is_dir else weights)
+  weights = read_weights(source) if is_dir else weights
   kind = SUPPORTED[hf["model_type"]]
-  if kind == "encoder":
-    cfg = cfg.replace(pooler=any(k.startswith("pooler.") for k in w.arrays))
+  if hf["model_type"] in FAMILIES:
+    w = _Weights(_family_keys(weights))
+    pure = _family_pure(w, cfg, hf["model_type"])
+  elif kind == "encoder":
+    w = _Weights(weights)
+    cfg = cfg.replace(pooler=any(k.startswith("pooler.") for k in w.arrays),
+                      mlm_head=any(k.startswith("cls.predictions.") for k in w.arrays))
     pure = _bert_pure(w, cfg)
   else:
+    w = _Weights(weights)
     pure = _gpt2_pure(w, cfg)
   if w.unused():
     raise invalid("checkpoint", w.unused()[:4], f"only the tensors of a plain {hf['model_type']} model")
   model = build(kind, cfg, pure)
-  if variant == "per_head" and num_kv_heads in (None, cfg.num_heads):
+  if variant == "per_head" and num_kv_heads in (None, cfg.num_kv_heads):
     return (model, cfg) if num_kv_heads is None else (model, cfg, 0.0)
   model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads)
   return (model, cfg) if num_kv_heads is None else (model, cfg, max(errors))
@@ -375,7 +581,186 @@ def _check_gpt2(model: Any, cfg: ModelConfig) -> None:
                   "GPT-2's heads are D/H wide")
 
 
-def to_hf(model: DecoderLM, model_config: ModelConfig):
+def _load(hf: Any, sd: dict[str, Any], name: str) -> Any:
+  """hf with the arrays of sd (float32), every parameter set and nothing left over; eval mode."""
+  torch, transformers = require("torch"), require("transformers")
+  tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}
+  missing, unexpected = hf.load_state_dict(tensors, strict=False)
+  tied = set(getattr(hf, "_tied_weights_keys", None) or {})
+  left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias")) and k not in tied]
+  if left or unexpected:  # a transformers release whose names differ from these
+    raise invalid(f"transformers.{name}", transformers.__version__,
+                  f"a release with the usual parameter names (missing {left}, unexpected {unexpected})")
+  return hf.eval()
+
+
+def _check_fields(cfg: ModelConfig, family: str, wanted: dict[str, Any], mapped: set[str]) -> None:
+  """Refuses a field the HF family cannot hold: `wanted` values, and defaults outside `mapped`."""
+  for name, want in wanted.items():
+    if getattr(cfg, name) != want:
+      raise invalid(name, getattr(cfg, name), f"{want!r}: {family} has it so")
+  for f in dataclasses.fields(ModelConfig):
+    if f.name not in mapped and f.name not in wanted and getattr(cfg, f.name) != f.default:
+      raise invalid(f.name, getattr(cfg, f.name), f"{f.default!r}: {family} has no such setting")
+
+
+_FAMILY_MAPPED = {"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v", "num_kv_heads",
+                  "collab_width", "latent_dim", "variant", "max_len", "activation", "embed_init_std", "norm_eps",
+                  "pooling", "share_src_tgt_embeddings", "rope_theta", "rope_dim", "tie_embeddings", "use_bias",
+                  "dense_bias", "qk_norm_eps", "window", "global_every", "q_rank", "kv_rank", "dtype",
+                  "param_dtype"}
+
+
+def _zero(a: Any, name: str, family: str) -> None:
+  if np.any(np.asarray(a) != 0):
+    raise invalid(name, "nonzero", f"zeros: {family} has no such bias")
+
+
+def _family_to_hf(model: DecoderLM, cfg: ModelConfig, kind: str):
+  """A transformers <Family>ForCausalLM with the same weights as a DecoderLM of FAMILIES[kind]."""
+  torch, transformers = require("torch"), require("transformers")
+  fam = FAMILIES[kind]
+  wanted = {"positional": "rope", "norm": fam["norm"], "norm_type": fam["norm_type"], "mlp": "gated",
+            "final_norm": True, "layernorm": True, "num_segments": 0, "embed_norm": False,
+            "embed_scale": bool(fam.get("embed_scale")), "qk_norm": bool(fam.get("qk_norm"))}
+  mapped = set(_FAMILY_MAPPED) | ({"scale", "softcap", "logit_softcap"} if kind == "gemma2" else set())
+  _check_fields(cfg, kind, wanted, mapped)
+  D, H, G, K, L = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head.d_k, cfg.num_layers
+  if cfg.head.d_v != K or cfg.rope_dim != K:
+    raise invalid("d_v, rope_dim", (cfg.head.d_v, cfg.rope_dim), f"d_k={K}: {kind} rotates whole heads of one width")
+  if cfg.qk_norm and cfg.qk_norm_eps != cfg.norm_eps:
+    raise invalid("qk_norm_eps", cfg.qk_norm_eps, f"norm_eps={cfg.norm_eps}: {kind} has one rms_norm_eps")
+  for name, ok in (("qkv", fam["qkv_bias"]), ("o", fam["o_bias"]), ("mlp", fam["mlp_bias"])):
+    on = cfg.use_bias if name != "mlp" else cfg.has_dense_bias
+    if on and ok is False and name != "o":
+      raise invalid("use_bias" if name != "mlp" else "dense_bias", True, f"False: {kind} has no {name} biases")
+  types = ["full_attention" if cfg.layer_head(i).window is None else "sliding_attention" for i in range(L)]
+  if "sliding_attention" in types and kind not in ("mistral", "gemma2"):
+    raise invalid("window", cfg.window, f"None: attn maps windows onto mistral and gemma2 only")
+  if kind == "mistral" and cfg.global_every:
+    raise invalid("global_every", cfg.global_every, "0: mistral's window is in every layer")
+  per_head = cfg.head
+  pure = nnx.to_pure_dict(nnx.state(model))
+  sd = {"model.embed_tokens.weight": pure["embed"]["token"], "model.norm.weight": pure["final_norm"]["scale"]}
+  sd["lm_head.weight"] = pure["embed"]["token"] if cfg.tie_embeddings else np.asarray(pure["head"]["linear"]["kernel"]).T
+  if not cfg.tie_embeddings and cfg.has_dense_bias:
+    _zero(pure["head"]["linear"]["bias"], "output bias", kind)
+  o_bias = cfg.use_bias and _flag({"attention_bias": True}, fam["o_bias"])
+  for l, block in pure["blocks"].items():
+    p = convert(block["attn"]["params"], cfg.variant, "per_head", cfg.head, dst_cfg=per_head)
+    a = f"model.layers.{l}.self_attn"
+    sd |= {f"{a}.q_proj.weight": p["w_q"].reshape(D, H * K).T, f"{a}.k_proj.weight": p["w_k"].reshape(D, G * K).T,
+           f"{a}.v_proj.weight": p["w_v"].reshape(D, G * K).T, f"{a}.o_proj.weight": p["w_o"].reshape(H * K, D).T}
+    if cfg.use_bias:
+      sd |= {f"{a}.{n}_proj.bias": p[f"b_{n}"].ravel() for n in ("q", "k", "v")}
+      if o_bias:
+        sd[f"{a}.o_proj.bias"] = p["b_o"]
+      else:
+        _zero(p["b_o"], f"blocks.{l}.attn b_o", kind)
+    if cfg.qk_norm:
+      sd |= {f"{a}.q_norm.weight": p["q_norm"], f"{a}.k_norm.weight": p["k_norm"]}
+    for n in ("gate", "up", "down"):
+      sd[f"model.layers.{l}.mlp.{n}_proj.weight"] = np.asarray(block["mlp"][n]["kernel"]).T
+      if cfg.has_dense_bias:
+        sd[f"model.layers.{l}.mlp.{n}_proj.bias"] = block["mlp"][n]["bias"]
+    sd |= {f"model.layers.{l}.{theirs}.weight": block[ours]["scale"] for ours, theirs in fam["norms"].items()}
+  act = {v: k for k, v in _ACTIVATIONS.items() if k in ("silu", "gelu_pytorch_tanh", "gelu", "relu")}
+  kw = dict(vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.d_ff, num_hidden_layers=L,
+            num_attention_heads=H, num_key_value_heads=G, head_dim=K, max_position_embeddings=cfg.max_len,
+            rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None)
+  kw["hidden_activation" if kind == "gemma2" else "hidden_act"] = act[cfg.activation]
+  if kind == "llama":
+    kw |= dict(attention_bias=cfg.use_bias, mlp_bias=cfg.has_dense_bias)
+  elif kind in ("qwen3", "gemma2"):
+    kw |= dict(attention_bias=cfg.use_bias)
+  if kind == "mistral":
+    kw |= dict(sliding_window=cfg.window)
+  if kind == "gemma2":
+    scalar = K if cfg.scale is None else 1.0 / cfg.scale ** 2
+    kw |= dict(sliding_window=cfg.window or cfg.max_len, layer_types=types,
+               query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+               attn_logit_softcapping=cfg.softcap, final_logit_softcapping=cfg.logit_softcap)
+  names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+  hf_cfg = getattr(transformers, f"{names[kind]}Config")(**kw)
+  hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
+  cls = f"{names[kind]}ForCausalLM"
+  return _load(getattr(transformers, cls)(hf_cfg), sd, cls)
+
+
+_BERT_FIELDS = {"positional": "learned", "norm": "post", "final_norm": False, "use_bias": True,
+                "layernorm": True, "embed_norm": True, "norm_type": "layernorm", "mlp": "plain",
+                "tie_embeddings": True}
+
+
+def _bert_to_hf(model: Encoder, cfg: ModelConfig):
+  """A transformers BertModel (BertForMaskedLM with cfg.mlm_head) holding the Encoder's weights."""
+  torch, transformers = require("torch"), require("transformers")
+  _check_fields(cfg, "bert", _BERT_FIELDS, set(_MAPPED) | {"num_segments", "pooler", "mlm_head"})
+  D, H = cfg.d_model, cfg.num_heads
+  if cfg.head.d_k * H != D or cfg.head.d_v * H != D:
+    raise invalid("d_k, d_v", (cfg.head.d_k, cfg.head.d_v), f"d_model / num_heads = {D / H:g}: BERT's heads "
+                  "are D/H wide")
+  if cfg.mlm_head and cfg.pooler:
+    raise invalid("pooler", True, "False with mlm_head: BertForMaskedLM has no pooler")
+  per_head = dataclasses.replace(cfg.head, num_kv_heads=H)
+  pure = nnx.to_pure_dict(nnx.state(model))
+  pre = "bert." if cfg.mlm_head else ""
+  ln = lambda n, t: {f"{n}.weight": t["scale"], f"{n}.bias": t["bias"]}
+  lin = lambda n, t: {f"{n}.weight": np.asarray(t["kernel"]).T, f"{n}.bias": t["bias"]}
+  e = f"{pre}embeddings"
+  sd = {f"{e}.word_embeddings.weight": pure["embed"]["token"],
+        f"{e}.position_embeddings.weight": pure["embed"]["position"], **ln(f"{e}.LayerNorm", pure["embed"]["norm"])}
+  if cfg.num_segments:
+    sd[f"{e}.token_type_embeddings.weight"] = pure["embed"]["segment"]
+  for l, block in pure["blocks"].items():
+    p = convert(block["attn"]["params"], cfg.variant, "per_head", cfg.head, dst_cfg=per_head)
+    b = f"{pre}encoder.layer.{l}"
+    for n, full in (("q", "query"), ("k", "key"), ("v", "value")):
+      sd |= {f"{b}.attention.self.{full}.weight": p[f"w_{n}"].reshape(D, D).T,
+             f"{b}.attention.self.{full}.bias": p[f"b_{n}"].ravel()}
+    sd |= {f"{b}.attention.output.dense.weight": p["w_o"].reshape(D, D).T, f"{b}.attention.output.dense.bias": p["b_o"],
+           **ln(f"{b}.attention.output.LayerNorm", block["attn_norm"]), **lin(f"{b}.intermediate.dense", block["mlp"]["up"]),
+           **lin(f"{b}.output.dense", block["mlp"]["down"]), **ln(f"{b}.output.LayerNorm", block["mlp_norm"])}
+  if cfg.pooler:
+    sd |= lin("pooler.dense", pure["pooler"])
+  if cfg.mlm_head:
+    c = "cls.predictions"
+    sd |= {**lin(f"{c}.transform.dense", pure["mlm"]["transform"]), **ln(f"{c}.transform.LayerNorm", pure["mlm"]["norm"]),
+           f"{c}.bias": pure["mlm"]["bias"], f"{c}.decoder.weight": pure["embed"]["token"],
+           f"{c}.decoder.bias": pure["mlm"]["bias"]}
+  hf_cfg = transformers.BertConfig(
+      vocab_size=cfg.vocab_size, hidden_size=D, num_hidden_layers=cfg.num_layers, num_attention_heads=H,
+      intermediate_size=cfg.d_ff, hidden_act=_TO_HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.max_len,
+      type_vocab_size=cfg.num_segments, layer_norm_eps=cfg.norm_eps, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0, pad_token_id=0)
+  hf_cfg._attn_implementation = "eager"
+  if cfg.mlm_head:
+    return _load(transformers.BertForMaskedLM(hf_cfg), sd, "BertForMaskedLM")
+  return _load(transformers.BertModel(hf_cfg, add_pooling_layer=cfg.pooler), sd, "BertModel")
+
+
+def to_hf(model: DecoderLM | Encoder, model_config: ModelConfig, model_type: str | None = None):
+  """A transformers model (eval mode, no dropout) with the same weights and outputs as `model`.
+
+  An Encoder gives a BertModel (BertForMaskedLM with mlm_head); a DecoderLM a
+  GPT2LMHeadModel, or with model_type one of FAMILIES that family's ForCausalLM.
+  """
+  if isinstance(model, Encoder) and isinstance(model_config, ModelConfig) and model_type in (None, "bert"):
+    return _bert_to_hf(model, model_config)
+  if model_type is None and isinstance(model_config, ModelConfig) and model_config.positional == "rope":
+    raise invalid("model_type", None, f"one of {sorted(FAMILIES)}: a DecoderLM with RoPE is not GPT-2")
+  if model_type in FAMILIES:
+    if not isinstance(model, DecoderLM) or not isinstance(model_config, ModelConfig):
+      raise invalid("model", type(model).__name__, "an attn.nn.DecoderLM and its ModelConfig")
+    return _family_to_hf(model, model_config, model_type)
+  if model_type not in (None, "gpt2"):
+    raise invalid("model_type", model_type, f"one of {sorted(SUPPORTED)}")
+  return _gpt2_to_hf(model, model_config)
+
+
+def _gpt2_to_hf(model: DecoderLM, model_config: ModelConfig):
   """A transformers GPT2LMHeadModel (eval mode, no dropout) with the same logits as `model`."""
   _check_gpt2(model, model_config)
   torch, transformers = require("torch"), require("transformers")

@@ -15,6 +15,14 @@ Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
   stack end    + LN if final_norm (each stack of an EncoderDecoder has its own)
   output       tied: 0; else D·vocab + b·vocab
   pooler       D² + D;  classifier: [CLS] vector D (pooling "cls") + D·C + b·C
+Switches for Llama-style and Gemma-style models (attn.nn.hf), each off by default:
+norm_type "rmsnorm" (scale D, no bias) or "rmsnorm_plus_one" (Gemma: x̂·(1 + w));
+norm "sandwich" (a norm before and after each sublayer: 2 norms per sublayer);
+mlp "gated" (down(act(gate(x))·up(x)): 3·D·d_ff + b·(2·d_ff + D); activation
+"silu" makes it SwiGLU); dense_bias (the MLP's and an untied output's biases,
+None following use_bias); embed_scale (tokens × √D); logit_softcap (output
+logits c·tanh(z/c)); mlm_head (Encoder: BERT's masked-LM head, D² + D + norm +
+vocab, its decoder tied to the token table).
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 positional "rope": no position embedding; every attention layer rotates the
@@ -72,14 +80,16 @@ from attn.nn.attention import MultiHeadAttention
 Array = jax.Array
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
-    "norm": ("pre", "post"),
-    "activation": ("gelu", "gelu_exact", "relu"),
+    "norm": ("pre", "post", "sandwich"),
+    "norm_type": ("layernorm", "rmsnorm", "rmsnorm_plus_one"),
+    "mlp": ("plain", "gated"),
+    "activation": ("gelu", "gelu_exact", "relu", "silu"),
     "pooling": ("cls", "mean"),
     "dtype": ("float32", "bfloat16"),
     "param_dtype": ("float32", "bfloat16"),
 }
 _BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
-          "share_src_tgt_embeddings")
+          "share_src_tgt_embeddings", "embed_scale", "mlm_head")
 _EMBED_INIT = nnx.initializers.normal(0.02)  # GPT-2 / BERT embedding scale
 
 
@@ -134,6 +144,12 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   global_every: int = 0  # with HeadConfig.window: every k-th layer global, the rest local
+  norm_type: str = "layernorm"  # or "rmsnorm" (Llama), "rmsnorm_plus_one" (Gemma: scale 1 + w)
+  mlp: str = "plain"  # or "gated": down(act(gate(x)) * up(x)) (SwiGLU with silu, GeGLU with gelu)
+  dense_bias: bool | None = None  # biases of the MLP and an untied output layer; None: use_bias
+  embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma)
+  logit_softcap: float | None = None  # output logits -> c·tanh(logits/c) (Gemma 2)
+  mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -152,6 +168,12 @@ class ModelConfig:
     eps = self.norm_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
       raise invalid("norm_eps", eps, "a positive finite number (LayerNorm epsilon)")
+    if self.dense_bias not in (None, True, False):
+      raise invalid("dense_bias", self.dense_bias, "None (follow use_bias), True or False")
+    c = self.logit_softcap
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not 0 < c < float("inf")):
+      raise invalid("logit_softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
     if self.positional == "rope" and not self.rope_dim:
       raise invalid("rope_dim", self.rope_dim,
@@ -181,6 +203,11 @@ class ModelConfig:
     if self.window is not None and self.global_every and layer % self.global_every == 0:
       return head.replace(window=None)
     return head
+
+  @property
+  def has_dense_bias(self) -> bool:
+    """Whether the MLP and an untied output layer have biases (dense_bias, else use_bias)."""
+    return self.use_bias if self.dense_bias is None else self.dense_bias
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -263,10 +290,27 @@ def sinusoidal(T: int, D: int, offset=0) -> Array:
   return jnp.where(i_D % 2 == 0, jnp.sin(angle_TD), jnp.cos(angle_TD))
 
 
-def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True) -> nnx.LayerNorm | None:
-  """A LayerNorm over D (statistics in float32), or None when not wanted or cfg.layernorm is False."""
+class RMSNorm(nnx.Module):
+  """x / sqrt(mean over D of x² + eps) times scale (Llama), or times 1 + scale (Gemma); float32 inside."""
+
+  def __init__(self, cfg: ModelConfig):
+    self.plus_one, self.eps, self.dtype = cfg.norm_type == "rmsnorm_plus_one", cfg.norm_eps, cfg.compute_dtype
+    self.scale = nnx.Param(jnp.full((cfg.d_model,), 0.0 if self.plus_one else 1.0, cfg.weight_dtype))
+
+  def __call__(self, x_BTD: Array) -> Array:
+    x = x_BTD.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    scale = self.scale[...].astype(jnp.float32)
+    return (y * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
+
+
+def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True) -> nnx.Module | None:
+  """The norm over D of cfg.norm_type (statistics in float32), or None when not wanted or
+  cfg.layernorm is False."""
   if not (wanted and cfg.layernorm):
     return None
+  if cfg.norm_type != "layernorm":
+    return RMSNorm(cfg)
   return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                        param_dtype=cfg.weight_dtype, rngs=rngs)
 
@@ -324,6 +368,8 @@ class Embeddings(nnx.Module):
     """
     dtype = self.cfg.compute_dtype
     x_BTD = lookup(self.token[...].astype(dtype), tokens_BT)
+    if self.cfg.embed_scale:
+      x_BTD = x_BTD * jnp.asarray(np.sqrt(self.cfg.d_model), dtype)
     if prefix_D is not None:
       prefix_B1D = jnp.broadcast_to(prefix_D, (x_BTD.shape[0], 1, x_BTD.shape[2]))
       x_BTD = jnp.concatenate([prefix_B1D.astype(x_BTD.dtype), x_BTD], axis=1)
@@ -342,21 +388,29 @@ class Embeddings(nnx.Module):
     return _norm(self.norm, x_BTD)
 
 
+def activate(name: str, x: Array) -> Array:
+  """cfg.activation: "gelu" (tanh form), "gelu_exact" (erf), "relu" or "silu"."""
+  if name == "relu":
+    return jax.nn.relu(x)
+  if name == "silu":
+    return jax.nn.silu(x)
+  return jax.nn.gelu(x, approximate=name == "gelu")
+
+
 class MLP(nnx.Module):
-  """D -> d_ff -> activation -> D."""
+  """D -> d_ff -> activation -> D; gated (cfg.mlp): down(act(gate(x)) * up(x)) (Shazeer 2020)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.activation = cfg.activation
-    self.up = linear(cfg, cfg.d_model, cfg.d_ff, rngs, cfg.use_bias)
-    self.down = linear(cfg, cfg.d_ff, cfg.d_model, rngs, cfg.use_bias)
+    bias = cfg.has_dense_bias
+    self.gate = linear(cfg, cfg.d_model, cfg.d_ff, rngs, bias) if cfg.mlp == "gated" else None
+    self.up = linear(cfg, cfg.d_model, cfg.d_ff, rngs, bias)
+    self.down = linear(cfg, cfg.d_ff, cfg.d_model, rngs, bias)
 
   def __call__(self, x_BTD: Array) -> Array:
-    h_BTF = self.up(x_BTD)
-    if self.activation == "relu":
-      h_BTF = jax.nn.relu(h_BTF)
-    else:
-      h_BTF = jax.nn.gelu(h_BTF, approximate=self.activation == "gelu")
-    return self.down(h_BTF)
+    if self.gate is not None:
+      return self.down(activate(self.activation, self.gate(x_BTD)) * self.up(x_BTD))
+    return self.down(activate(self.activation, self.up(x_BTD)))
 
 
 class TransformerBlock(nnx.Module):
@@ -365,6 +419,7 @@ class TransformerBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None):
     self.post_norm = cfg.norm == "post"
+    sandwich = cfg.norm == "sandwich"  # Gemma 2: x + post(f(pre(x)))
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
     self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs, **dtypes)
@@ -375,12 +430,16 @@ class TransformerBlock(nnx.Module):
     self.cross_norm = layer_norm(cfg, rngs, cross)
     self.mlp = MLP(cfg, rngs=rngs)
     self.mlp_norm = layer_norm(cfg, rngs)
+    self.attn_post_norm = layer_norm(cfg, rngs, sandwich)
+    self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
+    self.mlp_post_norm = layer_norm(cfg, rngs, sandwich)
 
-  def _residual(self, norm, f, x_BTD: Array) -> Array:
-    # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x)).
+  def _residual(self, norm, f, x_BTD: Array, post=None) -> Array:
+    # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x));
+    # sandwich (Gemma 2): x + post(f(pre(x))).
     if self.post_norm:
       return _norm(norm, x_BTD + f(x_BTD))
-    return x_BTD + f(_norm(norm, x_BTD))
+    return x_BTD + _norm(post, f(_norm(norm, x_BTD)))
 
   def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
                context_mask: Array | None = None, head_mask: Array | None = None,
@@ -405,12 +464,13 @@ class TransformerBlock(nnx.Module):
         seen.append(w_BHTS)
       return y
 
-    x_BTD = self._residual(self.attn_norm, attend, x_BTD)
+    x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
-                                                kv_lengths=context_kv_lengths), x_BTD)
-    x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD)
+                                                kv_lengths=context_kv_lengths), x_BTD,
+          self.cross_post_norm)
+    x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm)
     return (x_BTD, seen[0]) if return_weights else x_BTD
 
 
@@ -460,6 +520,13 @@ class Encoder(nnx.Module):
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
     self.pooler = linear(cfg, cfg.d_model, cfg.d_model, rngs) if cfg.pooler else None
+    self.mlm = MLMHead(cfg, self.embed.token, rngs=rngs) if cfg.mlm_head else None
+
+  def mlm_logits(self, h_BTD: Array) -> Array:
+    """Masked-LM logits (B,T,vocab) of hidden states (cfg.mlm_head)."""
+    if self.mlm is None:
+      raise invalid("mlm_head", False, "True: this Encoder has no masked-LM head")
+    return self.mlm(h_BTD)
 
   def hidden(self, tokens_BT: Array, segments_BT: Array | None = None,
              lengths_B: Array | None = None, prefix_D: Array | None = None,
@@ -499,25 +566,50 @@ class Encoder(nnx.Module):
     return (out, weights) if return_weights else out
 
 
+class MLMHead(nnx.Module):
+  """BERT's masked-LM head: dense D->D, activation, norm, then the token table (tied) plus a bias."""
+
+  def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
+    self.activation = cfg.activation
+    self.transform = linear(cfg, cfg.d_model, cfg.d_model, rngs)
+    self.norm = layer_norm(cfg, rngs)
+    self.tied = token
+    self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.weight_dtype))
+
+  def __call__(self, h_BTD: Array) -> Array:
+    h_BTD = _norm(self.norm, activate(self.activation, self.transform(h_BTD)))
+    logits_BTN = jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...].astype(h_BTD.dtype))
+    return logits_BTN + self.bias[...].astype(h_BTD.dtype)
+
+
 class OutputHead(nnx.Module):
-  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear."""
+  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear.
+
+  With cfg.logit_softcap c, logits -> c·tanh(logits/c) (Gemma 2's final soft-cap).
+  """
 
   def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
     self.tied = token if cfg.tie_embeddings else None
     self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.vocab_size, rngs,
-                                                         cfg.use_bias)
+                                                         cfg.has_dense_bias)
+    self.softcap = cfg.logit_softcap
 
   def __call__(self, h_BTD: Array) -> Array:
     if self.linear is not None:
-      return self.linear(h_BTD)
-    return jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...].astype(h_BTD.dtype))
+      logits_BTN = self.linear(h_BTD)
+    else:
+      logits_BTN = jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...].astype(h_BTD.dtype))
+    if self.softcap is not None:
+      logits_BTN = self.softcap * jnp.tanh(logits_BTN / self.softcap)
+    return logits_BTN
 
 
 class DecoderLM(nnx.Module):
   """Causal language model (GPT-2 style): tokens (B,T) -> logits (B,T,vocab)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "DecoderLM", num_segments=0, pooler=False, num_decoder_layers=0, num_classes=0)
+    _require(cfg, "DecoderLM", num_segments=0, pooler=False, num_decoder_layers=0, num_classes=0,
+             mlm_head=False)
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs, segments=False)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
@@ -581,7 +673,7 @@ class SequenceClassifier(nnx.Module):
   """Encoder + pooling ([CLS] vector or mean over real tokens) (+ pooler) + linear head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "SequenceClassifier", num_classes="> 0", num_decoder_layers=0)
+    _require(cfg, "SequenceClassifier", num_classes="> 0", num_decoder_layers=0, mlm_head=False)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)
     self.cls = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.d_model,)) \
@@ -618,7 +710,7 @@ class EncoderDecoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     _require(cfg, "EncoderDecoder", num_decoder_layers="> 0", pooler=False, num_segments=0,
-             num_classes=0)
+             num_classes=0, mlm_head=False)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)
     token = self.encoder.embed.token if cfg.share_src_tgt_embeddings else None

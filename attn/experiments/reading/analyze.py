@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="held-out (and training) batches per trial (default: the trial's eval_batches)")
   parser.add_argument("--no-plots", action="store_true", help="write analysis.json only")
   hf = parser.add_argument_group("a pretrained model instead of a sweep (needs the hf extra)")
-  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face GPT-2 directory with its tokenizer")
+  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face causal LM directory with its tokenizer (gpt2, llama, mistral, "
+                  "qwen2, qwen3, gemma2)")
   hf.add_argument("--text", metavar="FILE_OR_DIR", help="text to analyse on ('' for the Python stdlib)")
   hf.add_argument("--glob", default=None, help="files of a --text directory (default '**/*')")
   hf.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go")
@@ -73,12 +74,17 @@ def run(args: argparse.Namespace) -> int:
                      glob=args.glob, seq_len=args.seq_len, batch_size=args.batch_size)
     s = out["summary"]
     print(f"analysed {args.hf} in {out['seconds']:.1f} s: held-out loss {out['eval']['loss']:.4f}, prunable "
-          f"{s['prunable_fraction']:.2f}, W_QK eff. rank {s['qk_effective_rank']:.2f} (d_k={out['d_k']}); "
+          f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_fmt(s['qk_effective_rank'])} (d_k={out['d_k']}); "
           f"wrote {os.path.join(args.out, ANALYSIS)} and {len(out.get('plots', []))} PNGs")
     return 0
   done = analyze_sweep(args.dir, args.trials or None, args.batches, plots=not args.no_plots)
   print(f"analysed {len(done)} trials of {args.dir}: trials/ID/{ANALYSIS} and PNGs")
   return 0
+
+
+def _fmt(x: float | None) -> str:
+  """x to 2 decimals, or "–" where the analysis has no value (W_QK under QK-norm)."""
+  return "–" if x is None else f"{x:.2f}"
 
 
 def _has_checkpoint(run_dir: str, trial_id: str) -> bool:
@@ -132,7 +138,7 @@ def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int
     s = out["summary"]
     js = "–" if s["head_diversity"] is None else f"{s['head_diversity']:.3f}"
     stream.write(f"trial {i + 1}/{len(chosen)} {tid} [{_label(out['label'])}]: prunable "
-                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {s['qk_effective_rank']:.2f} "
+                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_fmt(s['qk_effective_rank'])} "
                  f"(d_k={out['d_k']}), head JS {js}, {out['seconds']:.1f} s\n")
   stream.write(f"analysed {len(chosen)} trials in {time.perf_counter() - t0:.1f} s\n")
   return chosen
@@ -391,8 +397,8 @@ def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, pl
     raise invalid("--batches", batches, "an integer >= 1")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise invalid("--out", out_dir, "a directory (it is a file)")
-  config = eval_cli.check_checkpoint(path, "attn analyze --hf")
-  seq_len = min(seq_len, config.get("n_positions", seq_len))
+  config = eval_cli.check_checkpoint(path, "attn analyze --hf", bert=False)
+  seq_len = eval_cli.max_positions(config, seq_len)
   t0 = time.perf_counter()
   data = {}
   for split in ("heldout", "train"):
