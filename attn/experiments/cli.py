@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
   if args.executor == "local":  # a Slurm node may have other devices: its tasks check there
     config_lib.check_devices(sweep.trials, sweep.vmap_seeds, processes)
+    processes_lib.check_platform(processes)
   else:
     config_lib.check_processes(sweep.trials, slurm.processes(slurm_params))
   out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])

@@ -13,7 +13,8 @@ submitit's LocalExecutor: they must start together, each with its own rank,
 and the parent must see each one's exit to stop the rest. Each is pinned to
 its share of this process's CPUs (as --workers does), sees this machine's
 devices (on CPU, a host device of its own) and joins a coordinator on
-127.0.0.1 at a port free when the command starts. Logs:
+127.0.0.1 at a port free when the command starts (CPU only: on GPUs every
+local process would claim all of them; use Slurm tasks there). Logs:
 DIR/local/processes-PID/process_K.log. Once a process ends with an error or
 by a signal the others get GRACE_S seconds to end by themselves (a collective
 with a dead peer fails at once), then SIGKILL: process 0 never outlives its
@@ -57,6 +58,16 @@ def check_processes(n: Any) -> int:
     raise invalid("--processes-per-trial", n, "an integer >= 1 (1: each trial in one process; P: each trial "
                   "over P processes of this machine)")
   return n
+
+
+def check_platform(processes: int) -> None:
+  """Refuses P > 1 local processes on accelerators: each would claim every device of this machine."""
+  import jax  # lazy: the caller has just read this machine's devices
+  kind = jax.local_devices()[0].platform
+  if processes > 1 and kind != "cpu":
+    raise invalid("--processes-per-trial", processes,
+                  f"1 on this machine's {kind} devices: each local process would claim all of them; run the "
+                  "processes as Slurm tasks with --slurm-gpus-per-task, or one process with train.mesh")
 
 
 def check_timeout(seconds: Any) -> float:
@@ -112,7 +123,7 @@ def _free_port() -> int:
 def _tail(path: str, n: int = 3) -> str:
   try:
     with open(path, encoding="utf-8", errors="replace") as f:
-      lines = [line.rstrip() for line in f if line.strip() and not line.startswith(("I0000", "W0000"))]
+      lines = [line.rstrip() for line in f if line.strip(" \n^~") and not line.startswith(("I0000", "W0000"))]
   except OSError:
     return ""
   return "\n".join("  " + line for line in lines[-n:])

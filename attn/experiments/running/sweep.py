@@ -191,12 +191,14 @@ def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap_seeds: bool,
                f"{train.enable_compilation_cache()})\n")
   while (ids := orders.receive()) is not None:
     group = [trials[i] for i in ids]
-    stream.write(f"{me}: trial [{_label(group)}] ({', '.join(ids)})\n")
+    name = f"trial {', '.join(ids)} [{_label(group)}]"
+    stream.write(f"{me}: {name}\n")
     try:
       summaries = train.train_group([t.config for t in group], on_row=lambda j, row: None, vmap=vmap_seeds,
                                     checkpoint_dirs=[store.checkpoint_dir(i) for i in ids], log=lambda line: None)
     except preempt.Preempted as p:
-      stream.write(f"{me}: trial [{_label(group)}] stopped at step {p.step} (preempted)\n")
+      preempt.record(name, p.step)
+      stream.write(f"{me}: {name} stopped at step {p.step} (preempted; process 0 saved it)\n")
       continue
     for summary in summaries:
       counts[summary["status"]] += 1
