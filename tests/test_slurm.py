@@ -8,7 +8,8 @@ array, whose tasks saw the same environment. Run: `python -m pytest -m slurm tes
 (94 s on the 2-core machine, shared with other jobs). The option checks at the top need no cluster.
 A trial over one job of two tasks (--slurm-nodes 1 --slurm-tasks-per-node 2, one process each)
 must give the rows of the untouched array's one-process trial to float32 tolerance, task 0
-alone writing the store."""
+alone writing the store; one preempted by USR1 saves on both tasks at one step, is requeued and
+resumes with every row once."""
 
 import argparse
 import glob
@@ -248,8 +249,35 @@ def test_a_trial_over_two_tasks_gives_the_one_process_rows(setup, tmp_path):
   for r, e in zip(mine, theirs):
     for k in r:  # update_norm: Adam's g/(|g| + 1e-8) at gradient entries near 0 (tests/test_data_parallel.py)
       np.testing.assert_allclose(r[k], e[k], rtol=2e-3 if k == "update_norm" else 1e-5, err_msg=f"{k} at {r['step']}")
-  task = f"{job}_0"
-  follower = open(f"{out}/slurm/{task}/{task}_1_log.err").read()
+  (leader,) = glob.glob(f"{out}/slurm/{job}*/*_0_log.err")  # one job (submitit submits no array for one task)
+  follower = open(leader.replace("_0_log.err", "_1_log.err")).read()  # Slurm task 1's log
   assert f"process 1 of 2: trial {trial} [" in follower and "done: process 0 has no more trials" in follower, follower
-  assert "resumes at step" not in _log(out, task, "err")
+  assert "resumes at step" not in open(leader).read()
   assert not os.path.exists(os.path.join(out, "trials", trial, leases.LEASE))
+
+
+@pytest.mark.slurm
+def test_a_two_task_trial_preempted_by_usr1_is_requeued_and_resumes(setup, tmp_path):
+  """USR1 reaches both tasks: they save at one step (task 0 writes), submitit requeues the job, it resumes."""
+  cfg, env, ref, _ = setup
+  out = str(tmp_path / "out")
+  job = _submit(cfg, out, env, "--slurm-nodes", "1", "--slurm-tasks-per-node", "2",
+                "--set", "seed=1", "--set", "model.num_heads=2")
+  trial, held_by = _running_past_a_checkpoint(out)
+  assert held_by == f"{job}.0"  # the lease of task 0 (leases.job_id: .PROCID with several tasks)
+  subprocess.run(["scancel", "--signal=USR1", f"{job}.0"], check=True, timeout=30)  # every task of step 0
+  _wait_done(out, job, trials=1)
+  mine, theirs = _rows(out, trial), _rows(ref, trial)
+  assert [r["step"] for r in mine] == [r["step"] for r in theirs] == list(range(STEPS))  # every row once
+  for r, e in zip(mine, theirs):
+    for k in r:
+      np.testing.assert_allclose(r[k], e[k], rtol=2e-3 if k == "update_norm" else 1e-5, err_msg=f"{k} at {r['step']}")
+  (leader,) = glob.glob(f"{out}/slurm/{job}*/*_0_log.err")
+  log, follower = open(leader).read(), open(leader.replace("_0_log.err", "_1_log.err")).read()
+  step = re.search(r"saved at step (\d+) and stopped \(preempted\)", log).group(1)
+  assert f"stopped at step {step} (preempted; process 0 saved it)" in follower, follower
+  assert re.findall(r"resumes at step (\d+) from", log) == [step], log
+  shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+  assert int(re.search(r"Restarts=(\d+)", shown).group(1)) == 1, shown
+  summary = store.read_json(os.path.join(out, "trials", trial, store.SUMMARY))
+  assert summary["processes"] == 2 and summary["resumed_from"] == int(step)
