@@ -12,8 +12,8 @@ Here (`run_group`), the command starts the P processes with subprocess, not
 submitit's LocalExecutor: they must start together, each with its own rank,
 and the parent must see each one's exit to stop the rest. Each is pinned to
 its share of this process's CPUs (as --workers does), sees this machine's
-devices (on CPU, a host device of its own) and joins a coordinator on
-127.0.0.1 at a port free when the command starts (CPU only: on GPUs every
+devices (on CPU, a host device of its own) and joins a coordinator that
+listens on 127.0.0.1 only, at a port free when the command starts (CPU only: on GPUs every
 local process would claim all of them; use Slurm tasks there). Logs:
 DIR/local/processes-PID/process_K.log. Once a process ends with an error or
 by a signal the others get GRACE_S seconds to end by themselves (a collective
@@ -208,7 +208,7 @@ def main(argv: list[str]) -> int:
   os.sched_setaffinity(0, spec["cpus"])  # before jax sizes its thread pools
   from attn.experiments.training import distributed, preempt
   preempt.install_handlers()
-  group = distributed.Group(spec["address"], spec["processes"], spec["index"], spec["timeout"])
+  group = distributed.Group(spec["address"], spec["processes"], spec["index"], spec["timeout"], spec["address"])
   run_member(spec["out"], group, wait=True, lease_timeout=spec["lease_timeout"], tensorboard=spec["tensorboard"],
              worker=spec["worker"])
   return 0

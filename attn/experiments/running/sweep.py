@@ -357,6 +357,8 @@ class _Worker:
       return statuses
     except leases.LeaseLost as e:
       stream.write(f"\ntrial [{label}] stopped: {e}; left to the worker that holds it now\n")
+      if self.orders is not None:  # the other processes are mid-trial, in collectives: the group ends
+        raise
       return []
     except preempt.Preempted as p:
       for t in group:

@@ -36,19 +36,22 @@ from typing import Any
 import jax
 import numpy as np
 
-DEFAULT_TIMEOUT = 60.0  # seconds a process waits for the whole group to connect
 ORDER_WAIT_MS = 60_000  # one wait of a follower for its next order; it waits again until one comes
 EXIT_UNREACHABLE = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """One process's place in a trial's group: the coordinator (process 0's host:port), P, its index."""
+  """One process's place in a trial's group: the coordinator (process 0's host:port), P, its index.
+
+  timeout: seconds to wait for the whole group to connect (--coordinator-timeout).
+  """
 
   address: str
   processes: int
   index: int
-  timeout: float = DEFAULT_TIMEOUT
+  timeout: float
+  bind: str | None = None  # where process 0 listens; None: every interface, at the address's port
 
   @property
   def leader(self) -> bool:
@@ -86,7 +89,8 @@ def connect(group: Group) -> None:
 
   threading.Thread(target=watchdog, name="attn coordinator timeout", daemon=True).start()
   jax.distributed.initialize(group.address, group.processes, group.index,
-                             initialization_timeout=math.ceil(group.timeout) + 30)
+                             initialization_timeout=math.ceil(group.timeout) + 30,
+                             coordinator_bind_address=group.bind)
   connected.set()
 
 
