@@ -53,10 +53,6 @@ class Group:
   timeout: float
   bind: str | None = None  # where process 0 listens; None: every interface, at the address's port
 
-  @property
-  def leader(self) -> bool:
-    return self.index == 0
-
 
 def unreachable(group: Group) -> str:
   """The error of a process whose group did not connect within group.timeout."""
