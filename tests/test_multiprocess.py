@@ -16,7 +16,7 @@ either process mid-trial ends the group and leaves the trial unfinished (not
 failed) with its rows and checkpoint, and no live writer; SIGUSR1 to the
 command makes both processes stop at one step, saved; after either, a re-run
 of the command resumes from that checkpoint and ends with every row once.
-Run: `python -m pytest -m slow tests/test_multiprocess.py` (162 s for the
+Run: `python -m pytest -m slow tests/test_multiprocess.py` (120 s for the
 file on the 2-core machine, shared with other jobs).
 """
 
