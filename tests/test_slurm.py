@@ -5,7 +5,11 @@ makes a one-node cluster here); without them they skip, saying which. The store 
 each trial finished once, rows 0..N-1 each once, and after a USR1 requeue and a SIGTERM plus a
 re-run of the command, rows equal bit for bit (step_time_s aside) to those of the untouched
 array, whose tasks saw the same environment. Run: `python -m pytest -m slurm tests/test_slurm.py`
-(94 s on the 2-core machine, shared with other jobs). The option checks at the top need no cluster."""
+(94 s on the 2-core machine, shared with other jobs). The option checks at the top need no cluster.
+A trial over one job of two tasks (--slurm-nodes 1 --slurm-tasks-per-node 2, one process each)
+must give the rows of the untouched array's one-process trial to float32 tolerance, task 0
+alone writing the store; one preempted by USR1 saves on both tasks at one step, is requeued and
+resumes with every row once."""
 
 import argparse
 import glob
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from attn import cli
@@ -127,9 +132,9 @@ def setup(tmp_path_factory):
   return str(cfg), env, ref, job
 
 
-def _submit(cfg: str, out: str, env: dict) -> str:
+def _submit(cfg: str, out: str, env: dict, *extra: str) -> str:
   p = subprocess.run([sys.executable, "-m", "attn", "sweep", cfg, "--out", out, "--executor", "slurm",
-                      "--slurm-time", "30"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                      "--slurm-time", "30", *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert p.returncode == 0, p.stderr
   assert f"watch: attn status {out}" in p.stdout and f"{out}/slurm/" in p.stdout
   return re.search(r"submitted Slurm job (\d+): \d+ tasks?", p.stdout).group(1)
@@ -225,3 +230,54 @@ def test_preempted_tasks_resume_from_their_checkpoints(setup, tmp_path):
   for trial, log in ((usr1_trial, _log(out, usr1_task, "err")), (term_trial, _log(out, rerun, "err"))):
     resumed = re.findall(r"resumes at step (\d+) from (\S+)", log)
     assert len(resumed) == 1 and int(resumed[0][0]) > 0 and trial in resumed[0][1], log
+
+
+@pytest.mark.slurm
+def test_a_trial_over_two_tasks_gives_the_one_process_rows(setup, tmp_path):
+  """One array task of 1 node × 2 tasks trains one trial as one program; task 0 writes, task 1 follows."""
+  cfg, env, ref, _ = setup
+  out = str(tmp_path / "out")
+  # One trial of the sweep (the same id as in `ref`): pinning swept keys drops their axes.
+  job = _submit(cfg, out, env, "--slurm-nodes", "1", "--slurm-tasks-per-node", "2",
+                "--set", "seed=0", "--set", "model.num_heads=2")
+  _wait_done(out, job, trials=1)
+  (trial,) = [t["id"] for t in store.load_sweep(out)["trials"]]
+  summary = store.read_json(os.path.join(out, "trials", trial, store.SUMMARY))
+  assert summary["status"] == "ok" and summary["processes"] == 2 and summary["mesh"] == {"data": 2, "heads": 1}
+  mine, theirs = _rows(out, trial), _rows(ref, trial)
+  assert [r["step"] for r in mine] == [r["step"] for r in theirs] == list(range(STEPS))
+  for r, e in zip(mine, theirs):
+    for k in r:  # update_norm: Adam's g/(|g| + 1e-8) at gradient entries near 0 (tests/test_data_parallel.py)
+      np.testing.assert_allclose(r[k], e[k], rtol=2e-3 if k == "update_norm" else 1e-5, err_msg=f"{k} at {r['step']}")
+  (leader,) = glob.glob(f"{out}/slurm/{job}*/*_0_log.err")  # one job (submitit submits no array for one task)
+  follower = open(leader.replace("_0_log.err", "_1_log.err")).read()  # Slurm task 1's log
+  assert f"process 1 of 2: trial {trial} [" in follower and "done: process 0 has no more trials" in follower, follower
+  assert "resumes at step" not in open(leader).read()
+  assert not os.path.exists(os.path.join(out, "trials", trial, leases.LEASE))
+
+
+@pytest.mark.slurm
+def test_a_two_task_trial_preempted_by_usr1_is_requeued_and_resumes(setup, tmp_path):
+  """USR1 reaches both tasks: they save at one step (task 0 writes), submitit requeues the job, it resumes."""
+  cfg, env, ref, _ = setup
+  out = str(tmp_path / "out")
+  job = _submit(cfg, out, env, "--slurm-nodes", "1", "--slurm-tasks-per-node", "2",
+                "--set", "seed=1", "--set", "model.num_heads=2")
+  trial, held_by = _running_past_a_checkpoint(out)
+  assert held_by == f"{job}.0"  # the lease of task 0 (leases.job_id: .PROCID with several tasks)
+  subprocess.run(["scancel", "--signal=USR1", f"{job}.0"], check=True, timeout=30)  # every task of step 0
+  _wait_done(out, job, trials=1)
+  mine, theirs = _rows(out, trial), _rows(ref, trial)
+  assert [r["step"] for r in mine] == [r["step"] for r in theirs] == list(range(STEPS))  # every row once
+  for r, e in zip(mine, theirs):
+    for k in r:
+      np.testing.assert_allclose(r[k], e[k], rtol=2e-3 if k == "update_norm" else 1e-5, err_msg=f"{k} at {r['step']}")
+  (leader,) = glob.glob(f"{out}/slurm/{job}*/*_0_log.err")
+  log, follower = open(leader).read(), open(leader.replace("_0_log.err", "_1_log.err")).read()
+  step = re.search(r"saved at step (\d+) and stopped \(preempted\)", log).group(1)
+  assert f"stopped at step {step} (preempted; process 0 saved it)" in follower, follower
+  assert re.findall(r"resumes at step (\d+) from", log) == [step], log
+  shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+  assert int(re.search(r"Restarts=(\d+)", shown).group(1)) == 1, shown
+  summary = store.read_json(os.path.join(out, "trials", trial, store.SUMMARY))
+  assert summary["processes"] == 2 and summary["resumed_from"] == int(step)

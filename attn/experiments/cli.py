@@ -1,11 +1,20 @@
-"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N] [--analyze]
-[--tensorboard LOGDIR]`.
+"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N]
+[--processes-per-trial P] [--coordinator-timeout S] [--analyze] [--tensorboard LOGDIR]`.
 
 Runs a sweep config into its store, then writes its report. --executor local
 (the default) trains in this process (--workers 1) or in N local worker
 processes; --executor slurm claims the store, submits one job array
 (attn.experiments.running.slurm), prints the job id and returns. Re-running the same
 command resumes; `attn status DIR` shows progress for any executor.
+
+--processes-per-trial P: each trial runs as one program over P processes on
+this machine, its batch shared over all their devices, process 0 writing the
+store (attn.experiments.running.processes). On Slurm the same is
+--slurm-nodes N --slurm-tasks-per-node T (P = N·T). A process whose group
+does not connect within --coordinator-timeout seconds exits naming the
+address. Not with --workers N > 1: the P processes already share this
+machine's CPUs; run another `attn sweep` on the same --out to train trials
+side by side.
 
 --tensorboard LOGDIR: live curves. Whatever trains a trial (this process, each
 local worker, each Slurm task) also writes its metric rows to LOGDIR, one
@@ -25,6 +34,7 @@ import sys
 
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
+from attn.experiments.running import processes as processes_lib
 from attn.experiments.running import tb_writer
 from attn.experiments.running import workers as workers_lib
 
@@ -46,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="local: this machine (default); slurm: submit one job array and return")
   parser.add_argument("--workers", metavar="N", type=int, default=None,
                       help="local worker processes (default 1: train in this process); logs in DIR/local/")
+  parser.add_argument("--processes-per-trial", metavar="P", type=int, default=1,
+                      help="run each trial over P processes on this machine, each batch shared over all their "
+                           "devices (default 1; on Slurm: --slurm-nodes and --slurm-tasks-per-node); logs in DIR/local/")
+  parser.add_argument("--coordinator-timeout", metavar="SECONDS", type=float, default=processes_lib.DEFAULT_TIMEOUT,
+                      help="a process of a trial whose group has not connected after this long exits, naming the "
+                           f"coordinator's address (default {processes_lib.DEFAULT_TIMEOUT:g})")
   parser.add_argument("--lease-timeout", metavar="SECONDS", type=float, default=leases.DEFAULT_TIMEOUT,
                       help="a trial whose worker sent no heartbeat for this long is taken over by another "
                            f"(default {leases.DEFAULT_TIMEOUT:g})")
@@ -62,22 +78,45 @@ def run(args: argparse.Namespace) -> int:
   from attn.experiments.running import sweep as sweep_lib  # lazy: jax
   workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
   lease_timeout = sweep_lib.check_lease_timeout(args.lease_timeout)
+  processes = processes_lib.check_processes(args.processes_per_trial)
+  processes_lib.check_timeout(args.coordinator_timeout)
   if args.executor == "slurm" and workers != 1:
     raise invalid("--workers", workers, "left out with --executor slurm (one array task per trial)")
-  slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
+  if args.executor == "slurm" and processes != 1:
+    raise invalid("--processes-per-trial", processes, "left out with --executor slurm: give --slurm-nodes N "
+                  "--slurm-tasks-per-node T (one process per Slurm task, N·T per trial)")
+  if processes > 1 and workers != 1:
+    raise invalid("--workers", workers, f"1 with --processes-per-trial {processes}: the {processes} processes of "
+                  "each trial already share this machine's CPUs; to train trials side by side, start another "
+                  "`attn sweep` on the same --out (the store's leases keep them apart)")
+  slurm_params = slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
   if args.tensorboard is not None:  # tensorboardX is there, LOGDIR is no file; absolute for workers and tasks
     args.tensorboard = tb_writer.check(args.tensorboard)
     print(f"live curves: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
   if args.executor == "local":  # a Slurm node may have other devices: its tasks check there
-    config_lib.check_devices(sweep.trials, sweep.vmap_seeds)
+    config_lib.check_devices(sweep.trials, sweep.vmap_seeds, processes)
+    processes_lib.check_platform(processes)
+  else:
+    config_lib.check_processes(sweep.trials, slurm.processes(slurm_params))
   out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   with open(args.config, encoding="utf-8") as f:
     text = f.read()
   if args.executor == "slurm":
     sweep_lib.prepare(sweep, out, text, args.overrides)
     return slurm.submit(sweep, out, args, text)
-  if workers == 1:
+  if processes > 1:
+    if sweep_lib.prepare(sweep, out, text, args.overrides):
+      print(f"resuming {out}", file=sys.stderr)
+    failed, unfinished, stopped_by = processes_lib.run_group(out, processes, lease_timeout, args.coordinator_timeout,
+                                                             tensorboard=args.tensorboard)
+    if stopped_by:
+      return 128 + stopped_by
+    if failed or unfinished:
+      print(f"{unfinished} trials unfinished: re-run the same command to resume", file=sys.stderr)
+      return 1
+    done = len(sweep.trials)
+  elif workers == 1:
     preempt.install_handlers()
     try:
       counts = sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides,

@@ -247,11 +247,15 @@ class Text:
     return self._corpus
 
   def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
+    return self.batch_rows(seed, split, index, batch_size, slice(None))
+
+  def batch_rows(self, seed: int, split: int, index: int, batch_size: int, rows: slice) -> dict[str, np.ndarray]:
+    """Rows `rows` of batch(seed, split, index, batch_size): every offset is drawn, only these windows read."""
     data = self._corpus.train if split == TRAIN else self._corpus.heldout
     rng = _rng(seed if split == TRAIN else 0, split, index)
-    start_B = rng.integers(0, data.size - self.seq_len, batch_size)
+    start_B = rng.integers(0, data.size - self.seq_len, batch_size)[rows]
     seq = data[start_B[:, None] + np.arange(self.seq_len + 1)]
-    return _lm_arrays(seq, np.ones((batch_size, self.seq_len)))
+    return _lm_arrays(seq, np.ones((len(start_B), self.seq_len)))
 
 
 TASKS: dict[str, type] = {
@@ -261,6 +265,21 @@ TASKS: dict[str, type] = {
     "after_marker": AfterMarker,
     "text": Text,
 }
+
+
+def batch_rows(task, seed: int, split: int, index: int, batch_size: int,
+               rows: slice | None = None) -> dict[str, np.ndarray]:
+  """Rows `rows` (None: all) of task.batch(seed, split, index, batch_size): one process's share of a batch.
+
+  A batch's rows share one generator stream, so a synthetic task draws the
+  whole batch (cheap) and cuts it; a task with a `batch_rows` method (text)
+  reads only the rows asked for.
+  """
+  if rows is None:
+    return task.batch(seed, split, index, batch_size)
+  if hasattr(task, "batch_rows"):
+    return task.batch_rows(seed, split, index, batch_size, rows)
+  return {k: v[rows] for k, v in task.batch(seed, split, index, batch_size).items()}
 
 
 def task_fields(name: str) -> dict[str, Any]:

@@ -550,14 +550,22 @@ def check_seed_axis(trials: list[Trial], vmap_seeds: bool) -> None:
                     f"e.g. one of {[d for d in range(1, n + 1) if n % d == 0]}")
 
 
-def check_devices(trials: list[Trial], vmap_seeds: bool) -> None:
-  """Refuses a sweep whose train.data_parallel cannot run on this machine's devices, before any trial starts.
+def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1) -> None:
+  """Refuses a sweep whose train.mesh cannot run on this machine's devices, before any trial starts.
 
-  train_group checks again on the machine that trains (a Slurm node may have
-  other devices than the one that submits); a runner that calls this first
-  refuses the sweep instead of recording every trial as failed.
+  processes: per trial; each of them has this machine's devices. train_group
+  checks again on the machine that trains (a Slurm node may have other
+  devices than the one that submits); a runner that calls this first refuses
+  the sweep instead of recording every trial as failed.
   """
   from attn.experiments.training import parallel  # lazy: jax, slow to import for `attn status`
   for group in seed_groups(trials, vmap_seeds):
     n = len(group)
-    parallel.device_count(TrainConfig(**group[0].config["train"]), n, vmap_seeds and n > 1)
+    parallel.device_count(TrainConfig(**group[0].config["train"]), n, vmap_seeds and n > 1, processes)
+
+
+def check_processes(trials: list[Trial], processes: int) -> None:
+  """Refuses a sweep whose batches cannot be shared over `processes` processes per trial (any devices)."""
+  from attn.experiments.training import parallel  # lazy: jax
+  for t in trials:
+    parallel.check_processes(TrainConfig(**t.config["train"]), processes)

@@ -2,7 +2,10 @@
 
 Each array task runs `sweep.run_trials(out, ids)` for one trial (or one seed group with
 sweep.vmap_seeds), so the store's leases, skips and resume work as for local workers; the
-command prints the job id and returns. submitit's files and the tasks' logs go to DIR/slurm/.
+command prints the job id and returns. With --slurm-nodes N --slurm-tasks-per-node T each
+array task is a job of N·T tasks that train its trials as one program over N·T processes
+(attn.experiments.running.processes): task 0 holds the lease and writes the store and the
+checkpoints; every task gets the signals below, and they agree to save at the same step. submitit's files and the tasks' logs go to DIR/slurm/.
 The pickle submitit hands to a task holds only `SlurmTask(out, lease_timeout, tensorboard)` and
 the trial ids (strings): results stay in the JSON/Orbax store (with --tensorboard LOGDIR, each
 task also writes its trials' events there, as local workers do).
@@ -60,18 +63,20 @@ Checkpointable = _submitit.helpers.Checkpointable if _submitit else object
 SIGNAL, SIGNAL_DELAY_S = "USR1", 90
 MAX_TIMEOUTS = 20  # requeues after a time limit; each resumes from a checkpoint, so progress is kept
 DEFAULT_TIME_MIN = 60
-FLAGS = ("partition", "time", "cpus_per_task", "gpus_per_task", "array_parallelism", "option")
+FLAGS = ("partition", "time", "cpus_per_task", "gpus_per_task", "array_parallelism", "nodes", "tasks_per_node",
+         "option")
 
 # sbatch options with their own --slurm-* flag, options attn sets itself, options that break it.
 DEDICATED = {"partition": "--slurm-partition", "p": "--slurm-partition", "time": "--slurm-time",
              "t": "--slurm-time", "cpus-per-task": "--slurm-cpus-per-task", "c": "--slurm-cpus-per-task",
-             "gpus-per-task": "--slurm-gpus-per-task"}
+             "gpus-per-task": "--slurm-gpus-per-task", "nodes": "--slurm-nodes",
+             "ntasks-per-node": "--slurm-tasks-per-node"}
 RESERVED = {"array": "the array is one task per unfinished trial", "output": "logs go to DIR/slurm/",
             "error": "logs go to DIR/slurm/", "open-mode": "submitit appends to the logs",
             "signal": f"attn sends {SIGNAL} {SIGNAL_DELAY_S} s before the limit to checkpoint",
             "no-requeue": "preemption requeues the task", "wrap": "submitit writes the batch script",
-            "ntasks": "each task runs one process", "ntasks-per-node": "each task runs one process",
-            "nodes": "each task runs on one node", "wait": "the command returns once submitted",
+            "ntasks": "a trial's processes are --slurm-nodes × --slurm-tasks-per-node",
+            "wait": "the command returns once submitted",
             "parsable": "submitit reads sbatch's output", "help": "not a job option",
             "usage": "not a job option", "version": "not a job option"}
 BARE = {"exclusive", "requeue", "hold", "overcommit", "contiguous", "spread-job", "use-min-nodes",
@@ -94,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument("--slurm-gpus-per-task", metavar="N", default=None, help="GPUs of each task")
   g.add_argument("--slurm-array-parallelism", metavar="N", default=None,
                  help="at most N tasks of the array run at once")
+  g.add_argument("--slurm-nodes", metavar="N", default=None,
+                 help="nodes of each array task (default 1): its trial runs over N × T processes")
+  g.add_argument("--slurm-tasks-per-node", metavar="T", default=None,
+                 help="Slurm tasks (processes) per node of each array task (default 1)")
   g.add_argument("--slurm-option", metavar="KEY=VALUE", action="append", default=[],
                  help="any other sbatch option, e.g. --slurm-option mem=4G --slurm-option qos=low "
                       "(repeatable; a bare KEY for flags such as exclusive)")
@@ -179,12 +188,17 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
     if not re.fullmatch(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", args.slurm_partition):
       raise invalid("--slurm-partition", args.slurm_partition, "a partition name (or a comma list), e.g. gpu")
     params["partition"] = args.slurm_partition
-  for f in ("cpus_per_task", "gpus_per_task", "array_parallelism"):
-    n = _positive(f"--slurm-{f.replace('_', '-')}", getattr(args, f"slurm_{f}"))
+  for f in ("cpus_per_task", "gpus_per_task", "array_parallelism", "nodes", "tasks_per_node"):
+    n = _positive(f"--slurm-{f.replace('_', '-')}", getattr(args, f"slurm_{f}", None))
     if n is not None:
-      params[f] = n
+      params["ntasks_per_node" if f == "tasks_per_node" else f] = n
   params["additional_parameters"] = parse_options(args.slurm_option or [])
   return params
+
+
+def processes(params: dict[str, Any]) -> int:
+  """The processes per trial of check_args' parameters: nodes × tasks per node."""
+  return params.get("nodes", 1) * params.get("ntasks_per_node", 1)
 
 
 def _sbatch_options() -> set[str]:
@@ -226,8 +240,10 @@ def _exit(code: int) -> None:
 class SlurmTask(Checkpointable):
   """One array task: runs its trials from the store; on USR1 checkpoints and requeues, on SIGTERM saves and exits."""
 
-  def __init__(self, out: str, lease_timeout: float | None = None, tensorboard: str | None = None):
+  def __init__(self, out: str, lease_timeout: float | None = None, tensorboard: str | None = None,
+               coordinator_timeout: float | None = None):
     self.out, self.lease_timeout, self.tensorboard = out, lease_timeout, tensorboard
+    self.coordinator_timeout = coordinator_timeout
     self._stopping, self._requeue_pending, self._requeue = False, False, None
 
   def __call__(self, trial_ids: list[str]) -> dict[str, int]:
@@ -237,16 +253,22 @@ class SlurmTask(Checkpointable):
       self._requeue = (sig, signal.getsignal(sig))
       signal.signal(sig, self._on_requeue_signal)
     signal.signal(signal.SIGTERM, self._on_sigterm)
+    from attn.experiments.running import processes as processes_lib
     from attn.experiments.running import sweep as sweep_lib  # lazy: jax
     kwargs = {} if self.lease_timeout is None else {"lease_timeout": self.lease_timeout}
     tensorboard = getattr(self, "tensorboard", None)  # None in a task pickled before the option existed
+    group = processes_lib.slurm_group(getattr(self, "coordinator_timeout", None) or processes_lib.DEFAULT_TIMEOUT)
+    if group is not None:  # one of the job's tasks that train its trials together
+      return processes_lib.run_member(self.out, group, list(trial_ids), wait=False, tensorboard=tensorboard,
+                                      **kwargs)
     return sweep_lib.run_trials(self.out, list(trial_ids), tensorboard=tensorboard, **kwargs)
 
   def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
     """Called by submitit on its signal: saves the running trial, then returns the requeue of this task."""
     self._stopping = True
     self._save()
-    task = SlurmTask(self.out, self.lease_timeout, getattr(self, "tensorboard", None))
+    task = SlurmTask(self.out, self.lease_timeout, getattr(self, "tensorboard", None),
+                     getattr(self, "coordinator_timeout", None))
     return _submitit.helpers.DelayedSubmission(task, *args, **kwargs)
 
   def _save(self) -> None:
@@ -296,7 +318,8 @@ def submit(sweep: Any, out: str, args: argparse.Namespace, config_text: str = ""
       job_name=options.pop("job-name", f"attn-{os.path.basename(os.path.abspath(out))}"),
       signal_delay_s=SIGNAL_DELAY_S, setup=[f"export SUBMITIT_PREEMPT_SIGNAL={SIGNAL}"],
       additional_parameters={**options, "signal": f"{SIGNAL}@{SIGNAL_DELAY_S}"}, **params)
-  task = SlurmTask(os.path.abspath(out), getattr(args, "lease_timeout", None), getattr(args, "tensorboard", None))
+  task = SlurmTask(os.path.abspath(out), getattr(args, "lease_timeout", None), getattr(args, "tensorboard", None),
+                   getattr(args, "coordinator_timeout", None))
   try:
     jobs = executor.map_array(task, tasks)
   except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedSubmissionError) as e:
@@ -305,7 +328,9 @@ def submit(sweep: Any, out: str, args: argparse.Namespace, config_text: str = ""
   job_id = jobs[0].job_id.split("_")[0]
   per = "seed group" if sweep.vmap_seeds else "trial"
   at_once = f", at most {params['array_parallelism']} at once" if "array_parallelism" in params else ""
-  print(f"submitted Slurm job {job_id}: {len(tasks)} task{'s' * (len(tasks) > 1)}, one per {per}{at_once} "
+  P = processes(params)
+  each = f" of {P} processes ({params.get('nodes', 1)} node(s) × {params.get('ntasks_per_node', 1)})" if P > 1 else ""
+  print(f"submitted Slurm job {job_id}: {len(tasks)} task{'s' * (len(tasks) > 1)}{each}, one per {per}{at_once} "
         f"({len(sweep.trials) - len(pending)} of {len(sweep.trials)} trials already finished)")
   print(f"logs: {folder}/{job_id}{'_<task>' if len(tasks) > 1 else ''}/")
   print(f"watch: attn status {out}")

@@ -17,6 +17,14 @@ sweep` and its local workers use) a worker that runs out of trials waits for
 those others hold, taking over any whose heartbeat stops. Training runs in a
 thread that attn.experiments.training.preempt can stop after a step, with a checkpoint.
 
+A worker may be a group of processes that train each trial together
+(attn.experiments.training.distributed): its process 0 runs the worker's loop
+above, holding the leases and writing the store, and orders the others to
+train each group of trials with it just before it does; they write nothing.
+In such a group an error in any process stops the group and leaves its trial
+unfinished (not failed: a dead peer and a failure of one's own look alike
+from inside a collective), its rows and checkpoint kept for a re-run.
+
 With tensorboard=LOGDIR (`attn sweep --tensorboard`), each worker also writes
 the rows of the trials it trains as TensorBoard runs, after the store has them
 (attn.experiments.running.tb_writer: one run per trial, rewritten from the
@@ -151,6 +159,8 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
   Trials finished or held by a live worker are skipped; with wait=True it then
   waits for those, taking over any whose lease goes stale. Writes no report.
   Counts as run_sweep's, "unfinished" counting trials left to other workers.
+  In a group of processes (joined by distributed.connect) process 0 does all
+  this and the others train the trials it orders (module docstring).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
   trials, vmap_seeds = stored_trials(out)
@@ -161,19 +171,49 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
     if unknown:
       raise invalid("trial_ids", unknown, f"ids of the {len(known)} trials of {out}: {', '.join(known)}")
     mine = [t for t in trials if t.id in set(trial_ids)]
-  config_lib.check_devices(mine, vmap_seeds)  # this machine's devices, before any trial is leased
+  from attn.experiments.training import distributed  # lazy: jax
+  processes = distributed.processes()  # > 1 in a trial's group of processes (after distributed.connect)
+  config_lib.check_devices(mine, vmap_seeds, processes)  # this machine's devices, before any trial is leased
+  if not distributed.is_leader():
+    return preempt.run(_follow, Store(out), {t.id: t for t in trials}, vmap_seeds, stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
-  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker, tb)
+  orders = distributed.Orders() if processes > 1 else None
+  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker, tb, orders)
   return preempt.run(w.run, mine, wait)
+
+
+def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap_seeds: bool, stream: TextIO) -> dict[str, int]:
+  """What the processes of a group but process 0 run: train each group of trials it orders, write nothing."""
+  from attn.experiments.training import distributed, train  # lazy: jax
+  orders, counts = distributed.Orders(), {"ok": 0, "failed": 0, "skipped": 0}
+  me = f"process {distributed.index()} of {distributed.processes()}"
+  stream.write(f"{me}: training the trials process 0 orders (JAX compilation cache: "
+               f"{train.enable_compilation_cache()})\n")
+  while (ids := orders.receive()) is not None:
+    group = [trials[i] for i in ids]
+    name = f"trial {', '.join(ids)} [{_label(group)}]"
+    stream.write(f"{me}: {name}\n")
+    try:
+      summaries = train.train_group([t.config for t in group], on_row=lambda j, row: None, vmap=vmap_seeds,
+                                    checkpoint_dirs=[store.checkpoint_dir(i) for i in ids], log=lambda line: None)
+    except preempt.Preempted as p:
+      preempt.record(name, p.step)
+      stream.write(f"{me}: {name} stopped at step {p.step} (preempted; process 0 saved it)\n")
+      continue
+    for summary in summaries:
+      counts[summary["status"]] += 1
+  stream.write(f"{me}: done: process 0 has no more trials\n")
+  return counts
 
 
 class _Worker:
   """One worker's pass over a store's trials: lease, train, finish, release; wait for the others' trials."""
 
   def __init__(self, store: Store, trials: list[config_lib.Trial], vmap_seeds: bool, lease_timeout: float,
-               stream: TextIO, worker: str | None, tb: tb_writer.Writer | None = None):
+               stream: TextIO, worker: str | None, tb: tb_writer.Writer | None = None, orders: Any = None):
     self.store, self.vmap_seeds, self.lease_timeout = store, vmap_seeds, lease_timeout
     self.stream, self.worker, self.tb = stream, worker, tb
+    self.orders = orders  # distributed.Orders to the group's other processes; None when training alone
     self.index = {t.id: i + 1 for i, t in enumerate(trials)}
     self.n = len(trials)
     self.told: set[str] = set()  # trials reported as held by another worker
@@ -190,6 +230,25 @@ class _Worker:
     cache = train.enable_compilation_cache()
     self.stream.write(f"{len(pending)} trials to run into {store.root} (JAX compilation cache: {cache})\n")
     self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), self.n, self.stream)
+    try:
+      self._loop(train, pending, counts, wait)
+    finally:
+      if self.orders is not None:
+        self.orders.send(None)  # the group's other processes stop
+    store.close()
+    left = [t for t in pending if not store.is_done(t.id)]
+    elsewhere = len(pending) - len(left) - counts["ok"] - counts["failed"]
+    line = f"done: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already finished"
+    line += f", {elsewhere} finished by other workers" if elsewhere else ""
+    line += f"; {len(left)} unfinished" if left else ""
+    self.stream.write(line + "\n")
+    counts["skipped"] += elsewhere
+    if left:
+      counts["unfinished"] = len(left)
+    return counts
+
+  def _loop(self, train, pending: list[config_lib.Trial], counts: dict[str, int], wait: bool) -> None:
+    store = self.store
     stopped, waiting = False, None
     while not stopped:
       ran = False
@@ -215,17 +274,6 @@ class _Worker:
           self.stream.write(f"waiting for {len(left)} trial{'s' * (len(left) > 1)} other workers hold "
                             f"(one whose heartbeat stops for {self.lease_timeout:g} s is taken over)\n")
         stopped = preempt.sleep(max(0.2, min(self.lease_timeout / 8, 2.0)))
-    store.close()
-    left = [t for t in pending if not store.is_done(t.id)]
-    elsewhere = len(pending) - len(left) - counts["ok"] - counts["failed"]
-    line = f"done: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already finished"
-    line += f", {elsewhere} finished by other workers" if elsewhere else ""
-    line += f"; {len(left)} unfinished" if left else ""
-    self.stream.write(line + "\n")
-    counts["skipped"] += elsewhere
-    if left:
-      counts["unfinished"] = len(left)
-    return counts
 
   def _lease(self, group: list[config_lib.Trial]) -> list[config_lib.Trial]:
     """The members of a group this worker now holds the lease of (and that are still unfinished)."""
@@ -281,14 +329,18 @@ class _Worker:
       if self.tb is not None:
         self.tb.row(ids[j], row)
 
+    # Alone, an error of the trial's own is recorded; in a group it ends the group (module docstring).
+    recorded = (ConfigError, ValueError, TypeError, RuntimeError, FloatingPointError) if self.orders is None else ()
     try:
       try:
+        if self.orders is not None:
+          self.orders.send(ids)  # the other processes train these with this one
         summaries = train.train_group([t.config for t in group],
                                       on_row=on_row,
                                       on_step=on_step, vmap=self.vmap_seeds,
                                       checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
                                       on_start=on_start, log=lambda line: stream.write(line + "\n"))
-      except (ConfigError, ValueError, TypeError, RuntimeError, FloatingPointError) as e:
+      except recorded as e:
         stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
@@ -305,6 +357,8 @@ class _Worker:
       return statuses
     except leases.LeaseLost as e:
       stream.write(f"\ntrial [{label}] stopped: {e}; left to the worker that holds it now\n")
+      if self.orders is not None:  # the other processes are mid-trial, in collectives: the group ends
+        raise
       return []
     except preempt.Preempted as p:
       for t in group:

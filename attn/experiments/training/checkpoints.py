@@ -20,6 +20,11 @@ in its custom metadata, "leaves": [path, shape, dtype] of every leaf of
 ~120 arrays to three (Orbax costs about a millisecond per array), and the index
 lets any reader cut the arrays back into leaves (attn.experiments.load_trial does that).
 
+In a trial of several processes only process 0 saves (arrays it reads whole
+from its own shards: attn.experiments.training.parallel.Layout.fetch), and
+every process restores by itself: Orbax is told that each call involves this
+process alone, so none waits at a barrier for the others.
+
 Trials trained together under vmap (sweep.vmap_seeds) save one checkpoint per
 seed, sliced from the stacked state, and resume from the newest step that every
 seed of the group holds readably.
@@ -50,10 +55,19 @@ def steps(directory: str) -> list[int]:
   return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
+def _alone() -> dict[str, Any]:
+  """Orbax's options for a save or restore by this process alone (none with one process: Orbax's defaults)."""
+  if jax.process_count() == 1:
+    return {}
+  import orbax.checkpoint as ocp
+  me = jax.process_index()
+  return {"multiprocessing_options": ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})}
+
+
 @functools.lru_cache(maxsize=1)
 def _checkpointer():
   import orbax.checkpoint as ocp  # lazy: a second or two to import, needed only once a trial saves
-  return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+  return ocp.Checkpointer(ocp.StandardCheckpointHandler(**_alone()), **_alone())
 
 
 def _prune(directory: str) -> None:
@@ -89,7 +103,7 @@ class Saver:
   def __init__(self, directory: str):
     import orbax.checkpoint as ocp
     self.directory = directory
-    self._orbax = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    self._orbax = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(**_alone()), **_alone())
     self._pending = False
 
   def save(self, step: int, state: dict[str, Any]) -> None:

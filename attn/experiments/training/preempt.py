@@ -10,8 +10,10 @@ trials' partial metrics (rows 0..N-1: the checkpoint's) and releases their
 leases. Whoever runs a trial next resumes from N and keeps rows < N (the
 store's rule): no row lost or written twice. A trial still compiling stops
 before its first step (it keeps the checkpoint it started from), so save_now
-waits at most one compile or one step. Orbax's own preemption sync is not
-used: it needs jax.distributed.
+waits at most one compile or one step. In a trial of several processes
+(attn.experiments.training.distributed) the loop asks after every step
+whether any of them was asked to stop, so all save and stop at the same step
+(process 0 writing the checkpoint); Orbax's own preemption sync is not used.
 
 `attn sweep` and its local workers call install_handlers(); a Slurm task
 leaves submitit's handler in place, whose checkpoint() calls save_now().

@@ -11,6 +11,13 @@ program over a ("data", "heads") mesh of local devices, the batch or the seeds
 split on "data", the attention heads on "heads"
 (attn.experiments.training.parallel); the summary records the mesh.
 
+In a trial of several processes (attn.experiments.training.distributed) every
+process runs train_group on the same configs; the mesh spans them, each
+loads only its rows of each batch, and only process 0 saves checkpoints (the
+callbacks of the others, which write nothing, are theirs to leave empty).
+Process 0 picks the checkpoint to resume from and the others restore that
+same one; whether to stop for a save is agreed after every step.
+
 Given checkpoint directories, a trial saves its state every
 train.checkpoint_interval steps and at the end (attn.experiments.training.checkpoints)
 and starts from its newest readable checkpoint. A resumed trial computes the
@@ -39,6 +46,7 @@ from flax import nnx
 from attn import count
 from attn.config import ConfigError, invalid
 from attn.experiments.training import checkpoints
+from attn.experiments.training import distributed
 from attn.experiments.training import parallel
 from attn.experiments.training import preempt
 from attn.experiments.data import tasks as tasks_lib
@@ -140,9 +148,11 @@ def _stack(trees: list[Any]) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _batches(task, seeds: list[int], split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
-  rows = [task.batch(s, split, index, batch_size) for s in seeds]
-  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+def _batches(task, seeds: list[int], split: int, index: int, batch_size: int,
+             rows: slice | None = None) -> dict[str, np.ndarray]:
+  """Batch (split, index) of each seed, stacked; only `rows` of each (None: all), for one process's share."""
+  per_seed = [tasks_lib.batch_rows(task, s, split, index, batch_size, rows) for s in seeds]
+  return {k: np.stack([r[k] for r in per_seed]) for k in per_seed[0]}
 
 
 def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
@@ -237,7 +247,9 @@ def train_group(configs: list[dict[str, Any]],
   seeds = [TrainConfig(**c["train"]).seed for c in configs]
   batched = vmap and len(seeds) > 1
   # Refuses a mesh that does not fit, before any model is built.
-  layout = parallel.layout(train, len(seeds) if batched else 1, batched, model_cfg.num_heads)
+  layout = parallel.layout(train, len(seeds) if batched else 1, batched, model_cfg.num_heads,
+                           jax.process_count())
+  leader = jax.process_index() == 0
   tx = optimizer(train)
   graphdef, states = None, []
   for s in seeds:
@@ -257,8 +269,12 @@ def train_group(configs: list[dict[str, Any]],
   for group in groups:
     dirs = [checkpoint_dirs[i] for i in group] if checkpoint_dirs else None
     start, restored = 0, None
-    if dirs:
+    if dirs and leader:
       start, restored = checkpoints.resume(dirs, [states[i] for i in group], train.steps, log)
+    if dirs and layout.processes > 1:  # the others restore the very checkpoint process 0 chose
+      start = distributed.broadcast(start)
+      if not leader and start:
+        restored = [checkpoints.restore(d, start, states[i]) for d, i in zip(dirs, group)]
     group_states = restored or [states[i] for i in group]
     for i in group:
       if on_start:
@@ -282,16 +298,17 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
   at = (lambda v, j: v[j]) if batched else (lambda v, j: v)
   lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train.steps)))
-  eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B)) for j in range(train.eval_batches)])
+  rows = layout.rows(B)  # this process's share of every batch (all of it in one process)
+  eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B, rows)) for j in range(train.eval_batches)])
   if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
     eval_data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), eval_data)
-  eval_data = layout.put(eval_data, "eval")
+  eval_data = layout.put_batch(eval_data, "eval")
   state = tuple(layout.put(x, kind) for x, kind in zip(state, parallel.STATE_KINDS))
   t0 = time.perf_counter()
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
-    batch0 = layout.put(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B)), "train")
+    batch0 = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B, rows)), "train")
     jit_step = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
                           ("params", "opt_state", "replicated"), donate=(0, 1)).lower(*state, batch0, lr0).compile()
     jit_eval = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
@@ -299,22 +316,22 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
   compile_s = time.perf_counter() - t0
   if on_compiled:
     on_compiled(jit_step, jit_eval)
-  if preempt.requested():  # save_now() during the compile: nothing new to save
+  if layout.agree(preempt.requested()):  # save_now() during the compile: nothing new to save
     raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
   times, checkpoint_s, every = [], 0.0, train.checkpoint_interval
-  savers = [checkpoints.Saver(d) for d in checkpoint_dirs or []]
+  savers = [checkpoints.Saver(d) for d in checkpoint_dirs or []] if jax.process_index() == 0 else []
   try:
     for t in range(start, train.steps):
-      batch = layout.put(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B)), "train")
+      batch = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B, rows)), "train")
       t0 = time.perf_counter()
       lr = layout.put(np.full(lr0.shape, lrs[t], np.float32), "replicated")
       params, opt_state, m = jit_step(*state, batch, lr)
-      m = jax.device_get(m)
+      m = layout.fetch(m)
       times.append(time.perf_counter() - t0)
       state = (params, opt_state, state[2])
       last = t == train.steps - 1
-      ev = jax.device_get(jit_eval(state[0], state[2], eval_data)) \
+      ev = layout.fetch(jit_eval(state[0], state[2], eval_data)) \
           if last or (train.eval_every > 0 and (t + 1) % train.eval_every == 0) else None
       for j in range(n):
         if summaries[j] is not None and summaries[j]["status"] == "failed":
@@ -330,10 +347,10 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
         if last:
           summaries[j] = {"status": "ok", "steps_done": t + 1,
                           "final": {k: row[k] for k in ("loss", "accuracy", "eval_loss", "eval_accuracy")}}
-      stop = preempt.requested() and not last  # save_now(): save after this step and stop
+      stop = not last and layout.agree(preempt.requested())  # save_now(): save after this step and stop
       if savers and (stop or last or (every > 0 and (t + 1) % every == 0)):
         t0 = time.perf_counter()
-        tree = {"params": state[0], "opt_state": state[1], "rest": state[2]}
+        tree = layout.fetch({"params": state[0], "opt_state": state[1], "rest": state[2]})
         for j, saver in enumerate(savers):
           if summaries[j] is None or summaries[j]["status"] == "ok":  # a failed seed keeps its last good one
             saver.save(t + 1, jax.tree.map(lambda v, j=j: at(v, j), tree))
