@@ -28,7 +28,8 @@ these shardings, as it inserts every other collective. Everything outside the
 attention layers (embeddings, MLPs, norms) is replicated over "heads".
 
 CANONICAL is the rule for the canonical layout's names; LAYOUTS lists each
-variant's other parameters and the names it uses otherwise. A parameter of a
+variant's other parameters and the names it uses otherwise; MECHANISMS the head
+mechanisms' (gates and sinks split with their heads, QK-norm scales replicated). A parameter of a
 registered variant that neither declares is refused by name (tests check the
 table against every variant's parameters).
 """
@@ -60,7 +61,16 @@ LAYOUTS: dict[str, dict[str, str | None]] = {
     "mla": {"w_dq": "DQ", "w_uq": "QHK", "w_dkv": "DC", "w_uk": "CGK", "w_uv": "CGV",
             "w_kr": "DR", "b_kr": "R"},
     "talking_heads": {"mix_l": None, "mix_w": None},
+    # X: differential's two query/key pairs, tpa's factor ranks (replicated). Each device keeps its
+    # heads' head factors a^q (a^k, a^v when M divides G) and every dim factor b.
+    "differential": {"w_q": "DXHK", "w_k": "DXGK", "b_q": "XHK", "b_k": "XGK", "lambda_q1": None,
+                     "lambda_k1": None, "lambda_q2": None, "lambda_k2": None, "norm": None},
+    "tpa": {"w_aq": "DXH", "w_bq": "DXK", "w_ak": "DXG", "w_bk": "DXK", "w_av": "DXG", "w_bv": "DXV",
+            "b_aq": "XH", "b_bq": "XK", "b_ak": "XG", "b_bk": "XK", "b_av": "XG", "b_bv": "XV"},
 }
+# The head mechanisms' parameters (attn.variants.mechanisms), on any variant: a gate or a sink
+# belongs to its head. A headwise gate has no V axis: its letters stop at the array's rank.
+MECHANISMS = {"w_gate": "DHV", "b_gate": "HV", "sinks": "H", "q_norm": None, "k_norm": None}
 
 
 def axes(variant: str, name: str) -> str | None:
@@ -70,6 +80,8 @@ def axes(variant: str, name: str) -> str | None:
     return table[name]
   if name in CANONICAL:
     return CANONICAL[name]
+  if name in MECHANISMS:
+    return MECHANISMS[name]
   raise invalid(f"{variant}.{name}", name,
                 f"a parameter declared in attn/nn/sharding.py (LAYOUTS[{variant!r}] or CANONICAL): "
                 "say how it splits over the mesh's heads axis")
@@ -96,6 +108,8 @@ def param_specs(variant: str, cfg: HeadConfig, heads: int) -> dict[str, Partitio
     if letters is None or heads == 1:
       out[name] = PartitionSpec()
       continue
+    if name in MECHANISMS:
+      letters = letters[:len(shape)]
     if len(letters) != len(shape):
       raise invalid(f"LAYOUTS[{v.name!r}][{name!r}]", letters, f"{len(shape)} letters, one per axis of {shape}")
     out[name] = PartitionSpec(*[_axis_spec(a, n, cfg, heads) for a, n in zip(letters, shape)])
