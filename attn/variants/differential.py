@@ -23,16 +23,23 @@ unmasked rows sum to 1 − λ, not 1 (Variant.signed_weights).
 
 Params: D·(2·H·K + 2·G·K + G·V) + H·V·D + 4·K + V [+ 2·H·K + 2·G·K + G·V + D].
 FLOPs: 2·D·(2·T·H·K + 2·S·G·K + S·G·V) + 2·2·T·S·H·(K + V) + 2·T·H·V·D.
-Effective: 2·factored_score_dof(D, D) + 1 + G·((D + b)·v − v(v − 1)/2 + R·D·v
-  − [b = 1 and V ≥ D + 1]) + b·D, v = min(V, D + b). Each softmax has
-  per_head's score count (base.factored_score_dof),
-  λ's four vectors give one number (+1), the norm's scale folds into W^O. The
-  norm keeps only W_V,g's orthogonal gauge: per kv group the map depends on
-  Σ_g = M_g M_gᵀ and M_g·[W_O,h]_{h in g}, M_g = [W_V,g; b_v,g] ((D + b)×V), so
-  with v = min(V, D + b): (D + b)·v − v(v − 1)/2 + R·D·v; b_v no longer folds
-  into b_o. The norm's eps breaks the scale gauge (the function sees ‖u‖² + eps),
-  except when V ≥ D + 1 with biases: the bias row's ‖·‖² term absorbs eps
-  (−1 per group). Plus b·D.
+Effective: 2·factored_score_dof(D, D) − [qk_norm]·(K + rope_dim/2) + 1
+  + G·((D + b)·v − v(v − 1)/2 + R·D·v − [b = 1 and V ≥ D + 1]) + b·D,
+  v = min(V, D + b). Each softmax has per_head's score count
+  (base.factored_score_dof); with QK-norm each pair's scores forget its
+  maps' scales there, but the q_norm/k_norm products (K + rope_dim/2) are
+  shared by the pairs, so counted once. λ's four vectors give one number
+  (+1), the norm's scale folds into W^O. The norm keeps only W_V,g's
+  orthogonal gauge: per kv group the map depends on Σ_g = M_g M_gᵀ and
+  M_g·[W_O,h]_{h in g}, M_g = [W_V,g; b_v,g] ((D + b)×V), so with
+  v = min(V, D + b): (D + b)·v − v(v − 1)/2 + R·D·v; b_v no longer folds
+  into b_o. The norm's eps breaks the scale gauge (the function sees
+  ‖u‖² + eps), except when V ≥ D + 1 with biases: the bias row's ‖·‖² term
+  absorbs eps (−1 per group). An elementwise gate (after the norm) leaves of
+  that gauge only diagonal maps, which the norm does not commute with (the
+  subln scale, diagonal, still folds into W^O): per group M_g and the W_O,h
+  are all free, (D + b)·V + R·D·V, eps unabsorbed. A headwise gate keeps it.
+  Sinks are shared by the two softmaxes (one per head, mechanisms). Plus b·D.
 KV cache: G·(2·K + V) per token (both keys of each kv head, and its value).
 Score weights: 2·D·(H + G)·K + 4·K.
 """
@@ -113,15 +120,23 @@ def value_dof(cfg: HeadConfig) -> int:
   """One kv group's value-output map through the per-head RMSNorm (module docstring)."""
   D, R, V = cfg.d_model, cfg.group_size, cfg.d_v
   b = 1 if cfg.use_bias else 0
+  if cfg.gate == "elementwise":  # no gauge left: M_g and the W_O,h all free
+    return (D + b) * V + R * D * V
   v = min(V, D + b)
   eps_absorbed = 1 if b and V >= D + b else 0
   return (D + b) * v - v * (v - 1) // 2 + R * D * v - eps_absorbed
 
 
+def shared_score_dof(cfg: HeadConfig) -> int:
+  """QK-norm's scales, which both pairs share: counted once, not once per pair (docstring)."""
+  return cfg.d_k + cfg.rope_dim // 2 if cfg.qk_norm else 0
+
+
 def effective_param_count(cfg: HeadConfig) -> int:
   D = cfg.d_model
   b = 1 if cfg.use_bias else 0
-  return 2 * factored_score_dof(cfg, D, D) + 1 + cfg.num_kv_heads * value_dof(cfg) + b * D
+  scores = 2 * factored_score_dof(cfg, D, D) - shared_score_dof(cfg)
+  return scores + 1 + cfg.num_kv_heads * value_dof(cfg) + b * D
 
 
 def flops(cfg: HeadConfig, T: int, S: int) -> int:

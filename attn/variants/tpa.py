@@ -32,7 +32,10 @@ Effective (n = D + b inputs, N = n(n+1)/2 quadratic forms of them): each of
   capped at the quadratic forms); the scores then lose the gauge between q and
   k (GL(K); with RoPE its part commuting with the rotations) and G − 1 kv-head
   scales, the values GL(V) against W^O and G − 1 scales; key and value
-  constants drop where the family reaches them (effective_param_count). Equals
+  constants drop where the family reaches them (effective_param_count). An
+  elementwise gate cuts the values' GL(V) to its diagonal (V) and sees all V
+  dims; sinks or a softcap keep the key constants, sinks or a gate the value
+  constants (as base.value_output_dof, base.kept_key_bias). Equals
   the Jacobian's rank at every shape checked with d_model ≥ 3 (an upper bound
   at d_model = 2). Without those caps: stored − R_q² − 2·R_kv² − K² − V² − 2·(G − 1).
 KV cache: R_kv·(G + K) + R_kv·(G + V) per token.
@@ -46,8 +49,8 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants import rope
-from attn.variants.base import (Options, Params, Variant, add_bias, bias, core, no_circuits,
-                                normal, project_heads, project_out)
+from attn.variants.base import (Options, Params, Variant, add_bias, bias, core, kept_key_bias,
+                                no_circuits, normal, project_heads, project_out)
 
 
 def _shapes(cfg: HeadConfig) -> dict[str, tuple[int, int]]:
@@ -166,7 +169,10 @@ def effective_param_count(cfg: HeadConfig) -> int:
   out of the softmax where the key family reaches them: F_k + G·(K − r) − G·K·N.
   Values: F_v + H·V_e·D less GL(V_e) (v -> v·M, W^O -> M⁻¹·W^O) and G − 1 scales,
   V_e = min(V, n·R_kv, H·D); with biases value constants fold into b_o where
-  the value family reaches them: F_v + G·V_e − G·V_e·N. Plus b·D.
+  the value family reaches them: F_v + G·V_e − G·V_e·N. An elementwise gate
+  (o_h ⊙ σ(·) before W^O) commutes only with diagonal M: V_e = V, less V.
+  The constants stay where the softmax or W^O no longer cancels them: key
+  constants with sinks or a softcap, value constants with sinks or a gate. Plus b·D.
   """
   D, H, G, K, V, Rq, Rk = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v,
                            cfg.q_rank, cfg.kv_rank)
@@ -175,12 +181,17 @@ def effective_param_count(cfg: HeadConfig) -> int:
   forms = n * (n + 1) // 2
   if r == 0:
     K = min(K, n * Rq, n * Rk)
-  V = min(V, n * Rk, H * D)
+  elementwise = cfg.gate == "elementwise"
+  if not elementwise:  # a gate per value dim sees every dim apart: all V count
+    V = min(V, n * Rk, H * D)
   f_q, f_k, f_v = factor_dof(n, H, K, Rq), factor_dof(n, G, K, Rk), factor_dof(n, G, V, Rk)
-  key_constants = b * max(0, f_k + G * (K - r) - G * K * forms)
-  value_constants = b * max(0, f_v + G * V - G * V * forms)
+  # Constants drop only where softmax and W^O make them inert: sinks or a softcap keep the key's,
+  # sinks or a gate the value's.
+  key_constants = 0 if kept_key_bias(cfg) else b * max(0, f_k + G * (K - r) - G * K * forms)
+  keeps_values = cfg.sinks or cfg.gate is not None
+  value_constants = 0 if keeps_values else b * max(0, f_v + G * V - G * V * forms)
   scores = f_q + f_k - key_constants - ((K - r) ** 2 + r) - (G - 1)
-  values = f_v - value_constants + H * V * D - V * V - (G - 1)
+  values = f_v - value_constants + H * V * D - (V if elementwise else V * V) - (G - 1)
   return scores + values + b * D
 
 
