@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from attn.experiments.running import store as store_lib
-from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, short, tied_axes
+from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, short, slant, tied_axes
 
 ANALYSIS = "analysis.json"
 # summary key of analysis.json -> what the report calls it
@@ -141,6 +141,7 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
         f"\n{short(b)}={r['label'][b]}" for b in tied) + (f"\nd_k={r['d_k']}" if dk else "")
         for r in rows}
     ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)], fontsize=7)
+    slant(ax, list(ticks.values()), width=60)
     ax.set_xlim(-0.5, len(values) - 0.5)
     ax.set_title(name + (" (grey: d_k)" if key in ("qk_effective_rank", "qk_rank") else ""), fontsize=9)
     ax.tick_params(axis="y", labelsize=7)

@@ -71,6 +71,14 @@ def _tick(r: dict[str, Any], axis: str, tied: list[str]) -> str:
   return text + "".join(f"\n{short(b)}={r['label'][b]}" for b in tied)
 
 
+def slant(ax, labels: list[str], width: int = 48) -> None:
+  """Tick labels at 30° when, written flat, they would run into each other."""
+  if sum(len(str(s).split("\n")[0]) + 2 for s in labels) > width:
+    ax.tick_params(axis="x", labelrotation=30)
+    for label in ax.get_xticklabels():
+      label.set_horizontalalignment("right")
+
+
 def _log_if_spanning(ax, values: list[float]) -> None:
   """A log y axis with plain tick labels when positive values span more than a factor of 20."""
   from matplotlib import ticker
@@ -106,6 +114,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
         ax.plot([x] * len(seeds), seeds, "o", ms=4, alpha=0.6, color=line.get_color(), mec="none")
     ticks = {values.index(r["label"][axis]): _tick(r, axis, tied) for r in rows}
     ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)])
+    slant(ax, list(ticks.values()))
     ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
     ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), mean a {'line' if numeric else 'bar'}",

@@ -344,7 +344,8 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
   for r in rows:  # the KV cache and a short name of each group, from its first trial's config
     r["kv_bytes"] = kv_cache_bytes(first[r["group"]])
     r["setting"] = setting_name(first[r["group"]]["config"]["model"]) if r["kv_bytes"] else None
-  if len(rows) > 1 and len({r["setting"] for r in rows}) == 1:  # one name for all: the groups say more
+  names = [r["setting"] for r in rows]
+  if len(rows) > 1 and len(set(names)) < len(names):  # a name shared by groups: the groups say more
     for r in rows:
       r["setting"] = None
   plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
