@@ -175,11 +175,7 @@ def run_group(out: str, processes: int, lease_timeout: float, coordinator_timeou
         for p in procs:
           if p.poll() is None:
             p.kill()
-      if time.monotonic() - last >= (1.0 if tty else 10.0):
-        last = time.monotonic()
-        line = f"{P} processes; {status_lib.summary_line(status_lib.collect(out, lease_timeout))}"
-        stream.write(("\r\033[K" + line) if tty else line + "\n")
-        stream.flush()
+      last = status_lib.print_progress(stream, f"{P} processes", out, lease_timeout, last)
       time.sleep(0.2)
   finally:
     for s, h in previous.items():

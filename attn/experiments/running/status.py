@@ -188,3 +188,15 @@ def run(args: argparse.Namespace) -> int:
     if os.path.isdir(os.path.join(args.dir, sub)):
       print(f"logs: {os.path.join(args.dir, sub)}/")
   return 0
+
+
+def print_progress(stream, prefix: str, out: str, lease_timeout: float, last: float) -> float:
+  """prefix and the store's one-line summary: every 1 s on a terminal (rewriting the line), else
+  every 10 s (a line each); returns when it last printed (pass it back as `last`)."""
+  tty = hasattr(stream, "isatty") and stream.isatty()
+  if time.monotonic() - last < (1.0 if tty else 10.0):
+    return last
+  line = f"{prefix}; {summary_line(collect(out, lease_timeout))}"
+  stream.write(("\r\033[K" + line) if tty else line + "\n")
+  stream.flush()
+  return time.monotonic()

@@ -123,12 +123,8 @@ def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.std
   last = 0.0
   try:
     while not all(job.done() for job in jobs):
-      if time.monotonic() - last >= (1.0 if tty else 10.0):
-        last = time.monotonic()
-        running = sum(not job.done() for job in jobs)
-        line = f"workers {running}/{n} running; {status_lib.summary_line(status_lib.collect(out, lease_timeout))}"
-        stream.write(("\r\033[K" + line) if tty else line + "\n")
-        stream.flush()
+      running = sum(not job.done() for job in jobs)
+      last = status_lib.print_progress(stream, f"workers {running}/{n} running", out, lease_timeout, last)
       time.sleep(0.2)
   finally:
     for s, h in previous.items():
