@@ -177,3 +177,16 @@ def test_sweep_throughput_does_not_depend_on_the_current_directory(tmp_path, mon
   assert r["trial"] == {}  # the built-in config has no swept axis but the seed
   assert r["sequential"]["status"] == ["ok"] and r["vmap"]["status"] == ["ok"]
   assert r["sequential"]["wall_s"] > 0 and r["vmap_speedup"] > 0
+
+
+def test_collectives_are_counted_from_hlo_lines_with_tuple_results():
+  from attn.bench.mesh import collectives, on_paper
+  hlo = """  %all-reduce.33 = (f32[256]{0}, f32[256,256]{1,0}, /*index=5*/f32[128,256]{1,0}) all-reduce(%a, %b)
+  %x = f32[] all-reduce(%w), channel_id=2
+  ROOT %y = bf16[4,8]{1,0} all-gather-start(%z)
+  %gte = f32[256]{0} get-tuple-element(%all-reduce.33), index=0
+  %p = f32[2,3]{1,0} collective-permute(%q), source_target_pairs={{0,1}}"""
+  got = collectives(hlo)
+  assert got["collectives"] == 4
+  assert got["collective_mb"] * 1e6 == pytest.approx(4 * (256 + 256 * 256 + 128 * 256 + 1 + 6) + 2 * 32)
+  assert on_paper(312e12 * 0.4, 0.0, devices=1) == pytest.approx(1e3)  # one second of one GPU's work

@@ -73,7 +73,9 @@ def cpu_name() -> str:
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s64": 8}
-_OP = re.compile(r"=\s*(\(?[a-z0-9\[\]{}, ]*\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# One instruction a line: "%name = RESULT_TYPE op(...)"; a tuple type may hold /*index=N*/ comments.
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(",
+                 re.M)
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
