@@ -407,3 +407,21 @@ def test_directory_load_needs_neither_torch_nor_transformers(tmp_path):
   code = ("import sys; from attn.nn import interop; interop.from_hf(sys.argv[1]); "
           "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
   subprocess.run([sys.executable, "-c", code, path], check=True, timeout=120)
+
+
+def test_mla_on_load_returns_every_layers_error():
+  m = _gpt2(6)  # D = 12, H = 3, K = V = 4, 2 layers
+  ids, lengths, mask = _tokens(7, GPT2["vocab_size"])
+  ref = _hf_logits(m, ids, mask)
+  model, cfg, errors = interop.from_hf(m, variant="mla", latent_dim=12)  # d_c = D: exact
+  assert cfg.variant == "mla" and cfg.head.latent_dim == 12 and len(errors) == GPT2["n_layer"]
+  assert max(errors) < 1e-5
+  assert _max_diff(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)), ref) < TOL
+  with pytest.warns(UserWarning, match="lossy"):
+    model, cfg, errors = interop.from_hf(m, variant="mla", latent_dim=4)
+  for layer, err in enumerate(errors):  # the truncated SVD's share of [W_K | W_V], layer by layer
+    attn_w = m.transformer.h[layer].attn.c_attn.weight.detach().numpy()
+    s = np.linalg.svd(attn_w[:, 12:], compute_uv=False)
+    assert err == pytest.approx(np.sqrt((s[4:] ** 2).sum() / (s ** 2).sum()), rel=1e-4)
+  with pytest.raises(ConfigError, match="latent_dim=4 is not allowed"):
+    interop.from_hf(m, latent_dim=4)

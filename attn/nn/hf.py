@@ -488,15 +488,16 @@ def build(kind: str, cfg: ModelConfig, pure: dict[str, Any]) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
-def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str,
-                  num_kv_heads: int | None = None) -> tuple[nnx.Module, ModelConfig, list[float]]:
+def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_heads: int | None = None,
+                  latent_dim: int | None = None) -> tuple[nnx.Module, ModelConfig, list[float]]:
   """The same model in another variant and/or with fewer kv heads; (model, cfg, per-layer error).
 
   Each layer's attention goes through attn.convert: exact conversions give
   error 0; mean-pooled kv heads (Ainslie et al. 2023) give the relative
   Frobenius error of the key/value weights they discard.
   """
-  dst_cfg = cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads)
+  dst_cfg = cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads,
+                        latent_dim=cfg.latent_dim if latent_dim is None else latent_dim)
   graphdef, state = nnx.split(model)
   pure = nnx.to_pure_dict(state)
   blocks = pure["blocks"] if "blocks" in pure else pure["encoder"]["blocks"]
@@ -504,7 +505,9 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str,
   with warnings.catch_warnings():  # one warning for the model below, not one per layer
     warnings.simplefilter("ignore", LossyConversionWarning)
     for l in sorted(blocks):
-      params, err = convert(blocks[l]["attn"]["params"], cfg.variant, variant, cfg.head,
+      # latent_dim is mla's alone: the source carries the target's, as attn.convert wants.
+      params, err = convert(blocks[l]["attn"]["params"], cfg.variant, variant,
+                            cfg.head.replace(latent_dim=dst_cfg.head.latent_dim),
                             dst_cfg=dst_cfg.head, return_error=True)
       blocks[l]["attn"]["params"] = dict(params)
       errors.append(float(err))
@@ -516,12 +519,22 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str,
   return build(kind, dst_cfg, pure), dst_cfg, errors
 
 
-def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = None):
-  """(model, model_config) from a HF GPT-2/BERT object or local directory; + error with num_kv_heads."""
+def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = None,
+            latent_dim: int | None = None):
+  """(model, model_config) from a HF object or local directory; + the error with num_kv_heads.
+
+  variant="mla" with latent_dim=d_c converts every layer's heads to latent attention as
+  TransMLA and MHA2MLA do (attn.convert: a truncated SVD of [W_K | W_V] per layer, exact when
+  d_c ≥ min(D, G·(d_k + d_v))) and returns (model, model_config, [each layer's relative error]).
+  """
   is_dir = isinstance(source, (str, os.PathLike))
   hf, weights = (read_config(source), None) if is_dir else _read_object(source)
   cfg = model_config(hf, "per_head")
-  model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
+  if latent_dim is not None and variant != "mla":
+    raise invalid("latent_dim", latent_dim, 'None unless variant="mla" (the latent width d_c of mla)')
+  dst = model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
+  if latent_dim is not None:
+    dst.replace(latent_dim=latent_dim)  # a bad d_c, or RoPE over the whole head, refused here
   weights = read_weights(source) if is_dir else weights
   kind = SUPPORTED[hf["model_type"]]
   if hf["model_type"] in FAMILIES:
@@ -540,7 +553,9 @@ def from_hf(source: Any, variant: str = "per_head", num_kv_heads: int | None = N
   model = build(kind, cfg, pure)
   if variant == "per_head" and num_kv_heads in (None, cfg.num_kv_heads):
     return (model, cfg) if num_kv_heads is None else (model, cfg, 0.0)
-  model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads)
+  model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads, latent_dim)
+  if latent_dim is not None:
+    return model, cfg, errors
   return (model, cfg) if num_kv_heads is None else (model, cfg, max(errors))
 
 
