@@ -20,7 +20,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 TOL = 1e-4  # relative to the largest logit, float32
 BASE = dict(vocab_size=53, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+            rope_theta=500.0,  # transformers 4 reads rope_theta ...
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})  # ... and 5 rope_parameters
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=12, attention_bias=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=3)),

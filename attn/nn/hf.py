@@ -267,7 +267,7 @@ def _family_config(hf: dict[str, Any], kind: str, variant: str, num_kv_heads: in
       d_k=K, d_v=K, num_kv_heads=G if num_kv_heads is None else num_kv_heads, variant=variant,
       max_len=_get(hf, "max_position_embeddings"), positional="rope", rope_dim=K, rope_theta=_rope_theta(hf),
       norm=fam["norm"], norm_type=fam["norm_type"], final_norm=True, mlp="gated",
-      activation=_activation(hf, fam["act"], "silu"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      activation=_activation(hf, fam["act"], "silu"), tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
       use_bias=qkv, dense_bias=_flag(hf, fam["mlp_bias"]), norm_eps=eps, qk_norm=fam.get("qk_norm", False),
       qk_norm_eps=eps, window=window, global_every=global_every, scale=scale, **extra)
 
@@ -682,7 +682,8 @@ def _family_to_hf(model: DecoderLM, cfg: ModelConfig, kind: str):
   act = {v: k for k, v in _ACTIVATIONS.items() if k in ("silu", "gelu_pytorch_tanh", "gelu", "relu")}
   kw = dict(vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.d_ff, num_hidden_layers=L,
             num_attention_heads=H, num_key_value_heads=G, head_dim=K, max_position_embeddings=cfg.max_len,
-            rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,  # transformers 4 reads this, 5 the next
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
             tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0, pad_token_id=None,
             bos_token_id=None, eos_token_id=None)
   kw["hidden_activation" if kind == "gemma2" else "hidden_act"] = act[cfg.activation]
