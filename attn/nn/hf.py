@@ -633,7 +633,8 @@ def _zero(a: Any, name: str, family: str) -> None:
 
 def _family_to_hf(model: DecoderLM, cfg: ModelConfig, kind: str):
   """A transformers <Family>ForCausalLM with the same weights as a DecoderLM of FAMILIES[kind]."""
-  torch, transformers = require("torch"), require("transformers")
+  require("torch")  # transformers' models hold torch tensors
+  transformers = require("transformers")
   fam = FAMILIES[kind]
   wanted = {"positional": "rope", "norm": fam["norm"], "norm_type": fam["norm_type"], "mlp": "gated",
             "final_norm": True, "layernorm": True, "num_segments": 0, "embed_norm": False,
@@ -651,7 +652,7 @@ def _family_to_hf(model: DecoderLM, cfg: ModelConfig, kind: str):
       raise invalid("use_bias" if name != "mlp" else "dense_bias", True, f"False: {kind} has no {name} biases")
   types = ["full_attention" if cfg.layer_head(i).window is None else "sliding_attention" for i in range(L)]
   if "sliding_attention" in types and kind not in ("mistral", "gemma2"):
-    raise invalid("window", cfg.window, f"None: attn maps windows onto mistral and gemma2 only")
+    raise invalid("window", cfg.window, "None: attn maps windows onto mistral and gemma2 only")
   if kind == "mistral" and cfg.global_every:
     raise invalid("global_every", cfg.global_every, "0: mistral's window is in every layer")
   per_head = cfg.head
@@ -712,7 +713,8 @@ _BERT_FIELDS = {"positional": "learned", "norm": "post", "final_norm": False, "u
 
 def _bert_to_hf(model: Encoder, cfg: ModelConfig):
   """A transformers BertModel (BertForMaskedLM with cfg.mlm_head) holding the Encoder's weights."""
-  torch, transformers = require("torch"), require("transformers")
+  require("torch")  # transformers' models hold torch tensors
+  transformers = require("transformers")
   _check_fields(cfg, "bert", _BERT_FIELDS, set(_MAPPED) | {"num_segments", "pooler", "mlm_head"})
   D, H = cfg.d_model, cfg.num_heads
   if cfg.head.d_k * H != D or cfg.head.d_v * H != D:

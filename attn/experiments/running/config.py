@@ -42,7 +42,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
 import tomllib
 from typing import Any
 

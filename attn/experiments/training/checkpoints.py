@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.config import invalid
 
 KEEP = 2
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
