@@ -6,12 +6,27 @@
 
 PATH is a local Hugging Face directory as save_pretrained writes it (config.json,
 model.safetensors and the tokenizer's files) of a causal LM (gpt2, llama,
-mistral, qwen2, qwen3, gemma2) or a BertForMaskedLM; its weights are read with
-numpy, without torch. The text is tokenised with that tokenizer and the
-held-out split of the corpus is scored (attn.experiments.data.hf_text): mean
-next-token cross-entropy in nats over every predicted token, and perplexity
-exp(loss). BERT: the masked-LM loss, 15% of the real tokens (a fixed seed,
-MLM_SEED) replaced by [MASK] and predicted; perplexity is exp of that. With --variant or --num-kv-heads the same weights are converted
+mistral, qwen2, qwen3, gemma2) or a BERT; its weights are read with numpy,
+without torch. The text is tokenised with that tokenizer and the held-out split
+of the corpus is scored (attn.experiments.data.hf_text), by the objective the
+model was trained with (OBJECTIVES):
+
+  next_token      a causal LM: mean next-token cross-entropy in nats over every
+                  predicted token; perplexity exp(loss)
+  masked_lm       a BertForMaskedLM: 15% of the real tokens (a fixed seed,
+                  MLM_SEED) replaced by [MASK] and predicted; perplexity exp(loss)
+  sentence_pairs  a BertModel without an MLM head, i.e. a sentence encoder such
+                  as all-MiniLM-L6-v2: each window of --seq-len tokens is cut
+                  in halves, [CLS] half [SEP] each, mean-pooled and normalised as
+                  sentence-transformers does; the loss is the in-batch ranking
+                  loss of each first half against the batch's second halves
+                  (attn.analysis.sentence.ranking_loss, cosines × 20), so it
+                  depends on --batch-size: ln(batch size) is chance. Pairs
+                  are shuffled (PAIR_SEED) so a batch's negatives come from
+                  anywhere in the split, not from one document. The
+                  accuracy column is top-1 retrieval of the own second half.
+
+With --variant or --num-kv-heads the same weights are converted
 (attn.nn.hf.convert_model: exact variants, or key/value heads mean-pooled as
 Ainslie et al. 2023 do before uptraining) and scored again on the same tokens;
 the table gives each conversion's relative error (the largest over layers).
@@ -35,7 +50,7 @@ from attn.convert import LossyConversionWarning
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--hf", metavar="PATH", required=True,
                       help="a local Hugging Face directory (config.json, model.safetensors, tokenizer): gpt2, llama, "
-                      "mistral, qwen2, qwen3, gemma2, or a BertForMaskedLM")
+                      "mistral, qwen2, qwen3, gemma2, or a BERT (with its MLM head or without: a sentence encoder)")
   parser.add_argument("--text", metavar="FILE_OR_DIR", required=True,
                       help="text to score: a file, a directory, or '' for the Python standard library")
   parser.add_argument("--glob", default=None,
@@ -50,27 +65,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 MLM_SEED, MLM_RATE = 0, 0.15
+PAIR_SEED = 0  # the order of sentence pairs, hence which pairs are one batch's negatives
+OBJECTIVES = ("next_token", "masked_lm", "sentence_pairs")
 
 
-def check_checkpoint(path: str, command: str = "attn eval", bert: bool = True) -> dict[str, Any]:
-  """config.json of a supported checkpoint with its tokenizer; anything else refused before loading
-  weights (a BERT without its MLM head is refused when the weights are read, by run)."""
+def check_checkpoint(path: str, command: str = "attn eval") -> dict[str, Any]:
+  """config.json of a supported checkpoint with its tokenizer; anything else refused before loading weights."""
   from attn.nn import hf
   from attn.experiments.data import hf_text
   config = hf.read_config(path)
   hf.model_config(config)  # the model_type and unsupported settings, by name
-  if config.get("model_type") == "bert" and not bert:
-    raise invalid("config.model_type", "bert", f"a causal LM ({', '.join(sorted(set(hf.SUPPORTED) - {'bert'}))}):"
-                  f" {command} reads a decoder")
-  tok = hf_text.load_tokenizer(path)
-  if config.get("model_type") == "bert" and tok.token_to_id("[MASK]") is None:
-    raise invalid("tokenizer", "no [MASK] token", "a BERT tokenizer with [MASK]: the masked-LM loss masks tokens")
+  hf_text.load_tokenizer(path)
   return config
+
+
+def objective(model, tokenizer) -> tuple[str, dict[str, int]]:
+  """(the model's objective, the special token ids it needs), a missing one refused by name.
+
+  A causal LM: next_token; an Encoder with an MLM head: masked_lm ([MASK]);
+  one without: sentence_pairs ([CLS], [SEP]).
+  """
+  from attn.nn.models import Encoder
+  if not isinstance(model, Encoder):
+    return "next_token", {}
+  name, needed = ("masked_lm", ("[MASK]",)) if model.cfg.mlm_head else ("sentence_pairs", ("[CLS]", "[SEP]"))
+  ids = {t: tokenizer.token_to_id(t) for t in needed}
+  missing = [t for t, i in ids.items() if i is None]
+  if missing:
+    raise invalid("tokenizer", f"no {', '.join(missing)}", f"a BERT tokenizer with {', '.join(needed)}: "
+                  f"the {name} objective needs them")
+  return name, ids
+
+
+def describe(name: str, data: dict[str, np.ndarray]) -> str:
+  """How the objective scores, for the report line (sentence pairs: the loss of a guess, ln of the pairs
+  in each pair's batch, averaged)."""
+  if name == "masked_lm":
+    return f"masked LM, {MLM_RATE:.0%} masked, seed {MLM_SEED}"
+  if name == "sentence_pairs":
+    n_b = data["weights"].sum(-1)
+    chance = float((n_b * np.log(np.maximum(n_b, 1))).sum() / n_b.sum())
+    return f"sentence pairs: in-batch ranking of window halves, mean-pooled, cosine × 20, chance {chance:.3f}"
+  return "next token"
 
 
 def max_positions(config: dict[str, Any], seq_len: int) -> int:
   """seq_len capped at the checkpoint's positions."""
   return min(seq_len, config.get("n_positions") or config.get("max_position_embeddings") or seq_len)
+
+
+def pair_seq_len(config: dict[str, Any], model, seq_len: int) -> int:
+  """seq_len capped so that the model's sequences fit its positions: a window, or for sentence pairs
+  each half of one with its [CLS] and [SEP] (at most 2·(positions − 2) tokens a window)."""
+  from attn.nn.models import Encoder
+  if isinstance(model, Encoder) and not model.cfg.mlm_head:
+    return min(seq_len, 2 * (max_positions(config, seq_len + 4) - 2))
+  return max_positions(config, seq_len)
 
 
 def mlm_batches(data: dict[str, np.ndarray], mask_id: int, seed: int = MLM_SEED,
@@ -83,44 +133,102 @@ def mlm_batches(data: dict[str, np.ndarray], mask_id: int, seed: int = MLM_SEED,
           "weights": chosen.astype(np.float32), "lengths": real.sum(-1).astype(np.int32)}
 
 
-@functools.lru_cache(maxsize=None)
-def _loss_fn(graphdef, masked: bool = False):
-  import jax
+def example_losses(model, batch: dict[str, Any], name: str, gates=None, own_pair_gradient: bool = False):
+  """(summed weighted nll (B,), summed weighted hits (B,), summed weights (B,)) of a batch under objective
+  `name`; gates (L,H) or (B,L,H) gate heads (Michel et al.'s ξ). Traced: call inside jit."""
   import jax.numpy as jnp
   import optax
+  if name == "sentence_pairs":
+    from attn.analysis.sentence import mean_pool, ranking_loss
+    B = batch["tokens"].shape[0]
+    tokens = jnp.concatenate([batch["tokens"], batch["pair_tokens"]])
+    lengths = jnp.concatenate([batch["lengths"], batch["pair_lengths"]])
+    if gates is not None and jnp.ndim(gates) == 3:  # row b's gates act on both halves of pair b
+      gates = jnp.concatenate([gates, gates])
+    e = mean_pool(model.hidden(tokens, lengths_B=lengths, head_mask=gates).astype(jnp.float32), lengths)
+    nll, hit = ranking_loss(e[:B], e[B:], batch["weights"] > 0, own_pair_gradient=own_pair_gradient)
+    return nll, hit, batch["weights"]
+  if name == "masked_lm":  # padding (length-0 rows too) kept out by the lengths and the weights
+    logits = model.mlm_logits(model.hidden(batch["tokens"], lengths_B=batch["lengths"], head_mask=gates))
+  else:
+    logits = model(batch["tokens"], head_mask=gates)
+  logits = logits.astype(jnp.float32)
+  w = batch["weights"]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  nll = jnp.where(w > 0, nll * w, 0.0)
+  hit = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32) * w
+  return nll.sum(-1), hit.sum(-1), w.sum(-1)
+
+
+def held_out_batches(path: str, text: str, model, config: dict[str, Any], seq_len: int, batch_size: int,
+                     max_tokens: int | None, glob: str | None = None, split: str = "heldout",
+                     whole: bool = False, max_batches: int | None = None):
+  """(objective name, batches (nb, B, ...), info) of one split of `text` for the checkpoint at `path`.
+
+  whole: only full windows (no padding in attention statistics), at most max_batches batches.
+  """
+  from attn.experiments.data import hf_text
+  tokenizer = hf_text.load_tokenizer(path)
+  name, ids = objective(model, tokenizer)
+  docs, info = hf_text.documents(text, glob, split)
+  if name == "sentence_pairs":
+    w = hf_text.span_pairs(hf_text.tokenize(tokenizer, docs, config["vocab_size"], special=False), seq_len,
+                           ids["[CLS]"], ids["[SEP]"], max_tokens, whole=whole)
+    counted = int(w["lengths"].sum() + w["pair_lengths"].sum() - 4 * len(w["weights"]))
+    # Random in-batch negatives, as a sentence encoder is trained with: consecutive windows of one
+    # document would make every negative a near neighbour.
+    order = np.random.default_rng(PAIR_SEED).permutation(len(w["weights"]))
+    w = {k: a[order] for k, a in w.items()}
+  else:
+    w = hf_text.windows(hf_text.tokenize(tokenizer, docs, config["vocab_size"]), seq_len, max_tokens)
+    if whole:
+      w = {k: a[w["weights"].all(-1)] for k, a in w.items()}
+    counted = int(w["weights"].sum())
+  rows = w["tokens"].shape[0]
+  if whole and rows < batch_size:
+    raise invalid("--text", text, f"a {split} split with at least --batch-size={batch_size} windows of "
+                  f"--seq-len={seq_len} tokens (it has {rows}); lower either")
+  data = hf_text.batches(w, batch_size, max_batches)
+  if name == "masked_lm":
+    data = mlm_batches(data, ids["[MASK]"])
+    counted = int(data["weights"].sum())
+  info |= {"documents": len(docs), "windows": rows, "tokens": counted, "seq_len": seq_len}
+  return name, data, info
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_fn(graphdef, name: str):
+  import jax
   from flax import nnx
 
   @jax.jit
   def batch_loss(state, batch):
-    model = nnx.merge(graphdef, state)
-    if masked:  # an Encoder with its MLM head; padding (length 0 rows too) kept out by where()
-      logits = model.mlm_logits(model(batch["tokens"], lengths_B=batch["lengths"])).astype(jnp.float32)
-    else:
-      logits = model(batch["tokens"]).astype(jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.where(batch["weights"] > 0, nll * batch["weights"], 0.0).sum()
+    nll, hit, _ = example_losses(nnx.merge(graphdef, state), batch, name)
+    return nll.sum(), hit.sum()
 
   return batch_loss
 
 
-def evaluate(model, data: dict[str, np.ndarray]) -> float:
-  """Mean cross-entropy (nats) over batches (nb, B, T) with weights: next-token of a DecoderLM,
-  masked-LM of an Encoder (data from mlm_batches)."""
+def evaluate(model, data: dict[str, np.ndarray], name: str = "next_token") -> tuple[float, float]:
+  """(mean loss in nats, mean accuracy) of batches (nb, B, ...) under objective `name`, weighted per
+  predicted token (next_token, masked_lm) or per pair (sentence_pairs)."""
   from flax import nnx
   graphdef, state = nnx.split(model)
-  fn = _loss_fn(graphdef, "lengths" in data)
-  total = sum(float(fn(state, {k: v[j] for k, v in data.items()})) for j in range(data["tokens"].shape[0]))
-  return total / float(data["weights"].sum())
+  fn = _loss_fn(graphdef, name)
+  sums = [fn(state, {k: v[j] for k, v in data.items()}) for j in range(data["tokens"].shape[0])]
+  count = float(data["weights"].sum())
+  return sum(float(s[0]) for s in sums) / count, sum(float(s[1]) for s in sums) / count
 
 
-def _row(name: str, cfg, error: float | None, loss: float, seconds: float) -> str:
+def _row(name: str, cfg, error: float | None, loss: float, accuracy: float, seconds: float,
+         perplexity: bool) -> str:
   err = "–" if error is None else f"{error:.4f}"
-  return (f"| {name} | {cfg.variant} | {cfg.head.num_kv_heads} | {err} | {loss:.4f} | "
-          f"{math.exp(loss):.2f} | {seconds:.1f} |")
+  ppl = f"{math.exp(loss):.2f}" if perplexity else "–"
+  return (f"| {name} | {cfg.variant} | {cfg.head.num_kv_heads} | {err} | {loss:.4f} | {ppl} | "
+          f"{accuracy:.4f} | {seconds:.1f} |")
 
 
 def run(args: argparse.Namespace) -> int:
-  from attn.experiments.data import hf_text
   for name in ("max_tokens", "batch_size", "seq_len"):
     value = getattr(args, name)
     if value < 1:
@@ -128,34 +236,29 @@ def run(args: argparse.Namespace) -> int:
   config = check_checkpoint(args.hf)
   from attn.nn import hf
   hf.model_config(config, args.variant, args.num_kv_heads)  # a bad variant or G, before any weights
-  seq_len = max_positions(config, args.seq_len)
-  data, info = hf_text.text_batches(args.hf, args.text, seq_len, args.batch_size, args.max_tokens,
-                                    config["vocab_size"], args.glob)
   t0 = time.perf_counter()
   model, cfg = hf.from_hf(args.hf)
-  family = config["model_type"]
-  if family == "bert":
-    if not cfg.mlm_head:
-      raise invalid("--hf", args.hf, "a BertForMaskedLM checkpoint (cls.predictions.*): a BertModel has no "
-                    "head to score text with")
-    data = mlm_batches(data, hf_text.load_tokenizer(args.hf).token_to_id("[MASK]"))
-    family = f"bert (masked LM, {MLM_RATE:.0%} masked, seed {MLM_SEED})"
-    info["tokens"] = int(data["weights"].sum())
-  loss = evaluate(model, data)
-  rows = [_row("original", cfg, None, loss, time.perf_counter() - t0)]
+  seq_len = pair_seq_len(config, model, args.seq_len)
+  name, data, info = held_out_batches(args.hf, args.text, model, config, seq_len, args.batch_size,
+                                      args.max_tokens, args.glob)
+  per = "pair" if name == "sentence_pairs" else "token"
+  loss, acc = evaluate(model, data, name)
+  rows = [_row("original", cfg, None, loss, acc, time.perf_counter() - t0, per == "token")]
   if args.variant != "per_head" or args.num_kv_heads not in (None, cfg.num_heads):
     t0 = time.perf_counter()
     with warnings.catch_warnings():  # the table gives the error
       warnings.simplefilter("ignore", LossyConversionWarning)
       converted, ccfg, errors = hf.convert_model(model, cfg, args.variant, args.num_kv_heads)
-    rows.append(_row("converted", ccfg, max(errors), evaluate(converted, data), time.perf_counter() - t0))
-  print(f"{args.hf}: {family}, {cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}, "
-        f"vocab {cfg.vocab_size}")
+    rows.append(_row("converted", ccfg, max(errors), *evaluate(converted, data, name), time.perf_counter() - t0,
+                     per == "token"))
+  print(f"{args.hf}: {config['model_type']} ({describe(name, data)}), {cfg.num_layers} layers, "
+        f"{cfg.num_heads} heads, d_model {cfg.d_model}, vocab {cfg.vocab_size}")
+  scored = f"{info['windows']} pairs of window halves" if per == "pair" else \
+      f"{info['tokens']:,} predicted tokens in {info['windows']} windows"
   print(f"text: {info['root']} ({info['glob']}), held-out split: {info['documents']} document(s), "
-        f"{info['held_out_bytes']:,} of {info['bytes']:,} bytes; scored {info['tokens']:,} predicted tokens "
-        f"in {info['windows']} windows of {seq_len}")
+        f"{info['held_out_bytes']:,} of {info['bytes']:,} bytes; scored {scored} of {seq_len} tokens")
   print()
-  print("| model | variant | kv heads | relative error | loss (nats/token) | perplexity | seconds |")
-  print("|---|---|---:|---:|---:|---:|---:|")
+  print(f"| model | variant | kv heads | relative error | loss (nats/{per}) | perplexity | accuracy | seconds |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|")
   print("\n".join(rows))
   return 0

@@ -13,6 +13,10 @@
   slice_share     per head, the share of ‖W_h‖²_F in the rows of head h's own
                   D/H slice of the input: 1 if the input were split across heads
                   (seed question 3's split_input), 1/H for weights spread evenly
+  ranking_loss    the in-batch contrastive loss of (anchor, positive) embedding
+                  pairs that sentence encoders are trained with (sentence-
+                  transformers' MultipleNegativesRankingLoss): the loss of a
+                  BERT without an MLM head in `attn eval` and `attn analyze --hf`
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from attn.config import invalid
 
 Array = jax.Array
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's eps, as sentence-transformers' Normalize uses it
+RANKING_SCALE = 20.0  # sentence-transformers' MultipleNegativesRankingLoss default: cosines times 20
 
 
 def mean_pool(h_BTD, lengths_B) -> Array:
@@ -114,3 +119,36 @@ def slice_share(w_DHK) -> np.ndarray:
   own_H = np.stack([(slices[h, :, h] ** 2).sum() for h in range(H)])
   total_H = (w ** 2).sum(axis=(0, 2))
   return own_H / np.maximum(total_H, 1e-30)
+
+
+def ranking_loss(a_BD, p_BD, valid_B, scale: float = RANKING_SCALE, own_pair_gradient: bool = False):
+  """(nll (B,), hit (B,)): anchor b's cross-entropy over the batch's positives, and whether it ranks its own first.
+
+  a and p are unit embeddings (mean_pool), so a_b·p_j is a cosine; the logits
+  are scale·a_b·p_j over the valid positives j (invalid rows, batch padding,
+  are neither scored nor offered as negatives) and the target is j = b, as
+  MultipleNegativesRankingLoss computes it. ln(number of valid rows) is chance.
+  hit: anchor b's own positive scores highest (top-1 in-batch retrieval).
+
+  own_pair_gradient: the other rows' positives enter as constants
+  (stop_gradient), so d nll_b depends on row b's own pair alone; the values are
+  unchanged. With per-row head gates that makes the gradient of Σ_b nll_b
+  example b's own ∂nll_b/∂ξ_b (Michel et al.'s per-example score) instead of
+  row b's effect on every row's loss.
+  """
+  a_BD, p_BD, valid_B = jnp.asarray(a_BD), jnp.asarray(p_BD), jnp.asarray(valid_B, bool)
+  if a_BD.ndim != 2 or a_BD.shape != p_BD.shape or valid_B.shape != a_BD.shape[:1]:
+    raise invalid("anchors, positives, valid shapes", (a_BD.shape, p_BD.shape, valid_B.shape),
+                  "(B, D), (B, D) and (B,)")
+  a = a_BD.astype(jnp.float32)
+  p = p_BD.astype(jnp.float32)
+  others = jax.lax.stop_gradient(p) if own_pair_gradient else p
+  eye_BB = jnp.eye(a.shape[0], dtype=bool)
+  sim_BB = jnp.where(eye_BB, jnp.sum(a * p, -1)[:, None], a @ others.T)  # diagonal: the own pair, live
+  # An invalid row keeps its own column, so its (discarded) loss stays finite and its gradient zero.
+  logits_BB = jnp.where(valid_B[None, :] | eye_BB, scale * sim_BB, -jnp.inf)
+  target_B = jnp.arange(a.shape[0])
+  nll_B = -jax.nn.log_softmax(logits_BB, axis=-1)[target_B, target_B]
+  hit_B = (jnp.argmax(logits_BB, axis=-1) == target_B).astype(jnp.float32)
+  valid = valid_B.astype(jnp.float32)
+  return jnp.where(valid_B, nll_B, 0.0), hit_B * valid

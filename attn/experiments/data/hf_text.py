@@ -14,6 +14,13 @@ seq_len + 1 tokens that overlap by one, so every token but a document's first
 is predicted exactly once. Windows are the decoder_lm task format: tokens,
 targets and weights (B,T); a document's short last window is right-padded with
 weight 0, which a causal model needs no mask for.
+
+A BERT without an MLM head (a sentence encoder such as all-MiniLM-L6-v2) is
+scored on span pairs instead (span_pairs): each window of seq_len tokens of a
+document, tokenised without special tokens, is cut into halves, and each half
+becomes its own sequence [CLS] half [SEP]; the two halves of a window are an
+(anchor, positive) pair, the other windows of the batch its negatives
+(attn.analysis.sentence.ranking_loss).
 """
 
 from __future__ import annotations
@@ -39,11 +46,15 @@ def load_tokenizer(path: str):
                   "(save_pretrained of the tokenizer writes them)")
   tokenizers = require("tokenizers")
   try:
-    if os.path.isfile(single):
-      return tokenizers.Tokenizer.from_file(single)
-    return tokenizers.ByteLevelBPETokenizer(vocab, merges)
+    tok = tokenizers.Tokenizer.from_file(single) if os.path.isfile(single) else \
+        tokenizers.ByteLevelBPETokenizer(vocab, merges)
   except Exception as e:  # a corrupt file: say which
     raise invalid("--hf", path, f"a readable tokenizer ({TOKENIZER_FILES}): {e}") from None
+  # Whole documents: a tokenizer.json may carry the model's truncation (all-MiniLM-L6-v2's cuts at
+  # 128 tokens) or padding; windows are cut here instead.
+  tok.no_truncation()
+  tok.no_padding()
+  return tok
 
 
 def documents(text: str, glob: str | None = None, split: str = "heldout") -> tuple[list[str], dict[str, Any]]:
@@ -82,14 +93,56 @@ def windows(token_ids: Iterable[list[int]], seq_len: int, max_tokens: int | None
   return {"tokens": seq[:, :-1], "targets": seq[:, 1:], "weights": weights}
 
 
-def tokenize(tokenizer, docs: list[str], vocab_size: int) -> Iterator[list[int]]:
-  """Each document's ids, lazily; an id the model has no embedding for (a mismatched tokenizer) is refused."""
+def tokenize(tokenizer, docs: list[str], vocab_size: int, special: bool = True) -> Iterator[list[int]]:
+  """Each document's ids, lazily; an id the model has no embedding for (a mismatched tokenizer) is refused.
+
+  special=False leaves out the tokenizer's own special tokens (BERT's [CLS] … [SEP] around a document).
+  """
   for d in docs:
-    ids = tokenizer.encode(d).ids
+    ids = tokenizer.encode(d, add_special_tokens=special).ids
     if ids and max(ids) >= vocab_size:
       raise invalid("tokenizer", f"id {max(ids)}", f"ids below the model's vocab_size={vocab_size}: "
                     "the tokenizer does not belong to this checkpoint")
     yield ids
+
+
+def span_pairs(token_ids: Iterable[list[int]], seq_len: int, cls_id: int, sep_id: int,
+               max_tokens: int | None = None, whole: bool = False) -> dict[str, np.ndarray]:
+  """(anchor, positive) pairs: the halves of each window of seq_len tokens, each as [CLS] half [SEP].
+
+  tokens, lengths (N,) and pair_tokens, pair_lengths, right-padded to
+  seq_len // 2 + 2 positions (ceil for the second half: seq_len odd gives one more
+  token there), weights (N,) 1. A document's last, shorter window is split in
+  half too when each half has a token (whole=True: only full windows). At most
+  max_tokens tokens (both halves) in all.
+  """
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+    raise invalid("--seq-len", seq_len, "an integer >= 2: a window is cut into two halves")
+  budget = max_tokens if max_tokens is not None else float("inf")
+  first, second = [], []
+  for ids in token_ids:
+    for start in range(0, len(ids), seq_len):
+      n = int(min(len(ids) - start, seq_len))
+      if n < 2 or (whole and n < seq_len) or n > budget:
+        break
+      chunk = ids[start:start + n]
+      first.append([cls_id, *chunk[:n // 2], sep_id])
+      second.append([cls_id, *chunk[n // 2:], sep_id])
+      budget -= n
+    if budget < 2:
+      break
+  if not first:
+    raise invalid("--text", "no window", f"text with a document of at least {seq_len if whole else 2} tokens")
+  T = (seq_len + 1) // 2 + 2
+  out = {}
+  for name, rows in (("", first), ("pair_", second)):
+    tokens = np.zeros((len(rows), T), np.int32)
+    for i, r in enumerate(rows):
+      tokens[i, :len(r)] = r
+    out[name + "tokens"] = tokens
+    out[name + "lengths"] = np.asarray([len(r) for r in rows], np.int32)
+  out["weights"] = np.ones(len(first), np.float32)
+  return out
 
 
 def batches(w: dict[str, np.ndarray], batch_size: int, max_batches: int | None = None) -> dict[str, np.ndarray]:

@@ -20,7 +20,9 @@ order is not chosen on the batches that then score it. L(x) in the importance
 is example x's own loss: its weighted mean cross-entropy.
 
 `attn analyze --hf PATH --text FILE_OR_DIR --out DIR` runs the same analysis
-on a pretrained Hugging Face GPT-2 (attn.nn.hf.from_hf) and writes
+on a pretrained Hugging Face model (attn.nn.hf.from_hf: a causal LM, a BERT
+with or without its MLM head, each scored by its own objective, see
+analyze_hf) and writes
 DIR/analysis.json and the PNGs: held-out batches from the text's held-out
 split, importance batches from its train split (attn.experiments.data.hf_text);
 --batches N (default 4) of --batch-size windows of --seq-len tokens each.
@@ -53,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="held-out (and training) batches per trial (default: the trial's eval_batches)")
   parser.add_argument("--no-plots", action="store_true", help="write analysis.json only")
   hf = parser.add_argument_group("a pretrained model instead of a sweep (needs the hf extra)")
-  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face causal LM directory with its tokenizer (gpt2, llama, mistral, "
-                  "qwen2, qwen3, gemma2)")
+  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face directory with its tokenizer (gpt2, llama, mistral, "
+                  "qwen2, qwen3, gemma2, bert)")
   hf.add_argument("--text", metavar="FILE_OR_DIR", help="text to analyse on ('' for the Python stdlib)")
   hf.add_argument("--glob", default=None, help="files of a --text directory (default '**/*')")
   hf.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go")
@@ -154,7 +156,14 @@ def _blocks(model) -> list:
   return list(model.blocks if hasattr(model, "blocks") else model.encoder.blocks)
 
 
+# A pretrained BERT's kinds: scored by the objective it was trained with (attn.eval_cli.OBJECTIVES).
+HF_ENCODER_KINDS = ("masked_lm", "sentence_pairs")
+
+
 def _forward(model, batch: dict[str, Any], kind: str, gates=None, return_weights: bool = False):
+  if kind in HF_ENCODER_KINDS:
+    return model.hidden(batch["tokens"], lengths_B=batch["lengths"], head_mask=gates,
+                        return_weights=return_weights)
   if kind == "decoder_lm":
     return model(batch["tokens"], head_mask=gates, return_weights=return_weights)
   return model(batch["tokens"], batch["lengths"], head_mask=gates, return_weights=return_weights)
@@ -191,19 +200,25 @@ def _compiled(graphdef, kind: str):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from attn import analysis
+  from attn import analysis, eval_cli
   from attn.nn import models
 
+  def losses(state, batch, gates, own_pair_gradient=False):
+    model = nnx.merge(graphdef, state)
+    if kind in HF_ENCODER_KINDS:
+      return eval_cli.example_losses(model, batch, kind, gates, own_pair_gradient)
+    return _per_example(_forward(model, batch, kind, gates), batch, kind)
+
   def gate_grads(state, batch, gates_BLH):
-    def example_loss(g_BLH):
-      nll, _, w = _per_example(_forward(nnx.merge(graphdef, state), batch, kind, g_BLH), batch, kind)
+    def example_loss(g_BLH):  # sentence pairs: each pair's own gradient (ranking_loss's own_pair_gradient)
+      nll, _, w = losses(state, batch, g_BLH, own_pair_gradient=True)
       return nll / jnp.maximum(w, 1.0)
     return analysis.gate_gradients(example_loss, gates_BLH)
 
   def pruned(state, batches, gates_KLH):
     def at(g_LH):
       def one(batch):  # the batch mean, as training's evaluation computes it
-        nll, hit, w = _per_example(_forward(nnx.merge(graphdef, state), batch, kind, g_LH), batch, kind)
+        nll, hit, w = losses(state, batch, g_LH)
         return nll.sum() / jnp.maximum(w.sum(), 1.0), hit.sum() / jnp.maximum(w.sum(), 1.0)
       loss, acc = jax.lax.map(one, batches)
       return loss.mean(), acc.mean()
@@ -384,35 +399,34 @@ HF_BATCHES = 4
 
 def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, plots: bool = True,
                glob: str | None = None, seq_len: int = 128, batch_size: int = 8) -> dict[str, Any]:
-  """The analysis of a pretrained Hugging Face GPT-2 on local text; writes out_dir/analysis.json (and PNGs).
+  """The analysis of a pretrained Hugging Face model on local text; writes out_dir/analysis.json (and PNGs).
 
   Held-out batches (statistics, pruning curve) come from the corpus's held-out
   split, importance batches from its train split, both full windows of seq_len
   tokens cut by the checkpoint's own tokenizer (attn.experiments.data.hf_text).
+  The loss is the model's own objective (attn.eval_cli.objective): next-token
+  for a causal LM, masked-LM for a BertForMaskedLM, and for a BertModel without
+  an MLM head (a sentence encoder) the in-batch ranking loss of window halves,
+  whose accuracy is top-1 retrieval; its importance is each pair's own gradient
+  (attn.analysis.sentence.ranking_loss).
   """
   from attn import eval_cli
-  from attn.experiments.data import hf_text
   from attn.nn import hf
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
     raise invalid("--batches", batches, "an integer >= 1")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise invalid("--out", out_dir, "a directory (it is a file)")
-  config = eval_cli.check_checkpoint(path, "attn analyze --hf", bert=False)
-  seq_len = eval_cli.max_positions(config, seq_len)
+  config = eval_cli.check_checkpoint(path, "attn analyze --hf")
   t0 = time.perf_counter()
+  model, model_cfg = hf.from_hf(path)
+  seq_len = eval_cli.pair_seq_len(config, model, seq_len)
   data = {}
   for split in ("heldout", "train"):
-    tokens = hf_text.tokenize(hf_text.load_tokenizer(path), hf_text.documents(text, glob, split)[0],
-                              config["vocab_size"])
-    w = hf_text.windows(tokens, seq_len, batches * batch_size * seq_len)
-    full = {k: a[w["weights"].all(-1)] for k, a in w.items()}  # whole windows: no padding in the statistics
-    if full["tokens"].shape[0] < batch_size:
-      raise invalid("--text", text, f"a {split} split with at least --batch-size={batch_size} windows of "
-                    f"--seq-len={seq_len} tokens (it has {full['tokens'].shape[0]}); lower either")
-    data[split] = hf_text.batches(full, batch_size, batches)
-  model, model_cfg = hf.from_hf(path)
+    kind, data[split], _ = eval_cli.held_out_batches(
+        path, text, model, config, seq_len, batch_size, batches * batch_size * seq_len, glob, split,
+        whole=True, max_batches=batches)
   os.makedirs(out_dir, exist_ok=True)
   about = {"trial": None, "hf": os.path.abspath(path), "text": text, "step": None, "label": {},
-           "task": "hf_text"}
-  return analyze_model(model, model_cfg, "decoder_lm", data["heldout"], data["train"], out_dir, about,
-                       plots, t0)
+           "task": "hf_text", "objective": kind}
+  return analyze_model(model, model_cfg, "decoder_lm" if kind == "next_token" else kind, data["heldout"],
+                       data["train"], out_dir, about, plots, t0)
