@@ -24,9 +24,11 @@ K and V), so those models' cached decoding is checked against their own full pas
 import inspect
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from test_hf_families import FAMILIES, TOL, build
 
 from attn.config import ConfigError
@@ -125,6 +127,27 @@ def _cached_equals_full_pass(model, vocab, chunks=(PROMPT,) + (1,) * NEW, B=2):
     i += n
   rel = np.abs(np.concatenate(got, 1) - full).max() / np.abs(full).max()
   assert rel < TOL, rel
+
+
+def test_a_model_that_has_decoded_converts_and_decodes_in_its_new_layout():
+  """convert_model after generate(): the caches left in the model have the source's layout (G=2);
+  the converted model holds parameters only, its G=1 cache made by init_cache."""
+  m = build("gemma2")
+  model, cfg = hf.from_hf(m)
+  model.generate(jnp.asarray(_tokens(m.config.vocab_size), jnp.int32), NEW)  # leaves caches in the model
+  with pytest.warns(hf.LossyConversionWarning):
+    pooled, pooled_cfg, errors = hf.convert_model(model, cfg, "per_head", num_kv_heads=1)
+  with pytest.warns(hf.LossyConversionWarning):
+    loaded, loaded_cfg, err = hf.from_hf(m, num_kv_heads=1)
+  assert pooled_cfg == loaded_cfg and max(errors) == err
+  params = [nnx.to_pure_dict(nnx.state(x, nnx.Param)) for x in (pooled, loaded)]
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), *params)))
+  with pytest.raises(ConfigError, match="init_cache"):
+    pooled(jnp.zeros((2, 1), jnp.int32), decode=True)
+  pooled.init_cache(2, PROMPT + NEW)
+  # Gemma 2's local, global, local layers: rings of 3 slots, 15 slots; one kv head each.
+  assert [b.attn.cache["k"][...].shape[1:3] for b in pooled.blocks] == [(3, 1), (15, 1), (3, 1)]
+  _cached_equals_full_pass(pooled, m.config.vocab_size)
 
 
 @pytest.mark.slow
