@@ -494,12 +494,14 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_head
 
   Each layer's attention goes through attn.convert: exact conversions give
   error 0; mean-pooled kv heads (Ainslie et al. 2023) give the relative
-  Frobenius error of the key/value weights they discard.
+  Frobenius error of the key/value weights they discard. Only parameters are read, so
+  a model that has decoded converts too; the converted one starts without KV caches.
   """
   dst_cfg = cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads,
                         latent_dim=cfg.latent_dim if latent_dim is None else latent_dim)
-  graphdef, state = nnx.split(model)
-  pure = nnx.to_pure_dict(state)
+  # The KV caches that init_cache or generate leave in a model hold the source's layout (its
+  # kv heads, its variant's entries): build would take them for parameters and refuse them.
+  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   blocks = pure["blocks"] if "blocks" in pure else pure["encoder"]["blocks"]
   errors = []
   with warnings.catch_warnings():  # one warning for the model below, not one per layer
