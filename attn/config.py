@@ -30,6 +30,15 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
+ROPE_SCALINGS = (None, "linear", "llama3")  # transformers' rope_type names
+_LLAMA3_DEFAULTS = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                    "rope_original_max_len": 8192}  # Llama 3.1's values
+
+
+def _positive_number(field: str, value: Any, what: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+      or value <= 0:
+    raise invalid(field, value, f"a positive finite number ({what})")
 
 
 # HeadConfig fields that a model sets for each layer itself, not model settings (ModelConfig
@@ -50,9 +59,21 @@ class HeadConfig:
   rope_dim (even, <= d_k; 0 = off): the first rope_dim dims of every query and
   key head rotate by position (RoPE, Su et al. 2021), pairing dim i with
   i + rope_dim/2 (the half-split convention of GPT-NeoX and Hugging Face),
-  frequency rope_theta^(-2i/rope_dim). latent_dim is mla's KV latent width d_c
-  (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h); q_latent_dim, if set, gives mla
-  a low-rank query path through a latent of that width.
+  frequency ω_i = rope_theta^(-2i/rope_dim). rope_scaling rescales the ω_i
+  (attn.variants.rope.frequencies; transformers' rope_type of the same name):
+  "linear" divides every ω_i by rope_factor (position interpolation, Chen et
+  al. 2023: positions / factor); "llama3" (Meta's Llama 3.1 rule) divides by
+  rope_factor the ω_i whose wavelength λ_i = 2π/ω_i is longer than
+  rope_original_max_len / rope_low_freq_factor, keeps those shorter than
+  rope_original_max_len / rope_high_freq_factor, and between the two takes
+  (1 − s)·ω_i/rope_factor + s·ω_i, s = (rope_original_max_len/λ_i − low)/(high
+  − low), continuous at both ends. Neither touches the score scale
+  (transformers' attention_factor is 1 for both). Without "llama3" its three
+  fields stay at their defaults (1, 4, 8192: Llama 3.1's), and without scaling
+  rope_factor at 1: a setting that would be ignored is refused. latent_dim is
+  mla's KV latent width d_c (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h);
+  q_latent_dim, if set, gives mla a low-rank query path through a latent of
+  that width.
 
   Head mechanisms any variant can carry (attn.variants.mechanisms; a variant
   that cannot refuses one in its check): gate None, "headwise" or
@@ -80,6 +101,11 @@ class HeadConfig:
   scale: float | None = None
   rope_dim: int = 0
   rope_theta: float = 10000.0
+  rope_scaling: str | None = None
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
   latent_dim: int | None = None
   q_latent_dim: int | None = None
   gate: str | None = None
@@ -130,9 +156,8 @@ class HeadConfig:
     if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % 2 or r > self.d_k:
       raise invalid("rope_dim", r,
                     f"an even integer in [0, d_k={self.d_k}]: RoPE rotates pairs of query/key dims")
-    t = self.rope_theta
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-      raise invalid("rope_theta", t, "a positive finite number (the RoPE base, 10000 by default)")
+    _positive_number("rope_theta", self.rope_theta, "the RoPE base, 10000 by default")
+    self._check_rope_scaling()
     if self.latent_dim is None:
       object.__setattr__(self, "latent_dim", 4 * self.d_k)
     _positive_int("latent_dim", self.latent_dim)
@@ -140,6 +165,30 @@ class HeadConfig:
       _positive_int("q_latent_dim", self.q_latent_dim)
     for name in ("q_rank", "kv_rank", "layer"):
       _positive_int(name, getattr(self, name))
+
+  def _check_rope_scaling(self) -> None:
+    kind = self.rope_scaling
+    if kind not in ROPE_SCALINGS:
+      raise invalid("rope_scaling", kind, f"one of {list(ROPE_SCALINGS)}: how the RoPE frequencies "
+                    "are scaled (transformers' rope_type; dynamic, yarn and longrope are not implemented)")
+    if kind is not None and not self.rope_dim:
+      raise invalid("rope_scaling", kind, "None when rope_dim=0: there are no rotated dims to scale")
+    _positive_number("rope_factor", self.rope_factor, "the RoPE scaling factor")
+    if kind is None and self.rope_factor != 1:
+      raise invalid("rope_factor", self.rope_factor, "1.0 when rope_scaling=None: set rope_scaling "
+                    "'linear' or 'llama3' for a factor to act")
+    _positive_number("rope_low_freq_factor", self.rope_low_freq_factor, "llama3's low_freq_factor")
+    _positive_number("rope_high_freq_factor", self.rope_high_freq_factor, "llama3's high_freq_factor")
+    if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise invalid("rope_high_freq_factor", self.rope_high_freq_factor,
+                    f"greater than rope_low_freq_factor={self.rope_low_freq_factor}: llama3 keeps "
+                    "wavelengths below rope_original_max_len / high and scales those above / low")
+    _positive_int("rope_original_max_len", self.rope_original_max_len)
+    if kind != "llama3":
+      for name, default in _LLAMA3_DEFAULTS.items():
+        if getattr(self, name) != default:
+          raise invalid(name, getattr(self, name), f"{default!r} when rope_scaling={kind!r}: only "
+                        "rope_scaling='llama3' reads it")
 
   def _check_mechanisms(self) -> None:
     if self.gate not in GATES:

@@ -1,5 +1,8 @@
 """Llama, Mistral, Qwen2, Qwen3 and Gemma 2 in and out (attn.nn.hf), BERT's MLM head out, refusals.
 
+Llama with RoPE scaling ("linear", "llama3") too, read from both transformers
+releases' spellings.
+
 Tiny random models built with transformers' own config classes (nothing is
 downloaded), GQA (4 query heads, 2 kv heads) and head_dim != D/H where the
 family allows it; logits compared at every position of right-padded rows
@@ -98,6 +101,76 @@ def test_family_logits_and_exact_round_trip(family, tmp_path):
   assert hf.from_hf(back)[1] == cfg
 
 
+# rope_parameters of the scaled types. head_dim 12 and theta 500 give wavelengths 2π/ω of 6.3, 17.7,
+# 49.9, 140, 396 and 1115 positions: llama3 with L = 64 (L/high = 16, L/low = 64) keeps one pair,
+# mixes two and divides three.
+SCALED = {
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+def _relative(model, ids, lengths, ref):
+  got = np.asarray(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
+  return float(np.abs(got - ref).max()), float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind", sorted(SCALED))
+def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
+  """Llama 3.1-style RoPE scaling: logits over 40 positions, the round trip, and the same weights
+  read with the scaling dropped (or llama3's bands ignored) far off, so the comparison can fail."""
+  m = build("llama", max_position_embeddings=128, rope_parameters=SCALED[kind] | {"rope_theta": 500.0})
+  ids, lengths, mask = _batch(m.config.vocab_size, T=40)
+  ref = _hf_logits(m, ids, mask)
+  m.save_pretrained(tmp_path)
+  model, cfg = hf.from_hf(str(tmp_path))
+  assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == (
+      kind, SCALED[kind]["factor"], 64 if kind == "llama3" else 8192)
+  name = f"llama ({kind} RoPE)"
+  MEASURED[name] = _relative(model, ids, lengths, ref)
+  print(f"{name}: max abs {MEASURED[name][0]:.2e}, relative {MEASURED[name][1]:.2e}")
+  assert MEASURED[name][1] < TOL
+  wrong = [{"rope_type": "default"}] + ([{"rope_type": "linear", "factor": 8.0}] if kind == "llama3" else [])
+  config = json.loads((tmp_path / "config.json").read_text())
+  config.pop("rope_scaling", None)
+  for params in wrong:
+    (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": params | {"rope_theta": 500.0}}))
+    off = _relative(hf.from_hf(str(tmp_path))[0], ids, lengths, ref)[1]
+    print(f"  read as {params['rope_type']}: relative {off:.2e}")
+    assert off > 100 * TOL
+  back = hf.to_hf(model, cfg, "llama")
+  want, have = m.state_dict(), back.state_dict()
+  assert set(want) == set(have) and all(np.array_equal(want[k].numpy(), have[k].numpy()) for k in want)
+  assert back.config.rope_parameters == m.config.rope_parameters
+  assert hf.from_hf(back)[1] == cfg
+
+
+def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
+  """5's rope_parameters, 4's rope_scaling ("type" in older files) beside rope_theta; rope_scaling
+  wins where both are given, as in both releases; rope_to_hf writes both and each reads back."""
+  llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+  v5 = hf.model_config(LLAMA | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 50.0, **llama3}})
+  v4 = hf.model_config(LLAMA | {"rope_theta": 50.0, "rope_scaling": {"type": "llama3", **llama3, "factor": 8}})
+  both = hf.model_config(LLAMA | {"rope_theta": 50.0, "rope_scaling": {"rope_type": "llama3", **llama3},
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 50.0}})
+  assert v5 == v4 == both
+  assert (v5.rope_theta, v5.rope_scaling, v5.rope_factor, v5.rope_low_freq_factor, v5.rope_high_freq_factor,
+          v5.rope_original_max_len) == (50.0, "llama3", 8.0, 1.0, 4.0, 8)
+  out = hf.rope_to_hf(v5)
+  assert out["rope_scaling"] == {"rope_type": "llama3", **llama3} and out["rope_theta"] == 50.0
+  assert out["rope_parameters"] == out["rope_scaling"] | {"rope_theta": 50.0}
+  assert hf.model_config(LLAMA | {"rope_theta": 50.0, "rope_scaling": out["rope_scaling"]}) == v5  # as 4 reads it
+  assert hf.model_config(LLAMA | {"rope_parameters": out["rope_parameters"]}) == v5  # as 5 reads it
+  no_length = {"rope_type": "llama3", **llama3}
+  del no_length["original_max_position_embeddings"]  # transformers 5: max_position_embeddings
+  assert hf.model_config(LLAMA | {"rope_scaling": no_length}).rope_original_max_len == 16
+  old = hf.model_config(LLAMA | {"rope_scaling": {"type": "linear", "factor": 2}})
+  assert (old.rope_scaling, old.rope_factor, old.rope_theta) == ("linear", 2.0, 10000.0)
+  assert hf.rope_to_hf(old)["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+  assert "rope_scaling" not in hf.rope_to_hf(hf.model_config(LLAMA))
+
+
 def test_family_switches():
   """What each family's table sets: biases, QK-norm, windows, Gemma 2's extras."""
   cfgs = {f: hf.model_config(build(f).config.to_dict()) for f in FAMILIES}
@@ -146,7 +219,18 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
     ({"model_type": "gpt_oss"}, r"gpt_oss.*mixture of experts"),
     ({"model_type": "phi3"}, r"model_type='phi3'.*\['bert', 'gemma2', 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\]"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"rope_parameters.rope_type='yarn'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling.rope_type='linear'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     r"rope_scaling.rope_type='dynamic'.*\['default', 'linear', 'llama3'\]"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, r"rope_parameters.rope_type='longrope'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, r"config.rope_scaling.factor=None.*a number: linear RoPE"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
+     r"config.rope_parameters.low_freq_factor=None.*a number: llama3 RoPE"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8.5}},
+     r"original_max_position_embeddings=8.5.*an integer"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, r"rope_factor=-2.0 is not allowed: a positive"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+     r"rope_high_freq_factor=1.0 is not allowed: greater than rope_low_freq_factor=4.0"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"model_type": "gemma2", "query_pre_attn_scalar": 4, "sliding_window": 2, "num_hidden_layers": 3,
       "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}, r"config.layer_types=.*every k-th"),

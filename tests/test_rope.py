@@ -40,7 +40,8 @@ def test_rotate_is_complex_multiplication(shape, rope_dim, per_example):
   rng = np.random.default_rng(0)
   x = rng.standard_normal(shape).astype(np.float32)
   pos = rng.integers(-20, 500, shape[:2] if per_example else shape[1:2])
-  got = rope.rotate(jnp.asarray(x), jnp.asarray(pos), rope_dim, 50.0)
+  cfg = HeadConfig(d_model=shape[-1], num_heads=1, rope_dim=rope_dim, rope_theta=50.0)
+  got = rope.rotate(jnp.asarray(x), jnp.asarray(pos), cfg)
   np.testing.assert_allclose(got, numpy_rotate(x, pos, rope_dim, 50.0), atol=2e-5)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(got[..., rope_dim:], x[..., rope_dim:])

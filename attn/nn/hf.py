@@ -5,9 +5,12 @@ The Llama-like families map onto a DecoderLM through one row each of FAMILIES
 Qwen2's q/k/v biases with b_o held as zeros; Qwen3's QK-norm; Mistral's window
 in every layer; Gemma 2's sandwich norms, (1 + w) RMSNorm, √D embedding scale,
 attention and final soft-caps, query_pre_attn_scalar and layer_types mapped
-onto window + global_every). Only "default" RoPE is implemented; other
-rope types, gpt_oss (mixture of experts) and layer schedules global_every
-cannot express are refused by name. to_hf(model, cfg, model_type) writes
+onto window + global_every). RoPE types "default", "linear" and "llama3"
+(Llama 3.1/3.2's frequency scaling) map onto HeadConfig's rope_scaling
+fields, from transformers 5's rope_parameters or 4's rope_scaling, and go
+back out in both; other rope types (dynamic, yarn, longrope, ...), gpt_oss
+(mixture of experts) and layer schedules global_every cannot express are
+refused by name. to_hf(model, cfg, model_type) writes
 any of them back; an Encoder goes out as BertModel, or BertForMaskedLM when
 it holds the MLM head (mlm_head).
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import os
 import warnings
 from typing import Any
@@ -183,23 +187,67 @@ def _flag(hf: dict[str, Any], rule: Any) -> bool:
   return bool(hf.get(rule) or False) if isinstance(rule, str) else rule
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-  """rope_theta of rope_parameters (transformers 5) or the older top-level keys; only the
-  "default" RoPE (no scaling) is implemented, others are refused by name."""
-  params = hf.get("rope_parameters") or {}
+ROPE_TYPES = ("default", "linear", "llama3")  # transformers' rope_type values attn implements
+
+
+def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+  """The HeadConfig RoPE fields (rope_theta, and rope_scaling with its parameters) of a config.
+
+  transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
+  files, "rope_type" in newer) beside a top-level rope_theta. A rope_scaling,
+  where present, wins, as in both (5 takes it over rope_parameters). Types
+  other than ROPE_TYPES (dynamic, yarn, longrope, ...) are refused by name.
+  """
+  where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  params = hf.get(where) or {}
   if params and all(isinstance(v, dict) for v in params.values()):  # one per layer type
     kinds = {json.dumps(v, sort_keys=True) for v in params.values()}
     if len(kinds) > 1:
-      raise invalid("config.rope_parameters", params, "the same RoPE for every layer type")
+      raise invalid(f"config.{where}", params, "the same RoPE for every layer type")
     params = next(iter(params.values()))
-  scaling = hf.get("rope_scaling") or {}
-  for where, p in (("rope_parameters", params), ("rope_scaling", scaling)):
-    kind = p.get("rope_type", p.get("type", "default"))
-    if kind != "default":
-      raise invalid(f"config.{where}.rope_type", kind, "'default': attn implements plain RoPE "
-                    "(no linear, dynamic, yarn, longrope or llama3 scaling)")
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise invalid(f"config.{where}.rope_type", kind, f"one of {list(ROPE_TYPES)}: attn implements "
+                  "plain RoPE and its linear and llama3 scaling (not dynamic, yarn, longrope, ...)")
   _refuse(hf, "partial_rotary_factor", 1.0, "attn's loader rotates the whole head")
-  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise invalid(f"config.{where}.partial_rotary_factor", params["partial_rotary_factor"],
+                  "1.0: attn's loader rotates the whole head")
+  out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+  if kind == "default":
+    return out
+
+  def number(key: str, value: Any, integer: bool = False) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+        or (integer and value != int(value)):
+      raise invalid(f"config.{key}", value, f"{'an integer' if integer else 'a number'}: {kind} RoPE reads it")
+    return int(value) if integer else float(value)
+
+  out |= {"rope_scaling": kind, "rope_factor": number(f"{where}.factor", params.get("factor"))}
+  if kind == "llama3":
+    # As transformers 5: a top-level original_max_position_embeddings first (Phi-3 keeps it
+    # there), else the rope dict's, else max_position_embeddings.
+    key = "original_max_position_embeddings"
+    orig = (key, hf[key]) if key in hf else (f"{where}.{key}", params.get(key, hf.get("max_position_embeddings")))
+    out |= {"rope_low_freq_factor": number(f"{where}.low_freq_factor", params.get("low_freq_factor")),
+            "rope_high_freq_factor": number(f"{where}.high_freq_factor", params.get("high_freq_factor")),
+            "rope_original_max_len": number(*orig, integer=True)}
+  return out
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """rope_from_hf's inverse: the keys transformers 4 reads (rope_theta, rope_scaling) and 5's rope_parameters.
+
+  transformers 5 takes a rope_scaling over rope_parameters; the two hold the same here.
+  """
+  rope = {"rope_type": cfg.rope_scaling or "default"}
+  if cfg.rope_scaling:
+    rope["factor"] = cfg.rope_factor
+  if cfg.rope_scaling == "llama3":
+    rope |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+             "original_max_position_embeddings": cfg.rope_original_max_len}
+  out = {"rope_theta": cfg.rope_theta, "rope_parameters": rope | {"rope_theta": cfg.rope_theta}}
+  return out | ({"rope_scaling": rope} if cfg.rope_scaling else {})
 
 
 def _layer_types(hf: dict[str, Any], kind: str, L: int) -> list[str]:
@@ -265,7 +313,7 @@ def _family_config(hf: dict[str, Any], kind: str, variant: str, num_kv_heads: in
   return ModelConfig(
       vocab_size=_get(hf, "vocab_size"), d_model=D, num_layers=L, num_heads=H, d_ff=_get(hf, "intermediate_size"),
       d_k=K, d_v=K, num_kv_heads=G if num_kv_heads is None else num_kv_heads, variant=variant,
-      max_len=_get(hf, "max_position_embeddings"), positional="rope", rope_dim=K, rope_theta=_rope_theta(hf),
+      max_len=_get(hf, "max_position_embeddings"), positional="rope", rope_dim=K, **rope_from_hf(hf),
       norm=fam["norm"], norm_type=fam["norm_type"], final_norm=True, mlp="gated",
       activation=_activation(hf, fam["act"], "silu"), tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
       use_bias=qkv, dense_bias=_flag(hf, fam["mlp_bias"]), norm_eps=eps, qk_norm=fam.get("qk_norm", False),
@@ -623,8 +671,9 @@ def _check_fields(cfg: ModelConfig, family: str, wanted: dict[str, Any], mapped:
 
 _FAMILY_MAPPED = {"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v", "num_kv_heads",
                   "collab_width", "latent_dim", "variant", "max_len", "activation", "embed_init_std", "norm_eps",
-                  "pooling", "share_src_tgt_embeddings", "rope_theta", "rope_dim", "tie_embeddings", "use_bias",
-                  "dense_bias", "qk_norm_eps", "window", "global_every", "q_rank", "kv_rank", "dtype",
+                  "pooling", "share_src_tgt_embeddings", "rope_theta", "rope_dim", "rope_scaling", "rope_factor",
+                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "tie_embeddings",
+                  "use_bias", "dense_bias", "qk_norm_eps", "window", "global_every", "q_rank", "kv_rank", "dtype",
                   "param_dtype"}
 
 
@@ -685,8 +734,7 @@ def _family_to_hf(model: DecoderLM, cfg: ModelConfig, kind: str):
   act = {v: k for k, v in _ACTIVATIONS.items() if k in ("silu", "gelu_pytorch_tanh", "gelu", "relu")}
   kw = dict(vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.d_ff, num_hidden_layers=L,
             num_attention_heads=H, num_key_value_heads=G, head_dim=K, max_position_embeddings=cfg.max_len,
-            rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,  # transformers 4 reads this, 5 the next
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            rms_norm_eps=cfg.norm_eps, **rope_to_hf(cfg),
             tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0, pad_token_id=None,
             bos_token_id=None, eos_token_id=None)
   kw["hidden_activation" if kind == "gemma2" else "hidden_act"] = act[cfg.activation]

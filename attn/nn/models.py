@@ -27,7 +27,8 @@ EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 positional "rope": no position embedding; every attention layer rotates the
 first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
-parameters), tokens at positions 0..T−1. ModelConfig has every HeadConfig
+parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
+contexts), tokens at positions 0..T−1. ModelConfig has every HeadConfig
 field (with_head_fields), declared once there: the head mechanisms gate, sinks,
 qk_norm, qk_norm_eps, window and softcap among them (attn.variants.mechanisms).
 With a window, global_every = k makes every k-th self-attention layer of a

@@ -119,7 +119,7 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   if cfg.rope_dim:
     q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1],
                                                           c_BSD.shape[1], True)
-    kr_BSR = rope.rotate(kr_BSR, k_pos, cfg.rope_dim, cfg.rope_theta)
+    kr_BSR = rope.rotate(kr_BSR, k_pos, cfg)
   return _attend_latent(params, x_BTD, lat_BSC, kr_BSR, q_pos, cfg=cfg, opts=opts)
 
 
@@ -135,7 +135,7 @@ def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, q_positions, *, cfg: 
   q_BTHW = jnp.concatenate([q_BTHK[..., :r], q_BTHC], -1)
   if r:
     q_pos = jnp.arange(x_BTD.shape[1]) if q_positions is None else q_positions
-    q_BTHW = rope.rotate(q_BTHW, q_pos, r, cfg.rope_theta)
+    q_BTHW = rope.rotate(q_BTHW, q_pos, cfg)
   k_BS1W = (lat_BSC if not r else jnp.concatenate([kr_BSR, lat_BSC], -1))[:, :, None]
   v_BS1C = lat_BSC[:, :, None]
   if cfg.use_bias:
@@ -153,7 +153,7 @@ def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, opts: Options) -> d
   if not cfg.rope_dim:
     return {"latent": lat_BTC}
   _, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1], x_BTD.shape[1], False)
-  return {"latent": lat_BTC, "k_rope": rope.rotate(kr_BTR, k_pos, cfg.rope_dim, cfg.rope_theta)}
+  return {"latent": lat_BTC, "k_rope": rope.rotate(kr_BTR, k_pos, cfg)}
 
 
 def attend_cached(params: Params, x_BTD, cache: dict, *, cfg: HeadConfig, opts: Options):

@@ -7,6 +7,22 @@ paper), and pair i turns by the angle p·ω_i, ω_i = rope_theta^(-2i/rope_dim).
 The remaining d_k − rope_dim dims are left as they are. A query at t and a key
 at s then score (q R(t))·(k R(s)) = q R(t − s) kᵀ (row vectors): only t − s matters.
 
+Frequency scaling (HeadConfig.rope_scaling, for contexts longer than the
+training one; the rope_type names and rules of Hugging Face transformers'
+modeling_rope_utils):
+  "linear"  ω_i / rope_factor for every i: position interpolation (Chen et
+            al. 2023), the angle of position p/factor.
+  "llama3"  Meta's Llama 3.1 rule. With L = rope_original_max_len and the
+            wavelength λ_i = 2π/ω_i: λ_i > L/low_freq_factor (slow pairs;
+            with low = 1 those that never turned once within the training
+            length) get ω_i / factor; λ_i < L/high_freq_factor (fast pairs)
+            keep ω_i; between, s = (L/λ_i − low)/(high − low) ∈ [0, 1] mixes
+            the two, (1 − s)·ω_i/factor + s·ω_i. Clipping s to [0, 1] gives
+            all three bands in one expression, continuous at both ends.
+Neither scales the scores (transformers' attention_factor is 1.0 for both).
+`frequencies(cfg)` is the one place the ω_i are computed: every rotation here,
+and mla's and tpa's through `rotate`, reads them from the HeadConfig.
+
 Seed question 4 with RoPE: the score x W_Q R(t − s) W_Kᵀ c has no single
 position-free W_h; `position_free_fit` gives the best one in least squares and
 its relative error.
@@ -23,24 +39,34 @@ from attn.config import HeadConfig
 Array = jax.Array
 
 
-def frequencies(rope_dim: int, theta: float) -> np.ndarray:
-  """ω_i = theta^(-2i/rope_dim) for the rope_dim/2 pairs, float64."""
-  return theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+def frequencies(cfg: HeadConfig) -> np.ndarray:
+  """ω_i of the rope_dim/2 pairs, float64: rope_theta^(-2i/rope_dim), scaled by cfg.rope_scaling."""
+  r = cfg.rope_dim
+  omega = cfg.rope_theta ** (-np.arange(0, r, 2, dtype=np.float64) / r) if r else np.zeros(0)
+  if cfg.rope_scaling == "linear":
+    return omega / cfg.rope_factor
+  if cfg.rope_scaling == "llama3":
+    lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    ratio = cfg.rope_original_max_len * omega / (2 * np.pi)  # L / λ_i
+    s = np.clip((ratio - lo) / (hi - lo), 0.0, 1.0)  # 0: divided, 1: kept
+    return (1 - s) * omega / cfg.rope_factor + s * omega
+  return omega
 
 
-def rotate(x_BTNK: Array, positions, rope_dim: int, theta: float) -> Array:
-  """x with its first rope_dim dims rotated by position; positions (T,) or (B,T) integers.
+def rotate(x_BTNK: Array, positions, cfg: HeadConfig) -> Array:
+  """x with its first cfg.rope_dim dims rotated by position; positions (T,) or (B,T) integers.
 
-  x is (B,T,N,K) (N heads) or (B,T,K); the angles are computed in float32 and
-  the result has x's dtype.
+  x is (B,T,N,K) (N heads) or (B,T,K), K >= rope_dim; the angles are computed
+  in float32 from `frequencies(cfg)` and the result has x's dtype.
   """
+  rope_dim = cfg.rope_dim
   if rope_dim == 0:
     return x_BTNK
   heads = x_BTNK.ndim == 4
   half = rope_dim // 2
   pos_BT = jnp.asarray(positions)
   pos_BT = pos_BT[None] if pos_BT.ndim == 1 else pos_BT
-  omega = jnp.asarray(frequencies(rope_dim, theta), jnp.float32)
+  omega = jnp.asarray(frequencies(cfg), jnp.float32)
   angle_BTP = pos_BT.astype(jnp.float32)[..., None] * omega
   if heads:
     angle_BTP = angle_BTP[:, :, None, :]
@@ -67,15 +93,14 @@ def rotate_qk(q_BTHK: Array, k_BSGK: Array, cfg: HeadConfig, qk_positions=None):
   if qk_positions is None:
     qk_positions = (jnp.arange(q_BTHK.shape[1]), jnp.arange(k_BSGK.shape[1]))
   q_pos, k_pos = qk_positions
-  return (rotate(q_BTHK, q_pos, cfg.rope_dim, cfg.rope_theta),
-          rotate(k_BSGK, k_pos, cfg.rope_dim, cfg.rope_theta))
+  return rotate(q_BTHK, q_pos, cfg), rotate(k_BSGK, k_pos, cfg)
 
 
-def rotation_matrices(offsets, rope_dim: int, theta: float, K: int) -> np.ndarray:
-  """R(δ) (len(offsets), K, K) in float64: k ↦ rotate(k, δ) as a matrix acting on row vectors."""
-  half = rope_dim // 2
-  out = np.tile(np.eye(K), (len(offsets), 1, 1))
-  angle = np.asarray(offsets, np.float64)[:, None] * frequencies(rope_dim, theta)
+def rotation_matrices(offsets, cfg: HeadConfig) -> np.ndarray:
+  """R(δ) (len(offsets), d_k, d_k) in float64: k ↦ rotate(k, δ, cfg) as a matrix acting on row vectors."""
+  half = cfg.rope_dim // 2
+  out = np.tile(np.eye(cfg.d_k), (len(offsets), 1, 1))
+  angle = np.asarray(offsets, np.float64)[:, None] * frequencies(cfg)
   c, s = np.cos(angle), np.sin(angle)
   i = np.arange(half)
   # Row vector k times R: (k R)[i] = k_i cos − k_{i+half} sin,
@@ -106,7 +131,7 @@ def position_free_fit(w_q_DHK, w_k_DGK, cfg: HeadConfig, length: int, causal: bo
   offsets = d if causal else np.concatenate([-d[:0:-1], d])
   weights = (length - np.abs(offsets)).astype(np.float64)
   weights /= weights.sum()
-  R_NKK = rotation_matrices(offsets, cfg.rope_dim, cfg.rope_theta, cfg.d_k)
+  R_NKK = rotation_matrices(offsets, cfg)
   R_bar = np.einsum("N,NKL->KL", weights, R_NKK)
   # ‖W_Q R W_Kᵀ‖² = tr(Gq R Gk Rᵀ) with the K×K Gram matrices Gq = W_QᵀW_Q, Gk = W_KᵀW_K;
   # E‖M − M̄‖² = E‖M‖² − ‖M̄‖² since M is linear in R.

@@ -88,16 +88,14 @@ def _positions(positions, length: int):
 def kv_factors(params: Params, c_BSD, k_positions, *, cfg: HeadConfig) -> dict:
   """Per token: k_heads a^k (R_kv,G), k_dims b^k (R_kv,K) rotated at k_positions (None: 0..S−1),
   v_heads a^v (R_kv,G), v_dims b^v (R_kv,V)."""
-  bk_BSRK = rope.rotate(factor(params, c_BSD, "bk"), _positions(k_positions, c_BSD.shape[1]),
-                        cfg.rope_dim, cfg.rope_theta)
+  bk_BSRK = rope.rotate(factor(params, c_BSD, "bk"), _positions(k_positions, c_BSD.shape[1]), cfg)
   return {"k_heads": factor(params, c_BSD, "ak"), "k_dims": bk_BSRK,
           "v_heads": factor(params, c_BSD, "av"), "v_dims": factor(params, c_BSD, "bv")}
 
 
 def _attend(params: Params, x_BTD, q_positions, kv: dict, *, cfg: HeadConfig, opts: Options):
   """Queries of x's tokens at q_positions against keys and values rebuilt from their factors."""
-  bq_BTRK = rope.rotate(factor(params, x_BTD, "bq"), _positions(q_positions, x_BTD.shape[1]),
-                        cfg.rope_dim, cfg.rope_theta)
+  bq_BTRK = rope.rotate(factor(params, x_BTD, "bq"), _positions(q_positions, x_BTD.shape[1]), cfg)
   q_BTHK = jnp.einsum("BTRH,BTRK->BTHK", factor(params, x_BTD, "aq"), bq_BTRK) / cfg.q_rank
   k_BSGK = jnp.einsum("BSRG,BSRK->BSGK", kv["k_heads"], kv["k_dims"]) / cfg.kv_rank
   v_BSGV = jnp.einsum("BSRG,BSRV->BSGV", kv["v_heads"], kv["v_dims"]) / cfg.kv_rank
