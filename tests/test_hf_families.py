@@ -22,9 +22,7 @@ from attn.nn import hf
 os.environ["HF_HUB_OFFLINE"] = "1"
 TOL = 1e-4  # relative to the largest logit, float32
 BASE = dict(vocab_size=53, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_theta=500.0,  # transformers 4 reads rope_theta ...
-            rope_parameters={"rope_type": "default", "rope_theta": 500.0})  # ... and 5 rope_parameters
+            num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=12, attention_bias=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=3)),
@@ -42,12 +40,20 @@ def _transformers():
   return pytest.importorskip("transformers")
 
 
+def _rope(transformers):
+  """RoPE's base as the release's own checkpoints write it: transformers 4 a top-level rope_theta,
+  5 rope_parameters. Never both, so each release's config.json is read the way it is saved."""
+  if int(transformers.__version__.split(".")[0]) >= 5:
+    return dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+  return dict(rope_theta=500.0)
+
+
 def build(family, seed=0, **changes):
   """A random transformers model of the family: every parameter redrawn, norm scales near 1 (1 + w: near 0)."""
   transformers = _transformers()
   import torch
   conf, model, extra = FAMILIES[family]
-  cfg = getattr(transformers, conf)(**(BASE | extra | changes))
+  cfg = getattr(transformers, conf)(**(BASE | _rope(transformers) | extra | changes))
   cfg._attn_implementation = "eager"
   torch.manual_seed(seed)
   m = getattr(transformers, model)(cfg)
