@@ -132,7 +132,9 @@ def _pair_loss_with_transformers(path, texts, seq_len):
 
   a, p = embed([h[0] for h in halves]), embed([h[1] for h in halves])
   nll, hit = _numpy_ranking(a, p, np.ones(len(halves), bool))
-  return nll.mean(), hit.mean(), len(halves)
+  top2 = np.sort(RANKING_SCALE * a @ p.T, axis=1)[:, -2:]
+  near_ties = int((top2[:, 1] - top2[:, 0] < 1e-3).sum())  # float32 may rank these either way
+  return nll.mean(), hit.mean(), len(halves), near_ties
 
 
 def _table(out):
@@ -145,11 +147,11 @@ def test_eval_sentence_encoder_matches_transformers(tmp_path, capsys):
   code, out, err = _cli(capsys, "eval", "--hf", path, "--text", texts, "--seq-len", "12", "--batch-size", "256",
                         "--max-tokens", "100000", "--num-kv-heads", "2")
   assert code == 0, err
-  want_loss, want_acc, n = _pair_loss_with_transformers(path, texts, 12)
+  want_loss, want_acc, n, near_ties = _pair_loss_with_transformers(path, texts, 12)
   rows = _table(out)
   assert "sentence pairs" in out and f"scored {n} pairs" in out and f"chance {np.log(n):.3f}" in out
   assert abs(float(rows["original"][4]) - want_loss) < 1e-4 and rows["original"][5] == "–"
-  assert abs(float(rows["original"][6]) - want_acc) < 1e-4
+  assert abs(float(rows["original"][6]) - want_acc) <= near_ties / n + 1e-4
   assert rows["converted"][2] == "2" and np.isfinite(float(rows["converted"][4]))
 
 

@@ -342,6 +342,8 @@ def _checkpoint(root, family, mlm_head=True):
     transformers = _transformers()
     c = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
                                 num_attention_heads=4, intermediate_size=24, max_position_embeddings=32)
+    import torch
+    torch.manual_seed(0)  # the same weights every run
     (transformers.BertForMaskedLM if mlm_head else transformers.BertModel)(c).save_pretrained(path)
   else:
     build(family, vocab_size=tok.get_vocab_size()).save_pretrained(path)
