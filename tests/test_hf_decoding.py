@@ -60,14 +60,25 @@ def _hf_steps(m, prompt_BT, chosen_BN):
   """transformers' logits of the same steps with its cache, teacher-forced with attn's tokens.
 
   transformers 5.2x names the cache `cache` (argument and output), older releases
-  `past_key_values`."""
+  `past_key_values`. Gemma 2 on transformers 4 sizes the HybridCache it makes by itself to the
+  first call's length, so the loop makes one for every position, as generate() does, and says
+  where each step's tokens go (cache_position)."""
   import torch
-  key = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
-  logits, past, step = [], {}, prompt_BT
+  params = inspect.signature(m.forward).parameters
+  key = "cache" if "cache" in params else "past_key_values"
+  past = {}
+  if key == "past_key_values" and m.config.model_type == "gemma2":
+    import transformers
+    past = {key: transformers.HybridCache(m.config, max_batch_size=prompt_BT.shape[0],
+                                          max_cache_len=prompt_BT.shape[1] + chosen_BN.shape[1],
+                                          dtype=torch.float32)}
+  logits, step, pos = [], prompt_BT, 0
   with torch.no_grad():
     for i in range(chosen_BN.shape[1]):
-      out = m(torch.from_numpy(np.asarray(step, np.int64)), use_cache=True, **past)
+      where = {"cache_position": torch.arange(pos, pos + step.shape[1])} if "cache_position" in params else {}
+      out = m(torch.from_numpy(np.asarray(step, np.int64)), use_cache=True, **past, **where)
       logits.append(out.logits.numpy())
+      pos += step.shape[1]
       past, step = {key: getattr(out, key)}, chosen_BN[:, i:i + 1]
   return logits
 

@@ -40,20 +40,26 @@ def _transformers():
   return pytest.importorskip("transformers")
 
 
-def _rope(transformers):
-  """RoPE's base as the release's own checkpoints write it: transformers 4 a top-level rope_theta,
-  5 rope_parameters. Never both, so each release's config.json is read the way it is saved."""
-  if int(transformers.__version__.split(".")[0]) >= 5:
-    return dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
-  return dict(rope_theta=500.0)
+def _v5(transformers):
+  return int(transformers.__version__.split(".")[0]) >= 5
 
 
-def build(family, seed=0, **changes):
-  """A random transformers model of the family: every parameter redrawn, norm scales near 1 (1 + w: near 0)."""
+def _rope(transformers, scaling=None):
+  """RoPE's base (and a scaling) as the release's own checkpoints write it: transformers 4 a
+  top-level rope_theta and rope_scaling, 5 rope_parameters. Never both, so each release's
+  config.json is read the way it is saved."""
+  if _v5(transformers):
+    return dict(rope_parameters=(scaling or {"rope_type": "default"}) | {"rope_theta": 500.0})
+  return dict(rope_theta=500.0) | ({"rope_scaling": scaling} if scaling else {})
+
+
+def build(family, seed=0, rope=None, **changes):
+  """A random transformers model of the family: every parameter redrawn, norm scales near 1 (1 + w: near 0);
+  rope: a RoPE scaling ({"rope_type": ..., "factor": ...}) in the release's own spelling."""
   transformers = _transformers()
   import torch
   conf, model, extra = FAMILIES[family]
-  cfg = getattr(transformers, conf)(**(BASE | _rope(transformers) | extra | changes))
+  cfg = getattr(transformers, conf)(**(BASE | _rope(transformers, rope) | extra | changes))
   cfg._attn_implementation = "eager"
   torch.manual_seed(seed)
   m = getattr(transformers, model)(cfg)
@@ -126,7 +132,7 @@ def _relative(model, ids, lengths, ref):
 def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
   """Llama 3.1-style RoPE scaling: logits over 40 positions, the round trip, and the same weights
   read with the scaling dropped (or llama3's bands ignored) far off, so the comparison can fail."""
-  m = build("llama", max_position_embeddings=128, rope_parameters=SCALED[kind] | {"rope_theta": 500.0})
+  m = build("llama", max_position_embeddings=128, rope=SCALED[kind])
   ids, lengths, mask = _batch(m.config.vocab_size, T=40)
   ref = _hf_logits(m, ids, mask)
   m.save_pretrained(tmp_path)
@@ -148,7 +154,8 @@ def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
   back = hf.to_hf(model, cfg, "llama")
   want, have = m.state_dict(), back.state_dict()
   assert set(want) == set(have) and all(np.array_equal(want[k].numpy(), have[k].numpy()) for k in want)
-  assert back.config.rope_parameters == m.config.rope_parameters
+  spelling = "rope_parameters" if _v5(_transformers()) else "rope_scaling"
+  assert getattr(back.config, spelling) == getattr(m.config, spelling)
   assert hf.from_hf(back)[1] == cfg
 
 

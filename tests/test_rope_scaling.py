@@ -83,8 +83,10 @@ def test_frequencies_equal_transformers(params):
   transformers = pytest.importorskip("transformers")
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
   from attn.nn import hf
+  v5 = int(transformers.__version__.split(".")[0]) >= 5  # 5: rope_parameters; 4: rope_theta, rope_scaling
+  spelled = dict(rope_parameters=params | {"rope_theta": 100.0}) if v5 else dict(rope_theta=100.0, rope_scaling=params)
   c = transformers.LlamaConfig(hidden_size=24, num_attention_heads=2, head_dim=12, max_position_embeddings=128,
-                               rope_theta=100.0, rope_parameters=params | {"rope_theta": 100.0})
+                               **spelled)
   inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](c, "cpu")
   assert attention_factor == 1.0  # neither type scales the scores
   fields = hf.rope_from_hf(c.to_dict())
