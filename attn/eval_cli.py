@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--variant", default="per_head", help="also score the model converted to this variant")
   parser.add_argument("--num-kv-heads", type=int, default=None, metavar="G",
                       help="also score it with G key/value heads (mean-pooled)")
-  parser.add_argument("--max-tokens", type=int, default=4096, metavar="N", help="predicted tokens to score")
+  parser.add_argument("--max-tokens", type=int, default=4096, metavar="N", help="tokens to score: predicted ones (sentence pairs: the windows' tokens)")
   parser.add_argument("--seq-len", type=int, default=256, metavar="L",
                       help="window length (capped at the model's positions)")
   parser.add_argument("--batch-size", type=int, default=8)
@@ -69,7 +69,7 @@ PAIR_SEED = 0  # the order of sentence pairs, hence which pairs are one batch's 
 OBJECTIVES = ("next_token", "masked_lm", "sentence_pairs")
 
 
-def check_checkpoint(path: str, command: str = "attn eval") -> dict[str, Any]:
+def check_checkpoint(path: str) -> dict[str, Any]:
   """config.json of a supported checkpoint with its tokenizer; anything else refused before loading weights."""
   from attn.nn import hf
   from attn.experiments.data import hf_text

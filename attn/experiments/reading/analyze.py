@@ -416,7 +416,7 @@ def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, pl
     raise invalid("--batches", batches, "an integer >= 1")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise invalid("--out", out_dir, "a directory (it is a file)")
-  config = eval_cli.check_checkpoint(path, "attn analyze --hf")
+  config = eval_cli.check_checkpoint(path)
   t0 = time.perf_counter()
   model, model_cfg = hf.from_hf(path)
   seq_len = eval_cli.pair_seq_len(config, model, seq_len)
