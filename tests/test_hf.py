@@ -423,5 +423,9 @@ def test_mla_on_load_returns_every_layers_error():
     attn_w = m.transformer.h[layer].attn.c_attn.weight.detach().numpy()
     s = np.linalg.svd(attn_w[:, 12:], compute_uv=False)
     assert err == pytest.approx(np.sqrt((s[4:] ** 2).sum() / (s ** 2).sum()), rel=1e-4)
+  # Out again: the latent heads go back to per_head (exactly) and the lossy model is what GPT-2 holds.
+  out = _hf_logits(interop.to_hf(model, cfg), ids, mask)
+  assert _max_diff(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)), out) < TOL
+  assert _max_diff(out, ref) > 100 * TOL  # the truncation changed the function: the comparison can fail
   with pytest.raises(ConfigError, match="latent_dim=4 is not allowed"):
     interop.from_hf(m, latent_dim=4)

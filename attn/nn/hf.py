@@ -626,8 +626,10 @@ def lengths_from_attention_mask(attention_mask: Any) -> np.ndarray:
 _GPT2_FIELDS = {"positional": "learned", "norm": "pre", "final_norm": True, "use_bias": True,
                 "layernorm": True, "tie_embeddings": True, "num_segments": 0}
 # Fields to_hf maps itself or that a DecoderLM ignores; any other must keep its default.
+# A variant's own widths (collab_width, latent_dim, q_latent_dim) are gone once its heads are
+# converted to per_head on the way out, so they are mapped: that conversion refuses what it can't.
 _MAPPED = {"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v", "num_kv_heads",
-           "collab_width", "variant", "max_len", "activation", "embed_init_std", "norm_eps",
+           "collab_width", "latent_dim", "q_latent_dim", "variant", "max_len", "activation", "embed_init_std", "norm_eps",
            "pooling", "share_src_tgt_embeddings", *_GPT2_FIELDS}
 
 
