@@ -1,0 +1,169 @@
+"""Every test file that uses transformers, on every transformers minor release the hf extra allows.
+
+  python scripts/hf_versions.py --venv /tmp/hf-venv        # 32 releases, 4.51.3-5.24.0: 54 min on one core
+  python scripts/hf_versions.py --venv /tmp/hf-venv --versions 4.51.1 5.24.0 --json out.json
+
+Decisions:
+- The versions are the last patch release of each minor release from the floor of the hf
+  extra in pyproject.toml up to the newest that `pip index versions transformers` lists
+  (no pre-releases); `--versions` names them instead.
+- One venv, reused: made once (python3 -m venv, the CPU torch on disk, the test, torch, hf
+  and pretrained extras), then each version installed over the last with the hf and
+  pretrained extras named, so pip re-resolves what pins transformers (sentence-transformers)
+  and tokenizers along with it.
+- The tests: every tests/test_*.py that names transformers, both tiers, on one core (-n 0).
+  Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
+  does a version pip cannot install. `seconds` is the pytest run alone, not the install.
+- Prints a Markdown table, then the failing test ids per version; exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH = "torch==2.13.0"  # the CPU build on this machine's disk, as in .ci/run
+
+
+def floor() -> tuple[int, ...]:
+  """The lower bound of transformers in the hf extra, e.g. (4, 51, 1)."""
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    hf = tomllib.load(f)["project"]["optional-dependencies"]["hf"]
+  spec = next(d for d in hf if d.startswith("transformers"))
+  return parse(re.search(r">=\s*([\d.]+)", spec).group(1))
+
+
+def parse(version: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in version.split("."))
+
+
+def latest_patches(python: str) -> list[str]:
+  """The last patch release of each minor release at or above the floor."""
+  out = subprocess.run([python, "-m", "pip", "index", "versions", "transformers"],
+                       capture_output=True, text=True, check=True).stdout
+  listed = re.search(r"Available versions: (.*)", out).group(1).split(", ")
+  lo = floor()
+  last: dict[tuple[int, ...], tuple[int, ...]] = {}
+  for v in map(parse, listed):
+    if v >= lo and v > last.get(v[:2], ()):
+      last[v[:2]] = v
+  return [".".join(map(str, v)) for v in sorted(last.values())]
+
+
+def pip(python: str, *args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([python, "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
+
+
+def make_venv(venv: str) -> str:
+  """The venv's python, made with torch and every extra the tests need if it is not there."""
+  python = os.path.join(venv, "bin", "python")
+  if not os.path.exists(python):
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    for args in ([TORCH], ["-e", f"{REPO}[test,torch,hf,pretrained]"]):
+      r = pip(python, *args)
+      if r.returncode:
+        sys.exit(f"making {venv}: pip install {' '.join(args)} failed:\n{r.stderr}")
+  return python
+
+
+def test_files() -> list[str]:
+  """Every tests/test_*.py that names transformers (as .ci/run's floor step picks them)."""
+  files = []
+  for path in sorted(glob.glob(os.path.join(REPO, "tests", "test_*.py"))):
+    with open(path) as f:
+      if "transformers" in f.read():
+        files.append(os.path.relpath(path, REPO))
+  return files
+
+
+def installed(python: str, names: list[str]) -> dict[str, str]:
+  code = ("import importlib.metadata as m, sys\n"
+          "for n in sys.argv[1:]:\n"
+          "  try: print(n, m.version(n))\n"
+          "  except m.PackageNotFoundError: print(n, '-')")
+  out = subprocess.run([python, "-c", code, *names], capture_output=True, text=True).stdout
+  return dict(line.split(" ", 1) for line in out.splitlines())
+
+
+def run_version(python: str, version: str, files: list[str]) -> dict:
+  """Install one transformers and run the tests; counts, failing ids and timings."""
+  row = {"version": version, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0,
+         "failures": []}
+  t0 = time.time()
+  r = pip(python, "-e", f"{REPO}[hf,pretrained]", f"transformers=={version}")
+  row["install_seconds"] = round(time.time() - t0, 1)
+  if r.returncode:
+    row.update(failed=1, failures=[f"pip install transformers=={version}: {r.stderr.strip()[-500:]}"])
+    return row
+  row["installed"] = installed(python, ["transformers", "tokenizers", "huggingface-hub",
+                                       "safetensors", "sentence-transformers"])
+  with tempfile.TemporaryDirectory() as tmp:
+    xml = os.path.join(tmp, "junit.xml")
+    t0 = time.time()
+    p = subprocess.run([python, "-m", "pytest", "-q", "-n", "0", "-m", "slow or not slow",
+                        f"--junitxml={xml}", *files], cwd=REPO, capture_output=True, text=True)
+    row["seconds"] = round(time.time() - t0, 1)
+    if not os.path.exists(xml):  # pytest died before writing its report
+      row.update(failed=1, failures=[f"pytest exited {p.returncode}: {p.stdout[-500:]}{p.stderr[-500:]}"])
+      return row
+    for case in ET.parse(xml).getroot().iter("testcase"):
+      bad = [e for e in case if e.tag in ("failure", "error")]
+      if bad:
+        row["failed"] += 1
+        message = (bad[0].get("message") or "").strip().splitlines() or [""]
+        row["failures"].append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200]}")
+      elif case.find("skipped") is not None:
+        row["skipped"] += 1
+      else:
+        row["passed"] += 1
+  if p.returncode and not row["failed"]:  # e.g. exit 5: no tests ran
+    row.update(failed=1, failures=[f"pytest exited {p.returncode}: {p.stdout[-500:]}"])
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| transformers | passed | failed | skipped | seconds |", "|---|---:|---:|---:|---:|"]
+  lines += [f"| {r['version']} | {r['passed']} | {r['failed']} | {r['skipped']} | {r['seconds']:.0f} |"
+            for r in rows]
+  for r in rows:
+    if r["failures"]:
+      lines += ["", f"Failures on {r['version']}:"] + [f"- {f}" for f in r["failures"]]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--venv", required=True, help="the one venv to reuse; made if absent")
+  parser.add_argument("--versions", nargs="+", help="these transformers versions instead of every minor")
+  parser.add_argument("--json", help="also write the rows (with installed versions) here")
+  args = parser.parse_args(argv)
+  python = make_venv(args.venv)
+  versions = args.versions or latest_patches(python)
+  files = test_files()
+  print(f"{len(versions)} versions: {' '.join(versions)}\ntests: {' '.join(files)}", file=sys.stderr)
+  rows, t0 = [], time.time()
+  for version in versions:
+    rows.append(run_version(python, version, files))
+    r = rows[-1]
+    print(f"{version}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
+          f"{r['seconds']:.0f} s (+{r['install_seconds']:.0f} s install)", file=sys.stderr, flush=True)
+    if args.json:  # written after every version, so a long run can be read while it goes
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+  print(table(rows))
+  print(f"\n{len(versions)} versions in {time.time() - t0:.0f} s", file=sys.stderr)
+  return 1 if any(r["failed"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
