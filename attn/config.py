@@ -31,8 +31,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 GATES = (None, "headwise", "elementwise")
 ROPE_SCALINGS = (None, "linear", "llama3")  # transformers' rope_type names
-_LLAMA3_DEFAULTS = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                    "rope_original_max_len": 8192}  # Llama 3.1's values
+_LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
 
 
 def _positive_number(field: str, value: Any, what: str) -> None:
@@ -185,7 +184,9 @@ class HeadConfig:
                     "wavelengths below rope_original_max_len / high and scales those above / low")
     _positive_int("rope_original_max_len", self.rope_original_max_len)
     if kind != "llama3":
-      for name, default in _LLAMA3_DEFAULTS.items():
+      defaults = {f.name: f.default for f in dataclasses.fields(self)}  # Llama 3.1's values
+      for name in _LLAMA3_FIELDS:
+        default = defaults[name]
         if getattr(self, name) != default:
           raise invalid(name, getattr(self, name), f"{default!r} when rope_scaling={kind!r}: only "
                         "rope_scaling='llama3' reads it")

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn.config import invalid
+from attn.config import ROPE_SCALINGS, invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.models import MODELS, DecoderLM, Encoder, ModelConfig
 
@@ -187,7 +187,7 @@ def _flag(hf: dict[str, Any], rule: Any) -> bool:
   return bool(hf.get(rule) or False) if isinstance(rule, str) else rule
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # transformers' rope_type values attn implements
+ROPE_TYPES = ("default", *(k for k in ROPE_SCALINGS if k))  # transformers' rope_type values attn implements
 
 
 def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

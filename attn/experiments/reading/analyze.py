@@ -180,18 +180,13 @@ def _residual_stats(h_BTD, real_BT) -> dict[str, Any]:
   return {"residual_max": jnp.nanmax(a_BTD), "residual_median": jnp.nanmedian(a_BTD)}
 
 
-def _per_example(logits, batch: dict[str, Any], kind: str):
-  """(summed weighted nll (B,), summed weighted hits (B,), summed weights (B,)), as train._loss weighs them."""
+def _per_example(logits, batch: dict[str, Any]):
+  """A classifier's (nll (B,), hits (B,), weights (B,) of ones), as train._loss weighs them."""
   import jax.numpy as jnp
   import optax
-  logits = logits.astype(jnp.float32)
-  labels = batch["targets"] if kind == "decoder_lm" else batch["labels"]
-  w = batch["weights"] if kind == "decoder_lm" else jnp.ones(labels.shape, jnp.float32)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * w
-  hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * w
-  if kind == "decoder_lm":
-    return nll.sum(-1), hit.sum(-1), w.sum(-1)
-  return nll, hit, w
+  logits, labels = logits.astype(jnp.float32), batch["labels"]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return nll, (jnp.argmax(logits, -1) == labels).astype(jnp.float32), jnp.ones(labels.shape, jnp.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,10 +199,12 @@ def _compiled(graphdef, kind: str):
   from attn.nn import models
 
   def losses(state, batch, gates, own_pair_gradient=False):
+    """Per example (summed nll, summed hits, summed weights); token-level kinds as `attn eval` scores them."""
     model = nnx.merge(graphdef, state)
-    if kind in HF_ENCODER_KINDS:
-      return eval_cli.example_losses(model, batch, kind, gates, own_pair_gradient)
-    return _per_example(_forward(model, batch, kind, gates), batch, kind)
+    if kind == "decoder_lm" or kind in HF_ENCODER_KINDS:
+      return eval_cli.example_losses(model, batch, "next_token" if kind == "decoder_lm" else kind, gates,
+                                     own_pair_gradient)
+    return _per_example(_forward(model, batch, kind, gates), batch)
 
   def gate_grads(state, batch, gates_BLH):
     def example_loss(g_BLH):  # sentence pairs: each pair's own gradient (ranking_loss's own_pair_gradient)
