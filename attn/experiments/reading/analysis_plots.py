@@ -19,7 +19,9 @@ PLOTS = ("attention.png", "spectra.png", "importance.png", "pruning.png")
 def _title(a: dict[str, Any]) -> str:
   dims = f"{a['variant']}, h={a['num_heads']}, d_k={a['d_k']}, d_v={a['d_v']}"
   if a.get("hf"):  # a pretrained model (attn analyze --hf)
-    return f"{a['hf']} (pretrained)\n{dims}, text {a['text'] or 'Python stdlib'}"
+    scored = {"sentence_pairs": "; loss: in-batch ranking of window halves, accuracy: top-1 retrieval",
+              "masked_lm": "; masked-LM loss and accuracy"}.get(a.get("objective"), "")
+    return f"{a['hf']} (pretrained)\n{dims}, text {a['text'] or 'Python stdlib'}{scored}"
   label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in a["label"].items())
   return f"trial {a['trial']} [{label}]\n{dims}, checkpoint of step {a['step']}"
 
