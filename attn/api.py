@@ -18,9 +18,7 @@ def get_variant(name: str) -> Variant:
   """The registered variant `name`; an unknown name lists the known ones."""
   if isinstance(name, Variant):
     return name
-  if name not in VARIANTS:
-    raise invalid("variant", name, f"one of {sorted(VARIANTS)}")
-  return VARIANTS[name]
+  return VARIANTS.resolve(name, "variant")
 
 
 def check_config(variant: str, cfg: HeadConfig) -> Variant:

@@ -1,20 +1,20 @@
-"""Every head parameterization, by name. A new variant is one file plus one line here."""
+"""Every head parameterization, by name: the built-ins below, plugins of the entry-point group
+`attn.variants`, and records added by `VARIANTS.register` (attn.registry). A new built-in variant
+is one file plus one line in _builtins."""
 
-from attn.variants import fused, per_head
-from attn.variants import collaborative, merged, split_input, two_stage
-from attn.variants import mla, talking_heads
-from attn.variants import differential, tpa
+from attn.registry import Registry
 from attn.variants.base import Variant
 
-VARIANTS: dict[str, Variant] = {
-    "per_head": per_head.VARIANT,
-    "fused": fused.VARIANT,
-    "merged": merged.VARIANT,
-    "two_stage": two_stage.VARIANT,
-    "split_input": split_input.VARIANT,
-    "collaborative": collaborative.VARIANT,
-    "mla": mla.VARIANT,
-    "talking_heads": talking_heads.VARIANT,
-    "differential": differential.VARIANT,
-    "tpa": tpa.VARIANT,
-}
+
+def _builtins() -> list[Variant]:
+  from attn.variants import fused, per_head
+  from attn.variants import collaborative, merged, split_input, two_stage
+  from attn.variants import mla, talking_heads
+  from attn.variants import differential, tpa
+  return [per_head.VARIANT, fused.VARIANT, merged.VARIANT, two_stage.VARIANT, split_input.VARIANT,
+          collaborative.VARIANT, mla.VARIANT, talking_heads.VARIANT, differential.VARIANT,
+          tpa.VARIANT]
+
+
+VARIANTS: Registry[Variant] = Registry("variant", "attn.variants", Variant, _builtins,
+                                       required=("init", "apply"))
