@@ -371,7 +371,7 @@ def test_qk_norm_needs_two_dims_and_three_variants_refuse_it():
 def test_circuits_leave_the_mechanisms_out_and_refuse_qk_norm():
   cfg = AWKWARD.replace(gate="headwise", sinks=True, window=2)
   p = per_head_params(cfg)
-  own = {n: a for n, a in p.items() if n not in mechanisms.NAMES}
+  own = {n: a for n, a in p.items() if n not in mechanisms.names()}
   got, plain = attn.analysis.circuits("per_head", p, cfg), attn.analysis.circuits(
       "per_head", own, AWKWARD)
   assert all(np.array_equal(got[n], plain[n]) for n in plain)
@@ -384,7 +384,7 @@ def test_conversions_carry_the_mechanisms_and_refuse_a_dropped_key_bias():
   cfg = AWKWARD.replace(gate="headwise", sinks=True, qk_norm=True, window=3, softcap=2.0)
   p = per_head_params(cfg)
   fused = attn.convert(p, "per_head", "fused", cfg)
-  for name in mechanisms.NAMES:
+  for name in mechanisms.names():
     if name in p:
       np.testing.assert_array_equal(fused[name], p[name])
   np.testing.assert_array_equal(ravel_pytree(attn.convert(fused, "fused", "per_head", cfg))[0],
@@ -402,7 +402,7 @@ def test_params_carry_the_mechanisms_by_name():
   cfg = AWKWARD.replace(gate="elementwise", sinks=True, qk_norm=True)
   p = attn.init("fused", jax.random.PRNGKey(0), cfg)
   H, V, K, D = cfg.num_heads, cfg.d_v, cfg.d_k, cfg.d_model
-  assert {n: p[n].shape for n in mechanisms.NAMES} == {
+  assert {n: p[n].shape for n in mechanisms.names()} == {
       "w_gate": (D, H, V), "b_gate": (H, V), "sinks": (H,), "q_norm": (K,), "k_norm": (K,)}
   own = attn.init("fused", jax.random.PRNGKey(0), AWKWARD)
   assert all(np.array_equal(own[n], p[n]) for n in own)  # mechanisms draw from their own key
