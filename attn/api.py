@@ -34,7 +34,10 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
 def _init(v: Variant, key: jax.Array, cfg: HeadConfig, dtype) -> Params:
   # The mechanisms' parameters (cfg.gate, sinks, qk_norm) from a key of their own, so that
   # the variant's own parameters are the same with or without them.
-  return v.init(key, cfg, dtype) | mechanisms.init(jax.random.fold_in(key, 1), cfg, dtype)
+  own = v.init(key, cfg, dtype)
+  if not isinstance(own, dict) or not all(hasattr(a, "shape") for a in own.values()):
+    raise invalid(f"{v.name}.init(...)", type(own).__name__, "a dict of arrays (name -> array)")
+  return own | mechanisms.init(jax.random.fold_in(key, 1), cfg, dtype)
 
 
 def init(variant: str | Variant, key: jax.Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -52,8 +55,6 @@ def _param_shapes(v: Variant, cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
   # Keyed by the record (records hash by identity), so a name registered again is read afresh.
   tree = jax.eval_shape(lambda k: _init(v, k, cfg, jnp.float32),
                         jax.ShapeDtypeStruct((2,), jnp.uint32))
-  if not isinstance(tree, dict) or not all(hasattr(s, "shape") for s in tree.values()):
-    raise invalid(f"{v.name}.init", type(tree).__name__, "a function returning a dict of arrays")
   return {name: tuple(s.shape) for name, s in tree.items()}
 
 
