@@ -229,4 +229,4 @@ def examples(m: Mechanism) -> tuple[tuple[str, dict[str, Any], str, str], ...]:
   """m's example rows; an outside mechanism without any is switched on with its defaults."""
   if m.examples:
     return tuple((label, dict(change), p, f) for label, change, p, f in m.examples)
-  return ((m.name, {"extra": {m.name: {}}}, "measured", "measured"),)
+  return ((m.name, {"extra": {m.name: {}}}, "not declared", "not declared"),)
