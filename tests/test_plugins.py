@@ -19,6 +19,7 @@ import warnings
 import pytest
 
 import attn
+import attn.cli
 from attn import ConfigError, HeadConfig, testing
 from attn.experiments.running import config as config_lib
 from attn.registry import PluginWarning
@@ -81,8 +82,14 @@ def test_the_readme_variant_is_at_most_40_lines():
   assert len(_python_block("README.md", "### From your own repository").splitlines()) <= 40
 
 
-def test_an_installed_plugin_is_found_and_passes_the_kit(my_attn):
+def test_an_installed_plugin_is_found_and_passes_the_kit(my_attn, capsys):
   with installed(my_attn):
+    assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--variant", "tempered",
+                          "--format", "csv"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()
+    assert header.endswith(",measured") and row.startswith("tempered,290,290,") and row.endswith(
+        ",analytic effective score_weights score_weights_per_head flops_fwd flops_fwd_bwd "
+        "kv_bytes_per_token kv_bytes_at_T")
     assert VARIANTS.source("tempered") == "my_attn" and MECHANISMS.source("logit_scale") == "my_attn"
     testing.check_variant("tempered")
     testing.check_mechanism(MECHANISMS["logit_scale"])  # on the logits: the explicit-logits path
@@ -216,6 +223,11 @@ def test_attn_count_and_sweep_with_two_workers_run_an_installed_plugin(my_attn, 
     summary = json.load(open(tmp_path / "out" / "trials" / t["id"] / "config.json"))
     assert summary["model"]["variant"] == "tempered"
     assert summary["model"]["extra"] == {"logit_scale": {"factor": 1.5}}
+  report = _attn(my_attn, "report", str(tmp_path / "out"))
+  assert report.returncode == 0, report.stderr
+  rows = [r for r in open(tmp_path / "out" / "report.md").read().splitlines() if "| tempered" in r
+          or r.startswith("| " + header["trials"][0]["id"])]
+  assert rows and all(r.count("(measured)") == 3 for r in rows)  # analytic, effective, FLOPs
 
 
 @pytest.mark.slow

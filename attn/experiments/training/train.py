@@ -89,14 +89,20 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
   return cfg.replace(d_ff=d_ff)
 
 
-def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
-  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers."""
+def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
+  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers.
+
+  attention_measured names the figures measured for lack of a closed form (count.measured_figures);
+  an effective count too large to measure is None.
+  """
   head, L = cfg.head, cfg.num_layers
   pc = count.param_counts(cfg.variant, head)
   fl = count.flops(cfg.variant, head, seq_len)
-  return {"attention_params_analytic": int(pc["analytic"]) * L,
-          "attention_params_effective": int(pc["effective"]) * L,
-          "attention_flops_fwd": int(fl) * L}
+  out = {"attention_params_analytic": int(pc["analytic"]) * L,
+         "attention_params_effective": None if pc["effective"] is None else int(pc["effective"]) * L,
+         "attention_flops_fwd": int(fl) * L}
+  measured = count.measured_figures(cfg.variant, head)
+  return {**out, "attention_measured": measured} if measured else out
 
 
 def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:
