@@ -375,7 +375,7 @@ def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = Fal
 def _off(m: Mechanism, cfg: HeadConfig) -> HeadConfig:
   """cfg with m switched off."""
   if m.fields:
-    return cfg.replace(**{m.fields[0]: HeadConfig.__dataclass_fields__[m.fields[0]].default})
+    return cfg.replace(**{m.fields[0]: {f.name: f.default for f in dataclasses.fields(HeadConfig)}[m.fields[0]]})
   return cfg.replace(extra={n: o for n, o in (cfg.extra or {}).items() if n != m.name} or None)
 
 
@@ -391,6 +391,6 @@ def _check_mechanism_params(m: Mechanism, v: Variant, cfg: HeadConfig) -> None:
                   "sharding letters (Mechanism.sharding)")
     if letters[name] is not None and len(letters[name]) < len(shape):
       raise _fail("sharding", v, cfg, f"mechanism {m.name!r}: {name} {shape} has letters {letters[name]!r}")
-  count = sum(int(np.prod(s)) for s in added.values())
-  if m.param_count is not None and m.param_count(cfg) != count:
-    raise _fail("param_count", v, cfg, f"mechanism {m.name!r} declares {m.param_count(cfg)}, adds {count}")
+  n_added = sum(int(np.prod(s)) for s in added.values())
+  if m.param_count is not None and m.param_count(cfg) != n_added:
+    raise _fail("param_count", v, cfg, f"mechanism {m.name!r} declares {m.param_count(cfg)}, adds {n_added}")

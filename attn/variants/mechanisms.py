@@ -4,7 +4,8 @@ The built-ins (attn.variants.head_mechanisms: gate, sinks, qk_norm, window,
 softcap), plugins of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
-`attn count --mechanisms` table and its help, and the README's table.
+`attn count --mechanisms` table and its help (and so the table in
+experiments/parameter_counts/README.md, which scripts/count_tables.py writes).
 
 A record acts at one or more points of the shared path every variant goes
 through (attn.variants.base):
@@ -30,6 +31,11 @@ model.extra.my_gate={width=3}`); its presence switches the mechanism on,
 `defaults` fills what is not set, `check(cfg)` validates the values, and, as
 every [model] key, it is part of the trial id (left out when empty, so configs
 without plugins keep their ids). A function reads them with `options(cfg, name)`.
+Why one field: a plugin cannot add fields to attn's HeadConfig, and one table
+keyed by the record's name goes through ModelConfig, TOML, --set and the trial
+id the way every HeadConfig field does, with no per-plugin schema. The
+built-ins' fields are validated by HeadConfig where they are declared, so
+their records need no check.
 
 Parameters: `init(key, cfg, dtype)` -> dict of arrays (names no variant uses),
 `sharding` one letter per axis of each (H: split with the query heads, None:
@@ -37,7 +43,7 @@ replicated; letters past an array's rank are dropped). Counts in closed form
 (param_count, effective_param_count, flops, score_weights) are optional: a
 layer whose mechanism lacks one has that figure measured (attn.count), and
 `kv_tokens(cfg, length)` says how many tokens a layer caches after `length`
-(window: the last `window`). `examples` are rows (label, HeadConfig changes
+(window: the last `window`; counts only: the decoding ring is cfg.window's). `examples` are rows (label, HeadConfig changes
 that switch it on, params formula, FLOPs formula) for `attn count --mechanisms`
 and the configs the kit (attn.testing) composes with every variant; an outside
 mechanism with none is switched on with its defaults ({"extra": {name: {}}}).
