@@ -266,6 +266,7 @@ def test_the_kit_passes_on_every_builtin_mechanism_and_variant(name):
   testing.check_mechanism(mechanisms.MECHANISMS[name], thorough=True)
 
 
+@pytest.mark.slow  # the fast tier's check_variant runs every variant with every mechanism on
 def test_the_kit_passes_on_the_gate():
   testing.check_mechanism(mechanisms.MECHANISMS["gate"])
 

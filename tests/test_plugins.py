@@ -82,7 +82,7 @@ def test_the_readme_variant_is_at_most_40_lines():
   assert len(_python_block("README.md", "### From your own repository").splitlines()) <= 40
 
 
-def test_an_installed_plugin_is_found_and_passes_the_kit(my_attn, capsys):
+def test_an_installed_plugin_is_found_counted_and_its_mechanism_passes_the_kit(my_attn, capsys):
   with installed(my_attn):
     assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--variant", "tempered",
                           "--format", "csv"]) == 0
@@ -91,12 +91,17 @@ def test_an_installed_plugin_is_found_and_passes_the_kit(my_attn, capsys):
         ",analytic effective score_weights score_weights_per_head flops_fwd flops_fwd_bwd "
         "kv_bytes_per_token kv_bytes_at_T")
     assert VARIANTS.source("tempered") == "my_attn" and MECHANISMS.source("logit_scale") == "my_attn"
-    testing.check_variant("tempered")
     testing.check_mechanism(MECHANISMS["logit_scale"])  # on the logits: the explicit-logits path
     counts = attn.count.param_counts("tempered", HeadConfig(d_model=8, num_heads=2, use_bias=False))
     assert counts["analytic"] == counts["stored"] == 8 * 4 * 8 + 2  # no closed form: the stored count
     assert attn.count.measured_figures("tempered", HeadConfig(d_model=8, num_heads=2)) == [
         "analytic", "effective", "score_weights", "flops", "kv_cache"]
+
+
+@pytest.mark.slow
+def test_the_readme_variant_passes_the_kit_thoroughly(my_attn):
+  with installed(my_attn):
+    testing.check_variant("tempered", thorough=True)
 
 
 def test_a_plugin_mechanisms_options_are_validated_and_in_the_trial_id(my_attn):
