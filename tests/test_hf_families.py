@@ -5,9 +5,10 @@ releases' spellings.
 
 Tiny random models built with transformers' own config classes (nothing is
 downloaded), GQA (4 query heads, 2 kv heads) and head_dim != D/H where the
-family allows it; logits compared at every position of right-padded rows
-(windowed families: every position whose window holds a real key, see
-_defined), and to_hf's state_dict equal to the original's bit for bit.
+family allows it, each through attn.testing.check_family: logits compared at
+every position of right-padded rows (windowed families: every position whose
+window holds a real key), and to_hf's state_dict equal to the original's bit
+for bit.
 """
 
 import json
@@ -18,6 +19,7 @@ import pytest
 
 from attn.config import ConfigError
 from attn.nn import hf
+from attn.testing import check_family
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 TOL = 1e-4  # relative to the largest logit, float32
@@ -83,34 +85,17 @@ def _hf_logits(m, ids, mask):
     return m(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
 
 
-def _defined(cfg, lengths, T):
-  """Positions whose every window holds a real key. A padded query whose window (t − w, t] has
-  no key before the length is a fully masked row: transformers' eager softmax spreads it over
-  masked keys, attn's gives 0; neither is a logit of the text."""
-  t = np.arange(T)[None, :]
-  return np.ones((len(lengths), T), bool) if cfg.window is None else t < lengths[:, None] + cfg.window - 1
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_logits_and_exact_round_trip(family, tmp_path):
-  m = build(family)
-  ids, lengths, mask = _batch(m.config.vocab_size)
-  ref = _hf_logits(m, ids, mask)
-  m.save_pretrained(tmp_path)
-  model, cfg = hf.from_hf(str(tmp_path))  # safetensors through numpy
+def test_family_logits_and_exact_round_trip(family):
+  """attn.testing.check_family on transformers' own model of the family: logits at every position
+  whose window holds a real key, its state dict back bit for bit through to_hf of the loaded model
+  (which knows its family), its save_pretrained directory read through numpy, the refusals."""
+  measured = check_family(family, build(family))
+  cfg = measured["config"]
   assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, cfg.head.d_k, 500.0)
-  got = np.asarray(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
-  keep = _defined(cfg, lengths, ids.shape[1])
-  diff = np.abs(got - ref)[keep]
-  MEASURED[family] = (float(diff.max()), float(diff.max() / np.abs(ref[keep]).max()))
+  MEASURED[family] = (measured["logits_max_abs"], measured["logits_relative"])
   print(f"{family}: max abs {MEASURED[family][0]:.2e}, relative {MEASURED[family][1]:.2e}")
   assert MEASURED[family][1] < TOL
-  back = hf.to_hf(model)  # the loaded model knows its family
-  want, have = m.state_dict(), back.state_dict()
-  assert set(want) == set(have)
-  for k in want:
-    assert np.array_equal(want[k].numpy(), have[k].numpy()), k
-  assert hf.from_hf(back).config == cfg
 
 
 # rope_parameters of the scaled types. head_dim 12 and theta 500 give wavelengths 2π/ω of 6.3, 17.7,
@@ -293,7 +278,7 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
   assert all(np.array_equal(named[k].numpy(), t.numpy()) for k, t in m.state_dict().items())
 
 
-def test_bert_masked_lm_out_and_back(tmp_path):
+def test_bert_masked_lm_out_and_back():
   transformers = _transformers()
   import torch
   c = transformers.BertConfig(vocab_size=31, hidden_size=12, num_hidden_layers=2, num_attention_heads=3,
@@ -305,23 +290,11 @@ def test_bert_masked_lm_out_and_back(tmp_path):
   with torch.no_grad():
     for name, p in m.named_parameters():
       p.copy_(0.3 * torch.randn(p.shape) + (1.0 if name.endswith("LayerNorm.weight") else 0.0))
-  m.eval()
-  ids, lengths, mask = _batch(31)
-  with torch.no_grad():
-    ref = m(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
-  m.save_pretrained(tmp_path)
-  enc, cfg = hf.from_hf(str(tmp_path))
-  assert cfg.mlm_head and not cfg.pooler
-  got = np.asarray(enc.mlm_logits(enc(ids.astype(np.int32), lengths_B=lengths.astype(np.int32))))
-  real = mask.astype(bool)  # BERT's padded queries are not compared (their keys are masked alike)
-  rel = np.abs(got - ref)[real].max() / np.abs(ref).max()
-  MEASURED["bert (MLM)"] = (float(np.abs(got - ref)[real].max()), float(rel))
-  print(f"bert (MLM): max abs {MEASURED['bert (MLM)'][0]:.2e}, relative {rel:.2e}")
-  assert rel < TOL
-  back = hf.to_hf(enc, cfg)
-  assert type(back).__name__ == "BertForMaskedLM"
-  want, have = m.state_dict(), back.state_dict()
-  assert set(want) == set(have) and all(np.array_equal(want[k].numpy(), have[k].numpy()) for k in want)
+  measured = check_family("bert", m.eval())  # MLM logits at every position, the state dict back, refusals
+  assert measured["config"].mlm_head and not measured["config"].pooler
+  MEASURED["bert (MLM)"] = (measured["logits_max_abs"], measured["logits_relative"])
+  print(f"bert (MLM): max abs {MEASURED['bert (MLM)'][0]:.2e}, relative {MEASURED['bert (MLM)'][1]:.2e}")
+  assert type(hf.to_hf(hf.from_hf(m))).__name__ == "BertForMaskedLM"
   plain = hf.to_hf(hf.from_hf(transformers.BertModel(c, add_pooling_layer=True).eval()))
   assert type(plain).__name__ == "BertModel" and plain.pooler is not None
 

@@ -22,8 +22,9 @@ are mean-pooled, Ainslie et al. 2023); convert_model converts a loaded model.
 
 to_hf(model) builds the transformers model with the same weights and outputs;
 a model from from_hf remembers its family (model.hf_family), and
-to_hf(model, cfg, model_type) still works. from_hf(to_hf(m)) gives m's
-parameters back exactly.
+to_hf(model, cfg, model_type) still works. to_hf_state(model) gives the
+config and state dict as numpy without torch, and from_hf takes that pair
+back. from_hf(to_hf(m)) gives m's parameters back exactly.
 
 Padding: attn's models take right padding as lengths (B,), which is Hugging
 Face's attention_mask with its ones first (lengths_from_attention_mask): keys
@@ -36,11 +37,11 @@ from attn.convert import LossyConversionWarning
 from attn.nn.hf.base import Family, Weights, require
 from attn.nn.hf.files import lengths_from_attention_mask, read_config, read_weights
 from attn.nn.hf.load import (FAMILIES, REFUSED, Loaded, build, convert_model, family_for, from_hf, model_config,
-                             to_hf)
+                             to_hf, to_hf_state)
 from attn.nn.hf.rope import ROPE_TYPES, rope_from_hf, rope_to_hf
 
 __all__ = [
     "FAMILIES", "Family", "Loaded", "LossyConversionWarning", "REFUSED", "ROPE_TYPES", "Weights", "build",
     "convert_model", "family_for", "from_hf", "lengths_from_attention_mask", "model_config", "read_config",
-    "read_weights", "require", "rope_from_hf", "rope_to_hf", "to_hf",
+    "read_weights", "require", "rope_from_hf", "rope_to_hf", "to_hf", "to_hf_state",
 ]

@@ -103,7 +103,8 @@ class Loaded:
 
 def from_hf(source: Any, variant: str | None = None, num_kv_heads: int | None = None,
             latent_dim: int | None = None) -> Loaded:
-  """A Hugging Face model (a transformers object or a save_pretrained directory) as an attn model.
+  """A Hugging Face model (a transformers object, a save_pretrained directory, or to_hf_state's
+  (config, state dict) pair) as an attn model.
 
   variant (default: the family's own layout, per_head for every built-in) and num_kv_heads convert
   every layer through attn.convert; variant="mla" with latent_dim=d_c converts the heads to latent
@@ -111,8 +112,12 @@ def from_hf(source: Any, variant: str | None = None, num_kv_heads: int | None = 
   conversion warns (LossyConversionWarning); Loaded.errors holds each layer's error.
   """
   is_dir = isinstance(source, (str, os.PathLike))
-  architectures = {a for f in FAMILIES.values() for a in f.architectures}
-  hf, weights = (read_config(source), None) if is_dir else read_object(source, architectures)
+  if is_dir:
+    hf, weights = read_config(source), None
+  elif isinstance(source, tuple) and len(source) == 2 and all(isinstance(x, dict) for x in source):
+    hf, weights = source  # to_hf_state's (config, state dict)
+  else:
+    hf, weights = read_object(source, {a for f in FAMILIES.values() for a in f.architectures})
   family = family_for(hf)
   cfg = model_config(hf)
   variant = family.variant if variant is None else variant
@@ -244,13 +249,8 @@ def _load(hf: Any, sd: dict[str, Any], name: str) -> Any:
   return hf.eval()
 
 
-def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str | None = None):
-  """A transformers model (eval mode, no dropout) with the same weights and outputs as `model`.
-
-  model: what from_hf returned (a Loaded, or its model), or any attn model with its config.
-  model_type (a family or a model type) is needed only for a model from_hf did not load whose
-  family is ambiguous (a hand-built DecoderLM with RoPE).
-  """
+def _resolve(model: Any, model_config: ModelConfig | None, model_type: str | None):
+  """(attn model, its config, its family) of what to_hf was given; what no family holds is refused."""
   if isinstance(model, Loaded):
     model_config, model_type = model_config or model.config, model_type or model.family
     model = model.model
@@ -266,16 +266,43 @@ def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str |
   check_fields(cfg, family)
   if family.check_out is not None:
     family.check_out(cfg)
-  require("torch")  # transformers' models hold torch tensors
-  transformers = require("transformers")
+  return model, cfg, family
+
+
+def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, dict, ModelConfig]:
+  """(HF config keywords, HF state dict, the config they were written from)."""
   out_cfg = cfg.replace(variant=family.variant,
                         num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for block in _blocks(pure).values():
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
-  sd = family.weights_out(pure, out_cfg)
-  kw = dict(family.config_out(out_cfg))
+  sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}
+  return dict(family.config_out(out_cfg)), sd, out_cfg
+
+
+def to_hf_state(model: Any, model_config: ModelConfig | None = None,
+                model_type: str | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(config.json as a dict, the state dict as numpy arrays) of what to_hf builds, without torch.
+
+  from_hf takes the pair back: from_hf(to_hf_state(model)) holds model's parameters exactly.
+  """
+  model, cfg, family = _resolve(model, model_config, model_type)
+  kw, sd, _ = _state(model, cfg, family)
+  return {"model_type": family.model_types[0], **kw}, sd
+
+
+def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str | None = None):
+  """A transformers model (eval mode, no dropout) with the same weights and outputs as `model`.
+
+  model: what from_hf returned (a Loaded, or its model), or any attn model with its config.
+  model_type (a family or a model type) is needed only for a model from_hf did not load whose
+  family is ambiguous (a hand-built DecoderLM with RoPE).
+  """
+  model, cfg, family = _resolve(model, model_config, model_type)
+  require("torch")  # transformers' models hold torch tensors
+  transformers = require("transformers")
+  kw, sd, out_cfg = _state(model, cfg, family)
   cls = getattr(transformers, kw["architectures"][0])
   hf_cfg = cls.config_class(**kw)
   hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
