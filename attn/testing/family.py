@@ -162,8 +162,8 @@ def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-
   """Runs the family contract (module docstring) on `family` with the tiny checkpoint `source`.
 
   changes: ModelConfig fields to set on the model read from a bare config dict (BERT's
-  mlm_head). Returns what was measured: {"logits_max_abs", "logits_relative"} (None without
-  transformers) and the ModelConfig.
+  mlm_head). Returns what was measured, {"logits_max_abs", "logits_relative"} (None without
+  transformers), and what was checked: "loaded" (from_hf's Loaded) and its "config".
   """
   family = hf.FAMILIES.resolve(family, "family") if isinstance(family, str) else family
   if not isinstance(family, hf.Family):
@@ -191,7 +191,7 @@ def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-
       _same("round trip", name, {k: a for k, a in given.items() if not k.endswith(BUFFERS)}, state[1],
             "the checkpoint's tensors against to_hf_state's")
     _refusals(family, state[0], state)
-    measured: dict[str, Any] = {"config": cfg, "logits_max_abs": None, "logits_relative": None}
+    measured: dict[str, Any] = {"loaded": loaded, "config": cfg, "logits_max_abs": None, "logits_relative": None}
     if transformers is None:
       return measured
     theirs = source if live else hf.to_hf(loaded)
