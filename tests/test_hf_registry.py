@@ -155,6 +155,8 @@ def test_a_family_from_an_entry_point(checked, tmp_path):
     _same(sd, hf.to_hf_state(got)[1])
     with pytest.raises(ConfigError, match="family='broken' is not available.*failed to import"):
       hf.FAMILIES.resolve("broken", "family")
+    with pytest.raises(ConfigError, match="model_type='broken'.*not loaded: entry point 'broken'"):
+      hf.from_hf(({**kw, "model_type": "broken"}, sd))  # a checkpoint of the family that did not load
     _dist(tmp_path, "attn_plugged_bad", [("bad", "attn_plugged_family:NOT_A_RECORD")])
     importlib.invalidate_caches()
     hf.FAMILIES.reload()

@@ -59,6 +59,8 @@ def family_for(hf: dict[str, Any]) -> Family:
   if kind in known:
     return known[kind]
   why = f": {kind} is refused, {REFUSED[kind]}" if kind in REFUSED else ""
+  broken = FAMILIES.broken()  # a plugin family that failed to import may be the one meant
+  why += f" (not loaded: {'; '.join(broken.values())})" if broken else ""
   raise invalid("config.model_type", kind, f"one of {sorted(known)}{why}")
 
 
