@@ -217,7 +217,7 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_head
 
 # ---- writing: an attn model as a transformers model (needs torch).
 
-def _fits(family: Family, model: nnx.Module, cfg: ModelConfig) -> int:
+def _fits(family: Family, model: nnx.Module, cfg: ModelConfig) -> int | None:
   """How many of the family's fixed fields cfg breaks; None when the model is not the family's kind."""
   if not isinstance(model, MODELS[family.model]):
     return None
