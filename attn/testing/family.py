@@ -76,15 +76,10 @@ def _refused(prop: str, family: str, names: str, fn, *args, **kwargs) -> None:
   raise _fail(prop, family, f"accepted; should be refused naming {names!r}")
 
 
-def _params(model: nnx.Module) -> dict[tuple, np.ndarray]:
-  state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  flat: dict[tuple, np.ndarray] = {}
-
-  def walk(tree, prefix):
-    for k, v in tree.items():
-      walk(v, prefix + (k,)) if isinstance(v, dict) else flat.__setitem__(prefix + (k,), np.asarray(v))
-  walk(state, ())
-  return flat
+def _params(model: nnx.Module) -> dict[str, np.ndarray]:
+  """The model's parameters by path."""
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  return {jax.tree_util.keystr(path): np.asarray(a) for path, a in leaves}
 
 
 def _same(prop: str, family: str, want: dict, have: dict, what: str) -> None:
@@ -141,20 +136,19 @@ def _hf_outputs(m: Any, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
   return (logits if logits is not None else out.last_hidden_state).numpy()
 
 
-def _refusals(family: hf.Family, config: dict[str, Any], state: tuple[dict, dict]) -> None:
-  name = family.name
+def _refusals(family: hf.Family, state: tuple[dict, dict]) -> None:
+  name, (config, sd) = family.name, state
   for key in family.refusals:  # an empty state dict: refused on the config, before any weight
     _refused("refusals", name, f"config.{key}", hf.from_hf, ({**config, key: _NOT_ALLOWED}, {}))
   _refused("refusals", name, "config.model_type", hf.from_hf, ({**config, "model_type": _NOT_ALLOWED}, {}))
   _refused("refusals", name, "variant", hf.from_hf, (config, {}), variant=_NOT_ALLOWED)
-  kw, sd = state
   # A tensor read from the checkpoint (not a tied copy of another) dropped, and one added.
   copies = {k for k in sd for j in sd if j != k and np.shape(sd[j]) == np.shape(sd[k])
             and np.array_equal(sd[j], sd[k])}
   dropped = next(k for k in sorted(sd) if k not in copies)
   short = {k: a for k, a in sd.items() if k != dropped}
-  _refused("refusals", name, dropped.removeprefix(family.prefix), hf.from_hf, (kw, short))
-  _refused("refusals", name, "attn_check.extra", hf.from_hf, (kw, {**sd, "attn_check.extra": np.zeros(1, np.float32)}))
+  _refused("refusals", name, dropped.removeprefix(family.prefix), hf.from_hf, (config, short))
+  _refused("refusals", name, "attn_check.extra", hf.from_hf, (config, {**sd, "attn_check.extra": np.zeros(1, np.float32)}))
 
 
 def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-4, seed: int = 0,
@@ -190,7 +184,7 @@ def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-
       given = source[1] if isinstance(source, tuple) else hf.read_weights(source)
       _same("round trip", name, {k: a for k, a in given.items() if not k.endswith(BUFFERS)}, state[1],
             "the checkpoint's tensors against to_hf_state's")
-    _refusals(family, state[0], state)
+    _refusals(family, state)
     measured: dict[str, Any] = {"loaded": loaded, "config": cfg, "logits_max_abs": None, "logits_relative": None}
     if transformers is None:
       return measured
