@@ -212,3 +212,34 @@ def test_the_kit_catches_a_family_that_does_not_round_trip():
   with pytest.raises(AssertionError, match=r"check_family\('bad_llama'\): round trip: .*" + where):
     check_family(bad, {**LLAMA, "model_type": "bad_llama"})
   assert "bad_llama" not in hf.FAMILIES  # the kit registered it for the check only
+
+
+def test_a_read_only_family_loads_and_is_checked_on_a_checkpoint(checked):
+  kw, sd = hf.to_hf_state(checked["llama"]["loaded"])
+  ro = dataclasses.replace(hf.FAMILIES["llama"], name="ro_llama", model_types=("ro_llama",), weights_out=None,
+                           config_out=None)
+  measured = check_family(ro, ({**kw, "model_type": "ro_llama"}, sd))  # refusals only: nothing to write
+  assert measured["loaded"].family == "ro_llama" and measured["logits_relative"] is None
+  with pytest.raises(AssertionError, match="read-only family.*checkpoint, not a bare config"):
+    check_family(ro, {**LLAMA, "model_type": "ro_llama"})
+  hf.FAMILIES.register(ro)
+  try:
+    with pytest.raises(ConfigError, match="model_type='ro_llama'.*read-only"):
+      hf.to_hf_state(hf.from_hf(({**kw, "model_type": "ro_llama"}, sd)))
+  finally:
+    hf.FAMILIES.unregister("ro_llama")
+
+
+def test_to_hf_refuses_a_config_out_without_a_transformers_class(checked):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  llama = hf.FAMILIES["llama"]
+  odd = dataclasses.replace(llama, name="odd_llama", model_types=("odd_llama",),
+                            config_out=lambda cfg: llama.config_out(cfg) | {"architectures": ["NoSuchForCausalLM"]})
+  loaded = checked["llama"]["loaded"]
+  hf.FAMILIES.register(odd)
+  try:
+    with pytest.raises(ConfigError, match=r"'odd_llama'.config_out\(\)\['architectures'\]=\['NoSuchForCausalLM'\]"):
+      hf.to_hf(loaded.model, loaded.config, "odd_llama")
+  finally:
+    hf.FAMILIES.unregister("odd_llama")

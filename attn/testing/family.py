@@ -40,6 +40,7 @@ from flax import nnx
 from attn.config import ConfigError
 from attn.nn import hf
 from attn.nn.hf.base import BUFFERS
+from attn.nn.hf.files import read_object
 from attn.nn.models import MODELS, Encoder, ModelConfig
 
 _NOT_ALLOWED = "attn-check-family: a value no family allows"
@@ -142,13 +143,71 @@ def _refusals(family: hf.Family, state: tuple[dict, dict]) -> None:
     _refused("refusals", name, f"config.{key}", hf.from_hf, ({**config, key: _NOT_ALLOWED}, {}))
   _refused("refusals", name, "config.model_type", hf.from_hf, ({**config, "model_type": _NOT_ALLOWED}, {}))
   _refused("refusals", name, "variant", hf.from_hf, (config, {}), variant=_NOT_ALLOWED)
-  # A tensor read from the checkpoint (not a tied copy of another) dropped, and one added.
-  copies = {k for k in sd for j in sd if j != k and np.shape(sd[j]) == np.shape(sd[k])
-            and np.array_equal(sd[j], sd[k])}
-  dropped = next(k for k in sorted(sd) if k not in copies)
-  short = {k: a for k, a in sd.items() if k != dropped}
-  _refused("refusals", name, dropped.removeprefix(family.prefix), hf.from_hf, (config, short))
+  # A tensor the family reads (not a buffer, an ignored head or a tied copy of another) dropped, and one added.
+  read = [k for k in sorted(sd) if not k.endswith(BUFFERS) and not k.removeprefix(family.prefix).startswith(
+      family.ignored) and not any(j != k and np.shape(sd[j]) == np.shape(sd[k]) and np.array_equal(sd[j], sd[k])
+                                  for j in sd)]
+  _refused("refusals", name, read[0].removeprefix(family.prefix), hf.from_hf,
+           (config, {k: a for k, a in sd.items() if k != read[0]}))
   _refused("refusals", name, "attn_check.extra", hf.from_hf, (config, {**sd, "attn_check.extra": np.zeros(1, np.float32)}))
+
+
+def _checkpoint(family: hf.Family, source: Any) -> tuple[dict, dict] | None:
+  """(config dict, state dict) of a given checkpoint; None for a bare config."""
+  if isinstance(source, dict):
+    return None
+  if isinstance(source, tuple):
+    return source
+  if isinstance(source, (str, os.PathLike)):
+    return hf.read_config(source), hf.read_weights(source)
+  return read_object(source, family.architectures)
+
+
+def _round_trip(family: hf.Family, loaded: hf.Loaded, given: tuple[dict, dict] | None) -> tuple[dict, dict]:
+  """The round-trip properties; the state to_hf_state writes."""
+  name, (model, cfg) = family.name, loaded
+  state = hf.to_hf_state(loaded)
+  again = hf.from_hf(state)
+  _same("round trip", name, _params(model), _params(again.model), "from_hf(to_hf_state(model)) parameters")
+  if again.config != cfg:
+    diff = {f.name: (getattr(cfg, f.name), getattr(again.config, f.name)) for f in dataclasses.fields(ModelConfig)
+            if getattr(cfg, f.name) != getattr(again.config, f.name)}
+    raise _fail("round trip", name, f"the config read back differs: {diff}")
+  _same("round trip", name, state[1], hf.to_hf_state(again)[1], "to_hf_state written twice")
+  if given is not None:
+    _same("round trip", name, {k: a for k, a in given[1].items() if not k.endswith(BUFFERS)}, state[1],
+          "the checkpoint's tensors against to_hf_state's")
+  return state
+
+
+def _against_transformers(family: hf.Family, loaded: hf.Loaded, source: Any, live: bool, tolerance: float,
+                          seed: int) -> dict[str, float]:
+  """Outputs against the transformers model (the live source, or to_hf's); the live model's weights back."""
+  name, (model, cfg) = family.name, loaded
+  theirs = source if live else hf.to_hf(loaded)
+  if live:
+    if family.weights_out is not None:
+      _same("round trip", name, {k: t.numpy() for k, t in source.state_dict().items()},
+            {k: t.numpy() for k, t in hf.to_hf(loaded).state_dict().items()}, "to_hf(from_hf(model)).state_dict()")
+    with tempfile.TemporaryDirectory() as d:  # as save_pretrained writes it, read through numpy
+      source.save_pretrained(d)
+      _same("round trip", name, _params(model), _params(hf.from_hf(d).model), "its save_pretrained directory")
+  else:
+    _same("round trip", name, _params(model), _params(hf.from_hf(theirs).model), "from_hf(to_hf(model)) parameters")
+  T = min(9, cfg.max_len)
+  ids = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (3, T)).astype(np.int32)
+  lengths = np.array([T, T // 2 + 1, 1], np.int32)
+  t = np.arange(T)[None, :]
+  ours, ref = np.asarray(_outputs(model, ids, lengths)), _hf_outputs(theirs, ids, t < lengths[:, None])
+  # Padded positions too, where their window holds a real key: a query whose window holds none
+  # is a fully masked row (attn gives 0, transformers' eager softmax spreads it), no output of the text.
+  keep = t < lengths[:, None] + (cfg.window - 1 if cfg.window else T)
+  diff = float(np.abs(ours - ref)[keep].max())
+  relative = diff / float(np.abs(ref[keep]).max())
+  if not relative < tolerance:
+    raise _fail("transformers", name, f"outputs differ from {type(theirs).__name__}'s by {diff:.3g} "
+                f"({relative:.3g} of the largest; tolerance {tolerance:g})")
+  return {"logits_max_abs": diff, "logits_relative": relative}
 
 
 def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-4, seed: int = 0,
@@ -156,58 +215,27 @@ def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-
   """Runs the family contract (module docstring) on `family` with the tiny checkpoint `source`.
 
   changes: ModelConfig fields to set on the model read from a bare config dict (BERT's
-  mlm_head). Returns what was measured, {"logits_max_abs", "logits_relative"} (None without
-  transformers), and what was checked: "loaded" (from_hf's Loaded) and its "config".
+  mlm_head). A read-only family (no weights_out) needs a checkpoint, and its round trip is left
+  out. Returns what was measured, {"logits_max_abs", "logits_relative"} (None without
+  transformers, or for a read-only family without a live model), and what was checked:
+  "loaded" (from_hf's Loaded) and its "config".
   """
   family = hf.FAMILIES.resolve(family, "family") if isinstance(family, str) else family
   if not isinstance(family, hf.Family):
     raise _fail("record", str(family), f"a {hf.Family.__module__}.Family, not {type(family).__name__}")
-  name, transformers = family.name, _transformers()
+  name, writes, transformers = family.name, family.weights_out is not None, _transformers()
+  live = not isinstance(source, (dict, tuple, str, os.PathLike))
   with _registered(family):
-    live = not isinstance(source, (dict, tuple, str, os.PathLike))
-    if isinstance(source, dict):
-      loaded = _random(family, hf.model_config(source).replace(**(changes or {})), seed)
-    else:
-      loaded = hf.from_hf(source)
+    given = _checkpoint(family, source)
+    if given is None and not writes:
+      raise _fail("record", name, "a read-only family (weights_out None) is checked on a checkpoint, not a bare config")
+    loaded = hf.from_hf(source) if given is not None else _random(
+        family, hf.model_config(source).replace(**(changes or {})), seed)
     if loaded.family != name:
       raise _fail("record", name, f"the checkpoint was read by family {loaded.family!r}")
-    model, cfg = loaded
-    state = hf.to_hf_state(loaded)
-    again = hf.from_hf(state)
-    _same("round trip", name, _params(model), _params(again.model), "from_hf(to_hf_state(model)) parameters")
-    if again.config != cfg:
-      diff = {f.name: (getattr(cfg, f.name), getattr(again.config, f.name)) for f in dataclasses.fields(ModelConfig)
-              if getattr(cfg, f.name) != getattr(again.config, f.name)}
-      raise _fail("round trip", name, f"the config read back differs: {diff}")
-    _same("round trip", name, state[1], hf.to_hf_state(again)[1], "to_hf_state written twice")
-    if isinstance(source, (tuple, str, os.PathLike)):
-      given = source[1] if isinstance(source, tuple) else hf.read_weights(source)
-      _same("round trip", name, {k: a for k, a in given.items() if not k.endswith(BUFFERS)}, state[1],
-            "the checkpoint's tensors against to_hf_state's")
-    _refusals(family, state)
-    measured: dict[str, Any] = {"loaded": loaded, "config": cfg, "logits_max_abs": None, "logits_relative": None}
-    if transformers is None:
-      return measured
-    theirs = source if live else hf.to_hf(loaded)
-    if live:
-      _same("round trip", name, {k: t.numpy() for k, t in source.state_dict().items()},
-            {k: t.numpy() for k, t in hf.to_hf(loaded).state_dict().items()}, "to_hf(from_hf(model)).state_dict()")
-      with tempfile.TemporaryDirectory() as d:  # as save_pretrained writes it, read through numpy
-        source.save_pretrained(d)
-        _same("round trip", name, _params(model), _params(hf.from_hf(d).model), "its save_pretrained directory")
-    else:
-      _same("round trip", name, _params(model), _params(hf.from_hf(theirs).model), "from_hf(to_hf(model)) parameters")
-    T = min(9, cfg.max_len)
-    ids = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (3, T)).astype(np.int32)
-    lengths = np.array([T, T // 2 + 1, 1], np.int32)
-    t = np.arange(T)[None, :]
-    ours, ref = np.asarray(_outputs(model, ids, lengths)), _hf_outputs(theirs, ids, t < lengths[:, None])
-    # Padded positions too, where their window holds a real key: a query whose window holds none
-    # is a fully masked row (attn gives 0, transformers' eager softmax spreads it), no output of the text.
-    keep = t < lengths[:, None] + (cfg.window - 1 if cfg.window else T)
-    diff = float(np.abs(ours - ref)[keep].max())
-    measured |= {"logits_max_abs": diff, "logits_relative": diff / float(np.abs(ref[keep]).max())}
-    if not measured["logits_relative"] < tolerance:
-      raise _fail("transformers", name, f"outputs differ from {type(theirs).__name__}'s by {diff:.3g} "
-                  f"({measured['logits_relative']:.3g} of the largest; tolerance {tolerance:g})")
+    _refusals(family, _round_trip(family, loaded, given) if writes else given)
+    measured: dict[str, Any] = {"loaded": loaded, "config": loaded.config, "logits_max_abs": None,
+                                "logits_relative": None}
+    if transformers is not None and (writes or live):
+      measured |= _against_transformers(family, loaded, source, live, tolerance, seed)
     return measured

@@ -305,7 +305,11 @@ def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str |
   require("torch")  # transformers' models hold torch tensors
   transformers = require("transformers")
   kw, sd, out_cfg = _state(model, cfg, family)
-  cls = getattr(transformers, kw["architectures"][0])
+  names = kw.get("architectures") or [None]
+  cls = getattr(transformers, names[0], None) if isinstance(names[0], str) else None
+  if cls is None:
+    raise invalid(f"family {family.name!r}.config_out()['architectures']", kw.get("architectures"),
+                  f"a list naming a model class of transformers {transformers.__version__}")
   hf_cfg = cls.config_class(**kw)
   hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
   return _load(cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {})), sd, cls.__name__)
