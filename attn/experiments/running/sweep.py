@@ -44,6 +44,7 @@ from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import tb_writer
+from attn.experiments.training import faults
 from attn.experiments.training import preempt
 from attn.experiments.running.store import CONFIG, PARTIAL, Store, config_todo, load_sweep, read_config, read_rows
 
@@ -97,6 +98,24 @@ def _label(group: list[config_lib.Trial]) -> str:
       if v not in parts[k.split(".")[-1]]:
         parts[k.split(".")[-1]].append(v)
   return ", ".join(f"{k}={','.join(map(str, v))}" for k, v in parts.items())
+
+
+def _done(store: Store, trial_id: str) -> bool:
+  """store.is_done, False where the disk cannot be read."""
+  try:
+    return store.is_done(trial_id)
+  except OSError:
+    return False
+
+
+def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
+  """Refuses (ConfigError: the trial fails by name) programs that want more memory than the machine has free."""
+  wanted = max(int(getattr(c.memory_analysis(), "peak_memory_in_bytes", 0) or 0) for c in compiled)
+  have = faults.available_memory()
+  if have is not None and wanted > have:
+    raise invalid("trial", _label(group), f"a config whose train step fits this machine's memory: XLA's memory "
+                  f"analysis wants {faults.fmt_bytes(wanted)}, {faults.fmt_bytes(have)} is available; lower "
+                  "train.batch_size, raise train.grad_accum or shrink the model")
 
 
 def check_lease_timeout(seconds: Any) -> float:
@@ -218,6 +237,7 @@ class _Worker:
     self.n = len(trials)
     self.told: set[str] = set()  # trials reported as held by another worker
     self.progress: Progress | None = None
+    self.fault: faults.Fault | None = None  # the machine's fault that stopped this worker
 
   def name(self, trial: config_lib.Trial) -> str:
     return f"{self.index[trial.id]}/{self.n} [{_label([trial])}]"
@@ -232,11 +252,15 @@ class _Worker:
     self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), self.n, self.stream)
     try:
       self._loop(train, pending, counts, wait)
+    except Exception as e:  # a fault of the machine outside a trial (a lease, a config read): stop here
+      self.fault = faults.classify(e)
+      if self.fault is None:
+        raise
     finally:
       if self.orders is not None:
         self.orders.send(None)  # the group's other processes stop
     store.close()
-    left = [t for t in pending if not store.is_done(t.id)]
+    left = [t for t in pending if not _done(store, t.id)]
     elsewhere = len(pending) - len(left) - counts["ok"] - counts["failed"]
     line = f"done: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already finished"
     line += f", {elsewhere} finished by other workers" if elsewhere else ""
@@ -245,6 +269,8 @@ class _Worker:
     counts["skipped"] += elsewhere
     if left:
       counts["unfinished"] = len(left)
+    if self.fault is not None:
+      counts["fault"] = self.fault.message
     return counts
 
   def _loop(self, train, pending: list[config_lib.Trial], counts: dict[str, int], wait: bool) -> None:
@@ -324,6 +350,9 @@ class _Worker:
     def on_step(step: int, loss: float) -> None:
       progress.update(self.index[group[0].id], len(group), label, step, steps, loss)
 
+    def on_compiled(step_fn: Any, evaluate: Any) -> None:
+      check_memory(group, [step_fn, evaluate])
+
     def on_row(j: int, row: dict[str, Any]) -> None:
       store.append(ids[j], row)  # the store first: TensorBoard shows only rows it holds
       if self.tb is not None:
@@ -339,8 +368,11 @@ class _Worker:
                                       on_row=on_row,
                                       on_step=on_step, vmap=self.vmap_seeds,
                                       checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
-                                      on_start=on_start, log=lambda line: stream.write(line + "\n"))
-      except recorded as e:
+                                      on_start=on_start, log=lambda line: stream.write(line + "\n"),
+                                      on_compiled=on_compiled)
+      except Exception as e:  # the trial's own error is recorded; the machine's stops the worker (below)
+        if not isinstance(e, recorded) or faults.classify(e) is not None:
+          raise
         stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
@@ -364,6 +396,17 @@ class _Worker:
       for t in group:
         preempt.record(self.name(t), p.step)
       stream.write(f"\ntrial [{label}] saved at step {p.step} and stopped (preempted)\n")
+      return None
+    except Exception as e:  # a full disk, an I/O error: the trial stays resumable, no summary; the worker stops
+      self.fault = faults.classify(e)
+      if self.fault is None:
+        raise
+      for t in group:
+        if not _done(store, t.id):
+          store.interrupt(t.id, self.fault.reason)
+      stream.write(f"\ntrial [{label}] interrupted: {self.fault.reason}\n")
+      if self.orders is not None:  # the other processes are mid-trial, in collectives: the group ends
+        raise
       return None
     finally:
       for t in group:
