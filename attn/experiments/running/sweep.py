@@ -127,14 +127,44 @@ def check_lease_timeout(seconds: Any) -> float:
   return float(seconds)
 
 
-def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None) -> bool:
-  """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already."""
+def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None, *,
+            retry_failed: bool = False, stream: TextIO = sys.stderr) -> bool:
+  """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already.
+
+  The one resume path of every executor: a filesystem without MIN_FREE bytes
+  free (or one that fails these first writes) is refused naming --out and
+  its space; retry_failed (`--retry-failed`) makes the failed trials new.
+  """
+  where, free = faults.free_bytes(out)
+  if free < faults.MIN_FREE:
+    raise _full(out, where, free)
   store = Store(out)
   head = header(sweep, config_text, overrides or [])
-  resumed = store.claim(head)
-  for t in sweep.trials:  # an existing config.json that does not parse is refused here, before any training
-    store.write_config(t.id, {"id": t.id, "label": t.label, **t.config}, head)
+  try:
+    resumed = store.claim(head)
+    for t in sweep.trials:  # an existing config.json that does not parse is refused here, before any training
+      store.write_config(t.id, {"id": t.id, "label": t.label, **t.config}, head)
+  except OSError as e:
+    fault = faults.classify(e)
+    if fault is None:
+      raise
+    raise _full(out, *faults.free_bytes(out), fault.reason) from None
+  if retry_failed:
+    failed = [t for t in sweep.trials if store.failed(t.id)]
+    for t in failed:
+      store.reset(t.id)
+    stream.write(f"retrying {len(failed)} failed trial{'s' * (len(failed) != 1)} from step 0\n" if failed else
+                 f"--retry-failed: no failed trials in {out}: nothing to retry\n")
+  if resumed:
+    done = sum(store.is_done(t.id) for t in sweep.trials)
+    stream.write(f"resuming {out}: {done} of {len(sweep.trials)} trials already finished\n")
   return resumed
+
+
+def _full(out: str, where: str, free: int, why: str = "") -> ConfigError:
+  return invalid("--out", out, f"a directory on a filesystem with room for the store: {where} has "
+                 f"{faults.fmt_bytes(free)} free ({free} bytes; at least {faults.fmt_bytes(faults.MIN_FREE)} needed)"
+                 + (f", and {why}" if why else "") + ": free space or choose another --out")
 
 
 def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
@@ -162,9 +192,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   or by other workers), plus "unfinished" when it stopped early (preempted).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
-  if prepare(sweep, out, config_text, overrides):
-    done = sum(Store(out).is_done(t.id) for t in sweep.trials)
-    stream.write(f"resuming {out}: {done} of {len(sweep.trials)} trials already finished\n")
+  prepare(sweep, out, config_text, overrides, stream=stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
   worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb)
   return preempt.run(worker.run, sweep.trials, True)
@@ -404,7 +432,7 @@ class _Worker:
       for t in group:
         if not _done(store, t.id):
           store.interrupt(t.id, self.fault.reason)
-      stream.write(f"\ntrial [{label}] interrupted: {self.fault.reason}\n")
+      stream.write(f"\ntrial [{label}] interrupted: {self.fault.what}\n")
       if self.orders is not None:  # the other processes are mid-trial, in collectives: the group ends
         raise
       return None
