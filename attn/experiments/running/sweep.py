@@ -128,13 +128,14 @@ def check_lease_timeout(seconds: Any) -> float:
 
 
 def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None, *,
-            retry_failed: bool = False, stream: TextIO = sys.stderr) -> bool:
+            retry_failed: bool = False, stream: TextIO | None = None) -> bool:
   """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already.
 
   The one resume path of every executor: a filesystem without MIN_FREE bytes
   free (or one that fails these first writes) is refused naming --out and
   its space; retry_failed (`--retry-failed`) makes the failed trials new.
   """
+  stream = stream or sys.stderr
   where, free = faults.free_bytes(out)
   if free < faults.MIN_FREE:
     raise _full(out, where, free)
