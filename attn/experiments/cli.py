@@ -36,6 +36,7 @@ import sys
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import processes as processes_lib
+from attn.experiments.running import run_record
 from attn.experiments.running import tb_writer
 from attn.experiments.running import workers as workers_lib
 from attn.experiments.training import faults
@@ -141,13 +142,19 @@ def run(args: argparse.Namespace) -> int:
   with open(args.config, encoding="utf-8") as f:
     text = f.read()
   sweep_lib.prepare(sweep, out, text, args.overrides, retry_failed=args.retry_failed)  # the one resume path
+  try:
+    start = run_record.start_line()
+    run_record.append(out, start)
+  except OSError as e:
+    return _stopped(e, "before any training")
   if kind == "slurm":
-    return slurm.submit(sweep, out, args, text)
+    code = slurm.submit(sweep, out, args, text)
+    return _end(out, start, "submitted to Slurm", code)
   stopped_by, fault = EXECUTORS[kind](out, args, lease_timeout)
   if stopped_by:
-    return 128 + stopped_by
+    return _end(out, start, f"stopped by {signal.Signals(stopped_by).name}", 128 + stopped_by)
   if supervisor.finish(out, lease_timeout, fault=fault):
-    return 1
+    return _end(out, start, f"stopped: {fault}" if fault else "trials left unfinished", 1)
   try:
     if args.analyze or sweep.analyze:
       from attn.experiments.reading import analyze
@@ -155,11 +162,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:
       from attn.experiments.reading import report
       print(f"report: {report.write_report(out)}")
-  except OSError as e:  # a full disk under the report or its plots: the trials are safe in the store
-    fault = faults.classify(e)
-    if fault is None:
-      raise
-    print(f"attn sweep: stopped: {fault.message} (every trial is finished; `attn report {out}` writes the "
-          "report alone)", file=sys.stderr)
-    return 1
+    run_record.append(out, run_record.end_line(start, "finished"))
+  except OSError as e:  # a full disk under the report, its plots or the record: the trials are safe in the store
+    return _stopped(e, f"every trial is finished; `attn report {out}` writes the report alone")
   return 0
+
+
+def _stopped(e: OSError, note: str) -> int:
+  """One message for a fault of the machine outside the trials; any other error goes on up."""
+  fault = faults.classify(e)
+  if fault is None:
+    raise e
+  print(f"attn sweep: stopped: {fault.message} ({note})", file=sys.stderr)
+  return 1
+
+
+def _end(out: str, start: dict, outcome: str, code: int) -> int:
+  """Appends the run record's end line (skipped when the disk does not take it: the outcome was said) -> code."""
+  try:
+    run_record.append(out, run_record.end_line(start, outcome))
+  except OSError:
+    pass
+  return code

@@ -27,6 +27,7 @@ import numpy as np
 from attn.experiments.reading import analysis_report
 from attn.experiments.reading import plots as plots_lib
 from attn.experiments.running import store as store_lib
+from attn.experiments.running import run_record
 from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS
 
 
@@ -35,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+  from attn.experiments.running import run_record
   print(f"report: {write_report(args.dir)}")
+  for line in run_record.summary(args.dir):
+    print(line)
   return 0
 
 

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from attn.experiments.running import leases
+from attn.experiments.running import run_record
 from attn.experiments.running import store as store_lib
 
 STATES = ("ok", "failed", "running", "interrupted", "stale", "pending", "damaged")
@@ -200,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
   for sub in ("local", "slurm"):
     if os.path.isdir(os.path.join(args.dir, sub)):
       print(f"logs: {os.path.join(args.dir, sub)}/")
+  for line in run_record.summary(args.dir):
+    print(line)
   return 0
 
 

@@ -117,11 +117,11 @@ def read_json(path: str) -> Any:
   return value
 
 
-def _row(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
-  """(row, None) for a metrics line, else (None, what is wrong with it)."""
+def _row(line: bytes, need_step: bool = True) -> tuple[dict[str, Any] | None, str | None]:
+  """(row, None) for a metrics line (a JSON object with an integer step), else (None, what is wrong with it)."""
   row, problem = _parse(line)
-  if problem is None and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
-    return None, "not a JSON object with an integer step"
+  if problem is None and not (isinstance(row, dict) and (isinstance(row.get("step"), int) or not need_step)):
+    return None, "not a JSON object with an integer step" if need_step else "not a JSON object"
   return row, problem
 
 
@@ -129,7 +129,7 @@ def _torn(path: str, line: bytes, problem: str) -> str:
   return f"{path}: its last line ({len(line)} bytes) is torn, a write cut short ({problem})"
 
 
-def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
+def scan_rows(path: str, need_step: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
   """(rows, what was left out) of a JSON-lines file: lines that do not parse are skipped and named.
 
   A torn last line (a write cut short by a kill) is the one expected kind:
@@ -141,7 +141,7 @@ def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
   if lines and not lines[-1]:
     lines.pop()  # the end of the last complete line
   for i, line in enumerate(lines):
-    row, problem = _row(line)
+    row, problem = _row(line, need_step)
     if problem is None:
       rows.append(row)
     elif i == len(lines) - 1:
