@@ -1,11 +1,22 @@
 """`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N]
-[--processes-per-trial P] [--coordinator-timeout S] [--analyze] [--tensorboard LOGDIR]`.
+[--processes-per-trial P] [--coordinator-timeout S] [--analyze] [--tensorboard LOGDIR] [--retry-failed]`.
 
 Runs a sweep config into its store, then writes its report. --executor local
 (the default) trains in this process (--workers 1) or in N local worker
 processes; --executor slurm claims the store, submits one job array
 (attn.experiments.running.slurm), prints the job id and returns. Re-running the same
 command resumes; `attn status DIR` shows progress for any executor.
+
+Every executor goes one way (EXECUTORS): `sweep.prepare` claims the store
+(refusing a filesystem without room, naming --out and its space), writes the
+trials' configs and, with --retry-failed, makes the trials that failed for
+their own reasons new again; the run record gets its start line
+(attn.experiments.running.run_record); the executor trains; the supervisor
+(attn.experiments.running.supervisor) says how it ended. A fault of the
+machine (a full disk, an I/O error: attn.experiments.training.faults) stops
+the sweep after the trial in progress, which stays resumable, with one
+message naming the path and exit status 1; the same command, once the disk
+has room, finishes the sweep.
 
 --processes-per-trial P: each trial runs as one program over P processes on
 this machine, its batch shared over all their devices, process 0 writing the

@@ -6,7 +6,12 @@ checkpoint that could not be read). Unfinished trials that share a shape (equal
 configs but for train.seed) train together under jax.vmap over seeds when
 sweep.vmap_seeds is true (default false: slower on CPU, measured in the README);
 each seed still saves its own checkpoints. A trial whose training raises is
-recorded as failed with the error, and the sweep goes on.
+recorded as failed with the error, and the sweep goes on; so is one whose
+compiled step wants more memory than the machine has available (check_memory).
+A fault of the machine (attn.experiments.training.faults: no space, an I/O
+error) is not the trial's: it is left without a summary, resumable from its
+last complete checkpoint, its reason in interrupted.json when the disk takes
+it, and the worker stops after it (counts["fault"] says why).
 
 Any number of workers may share one store (`attn sweep` processes, the local
 workers of --workers N, Slurm array tasks): each runs `run_trials`, which
