@@ -227,8 +227,8 @@ def test_every_write_of_a_two_trial_sweep_failing_or_killed_then_a_plain_rerun(u
   path, expected, writes = undisturbed
   for kind in faults.KINDS:
     assert writes[kind] > 0
-    for n in range(1, writes[kind] + 1):
-      for mode in ("ENOSPC", "EIO"):
+    for n in range(1, writes[kind] + 1 + 2 * (kind == "store")):  # `attn sweep` adds the run record's 2 lines
+      for mode in ("ENOSPC", "EIO") if n <= writes[kind] else ():
         _inject_then_rerun(path, expected, str(tmp_path / f"{kind}-{n}-{mode}"), kind, n, mode)
       out = str(tmp_path / f"{kind}-{n}-kill")
       p = _subprocess_sweep(path, out, f"{kind}:{n}:kill")
@@ -262,3 +262,23 @@ def test_a_real_full_disk_stops_with_one_message_and_a_rerun_finishes(undisturbe
     assert _results(out) == expected
   finally:
     subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_tensorboard_stops_the_sweep_after_the_trial_in_progress(undisturbed, tmp_path, monkeypatch):
+  pytest.importorskip("tensorboardX")
+  from attn.experiments.running import tb_writer
+  path, expected, _ = undisturbed
+
+  def full(writer, row):
+    raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "tb" / "events"))
+
+  monkeypatch.setattr(tb_writer, "add_row", full)
+  out = str(tmp_path / "out")
+  counts = sweep.run_sweep(config_lib.load(path), out, config_text=CONFIG, stream=io.StringIO(),
+                           tensorboard=str(tmp_path / "tb"))
+  assert counts["ok"] == 1 and counts["unfinished"] == 1 and "no space left on device" in counts["fault"]
+  assert "tb/events" in counts["fault"]
+  monkeypatch.undo()
+  _run(path, out)
+  assert _results(out) == expected

@@ -185,6 +185,7 @@ def run_group(out: str, processes: int, lease_timeout: float, coordinator_timeou
       fault = fault or _fault_line(logs[k])
     elif p.returncode not in expected:
       how = f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit code {p.returncode}"
+      how += " (the kernel's out-of-memory killer, or kill -9)" if p.returncode == -signal.SIGKILL else ""
       stream.write(f"process {k} of {P}: {how} (log {logs[k]})\n{_tail(logs[k])}\n")
   stream.write(f"processes done: {status_lib.summary_line(status_lib.collect(out, lease_timeout))}\n")
   if stopped_by:

@@ -201,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
   for sub in ("local", "slurm"):
     if os.path.isdir(os.path.join(args.dir, sub)):
       print(f"logs: {os.path.join(args.dir, sub)}/")
-  for line in run_record.summary(args.dir):
-    print(line)
+  for line in run_record.summary(args.dir):  # on stderr: stdout stays one line per trial and the totals
+    print(line, file=sys.stderr)
   return 0
 
 

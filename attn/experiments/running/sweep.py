@@ -325,6 +325,9 @@ class _Worker:
             break
           for status in statuses:
             counts[status] += 1
+          if self.tb is not None and self.tb.fault is not None:  # events cannot be written: stop after this trial
+            self.fault, stopped = self.tb.fault, True
+            break
       left = [t for t in pending if not store.is_done(t.id)]
       if not left or not wait or stopped:
         break
