@@ -288,7 +288,7 @@ class _Worker:
       self._loop(train, pending, counts, wait)
     except Exception as e:  # a fault of the machine outside a trial (a lease, a config read): stop here
       self.fault = faults.classify(e)
-      if self.fault is None:
+      if self.fault is None or self.orders is not None:  # a group ends at once (processes.run_member)
         raise
     finally:
       if self.orders is not None:
