@@ -282,3 +282,20 @@ def test_a_full_disk_under_tensorboard_stops_the_sweep_after_the_trial_in_progre
   monkeypatch.undo()
   _run(path, out)
   assert _results(out) == expected
+
+
+def test_the_run_record_is_appended_and_read_back_missing_or_damaged(tmp_path):
+  from attn.experiments.running import run_record
+  d = str(tmp_path)
+  assert run_record.summary(d) == [f"run record: no run record ({d}/run.jsonl is missing: a store written before "
+                                   "attn kept one)"]
+  start = run_record.start_line()
+  assert start["versions"]["jax"] and start["cores"] >= 1 and isinstance(start["loadavg"], list)
+  run_record.append(d, start)
+  with open(os.path.join(d, run_record.RECORD), "a") as f:
+    f.write('{"event": "end", "cut sh')  # a write cut short
+  run_record.append(d, run_record.end_line(start, "finished"))  # a resumed sweep appends after it
+  lines = run_record.summary(d)
+  assert lines[0].startswith("run record: ") and "line 2 of 3 is left out" in lines[0]
+  assert lines[1].startswith("run record, first: start ") and start["command"] in lines[1]
+  assert lines[2].startswith("run record, last: end ") and "finished after" in lines[2]

@@ -28,6 +28,7 @@ from attn.experiments.reading import analysis_report
 from attn.experiments.reading import plots as plots_lib
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import run_record
+from attn.experiments.training import faults
 from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS
 
 
@@ -36,8 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  from attn.experiments.running import run_record
-  print(f"report: {write_report(args.dir)}")
+  try:
+    print(f"report: {write_report(args.dir)}")
+  except OSError as e:  # a full disk under report.md or a plot: one message, the store is untouched
+    fault = faults.classify(e)
+    if fault is None:
+      raise
+    print(f"attn report: stopped: {fault.reason}: free space there, then run `attn report {args.dir}` again",
+          file=sys.stderr)
+    return 1
   for line in run_record.summary(args.dir):
     print(line)
   return 0
