@@ -33,6 +33,7 @@ thread, where it is caught and reported.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -97,6 +98,8 @@ class Writer:
     except Exception as e:  # anything: TensorBoard must never stop a trial
       self.error = f"{type(e).__name__}: {e}"
       self.fault = faults.classify(e)
+      if self.fault is not None and self.fault.path is None:  # tensorboardX's writes name no file
+        self.fault = dataclasses.replace(self.fault, path=self.logdir)
       self.stream.write(f"warning: TensorBoard: {what} failed ({self.error}); this worker writes no more "
                         f"events (the store has every row: `attn export DIR --tensorboard {self.logdir}` "
                         "writes them from it)\n")
