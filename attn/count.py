@@ -152,7 +152,7 @@ def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bflo
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return layers * kv_cache_bytes_per_token(m.variant, m.head, dtype)
+  return sum(kv_cache_bytes_per_token(m.variant, m.layer_head(i), dtype) for i in range(layers))
 
 
 def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfloat16",

@@ -31,10 +31,14 @@ parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
 contexts), tokens at positions 0..T−1. ModelConfig has every HeadConfig
 field (with_head_fields), declared once there: the head mechanisms gate, sinks,
 qk_norm, qk_norm_eps, window and softcap among them (attn.variants.mechanisms).
-With a window, global_every = k makes every k-th self-attention layer of a
-stack global (l % k == 0, l counted from 1) and the rest local (0: all local;
-ModelConfig.layer_head); decoding keeps a local layer's cache as a ring of
-`window` slots. Cross-attention has no window.
+Per-layer attention types (attn.nn.layer_types): layer_types lists one of
+full_attention, sliding_attention, full_attention_nope, sliding_attention_nope
+per layer (transformers' names, plus NoPE), sliding_rope_theta gives sliding
+layers their own RoPE base (Gemma 3); with a window, global_every = k is the
+shorthand for every k-th self-attention layer of a stack global (l % k == 0,
+l counted from 1) and the rest local (0: all local; ModelConfig.layer_head);
+decoding keeps a local layer's cache as a ring of `window` slots.
+Cross-attention has no window.
 
 Precision (Flax's names and meaning): param_dtype, "float32" or "bfloat16",
 is the dtype parameters are stored, updated and checkpointed in; dtype is the
@@ -75,7 +79,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import PER_LAYER_FIELDS, HeadConfig, check_ids, invalid
-from attn.nn import decoding
+from attn.nn import decoding, layer_types
 from attn.nn.attention import MultiHeadAttention
 
 Array = jax.Array
@@ -151,8 +155,11 @@ class ModelConfig:
   embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma)
   logit_softcap: float | None = None  # output logits -> c·tanh(logits/c) (Gemma 2)
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
+  layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
+  sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
 
   def __post_init__(self):
+    object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
       _check_int(name, getattr(self, name), minimum=1)
     for name in ("num_segments", "num_decoder_layers", "num_classes"):
@@ -186,6 +193,7 @@ class ModelConfig:
     if self.global_every and self.window is None:
       raise invalid("global_every", self.global_every,
                     "0 without a window: it makes every k-th layer global and the rest local")
+    layer_types.check(self)
 
   @property
   def head(self) -> HeadConfig:
@@ -196,14 +204,10 @@ class ModelConfig:
   def layer_head(self, index: int) -> HeadConfig:
     """The HeadConfig of self-attention layer `index` (0-based) of a stack, with layer = index + 1.
 
-    With a window, layer l = index + 1 is global (window None) when global_every = k > 0
-    divides l, else local; global_every 0 makes every layer local.
+    Its type (layer_types[index], or global_every's rule) sets its window and RoPE.
     """
-    layer = index + 1
-    head = self.head.replace(layer=layer)  # differential's λ_init reads it
-    if self.window is not None and self.global_every and layer % self.global_every == 0:
-      return head.replace(window=None)
-    return head
+    head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
+    return layer_types.head_for(self, layer_types.layer_type(self, index), head)
 
   @property
   def has_dense_bias(self) -> bool:
