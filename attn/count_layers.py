@@ -1,4 +1,4 @@
-"""Counts per layer type (attn.nn.layer_types): parameters, FLOPs and the KV cache at length L.
+"""Counts per layer: per layer type (attn.nn.layer_types), and a model's parameters active per token.
 
 A model's self-attention layers are grouped by type (full, sliding, NoPE);
 each row gives one layer of the type and the sum over its layers. A sliding
@@ -60,3 +60,14 @@ def model_kv_cache_bytes(m: ModelConfig, kind: str, length: int, dtype: Any = "b
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   return layer_type_table(m, kind, length, dtype)[-1]["kv_bytes_at_L"]
+
+
+def active_param_count(m: ModelConfig, kind: str) -> int:
+  """Parameters one token uses: the whole model less the experts its router does not keep."""
+  total = count.model_param_count(m, kind)
+  if m.mlp != "moe":
+    return total
+  experts = count.expert_params(m)
+  stacks = [m.num_layers] + ([m.num_decoder_layers] if kind == "encoder_decoder" else [])
+  moe_layers = sum(m.is_moe_layer(i) for n in stacks for i in range(n))
+  return total - moe_layers * (experts["total"] - experts["active"])

@@ -79,7 +79,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import PER_LAYER_FIELDS, HeadConfig, check_ids, invalid
-from attn.nn import decoding, layer_types
+from attn.nn import decoding, layer_types, moe
 from attn.nn.attention import MultiHeadAttention
 
 Array = jax.Array
@@ -87,7 +87,7 @@ _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
     "norm": ("pre", "post", "sandwich"),
     "norm_type": ("layernorm", "rmsnorm", "rmsnorm_plus_one"),
-    "mlp": ("plain", "gated"),
+    "mlp": ("plain", "gated", "moe"),
     "activation": ("gelu", "gelu_exact", "relu", "silu"),
     "pooling": ("cls", "mean"),
     "dtype": ("float32", "bfloat16"),
@@ -157,6 +157,18 @@ class ModelConfig:
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
   layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
+  # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
+  moe_experts: int = 0  # E
+  moe_top_k: int = 0  # experts kept per token
+  moe_d_ff: int | None = None  # each expert's width (None: d_ff)
+  moe_router: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a correction bias)
+  moe_norm_topk: bool = True  # renormalise the kept weights to sum 1
+  moe_groups: int = 1  # sigmoid: expert groups (n_group)
+  moe_topk_groups: int = 1  # sigmoid: groups kept (topk_group)
+  moe_routed_scaling: float = 1.0  # the weights' multiplier (routed_scaling_factor)
+  moe_shared_experts: int = 0  # a gated MLP of width moe_shared_experts·moe_d_ff on every token
+  moe_dense_first: int = 0  # the first layers keep the dense MLP (first_k_dense_replace)
+  moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
@@ -194,6 +206,7 @@ class ModelConfig:
       raise invalid("global_every", self.global_every,
                     "0 without a window: it makes every k-th layer global and the rest local")
     layer_types.check(self)
+    moe.check(self)
 
   @property
   def head(self) -> HeadConfig:
@@ -208,6 +221,10 @@ class ModelConfig:
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
     return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+
+  def is_moe_layer(self, index: int) -> bool:
+    """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""
+    return self.mlp == "moe" and index >= self.moe_dense_first
 
   @property
   def has_dense_bias(self) -> bool:
@@ -403,14 +420,17 @@ def activate(name: str, x: Array) -> Array:
 
 
 class MLP(nnx.Module):
-  """D -> d_ff -> activation -> D; gated (cfg.mlp): down(act(gate(x)) * up(x)) (Shazeer 2020)."""
+  """D -> d_ff -> activation -> D; gated (cfg.mlp): down(act(gate(x)) * up(x)) (Shazeer 2020).
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  mlp "moe" builds gated ones (its dense layers and shared experts); d_ff overrides cfg.d_ff.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
     self.activation = cfg.activation
-    bias = cfg.has_dense_bias
-    self.gate = linear(cfg, cfg.d_model, cfg.d_ff, rngs, bias) if cfg.mlp == "gated" else None
-    self.up = linear(cfg, cfg.d_model, cfg.d_ff, rngs, bias)
-    self.down = linear(cfg, cfg.d_ff, cfg.d_model, rngs, bias)
+    bias, F = cfg.has_dense_bias, d_ff or cfg.d_ff
+    self.gate = linear(cfg, cfg.d_model, F, rngs, bias) if cfg.mlp in ("gated", "moe") else None
+    self.up = linear(cfg, cfg.d_model, F, rngs, bias)
+    self.down = linear(cfg, F, cfg.d_model, rngs, bias)
 
   def __call__(self, x_BTD: Array) -> Array:
     if self.gate is not None:
@@ -422,7 +442,7 @@ class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
-               head: HeadConfig | None = None):
+               head: HeadConfig | None = None, experts: bool = False):
     self.post_norm = cfg.norm == "post"
     sandwich = cfg.norm == "sandwich"  # Gemma 2: x + post(f(pre(x)))
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
@@ -433,7 +453,10 @@ class TransformerBlock(nnx.Module):
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
     self.cross_norm = layer_norm(cfg, rngs, cross)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs) if not experts else moe.MoE(
+        cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
+        shared=MLP(cfg, rngs=rngs, d_ff=(cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
+        if cfg.moe_shared_experts else None)
     self.mlp_norm = layer_norm(cfg, rngs)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich)
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
@@ -512,8 +535,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
-  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i))
-                   for i in range(n)])
+  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
+                                    experts=cfg.is_moe_layer(i)) for i in range(n)])
 
 
 class Encoder(nnx.Module):
