@@ -96,7 +96,7 @@ def test_dense_moe_against_a_numpy_loop(case):
 def test_moe_model_counts_total_and_active():
   """A DeepSeek-shaped model: its nnx.Param tree is the count; the buffer is not a parameter."""
   cfg = ModelConfig(**BASE, **CASES["deepseek"])
-  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))  # shapes only; it runs in test_layer_types
   stored = sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert stored == count.model_param_count(cfg, "decoder_lm")
   D, F, E, k, S = 10, 6, 8, 3, 2
@@ -108,8 +108,6 @@ def test_moe_model_counts_total_and_active():
   plain = cfg.replace(**{n: d for n, d in moe.FIELDS.items()}, mlp="gated")
   assert stored - count.model_param_count(plain, "decoder_lm") == moe_layers * (E * expert + router + shared - dense)
   assert count_layers.active_param_count(plain, "decoder_lm") == count.model_param_count(plain, "decoder_lm")
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 5)), jnp.int32)
-  assert np.isfinite(np.asarray(model(tokens))).all()
 
 
 @pytest.mark.parametrize("changes, match", [

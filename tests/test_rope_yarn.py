@@ -175,9 +175,13 @@ def test_interleaved_against_deepseek():
   np.testing.assert_allclose(got[..., np.r_[0:8:2, 1:8:2]], q.numpy().transpose(0, 2, 1, 3), atol=2e-5)
 
 
-@pytest.mark.parametrize("variant", ["per_head", pytest.param("mla", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["per_head", "mla"])
 def test_variants_take_interleaved_yarn(variant):
-  """A variant with interleaved yarn RoPE equals the half layout on de-interleaved weights."""
+  """A variant with interleaved yarn RoPE equals the half layout on de-interleaved weights.
+
+  (A whole model with interleaved yarn decodes in the fast tier: test_layer_types.py.)
+  """
   cfg = HeadConfig(d_model=16, num_heads=2, d_k=6, d_v=5, num_kv_heads=1, rope_dim=4, rope_theta=50.0,
                    **YARN)
   p = attn.init(variant, jax.random.PRNGKey(0), cfg.replace(rope_layout="interleaved"))
