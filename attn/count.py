@@ -106,8 +106,8 @@ def expert_params(m: ModelConfig) -> dict[str, int]:
   return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
 
 
-def _attention(m: ModelConfig) -> int:
-  return param_counts(m.variant, m.head)["analytic"]
+def _attention(m: ModelConfig, layer: int = 0) -> int:
+  return param_counts(m.variant, m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
 
 
 def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
@@ -120,7 +120,7 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
 
 def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
-  parts["attention"] += n * (2 if cross else 1) * _attention(m)
+  parts["attention"] += (2 if cross else 1) * sum(_attention(m, i) for i in range(n))
   parts["mlp"] += sum(_mlp(m, i) for i in range(n))
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
   parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (

@@ -205,6 +205,7 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
         "modified": bool(_overrides(args) or _model_overrides(args)), "count": count.model_param_count(m, kind),
+        "active_per_token": count_layers.active_param_count(m, kind),
         "breakdown": count.model_param_breakdown(m, kind),
         "layer_types": count_layers.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
@@ -240,8 +241,9 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
     parts = [{"component": k, "params": v} for k, v in m["breakdown"].items() if v]
     parts.append({"component": "total", "params": m["count"]})
     published = f"{m['published']}M" if m["in_millions"] else f"{m['published']:,}"
+    active = f" ({m['active_per_token']:,} active per token)" if m["active_per_token"] != m["count"] else ""
     text = (f"Model {m['preset']} ({m['kind']}, {m['variant']} attention): {m['count']:,} "
-            f"parameters; published {published} ({m['source']})"
+            f"parameters{active}; published {published} ({m['source']})"
             + (" for the preset before the flags changed it" if m["modified"] else "") + ".\n\n"
             + markdown(parts, [("component", "component"), ("params", "params")])
             + f"\n\nAttention by layer type at L={report['T']} (KV cache in {report['dtype']}):\n\n"

@@ -16,7 +16,7 @@ from flax import nnx
 from attn import ConfigError, HeadConfig, count, count_layers
 from attn.experiments.running import config as config_lib
 from attn.nn import layer_types
-from attn.nn.models import DecoderLM, ModelConfig
+from attn.nn.models import MODELS, DecoderLM, ModelConfig
 from conftest import TINY_MQAR
 
 MIXED = ("sliding_attention", "full_attention_nope", "sliding_attention_nope", "full_attention")
@@ -103,6 +103,9 @@ def test_counts_per_type_against_closed_forms():
   mla = cfg.replace(variant="mla", rope_dim=2, latent_dim=6, layer_types=MIXED, num_layers=4)
   # mla caches d_c + rope_dim per token with RoPE, d_c without: 2 layers of each.
   assert count.model_kv_cache_bytes_per_token(mla, "decoder_lm") == (2 * (6 + 2) + 2 * 6) * 2
+  for m, kind in ((mla, "decoder_lm"), (mla.replace(num_decoder_layers=4), "encoder_decoder")):
+    shapes = nnx.eval_shape(lambda: MODELS[kind](m, rngs=nnx.Rngs(0)))  # without RoPE mla has no W^KR
+    assert count.model_param_count(m, kind) == sum(a.size for a in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
 
 
 def test_count_cli_sums_the_types(capsys):

@@ -22,7 +22,9 @@ mlp "gated" (down(act(gate(x))·up(x)): 3·D·d_ff + b·(2·d_ff + D); activatio
 "silu" makes it SwiGLU); dense_bias (the MLP's and an untied output's biases,
 None following use_bias); embed_scale (tokens × √D); logit_softcap (output
 logits c·tanh(z/c)); mlm_head (Encoder: BERT's masked-LM head, D² + D + norm +
-vocab, its decoder tied to the token table).
+vocab, its decoder tied to the token table); mlp "moe": a mixture of experts
+(attn.nn.moe, the moe_* fields), computed densely, each expert on every token:
+exact, and E/k times a real MoE's expert cost.
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 positional "rope": no position embedding; every attention layer rotates the
