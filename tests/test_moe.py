@@ -30,8 +30,8 @@ CASES = {
 }
 
 
-def _layer(case: str, seed: int = 0) -> tuple[ModelConfig, moe.MoE]:
-  cfg = ModelConfig(**BASE, **CASES[case])
+def _layer(case: str, seed: int = 0, **changes) -> tuple[ModelConfig, moe.MoE]:
+  cfg = ModelConfig(**(BASE | CASES[case] | changes))
   rngs = nnx.Rngs(seed)
   shared = MLP(cfg, rngs=rngs, d_ff=cfg.moe_d_ff * cfg.moe_shared_experts) if cfg.moe_shared_experts else None
   layer = moe.MoE(cfg, rngs=rngs, activation=lambda x: activate("silu", x), shared=shared)
@@ -91,6 +91,20 @@ def test_dense_moe_against_a_numpy_loop(case):
   w = np.asarray(layer.weights(x))
   assert ((w > 0).sum(-1) == cfg.moe_top_k).all()  # exactly k experts per token
   np.testing.assert_allclose(layer(x), numpy_moe(cfg, layer, x), rtol=2e-5, atol=2e-5)
+
+
+def test_bfloat16_and_gradients():
+  """bf16 experts stay near float32 (routing is float32 either way); the router learns through its weights."""
+  cfg, layer = _layer("softmax")
+  x = jax.random.normal(jax.random.PRNGKey(4), (2, 3, cfg.d_model))
+  want = np.asarray(layer(x))
+  got = _layer("softmax", dtype="bfloat16")[1](x)  # the same weights (same seeds), computing in bf16
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.05 * np.abs(want).max())
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+  g_router = np.asarray(grads["router_w"][...])
+  assert np.isfinite(g_router).all() and np.abs(g_router).max() > 0
+  assert "correction" not in grads  # a buffer, not a parameter
 
 
 def test_moe_model_counts_total_and_active():
