@@ -163,7 +163,7 @@ def _set(var, value):
   var[...] = jnp.asarray(value.detach().numpy(), jnp.float32)
 
 
-def _compare(torch, hf_out, layer, x):
+def _compare(hf_out, layer, x):
   got = np.asarray(layer(jnp.asarray(x)))
   np.testing.assert_allclose(got, hf_out.detach().numpy(), rtol=1e-4, atol=1e-5)
 
@@ -185,7 +185,7 @@ def test_against_gpt_oss_mlp():
                   ("b_up", gub[:, 1::2]), ("w_down", hf.experts.down_proj), ("b_down", hf.experts.down_proj_bias)):
     _set(getattr(layer, name), a)
   x = np.random.default_rng(1).standard_normal((2, 5, 10)).astype(np.float32)
-  _compare(torch, hf(torch.from_numpy(x))[0], layer, x)
+  _compare(hf(torch.from_numpy(x))[0], layer, x)
 
 
 def _gate_up(layer, experts):
@@ -205,7 +205,7 @@ def test_against_mixtral_sparse_moe_block():
   _set(layer.router_w, hf.gate.weight.T)
   _gate_up(layer, hf.experts)
   x = np.random.default_rng(2).standard_normal((2, 4, 10)).astype(np.float32)
-  _compare(torch, hf(torch.from_numpy(x)), layer, x)
+  _compare(hf(torch.from_numpy(x)), layer, x)
 
 
 @pytest.mark.slow
@@ -221,7 +221,8 @@ def test_against_deepseek_v3_moe():
   _set(layer.correction, hf.gate.e_score_correction_bias)
   _gate_up(layer, hf.experts)
   s = hf.shared_experts
-  for mine, theirs in ((layer.shared.gate, s.gate_proj), (layer.shared.up, s.up_proj), (layer.shared.down, s.down_proj)):
+  pairs = ((layer.shared.gate, s.gate_proj), (layer.shared.up, s.up_proj), (layer.shared.down, s.down_proj))
+  for mine, theirs in pairs:
     _set(mine.kernel, theirs.weight.T)
   x = np.random.default_rng(3).standard_normal((2, 4, 10)).astype(np.float32)
-  _compare(torch, hf(torch.from_numpy(x)), layer, x)
+  _compare(hf(torch.from_numpy(x)), layer, x)
