@@ -91,12 +91,11 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
 
 def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
   """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers."""
-  head, L = cfg.head, cfg.num_layers
-  pc = count.param_counts(cfg.variant, head)
-  fl = count.flops(cfg.variant, head, seq_len)
-  return {"attention_params_analytic": int(pc["analytic"]) * L,
-          "attention_params_effective": int(pc["effective"]) * L,
-          "attention_flops_fwd": int(fl) * L}
+  heads = [cfg.layer_head(i) for i in range(cfg.num_layers)]  # each by its layer type
+  pcs = [count.param_counts(cfg.variant, head) for head in heads]
+  return {"attention_params_analytic": sum(int(pc["analytic"]) for pc in pcs),
+          "attention_params_effective": sum(int(pc["effective"]) for pc in pcs),
+          "attention_flops_fwd": sum(int(count.flops(cfg.variant, head, seq_len)) for head in heads)}
 
 
 def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:
