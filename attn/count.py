@@ -128,13 +128,29 @@ def _layer_norm(m: ModelConfig) -> int:
   return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
 
 
-def _mlp(m: ModelConfig) -> int:
-  n = 3 if m.mlp == "gated" else 2  # gated: gate, up and down
+def _mlp(m: ModelConfig, layer: int = 0) -> int:
+  if m.is_moe_layer(layer):
+    return expert_params(m)["total"]
+  n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
   return n * m.d_model * m.d_ff + (((n - 1) * m.d_ff + m.d_model) if m.has_dense_bias else 0)
 
 
-def _attention(m: ModelConfig) -> int:
-  return param_counts(m.variant, m.head)["analytic"]
+def expert_params(m: ModelConfig) -> dict[str, int]:
+  """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
+
+  Each expert 3·D·F + b·(2F + D), F = moe_d_ff; the router D·E + b·E; shared experts
+  one gated MLP of width S·F. Active: the router, k experts and the shared ones.
+  """
+  D, F, b = m.d_model, m.moe_d_ff or m.d_ff, m.has_dense_bias
+  expert = 3 * D * F + ((2 * F + D) if b else 0)
+  SF = m.moe_shared_experts * F
+  fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
+      3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0)
+  return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
+
+
+def _attention(m: ModelConfig, layer: int = 0) -> int:
+  return param_counts(m.variant, m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
 
 
 def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
@@ -147,8 +163,8 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
 
 def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
-  parts["attention"] += n * (2 if cross else 1) * _attention(m)
-  parts["mlp"] += n * _mlp(m)
+  parts["attention"] += (2 if cross else 1) * sum(_attention(m, i) for i in range(n))
+  parts["mlp"] += sum(_mlp(m, i) for i in range(n))
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
   parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
       _layer_norm(m) if m.final_norm else 0)
@@ -195,7 +211,7 @@ def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bflo
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return layers * kv_cache_bytes_per_token(m.variant, m.head, dtype)
+  return sum(kv_cache_bytes_per_token(m.variant, m.layer_head(i), dtype) for i in range(layers))
 
 
 def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfloat16",

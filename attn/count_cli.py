@@ -7,6 +7,7 @@
   attn count --preset bert-gpt2               # BERT and GPT-2 totals, published vs ours
   attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
   attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
+  attn count --preset gpt2 --window 512 --global-every 4 --seq-len 8192  # per layer type at L
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import tomllib
 from typing import Any
 
-from attn import count, presets
+from attn import count, count_layers, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 from attn.variants.mechanisms import MECHANISMS
@@ -42,6 +43,14 @@ _TABLE3_COLUMNS = [
     ("num_heads", "h"), ("d_k", "d_k"), ("d_v", "d_v"), ("paper_millions", "paper (×10⁶)"),
     ("ours", "ours"), ("ours_millions", "ours (×10⁶)"), ("match", "match")]
 
+_LAYER_TYPE_COLUMNS = [
+    ("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
+    ("params", "params"), ("flops_fwd", "FLOPs fwd at L"), ("kv_bytes_per_token_per_layer", "KV B/token/layer"),
+    ("kv_bytes_at_L", "KV cache B at L")]
+# Model settings of a preset that a flag changes: the layer schedule (attn.nn.layer_types).
+_MODEL_FLAGS = {"positional": str, "global_every": int, "sliding_rope_theta": float,
+                "layer_types": lambda text: tuple(t.strip() for t in text.split(","))}
+
 _PUBLISHED_COLUMNS = [
     ("row", "preset"), ("kind", "model"), ("num_layers", "layers"), ("d_model", "d_model"),
     ("num_heads", "h"), ("d_ff", "d_ff"), ("vocab_size", "vocab"), ("published", "published"),
@@ -61,7 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       parser.add_argument(f"--{flag}", dest=name, type=_ARG_TYPES[kind], default=None)
   parser.add_argument("--no-bias", dest="use_bias", action="store_const", const=False,
                       help="layers without biases (--no-use-bias)")
-  parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs")
+  for name, kind in _MODEL_FLAGS.items():
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                        help="with --preset: the model's " + name + (" (comma-separated, one per layer)"
+                                                                     if name == "layer_types" else ""))
+  parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
   parser.add_argument("--variant", action="append", default=None,
@@ -82,6 +95,10 @@ def _toml_table(text: str) -> dict[str, Any]:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
   return {n: getattr(args, n) for n in _HEAD_FIELDS if getattr(args, n) is not None}
+
+
+def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+  return {n: getattr(args, n) for n in _MODEL_FLAGS if getattr(args, n, None) is not None}
 
 
 def _fmt(value: Any) -> str:
@@ -202,8 +219,10 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
     report["model"] = {
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
-        "modified": bool(_overrides(args)), "count": count.model_param_count(m, kind),
-        "breakdown": count.model_param_breakdown(m, kind)}
+        "modified": bool(_overrides(args) or _model_overrides(args)), "count": count.model_param_count(m, kind),
+        "active_per_token": count_layers.active_param_count(m, kind),
+        "breakdown": count.model_param_breakdown(m, kind),
+        "layer_types": count_layers.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
         row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
@@ -237,11 +256,13 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
     parts = [{"component": k, "params": v} for k, v in m["breakdown"].items() if v]
     parts.append({"component": "total", "params": m["count"]})
     published = f"{m['published']}M" if m["in_millions"] else f"{m['published']:,}"
+    active = f" ({m['active_per_token']:,} active per token)" if m["active_per_token"] != m["count"] else ""
     text = (f"Model {m['preset']} ({m['kind']}, {m['variant']} attention): {m['count']:,} "
-            f"parameters; published {published} ({m['source']})"
+            f"parameters{active}; published {published} ({m['source']})"
             + (" for the preset before the flags changed it" if m["modified"] else "") + ".\n\n"
             + markdown(parts, [("component", "component"), ("params", "params")])
-            + "\n\n" + text)
+            + f"\n\nAttention by layer type at L={report['T']} (KV cache in {report['dtype']}):\n\n"
+            + markdown(m["layer_types"], _LAYER_TYPE_COLUMNS) + "\n\n" + text)
   return text
 
 
@@ -254,8 +275,13 @@ def run(args: argparse.Namespace) -> int:
     print(_group(args.preset, args.format))
     return 0
   preset = presets.get_preset(args.preset) if args.preset else None
+  model_changes = _model_overrides(args)
+  if model_changes and preset is None:
+    raise ConfigError(f"{next(iter(model_changes))} is not allowed without --preset: it sets a "
+                      "whole model's layer schedule")
   if preset is not None:
-    preset = dataclasses.replace(preset, config=preset.config.replace(**_overrides(args)))
+    changes = _overrides(args) | model_changes
+    preset = dataclasses.replace(preset, config=preset.config.replace(**changes))
     cfg = preset.config.head
   else:
     cfg = HeadConfig(**{"d_model": 512, "num_heads": 8, **_overrides(args)})

@@ -157,9 +157,10 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
 
 
 # TOML values by a field's annotation ("int | None", "float", "str | None", "bool", "int | str").
-_TOML_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+_TOML_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,),
+               "tuple[str, ...]": (list, tuple)}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "dict": "a table"}
+               "dict": "a table", "tuple[str, ...]": "a list of strings"}
 
 
 def _check_type(key: str, value: Any, spec: Any) -> Any:
