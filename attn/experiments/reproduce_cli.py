@@ -64,5 +64,5 @@ def run(args: argparse.Namespace) -> int:
   print(f"verdict: {'DIFFERS' if bad else 'REPRODUCED'} ({counts}; within spread = at most {lib.SPREAD:g} "
         f"seed standard deviations of the committed group)")
   print(f"committed run: {lib.describe_run(w.run)} ({os.path.join(w.path, 'run.json')})")
-  print(f"this run:      {lib.describe_run(here)}, {wall:.0f} s for {len(picked)} trials")
+  print(f"this run:      {lib.describe_run(here)}, {wall:.0f} s for {len(picked)} trial{'s' * (len(picked) > 1)}")
   return 1 if bad else 0
