@@ -71,9 +71,17 @@ def test_compare_bit_equal_within_spread_and_different():
   assert reproduce.compare(w, t, {"eval_accuracy": 0.2 + 1e-9})[0] == "within spread"
 
 
-def test_run_records_name_unknown_where_missing():
+def test_run_records_name_unknown_where_missing(tmp_path):
   assert reproduce.describe_run({}) == "commit unknown, CPU unknown, date unknown"
   assert "commit 4c1bb24" in reproduce.describe_run({"train_commit": "4c1bb24", "cpu": "Xeon"})
+  path = tmp_path / "run.json"  # scripts/reproduce.py's shape: its own keys and the store's record lines
+  path.write_text(json.dumps({"date": "2026-11-26", "cpu": "AMD EPYC", "run_record": [
+      {"event": "start", "commit": "0123456789abcdef0123", "dirty": True, "cpu": "Xeon 8480",
+       "start": "2026-11-26T10:00:00+00:00"}, {"event": "end", "wall_s": 3.0}]}))
+  assert reproduce.describe_run(reproduce._read_run(str(path))) == \
+      "commit 0123456789ab (dirty), CPU Xeon 8480, 2026-11-26T10:00:00+00:00"
+  path.write_text("{not json")
+  assert reproduce._read_run(str(path)) == {} and reproduce._read_run(str(tmp_path / "none.json")) == {}
 
 
 def _main(capsys, *argv):
@@ -172,7 +180,13 @@ def test_reproduce_end_to_end_bit_equal_then_different(tmp_path, capsys, monkeyp
   (w / "trials.json").write_text(json.dumps(committed))
   rc, out, _ = _main(capsys, "experiments/tiny")
   assert rc == 0 and out.count(": bit-equal") == 2 and "REPRODUCED" in out, out
-  assert "committed run: commit unknown, CPU unknown" in out
+  assert "committed run: commit unknown, CPU unknown" in out  # no run.json
+  from attn.experiments.running import run_record
+  record = run_record.read("runs/tiny")[0]  # as scripts/reproduce.py copies it
+  (w / "run.json").write_text(json.dumps({"run_record": record}))
+  rc, out, _ = _main(capsys, "experiments/tiny", "--trials", "1")
+  commit = (record[0]["commit"] or "unknown")[:12]
+  assert rc == 0 and f"committed run: commit {commit}" in out and f"CPU {record[0]['cpu']}" in out, out
   group = [t for t in committed["trials"] if t["label"]["model.num_heads"] == 1]
   values = [t["final"]["eval_accuracy"] for t in group]
   for t in group:  # both seeds moved alike: the group's spread stays, the re-run is far from both

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from attn.experiments.reading import reproduce as lib
+from attn.experiments.running import run_record
 
 TITLES = {"eval_accuracy": "held-out accuracy", "eval_bpb": "held-out bits per byte"}
 
@@ -37,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
   picked = lib.choose(w, args.trials, args.seeds)  # bad --trials/--seeds refused before any training
   sweep = lib.load_sweep(w)  # a config changed since the write-up ran is refused here
   out = args.out or tempfile.mkdtemp(prefix="attn-reproduce-")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(w.config)))
-  here = lib.this_machine(root)
+  here = run_record.start_line()  # this run's commit and CPU, as `attn sweep` records them
   print(f"reproduce {w.path}: {len(picked)} of {len(w.trials)} trials, {TITLES[w.primary]}, committed numbers from "
         f"{lib.COMMITTED if w.exact else 'report.md (printed digits)'}", flush=True)
   t0 = time.perf_counter()

@@ -15,12 +15,10 @@ seed): the error of a single trial's number.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import os
 import re
-import subprocess
 from typing import Any
 
 import numpy as np
@@ -133,25 +131,17 @@ def from_report(md: str, path: str) -> list[dict[str, Any]]:
 
 
 def _read_run(path: str) -> dict[str, Any]:
-  """A write-up's run.json (one JSON object, or JSON lines: the first and last merged); {} when missing or damaged."""
+  """A write-up's run.json, with its copied run record's first line (commit, CPU) folded in; {} when missing or damaged."""
   try:
     with open(path, encoding="utf-8") as f:
-      text = f.read()
-  except OSError:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError):
     return {}
-  try:
-    data = json.loads(text)
-    return data if isinstance(data, dict) else {}
-  except json.JSONDecodeError:
-    pass
-  records = []
-  for line in text.splitlines():
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue
-  records = [r for r in records if isinstance(r, dict)]
-  return {**records[0], **records[-1]} if records else {}
+  if not isinstance(data, dict):
+    return {}
+  record = data.get("run_record")
+  first = record[0] if isinstance(record, list) and record and isinstance(record[0], dict) else {}
+  return {**first, **{k: v for k, v in data.items() if k != "run_record"}, "cpu": first.get("cpu") or data.get("cpu")}
 
 
 def load_writeup(path: str) -> Writeup:
@@ -263,31 +253,12 @@ def compare(w: Writeup, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, 
 
 
 def describe_run(run: dict[str, Any]) -> str:
-  """'commit X, CPU Y, date' of a run record; "unknown" where it says nothing."""
-  commit = run.get("commit") or run.get("train_commit") or "unknown"
+  """'commit X, CPU Y, date' of a run record (run_record's start line, or an older run.json); "unknown" where it says nothing."""
+  commit = (run.get("commit") or run.get("train_commit") or "unknown")[:12]
   if run.get("dirty"):
     commit += " (dirty)"
-  cpu = run.get("cpu") or run.get("cpu_model") or "unknown"
-  return f"commit {commit}, CPU {cpu}, {run.get('date') or run.get('start') or 'date unknown'}"
-
-
-def this_machine(root: str) -> dict[str, Any]:
-  """This run's commit (with whether the tree is dirty) and CPU model, as describe_run reads them."""
-  def git(*args: str) -> str | None:
-    try:
-      out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-      return None
-    return out.stdout.strip() if out.returncode == 0 else None
-  cpu = None
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), None)
-  except OSError:
-    pass
-  status = git("status", "--porcelain", "--untracked-files=no")
-  return {"commit": git("rev-parse", "--short=12", "HEAD"), "dirty": bool(status), "cpu": cpu,
-          "date": datetime.date.today().isoformat()}
+  when = run.get("start") or run.get("date") or "date unknown"
+  return f"commit {commit}, CPU {run.get('cpu') or 'unknown'}, {when}"
 
 
 def load_sweep(w: Writeup):
