@@ -17,6 +17,7 @@ COMMANDS = {
     "sweep": ("attn.experiments.cli", "run a sweep config: trials, metrics, resumable store"),
     "report": ("attn.experiments.reading.report", "write report.md and plots from a sweep directory"),
     "status": ("attn.experiments.running.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
+    "reproduce": ("attn.experiments.reproduce_cli", "re-run a slice of a shipped write-up and compare with its committed numbers"),
     "analyze": ("attn.experiments.reading.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
     "export": ("attn.experiments.reading.export", "write a sweep's metric rows from its store as TensorBoard runs"),
     "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
