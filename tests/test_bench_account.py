@@ -84,3 +84,35 @@ def test_kept_memory_serves_a_large_buffer_again_without_page_faults():
     y.delete()
   faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
   assert faults < n * 4 / 4096 / 4, faults  # a fresh mapping would fault in all 10,240 pages
+
+
+def _bench_targets():
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_targets.py"
+  spec = importlib.util.spec_from_file_location("bench_targets", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_targets_judges_each_goal_from_the_measured_ratio():
+  row = lambda name, fb_ms, ratios=None, peak=None, pct=0.0: {
+      "name": name, "fb": {"ms": fb_ms, "pct_matmul": pct}, "ratios": ratios or {}, "peak_bytes": peak}
+  report = {"dtype": "float32", "machine": {"cpu": "X", "versions": {"torch": None}},
+            "shapes": {
+                "reference": {"rows": [row("fused", 10.0, {"flax": {"fb": 0.69}}, pct=80.0)]},
+                "long-4096": {"rows": [row("fused", 100.0), row("core_full", 50.0)]},
+                "long-4096-causal": {"rows": [row("fused", 60.0), row("core", 27.0)]},
+                "long-16384-causal": {"rows": [row("fused", 1.0, peak=300 * 2**20),
+                                               row("core", 100.0, peak=200 * 2**20), row("core_window", 11.0)]}}}
+  found = {what: (value, met) for what, value, _, met in _bench_targets().goals(report)}
+  assert found["reference f+b: fused / flax MHA"] == (0.69, True)
+  assert found["reference f+b: fused / torch MHA"] == (None, None)  # torch not installed: not measured
+  assert found["reference f+b: fused % of matmul rate"] == (80.0, True)
+  assert found["T=4096 f+b: causal / full, layer"] == (0.6, False)
+  assert found["T=4096 f+b: causal / full, core"] == (0.54, True)
+  assert found["T=16384 causal: peak XLA MB, layer"] == (300.0, False)
+  assert found["T=16384 causal: peak XLA MB, core"] == (200.0, True)
+  assert found["T=16384 f+b: window 256 / full causal, core"] == (0.11, False)
+  assert "torch peers" in found
