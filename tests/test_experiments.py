@@ -385,6 +385,7 @@ def _rows(out, trial_id):
   return [{k: v for k, v in r.items() if k != "step_time_s"} for r in rows]
 
 
+@pytest.mark.slow  # end to end, seconds: the slow tier runs it
 def test_same_trial_and_seed_give_identical_metrics(tiny_sweep, tmp_path):
   sw, out, _, _ = tiny_sweep
   again = sweep.run_sweep(sw, str(tmp_path / "again"))

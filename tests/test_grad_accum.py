@@ -86,6 +86,7 @@ def test_k_micro_batches_give_the_whole_batch_gradient_and_metrics(task, k):
     np.testing.assert_allclose(out[k][3][name], out[1][3][name], rtol=RTOL.get(name, 1e-5), err_msg=name)
 
 
+@pytest.mark.slow  # end to end, seconds: the slow tier runs it
 def test_vmapped_seeds_accumulate_to_the_whole_batch_rows():
   def rows(*sets):
     trials = _load("sweep.vmap_seeds=true", *sets).trials

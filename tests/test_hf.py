@@ -88,7 +88,7 @@ def _write_dir(path, config, weights):
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f)
   if weights is not None:
-    from safetensors.numpy import save_file
+    save_file = pytest.importorskip("safetensors.numpy").save_file
     save_file(weights, os.path.join(path, "model.safetensors"))
   return str(path)
 

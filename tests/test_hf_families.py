@@ -219,7 +219,7 @@ def _dir(path, config, weights=None):
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f)
   if weights is not None:
-    from safetensors.numpy import save_file
+    save_file = pytest.importorskip("safetensors.numpy").save_file
     save_file(weights, os.path.join(path, "model.safetensors"))
   return str(path)
 

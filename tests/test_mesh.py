@@ -272,6 +272,7 @@ def _check_matrix(out, variant, gqa, meshes):
       assert run["argument_bytes"] < ref["argument_bytes"]
 
 
+@pytest.mark.slow  # end to end, seconds: the slow tier runs it
 def test_one_trial_on_data_2_by_heads_2_gives_the_one_device_rows_with_split_weights(tmp_path):
   out = _run_on_4_devices(tmp_path, _cases("per_head", True, ["d2h2"]))
   _check_matrix(out, "per_head", True, ["d2h2"])

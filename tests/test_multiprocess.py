@@ -128,6 +128,7 @@ def _env(**extra) -> dict:
   return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
 
 
+@pytest.mark.slow  # end to end, seconds: the slow tier runs it
 def test_a_process_that_cannot_reach_its_coordinator_exits_naming_the_address(tmp_path):
   """Process 1 of 2, through the entry point `attn sweep` starts, with nobody at the address; then process 0 alone."""
   address = f"127.0.0.1:{_free_port()}"  # nothing listens there

@@ -403,7 +403,7 @@ def test_decoder_lm_trains():
   _assert_learns(_train(lm, loss_fn))
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.parametrize("pooling", [pytest.param("cls", marks=pytest.mark.slow), "mean"])
 def test_sequence_classifier_trains(pooling):
   cfg = TINY.replace(num_classes=3, pooling=pooling, norm="post", activation="relu", num_layers=1)
   clf = SequenceClassifier(cfg, rngs=nnx.Rngs(0))

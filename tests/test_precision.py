@@ -112,6 +112,7 @@ def test_bfloat16_parameters_optimiser_state_and_checkpoints_stay_bfloat16(tmp_p
   assert strip(resumed) == strip(rows[2:])
 
 
+@pytest.mark.slow  # end to end, seconds: the slow tier runs it
 def test_a_bfloat16_text_trial_tracks_the_float32_held_out_loss(tmp_path):
   ref, _ = _train(_trial(TEXT))
   mixed, _ = _train(_trial(TEXT, "model.dtype=bfloat16"), [str(tmp_path)])

@@ -146,7 +146,7 @@ def _batches(path, n=10, max_tokens=32, batch_size=4):
 
 
 def test_sentence_encoder_matches_transformers_pooled_in_numpy(tmp_path):
-  import torch
+  torch = pytest.importorskip("torch")
   from attn.nn import hf
   from attn.nn.sentence import SentenceEncoder
   m, path = _tiny_bert(tmp_path)
