@@ -160,27 +160,30 @@ def matmul_gflops(repeats: int = 5) -> float:
   return 2 * MATMUL_N ** 3 / _time(lambda: jax.block_until_ready(f(a)), repeats)[0] / 1e9
 
 
-def cases() -> dict[str, tuple[Callable, tuple, int | None]]:
-  """name -> (function, arguments, visited block pairs) for every call the account covers."""
+def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, int | None]]:
+  """name -> (function, arguments, visited block pairs) for every call the account covers.
+
+  shape: the reference shape's B, T, D, H, K and the long family's T_long and window.
+  """
   import attn
   from attn import blocked
-  from attn.bench.layer import LONG_WINDOW, SHAPES
+  from attn.config import HeadConfig
   from attn.variants.base import Options
-  ref = SHAPES["reference"]
-  cfg = ref.cfg
+  B, T, D = shape["B"], shape["T"], shape["D"]
+  cfg = HeadConfig(d_model=D, num_heads=shape["H"], d_k=shape["K"], d_v=shape["K"])
   fused = attn.get_variant("fused")
   params = fused.init(jax.random.PRNGKey(0), cfg, jnp.float32)
-  x = jax.random.normal(jax.random.PRNGKey(1), (ref.B, ref.T, ref.D), jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(1), (B, T, D), jnp.float32)
   ct = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
   apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, opts=Options())[0]
   loss = lambda p, x, ct: jnp.sum(apply(p, x) * ct)
   out = {"fused fwd, reference": (apply, (params, x), None),
          "fused fwd+bwd, reference": (jax.grad(loss, argnums=(0, 1)), (params, x, ct), None)}
-  T, H, K = 4096, cfg.num_heads, cfg.d_k
+  T, H, K, window_size = shape["T_long"], cfg.num_heads, cfg.d_k, shape["window"]
   keys = jax.random.split(jax.random.PRNGKey(3), 4)
   q, k, v, do = (jax.random.normal(kk, (1, T, H, K), jnp.float32) for kk in keys)
   for label, causal, window in (("full", False, None), ("causal", True, None),
-                                (f"causal window {LONG_WINDOW}", True, LONG_WINDOW)):
+                                (f"causal window {window_size}", True, window_size)):
     core = lambda q, k, v, do, c=causal, w=window: jnp.sum(
         attn.kernel.attention(q, k, v, is_causal=c, window=w, impl="blocked") * do)
     pairs = sum(hi - lo for lo, hi in blocked.key_block_ranges(T, T, is_causal=causal, window=window))
@@ -188,13 +191,13 @@ def cases() -> dict[str, tuple[Callable, tuple, int | None]]:
   return out
 
 
-def child(flag_set: str, repeats: int) -> dict[str, Any]:
+def child(flag_set: str, repeats: int, shape: dict[str, int]) -> dict[str, Any]:
   """The account of every case under this process's XLA_FLAGS (run with attn.bench.flags' set)."""
   host_memory.keep_freed_memory()  # as attn's CLI and runner do (attn.host_memory)
   rate = matmul_gflops()
   result: dict[str, Any] = {"flag_set": flag_set, "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
   timed: dict[str, float] = {}
-  for name, (f, args, pairs) in cases().items():
+  for name, (f, args, pairs) in cases(shape).items():
     compiled = jax.jit(f).lower(*args).compile()
     found = account(compiled.as_text(), pairs)
     fastest, median = _time(lambda: jax.block_until_ready(compiled(*args)), repeats)
@@ -210,14 +213,14 @@ def child(flag_set: str, repeats: int) -> dict[str, Any]:
   return result
 
 
-def run_flag_sets(names: list[str], repeats: int, log=print) -> list[dict[str, Any]]:
+def run_flag_sets(names: list[str], repeats: int, shape: dict[str, int], log=print) -> list[dict[str, Any]]:
   """One child process per flag set, each with its XLA_FLAGS; their accounts."""
   out = []
   for name in names:
     env = flags_lib.with_flag_set(name)
     log(f"[account] flag set {name}: XLA_FLAGS={env['XLA_FLAGS']!r}")
-    p = subprocess.run([sys.executable, "-m", "attn.bench.account", name, str(repeats)], env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "attn.bench.account", name, str(repeats), json.dumps(shape)],
+                       env=env, capture_output=True, text=True)
     if p.returncode != 0:
       raise RuntimeError(f"flag set {name}: the child failed:\n{p.stderr[-2000:]}")
     out.append(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -267,4 +270,4 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
-  print(json.dumps(child(sys.argv[1], int(sys.argv[2]))))
+  print(json.dumps(child(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))))

@@ -560,7 +560,9 @@ def _run_account(args: argparse.Namespace, repeats: int, info, log) -> int:
   print(f"# attn bench --account\n\n{info['cpu']}, {info['cores']} cores; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         + f"; load average at start {info['load_average']}; {repeats} repeats\n")
-  results = account.run_flag_sets(names, repeats, log=log)
+  ref = SHAPES["reference"]
+  shape = {"B": ref.B, "T": ref.T, "D": ref.D, "H": ref.H, "K": ref.K, "T_long": 4096, "window": LONG_WINDOW}
+  results = account.run_flag_sets(names, repeats, shape, log=log)
   print(account.markdown(results))
   if args.out:
     with open(args.out, "w") as f:

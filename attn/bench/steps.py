@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from attn import host_memory
+from attn.config import invalid
 
 STORED = os.path.join(os.path.dirname(__file__), "step_ratios.json")
 TOLERANCE = 0.35  # a ratio may exceed the stored one by this fraction
@@ -43,10 +44,9 @@ def quick_models() -> list[tuple[str, dict[str, Any]]]:
   from attn.experiments.running import config as config_lib
   path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quick.toml")
   if not os.path.exists(path):
-    from attn.bench.layer import SWEEP_TOML  # installed without the repo's configs/: the h = 1 model only
-    trials = config_lib.loads(SWEEP_TOML, "builtin").trials
-  else:
-    trials = config_lib.load(path).trials
+    raise invalid("configs/quick.toml", os.path.normpath(path), "a checkout of attn with its configs/ "
+                  "(pip install -e .): the check trains the default sweep's models")
+  trials = config_lib.load(path).trials
   out = {}
   for t in trials:
     label = f"h={t.config['model']['num_heads']} {t.config['model']['variant']}"
