@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -129,12 +130,22 @@ def record(result: dict[str, Any], machine: dict[str, Any], path: str = STORED) 
   by: dict[str, list[float]] = {}
   for r in result["runs"]:
     by.setdefault(r["model"], []).append(r["ratio"])
-  data = {"cpu": machine.get("cpu"), "load_average": machine.get("load_average"),
+  data = {"cpu": machine.get("cpu"), "commit": _commit(), "load_average": machine.get("load_average"),
           "host_malloc": host_memory.in_force(), "steps": result["steps"], "matmul_n": MATMUL_N,
           "ratios": {m: round(statistics.median(v), 4) for m, v in by.items()}}
   with open(path, "w", encoding="utf-8") as f:
     json.dump(data, f, indent=1)
     f.write("\n")
+
+
+def _commit() -> str | None:
+  """The checkout's short commit, when attn runs from a git checkout."""
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                         capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None
 
 
 def load_stored(path: str = STORED) -> dict[str, Any] | None:
