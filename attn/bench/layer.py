@@ -473,6 +473,9 @@ def run(args: argparse.Namespace) -> int:
   repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
   if isinstance(repeats, bool) or repeats < 1:
     raise invalid("--repeats", repeats, "a positive integer")
+  if args.account:  # the children's XLA_FLAGS extend this one: checked before JAX starts and reads it
+    from attn.bench import flags as flags_lib
+    flags_lib.check_xla_flags(os.environ.get("XLA_FLAGS", ""))
   info = machine_info()
   log = lambda text: print(text, file=sys.stderr, flush=True)
   if args.decode:
