@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from attn import host_memory
 from attn.config import ConfigError
+from attn.registry import PluginWarning
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -23,7 +25,18 @@ COMMANDS = {
 }
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+  """A plugin that failed to import is one line on stderr; other warnings as Python prints them."""
+  if issubclass(category, PluginWarning):
+    return f"attn: warning: {message}\n"
+  return _FORMAT(message, category, filename, lineno, line)
+
+
+_FORMAT = warnings.formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+  warnings.formatwarning = _one_line
   parser = argparse.ArgumentParser(prog="attn", description=__doc__)
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")
   for name, (module, help_text) in COMMANDS.items():

@@ -30,8 +30,15 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
-ROPE_SCALINGS = (None, "linear", "llama3")  # transformers' rope_type names
-_LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+ROPE_SCALINGS = (None, "linear", "llama3")  # transformers' rope_type names the checkpoint loaders map
+# Every kind a HeadConfig takes: yarn joins ROPE_SCALINGS once a loader reads its parameters.
+ROPE_SCALING_KINDS = (*ROPE_SCALINGS, "yarn")
+ROPE_LAYOUTS = ("half", "interleaved")  # which dims pair: i with i + r/2 (rotate_half), or 2i with 2i + 1
+# The fields only one or two rope_scaling kinds read; with any other kind they stay at their defaults.
+_SCALING_FIELDS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
+                   "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",),
+                   "rope_beta_slow": ("yarn",), "rope_attention_factor": ("yarn",),
+                   "rope_truncate": ("yarn",)}
 
 
 def _positive_number(field: str, value: Any, what: str) -> None:
@@ -58,7 +65,10 @@ class HeadConfig:
   rope_dim (even, <= d_k; 0 = off): the first rope_dim dims of every query and
   key head rotate by position (RoPE, Su et al. 2021), pairing dim i with
   i + rope_dim/2 (the half-split convention of GPT-NeoX and Hugging Face),
-  frequency ω_i = rope_theta^(-2i/rope_dim). rope_scaling rescales the ω_i
+  frequency ω_i = rope_theta^(-2i/rope_dim); rope_layout "interleaved" pairs
+  dims 2i and 2i + 1 instead (DeepSeek's stored layout; the same scores up to a
+  permutation of the rotated dims). rope_dim < d_k is a partial rotary width
+  (Phi-3's partial_rotary_factor). rope_scaling rescales the ω_i
   (attn.variants.rope.frequencies; transformers' rope_type of the same name):
   "linear" divides every ω_i by rope_factor (position interpolation, Chen et
   al. 2023: positions / factor); "llama3" (Meta's Llama 3.1 rule) divides by
@@ -67,8 +77,14 @@ class HeadConfig:
   rope_original_max_len / rope_high_freq_factor, and between the two takes
   (1 − s)·ω_i/rope_factor + s·ω_i, s = (rope_original_max_len/λ_i − low)/(high
   − low), continuous at both ends. Neither touches the score scale
-  (transformers' attention_factor is 1 for both). Without "llama3" its three
-  fields stay at their defaults (1, 4, 8192: Llama 3.1's), and without scaling
+  (transformers' attention_factor is 1 for both). "yarn" (Peng et al. 2023)
+  ramps from ω_i/rope_factor to ω_i across the dims that turn between
+  rope_beta_slow and rope_beta_fast times within rope_original_max_len
+  (rope_truncate rounds that band outward to whole dims, as transformers
+  does by default; gpt-oss turns it off), and multiplies the rotated dims of
+  queries and keys by rope_attention_factor (None: 0.1·ln(rope_factor) + 1),
+  so their scores by its square. Without "llama3" its three
+  fields stay at their defaults (1, 4, 8192: Llama 3.1's), likewise yarn's, and without scaling
   rope_factor at 1: a setting that would be ignored is refused. latent_dim is
   mla's KV latent width d_c (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h);
   q_latent_dim, if set, gives mla a low-rank query path through a latent of
@@ -88,6 +104,9 @@ class HeadConfig:
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
   values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
   1-based index in its model, for differential's λ_init; set by the models.
+  extra maps an outside head mechanism's name to its options ({"my_gate":
+  {"width": 3}}; attn.variants.mechanisms says why one field): the mechanism's
+  record validates them (attn.api.check_config); {} is None.
   """
 
   d_model: int
@@ -105,6 +124,11 @@ class HeadConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  rope_layout: str = "half"
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float | None = None
+  rope_truncate: bool = True
   latent_dim: int | None = None
   q_latent_dim: int | None = None
   gate: str | None = None
@@ -116,6 +140,7 @@ class HeadConfig:
   q_rank: int = 6
   kv_rank: int = 2
   layer: int = 1
+  extra: dict | None = None
 
   def __post_init__(self):
     _positive_int("d_model", self.d_model)
@@ -149,6 +174,7 @@ class HeadConfig:
         raise invalid("scale", self.scale, "a positive finite number or None")
     self._check_latent_and_rope()
     self._check_mechanisms()
+    object.__setattr__(self, "extra", _frozen_extra(self.extra))
 
   def _check_latent_and_rope(self) -> None:
     r = self.rope_dim
@@ -156,6 +182,9 @@ class HeadConfig:
       raise invalid("rope_dim", r,
                     f"an even integer in [0, d_k={self.d_k}]: RoPE rotates pairs of query/key dims")
     _positive_number("rope_theta", self.rope_theta, "the RoPE base, 10000 by default")
+    if self.rope_layout not in ROPE_LAYOUTS:
+      raise invalid("rope_layout", self.rope_layout, f"one of {list(ROPE_LAYOUTS)}: dim i pairs with "
+                    "i + rope_dim/2 (half, transformers' rotate_half) or 2i with 2i + 1 (interleaved)")
     self._check_rope_scaling()
     if self.latent_dim is None:
       object.__setattr__(self, "latent_dim", 4 * self.d_k)
@@ -167,15 +196,15 @@ class HeadConfig:
 
   def _check_rope_scaling(self) -> None:
     kind = self.rope_scaling
-    if kind not in ROPE_SCALINGS:
-      raise invalid("rope_scaling", kind, f"one of {list(ROPE_SCALINGS)}: how the RoPE frequencies "
-                    "are scaled (transformers' rope_type; dynamic, yarn and longrope are not implemented)")
+    if kind not in ROPE_SCALING_KINDS:
+      raise invalid("rope_scaling", kind, f"one of {list(ROPE_SCALING_KINDS)}: how the RoPE frequencies "
+                    "are scaled (transformers' rope_type; dynamic and longrope are not implemented)")
     if kind is not None and not self.rope_dim:
       raise invalid("rope_scaling", kind, "None when rope_dim=0: there are no rotated dims to scale")
     _positive_number("rope_factor", self.rope_factor, "the RoPE scaling factor")
     if kind is None and self.rope_factor != 1:
       raise invalid("rope_factor", self.rope_factor, "1.0 when rope_scaling=None: set rope_scaling "
-                    "'linear' or 'llama3' for a factor to act")
+                    "'linear', 'llama3' or 'yarn' for a factor to act")
     _positive_number("rope_low_freq_factor", self.rope_low_freq_factor, "llama3's low_freq_factor")
     _positive_number("rope_high_freq_factor", self.rope_high_freq_factor, "llama3's high_freq_factor")
     if self.rope_high_freq_factor <= self.rope_low_freq_factor:
@@ -183,13 +212,19 @@ class HeadConfig:
                     f"greater than rope_low_freq_factor={self.rope_low_freq_factor}: llama3 keeps "
                     "wavelengths below rope_original_max_len / high and scales those above / low")
     _positive_int("rope_original_max_len", self.rope_original_max_len)
-    if kind != "llama3":
-      defaults = {f.name: f.default for f in dataclasses.fields(self)}  # Llama 3.1's values
-      for name in _LLAMA3_FIELDS:
-        default = defaults[name]
-        if getattr(self, name) != default:
-          raise invalid(name, getattr(self, name), f"{default!r} when rope_scaling={kind!r}: only "
-                        "rope_scaling='llama3' reads it")
+    _positive_number("rope_beta_fast", self.rope_beta_fast, "yarn's beta_fast")
+    _positive_number("rope_beta_slow", self.rope_beta_slow, "yarn's beta_slow")
+    if self.rope_attention_factor is not None:
+      _positive_number("rope_attention_factor", self.rope_attention_factor,
+                       "yarn's attention_factor, or None for 0.1·ln(rope_factor) + 1")
+    if not isinstance(self.rope_truncate, bool):
+      raise invalid("rope_truncate", self.rope_truncate, "True or False")
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}  # Llama 3.1's and YaRN's values
+    for name, readers in _SCALING_FIELDS.items():
+      default = defaults[name]
+      if kind not in readers and getattr(self, name) != default:
+        raise invalid(name, getattr(self, name), f"{default!r} when rope_scaling={kind!r}: only "
+                      f"rope_scaling {' or '.join(map(repr, readers))} reads it")
 
   def _check_mechanisms(self) -> None:
     if self.gate not in GATES:
@@ -226,6 +261,39 @@ class HeadConfig:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+class FrozenDict(dict):
+  """A dict that cannot change and hashes by its items, so a HeadConfig holding one stays hashable."""
+
+  def _refuse(self, *args, **kwargs):
+    raise TypeError("a HeadConfig's extra options cannot change: use cfg.replace(extra=...)")
+
+  __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+  def __hash__(self) -> int:
+    return hash(tuple(sorted(self.items())))
+
+  def __reduce__(self):  # copy, deepcopy and pickle rebuild it whole, never item by item
+    return (type(self), (dict(self),))
+
+
+def _frozen_extra(extra: Any) -> FrozenDict | None:
+  """None, or {mechanism name: {option: value}} with identifier names, frozen; {} is None."""
+  if extra is None or (isinstance(extra, dict) and not extra):
+    return None
+  allowed = "None or a table {mechanism name: {option: value}} of an outside head mechanism's options"
+  if not isinstance(extra, dict):
+    raise invalid("extra", extra, allowed)
+  out = {}
+  for name, opts in extra.items():
+    if not isinstance(name, str) or not name.isidentifier() or not isinstance(opts, dict):
+      raise invalid("extra", dict(extra), allowed)
+    for key, value in opts.items():
+      if not isinstance(key, str) or not isinstance(value, (bool, int, float, str, type(None))):
+        raise invalid(f"extra.{name}.{key}", value, "a number, a string or a boolean")
+    out[name] = FrozenDict(opts)
+  return FrozenDict(out)
 
 
 def single_head(d_model: int, *, use_bias: bool = True) -> HeadConfig:

@@ -7,6 +7,7 @@
   attn count --preset bert-gpt2               # BERT and GPT-2 totals, published vs ours
   attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
   attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
+  attn count --preset gpt2 --window 512 --global-every 4 --seq-len 8192  # per layer type at L
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ import csv
 import dataclasses
 import io
 import json
+import tomllib
 from typing import Any
 
-from attn import count, presets
+from attn import count, count_layers, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
+from attn.variants.mechanisms import MECHANISMS
 
 # Every HeadConfig field is a flag: --d-k 64, --rope-theta 1e6, --no-use-bias (a field true by
 # default), --sinks (false by default); typed by its annotation, checked by HeadConfig.
 _HEAD_FIELDS = {f.name: f for f in dataclasses.fields(HeadConfig)}
-_ARG_TYPES = {"int": int, "float": float, "str": str}
+_ARG_TYPES = {"int": int, "float": float, "str": str, "dict": lambda text: _toml_table(text)}
 _LAYER_COLUMNS = [
     ("variant", "variant"), ("analytic", "params (analytic)"), ("stored", "params (stored)"),
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
@@ -39,6 +42,14 @@ _TABLE3_COLUMNS = [
     ("row", "row"), ("num_layers", "N"), ("d_model", "d_model"), ("d_ff", "d_ff"),
     ("num_heads", "h"), ("d_k", "d_k"), ("d_v", "d_v"), ("paper_millions", "paper (×10⁶)"),
     ("ours", "ours"), ("ours_millions", "ours (×10⁶)"), ("match", "match")]
+
+_LAYER_TYPE_COLUMNS = [
+    ("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
+    ("params", "params"), ("flops_fwd", "FLOPs fwd at L"), ("kv_bytes_per_token_per_layer", "KV B/token/layer"),
+    ("kv_bytes_at_L", "KV cache B at L")]
+# Model settings of a preset that a flag changes: the layer schedule (attn.nn.layer_types).
+_MODEL_FLAGS = {"positional": str, "global_every": int, "sliding_rope_theta": float,
+                "layer_types": lambda text: tuple(t.strip() for t in text.split(","))}
 
 _PUBLISHED_COLUMNS = [
     ("row", "preset"), ("kind", "model"), ("num_layers", "layers"), ("d_model", "d_model"),
@@ -59,21 +70,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       parser.add_argument(f"--{flag}", dest=name, type=_ARG_TYPES[kind], default=None)
   parser.add_argument("--no-bias", dest="use_bias", action="store_const", const=False,
                       help="layers without biases (--no-use-bias)")
-  parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs")
+  for name, kind in _MODEL_FLAGS.items():
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                        help="with --preset: the model's " + name + (" (comma-separated, one per layer)"
+                                                                     if name == "layer_types" else ""))
+  parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
   parser.add_argument("--variant", action="append", default=None,
                       help="only this variant (repeatable; default all)")
   parser.add_argument("--mechanisms", action="store_true",
-                      help="also what each head mechanism (gate, sinks, qk_norm, window, softcap) adds")
+                      help="also what each head mechanism adds: " + "; ".join(
+                          m.help or m.name for m in MECHANISMS.values()))
   parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+
+
+def _toml_table(text: str) -> dict[str, Any]:
+  """--extra '{my_gate = {width = 3}}': a TOML inline table (HeadConfig.extra)."""
+  try:
+    return tomllib.loads(f"v = {text}")["v"]
+  except tomllib.TOMLDecodeError as e:
+    raise argparse.ArgumentTypeError(f"not a TOML inline table ({e})") from None
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
   return {n: getattr(args, n) for n in _HEAD_FIELDS if getattr(args, n) is not None}
 
 
+def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+  return {n: getattr(args, n) for n in _MODEL_FLAGS if getattr(args, n, None) is not None}
+
+
 def _fmt(value: Any) -> str:
+  if value is None:
+    return "n/a"
   if isinstance(value, bool):
     return "yes" if value else "**no**"
   if isinstance(value, float):
@@ -84,24 +114,26 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-  """A markdown table; rows with an "error" show it in place of their numbers."""
+  """A markdown table; rows with an "error" show it in place of their numbers, and the cells a row
+  lists under "measured" (no closed form; attn.count) say so."""
   lines = ["| " + " | ".join(title for _, title in columns) + " |",
            "|---|" + "---:|" * (len(columns) - 1)]
   for row in rows:
     if "error" in row:
       cells = [row[columns[0][0]], f"n/a: {row['error']}"] + [""] * (len(columns) - 2)
     else:
-      cells = [_fmt(row.get(k, "")) for k, _ in columns]
+      cells = [_fmt(row.get(k, "")) + (" (measured)" if k in row.get("measured", ()) else "")
+               for k, _ in columns]
     lines.append("| " + " | ".join(str(c) for c in cells) + " |")
   return "\n".join(lines)
 
 
 def _csv(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
   out = io.StringIO()
-  keys = [k for k, _ in columns] + (["error"] if any("error" in r for r in rows) else [])
+  keys = [k for k, _ in columns] + [k for k in ("error", "measured") if any(k in r for r in rows)]
   writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
   writer.writeheader()
-  writer.writerows(rows)
+  writer.writerows([{**r, "measured": " ".join(r["measured"])} if "measured" in r else r for r in rows])
   return out.getvalue().rstrip("\n")
 
 
@@ -187,8 +219,10 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
     report["model"] = {
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
-        "modified": bool(_overrides(args)), "count": count.model_param_count(m, kind),
-        "breakdown": count.model_param_breakdown(m, kind)}
+        "modified": bool(_overrides(args) or _model_overrides(args)), "count": count.model_param_count(m, kind),
+        "active_per_token": count_layers.active_param_count(m, kind),
+        "breakdown": count.model_param_breakdown(m, kind),
+        "layer_types": count_layers.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
         row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
@@ -222,11 +256,13 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
     parts = [{"component": k, "params": v} for k, v in m["breakdown"].items() if v]
     parts.append({"component": "total", "params": m["count"]})
     published = f"{m['published']}M" if m["in_millions"] else f"{m['published']:,}"
+    active = f" ({m['active_per_token']:,} active per token)" if m["active_per_token"] != m["count"] else ""
     text = (f"Model {m['preset']} ({m['kind']}, {m['variant']} attention): {m['count']:,} "
-            f"parameters; published {published} ({m['source']})"
+            f"parameters{active}; published {published} ({m['source']})"
             + (" for the preset before the flags changed it" if m["modified"] else "") + ".\n\n"
             + markdown(parts, [("component", "component"), ("params", "params")])
-            + "\n\n" + text)
+            + f"\n\nAttention by layer type at L={report['T']} (KV cache in {report['dtype']}):\n\n"
+            + markdown(m["layer_types"], _LAYER_TYPE_COLUMNS) + "\n\n" + text)
   return text
 
 
@@ -239,8 +275,13 @@ def run(args: argparse.Namespace) -> int:
     print(_group(args.preset, args.format))
     return 0
   preset = presets.get_preset(args.preset) if args.preset else None
+  model_changes = _model_overrides(args)
+  if model_changes and preset is None:
+    raise ConfigError(f"{next(iter(model_changes))} is not allowed without --preset: it sets a "
+                      "whole model's layer schedule")
   if preset is not None:
-    preset = dataclasses.replace(preset, config=preset.config.replace(**_overrides(args)))
+    changes = _overrides(args) | model_changes
+    preset = dataclasses.replace(preset, config=preset.config.replace(**changes))
     cfg = preset.config.head
   else:
     cfg = HeadConfig(**{"d_model": 512, "num_heads": 8, **_overrides(args)})

@@ -267,18 +267,18 @@ def test_variants_and_kv_heads_on_load():
     model, cfg = interop.from_hf(m, variant=variant)
     assert cfg.variant == variant
     assert _max_diff(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)), ref) < TOL, variant
-  model, cfg, error = interop.from_hf(m, num_kv_heads=3)  # G = H: nothing pooled
-  assert error == 0.0 and _max_diff(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)), ref) < TOL
+  model, cfg = loaded = interop.from_hf(m, num_kv_heads=3)  # G = H: nothing pooled
+  assert loaded.error == 0.0 and _max_diff(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)), ref) < TOL
   want = max(_kv_error_of(m, 1))
   with pytest.warns(UserWarning, match="lossy"):
-    model, cfg, error = interop.from_hf(m, num_kv_heads=1)
-  assert cfg.head.num_kv_heads == 1 and abs(error - want) < 1e-5 * want
+    model, cfg = loaded = interop.from_hf(m, num_kv_heads=1)
+  assert cfg.head.num_kv_heads == 1 and abs(loaded.error - want) < 1e-5 * want
   w_k = np.asarray(model.blocks[0].attn.params["w_k"][...])
   np.testing.assert_allclose(w_k[:, 0], m.transformer.h[0].attn.c_attn.weight.detach().numpy()[:, 12:24]
                              .reshape(12, 3, 4).mean(1), atol=1e-6)
   with pytest.warns(UserWarning, match="lossy"):
-    _, cfg, error2 = interop.from_hf(m, variant="merged", num_kv_heads=1)
-  assert cfg.variant == "merged" and abs(error2 - want) < 1e-5 * want
+    loaded = interop.from_hf(m, variant="merged", num_kv_heads=1)
+  assert loaded.config.variant == "merged" and abs(loaded.error - want) < 1e-5 * want
 
 
 @pytest.mark.slow
@@ -413,12 +413,14 @@ def test_mla_on_load_returns_every_layers_error():
   m = _gpt2(6)  # D = 12, H = 3, K = V = 4, 2 layers
   ids, lengths, mask = _tokens(7, GPT2["vocab_size"])
   ref = _hf_logits(m, ids, mask)
-  model, cfg, errors = interop.from_hf(m, variant="mla", latent_dim=12)  # d_c = D: exact
+  model, cfg = loaded = interop.from_hf(m, variant="mla", latent_dim=12)  # d_c = D: exact
+  errors = loaded.errors
   assert cfg.variant == "mla" and cfg.head.latent_dim == 12 and len(errors) == GPT2["n_layer"]
   assert max(errors) < 1e-5
   assert _max_diff(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)), ref) < TOL
   with pytest.warns(UserWarning, match="lossy"):
-    model, cfg, errors = interop.from_hf(m, variant="mla", latent_dim=4)
+    model, cfg = loaded = interop.from_hf(m, variant="mla", latent_dim=4)
+  errors = loaded.errors
   for layer, err in enumerate(errors):  # the truncated SVD's share of [W_K | W_V], layer by layer
     attn_w = m.transformer.h[layer].attn.c_attn.weight.detach().numpy()
     s = np.linalg.svd(attn_w[:, 12:], compute_uv=False)

@@ -150,8 +150,9 @@ def test_a_model_that_has_decoded_converts_and_decodes_in_its_new_layout():
   with pytest.warns(hf.LossyConversionWarning):
     pooled, pooled_cfg, errors = hf.convert_model(model, cfg, "per_head", num_kv_heads=1)
   with pytest.warns(hf.LossyConversionWarning):
-    loaded, loaded_cfg, err = hf.from_hf(m, num_kv_heads=1)
-  assert pooled_cfg == loaded_cfg and max(errors) == err
+    loaded = hf.from_hf(m, num_kv_heads=1)
+  assert pooled_cfg == loaded.config and tuple(errors) == loaded.errors
+  loaded = loaded.model
   params = [nnx.to_pure_dict(nnx.state(x, nnx.Param)) for x in (pooled, loaded)]
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), *params)))
   with pytest.raises(ConfigError, match="init_cache"):
@@ -168,7 +169,7 @@ def test_mean_pooled_kv_heads_decode_as_their_full_pass(family):
   m = build(family)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", hf.LossyConversionWarning)
-    model, cfg, _ = hf.from_hf(m, num_kv_heads=1)
+    model = hf.from_hf(m, num_kv_heads=1).model
   _cached_equals_full_pass(model, m.config.vocab_size, (PROMPT, 1, 3, 1, 2, 1, 1, 1))
 
 
@@ -179,7 +180,7 @@ def test_mla_on_load_decodes_its_latent_cache_as_its_full_pass():
   from test_hf import GPT2, _gpt2
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # lossy (d_c = 4 < 12); transformers' ids outside the vocab
-    model, cfg, _ = hf.from_hf(_gpt2(6), variant="mla", latent_dim=4)
+    model = hf.from_hf(_gpt2(6), variant="mla", latent_dim=4).model
   model.init_cache(2, PROMPT + NEW)
   assert {n: c[...].shape[2:] for n, c in model.blocks[0].attn.cache.items()} == {"latent": (4,)}
   _cached_equals_full_pass(model, GPT2["vocab_size"])

@@ -5,9 +5,10 @@ releases' spellings.
 
 Tiny random models built with transformers' own config classes (nothing is
 downloaded), GQA (4 query heads, 2 kv heads) and head_dim != D/H where the
-family allows it; logits compared at every position of right-padded rows
-(windowed families: every position whose window holds a real key, see
-_defined), and to_hf's state_dict equal to the original's bit for bit.
+family allows it, each through attn.testing.check_family: logits compared at
+every position of right-padded rows (windowed families: every position whose
+window holds a real key), and to_hf's state_dict equal to the original's bit
+for bit.
 """
 
 import json
@@ -18,6 +19,7 @@ import pytest
 
 from attn.config import ConfigError
 from attn.nn import hf
+from attn.testing import check_family
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 TOL = 1e-4  # relative to the largest logit, float32
@@ -83,34 +85,17 @@ def _hf_logits(m, ids, mask):
     return m(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
 
 
-def _defined(cfg, lengths, T):
-  """Positions whose every window holds a real key. A padded query whose window (t − w, t] has
-  no key before the length is a fully masked row: transformers' eager softmax spreads it over
-  masked keys, attn's gives 0; neither is a logit of the text."""
-  t = np.arange(T)[None, :]
-  return np.ones((len(lengths), T), bool) if cfg.window is None else t < lengths[:, None] + cfg.window - 1
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_logits_and_exact_round_trip(family, tmp_path):
-  m = build(family)
-  ids, lengths, mask = _batch(m.config.vocab_size)
-  ref = _hf_logits(m, ids, mask)
-  m.save_pretrained(tmp_path)
-  model, cfg = hf.from_hf(str(tmp_path))  # safetensors through numpy
+def test_family_logits_and_exact_round_trip(family):
+  """attn.testing.check_family on transformers' own model of the family: logits at every position
+  whose window holds a real key, its state dict back bit for bit through to_hf of the loaded model
+  (which knows its family), its save_pretrained directory read through numpy, the refusals."""
+  measured = check_family(family, build(family))
+  cfg = measured["config"]
   assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, cfg.head.d_k, 500.0)
-  got = np.asarray(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
-  keep = _defined(cfg, lengths, ids.shape[1])
-  diff = np.abs(got - ref)[keep]
-  MEASURED[family] = (float(diff.max()), float(diff.max() / np.abs(ref[keep]).max()))
+  MEASURED[family] = (measured["logits_max_abs"], measured["logits_relative"])
   print(f"{family}: max abs {MEASURED[family][0]:.2e}, relative {MEASURED[family][1]:.2e}")
   assert MEASURED[family][1] < TOL
-  back = hf.to_hf(model, cfg, family)
-  want, have = m.state_dict(), back.state_dict()
-  assert set(want) == set(have)
-  for k in want:
-    assert np.array_equal(want[k].numpy(), have[k].numpy()), k
-  assert hf.from_hf(back)[1] == cfg
 
 
 # rope_parameters of the scaled types. head_dim 12 and theta 500 give wavelengths 2π/ω of 6.3, 17.7,
@@ -148,7 +133,7 @@ def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
   config.pop("rope_scaling", None)
   for params in wrong:
     (tmp_path / "config.json").write_text(json.dumps(config | {"rope_parameters": params | {"rope_theta": 500.0}}))
-    off = _relative(hf.from_hf(str(tmp_path))[0], ids, lengths, ref)[1]
+    off = _relative(hf.from_hf(str(tmp_path)).model, ids, lengths, ref)[1]
     print(f"  read as {params['rope_type']}: relative {off:.2e}")
     assert off > 100 * TOL
   back = hf.to_hf(model, cfg, "llama")
@@ -156,7 +141,7 @@ def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
   assert set(want) == set(have) and all(np.array_equal(want[k].numpy(), have[k].numpy()) for k in want)
   spelling = "rope_parameters" if _v5(_transformers()) else "rope_scaling"
   assert getattr(back.config, spelling) == getattr(m.config, spelling)
-  assert hf.from_hf(back)[1] == cfg
+  assert hf.from_hf(back).config == cfg
 
 
 def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
@@ -202,13 +187,13 @@ def test_kv_heads_and_variant_on_load():
   m = build("llama", attention_bias=False)
   ids, lengths, mask = _batch(m.config.vocab_size, T=7)
   ref = _hf_logits(m, ids, mask)
-  more, cfg, err = hf.from_hf(m, num_kv_heads=4)  # each kv head repeated: exact
-  assert err == 0.0 and cfg.num_kv_heads == 4
+  more, cfg = loaded = hf.from_hf(m, num_kv_heads=4)  # each kv head repeated: exact
+  assert loaded.errors == (0.0, 0.0) and cfg.num_kv_heads == 4
   got = np.asarray(more(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOL
   with pytest.warns(hf.LossyConversionWarning):
-    _, cfg, err = hf.from_hf(m, num_kv_heads=1)  # mean-pooled
-  assert cfg.num_kv_heads == 1 and 0 < err < 2
+    loaded = hf.from_hf(m, num_kv_heads=1)  # mean-pooled
+  assert loaded.config.num_kv_heads == 1 and 0 < loaded.error < 2
   fused, cfg = hf.from_hf(m, variant="fused")
   got = np.asarray(fused(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
   assert cfg.variant == "fused" and np.abs(got - ref).max() / np.abs(ref).max() < TOL
@@ -274,18 +259,26 @@ def test_left_padding_is_refused():
 
 
 def test_to_hf_refuses_what_the_family_cannot_hold():
-  transformers = _transformers()
-  model, cfg = hf.from_hf(build("qwen2"))
-  with pytest.raises(ConfigError, match="model_type=None.*gemma2"):
-    hf.to_hf(model, cfg)
+  from flax import nnx
+  from attn.nn import DecoderLM
+  m = build("qwen2")
+  model, cfg = hf.from_hf(m)
   with pytest.raises(ConfigError, match="norm='pre'.*'sandwich': gemma2 has it so"):
     hf.to_hf(model, cfg, "gemma2")
   with pytest.raises(ConfigError, match="use_bias=True.*mistral has no qkv biases"):
     hf.to_hf(model, cfg, "mistral")
-  del transformers
+  with pytest.raises(ConfigError, match=r"model_type='phi3' is not allowed: one of \['bert', 'gemma2'"):
+    hf.to_hf(model, cfg, "phi3")
+  # A DecoderLM with RoPE that from_hf did not load: three families fit it alike, so it must be named.
+  hand = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mistral and qwen2 fit it alike"):
+    hf.to_hf(hand, cfg)
+  nnx.update(hand, nnx.state(model))
+  named = hf.to_hf(hand, cfg, "qwen2").state_dict()
+  assert all(np.array_equal(named[k].numpy(), t.numpy()) for k, t in m.state_dict().items())
 
 
-def test_bert_masked_lm_out_and_back(tmp_path):
+def test_bert_masked_lm_out_and_back():
   transformers = _transformers()
   import torch
   c = transformers.BertConfig(vocab_size=31, hidden_size=12, num_hidden_layers=2, num_attention_heads=3,
@@ -297,24 +290,12 @@ def test_bert_masked_lm_out_and_back(tmp_path):
   with torch.no_grad():
     for name, p in m.named_parameters():
       p.copy_(0.3 * torch.randn(p.shape) + (1.0 if name.endswith("LayerNorm.weight") else 0.0))
-  m.eval()
-  ids, lengths, mask = _batch(31)
-  with torch.no_grad():
-    ref = m(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
-  m.save_pretrained(tmp_path)
-  enc, cfg = hf.from_hf(str(tmp_path))
-  assert cfg.mlm_head and not cfg.pooler
-  got = np.asarray(enc.mlm_logits(enc(ids.astype(np.int32), lengths_B=lengths.astype(np.int32))))
-  real = mask.astype(bool)  # BERT's padded queries are not compared (their keys are masked alike)
-  rel = np.abs(got - ref)[real].max() / np.abs(ref).max()
-  MEASURED["bert (MLM)"] = (float(np.abs(got - ref)[real].max()), float(rel))
-  print(f"bert (MLM): max abs {MEASURED['bert (MLM)'][0]:.2e}, relative {rel:.2e}")
-  assert rel < TOL
-  back = hf.to_hf(enc, cfg)
-  assert type(back).__name__ == "BertForMaskedLM"
-  want, have = m.state_dict(), back.state_dict()
-  assert set(want) == set(have) and all(np.array_equal(want[k].numpy(), have[k].numpy()) for k in want)
-  plain = hf.to_hf(*hf.from_hf(transformers.BertModel(c, add_pooling_layer=True).eval()))
+  measured = check_family("bert", m.eval())  # MLM logits at every position, the state dict back, refusals
+  assert measured["config"].mlm_head and not measured["config"].pooler
+  MEASURED["bert (MLM)"] = (measured["logits_max_abs"], measured["logits_relative"])
+  print(f"bert (MLM): max abs {MEASURED['bert (MLM)'][0]:.2e}, relative {MEASURED['bert (MLM)'][1]:.2e}")
+  assert type(hf.to_hf(hf.from_hf(m))).__name__ == "BertForMaskedLM"
+  plain = hf.to_hf(hf.from_hf(transformers.BertModel(c, add_pooling_layer=True).eval()))
   assert type(plain).__name__ == "BertModel" and plain.pooler is not None
 
 

@@ -301,7 +301,9 @@ def test_a_sigkilled_process_leaves_a_trial_that_a_rerun_resumes(kill_setup, tmp
   assert launcher.wait(timeout=120) == 1, log.read_text()
   text = log.read_text()
   assert f"process {victim} of 2: killed by SIGKILL" in text, text
-  assert "1 trials unfinished: re-run the same command to resume" in text, text
+  assert "re-run the same command to resume" in text and "1 trials unfinished" in text, text
+  if victim == 0:  # the lease names a process of this machine that is gone: shown as interrupted, and why
+    assert "interrupted: trial 1/1" in text and f"pid {pid} " in text and "is gone: killed" in text, text
   assert not os.path.exists(os.path.join(trial, store.SUMMARY))  # unfinished, not failed
   held, _ = leases.read(os.path.join(trial, leases.LEASE))
   assert held is None or leases.gone(held)  # released, or its process is gone: no writer left

@@ -152,7 +152,7 @@ def test_sentence_encoder_matches_transformers_pooled_in_numpy(tmp_path):
   m, path = _tiny_bert(tmp_path)
   texts, ids, batches = _batches(path)
   assert all(i[0] == 2 and i[-1] == 3 for i in ids)  # [CLS] ... [SEP]
-  enc = SentenceEncoder(hf.from_hf(path)[0])
+  enc = SentenceEncoder(hf.from_hf(path).model)
   got = enc.embed(batches)
   T = max(len(i) for i in ids)
   tokens = np.array([i + [0] * (T - len(i)) for i in ids])
@@ -170,7 +170,7 @@ def test_gates_equal_zeroed_heads_and_the_cosine_gradient_vanishes(tmp_path):
   from attn.nn.sentence import SentenceEncoder
   _, path = _tiny_bert(tmp_path, seed=1)
   _, _, batches = _batches(path)
-  enc = SentenceEncoder(hf.from_hf(path)[0])
+  enc = SentenceEncoder(hf.from_hf(path).model)
   base = enc.embed(batches)
   gates = np.ones((enc.L, enc.H), np.float32)
   gates[1, 5] = 0.0
@@ -191,7 +191,7 @@ def test_kv_round_trips_equal_the_real_converted_encoders(tmp_path):
   from attn.nn.sentence import SentenceEncoder
   _, path = _tiny_bert(tmp_path, seed=2)
   _, _, batches = _batches(path)
-  enc = SentenceEncoder(hf.from_hf(path)[0])
+  enc = SentenceEncoder(hf.from_hf(path).model)
   diffs = ph.check_real_models(path, enc, batches, G=3, d_c=12)
   assert max(diffs.values()) < 1e-5, diffs
   _, err = ph._round_trip(enc.attention(0), enc.cfg.head, ("mla", 48))  # d_c >= D: exact

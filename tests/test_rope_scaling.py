@@ -170,7 +170,8 @@ def test_cached_decoding_with_llama3_rope_gives_the_full_logits(variant):
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(rope_scaling="yarn"), r"rope_scaling='yarn' is not allowed: one of \[None, 'linear', 'llama3'\]"),
+    (dict(rope_scaling="longrope"), r"rope_scaling='longrope' is not allowed: one of \[None, 'linear', 'llama3', 'yarn'\]"),
+    (dict(rope_scaling="dynamic"), r"rope_scaling='dynamic' is not allowed: one of \[None, 'linear', 'llama3', 'yarn'\]"),
     (dict(rope_scaling="linear", rope_dim=0), r"rope_scaling='linear' is not allowed: None when rope_dim=0"),
     (dict(rope_scaling="linear", rope_factor=0.0), r"rope_factor=0.0 is not allowed: a positive finite number"),
     (dict(rope_scaling="linear", rope_factor=float("nan")), r"rope_factor=nan is not allowed"),
@@ -182,7 +183,7 @@ def test_cached_decoding_with_llama3_rope_gives_the_full_logits(variant):
     (dict(LLAMA3, rope_original_max_len=0), r"rope_original_max_len=0 is not allowed: a positive integer"),
     (dict(LLAMA3, rope_original_max_len=32.0), r"rope_original_max_len=32.0 is not allowed: a positive integer"),
     (dict(rope_scaling="linear", rope_factor=2.0, rope_original_max_len=16),
-     r"rope_original_max_len=16 is not allowed: 8192 when rope_scaling='linear': only rope_scaling='llama3'"),
+     r"rope_original_max_len=16 is not allowed: 8192 when rope_scaling='linear': only rope_scaling 'llama3' or 'yarn'"),
     (dict(rope_high_freq_factor=8.0), r"rope_high_freq_factor=8.0 is not allowed: 4.0 when rope_scaling=None"),
 ])
 def test_bad_scaling_fields_are_named(changes, match):
@@ -201,8 +202,8 @@ def test_scaling_through_toml_and_the_count_flags(capsys):
   assert model["rope_factor"] == 8.0 and isinstance(model["rope_factor"], float)
   assert model["rope_scaling"] == "llama3" and model["rope_original_max_len"] == 32
   assert sweep.trials[0].id != base.trials[0].id
-  with pytest.raises(ConfigError, match="rope_scaling='yarn' is not allowed"):
-    config_lib.loads(TINY_MQAR + rope_keys + 'rope_scaling = "yarn"\n', "c.toml", [])
+  with pytest.raises(ConfigError, match="rope_scaling='longrope' is not allowed"):
+    config_lib.loads(TINY_MQAR + rope_keys + 'rope_scaling = "longrope"\n', "c.toml", [])
   from attn import cli
   argv = ["count", "--d-model", "32", "--num-heads", "4", "--rope-dim", "8", "--variant", "per_head"]
   assert cli.main(argv) == 0

@@ -125,7 +125,7 @@ def test_a_resumed_trial_rewrites_its_run_from_the_store(live, tmp_path):
 
 
 def test_a_failing_event_writer_changes_no_row(live, tmp_path, monkeypatch):
-  """A disk that fills up under the log directory: reported once, events off, every trial as without it."""
+  """A disk that fills up under the log directory: reported, the trial in progress ends as without it, the sweep stops."""
   path, out, _ = live
   record_writer = pytest.importorskip("tensorboardX.record_writer")
   write, calls = record_writer.RecordWriter.write, []
@@ -139,9 +139,13 @@ def test_a_failing_event_writer_changes_no_row(live, tmp_path, monkeypatch):
   log, mine = io.StringIO(), str(tmp_path / "out")
   counts = sweep.run_sweep(config_lib.load(path), mine, config_text=CONFIG, stream=log,
                            tensorboard=str(tmp_path / "logs"))
-  assert counts == {"ok": 2, "failed": 0, "skipped": 0}
+  assert counts["ok"] == 1 and counts["unfinished"] == 1, counts
+  assert counts["fault"].startswith(f"no space left on device (errno ENOSPC) writing {tmp_path / 'logs'}")
   assert log.getvalue().count("warning: TensorBoard: writing step 1 of trial") == 1
   assert "No space left on device" in log.getvalue() and len(calls) == 4  # off for the rest of the sweep
+  monkeypatch.undo()  # space again: the same sweep finishes
+  assert sweep.run_sweep(config_lib.load(path), mine, config_text=CONFIG, stream=log,
+                         tensorboard=str(tmp_path / "logs"))["ok"] == 1
   strip = lambda rows: [{k: v for k, v in r.items() if k != "step_time_s"} for r in rows]
   for a, b in zip(store.iter_trials(out), store.iter_trials(mine), strict=True):
     assert strip(a["rows"]) == strip(b["rows"]) and a["summary"]["final"] == b["summary"]["final"]

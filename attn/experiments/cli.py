@@ -1,11 +1,22 @@
 """`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N]
-[--processes-per-trial P] [--coordinator-timeout S] [--analyze] [--tensorboard LOGDIR]`.
+[--processes-per-trial P] [--coordinator-timeout S] [--analyze] [--tensorboard LOGDIR] [--retry-failed]`.
 
 Runs a sweep config into its store, then writes its report. --executor local
 (the default) trains in this process (--workers 1) or in N local worker
 processes; --executor slurm claims the store, submits one job array
 (attn.experiments.running.slurm), prints the job id and returns. Re-running the same
 command resumes; `attn status DIR` shows progress for any executor.
+
+Every executor goes one way (EXECUTORS): `sweep.prepare` claims the store
+(refusing a filesystem without room, naming --out and its space), writes the
+trials' configs and, with --retry-failed, makes the trials that failed for
+their own reasons new again; the run record gets its start line
+(attn.experiments.running.run_record); the executor trains; the supervisor
+(attn.experiments.running.supervisor) says how it ended. A fault of the
+machine (a full disk, an I/O error: attn.experiments.training.faults) stops
+the sweep after the trial in progress, which stays resumable, with one
+message naming the path and exit status 1; the same command, once the disk
+has room, finishes the sweep.
 
 --processes-per-trial P: each trial runs as one program over P processes on
 this machine, its batch shared over all their devices, process 0 writing the
@@ -30,13 +41,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import processes as processes_lib
+from attn.experiments.running import run_record
 from attn.experiments.running import tb_writer
 from attn.experiments.running import workers as workers_lib
+from attn.experiments.training import faults
 
 workers_lib.import_submitit()  # first, without its logging setup (see there); slurm imports it too
 from attn.experiments.running import slurm  # noqa: E402
@@ -49,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                       help="override a config key, e.g. --set train.steps=50 (repeatable)")
   parser.add_argument("--no-report", action="store_true", help="skip writing DIR/report.md at the end")
+  parser.add_argument("--retry-failed", action="store_true",
+                      help="run the trials that failed for their own reasons (non-finite loss, an error) again from "
+                           "step 0; a plain re-run resumes interrupted trials and leaves failed ones")
   parser.add_argument("--analyze", action="store_true",
                       help="run `attn analyze` on the trained trials before the report "
                            "(also: [analysis] enabled = true in the config)")
@@ -72,12 +89,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slurm.add_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-  from attn.config import invalid
+def _here(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int, str | None]:
+  """--workers 1: the trials train in this process, in a thread a signal can stop after a step."""
   from attn.experiments.training import preempt
   from attn.experiments.running import sweep as sweep_lib  # lazy: jax
-  workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
-  lease_timeout = sweep_lib.check_lease_timeout(args.lease_timeout)
+  preempt.install_handlers()
+  try:
+    counts = sweep_lib.run_trials(out, lease_timeout=lease_timeout, wait=True, tensorboard=args.tensorboard)
+  except KeyboardInterrupt:
+    print("\n" + preempt.message("interrupted"), file=sys.stderr)
+    return signal.SIGINT, None
+  return 0, counts.get("fault")
+
+
+def _workers(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int, str | None]:
+  return workers_lib.run_workers(out, args.workers, lease_timeout, tensorboard=args.tensorboard)
+
+
+def _processes(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int, str | None]:
+  return processes_lib.run_group(out, args.processes_per_trial, lease_timeout, args.coordinator_timeout,
+                                 tensorboard=args.tensorboard)
+
+
+# How the trials of a claimed store run here: each returns (the signal that stopped it or 0, the machine's fault).
+EXECUTORS = {"here": _here, "workers": _workers, "processes": _processes}
+
+
+def _check(args: argparse.Namespace) -> str:
+  """Checks the executor's options against each other; the EXECUTORS key (or "slurm")."""
+  from attn.config import invalid
+  workers = args.workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
   processes = processes_lib.check_processes(args.processes_per_trial)
   processes_lib.check_timeout(args.coordinator_timeout)
   if args.executor == "slurm" and workers != 1:
@@ -89,60 +130,68 @@ def run(args: argparse.Namespace) -> int:
     raise invalid("--workers", workers, f"1 with --processes-per-trial {processes}: the {processes} processes of "
                   "each trial already share this machine's CPUs; to train trials side by side, start another "
                   "`attn sweep` on the same --out (the store's leases keep them apart)")
+  return "slurm" if args.executor == "slurm" else "processes" if processes > 1 else \
+      "workers" if workers > 1 else "here"
+
+
+def run(args: argparse.Namespace) -> int:
+  from attn.experiments.running import supervisor
+  from attn.experiments.running import sweep as sweep_lib  # lazy: jax
+  kind = _check(args)
+  lease_timeout = sweep_lib.check_lease_timeout(args.lease_timeout)
   slurm_params = slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
   if args.tensorboard is not None:  # tensorboardX is there, LOGDIR is no file; absolute for workers and tasks
     args.tensorboard = tb_writer.check(args.tensorboard)
     print(f"live curves: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
-  if args.executor == "local":  # a Slurm node may have other devices: its tasks check there
-    config_lib.check_devices(sweep.trials, sweep.vmap_seeds, processes)
-    processes_lib.check_platform(processes)
+  if kind != "slurm":  # a Slurm node may have other devices: its tasks check there
+    config_lib.check_devices(sweep.trials, sweep.vmap_seeds, args.processes_per_trial)
+    processes_lib.check_platform(args.processes_per_trial)
   else:
     config_lib.check_processes(sweep.trials, slurm.processes(slurm_params))
   out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
   with open(args.config, encoding="utf-8") as f:
     text = f.read()
-  if args.executor == "slurm":
-    sweep_lib.prepare(sweep, out, text, args.overrides)
-    return slurm.submit(sweep, out, args, text)
-  if processes > 1:
-    if sweep_lib.prepare(sweep, out, text, args.overrides):
-      print(f"resuming {out}", file=sys.stderr)
-    failed, unfinished, stopped_by = processes_lib.run_group(out, processes, lease_timeout, args.coordinator_timeout,
-                                                             tensorboard=args.tensorboard)
-    if stopped_by:
-      return 128 + stopped_by
-    if failed or unfinished:
-      print(f"{unfinished} trials unfinished: re-run the same command to resume", file=sys.stderr)
-      return 1
-    done = len(sweep.trials)
-  elif workers == 1:
-    preempt.install_handlers()
-    try:
-      counts = sweep_lib.run_sweep(sweep, out, config_text=text, overrides=args.overrides,
-                                   lease_timeout=lease_timeout, tensorboard=args.tensorboard)
-    except KeyboardInterrupt:
-      print("\n" + preempt.message("interrupted"), file=sys.stderr)
-      return 130
-    if counts.get("unfinished"):
-      print(f"{counts['unfinished']} trials unfinished: re-run the same command to resume", file=sys.stderr)
-      return 1
-    done = counts["ok"] + counts["skipped"]
-  else:
-    if sweep_lib.prepare(sweep, out, text, args.overrides):
-      print(f"resuming {out}", file=sys.stderr)
-    _, unfinished, stopped_by = workers_lib.run_workers(out, workers, lease_timeout, tensorboard=args.tensorboard)
-    if stopped_by:
-      return 128 + stopped_by
-    if unfinished:
-      print(f"{unfinished} trials unfinished: re-run the same command to resume", file=sys.stderr)
-      return 1
-    done = len(sweep.trials)
-  if (args.analyze or sweep.analyze) and done:
-    from attn.experiments.reading import analyze
-    analyze.analyze_sweep(out)
-  if not args.no_report:
-    from attn.experiments.reading import report
-    path = report.write_report(out)
-    print(f"report: {path}")
+  sweep_lib.prepare(sweep, out, text, args.overrides, retry_failed=args.retry_failed)  # the one resume path
+  try:
+    start = run_record.start_line()
+    run_record.append(out, start)
+  except OSError as e:
+    return _stopped(e, "before any training")
+  if kind == "slurm":
+    code = slurm.submit(sweep, out, args, text)
+    return _end(out, start, "submitted to Slurm", code)
+  stopped_by, fault = EXECUTORS[kind](out, args, lease_timeout)
+  if stopped_by:
+    return _end(out, start, f"stopped by {signal.Signals(stopped_by).name}", 128 + stopped_by)
+  if supervisor.finish(out, lease_timeout, fault=fault):
+    return _end(out, start, f"stopped: {fault}" if fault else "trials left unfinished", 1)
+  try:
+    if args.analyze or sweep.analyze:
+      from attn.experiments.reading import analyze
+      analyze.analyze_sweep(out)
+    if not args.no_report:
+      from attn.experiments.reading import report
+      print(f"report: {report.write_report(out)}")
+    run_record.append(out, run_record.end_line(start, "finished"))
+  except OSError as e:  # a full disk under the report, its plots or the record: the trials are safe in the store
+    return _stopped(e, f"every trial is finished; `attn report {out}` writes the report alone")
   return 0
+
+
+def _stopped(e: OSError, note: str) -> int:
+  """One message for a fault of the machine outside the trials; any other error goes on up."""
+  fault = faults.classify(e)
+  if fault is None:
+    raise e
+  print(f"attn sweep: stopped: {fault.message} ({note})", file=sys.stderr)
+  return 1
+
+
+def _end(out: str, start: dict, outcome: str, code: int) -> int:
+  """Appends the run record's end line (skipped when the disk does not take it: the outcome was said) -> code."""
+  try:
+    run_record.append(out, run_record.end_line(start, outcome))
+  except OSError:
+    pass
+  return code

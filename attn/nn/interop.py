@@ -7,8 +7,8 @@ width, so d_k = d_v. torch packs in_proj_weight as the rows [W_q; W_k; W_v],
 each (D_out, D_in) with heads as consecutive row blocks, and computes x Wᵀ + b;
 it has no grouped heads and its head width is D / H, so G = H and
 d_k = d_v = D / H. torch is optional and imported only inside the torch
-functions. from_hf and to_hf (Hugging Face GPT-2 and BERT models) live in
-attn/nn/hf.py and are re-exported here.
+functions. from_hf and to_hf (Hugging Face checkpoints, one family per module)
+live in the package attn/nn/hf/ and are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flax import nnx
 from attn.api import check_params
 from attn.config import HeadConfig, invalid
 from attn.convert import convert
-from attn.nn.hf import from_hf, to_hf  # noqa: F401  (Hugging Face GPT-2/BERT: attn/nn/hf.py)
+from attn.nn.hf import from_hf, to_hf  # noqa: F401  (Hugging Face checkpoints: attn/nn/hf/)
 from attn.variants.base import Params
 
 

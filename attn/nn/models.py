@@ -22,7 +22,9 @@ mlp "gated" (down(act(gate(x))·up(x)): 3·D·d_ff + b·(2·d_ff + D); activatio
 "silu" makes it SwiGLU); dense_bias (the MLP's and an untied output's biases,
 None following use_bias); embed_scale (tokens × √D); logit_softcap (output
 logits c·tanh(z/c)); mlm_head (Encoder: BERT's masked-LM head, D² + D + norm +
-vocab, its decoder tied to the token table).
+vocab, its decoder tied to the token table); mlp "moe": a mixture of experts
+(attn.nn.moe, the moe_* fields), computed densely, each expert on every token:
+exact, and E/k times a real MoE's expert cost.
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 positional "rope": no position embedding; every attention layer rotates the
@@ -31,10 +33,14 @@ parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
 contexts), tokens at positions 0..T−1. ModelConfig has every HeadConfig
 field (with_head_fields), declared once there: the head mechanisms gate, sinks,
 qk_norm, qk_norm_eps, window and softcap among them (attn.variants.mechanisms).
-With a window, global_every = k makes every k-th self-attention layer of a
-stack global (l % k == 0, l counted from 1) and the rest local (0: all local;
-ModelConfig.layer_head); decoding keeps a local layer's cache as a ring of
-`window` slots. Cross-attention has no window.
+Per-layer attention types (attn.nn.layer_types): layer_types lists one of
+full_attention, sliding_attention, full_attention_nope, sliding_attention_nope
+per layer (transformers' names, plus NoPE), sliding_rope_theta gives sliding
+layers their own RoPE base (Gemma 3); with a window, global_every = k is the
+shorthand for every k-th self-attention layer of a stack global (l % k == 0,
+l counted from 1) and the rest local (0: all local; ModelConfig.layer_head);
+decoding keeps a local layer's cache as a ring of `window` slots.
+Cross-attention has no window.
 
 Precision (Flax's names and meaning): param_dtype, "float32" or "bfloat16",
 is the dtype parameters are stored, updated and checkpointed in; dtype is the
@@ -75,7 +81,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import PER_LAYER_FIELDS, HeadConfig, check_ids, invalid
-from attn.nn import decoding
+from attn.nn import decoding, layer_types, moe
 from attn.nn.attention import MultiHeadAttention
 
 Array = jax.Array
@@ -83,7 +89,7 @@ _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
     "norm": ("pre", "post", "sandwich"),
     "norm_type": ("layernorm", "rmsnorm", "rmsnorm_plus_one"),
-    "mlp": ("plain", "gated"),
+    "mlp": ("plain", "gated", "moe"),
     "activation": ("gelu", "gelu_exact", "relu", "silu"),
     "pooling": ("cls", "mean"),
     "dtype": ("float32", "bfloat16"),
@@ -151,8 +157,23 @@ class ModelConfig:
   embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma)
   logit_softcap: float | None = None  # output logits -> c·tanh(logits/c) (Gemma 2)
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
+  layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
+  sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
+  # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
+  moe_experts: int = 0  # E
+  moe_top_k: int = 0  # experts kept per token
+  moe_d_ff: int | None = None  # each expert's width (None: d_ff)
+  moe_router: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a correction bias)
+  moe_norm_topk: bool = True  # renormalise the kept weights to sum 1
+  moe_groups: int = 1  # sigmoid: expert groups (n_group)
+  moe_topk_groups: int = 1  # sigmoid: groups kept (topk_group)
+  moe_routed_scaling: float = 1.0  # the weights' multiplier (routed_scaling_factor)
+  moe_shared_experts: int = 0  # a gated MLP of width moe_shared_experts·moe_d_ff on every token
+  moe_dense_first: int = 0  # the first layers keep the dense MLP (first_k_dense_replace)
+  moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
 
   def __post_init__(self):
+    object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
       _check_int(name, getattr(self, name), minimum=1)
     for name in ("num_segments", "num_decoder_layers", "num_classes"):
@@ -176,6 +197,7 @@ class ModelConfig:
                           or not 0 < c < float("inf")):
       raise invalid("logit_softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
+    object.__setattr__(self, "extra", self.head.extra)  # frozen, so the config stays hashable
     if self.positional == "rope" and not self.rope_dim:
       raise invalid("rope_dim", self.rope_dim,
                     f"an even integer in [2, d_k={self.head.d_k}] with positional='rope'")
@@ -186,6 +208,8 @@ class ModelConfig:
     if self.global_every and self.window is None:
       raise invalid("global_every", self.global_every,
                     "0 without a window: it makes every k-th layer global and the rest local")
+    layer_types.check(self)
+    moe.check(self)
 
   @property
   def head(self) -> HeadConfig:
@@ -196,14 +220,14 @@ class ModelConfig:
   def layer_head(self, index: int) -> HeadConfig:
     """The HeadConfig of self-attention layer `index` (0-based) of a stack, with layer = index + 1.
 
-    With a window, layer l = index + 1 is global (window None) when global_every = k > 0
-    divides l, else local; global_every 0 makes every layer local.
+    Its type (layer_types[index], or global_every's rule) sets its window and RoPE.
     """
-    layer = index + 1
-    head = self.head.replace(layer=layer)  # differential's λ_init reads it
-    if self.window is not None and self.global_every and layer % self.global_every == 0:
-      return head.replace(window=None)
-    return head
+    head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
+    return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+
+  def is_moe_layer(self, index: int) -> bool:
+    """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""
+    return self.mlp == "moe" and index >= self.moe_dense_first
 
   @property
   def has_dense_bias(self) -> bool:
@@ -399,14 +423,17 @@ def activate(name: str, x: Array) -> Array:
 
 
 class MLP(nnx.Module):
-  """D -> d_ff -> activation -> D; gated (cfg.mlp): down(act(gate(x)) * up(x)) (Shazeer 2020)."""
+  """D -> d_ff -> activation -> D; gated (cfg.mlp): down(act(gate(x)) * up(x)) (Shazeer 2020).
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  mlp "moe" builds gated ones (its dense layers and shared experts); d_ff overrides cfg.d_ff.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
     self.activation = cfg.activation
-    bias = cfg.has_dense_bias
-    self.gate = linear(cfg, cfg.d_model, cfg.d_ff, rngs, bias) if cfg.mlp == "gated" else None
-    self.up = linear(cfg, cfg.d_model, cfg.d_ff, rngs, bias)
-    self.down = linear(cfg, cfg.d_ff, cfg.d_model, rngs, bias)
+    bias, F = cfg.has_dense_bias, d_ff or cfg.d_ff
+    self.gate = linear(cfg, cfg.d_model, F, rngs, bias) if cfg.mlp in ("gated", "moe") else None
+    self.up = linear(cfg, cfg.d_model, F, rngs, bias)
+    self.down = linear(cfg, F, cfg.d_model, rngs, bias)
 
   def __call__(self, x_BTD: Array) -> Array:
     if self.gate is not None:
@@ -418,7 +445,7 @@ class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
-               head: HeadConfig | None = None):
+               head: HeadConfig | None = None, experts: bool = False):
     self.post_norm = cfg.norm == "post"
     sandwich = cfg.norm == "sandwich"  # Gemma 2: x + post(f(pre(x)))
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
@@ -429,7 +456,10 @@ class TransformerBlock(nnx.Module):
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
     self.cross_norm = layer_norm(cfg, rngs, cross)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs) if not experts else moe.MoE(
+        cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
+        shared=MLP(cfg, rngs=rngs, d_ff=(cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
+        if cfg.moe_shared_experts else None)
     self.mlp_norm = layer_norm(cfg, rngs)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich)
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
@@ -508,8 +538,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
-  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i))
-                   for i in range(n)])
+  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
+                                    experts=cfg.is_moe_layer(i)) for i in range(n)])
 
 
 class Encoder(nnx.Module):

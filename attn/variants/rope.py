@@ -19,9 +19,21 @@ modeling_rope_utils):
             keep ω_i; between, s = (L/λ_i − low)/(high − low) ∈ [0, 1] mixes
             the two, (1 − s)·ω_i/factor + s·ω_i. Clipping s to [0, 1] gives
             all three bands in one expression, continuous at both ends.
-Neither scales the scores (transformers' attention_factor is 1.0 for both).
+  "yarn"    YaRN (Peng et al. 2023; transformers' _compute_yarn_parameters).
+            Pair i turns r_i = L·ω_i/2π times within L; the pairs with
+            r_i > beta_fast keep ω_i, those with r_i < beta_slow get
+            ω_i/factor, and a linear ramp in i mixes the two between (the
+            band's ends, in dims, rounded outward when rope_truncate).
+linear and llama3 leave the scores alone (transformers' attention_factor is
+1.0 for both); yarn multiplies the rotated dims of every query and key by
+`attention_factor(cfg)` (transformers scales cos and sin), so the rotated
+part of each score by its square: a softmax temperature.
 `frequencies(cfg)` is the one place the ω_i are computed: every rotation here,
 and mla's and tpa's through `rotate`, reads them from the HeadConfig.
+
+Layouts (cfg.rope_layout): "half" pairs dim i with i + rope_dim/2
+(rotate_half); "interleaved" pairs 2i with 2i + 1 (the paper's, and how
+DeepSeek stores its RoPE dims). Either way only the first rope_dim dims turn.
 
 Seed question 4 with RoPE: the score x W_Q R(t − s) W_Kᵀ c has no single
 position-free W_h; `position_free_fit` gives the best one in least squares and
@@ -29,6 +41,8 @@ its relative error.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,14 +64,49 @@ def frequencies(cfg: HeadConfig) -> np.ndarray:
     ratio = cfg.rope_original_max_len * omega / (2 * np.pi)  # L / λ_i
     s = np.clip((ratio - lo) / (hi - lo), 0.0, 1.0)  # 0: divided, 1: kept
     return (1 - s) * omega / cfg.rope_factor + s * omega
+  if cfg.rope_scaling == "yarn":
+    lo, hi = _yarn_band(cfg)
+    keep = 1.0 - np.clip((np.arange(r // 2) - lo) / ((hi + 0.001 if hi == lo else hi) - lo), 0.0, 1.0)
+    return omega / cfg.rope_factor * (1 - keep) + omega * keep
   return omega
+
+
+def _yarn_band(cfg: HeadConfig) -> tuple[float, float]:
+  """YaRN's correction range (low, high) in dims: where the pairs turn beta_fast, beta_slow times in L."""
+  r, base, L = cfg.rope_dim, cfg.rope_theta, cfg.rope_original_max_len
+
+  def dim(turns):  # the dim index whose pair turns `turns` times within L
+    return r * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+  lo, hi = dim(cfg.rope_beta_fast), dim(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    lo, hi = math.floor(lo), math.ceil(hi)
+  return max(lo, 0), min(hi, r - 1)
+
+
+def attention_factor(cfg: HeadConfig) -> float:
+  """What yarn multiplies the rotated query and key dims by: rope_attention_factor, else
+  0.1·ln(rope_factor) + 1 (1 for factor ≤ 1); 1.0 for every other scaling."""
+  if cfg.rope_scaling != "yarn":
+    return 1.0
+  if cfg.rope_attention_factor is not None:
+    return float(cfg.rope_attention_factor)
+  return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+
+
+def pair_indices(cfg: HeadConfig) -> tuple[np.ndarray, np.ndarray]:
+  """(first, second) dims of each rotated pair: (i, i + rope_dim/2) half, (2i, 2i + 1) interleaved."""
+  half = cfg.rope_dim // 2
+  i = np.arange(half)
+  return (2 * i, 2 * i + 1) if cfg.rope_layout == "interleaved" else (i, i + half)
 
 
 def rotate(x_BTNK: Array, positions, cfg: HeadConfig) -> Array:
   """x with its first cfg.rope_dim dims rotated by position; positions (T,) or (B,T) integers.
 
   x is (B,T,N,K) (N heads) or (B,T,K), K >= rope_dim; the angles are computed
-  in float32 from `frequencies(cfg)` and the result has x's dtype.
+  in float32 from `frequencies(cfg)`, the rotated dims are multiplied by
+  `attention_factor(cfg)`, and the result has x's dtype.
   """
   rope_dim = cfg.rope_dim
   if rope_dim == 0:
@@ -70,10 +119,18 @@ def rotate(x_BTNK: Array, positions, cfg: HeadConfig) -> Array:
   angle_BTP = pos_BT.astype(jnp.float32)[..., None] * omega
   if heads:
     angle_BTP = angle_BTP[:, :, None, :]
-  cos, sin = jnp.cos(angle_BTP), jnp.sin(angle_BTP)
+  factor = attention_factor(cfg)
+  cos, sin = factor * jnp.cos(angle_BTP), factor * jnp.sin(angle_BTP)
   x = x_BTNK.astype(jnp.float32)
-  x1, x2, rest = x[..., :half], x[..., half:rope_dim], x[..., rope_dim:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+  rest = x[..., rope_dim:]
+  if cfg.rope_layout == "interleaved":
+    pairs = x[..., :rope_dim].reshape(*x.shape[:-1], half, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    turned = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = jnp.concatenate([turned.reshape(*x.shape[:-1], rope_dim), rest], axis=-1)
+  else:
+    x1, x2 = x[..., :half], x[..., half:rope_dim]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
   return out.astype(x_BTNK.dtype)
 
 
@@ -98,17 +155,16 @@ def rotate_qk(q_BTHK: Array, k_BSGK: Array, cfg: HeadConfig, qk_positions=None):
 
 def rotation_matrices(offsets, cfg: HeadConfig) -> np.ndarray:
   """R(δ) (len(offsets), d_k, d_k) in float64: k ↦ rotate(k, δ, cfg) as a matrix acting on row vectors."""
-  half = cfg.rope_dim // 2
   out = np.tile(np.eye(cfg.d_k), (len(offsets), 1, 1))
   angle = np.asarray(offsets, np.float64)[:, None] * frequencies(cfg)
-  c, s = np.cos(angle), np.sin(angle)
-  i = np.arange(half)
-  # Row vector k times R: (k R)[i] = k_i cos − k_{i+half} sin,
-  # (k R)[i+half] = k_{i+half} cos + k_i sin.
+  f = attention_factor(cfg)
+  c, s = f * np.cos(angle), f * np.sin(angle)
+  i, j = pair_indices(cfg)
+  # Row vector k times R: (k R)[i] = k_i cos − k_j sin, (k R)[j] = k_j cos + k_i sin.
   out[:, i, i] = c
-  out[:, i + half, i] = -s
-  out[:, i, i + half] = s
-  out[:, i + half, i + half] = c
+  out[:, j, i] = -s
+  out[:, i, j] = s
+  out[:, j, j] = c
   return out
 
 

@@ -156,7 +156,7 @@ def _blocks(model) -> list:
   return list(model.blocks if hasattr(model, "blocks") else model.encoder.blocks)
 
 
-# A pretrained BERT's kinds: scored by the objective it was trained with (attn.eval_cli.OBJECTIVES).
+# A pretrained BERT's kinds: scored by the objective it was trained with (reading.losses.OBJECTIVES).
 HF_ENCODER_KINDS = ("masked_lm", "sentence_pairs")
 
 
@@ -195,14 +195,15 @@ def _compiled(graphdef, kind: str):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from attn import analysis, eval_cli
+  from attn import analysis
+  from attn.experiments.reading import losses as losses_lib
   from attn.nn import models
 
   def losses(state, batch, gates, own_pair_gradient=False):
     """Per example (summed nll, summed hits, summed weights); token-level kinds as `attn eval` scores them."""
     model = nnx.merge(graphdef, state)
     if kind == "decoder_lm" or kind in HF_ENCODER_KINDS:
-      return eval_cli.example_losses(model, batch, "next_token" if kind == "decoder_lm" else kind, gates,
+      return losses_lib.example_losses(model, batch, "next_token" if kind == "decoder_lm" else kind, gates,
                                      own_pair_gradient)
     return _per_example(_forward(model, batch, kind, gates), batch)
 
@@ -401,25 +402,25 @@ def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, pl
   Held-out batches (statistics, pruning curve) come from the corpus's held-out
   split, importance batches from its train split, both full windows of seq_len
   tokens cut by the checkpoint's own tokenizer (attn.experiments.data.hf_text).
-  The loss is the model's own objective (attn.eval_cli.objective): next-token
+  The loss is the model's own objective (reading.losses.objective): next-token
   for a causal LM, masked-LM for a BertForMaskedLM, and for a BertModel without
   an MLM head (a sentence encoder) the in-batch ranking loss of window halves,
   whose accuracy is top-1 retrieval; its importance is each pair's own gradient
   (attn.analysis.sentence.ranking_loss).
   """
-  from attn import eval_cli
+  from attn.experiments.reading import losses as losses_lib
   from attn.nn import hf
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
     raise invalid("--batches", batches, "an integer >= 1")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise invalid("--out", out_dir, "a directory (it is a file)")
-  config = eval_cli.check_checkpoint(path)
+  config = losses_lib.check_checkpoint(path)
   t0 = time.perf_counter()
   model, model_cfg = hf.from_hf(path)
-  seq_len = eval_cli.pair_seq_len(config, model, seq_len)
+  seq_len = losses_lib.pair_seq_len(config, model, seq_len)
   data = {}
   for split in ("heldout", "train"):
-    kind, data[split], _ = eval_cli.held_out_batches(
+    kind, data[split], _ = losses_lib.held_out_batches(
         path, text, model, config, seq_len, batch_size, batches * batch_size * seq_len, glob, split,
         whole=True, max_batches=batches)
   os.makedirs(out_dir, exist_ok=True)

@@ -304,7 +304,7 @@ def check_real_models(model_dir: str, enc: SentenceEncoder, batches: list[dict],
   out = {}
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", LossyConversionWarning)
-    gqa, _, _ = hf.from_hf(model_dir, num_kv_heads=G)
+    gqa = hf.from_hf(model_dir, num_kv_heads=G).model
     model, cfg = hf.from_hf(model_dir)
     mla, _, _ = hf.convert_model(model, cfg.replace(latent_dim=d_c), "mla")
   for name, real, setting in (("gqa", gqa, ("gqa", G)), ("mla", mla, ("mla", d_c))):

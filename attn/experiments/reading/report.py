@@ -5,7 +5,8 @@ mean ± std over seeds of the final held-out accuracy and loss (on the
 byte-level `text` task, held-out bits per byte leads instead, and groups are
 ranked and compared by it, lower is better); the plots are
 attn/experiments/reading/plots.py's. A table lists every trial with its parameter counts,
-FLOPs, step time and final metrics; failed trials are listed with their reason.
+FLOPs, step time and final metrics; failed trials are listed with their reason, and
+interrupted ones (stopped by the machine: a full disk, a kill) with theirs.
 
 A damaged store file is named by path: a damaged sweep.json or config.json is
 refused (attn.experiments.running.store); a trial whose summary.json does not
@@ -26,6 +27,8 @@ import numpy as np
 from attn.experiments.reading import analysis_report
 from attn.experiments.reading import plots as plots_lib
 from attn.experiments.running import store as store_lib
+from attn.experiments.running import run_record
+from attn.experiments.training import faults
 from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS
 
 
@@ -34,7 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  print(f"report: {write_report(args.dir)}")
+  try:
+    print(f"report: {write_report(args.dir)}")
+  except OSError as e:  # a full disk under report.md or a plot: one message, the store is untouched
+    fault = faults.classify(e)
+    if fault is None:
+      raise
+    print(f"attn report: stopped: {fault.reason}: free space there, then run `attn report {args.dir}` again",
+          file=sys.stderr)
+    return 1
+  for line in run_record.summary(args.dir):
+    print(line)
   return 0
 
 
@@ -323,7 +336,12 @@ def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
              s.get("attention_params_analytic"),
              s.get("attention_params_effective"), s.get("attention_flops_fwd"), step_ms,
              s.get("compile_s"), final.get("loss"), final.get("eval_loss"), final.get("eval_accuracy")]
-    lines.append("| " + " | ".join(_fmt(c, 3) if not isinstance(c, str) else c for c in cells) + " |")
+    text = [_fmt(c, 3) if not isinstance(c, str) else c for c in cells]
+    measured = s.get("attention_measured", ())  # no closed form: say so, never pass it as one
+    for i, figure in ((4, "analytic"), (5, "effective"), (6, "flops")):
+      if figure in measured:
+        text[i] += " (measured)"
+    lines.append("| " + " | ".join(text) + " |")
   return lines
 
 
@@ -349,7 +367,8 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
     for r in rows:
       r["setting"] = None
   plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
-  status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else "unfinished" for t in trials]
+  status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else
+            "interrupted" if t.get("interrupted") else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
   md = [f"# {header['name']}", ""]
   if header.get("question"):
@@ -359,6 +378,7 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
          f"`attn sweep {header['config_path']} --out {root}{' ' + sets if sets else ''}`. "
          f"{len(trials)} trials: {status.count('ok')} ok, {status.count('failed')} failed, "
          f"{status.count('unfinished')} unfinished"
+         + (f", {status.count('interrupted')} interrupted (see Interrupted trials)" if "interrupted" in status else "")
          + (f", {status.count('damaged')} damaged (see Damaged store files)" if "damaged" in status else "")
          + ". Metrics are the last step's; held-out "
          "metrics come from batches the trial never trained on."
@@ -399,6 +419,13 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
     md += ["", "## Failed trials", ""]
     md += [f"- `{t['id']}` [{_group_name(t['label'])}, seed={t['label'].get('train.seed', '–')}]: "
            f"{t['summary']['reason']}" for t in failed]
+  interrupted = [t for t in trials if t.get("interrupted")]
+  if interrupted:
+    md += ["", "## Interrupted trials", "",
+           f"Stopped by the machine, not by themselves; `attn sweep {header['config_path']} --out {root}` "
+           "resumes each from its last checkpoint.", ""]
+    md += [f"- `{t['id']}` [{_group_name(t['label'])}, seed={t['label'].get('train.seed', '–')}]: "
+           f"{t['interrupted']}" for t in interrupted]
   path = os.path.join(root, "report.md")
   store_lib.atomic_write(path, "\n".join(md) + "\n")
   return path

@@ -63,7 +63,7 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
-TABLE_KEYS = (("train", "mesh"),)  # keys whose value is a table: --set SECTION.KEY.SUBKEY=VALUE sets one entry
+TABLE_KEYS = (("train", "mesh"), ("model", "extra"))  # tables: --set SECTION.KEY.SUBKEY=VALUE sets one entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +157,10 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
 
 
 # TOML values by a field's annotation ("int | None", "float", "str | None", "bool", "int | str").
-_TOML_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+_TOML_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,),
+               "tuple[str, ...]": (list, tuple)}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "dict": "a table"}
+               "dict": "a table", "tuple[str, ...]": "a list of strings"}
 
 
 def _check_type(key: str, value: Any, spec: Any) -> Any:

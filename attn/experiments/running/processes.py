@@ -44,12 +44,16 @@ from typing import Any, TextIO
 
 from attn.config import invalid
 from attn.experiments.running import status as status_lib
+from attn.experiments.running import supervisor
+from attn.experiments.training import faults
 from attn.experiments.running.workers import cpu_shares
 
 DEFAULT_TIMEOUT = 60.0  # --coordinator-timeout: seconds for a trial's processes to connect
 GRACE_S = 10.0  # after one process of a group fails, for the others to end by themselves
 PORT_BASE, PORT_SPAN = 20000, 20000  # a Slurm job's coordinator port
 EXIT_BROKEN = 1
+EXIT_FAULT = 75  # a fault of the machine (a full disk) stopped the group: its last log line says which
+FAULT_PREFIX = "attn: stopped: "
 
 
 def check_processes(n: Any) -> int:
@@ -92,8 +96,13 @@ def run_member(out: str, group: Any, trial_ids: list[str] | None = None, *, wait
   distributed.connect(group)
   kwargs = {} if lease_timeout is None else {"lease_timeout": lease_timeout}
   try:
-    return sweep.run_trials(out, trial_ids, wait=wait, tensorboard=tensorboard, worker=worker, **kwargs)
+    counts = sweep.run_trials(out, trial_ids, wait=wait, tensorboard=tensorboard, worker=worker, **kwargs)
   except Exception as e:
+    fault = faults.classify(e)
+    if fault is not None:  # one line, no traceback; the parent reads it from the log
+      sys.stderr.write(f"{FAULT_PREFIX}{fault.message}\n")
+      sys.stderr.flush()
+      os._exit(EXIT_FAULT)
     traceback.print_exc()
     first = (str(e).strip().splitlines() or [""])[0][:300]
     sys.stderr.write(f"attn: process {group.index} of {group.processes} stopped the group: "
@@ -101,6 +110,10 @@ def run_member(out: str, group: Any, trial_ids: list[str] | None = None, *, wait
                      "to resume it from its last checkpoint\n")
     sys.stderr.flush()
     os._exit(EXIT_BROKEN)
+  if counts.get("fault"):
+    sys.stderr.write(f"{FAULT_PREFIX}{counts['fault']}\n")
+    sys.stderr.flush()
+  return counts
 
 
 def slurm_group(timeout: float) -> Any:
@@ -120,6 +133,16 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _fault_line(path: str) -> str | None:
+  """The fault a process wrote as its last words (FAULT_PREFIX), from its log."""
+  try:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      lines = [line[len(FAULT_PREFIX):].strip() for line in f if line.startswith(FAULT_PREFIX)]
+  except OSError:
+    return None
+  return lines[-1] if lines else None
+
+
 def _tail(path: str, n: int = 3) -> str:
   try:
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -130,10 +153,10 @@ def _tail(path: str, n: int = 3) -> str:
 
 
 def run_group(out: str, processes: int, lease_timeout: float, coordinator_timeout: float,
-              stream: TextIO = sys.stderr, tensorboard: str | None = None) -> tuple[int, int, int]:
+              stream: TextIO = sys.stderr, tensorboard: str | None = None) -> tuple[int, str | None]:
   """Trains the claimed store at `out` with one group of `processes` local processes until they end.
 
-  Returns (processes that failed, unfinished trials, the signal that stopped them or 0).
+  Returns (the signal that stopped them or 0, the machine's fault that stopped process 0 or None).
   """
   P = processes
   folder = os.path.join(os.path.abspath(out), "local", f"processes-{os.getpid()}")
@@ -151,51 +174,24 @@ def run_group(out: str, processes: int, lease_timeout: float, coordinator_timeou
   stream.write(f"{P} processes per trial, coordinator {address}: "
                + "; ".join(f"process {k} pid {p.pid} on CPUs {','.join(map(str, shares[k]))}"
                            for k, p in enumerate(procs)) + f" (logs: {folder}/)\n")
-  stopping: list[int] = []
-
-  def forward(signum: int, frame: Any) -> None:  # every process saves at the same step and exits
-    stopping.append(signum)
-    for p in procs:
-      if p.poll() is None:
-        p.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
-
-  signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-  previous = {s: signal.signal(s, forward) for s in signals}
-  tty = hasattr(stream, "isatty") and stream.isatty()
-  last, broken = 0.0, None
-  try:
-    while any(p.poll() is None for p in procs):
-      bad = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
-      if bad and broken is None and not stopping:
-        broken = time.monotonic()
-        k = bad[0]
-        stream.write(f"\nprocess {k} (pid {procs[k].pid}) ended with {procs[k].returncode}; stopping the "
-                     f"group's other processes (SIGKILL after {GRACE_S:g} s)\n")
-      if broken is not None and time.monotonic() - broken > GRACE_S:
-        for p in procs:
-          if p.poll() is None:
-            p.kill()
-      last = status_lib.print_progress(stream, f"{P} processes", out, lease_timeout, last)
-      time.sleep(0.2)
-  finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
-  if tty:
-    stream.write("\n")
-  failed = [k for k, p in enumerate(procs) if p.returncode != 0]
-  expected = {128 + s for s in stopping} | {-s for s in stopping} if stopping else set()
-  failed = [k for k in failed if procs[k].returncode not in expected]
-  for k in failed:
-    code = procs[k].returncode
-    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    stream.write(f"process {k} of {P}: {how} (log {logs[k]})\n{_tail(logs[k])}\n")
-  trials = status_lib.collect(out, lease_timeout)
-  unfinished = sum(t["state"] not in ("ok", "failed") for t in trials)
-  stream.write(f"processes done: {status_lib.summary_line(trials)}\n")
-  if stopping:
-    stream.write(f"{signal.Signals(stopping[0]).name}: the processes saved their trial and stopped; "
+  children = [supervisor.Child(f"process {k} (pid {p.pid})", p.poll, p.send_signal, p.kill)
+              for k, p in enumerate(procs)]
+  stopped_by = supervisor.supervise(children, out, f"{P} processes", lease_timeout, stream, grace=GRACE_S,
+                                    signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT))
+  expected = {0, 128 + stopped_by, -stopped_by} if stopped_by else {0}
+  fault = None
+  for k, p in enumerate(procs):
+    if p.returncode == EXIT_FAULT:
+      fault = fault or _fault_line(logs[k])
+    elif p.returncode not in expected:
+      how = f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit code {p.returncode}"
+      how += " (the kernel's out-of-memory killer, or kill -9)" if p.returncode == -signal.SIGKILL else ""
+      stream.write(f"process {k} of {P}: {how} (log {logs[k]})\n{_tail(logs[k])}\n")
+  stream.write(f"processes done: {status_lib.summary_line(status_lib.collect(out, lease_timeout))}\n")
+  if stopped_by:
+    stream.write(f"{signal.Signals(stopped_by).name}: the processes saved their trial and stopped; "
                  "re-run the same command to resume\n")
-  return len(failed), unfinished, stopping[0] if stopping else 0
+  return stopped_by, fault
 
 
 def main(argv: list[str]) -> int:
@@ -205,9 +201,9 @@ def main(argv: list[str]) -> int:
   from attn.experiments.training import distributed, preempt
   preempt.install_handlers()
   group = distributed.Group(spec["address"], spec["processes"], spec["index"], spec["timeout"], spec["address"])
-  run_member(spec["out"], group, wait=True, lease_timeout=spec["lease_timeout"], tensorboard=spec["tensorboard"],
-             worker=spec["worker"])
-  return 0
+  counts = run_member(spec["out"], group, wait=True, lease_timeout=spec["lease_timeout"],
+                      tensorboard=spec["tensorboard"], worker=spec["worker"])
+  return EXIT_FAULT if counts.get("fault") else 0
 
 
 if __name__ == "__main__":

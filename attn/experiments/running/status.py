@@ -6,6 +6,9 @@ its local workers, Slurm array tasks):
   ok, failed   summary.json exists (failed: with its reason)
   running      lease.json's heartbeat (its mtime) is younger than the lease timeout:
                the worker (host, pid, Slurm job), the step reached (the partial rows), heartbeat age
+  interrupted  stopped by the machine, not by itself: its interrupted.json names why (no space left, an
+               I/O error), or its lease names a process of this machine that is gone (killed by the
+               kernel's out-of-memory killer or a signal); `attn sweep` resumes it from its checkpoint
   stale        a lease older than the timeout: its worker is gone; the next worker takes it over
   pending      none of these (with the step of its checkpoint, if it has one)
   damaged      its config.json or summary.json does not parse (the file and what is
@@ -32,9 +35,11 @@ import time
 from typing import Any
 
 from attn.experiments.running import leases
+from attn.experiments.running import run_record
 from attn.experiments.running import store as store_lib
 
-STATES = ("ok", "failed", "running", "stale", "pending", "damaged")
+STATES = ("ok", "failed", "running", "interrupted", "stale", "pending", "damaged")
+SHOWN_IF_ANY = ("interrupted", "damaged")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,13 +105,20 @@ def collect(out: str, lease_timeout: float = leases.DEFAULT_TIMEOUT) -> list[dic
     held, mtime = leases.read(os.path.join(d, leases.LEASE))
     t["recent"] = _tail(os.path.join(d, store_lib.PARTIAL))
     t["step"] = t["recent"][-1]["step"] + 1 if t["recent"] else 0
-    if held is not None and now - mtime < lease_timeout:  # a live worker may be mid-row: its tail is not judged
+    killed = held is not None and leases.gone(held)
+    if held is not None and now - mtime < lease_timeout and not killed:  # a live worker may be mid-row
       t["lease"], t["age"], t["state"] = held, now - mtime, "running"
       continue
+    reason = store_lib.read_interrupted(d)
+    if killed:
+      reason = f"its worker ({leases.describe(held)}) is gone: killed (the kernel's out-of-memory " \
+               "killer, or a signal)"
     torn = store_lib.torn_tail(os.path.join(d, store_lib.PARTIAL))
     t["warnings"] = [f"{torn}: dropped when the trial resumes"] if torn else []
     if t["damaged"] is not None:
       t["state"] = "damaged"
+    elif reason is not None:
+      t["state"], t["checkpoint"], t["reason"] = "interrupted", _checkpoint(d), reason
     elif held is not None:
       t["lease"], t["age"], t["state"] = held, now - mtime, "stale"
     else:
@@ -131,7 +143,7 @@ def eta(trials: list[dict[str, Any]]) -> float | None:
     times = [r["step_time_s"] for t in trials if t["state"] == "running" for r in t["recent"] if "step_time_s" in r]
     spent, ran = sum(times), len(times)
   left = sum((t["steps"] or 0) - (t["step"] if t["state"] != "pending" else 0)
-             for t in trials if t["state"] in ("running", "stale", "pending"))
+             for t in trials if t["state"] in ("running", "interrupted", "stale", "pending"))
   if not left:
     return 0.0
   if not ran:
@@ -148,10 +160,10 @@ def fmt_time(seconds: float | None) -> str:
 
 
 def summary_line(trials: list[dict[str, Any]]) -> str:
-  """`12 trials: 4 ok, 0 failed, 2 running, 0 stale, 6 pending; ETA 3m10s` (and `, 1 damaged` if any)."""
+  """`12 trials: 4 ok, 0 failed, 2 running, 0 stale, 6 pending; ETA 3m10s` (interrupted, damaged: if any)."""
   n = totals(trials)
-  counts = ", ".join(f"{n[s]} {s}" for s in STATES if s != "damaged" or n[s])
-  left = n["running"] + n["stale"] + n["pending"]
+  counts = ", ".join(f"{n[s]} {s}" for s in STATES if s not in SHOWN_IF_ANY or n[s])
+  left = n["running"] + n["interrupted"] + n["stale"] + n["pending"]
   return f"{len(trials)} trials: {counts}" + (f"; ETA {fmt_time(eta(trials))}" if left else "")
 
 
@@ -166,6 +178,8 @@ def _detail(t: dict[str, Any], lease_timeout: float) -> str:
     return s.get("reason", "?")
   if t["state"] == "damaged":
     return t["damaged"]
+  if t["state"] == "interrupted":
+    return f"{t['reason']}; at step {t['step']}/{steps}, resumes from its checkpoint of step {t['checkpoint']}"
   if t["state"] in ("running", "stale"):
     where = f"step {t['step']}/{steps} on {leases.describe(t['lease'])}, heartbeat {t['age']:.0f} s ago"
     return where + (f" (> {lease_timeout:g} s: the next worker takes it over)" if t["state"] == "stale" else "")
@@ -187,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
   for sub in ("local", "slurm"):
     if os.path.isdir(os.path.join(args.dir, sub)):
       print(f"logs: {os.path.join(args.dir, sub)}/")
+  for line in run_record.summary(args.dir):  # on stderr: stdout stays one line per trial and the totals
+    print(line, file=sys.stderr)
   return 0
 
 

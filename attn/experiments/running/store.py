@@ -7,6 +7,8 @@
   DIR/trials/ID/checkpoints/N/       Orbax checkpoints after N steps (attn.experiments.training.checkpoints)
   DIR/trials/ID/summary.json         status ok|failed, reason, final metrics, counts, timings
   DIR/trials/ID/lease.json           the worker running the trial (attn.experiments.running.leases)
+  DIR/trials/ID/interrupted.json     why the machine stopped the trial (a full disk, an I/O error, a kill),
+                                     when the disk took it; removed once the trial finishes
 
 Every JSON file is written to a temporary file, fsynced and renamed over the
 target (os.replace is atomic), so a reader or a kill -9 sees the old file or
@@ -37,17 +39,20 @@ leases.LeaseLost otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
 import uuid
 from typing import Any, Iterator
 
 from attn.config import ConfigError, invalid
 from attn.experiments.running import leases
+from attn.experiments.training import faults
 
 SWEEP, CONFIG, METRICS, SUMMARY = "sweep.json", "config.json", "metrics.jsonl", "summary.json"
-PARTIAL, CHECKPOINTS = METRICS + ".partial", "checkpoints"
+PARTIAL, CHECKPOINTS, INTERRUPTED = METRICS + ".partial", "checkpoints", "interrupted.json"
 
 
 def _fsync_dir(path: str) -> None:
@@ -64,13 +69,18 @@ def _fsync_dir(path: str) -> None:
 
 
 def atomic_write(path: str, text: str) -> None:
-  """Writes text to path via a temporary file, fsync and os.replace."""
+  """Writes text to path via a temporary file, fsync and os.replace; on an error the old file stays, no temporary."""
   tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with faults.point("store", path), open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+      os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
   _fsync_dir(os.path.dirname(path) or ".")
 
 
@@ -107,11 +117,11 @@ def read_json(path: str) -> Any:
   return value
 
 
-def _row(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
-  """(row, None) for a metrics line, else (None, what is wrong with it)."""
+def _row(line: bytes, need_step: bool = True) -> tuple[dict[str, Any] | None, str | None]:
+  """(row, None) for a metrics line (a JSON object with an integer step), else (None, what is wrong with it)."""
   row, problem = _parse(line)
-  if problem is None and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
-    return None, "not a JSON object with an integer step"
+  if problem is None and not (isinstance(row, dict) and (isinstance(row.get("step"), int) or not need_step)):
+    return None, "not a JSON object with an integer step" if need_step else "not a JSON object"
   return row, problem
 
 
@@ -119,7 +129,7 @@ def _torn(path: str, line: bytes, problem: str) -> str:
   return f"{path}: its last line ({len(line)} bytes) is torn, a write cut short ({problem})"
 
 
-def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
+def scan_rows(path: str, need_step: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
   """(rows, what was left out) of a JSON-lines file: lines that do not parse are skipped and named.
 
   A torn last line (a write cut short by a kill) is the one expected kind:
@@ -131,7 +141,7 @@ def scan_rows(path: str) -> tuple[list[dict[str, Any]], list[str]]:
   if lines and not lines[-1]:
     lines.pop()  # the end of the last complete line
   for i, line in enumerate(lines):
-    row, problem = _row(line)
+    row, problem = _row(line, need_step)
     if problem is None:
       rows.append(row)
     elif i == len(lines) - 1:
@@ -309,14 +319,22 @@ class Store:
     return lease
 
   def release(self, trial_id: str) -> None:
-    """Closes the trial's partial metrics (fsynced) and gives its lease back."""
-    self.sync(trial_id)
+    """Closes the trial's partial metrics (fsynced) and gives its lease back; a failing disk is left as it is.
+
+    Rows a failed write did not finish are past the trial's last checkpoint
+    (a row is written before the checkpoint of its step starts): a resume drops them.
+    """
     f = self._files.pop(trial_id, None)
     if f is not None:
-      f.close()
+      with contextlib.suppress(OSError):
+        f.flush()
+        os.fsync(f.fileno())
+      with contextlib.suppress(OSError):
+        f.close()
     lease = self._leases.pop(trial_id, None)
     if lease is not None:
-      lease.release()
+      with contextlib.suppress(OSError):
+        lease.release()
 
   def sync(self, trial_id: str) -> None:
     """Makes the rows appended so far durable (flush and fsync)."""
@@ -352,8 +370,9 @@ class Store:
   def append(self, trial_id: str, row: dict[str, Any]) -> None:
     self._check(trial_id)
     f = self._files[trial_id]
-    f.write(json.dumps(row, sort_keys=True) + "\n")
-    f.flush()
+    with faults.point("row", f.name):
+      f.write(json.dumps(row, sort_keys=True) + "\n")
+      f.flush()
 
   def finish(self, trial_id: str, summary: dict[str, Any]) -> None:
     """Moves the partial rows (if any) into place, then writes summary.json (the done marker)."""
@@ -368,10 +387,45 @@ class Store:
     if os.path.exists(os.path.join(d, PARTIAL)):
       os.replace(os.path.join(d, PARTIAL), os.path.join(d, METRICS))
     write_json(os.path.join(d, SUMMARY), summary)
+    with contextlib.suppress(OSError):
+      os.unlink(os.path.join(d, INTERRUPTED))
+
+  def interrupt(self, trial_id: str, reason: str) -> bool:
+    """Notes in interrupted.json why the machine stopped the trial; False when the disk does not take it."""
+    try:
+      write_json(os.path.join(self.trial_dir(trial_id), INTERRUPTED), {"reason": reason})
+      return True
+    except OSError:
+      return False
+
+  def failed(self, trial_id: str) -> bool:
+    """Whether the trial finished as failed (its summary says so)."""
+    try:
+      return read_summary(os.path.join(self.trial_dir(trial_id), SUMMARY))["status"] == "failed"
+    except (OSError, StoreDamaged):
+      return False
+
+  def reset(self, trial_id: str) -> None:
+    """Makes a finished trial unfinished and new (`attn sweep --retry-failed`): rows and checkpoints go, summary last."""
+    d = self.trial_dir(trial_id)
+    shutil.rmtree(os.path.join(d, CHECKPOINTS), ignore_errors=True)
+    for name in (METRICS, PARTIAL, INTERRUPTED, SUMMARY):  # killed midway: still finished, or still new
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(d, name))
+    _fsync_dir(d)
 
   def close(self) -> None:
     for trial_id in list(self._files) + list(self._leases):
       self.release(trial_id)
+
+
+def read_interrupted(trial_dir: str) -> str | None:
+  """Why the machine stopped an unfinished trial, from its interrupted.json; None when absent or unreadable."""
+  try:
+    value = read_json(os.path.join(trial_dir, INTERRUPTED))
+  except (OSError, StoreDamaged):
+    return None
+  return value["reason"] if isinstance(value, dict) and isinstance(value.get("reason"), str) else None
 
 
 def load_sweep(root: str) -> dict[str, Any]:
@@ -409,4 +463,5 @@ def iter_trials(root: str) -> Iterator[dict[str, Any]]:
           [r["step"] for r in t["rows"]] != list(range(done)):
         t["warnings"].append(f"{metrics_path}: {len(t['rows'])} rows, not rows 0..{done - 1} of the "
                              f"{done} steps its {SUMMARY} counts")
+    t["interrupted"] = read_interrupted(d) if t["summary"] is None else None
     yield t

@@ -6,7 +6,12 @@ checkpoint that could not be read). Unfinished trials that share a shape (equal
 configs but for train.seed) train together under jax.vmap over seeds when
 sweep.vmap_seeds is true (default false: slower on CPU, measured in the README);
 each seed still saves its own checkpoints. A trial whose training raises is
-recorded as failed with the error, and the sweep goes on.
+recorded as failed with the error, and the sweep goes on; so is one whose
+compiled step wants more memory than the machine has available (check_memory).
+A fault of the machine (attn.experiments.training.faults: no space, an I/O
+error) is not the trial's: it is left without a summary, resumable from its
+last complete checkpoint, its reason in interrupted.json when the disk takes
+it, and the worker stops after it (counts["fault"] says why).
 
 Any number of workers may share one store (`attn sweep` processes, the local
 workers of --workers N, Slurm array tasks): each runs `run_trials`, which
@@ -44,6 +49,7 @@ from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import tb_writer
+from attn.experiments.training import faults
 from attn.experiments.training import preempt
 from attn.experiments.running.store import CONFIG, PARTIAL, Store, config_todo, load_sweep, read_config, read_rows
 
@@ -99,6 +105,24 @@ def _label(group: list[config_lib.Trial]) -> str:
   return ", ".join(f"{k}={','.join(map(str, v))}" for k, v in parts.items())
 
 
+def _done(store: Store, trial_id: str) -> bool:
+  """store.is_done, False where the disk cannot be read."""
+  try:
+    return store.is_done(trial_id)
+  except OSError:
+    return False
+
+
+def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
+  """Refuses (ConfigError: the trial fails by name) programs that want more memory than the machine has free."""
+  wanted = max(int(getattr(c.memory_analysis(), "peak_memory_in_bytes", 0) or 0) for c in compiled)
+  have = faults.available_memory()
+  if have is not None and wanted > have:
+    raise invalid("trial", _label(group), f"a config whose train step fits this machine's memory: XLA's memory "
+                  f"analysis wants {faults.fmt_bytes(wanted)}, {faults.fmt_bytes(have)} is available; lower "
+                  "train.batch_size, raise train.grad_accum or shrink the model")
+
+
 def check_lease_timeout(seconds: Any) -> float:
   """seconds as a float; anything but a finite number >= 1 is refused by name."""
   ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
@@ -108,14 +132,45 @@ def check_lease_timeout(seconds: Any) -> float:
   return float(seconds)
 
 
-def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None) -> bool:
-  """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already."""
+def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides: list[str] | None = None, *,
+            retry_failed: bool = False, stream: TextIO | None = None) -> bool:
+  """Claims the store at `out` for `sweep` and writes every trial's config; True when it held the sweep already.
+
+  The one resume path of every executor: a filesystem without MIN_FREE bytes
+  free (or one that fails these first writes) is refused naming --out and
+  its space; retry_failed (`--retry-failed`) makes the failed trials new.
+  """
+  stream = stream or sys.stderr
+  where, free = faults.free_bytes(out)
+  if free < faults.MIN_FREE:
+    raise _full(out, where, free)
   store = Store(out)
   head = header(sweep, config_text, overrides or [])
-  resumed = store.claim(head)
-  for t in sweep.trials:  # an existing config.json that does not parse is refused here, before any training
-    store.write_config(t.id, {"id": t.id, "label": t.label, **t.config}, head)
+  try:
+    resumed = store.claim(head)
+    for t in sweep.trials:  # an existing config.json that does not parse is refused here, before any training
+      store.write_config(t.id, {"id": t.id, "label": t.label, **t.config}, head)
+  except OSError as e:
+    fault = faults.classify(e)
+    if fault is None:
+      raise
+    raise _full(out, *faults.free_bytes(out), fault.reason) from None
+  if retry_failed:
+    failed = [t for t in sweep.trials if store.failed(t.id)]
+    for t in failed:
+      store.reset(t.id)
+    stream.write(f"retrying {len(failed)} failed trial{'s' * (len(failed) != 1)} from step 0\n" if failed else
+                 f"--retry-failed: no failed trials in {out}: nothing to retry\n")
+  if resumed:
+    done = sum(store.is_done(t.id) for t in sweep.trials)
+    stream.write(f"resuming {out}: {done} of {len(sweep.trials)} trials already finished\n")
   return resumed
+
+
+def _full(out: str, where: str, free: int, why: str = "") -> ConfigError:
+  return invalid("--out", out, f"a directory on a filesystem with room for the store: {where} has "
+                 f"{faults.fmt_bytes(free)} free ({free} bytes; at least {faults.fmt_bytes(faults.MIN_FREE)} needed)"
+                 + (f", and {why}" if why else "") + ": free space or choose another --out")
 
 
 def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
@@ -143,9 +198,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   or by other workers), plus "unfinished" when it stopped early (preempted).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
-  if prepare(sweep, out, config_text, overrides):
-    done = sum(Store(out).is_done(t.id) for t in sweep.trials)
-    stream.write(f"resuming {out}: {done} of {len(sweep.trials)} trials already finished\n")
+  prepare(sweep, out, config_text, overrides, stream=stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
   worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb)
   return preempt.run(worker.run, sweep.trials, True)
@@ -218,6 +271,7 @@ class _Worker:
     self.n = len(trials)
     self.told: set[str] = set()  # trials reported as held by another worker
     self.progress: Progress | None = None
+    self.fault: faults.Fault | None = None  # the machine's fault that stopped this worker
 
   def name(self, trial: config_lib.Trial) -> str:
     return f"{self.index[trial.id]}/{self.n} [{_label([trial])}]"
@@ -232,11 +286,15 @@ class _Worker:
     self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), self.n, self.stream)
     try:
       self._loop(train, pending, counts, wait)
+    except Exception as e:  # a fault of the machine outside a trial (a lease, a config read): stop here
+      self.fault = faults.classify(e)
+      if self.fault is None or self.orders is not None:  # a group ends at once (processes.run_member)
+        raise
     finally:
       if self.orders is not None:
         self.orders.send(None)  # the group's other processes stop
     store.close()
-    left = [t for t in pending if not store.is_done(t.id)]
+    left = [t for t in pending if not _done(store, t.id)]
     elsewhere = len(pending) - len(left) - counts["ok"] - counts["failed"]
     line = f"done: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already finished"
     line += f", {elsewhere} finished by other workers" if elsewhere else ""
@@ -245,6 +303,8 @@ class _Worker:
     counts["skipped"] += elsewhere
     if left:
       counts["unfinished"] = len(left)
+    if self.fault is not None:
+      counts["fault"] = self.fault.message
     return counts
 
   def _loop(self, train, pending: list[config_lib.Trial], counts: dict[str, int], wait: bool) -> None:
@@ -265,6 +325,9 @@ class _Worker:
             break
           for status in statuses:
             counts[status] += 1
+          if self.tb is not None and self.tb.fault is not None:  # events cannot be written: stop after this trial
+            self.fault, stopped = self.tb.fault, True
+            break
       left = [t for t in pending if not store.is_done(t.id)]
       if not left or not wait or stopped:
         break
@@ -324,6 +387,9 @@ class _Worker:
     def on_step(step: int, loss: float) -> None:
       progress.update(self.index[group[0].id], len(group), label, step, steps, loss)
 
+    def on_compiled(step_fn: Any, evaluate: Any) -> None:
+      check_memory(group, [step_fn, evaluate])
+
     def on_row(j: int, row: dict[str, Any]) -> None:
       store.append(ids[j], row)  # the store first: TensorBoard shows only rows it holds
       if self.tb is not None:
@@ -339,8 +405,11 @@ class _Worker:
                                       on_row=on_row,
                                       on_step=on_step, vmap=self.vmap_seeds,
                                       checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
-                                      on_start=on_start, log=lambda line: stream.write(line + "\n"))
-      except recorded as e:
+                                      on_start=on_start, log=lambda line: stream.write(line + "\n"),
+                                      on_compiled=on_compiled)
+      except Exception as e:  # the trial's own error is recorded; the machine's stops the worker (below)
+        if not isinstance(e, recorded) or faults.classify(e) is not None:
+          raise
         stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
@@ -364,6 +433,17 @@ class _Worker:
       for t in group:
         preempt.record(self.name(t), p.step)
       stream.write(f"\ntrial [{label}] saved at step {p.step} and stopped (preempted)\n")
+      return None
+    except Exception as e:  # a full disk, an I/O error: the trial stays resumable, no summary; the worker stops
+      self.fault = faults.classify(e)
+      if self.fault is None:
+        raise
+      for t in group:
+        if not _done(store, t.id):
+          store.interrupt(t.id, self.fault.reason)
+      stream.write(f"\ntrial [{label}] interrupted: {self.fault.what}\n")
+      if self.orders is not None:  # the other processes are mid-trial, in collectives: the group ends
+        raise
       return None
     finally:
       for t in group:

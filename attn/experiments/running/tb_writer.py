@@ -19,6 +19,10 @@ name their files by host, pid and start time: several workers (--workers N,
 Slurm tasks) never overwrite one another. Events are flushed every few seconds
 and when the trial ends.
 
+A fault of the machine there (no space under LOGDIR, an I/O error) lets the
+trial in progress finish and then stops the sweep with one message, as a
+full disk under the store does: a re-run writes the remaining trials' events.
+
 Events go through tensorboardX's synchronous EventsWriter, one Event per row,
 not its SummaryWriter: SummaryWriter hands events to a writer thread through a
 bounded queue, and once a write fails (a full disk) that thread is gone, the
@@ -29,12 +33,14 @@ thread, where it is caught and reported.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
 from typing import Any, Iterable, TextIO
 
 from attn.config import invalid
+from attn.experiments.training import faults
 
 EXTRA = 'pip install -e ".[tensorboard]"'
 PREFIX = "events.out.tfevents."
@@ -77,6 +83,7 @@ class Writer:
   def __init__(self, logdir: str, stream: TextIO = sys.stderr, strict: bool = False, flush_secs: int = 5):
     self.logdir, self.stream, self.strict, self.flush_secs = logdir, stream, strict, flush_secs
     self.error: str | None = None
+    self.fault: faults.Fault | None = None  # a full disk under LOGDIR: the sweep stops after the trial in progress
     self._open: dict[str, Any] = {}
     self._flushed: dict[str, float] = {}
 
@@ -90,6 +97,9 @@ class Writer:
       fn(*args)
     except Exception as e:  # anything: TensorBoard must never stop a trial
       self.error = f"{type(e).__name__}: {e}"
+      self.fault = faults.classify(e)
+      if self.fault is not None and self.fault.path is None:  # tensorboardX's writes name no file
+        self.fault = dataclasses.replace(self.fault, path=self.logdir)
       self.stream.write(f"warning: TensorBoard: {what} failed ({self.error}); this worker writes no more "
                         f"events (the store has every row: `attn export DIR --tensorboard {self.logdir}` "
                         "writes them from it)\n")

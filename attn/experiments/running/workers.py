@@ -25,12 +25,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import Any, TextIO
 
 from attn.config import invalid
 from attn.experiments.training import preempt
 from attn.experiments.running import status as status_lib
+from attn.experiments.running import supervisor
 
 NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local jobs are killed at timeout_min (default 2)
 
@@ -89,12 +89,12 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
 
 
 def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.stderr,
-                tensorboard: str | None = None) -> tuple[int, int, int]:
+                tensorboard: str | None = None) -> tuple[int, str | None]:
   """Runs n local workers on the claimed store at `out` until they end.
 
   tensorboard: a log directory (absolute) where each worker writes the events of the trials it trains.
 
-  Returns (failed workers, unfinished trials, the signal that stopped them or 0).
+  Returns (the signal that stopped them or 0, the machine's fault that stopped a worker or None).
   SIGTERM or SIGUSR1 to this process is passed on: each worker saves its trial and exits.
   """
   submitit = import_submitit()
@@ -110,39 +110,28 @@ def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.std
           for k in range(n)]
   stream.write(f"{n} local workers on CPUs {'; '.join(','.join(map(str, s)) for s in shares)} "
                f"(logs: {folder}/)\n")
-  stopping: list[int] = []
 
-  def forward(signum: int, frame: Any) -> None:  # each worker saves its trial and exits
-    stopping.append(signum)
-    for job in jobs:
-      if job._process is not None and job._process.poll() is None:  # submitit's controller forwards it
+  def child(k: int, job: Any) -> supervisor.Child:
+    def send(signum: int) -> None:  # submitit's controller passes it on to the worker
+      if job._process is not None and job._process.poll() is None:
         job._process.send_signal(signal.SIGTERM)
+    return supervisor.Child(f"worker {k + 1}/{n}", lambda: 0 if job.done() else None, send,
+                           lambda: job.cancel(check=False))
 
-  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
-  tty = hasattr(stream, "isatty") and stream.isatty()
-  last = 0.0
-  try:
-    while not all(job.done() for job in jobs):
-      running = sum(not job.done() for job in jobs)
-      last = status_lib.print_progress(stream, f"workers {running}/{n} running", out, lease_timeout, last)
-      time.sleep(0.2)
-  finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
-  if tty:
-    stream.write("\n")
-  failed = 0
+  stopped_by = supervisor.supervise([child(k, job) for k, job in enumerate(jobs)], out,
+                                    f"{n} local workers", lease_timeout, stream)
+  faults = []
   for k, job in enumerate(jobs):
     try:
-      job.result()
+      counts = job.result()
     except Exception:  # a worker that raised, was killed or was stopped by a signal
-      failed += 1
       stream.write(f"worker {k + 1}/{n} stopped before the end (killed, stopped by a signal, or an error): "
                    f"see its log {job.paths.stderr}\n")
-  trials = status_lib.collect(out, lease_timeout)
-  unfinished = sum(t["state"] not in ("ok", "failed") for t in trials)
-  stream.write(f"workers done: {status_lib.summary_line(trials)}\n")
-  if stopping:
-    stream.write(f"{signal.Signals(stopping[0]).name}: the workers saved their trials and stopped; "
+      continue
+    if counts.get("fault"):
+      faults.append(counts["fault"])
+  stream.write(f"workers done: {status_lib.summary_line(status_lib.collect(out, lease_timeout))}\n")
+  if stopped_by:
+    stream.write(f"{signal.Signals(stopped_by).name}: the workers saved their trials and stopped; "
                  "re-run the same command to resume\n")
-  return failed, unfinished, stopping[0] if stopping else 0
+  return stopped_by, faults[0] if faults else None

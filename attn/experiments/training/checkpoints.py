@@ -4,9 +4,10 @@
 
 A trial saves every train.checkpoint_interval steps (default: at each
 evaluation) and at its last step. A save packs the state into one host array
-per dtype and Orbax writes it in a background thread while training goes on;
-the next save, and the end of the trial, wait for it, so the final checkpoint
-is complete before the trial's summary is written. Orbax writes
+per dtype and Orbax writes it in a background thread of ours while training
+goes on; the next save, and the end of the trial, wait for it and raise its
+error, so the final checkpoint is complete before the trial's summary is
+written, and a failed save (a full disk) stops the trial in the training thread. Orbax writes
 N.orbax-checkpoint-tmp and renames it to N once complete
 (AtomicRenameTemporaryPath, its default on a local filesystem), so a directory
 named N is whole; the leftover of a killed save is deleted when the trial
@@ -36,12 +37,14 @@ import functools
 import math
 import os
 import shutil
+import threading
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn.experiments.training import faults
 
 KEEP = 2
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -97,35 +100,57 @@ def _unpack(arrays: dict[str, np.ndarray], like: dict[str, Any]) -> dict[str, An
 
 
 class Saver:
-  """Writes one trial's checkpoints in the background, one at a time, keeping the newest two."""
+  """Writes one trial's checkpoints in a background thread, one at a time, keeping the newest two.
+
+  The thread runs Orbax's synchronous save, so its error (a full disk, an I/O
+  error) is caught there and raised by the next wait() in the training thread,
+  where the sweep tells a fault of the machine from the trial's own; nothing
+  reaches threading.excepthook. Orbax's logged copies are dropped by faults.quiet.
+  """
 
   def __init__(self, directory: str):
     import orbax.checkpoint as ocp
     self.directory = directory
-    self._orbax = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(**_alone()), **_alone())
-    self._pending = False
+    self._orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler(**_alone()), **_alone())
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    faults.quiet()
 
   def save(self, step: int, state: dict[str, Any]) -> None:
     """Starts writing state (params, opt_state, rest) as checkpoint `step`, after the previous one is done."""
-    import orbax.checkpoint as ocp
     self.wait()
     os.makedirs(self.directory, exist_ok=True)
     arrays, index = _pack(state)
     path = os.path.abspath(os.path.join(self.directory, str(step)))
-    self._orbax.save(path, args=ocp.args.StandardSave({"arrays": arrays, "step": np.asarray(step, np.int32)}),
-                     custom_metadata={"leaves": index})
-    self._pending = True
+    self._thread = threading.Thread(target=self._write, args=(path, arrays, index, step),
+                                    name=f"checkpoint {path}", daemon=True)
+    self._thread.start()
+
+  def _write(self, path: str, arrays: dict[str, np.ndarray], index: list[list[Any]], step: int) -> None:
+    import orbax.checkpoint as ocp
+    try:
+      with faults.point("checkpoint", path + TMP_SUFFIX):
+        self._orbax.save(path, args=ocp.args.StandardSave({"arrays": arrays, "step": np.asarray(step, np.int32)}),
+                         custom_metadata={"leaves": index})
+    except BaseException as e:  # handed to wait(), in the training thread
+      self._error = e
 
   def wait(self) -> None:
-    """Blocks until the pending save is renamed into place, then deletes all but the newest two."""
-    if self._pending:
-      self._pending = False
-      self._orbax.wait_until_finished()
-      _prune(self.directory)
+    """Blocks until the pending save is renamed into place, then deletes all but the newest two; raises its error."""
+    thread, self._thread = self._thread, None
+    if thread is None:
+      return
+    thread.join()
+    error, self._error = self._error, None
+    if error is not None:
+      raise error
+    _prune(self.directory)
 
   def close(self) -> None:
-    self.wait()
-    self._orbax.close()
+    try:
+      self.wait()
+    finally:
+      self._orbax.close()
 
 
 def restore(directory: str, step: int, like: dict[str, Any]) -> dict[str, Any]:

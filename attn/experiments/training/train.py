@@ -90,14 +90,20 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
   return cfg.replace(d_ff=d_ff)
 
 
-def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
-  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers."""
-  head, L = cfg.head, cfg.num_layers
-  pc = count.param_counts(cfg.variant, head)
-  fl = count.flops(cfg.variant, head, seq_len)
-  return {"attention_params_analytic": int(pc["analytic"]) * L,
-          "attention_params_effective": int(pc["effective"]) * L,
-          "attention_flops_fwd": int(fl) * L}
+def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
+  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers.
+
+  Each layer by its layer type. attention_measured names the figures measured for lack of a
+  closed form (count.measured_figures); an effective count too large to measure makes it None.
+  """
+  heads = [cfg.layer_head(i) for i in range(cfg.num_layers)]  # each by its layer type
+  pcs = [count.param_counts(cfg.variant, head) for head in heads]
+  effective = [pc["effective"] for pc in pcs]
+  out = {"attention_params_analytic": sum(int(pc["analytic"]) for pc in pcs),
+         "attention_params_effective": None if None in effective else sum(map(int, effective)),
+         "attention_flops_fwd": sum(int(count.flops(cfg.variant, head, seq_len)) for head in heads)}
+  measured = sorted({f for head in heads for f in count.measured_figures(cfg.variant, head)})
+  return {**out, "attention_measured": measured} if measured else out
 
 
 def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:

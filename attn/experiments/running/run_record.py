@@ -1,0 +1,142 @@
+"""The run record: DIR/run.jsonl, where and how each `attn sweep` on a store ran, one JSON line per start and end.
+
+A start line holds the command line, attn's commit (whether the tree was
+dirty, and a SHA-256 of `git diff HEAD` when it was), the versions of attn,
+jax, jaxlib, flax, optax, numpy and Python, the CPU model and its AVX-512 and
+AMX flags, the cores (and those this process may use), XLA_FLAGS, the device
+kind, the start time and the load average. An end line holds the end time,
+the wall time since its start, the load average and how the run ended. A
+resumed sweep appends to the file (rewritten whole, atomically, like every
+file of the store). `attn report` and `attn status` print its first and last
+lines; a store without one (older than this record) or with a damaged one
+still reads, and they say so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any
+
+from attn.experiments.running import store as store_lib
+
+RECORD = "run.jsonl"
+PACKAGES = ("attn", "jax", "jaxlib", "flax", "optax", "numpy")
+CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _git(*args: str) -> str | None:
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  try:
+    p = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return p.stdout if p.returncode == 0 else None
+
+
+def _commit() -> dict[str, Any]:
+  head = _git("rev-parse", "HEAD")
+  if head is None:
+    return {"commit": None, "dirty": None}
+  dirty = bool((_git("status", "--porcelain", "--untracked-files=no") or "").strip())
+  diff = hashlib.sha256((_git("diff", "HEAD") or "").encode()).hexdigest()[:16] if dirty else None
+  return {"commit": head.strip(), "dirty": dirty, "diff_sha256": diff}
+
+
+def _versions() -> dict[str, str | None]:
+  from importlib import metadata
+  out: dict[str, str | None] = {}
+  for name in PACKAGES:
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  out["python"] = platform.python_version()
+  return out
+
+
+def _cpu() -> dict[str, Any]:
+  model, flags = platform.processor() or None, set()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model in (None, "", "x86_64"):
+          model = value.strip()
+        elif key.strip() == "flags" and not flags:
+          flags = set(value.split())
+  except OSError:
+    pass
+  return {"cpu": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count(),
+          "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def start_line() -> dict[str, Any]:
+  """Where and how this process runs (the start line)."""
+  import jax  # the sweep has imported it already
+  return {"event": "start", "command": shlex.join(["attn", *sys.argv[1:]]), **_commit(), "versions": _versions(),
+          **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "device_kind": jax.devices()[0].device_kind,
+          "start": _now(), "start_unix": time.time(), "loadavg": list(os.getloadavg())}
+
+
+def end_line(start: dict[str, Any], outcome: str) -> dict[str, Any]:
+  return {"event": "end", "end": _now(), "wall_s": round(time.time() - start["start_unix"], 3),
+          "loadavg": list(os.getloadavg()), "outcome": outcome}
+
+
+def read(root: str) -> tuple[list[dict[str, Any]], str | None]:
+  """(the record's lines, what is wrong with it or None); a missing record is ([], "missing ...")."""
+  path = os.path.join(root, RECORD)
+  if not os.path.exists(path):
+    return [], f"no run record ({path} is missing: a store written before attn kept one)"
+  try:
+    rows, problems = store_lib.scan_rows(path, need_step=False)
+  except OSError as e:
+    return [], f"{path} cannot be read ({e.strerror})"
+  return rows, "; ".join(problems) or None
+
+
+def append(root: str, line: dict[str, Any]) -> None:
+  """Adds one line to DIR/run.jsonl (the whole file rewritten atomically); lines that do not parse are kept."""
+  path = os.path.join(root, RECORD)
+  try:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      old = f.read()
+  except FileNotFoundError:
+    old = ""
+  if old and not old.endswith("\n"):
+    old += "\n"
+  store_lib.atomic_write(path, old + json.dumps(line, sort_keys=True) + "\n")
+
+
+def describe(line: dict[str, Any]) -> str:
+  """One line of the record, short: when, what ran where, on which commit."""
+  if line.get("event") == "end":
+    return f"end {line.get('end')}: {line.get('outcome')} after {line.get('wall_s')} s"
+  commit = (line.get("commit") or "unknown")[:12] + (" (dirty)" if line.get("dirty") else "")
+  v = line.get("versions") or {}
+  return (f"start {line.get('start')}: `{line.get('command')}` at commit {commit}, jax {v.get('jax')}, "
+          f"on {line.get('cpu')} ({line.get('cores_usable')} of {line.get('cores')} cores; "
+          f"{', '.join(line.get('cpu_flags') or []) or 'no AVX-512/AMX'}), XLA_FLAGS={line.get('xla_flags')}")
+
+
+def summary(root: str) -> list[str]:
+  """`run record:` lines for `attn report` and `attn status`: its first and last lines, or what is wrong."""
+  lines, problem = read(root)
+  out = [f"run record: {problem}"] if problem else []
+  if lines:
+    out.append(f"run record, first: {describe(lines[0])}")
+    if len(lines) > 1:
+      out.append(f"run record, last: {describe(lines[-1])}")
+  return out

@@ -1,0 +1,47 @@
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Gemma 2.
+
+Each family is one record (attn.nn.hf.base.Family: the model types it reads,
+a config reader, weight names in and out, refusals) in one module: gpt2, bert,
+llama (Llama, Mistral, Qwen2 and Qwen3, one LlamaLike row each), gemma2.
+FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
+per family), the entry points of group `attn.hf_families` of installed
+packages, and FAMILIES.register(record) for the current process only (worker
+processes do not see it). attn.testing.check_family runs the family contract
+on a record.
+
+from_hf(source, variant=None, num_kv_heads=None, latent_dim=None) reads a
+transformers object or a local directory as save_pretrained writes it
+(config.json + model.safetensors, or a sharded index; read with safetensors'
+numpy API: no torch, no transformers, never pickle) and returns a Loaded for
+every family: .model (a DecoderLM, or an Encoder for BERT), .config, .family
+and .errors (each layer's conversion error); it unpacks as (model, config).
+Everything a family cannot express is refused by name before any weight is
+read. variant= and num_kv_heads= convert every layer through attn.convert (a
+lossy conversion warns with its error: LossyConversionWarning; fewer kv heads
+are mean-pooled, Ainslie et al. 2023); convert_model converts a loaded model.
+
+to_hf(model) builds the transformers model with the same weights and outputs;
+a model from from_hf remembers its family (model.hf_family), and
+to_hf(model, cfg, model_type) still works. to_hf_state(model) gives the
+config and state dict as numpy without torch, and from_hf takes that pair
+back. from_hf(to_hf(m)) gives m's parameters back exactly.
+
+Padding: attn's models take right padding as lengths (B,), which is Hugging
+Face's attention_mask with its ones first (lengths_from_attention_mask): keys
+past the length are masked, as HF masks them, so outputs agree at every
+position, padded ones included. Left padding is refused: HF numbers positions
+from the first pad token, which attn's models cannot express.
+"""
+
+from attn.convert import LossyConversionWarning
+from attn.nn.hf.base import Family, Weights, require
+from attn.nn.hf.files import lengths_from_attention_mask, read_config, read_weights
+from attn.nn.hf.load import (FAMILIES, REFUSED, Loaded, build, convert_model, family_for, from_hf, model_config,
+                             to_hf, to_hf_state)
+from attn.nn.hf.rope import ROPE_TYPES, rope_from_hf, rope_to_hf
+
+__all__ = [
+    "FAMILIES", "Family", "Loaded", "LossyConversionWarning", "REFUSED", "ROPE_TYPES", "Weights", "build",
+    "convert_model", "family_for", "from_hf", "lengths_from_attention_mask", "model_config", "read_config",
+    "read_weights", "require", "rope_from_hf", "rope_to_hf", "to_hf", "to_hf_state",
+]

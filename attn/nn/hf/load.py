@@ -1,0 +1,315 @@
+"""from_hf and to_hf for every family of FAMILIES, through its record alone; the model it loads, converted.
+
+from_hf: config.json -> the family (by model_type) -> its refusals and config
+reader (everything refused by name before a weight is read) -> its weight names
+in -> an attn model holding exactly those arrays -> converted to another
+variant or fewer kv heads if asked. It returns a Loaded for every family, and
+the model remembers its family (model.hf_family), so to_hf(model) writes it back
+without being told.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn.config import invalid
+from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
+from attn.nn.hf import bert, gemma2, gpt2, llama
+from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
+from attn.nn.hf.files import read_config, read_object, read_weights
+from attn.nn.models import MODELS, ModelConfig
+from attn.registry import Registry
+
+
+def _builtins() -> tuple[Family, ...]:
+  """attn's own families: one line per family module."""
+  return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2)
+
+
+FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
+                                      required=("model_types", "architectures", "config_in", "weights_in"))
+# Model types no family reads, refused with the reason.
+REFUSED = {"gpt_oss": "its feed-forward is a mixture of experts (a router and experts in every "
+                      "block); attn's models have one dense MLP per block",
+           "mixtral": "its feed-forward is a mixture of experts; attn's models have one dense MLP"}
+
+
+def _by_model_type() -> dict[str, Family]:
+  out: dict[str, Family] = {}
+  for family in FAMILIES.values():
+    for kind in family.model_types:
+      if kind in out:
+        raise invalid(f"family {family.name!r} ({FAMILIES.source(family.name)}).model_types", family.model_types,
+                      f"model types no other family reads: {kind!r} is family {out[kind].name!r}'s "
+                      f"({FAMILIES.source(out[kind].name)})")
+      out[kind] = family
+  return out
+
+
+def family_for(hf: dict[str, Any]) -> Family:
+  """The family that reads a config's model_type; an unknown or refused one is refused by name."""
+  kind, known = hf.get("model_type"), _by_model_type()
+  if kind in known:
+    return known[kind]
+  why = f": {kind} is refused, {REFUSED[kind]}" if kind in REFUSED else ""
+  broken = FAMILIES.broken()  # a plugin family that failed to import may be the one meant
+  why += f" (not loaded: {'; '.join(broken.values())})" if broken else ""
+  raise invalid("config.model_type", kind, f"one of {sorted(known)}{why}")
+
+
+def model_config(hf: dict[str, Any], variant: str | None = None, num_kv_heads: int | None = None) -> ModelConfig:
+  """The ModelConfig of a Hugging Face config dict, in `variant` (default: as the checkpoint holds it) with
+  num_kv_heads; unsupported settings are refused by name."""
+  family = family_for(hf)
+  refuse(hf, family.refusals)
+  cfg = family.config_in(hf)
+  if not isinstance(cfg, ModelConfig) or cfg.variant != family.variant:
+    raise invalid(f"family {family.name!r}.config_in", type(cfg).__name__,
+                  f"a function returning a ModelConfig with variant={family.variant!r}")
+  variant = family.variant if variant is None else variant
+  if variant != family.variant and (family.variant, variant) not in CONVERTERS:
+    known = sorted(f"{dst} ({'exact' if c.exact else 'lossy'})" for (src, dst), c in CONVERTERS.items()
+                   if src == family.variant)
+    raise invalid("variant", variant, f"{family.variant} or one converted from it: {', '.join(known)}")
+  return cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  """What from_hf returns for every family; unpacks as (model, config).
+
+  errors: each layer's relative error of the conversion on load (attn.convert's return_error; zeros
+  when nothing was converted or the conversion was exact).
+  """
+
+  model: nnx.Module
+  config: ModelConfig
+  family: str
+  errors: tuple[float, ...]
+
+  @property
+  def error(self) -> float:
+    """The largest layer's conversion error."""
+    return max(self.errors, default=0.0)
+
+  def __iter__(self) -> Iterator[Any]:
+    return iter((self.model, self.config))
+
+
+def from_hf(source: Any, variant: str | None = None, num_kv_heads: int | None = None,
+            latent_dim: int | None = None) -> Loaded:
+  """A Hugging Face model (a transformers object, a save_pretrained directory, or to_hf_state's
+  (config, state dict) pair) as an attn model.
+
+  variant (default: the family's own layout, per_head for every built-in) and num_kv_heads convert
+  every layer through attn.convert; variant="mla" with latent_dim=d_c converts the heads to latent
+  attention as TransMLA and MHA2MLA do (a truncated SVD of [W_K | W_V] per layer). A lossy
+  conversion warns (LossyConversionWarning); Loaded.errors holds each layer's error.
+  """
+  is_dir = isinstance(source, (str, os.PathLike))
+  if is_dir:
+    hf, weights = read_config(source), None
+  elif isinstance(source, tuple) and len(source) == 2 and all(isinstance(x, dict) for x in source):
+    hf, weights = source  # to_hf_state's (config, state dict)
+  else:
+    hf, weights = read_object(source, {a for f in FAMILIES.values() for a in f.architectures})
+  family = family_for(hf)
+  cfg = model_config(hf)
+  variant = family.variant if variant is None else variant
+  if latent_dim is not None and variant != "mla":
+    raise invalid("latent_dim", latent_dim, 'None unless variant="mla" (the latent width d_c of mla)')
+  dst = model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
+  if latent_dim is not None:
+    dst.replace(latent_dim=latent_dim)  # a bad d_c, or RoPE over the whole head, refused here
+  w = Weights(read_weights(source) if is_dir else weights, family.prefix, family.ignored)
+  if family.from_names is not None:
+    cfg = family.from_names(cfg, w.names)
+  pure = family.weights_in(w, cfg)
+  if w.unused():
+    raise invalid("checkpoint", w.unused()[:4], f"only the tensors of a plain {hf['model_type']} model")
+  model = build(family.model, cfg, pure)
+  model.hf_family = family.name
+  if variant == cfg.variant and num_kv_heads in (None, cfg.num_kv_heads) and latent_dim is None:
+    return Loaded(model, cfg, family.name, (0.0,) * len(_blocks(pure)))
+  model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads, latent_dim)
+  return Loaded(model, cfg, family.name, tuple(errors))
+
+
+def _blocks(pure: dict[str, Any]) -> dict[Any, Any]:
+  return pure["blocks"] if "blocks" in pure else pure["encoder"]["blocks"]
+
+
+def _flat(tree: dict[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
+  out = {}
+  for k, v in tree.items():
+    out |= _flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v}
+  return out
+
+
+def _unflat(flat: dict[tuple, Any]) -> dict[str, Any]:
+  out: dict = {}
+  for key, a in flat.items():
+    node = out
+    for k in key[:-1]:
+      node = node.setdefault(k, {})
+    node[key[-1]] = a
+  return out
+
+
+def build(kind: str, cfg: ModelConfig, pure: dict[str, Any]) -> nnx.Module:
+  """The attn model of `kind` holding exactly the arrays of `pure` (shapes checked, nothing random)."""
+  abstract = nnx.eval_shape(lambda: MODELS[kind](cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  want, got = _flat(nnx.to_pure_dict(state)), _flat(pure)
+  if set(want) != set(got):
+    raise invalid("checkpoint", sorted(set(want) ^ set(got))[:4], f"the parameters of {kind}")
+  for key, a in got.items():
+    if tuple(a.shape) != tuple(want[key].shape):
+      raise invalid(f"checkpoint {'.'.join(map(str, key))}.shape", tuple(a.shape),
+                    f"{tuple(want[key].shape)} from config.json")
+  nnx.replace_by_pure_dict(state, _unflat({k: jnp.asarray(a) for k, a in got.items()}))
+  return nnx.merge(graphdef, state)
+
+
+def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_heads: int | None = None,
+                  latent_dim: int | None = None) -> tuple[nnx.Module, ModelConfig, list[float]]:
+  """The same model in another variant and/or with fewer kv heads; (model, cfg, per-layer error).
+
+  Each layer's attention goes through attn.convert: exact conversions give
+  error 0; mean-pooled kv heads (Ainslie et al. 2023) give the relative
+  Frobenius error of the key/value weights they discard. Only parameters are read, so
+  a model that has decoded converts too; the converted one starts without KV caches
+  and keeps the family it was loaded from.
+  """
+  dst_cfg = cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads,
+                        latent_dim=cfg.latent_dim if latent_dim is None else latent_dim)
+  # The KV caches that init_cache or generate leave in a model hold the source's layout (its
+  # kv heads, its variant's entries): build would take them for parameters and refuse them.
+  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  blocks = _blocks(pure)
+  errors = []
+  with warnings.catch_warnings():  # one warning for the model below, not one per layer
+    warnings.simplefilter("ignore", LossyConversionWarning)
+    for l in sorted(blocks):
+      # latent_dim is mla's alone: the source carries the target's, as attn.convert wants.
+      params, err = convert(blocks[l]["attn"]["params"], cfg.variant, variant,
+                            cfg.head.replace(latent_dim=dst_cfg.head.latent_dim),
+                            dst_cfg=dst_cfg.head, return_error=True)
+      blocks[l]["attn"]["params"] = dict(params)
+      errors.append(float(err))
+  if max(errors, default=0.0) > TOLERANCE:
+    warnings.warn(f"{cfg.variant} -> {variant} with {dst_cfg.head.num_kv_heads} kv heads is lossy: relative "
+                  f"error up to {max(errors):.3g} (layer {int(np.argmax(errors))})", LossyConversionWarning,
+                  stacklevel=2)
+  kind = next(k for k, cls in MODELS.items() if type(model) is cls)
+  out = build(kind, dst_cfg, pure)
+  if getattr(model, "hf_family", None) is not None:
+    out.hf_family = model.hf_family
+  return out, dst_cfg, errors
+
+
+# ---- writing: an attn model as a transformers model (needs torch).
+
+def _fits(family: Family, model: nnx.Module, cfg: ModelConfig) -> int | None:
+  """How many of the family's fixed fields cfg breaks; None when the model is not the family's kind."""
+  if not isinstance(model, MODELS[family.model]):
+    return None
+  return sum(getattr(cfg, name) != want for name, want in family.fixed.items())
+
+
+def _family_of(model: nnx.Module, cfg: ModelConfig, model_type: str | None) -> Family:
+  """The family named (a family or a model type), the one the model was loaded from, or else the
+  one whose fixed fields it breaks fewest (a hand-built GPT-2 or BERT); a tie is refused."""
+  name = model_type if model_type is not None else getattr(model, "hf_family", None)
+  if name is not None:
+    return FAMILIES[name] if name in FAMILIES else _by_model_type().get(name) or FAMILIES.resolve(name, "model_type")
+  misses = {f.name: m for f in FAMILIES.values() if (m := _fits(f, model, cfg)) is not None}
+  best = [n for n, m in misses.items() if m == min(misses.values())]
+  if len(best) != 1:
+    raise invalid("model_type", None, f"one of {sorted(FAMILIES)}: this {type(model).__name__} was not loaded "
+                  f"by from_hf, and {' and '.join(sorted(best)) or 'no family'} fit it alike")
+  return FAMILIES[best[0]]
+
+
+def _load(hf: Any, sd: dict[str, Any], name: str) -> Any:
+  """hf with the arrays of sd (float32), every parameter set and nothing left over; eval mode."""
+  torch, transformers = require("torch"), require("transformers")
+  tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}
+  missing, unexpected = hf.load_state_dict(tensors, strict=False)
+  tied = set(getattr(hf, "_tied_weights_keys", None) or {})
+  left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias")) and k not in tied]
+  if left or unexpected:  # a transformers release whose names differ from these
+    raise invalid(f"transformers.{name}", transformers.__version__,
+                  f"a release with the usual parameter names (missing {left}, unexpected {unexpected})")
+  return hf.eval()
+
+
+def _resolve(model: Any, model_config: ModelConfig | None, model_type: str | None):
+  """(attn model, its config, its family) of what to_hf was given; what no family holds is refused."""
+  if isinstance(model, Loaded):
+    model_config, model_type = model_config or model.config, model_type or model.family
+    model = model.model
+  cfg = model_config if model_config is not None else getattr(model, "cfg", None)
+  if not isinstance(model, nnx.Module) or not isinstance(cfg, ModelConfig):
+    raise invalid("model", type(model).__name__, "an attn model (attn.nn.DecoderLM, Encoder) and its ModelConfig")
+  family = _family_of(model, cfg, model_type)
+  if not isinstance(model, MODELS[family.model]):
+    raise invalid("model", type(model).__name__, f"an attn.nn.{MODELS[family.model].__name__}: "
+                  f"{family.name} maps onto one")
+  if family.weights_out is None:
+    raise invalid("model_type", family.name, "a family with weights_out: this one is read-only")
+  check_fields(cfg, family)
+  if family.check_out is not None:
+    family.check_out(cfg)
+  return model, cfg, family
+
+
+def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, dict, ModelConfig]:
+  """(HF config keywords, HF state dict, the config they were written from)."""
+  out_cfg = cfg.replace(variant=family.variant,
+                        num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
+  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for block in _blocks(pure).values():
+    block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
+                                      dst_cfg=out_cfg.head)
+  sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}
+  return dict(family.config_out(out_cfg)), sd, out_cfg
+
+
+def to_hf_state(model: Any, model_config: ModelConfig | None = None,
+                model_type: str | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(config.json as a dict, the state dict as numpy arrays) of what to_hf builds, without torch.
+
+  from_hf takes the pair back: from_hf(to_hf_state(model)) holds model's parameters exactly.
+  """
+  model, cfg, family = _resolve(model, model_config, model_type)
+  kw, sd, _ = _state(model, cfg, family)
+  return {"model_type": family.model_types[0], **kw}, sd
+
+
+def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str | None = None):
+  """A transformers model (eval mode, no dropout) with the same weights and outputs as `model`.
+
+  model: what from_hf returned (a Loaded, or its model), or any attn model with its config.
+  model_type (a family or a model type) is needed only for a model from_hf did not load whose
+  family is ambiguous (a hand-built DecoderLM with RoPE).
+  """
+  model, cfg, family = _resolve(model, model_config, model_type)
+  require("torch")  # transformers' models hold torch tensors
+  transformers = require("transformers")
+  kw, sd, out_cfg = _state(model, cfg, family)
+  names = kw.get("architectures") or [None]
+  cls = getattr(transformers, names[0], None) if isinstance(names[0], str) else None
+  if cls is None:
+    raise invalid(f"family {family.name!r}.config_out()['architectures']", kw.get("architectures"),
+                  f"a list naming a model class of transformers {transformers.__version__}")
+  hf_cfg = cls.config_class(**kw)
+  hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
+  return _load(cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {})), sd, cls.__name__)

@@ -1,0 +1,80 @@
+"""RoPE settings of a Hugging Face config in and out: rope_theta and the scaling types attn implements.
+
+transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
+files, "rope_type" in newer) beside a top-level rope_theta. Types "default",
+"linear" and "llama3" (Llama 3.1/3.2's frequency scaling) map onto HeadConfig's
+rope_scaling fields and go back out in both spellings; others (dynamic, yarn,
+longrope, ...) and a partial rotary width are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from attn.config import ROPE_SCALINGS, invalid
+from attn.nn.hf.base import refuse
+from attn.nn.models import ModelConfig
+
+ROPE_TYPES = ("default", *(k for k in ROPE_SCALINGS if k))  # transformers' rope_type values attn implements
+
+
+def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+  """The HeadConfig RoPE fields (rope_theta, and rope_scaling with its parameters) of a config.
+
+  transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
+  files, "rope_type" in newer) beside a top-level rope_theta. A rope_scaling,
+  where present, wins, as in both (5 takes it over rope_parameters). Types
+  other than ROPE_TYPES (dynamic, yarn, longrope, ...) are refused by name.
+  """
+  where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  params = hf.get(where) or {}
+  if params and all(isinstance(v, dict) for v in params.values()):  # one per layer type
+    kinds = {json.dumps(v, sort_keys=True) for v in params.values()}
+    if len(kinds) > 1:
+      raise invalid(f"config.{where}", params, "the same RoPE for every layer type")
+    params = next(iter(params.values()))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise invalid(f"config.{where}.rope_type", kind, f"one of {list(ROPE_TYPES)}: attn implements "
+                  "plain RoPE and its linear and llama3 scaling (not dynamic, yarn, longrope, ...)")
+  refuse(hf, {"partial_rotary_factor": ((1.0,), "attn's loader rotates the whole head")})
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise invalid(f"config.{where}.partial_rotary_factor", params["partial_rotary_factor"],
+                  "1.0: attn's loader rotates the whole head")
+  out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+  if kind == "default":
+    return out
+
+  def number(key: str, value: Any, integer: bool = False) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+        or (integer and value != int(value)):
+      raise invalid(f"config.{key}", value, f"{'an integer' if integer else 'a number'}: {kind} RoPE reads it")
+    return int(value) if integer else float(value)
+
+  out |= {"rope_scaling": kind, "rope_factor": number(f"{where}.factor", params.get("factor"))}
+  if kind == "llama3":
+    # As transformers 5: a top-level original_max_position_embeddings first (Phi-3 keeps it
+    # there), else the rope dict's, else max_position_embeddings.
+    key = "original_max_position_embeddings"
+    orig = (key, hf[key]) if key in hf else (f"{where}.{key}", params.get(key, hf.get("max_position_embeddings")))
+    out |= {"rope_low_freq_factor": number(f"{where}.low_freq_factor", params.get("low_freq_factor")),
+            "rope_high_freq_factor": number(f"{where}.high_freq_factor", params.get("high_freq_factor")),
+            "rope_original_max_len": number(*orig, integer=True)}
+  return out
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """rope_from_hf's inverse: the keys transformers 4 reads (rope_theta, rope_scaling) and 5's rope_parameters.
+
+  transformers 5 takes a rope_scaling over rope_parameters; the two hold the same here.
+  """
+  rope = {"rope_type": cfg.rope_scaling or "default"}
+  if cfg.rope_scaling:
+    rope["factor"] = cfg.rope_factor
+  if cfg.rope_scaling == "llama3":
+    rope |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+             "original_max_position_embeddings": cfg.rope_original_max_len}
+  out = {"rope_theta": cfg.rope_theta, "rope_parameters": rope | {"rope_theta": cfg.rope_theta}}
+  return out | ({"rope_scaling": rope} if cfg.rope_scaling else {})

@@ -1,0 +1,181 @@
+"""A mixture-of-experts feed-forward, computed densely: every expert on every token.
+
+The router scores each token against the E experts and keeps the top k
+(ModelConfig.moe_top_k); the layer's output is Σ_e w_e·expert_e(x), with w_e
+zero for the experts not kept. Every expert runs on every token and the
+zeros do the selecting, so the result is exact (the same function as a
+sparse dispatch) but costs E/k times a real MoE's expert FLOPs and memory:
+it exists so that gpt-oss, Mixtral and DeepSeek-V3 checkpoints load and run
+exactly, not to be fast.
+
+Routing (moe_router):
+  "softmax"  p = softmax(x·W_r + b_r) over the E experts, in float32; the top
+             k kept and, with moe_norm_topk, renormalised to sum 1 (Mixtral;
+             gpt-oss's softmax over its top-k logits is the same numbers).
+  "sigmoid"  DeepSeek-V3: s = σ(x·W_r); the choice adds a correction bias
+             (a buffer, not trained by gradients: DeepSeek moves it to balance
+             the load) and is group-limited: the E experts form moe_groups
+             groups, each scored by the sum of its two best, and only the
+             moe_topk_groups best groups compete for the top k; the weights
+             are the chosen s (without the bias), renormalised with
+             moe_norm_topk.
+Either way the weights are then multiplied by moe_routed_scaling.
+
+Each expert is a gated MLP, down(act(gate(x))·up(x)), of width moe_d_ff
+(default d_ff), with biases when the model's dense layers have them
+(dense_bias, else use_bias); with moe_swiglu_limit ℓ it is gpt-oss's clamped
+SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)).
+moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
+(DeepSeek's shared experts); the first moe_dense_first layers keep the dense
+MLP of width d_ff (DeepSeek's first_k_dense_replace).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attn.config import invalid
+
+Array = jax.Array
+ROUTERS = ("softmax", "sigmoid")
+GPT_OSS_ALPHA = 1.702  # gpt-oss's swiglu_alpha: g·σ(αg), the sigmoid approximation of GELU
+
+
+class Buffer(nnx.Variable):
+  """State that is not a parameter (transformers' buffers): not trained, not counted."""
+
+
+# ModelConfig's MoE fields and their defaults (each must keep it unless mlp = "moe").
+FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "softmax",
+          "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
+          "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None}
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise invalid(name, value, f"an integer >= {minimum}")
+  return value
+
+
+def _positive(name: str, value: Any, what: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+    raise invalid(name, value, f"a positive finite number ({what})")
+
+
+def check(m: Any) -> None:
+  """Refuses MoE settings that cannot work or that a model without experts would ignore."""
+  if m.mlp != "moe":
+    for name, default in FIELDS.items():
+      if getattr(m, name) != default:
+        raise invalid(name, getattr(m, name), f"{default!r} when mlp={m.mlp!r}: only mlp='moe' reads it")
+    return
+  E = _int("moe_experts", m.moe_experts, 1)
+  k = _int("moe_top_k", m.moe_top_k, 1)
+  if k > E:
+    raise invalid("moe_top_k", k, f"at most moe_experts={E}: the router keeps k of the E experts")
+  if m.moe_d_ff is not None:
+    _int("moe_d_ff", m.moe_d_ff, 1)
+  if m.moe_router not in ROUTERS:
+    raise invalid("moe_router", m.moe_router, f"one of {list(ROUTERS)}")
+  if not isinstance(m.moe_norm_topk, bool):
+    raise invalid("moe_norm_topk", m.moe_norm_topk, "True or False")
+  groups, top_groups = _int("moe_groups", m.moe_groups, 1), _int("moe_topk_groups", m.moe_topk_groups, 1)
+  if groups > 1 and m.moe_router != "sigmoid":
+    raise invalid("moe_groups", groups, "1 with moe_router='softmax': group-limited routing is "
+                  "DeepSeek-V3's sigmoid router's")
+  if E % groups or E // groups < 2 and groups > 1:
+    raise invalid("moe_groups", groups, f"a divisor of moe_experts={E} leaving at least 2 experts per "
+                  "group (a group scores by its two best)")
+  if top_groups > groups:
+    raise invalid("moe_topk_groups", top_groups, f"at most moe_groups={groups}")
+  if k > top_groups * (E // groups):
+    raise invalid("moe_top_k", k, f"at most moe_topk_groups·experts per group = {top_groups * (E // groups)}")
+  if m.moe_router == "sigmoid" and E < 2:
+    raise invalid("moe_experts", E, "at least 2 with moe_router='sigmoid' (groups score by their two best)")
+  _positive("moe_routed_scaling", m.moe_routed_scaling, "the routed weights' multiplier")
+  _int("moe_shared_experts", m.moe_shared_experts, 0)
+  if _int("moe_dense_first", m.moe_dense_first, 0) > m.num_layers:
+    raise invalid("moe_dense_first", m.moe_dense_first, f"at most num_layers={m.num_layers}")
+  if m.moe_swiglu_limit is not None:
+    _positive("moe_swiglu_limit", m.moe_swiglu_limit, "gpt-oss's swiglu_limit, 7.0")
+
+
+def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array:
+  """The routing weights w (B,T,E), float32: zero but for each token's top k experts."""
+  E, k = m.moe_experts, m.moe_top_k
+  logits_BTE = logits_BTE.astype(jnp.float32)
+  if m.moe_router == "softmax":
+    scores_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+    choice_BTE = scores_BTE
+  else:
+    scores_BTE = jax.nn.sigmoid(logits_BTE)
+    choice_BTE = scores_BTE + correction_E.astype(jnp.float32)
+    if m.moe_groups > 1:
+      grouped_BTNE = choice_BTE.reshape(*choice_BTE.shape[:-1], m.moe_groups, E // m.moe_groups)
+      group_BTN = jax.lax.top_k(grouped_BTNE, 2)[0].sum(-1)
+      kept_BTN = _top_mask(group_BTN, m.moe_topk_groups)
+      choice_BTE = jnp.where(jnp.repeat(kept_BTN, E // m.moe_groups, axis=-1), choice_BTE, -jnp.inf)
+  keep_BTE = _top_mask(choice_BTE, k)
+  w_BTE = jnp.where(keep_BTE, scores_BTE, 0.0)
+  if m.moe_norm_topk:
+    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (1e-20 if m.moe_router == "sigmoid" else 0.0))
+  return w_BTE * m.moe_routed_scaling
+
+
+def _top_mask(x_BTE: Array, k: int) -> Array:
+  """True at the k largest entries of each row (lax.top_k's ties: the lower index first)."""
+  _, idx_BTk = jax.lax.top_k(x_BTE, k)
+  return jax.nn.one_hot(idx_BTk, x_BTE.shape[-1], dtype=jnp.bool_).any(-2)
+
+
+class MoE(nnx.Module):
+  """The expert feed-forward of one layer: router, E gated experts (+ shared ones), computed densely."""
+
+  def __init__(self, m: Any, *, rngs: nnx.Rngs, activation: Callable[[Array], Array],
+               shared: nnx.Module | None = None):
+    self.m, self.activation, self.shared = m, activation, shared
+    E, D, F = m.moe_experts, m.d_model, m.moe_d_ff or m.d_ff
+    bias = m.use_bias if m.dense_bias is None else m.dense_bias
+    dt = jnp.dtype(m.param_dtype)
+    self.compute = jnp.dtype(m.dtype)
+
+    def param(shape, fan_in):
+      return nnx.Param((jax.random.normal(rngs.params(), shape) / jnp.sqrt(fan_in)).astype(dt))
+
+    self.router_w = param((D, E), D)
+    self.router_b = nnx.Param(jnp.zeros((E,), dt)) if bias else None
+    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router == "sigmoid" else None
+    self.w_gate, self.w_up, self.w_down = param((E, D, F), D), param((E, D, F), D), param((E, F, D), F)
+    self.b_gate = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
+    self.b_up = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
+    self.b_down = nnx.Param(jnp.zeros((E, D), dt)) if bias else None
+
+  def weights(self, x_BTD: Array) -> Array:
+    """The routing weights (B,T,E) of x's tokens (zero outside each token's top k)."""
+    logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), self.router_w[...].astype(jnp.float32))
+    if self.router_b is not None:
+      logits_BTE = logits_BTE + self.router_b[...].astype(jnp.float32)
+    return route(self.m, logits_BTE, None if self.correction is None else self.correction[...])
+
+  def __call__(self, x_BTD: Array) -> Array:
+    c = self.compute
+    x = x_BTD.astype(c)
+    gate_BTEF = jnp.einsum("BTD,EDF->BTEF", x, self.w_gate[...].astype(c))
+    up_BTEF = jnp.einsum("BTD,EDF->BTEF", x, self.w_up[...].astype(c))
+    if self.b_gate is not None:
+      gate_BTEF, up_BTEF = gate_BTEF + self.b_gate[...].astype(c), up_BTEF + self.b_up[...].astype(c)
+    limit = self.m.moe_swiglu_limit
+    if limit is not None:  # gpt-oss
+      gate_BTEF = jnp.minimum(gate_BTEF, limit)
+      h_BTEF = gate_BTEF * jax.nn.sigmoid(GPT_OSS_ALPHA * gate_BTEF) * (jnp.clip(up_BTEF, -limit, limit) + 1)
+    else:
+      h_BTEF = self.activation(gate_BTEF) * up_BTEF
+    y_BTED = jnp.einsum("BTEF,EFD->BTED", h_BTEF, self.w_down[...].astype(c))
+    if self.b_down is not None:
+      y_BTED = y_BTED + self.b_down[...].astype(c)
+    out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD).astype(c), y_BTED)
+    return out_BTD if self.shared is None else out_BTD + self.shared(x_BTD)

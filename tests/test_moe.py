@@ -1,0 +1,228 @@
+"""The dense mixture-of-experts feed-forward: against a numpy loop, transformers' MoE modules, closed forms.
+
+The numpy loop routes token by token with argsort and runs only the chosen
+experts (a sparse dispatch), so it shares nothing with the dense einsums and
+lax.top_k of attn.nn.moe. transformers' GptOssMLP, MixtralSparseMoeBlock and
+DeepseekV3MoE, on random weights at tiny sizes, are the second check (slow
+tier: importing torch and transformers takes seconds).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn import ConfigError, count, count_layers
+from attn.nn import moe
+from attn.nn.models import MLP, DecoderLM, ModelConfig, activate
+
+BASE = dict(vocab_size=11, d_model=10, num_layers=3, num_heads=2, d_k=4, d_ff=12, mlp="moe", activation="silu",
+            max_len=16)
+CASES = {
+    "softmax": dict(moe_experts=5, moe_top_k=3, moe_d_ff=6, use_bias=False),  # Mixtral
+    "softmax_unnormed_bias": dict(moe_experts=5, moe_top_k=2, moe_d_ff=6, moe_norm_topk=False, dense_bias=True,
+                                  moe_routed_scaling=1.5),
+    "gpt_oss": dict(moe_experts=4, moe_top_k=2, moe_d_ff=6, moe_swiglu_limit=0.5, dense_bias=True),
+    "deepseek": dict(moe_experts=8, moe_top_k=3, moe_d_ff=6, moe_router="sigmoid", moe_groups=4,
+                     moe_topk_groups=2, moe_routed_scaling=2.5, moe_shared_experts=2, moe_dense_first=1,
+                     use_bias=False),
+}
+
+
+def _layer(case: str, seed: int = 0, **changes) -> tuple[ModelConfig, moe.MoE]:
+  cfg = ModelConfig(**(BASE | CASES[case] | changes))
+  rngs = nnx.Rngs(seed)
+  shared = MLP(cfg, rngs=rngs, d_ff=cfg.moe_d_ff * cfg.moe_shared_experts) if cfg.moe_shared_experts else None
+  layer = moe.MoE(cfg, rngs=rngs, activation=lambda x: activate("silu", x), shared=shared)
+  rng = np.random.default_rng(seed + 1)
+  for name in ("router_b", "b_gate", "b_up", "b_down", "correction"):  # nonzero, so that they count
+    var = getattr(layer, name)
+    if var is not None:
+      var[...] = jnp.asarray(rng.standard_normal(var[...].shape) * 0.3, jnp.float32)
+  return cfg, layer
+
+
+def numpy_moe(cfg, layer, x):
+  """Token by token: scores, the chosen experts by argsort, each chosen expert's output, weighted."""
+  g = lambda name: None if getattr(layer, name) is None else np.asarray(getattr(layer, name)[...], np.float64)
+  E, k, limit = cfg.moe_experts, cfg.moe_top_k, cfg.moe_swiglu_limit
+  out = np.zeros(x.shape, np.float64)
+  for b in range(x.shape[0]):
+    for t in range(x.shape[1]):
+      xt = np.asarray(x[b, t], np.float64)
+      logit = xt @ g("router_w") + (g("router_b") if layer.router_b is not None else 0)
+      if cfg.moe_router == "softmax":
+        score = np.exp(logit - logit.max()) / np.exp(logit - logit.max()).sum()
+        chosen = np.argsort(-score)[:k]
+      else:
+        score = 1 / (1 + np.exp(-logit))
+        choice = score + g("correction")
+        size = E // cfg.moe_groups
+        group = [np.sort(choice[i * size:(i + 1) * size])[-2:].sum() for i in range(cfg.moe_groups)]
+        allowed = np.concatenate([np.arange(i * size, (i + 1) * size)
+                                  for i in np.argsort(group)[::-1][:cfg.moe_topk_groups]])
+        chosen = allowed[np.argsort(-choice[allowed])[:k]]
+      w = score[chosen]
+      if cfg.moe_norm_topk:
+        w = w / w.sum()
+      w = w * cfg.moe_routed_scaling
+      for e, we in zip(chosen, w):
+        gate = xt @ g("w_gate")[e] + (g("b_gate")[e] if layer.b_gate is not None else 0)
+        up = xt @ g("w_up")[e] + (g("b_up")[e] if layer.b_up is not None else 0)
+        if limit is None:
+          h = gate / (1 + np.exp(-gate)) * up
+        else:
+          gate = np.minimum(gate, limit)
+          h = gate / (1 + np.exp(-1.702 * gate)) * (np.clip(up, -limit, limit) + 1)
+        out[b, t] += we * (h @ g("w_down")[e] + (g("b_down")[e] if layer.b_down is not None else 0))
+      if layer.shared is not None:
+        s = layer.shared
+        a = xt @ np.asarray(s.gate.kernel[...], np.float64)
+        out[b, t] += (a / (1 + np.exp(-a)) * (xt @ np.asarray(s.up.kernel[...], np.float64))) \
+            @ np.asarray(s.down.kernel[...], np.float64)
+  return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dense_moe_against_a_numpy_loop(case):
+  cfg, layer = _layer(case)
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 3, cfg.d_model))
+  w = np.asarray(layer.weights(x))
+  assert ((w > 0).sum(-1) == cfg.moe_top_k).all()  # exactly k experts per token
+  np.testing.assert_allclose(layer(x), numpy_moe(cfg, layer, x), rtol=2e-5, atol=2e-5)
+
+
+def test_bfloat16_and_gradients():
+  """bf16 experts stay near float32 (routing is float32 either way); the router learns through its weights."""
+  cfg, layer = _layer("softmax")
+  x = jax.random.normal(jax.random.PRNGKey(4), (2, 3, cfg.d_model))
+  want = np.asarray(layer(x))
+  got = _layer("softmax", dtype="bfloat16")[1](x)  # the same weights (same seeds), computing in bf16
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.05 * np.abs(want).max())
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+  g_router = np.asarray(grads["router_w"][...])
+  assert np.isfinite(g_router).all() and np.abs(g_router).max() > 0
+  assert "correction" not in grads  # a buffer, not a parameter
+
+
+def test_moe_model_counts_total_and_active():
+  """A DeepSeek-shaped model: its nnx.Param tree is the count; the buffer is not a parameter."""
+  cfg = ModelConfig(**BASE, **CASES["deepseek"])
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))  # shapes only; it runs in test_layer_types
+  stored = sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert stored == count.model_param_count(cfg, "decoder_lm")
+  D, F, E, k, S = 10, 6, 8, 3, 2
+  expert, router, shared = 3 * D * F, D * E, 3 * D * S * F
+  dense = 3 * D * 12
+  assert count.expert_params(cfg) == {"total": E * expert + router + shared, "active": k * expert + router + shared}
+  moe_layers = cfg.num_layers - cfg.moe_dense_first
+  assert stored - count_layers.active_param_count(cfg, "decoder_lm") == moe_layers * (E - k) * expert
+  plain = cfg.replace(**{n: d for n, d in moe.FIELDS.items()}, mlp="gated")
+  assert stored - count.model_param_count(plain, "decoder_lm") == moe_layers * (E * expert + router + shared - dense)
+  assert count_layers.active_param_count(plain, "decoder_lm") == count.model_param_count(plain, "decoder_lm")
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(moe_experts=4, moe_top_k=5), r"moe_top_k=5 is not allowed: at most moe_experts=4"),
+    (dict(moe_experts=4, moe_top_k=0), r"moe_top_k=0 is not allowed: an integer >= 1"),
+    (dict(moe_experts=0, moe_top_k=1), r"moe_experts=0 is not allowed: an integer >= 1"),
+    (dict(moe_experts=6, moe_top_k=2, moe_groups=4, moe_router="sigmoid"), r"moe_groups=4 is not allowed: a divisor"),
+    (dict(moe_experts=8, moe_top_k=2, moe_groups=2), r"moe_groups=2 is not allowed: 1 with moe_router='softmax'"),
+    (dict(moe_experts=8, moe_top_k=5, moe_groups=4, moe_topk_groups=2, moe_router="sigmoid"),
+     r"moe_top_k=5 is not allowed: at most moe_topk_groups"),
+    (dict(moe_experts=4, moe_top_k=2, moe_router="top1"), r"moe_router='top1' is not allowed"),
+    (dict(moe_experts=4, moe_top_k=2, moe_swiglu_limit=0.0), r"moe_swiglu_limit=0.0 is not allowed"),
+    (dict(moe_experts=4, moe_top_k=2, moe_dense_first=4), r"moe_dense_first=4 is not allowed: at most num_layers=3"),
+    (dict(mlp="gated", moe_experts=4), r"moe_experts=4 is not allowed: 0 when mlp='gated'"),
+])
+def test_bad_moe_settings_are_named(changes, match):
+  with pytest.raises(ConfigError, match=match):
+    ModelConfig(**(BASE | changes))
+
+
+def _torch_setup():
+  pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import torch
+  torch.manual_seed(0)
+  return torch, transformers
+
+
+def _randomize(torch, module):
+  with torch.no_grad():
+    for p in module.parameters():
+      p.copy_(torch.randn_like(p) * 0.5)
+    for name, b in module.named_buffers():
+      b.copy_(torch.randn_like(b) * 0.3)
+  return module.eval()
+
+
+def _set(var, value):
+  var[...] = jnp.asarray(value.detach().numpy(), jnp.float32)
+
+
+def _compare(hf_out, layer, x):
+  got = np.asarray(layer(jnp.asarray(x)))
+  np.testing.assert_allclose(got, hf_out.detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_against_gpt_oss_mlp():
+  torch, transformers = _torch_setup()
+  from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+  c = transformers.GptOssConfig(hidden_size=10, intermediate_size=6, num_local_experts=4, num_experts_per_tok=2,
+                                swiglu_limit=0.8)
+  hf = _randomize(torch, GptOssMLP(c))
+  cfg, layer = _layer("gpt_oss")
+  cfg = cfg.replace(moe_swiglu_limit=0.8)
+  layer.m = cfg
+  _set(layer.router_w, hf.router.weight.T)
+  _set(layer.router_b, hf.router.bias)
+  gu, gub = hf.experts.gate_up_proj, hf.experts.gate_up_proj_bias  # gate and up interleaved
+  for name, a in (("w_gate", gu[..., ::2]), ("w_up", gu[..., 1::2]), ("b_gate", gub[:, ::2]),
+                  ("b_up", gub[:, 1::2]), ("w_down", hf.experts.down_proj), ("b_down", hf.experts.down_proj_bias)):
+    _set(getattr(layer, name), a)
+  x = np.random.default_rng(1).standard_normal((2, 5, 10)).astype(np.float32)
+  _compare(hf(torch.from_numpy(x))[0], layer, x)
+
+
+def _gate_up(layer, experts):
+  F = experts.gate_up_proj.shape[1] // 2  # (E, 2F, D): gate rows first, then up
+  _set(layer.w_gate, experts.gate_up_proj[:, :F].transpose(1, 2))
+  _set(layer.w_up, experts.gate_up_proj[:, F:].transpose(1, 2))
+  _set(layer.w_down, experts.down_proj.transpose(1, 2))
+
+
+@pytest.mark.slow
+def test_against_mixtral_sparse_moe_block():
+  torch, transformers = _torch_setup()
+  from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+  c = transformers.MixtralConfig(hidden_size=10, intermediate_size=6, num_local_experts=5, num_experts_per_tok=3)
+  hf = _randomize(torch, MixtralSparseMoeBlock(c))
+  cfg, layer = _layer("softmax")
+  _set(layer.router_w, hf.gate.weight.T)
+  _gate_up(layer, hf.experts)
+  x = np.random.default_rng(2).standard_normal((2, 4, 10)).astype(np.float32)
+  _compare(hf(torch.from_numpy(x)), layer, x)
+
+
+@pytest.mark.slow
+def test_against_deepseek_v3_moe():
+  torch, transformers = _torch_setup()
+  from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+  c = transformers.DeepseekV3Config(hidden_size=10, moe_intermediate_size=6, n_routed_experts=8,
+                                    num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                    n_shared_experts=2, norm_topk_prob=True)
+  hf = _randomize(torch, DeepseekV3MoE(c))
+  cfg, layer = _layer("deepseek")
+  _set(layer.router_w, hf.gate.weight.T)
+  _set(layer.correction, hf.gate.e_score_correction_bias)
+  _gate_up(layer, hf.experts)
+  s = hf.shared_experts
+  pairs = ((layer.shared.gate, s.gate_proj), (layer.shared.up, s.up_proj), (layer.shared.down, s.down_proj))
+  for mine, theirs in pairs:
+    _set(mine.kernel, theirs.weight.T)
+  x = np.random.default_rng(3).standard_normal((2, 4, 10)).astype(np.float32)
+  _compare(hf(torch.from_numpy(x)), layer, x)
