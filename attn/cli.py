@@ -7,6 +7,7 @@ import importlib
 import sys
 import warnings
 
+from attn import host_memory
 from attn.config import ConfigError
 from attn.registry import PluginWarning
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
   module.add_arguments(p)
   args = p.parse_args(argv[1:])
   try:
+    host_memory.keep_freed_memory()  # before XLA's threads first allocate (attn.host_memory)
     return int(module.run(args) or 0)
   except ConfigError as e:
     print(f"attn {argv[0]}: error: {e}", file=sys.stderr)
