@@ -58,6 +58,7 @@ def test_importance_is_the_mean_absolute_central_difference():
   assert signs_differ and not np.allclose(imp["raw"], np.abs(fd.mean(0)), atol=1e-3)
 
 
+@pytest.mark.slow  # a model's importance twice, seconds
 def test_a_head_with_zero_w_o_has_importance_0_and_gating_it_off_changes_nothing():
   model, tokens, _ = setup(1)
   p = model.blocks[1].attn.params_dict()

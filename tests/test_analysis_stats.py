@@ -143,6 +143,7 @@ def test_classifier_weights_cover_cls_and_mask_padding():
   np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow  # two trained-size layers through the whole statistics pass
 def test_per_head_and_fused_carrying_one_function_give_equal_statistics():
   a = DecoderLM(CFG, rngs=nnx.Rngs(4))
   b = DecoderLM(CFG.replace(variant="fused"), rngs=nnx.Rngs(5))

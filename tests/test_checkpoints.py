@@ -151,6 +151,7 @@ def test_a_crashed_sweep_resumes_from_its_checkpoint_bit_for_bit(tmp_path, monke
   assert summary["resumed_from"] == 4 and summary["steps_done"] == 7
 
 
+@pytest.mark.slow  # a sweep resumed past a damaged checkpoint
 def test_a_corrupt_checkpoint_is_reported_and_the_one_before_used(tmp_path, monkeypatch, reference):
   sw, ref = reference[False]
   out = str(tmp_path / "out")

@@ -9,7 +9,7 @@ import attn
 from attn import ConfigError, HeadConfig
 from attn.convert import convert
 from attn.variants.base import Options
-from conftest import CONFIGS
+from conftest import CONFIGS, tier
 from conftest import fresh_params as fresh
 from conftest import randn as np_randn
 
@@ -92,7 +92,7 @@ def _per_head_loop(params, x, c, cfg, mask):
   return y
 
 
-@pytest.mark.parametrize("cname", sorted(CONFIGS))
+@pytest.mark.parametrize("cname", [pytest.param(c, marks=tier("per_head", c)) for c in sorted(CONFIGS)])
 def test_per_head_is_a_loop_of_h_linear_layers(cname):
   """per_head computes its heads together; a literal loop over heads gives the same output."""
   cfg = CONFIGS[cname]

@@ -13,6 +13,7 @@ from flax import nnx
 import attn
 from attn.nn import (DecoderLM, Encoder, EncoderDecoder, ModelConfig, MultiHeadAttention,
                      SequenceClassifier)
+from conftest import CONFIGS, tier, variant_params
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 TINY = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=2, d_ff=24, max_len=8)
@@ -50,8 +51,10 @@ def _module_out(m, x, c, mask):
   return m(x, c, mask=mask), m(x, mask=jnp.tri(T, dtype=bool), return_weights=True)
 
 
-def test_module_matches_per_head_apply_on_converted_params(cfg):
+@pytest.mark.parametrize("cname", [pytest.param(c, marks=tier("per_head", c)) for c in sorted(CONFIGS)])
+def test_module_matches_per_head_apply_on_converted_params(cname):
   """A fused module against the per_head functional layer on the module's own weights."""
+  cfg = CONFIGS[cname]
   m = MultiHeadAttention(cfg, "fused", rngs=nnx.Rngs(0))
   fused = {k.split("/")[-1]: a for k, a in param_tree(m).items()}
   fused = {k: a + 0.1 * randn(i, a.shape) for i, (k, a) in enumerate(sorted(fused.items()))}
@@ -67,7 +70,7 @@ def test_module_matches_per_head_apply_on_converted_params(cfg):
   assert y.shape == (B, T, cfg.d_model) and w.shape == (B, cfg.num_heads, T, T)
 
 
-@pytest.mark.parametrize("variant", sorted(attn.VARIANTS))
+@pytest.mark.parametrize("variant", variant_params())
 def test_module_params_are_exactly_the_variants(variant):
   cfg = attn.HeadConfig(d_model=12, num_heads=3, d_k=4, d_v=5, num_kv_heads=1)
   m = MultiHeadAttention(cfg, variant, rngs=nnx.Rngs(1))

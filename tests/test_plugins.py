@@ -82,6 +82,7 @@ def test_the_readme_variant_is_at_most_40_lines():
   assert len(_python_block("README.md", "### From your own repository").splitlines()) <= 40
 
 
+@pytest.mark.slow  # the kit on a plugin's mechanism over every check: seconds
 def test_an_installed_plugin_is_found_counted_and_its_mechanism_passes_the_kit(my_attn, capsys):
   with installed(my_attn):
     assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--variant", "tempered",

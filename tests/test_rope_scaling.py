@@ -142,6 +142,7 @@ def _decoder(variant, **rope_fields):
   return DecoderLM(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow  # a whole model generating step by step
 def test_greedy_generate_with_llama3_rope_is_argmax_of_the_full_pass():
   """Each generated token is the argmax of one causal full pass over the result at the step before."""
   model = _decoder("fused", **LLAMA3)

@@ -88,6 +88,7 @@ def live(tmp_path_factory):
   return path, out, logdir
 
 
+@pytest.mark.slow  # a sweep with live TensorBoard curves
 def test_live_curves_hold_every_row_of_every_trial(live):
   _, out, logdir = live
   runs = assert_mirrors_store(logdir, out)
@@ -95,6 +96,7 @@ def test_live_curves_hold_every_row_of_every_trial(live):
   assert sorted(runs) == sorted([f"num_heads=1,seed=0-{ids[0]}", f"num_heads=2,seed=0-{ids[1]}"])
 
 
+@pytest.mark.slow  # a sweep with live TensorBoard curves
 def test_export_writes_the_same_runs_and_again_shows_each_step_once(live, tmp_path, capsys):
   _, out, _ = live
   logdir = str(tmp_path / "exported")
@@ -106,6 +108,7 @@ def test_export_writes_the_same_runs_and_again_shows_each_step_once(live, tmp_pa
     assert len(os.listdir(os.path.join(logdir, run))) == 1
 
 
+@pytest.mark.slow  # a sweep with live TensorBoard curves
 def test_a_resumed_trial_rewrites_its_run_from_the_store(live, tmp_path):
   path, out, logdir = live
   out2, logdir2 = str(tmp_path / "out"), str(tmp_path / "logs")
@@ -124,6 +127,7 @@ def test_a_resumed_trial_rewrites_its_run_from_the_store(live, tmp_path):
   assert len(os.listdir(os.path.join(logdir2, tb_writer.run_name(tid, t["label"])))) == 1  # the old file replaced
 
 
+@pytest.mark.slow  # a sweep with live TensorBoard curves
 def test_a_failing_event_writer_changes_no_row(live, tmp_path, monkeypatch):
   """A disk that fills up under the log directory: reported, the trial in progress ends as without it, the sweep stops."""
   path, out, _ = live
