@@ -120,3 +120,14 @@ num_layers = 1
 num_heads = 2
 d_ff = 16
 """
+# Two trials of four steps on it: the store tests' sweep.
+TINY_SWEEP = TINY_MQAR + """
+[train]
+steps = 4
+batch_size = 2
+eval_every = 2
+eval_batches = 1
+
+[sweep]
+seeds = [0, 1]
+"""

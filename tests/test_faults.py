@@ -27,18 +27,9 @@ from attn.experiments.running import status
 from attn.experiments.running import store
 from attn.experiments.running import sweep
 from attn.experiments.training import faults
-from conftest import TINY_MQAR
+from conftest import TINY_SWEEP
 
-CONFIG = TINY_MQAR + """
-[train]
-steps = 4
-batch_size = 2
-eval_every = 2
-eval_batches = 1
-
-[sweep]
-seeds = [0, 1]
-"""
+CONFIG = TINY_SWEEP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -10,6 +10,7 @@ import pytest
 from attn import cli
 from attn.config import ConfigError
 from attn.experiments.reading import reproduce
+from conftest import TINY_MQAR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "experiments", "quick")
@@ -135,19 +136,7 @@ TINY = """
 [meta]
 name = "tiny"
 question = "does reproduce reproduce?"
-
-[task]
-name = "mqar"
-vocab_size = 16
-seq_len = 12
-num_pairs = 2
-
-[model]
-d_model = 16
-num_layers = 1
-num_heads = 2
-d_ff = 16
-
+""" + TINY_MQAR + """
 [train]
 steps = 3
 batch_size = 4

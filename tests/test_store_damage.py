@@ -18,18 +18,9 @@ from attn.experiments.reading import report
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import store
 from attn.experiments.running import sweep
-from conftest import TINY_MQAR
+from conftest import TINY_SWEEP
 
-CONFIG = TINY_MQAR + """
-[train]
-steps = 4
-batch_size = 2
-eval_every = 2
-eval_batches = 1
-
-[sweep]
-seeds = [0, 1]
-"""
+CONFIG = TINY_SWEEP
 
 DAMAGES = {
     "cut": lambda b: b[:len(b) // 2],  # a write cut short
