@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text) in and out (attn.nn.hf), BERT's MLM head out, refusals.
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text), SmolLM3 in and out (attn.nn.hf), BERT's MLM head out, refusals.
 
 Llama with RoPE scaling ("linear", "llama3") too, read from both transformers
 releases' spellings.
@@ -38,12 +38,18 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                     dict(head_dim=12, num_hidden_layers=3, sliding_window=3, query_pre_attn_scalar=10,
                          layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    # SmolLM3: every 4th layer NoPE (transformers' default no_rope_layer_interval), Llama's biases.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(num_hidden_layers=4, attention_bias=True, mlp_bias=True, pad_token_id=None,
+                     bos_token_id=None, eos_token_id=None)),
 }
+# The first transformers release with each family's classes (older ones skip its tests).
+SINCE = {"smollm3": "4.53"}
 # Families whose weights a real checkpoint ships in bf16: the tiny model's are rounded to bf16 too
 # (Gemma 3's q/k-norm w is held as 1 + w, exact for bf16 w; float32 w would lose its last bits).
 BF16 = {"gemma3_text"}
 # The families added with issue 31: only their logits test runs in the default tier.
-NEW = {"gemma3_text"}
+NEW = {"gemma3_text", "smollm3"}
 MEASURED = {}  # family -> (max abs, max relative) logit difference, printed with -s
 
 
@@ -83,6 +89,8 @@ def build(family, seed=0, rope=None, **changes):
   transformers = _transformers()
   import torch
   conf, model, extra = FAMILIES[family]
+  if not hasattr(transformers, conf):
+    pytest.skip(f"{family} needs transformers >= {SINCE[family]} (this is {transformers.__version__})")
   cfg = getattr(transformers, conf)(**(BASE | _family_rope(family, transformers, rope) | extra | changes))
   cfg._attn_implementation = "eager"
   torch.manual_seed(seed)
@@ -117,6 +125,10 @@ def test_family_logits_and_exact_round_trip(family):
   measured = check_family(family, build(family))
   cfg = measured["config"]
   assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, cfg.head.d_k, 500.0)
+  if family == "smollm3":  # layer 4 of 4 drops RoPE
+    assert cfg.layer_types == ("full_attention",) * 3 + ("full_attention_nope",)
+  if family == "gemma3_text":
+    assert (cfg.global_every, cfg.sliding_rope_theta, cfg.rope_scaling, cfg.qk_norm) == (3, 50.0, "linear", True)
   MEASURED[family] = (measured["logits_max_abs"], measured["logits_relative"])
   print(f"{family}: max abs {MEASURED[family][0]:.2e}, relative {MEASURED[family][1]:.2e}")
   assert MEASURED[family][1] < TOL
@@ -257,6 +269,18 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
     ({"model_type": "gemma2", "query_pre_attn_scalar": 4, "sliding_window": 2, "num_hidden_layers": 3,
       "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}, r"config.layer_types=.*every k-th"),
     ({"num_key_value_heads": 3, "num_attention_heads": 4, "hidden_size": 8}, "num_key_value_heads=3"),
+    # What issue 31's families may ask for and attn does not implement, refused with no weights on disk.
+    ({"layer_types": ["chunked_attention"]}, r"config.layer_types=\['chunked_attention'\]"),
+    ({"model_type": "llama4_text", "attention_chunk_size": 8192}, r"llama4_text is refused.*fixed chunks \(attention_chunk_size\)"),
+    ({"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     r"rope_parameters.sliding_attention.rope_type='linear'.*'default'"),
+    ({"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "longrope", "rope_theta": 1e6}}}, r"rope_parameters.rope_type='longrope'"),
+    ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, r"config.no_rope_layers=\[1, 2\].*1 \(RoPE\) or 0"),
+    ({"model_type": "smollm3", "layer_types": ["full_attention", "sliding_attention_nope"], "num_hidden_layers": 2},
+     r"config.layer_types=.*'full_attention' / 'sliding_attention'"),
 ])
 def test_refusals_by_name(tmp_path, changes, match):
   with pytest.raises(ConfigError, match=match):
