@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text), SmolLM3 in and out (attn.nn.hf), BERT's MLM head out, refusals.
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text), SmolLM3, Phi-3 in and out (attn.nn.hf), BERT's MLM head out, refusals.
 
 Llama with RoPE scaling ("linear", "llama3") too, read from both transformers
 releases' spellings.
@@ -42,6 +42,10 @@ FAMILIES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(num_hidden_layers=4, attention_bias=True, mlp_bias=True, pad_token_id=None,
                      bos_token_id=None, eos_token_id=None)),
+    # Phi-3: fused qkv_proj and gate_up_proj, Phi-4-mini's partial rotary 0.75 (6 of 8 dims), a window of 3.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(partial_rotary_factor=0.75, sliding_window=3, pad_token_id=None, bos_token_id=None,
+                  eos_token_id=None)),
 }
 # The first transformers release with each family's classes (older ones skip its tests).
 SINCE = {"smollm3": "4.53"}
@@ -49,7 +53,7 @@ SINCE = {"smollm3": "4.53"}
 # (Gemma 3's q/k-norm w is held as 1 + w, exact for bf16 w; float32 w would lose its last bits).
 BF16 = {"gemma3_text"}
 # The families added with issue 31: only their logits test runs in the default tier.
-NEW = {"gemma3_text", "smollm3"}
+NEW = {"gemma3_text", "smollm3", "phi3"}
 MEASURED = {}  # family -> (max abs, max relative) logit difference, printed with -s
 
 
@@ -124,7 +128,8 @@ def test_family_logits_and_exact_round_trip(family):
   (which knows its family), its save_pretrained directory read through numpy, the refusals."""
   measured = check_family(family, build(family))
   cfg = measured["config"]
-  assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, cfg.head.d_k, 500.0)
+  rotary = 6 if family == "phi3" else cfg.head.d_k
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, rotary, 500.0)
   if family == "smollm3":  # layer 4 of 4 drops RoPE
     assert cfg.layer_types == ("full_attention",) * 3 + ("full_attention_nope",)
   if family == "gemma3_text":
@@ -278,6 +283,11 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
      r"rope_parameters.sliding_attention.rope_type='linear'.*'default'"),
     ({"model_type": "gemma3_text", "rope_parameters": {
         "full_attention": {"rope_type": "longrope", "rope_theta": 1e6}}}, r"rope_parameters.rope_type='longrope'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, r"rope_scaling.rope_type='longrope'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.25}, r"config.partial_rotary_factor=0.25.*even rotary width.*gives 1"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}},
+     r"config.rope_parameters.partial_rotary_factor=1.5.*a fraction in \(0, 1\]"),
     ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, r"config.no_rope_layers=\[1, 2\].*1 \(RoPE\) or 0"),
     ({"model_type": "smollm3", "layer_types": ["full_attention", "sliding_attention_nope"], "num_hidden_layers": 2},
      r"config.layer_types=.*'full_attention' / 'sliding_attention'"),
@@ -317,9 +327,9 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
     hf.to_hf(model, cfg, "mistral")
   with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'gemma2'"):
     hf.to_hf(model, cfg, "falcon")
-  # A DecoderLM with RoPE that from_hf did not load: three families fit it alike, so it must be named.
+  # A DecoderLM with RoPE that from_hf did not load: five families fit it alike, so it must be named.
   hand = DecoderLM(cfg, rngs=nnx.Rngs(0))
-  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mistral and qwen2 fit it alike"):
+  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mistral and phi3 and qwen2 and smollm3 fit it alike"):
     hf.to_hf(hand, cfg)
   nnx.update(hand, nnx.state(model))
   named = hf.to_hf(hand, cfg, "qwen2").state_dict()

@@ -4,7 +4,8 @@ transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
 files, "rope_type" in newer) beside a top-level rope_theta. Types "default",
 "linear" and "llama3" (Llama 3.1/3.2's frequency scaling) map onto HeadConfig's
 rope_scaling fields and go back out in both spellings; others (dynamic, yarn,
-longrope, ...) and a partial rotary width are refused by name.
+longrope, ...) are refused by name, and so is a partial rotary width unless the
+family reads it (Phi-3: rotary_fraction).
 """
 
 from __future__ import annotations
@@ -20,13 +21,24 @@ from attn.nn.models import ModelConfig
 ROPE_TYPES = ("default", *(k for k in ROPE_SCALINGS if k))  # transformers' rope_type values attn implements
 
 
-def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def rotary_fraction(hf: dict[str, Any]) -> float:
+  """partial_rotary_factor (Phi-3's fraction of each head that rotates), from rope_parameters (5) or the top level (4)."""
+  params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  where = "rope_parameters" if "partial_rotary_factor" in params else ""
+  f = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+    raise invalid(f"config.{where + '.' if where else ''}partial_rotary_factor", f, "a fraction in (0, 1]")
+  return float(f)
+
+
+def rope_from_hf(hf: dict[str, Any], partial: bool = False) -> dict[str, Any]:
   """The HeadConfig RoPE fields (rope_theta, and rope_scaling with its parameters) of a config.
 
   transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
   files, "rope_type" in newer) beside a top-level rope_theta. A rope_scaling,
   where present, wins, as in both (5 takes it over rope_parameters). Types
-  other than ROPE_TYPES (dynamic, yarn, longrope, ...) are refused by name.
+  other than ROPE_TYPES (dynamic, yarn, longrope, ...) are refused by name, and so is a
+  partial_rotary_factor unless partial (the family reads it: rotary_fraction).
   """
   where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
   params = hf.get(where) or {}
@@ -39,8 +51,9 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
   if kind not in ROPE_TYPES:
     raise invalid(f"config.{where}.rope_type", kind, f"one of {list(ROPE_TYPES)}: attn implements "
                   "plain RoPE and its linear and llama3 scaling (not dynamic, yarn, longrope, ...)")
-  refuse(hf, {"partial_rotary_factor": ((1.0,), "attn's loader rotates the whole head")})
-  if params.get("partial_rotary_factor", 1.0) != 1.0:
+  if not partial:
+    refuse(hf, {"partial_rotary_factor": ((1.0,), "attn's loader rotates the whole head")})
+  if not partial and params.get("partial_rotary_factor", 1.0) != 1.0:
     raise invalid(f"config.{where}.partial_rotary_factor", params["partial_rotary_factor"],
                   "1.0: attn's loader rotates the whole head")
   out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
