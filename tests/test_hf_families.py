@@ -146,7 +146,13 @@ SCALED = {
     "linear": {"rope_type": "linear", "factor": 2.5},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
+    # YaRN with L = 32 (128 / factor 4): the band between 1 and 32 turns ramps the middle pairs; the
+    # softmax temperature 0.1·ln 4 + 1 by default, and gpt-oss's spelling (no truncation, a given factor).
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-gpt-oss": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+                     "beta_slow": 0.5, "truncate": False, "attention_factor": 1.3},
 }
+ORIGINAL = {"llama3": 64, "yarn": 32}  # rope_original_max_len of each scaled kind (else the default)
 
 
 def _relative(model, ids, lengths, ref):
@@ -154,22 +160,28 @@ def _relative(model, ids, lengths, ref):
   return float(np.abs(got - ref).max()), float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("kind", sorted(SCALED))
-def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
-  """Llama 3.1-style RoPE scaling: logits over 40 positions, the round trip, and the same weights
-  read with the scaling dropped (or llama3's bands ignored) far off, so the comparison can fail."""
-  m = build("llama", max_position_embeddings=128, rope=SCALED[kind])
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.slow if k == "yarn-gpt-oss" else [])
+                                 for k in sorted(SCALED)])
+def test_scaled_rope_logits_and_exact_round_trip(key, tmp_path):
+  """Llama 3.1-style and YaRN RoPE scaling: logits over 40 positions, the round trip, and the same weights
+  read with the scaling dropped (or llama3's bands, yarn's ramp and temperature ignored) far off, so the
+  comparison can fail."""
+  kind = SCALED[key]["rope_type"]
+  m = build("llama", max_position_embeddings=128, rope=SCALED[key])
   ids, lengths, mask = _batch(m.config.vocab_size, T=40)
   ref = _hf_logits(m, ids, mask)
   m.save_pretrained(tmp_path)
   model, cfg = hf.from_hf(str(tmp_path))
   assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == (
-      kind, SCALED[kind]["factor"], 64 if kind == "llama3" else 8192)
-  name = f"llama ({kind} RoPE)"
+      kind, SCALED[key]["factor"], ORIGINAL.get(kind, 8192))
+  if key == "yarn-gpt-oss":
+    assert (cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate, cfg.rope_attention_factor) == (8, 0.5, False, 1.3)
+  name = f"llama ({key} RoPE)"
   MEASURED[name] = _relative(model, ids, lengths, ref)
   print(f"{name}: max abs {MEASURED[name][0]:.2e}, relative {MEASURED[name][1]:.2e}")
   assert MEASURED[name][1] < TOL
-  wrong = [{"rope_type": "default"}] + ([{"rope_type": "linear", "factor": 8.0}] if kind == "llama3" else [])
+  wrong = [{"rope_type": "default"}] + ([{"rope_type": "linear", "factor": SCALED[key]["factor"]}]
+                                       if kind in ("llama3", "yarn") else [])
   config = json.loads((tmp_path / "config.json").read_text())
   config.pop("rope_scaling", None)
   for params in wrong:
@@ -183,6 +195,19 @@ def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
   spelling = "rope_parameters" if _v5(_transformers()) else "rope_scaling"
   assert getattr(back.config, spelling) == getattr(m.config, spelling)
   assert hf.from_hf(back).config == cfg
+
+
+def test_yarn_attention_factor_from_deepseek_mscale():
+  """DeepSeek's mscale / mscale_all_dim give yarn's attention_factor as transformers derives it; absent, None
+  (HeadConfig's 0.1·ln(factor) + 1); given, as given."""
+  yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4}
+  ratio = (0.1 * 0.5 * np.log(40.0) + 1) / (0.1 * 2.0 * np.log(40.0) + 1)
+  cfg = hf.model_config(LLAMA | {"rope_parameters": yarn | {"mscale": 0.5, "mscale_all_dim": 2.0}})
+  assert cfg.rope_attention_factor == pytest.approx(ratio, rel=1e-12) and cfg.rope_original_max_len == 4
+  assert hf.model_config(LLAMA | {"rope_parameters": yarn}).rope_attention_factor is None
+  assert hf.model_config(LLAMA | {"rope_scaling": yarn | {"attention_factor": 0.9}}).rope_attention_factor == 0.9
+  out = hf.rope_to_hf(cfg)["rope_parameters"]
+  assert out["attention_factor"] == cfg.rope_attention_factor and "beta_fast" not in out  # defaults left out
 
 
 def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
@@ -257,9 +282,11 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 @pytest.mark.parametrize("changes,match", [
     ({"model_type": "gpt_oss"}, r"gpt_oss.*mixture of experts"),
     ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gpt2'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"rope_parameters.rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 0.0}}, r"rope_factor=0.0 is not allowed"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}},
+     r"config.rope_parameters.beta_fast='x'.*a number: yarn RoPE"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
-     r"rope_scaling.rope_type='dynamic'.*\['default', 'linear', 'llama3'\]"),
+     r"rope_scaling.rope_type='dynamic'.*\['default', 'linear', 'llama3', 'yarn'\]"),
     ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, r"rope_parameters.rope_type='longrope'"),
     ({"rope_scaling": {"rope_type": "linear"}}, r"config.rope_scaling.factor=None.*a number: linear RoPE"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},

@@ -222,7 +222,8 @@ def config_out(row: LlamaLike, name: str, cfg: ModelConfig) -> dict[str, Any]:
 
 # ModelConfig fields a Llama-like config holds, beyond the sizes every family maps.
 MAPPED = frozenset({"rope_theta", "rope_dim", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                    "rope_high_freq_factor", "rope_original_max_len", "tie_embeddings", "use_bias", "dense_bias",
+                    "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
+                    "rope_attention_factor", "rope_truncate", "tie_embeddings", "use_bias", "dense_bias",
                     "qk_norm_eps", "window", "global_every"})
 
 
