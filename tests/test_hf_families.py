@@ -1,6 +1,8 @@
-"""Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text), SmolLM3, Phi-3 in and out (attn.nn.hf), BERT's MLM head out, refusals.
+"""The decoder families in and out (attn.nn.hf), BERT's MLM head out, refusals.
 
-Llama with RoPE scaling ("linear", "llama3") too, read from both transformers
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, and issue 31's Gemma 3 (text), SmolLM3, Phi-3 and gpt-oss
+(their tests skip on a transformers older than the family: SINCE). Llama with RoPE scaling ("linear",
+"llama3", "yarn") too, read from both transformers
 releases' spellings.
 
 Tiny random models built with transformers' own config classes (nothing is
@@ -46,14 +48,17 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(partial_rotary_factor=0.75, sliding_window=3, pad_token_id=None, bos_token_id=None,
                   eos_token_id=None)),
+    # gpt-oss: sinks, windows of 3 on alternate layers, 4 experts (top 2) with a SwiGLU clamp of 1 that bites.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=12, sliding_window=3, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0)),
 }
 # The first transformers release with each family's classes (older ones skip its tests).
-SINCE = {"smollm3": "4.53"}
+SINCE = {"smollm3": "4.53", "gpt_oss": "4.55"}
 # Families whose weights a real checkpoint ships in bf16: the tiny model's are rounded to bf16 too
 # (Gemma 3's q/k-norm w is held as 1 + w, exact for bf16 w; float32 w would lose its last bits).
 BF16 = {"gemma3_text"}
 # The families added with issue 31: only their logits test runs in the default tier.
-NEW = {"gemma3_text", "smollm3", "phi3"}
+NEW = {"gemma3_text", "smollm3", "phi3", "gpt_oss"}
 MEASURED = {}  # family -> (max abs, max relative) logit difference, printed with -s
 
 
@@ -78,6 +83,9 @@ def _rope(transformers, scaling=None):
 def _family_rope(family, transformers, scaling=None):
   """_rope, or Gemma 3's: a linearly scaled base 500 on full layers, 50 on sliding ones (4: rope_local_base_freq;
   5: rope_parameters by layer type)."""
+  if family == "gpt_oss":  # gpt-oss's own YaRN: no truncation, factor = max_position_embeddings / original
+    scaling = scaling or {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
   if family != "gemma3_text":
     return _rope(transformers, scaling)
   scaling = scaling or {"rope_type": "linear", "factor": 2.0}
@@ -130,6 +138,9 @@ def test_family_logits_and_exact_round_trip(family):
   cfg = measured["config"]
   rotary = 6 if family == "phi3" else cfg.head.d_k
   assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, rotary, 500.0)
+  if family == "gpt_oss":
+    assert (cfg.mlp, cfg.moe_experts, cfg.sinks, cfg.global_every, cfg.rope_scaling, cfg.rope_truncate) == (
+        "moe", 4, True, 2, "yarn", False)
   if family == "smollm3":  # layer 4 of 4 drops RoPE
     assert cfg.layer_types == ("full_attention",) * 3 + ("full_attention_nope",)
   if family == "gemma3_text":
@@ -280,7 +291,9 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"model_type": "gpt_oss"}, r"gpt_oss.*mixture of experts"),
+    ({"model_type": "gpt_oss", "swiglu_alpha": 1.5}, r"config.swiglu_alpha=1.5.*1.702"),
+    ({"model_type": "gpt_oss", "output_router_logits": True}, r"config.output_router_logits=True.*router logits"),
+    ({"model_type": "mixtral"}, r"mixtral is refused.*block_sparse_moe"),
     ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gpt2'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 0.0}}, r"rope_factor=0.0 is not allowed"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}},
