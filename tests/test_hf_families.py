@@ -129,7 +129,8 @@ def _hf_logits(m, ids, mask):
     return m(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow if f in NEW - {"gemma3_text"} else [])
+                                    for f in sorted(FAMILIES)])
 def test_family_logits_and_exact_round_trip(family):
   """attn.testing.check_family on transformers' own model of the family: logits at every position
   whose window holds a real key, its state dict back bit for bit through to_hf of the loaded model

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT and ten Llama-like decoder families.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT and nine Llama-like decoder families.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
