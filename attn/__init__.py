@@ -11,9 +11,15 @@ from attn import nn
 from attn.nn import MultiHeadAttention
 from attn import count
 from attn import analysis
+from attn import testing
+from attn.registry import register
+from attn.variants.base import Options, Variant, attend_and_project, normal, project_heads
+from attn.variants.mechanism import Mechanism
+from attn.variants.mechanisms import MECHANISMS
 
 __all__ = [
-    "HEAD_PRESETS", "VARIANTS", "analysis", "ConfigError", "HeadConfig", "LossyConversionWarning",
+    "HEAD_PRESETS", "MECHANISMS", "Mechanism", "Options", "VARIANTS", "Variant",
+    "attend_and_project", "normal", "project_heads", "register", "testing", "analysis", "ConfigError", "HeadConfig", "LossyConversionWarning",
     "apply", "attention", "count", "causal_mask", "combine_masks", "convert", "get_variant",
     "MultiHeadAttention", "init", "kernel", "masks", "nn", "padding_mask", "param_shapes",
     "single_head", "vaswani_base",

@@ -14,8 +14,8 @@ from attn.variants import VARIANTS, mechanisms, rope
 from attn.variants.base import Options, Params, Variant
 
 
-def get_variant(name: str) -> Variant:
-  """The registered variant `name`; an unknown name lists the known ones."""
+def get_variant(name: str | Variant) -> Variant:
+  """The registered variant `name` (a record is itself); an unknown name lists the known ones."""
   if isinstance(name, Variant):
     return name
   return VARIANTS.resolve(name, "variant")
@@ -26,6 +26,7 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
   v = get_variant(variant)
   if not isinstance(cfg, HeadConfig):
     raise invalid("cfg", type(cfg).__name__, "an attn.HeadConfig")
+  mechanisms.check(cfg)
   v.check(cfg)
   return v
 
@@ -33,18 +34,25 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
 def _init(v: Variant, key: jax.Array, cfg: HeadConfig, dtype) -> Params:
   # The mechanisms' parameters (cfg.gate, sinks, qk_norm) from a key of their own, so that
   # the variant's own parameters are the same with or without them.
-  return v.init(key, cfg, dtype) | mechanisms.init(jax.random.fold_in(key, 1), cfg, dtype)
+  own = v.init(key, cfg, dtype)
+  if not isinstance(own, dict) or not all(hasattr(a, "shape") for a in own.values()):
+    raise invalid(f"{v.name}.init(...)", type(own).__name__, "a dict of arrays (name -> array)")
+  return own | mechanisms.init(jax.random.fold_in(key, 1), cfg, dtype)
 
 
-def init(variant: str, key: jax.Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+def init(variant: str | Variant, key: jax.Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   """Fresh parameters of `variant` for cfg, as a plain dict of arrays (its head mechanisms' too)."""
   return _init(check_config(variant, cfg), key, cfg, dtype)
 
 
-@functools.lru_cache(maxsize=256)
-def param_shapes(variant: str, cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+def param_shapes(variant: str | Variant, cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
   """Name -> shape of the parameters `init` creates, without allocating them."""
-  v = check_config(variant, cfg)
+  return dict(_param_shapes(check_config(variant, cfg), cfg))
+
+
+@functools.lru_cache(maxsize=256)
+def _param_shapes(v: Variant, cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+  # Keyed by the record (records hash by identity), so a name registered again is read afresh.
   tree = jax.eval_shape(lambda k: _init(v, k, cfg, jnp.float32),
                         jax.ShapeDtypeStruct((2,), jnp.uint32))
   return {name: tuple(s.shape) for name, s in tree.items()}
@@ -54,7 +62,7 @@ def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
   """Params must have exactly the names and shapes `init` would create for cfg."""
   if not isinstance(params, dict):
     raise invalid("params", type(params).__name__, f"a dict of arrays made by attn.init({variant!r}, ...)")
-  want = param_shapes(get_variant(variant).name, cfg)
+  want = param_shapes(get_variant(variant), cfg)
   got = {name: tuple(getattr(a, "shape", ())) for name, a in params.items()}
   if set(got) != set(want):
     raise invalid("params", sorted(got), f"the keys {sorted(want)} of variant {variant!r} for this cfg")
@@ -108,8 +116,11 @@ def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mas
   v = check_config(variant, cfg)
   opts = options(cfg, x, context, mask=mask, return_weights=return_weights, head_mask=head_mask,
                  is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)
-  check_params(v.name, params, cfg)
+  check_params(v, params, cfg)
   y, w = v.apply(params, x, context, cfg=cfg, opts=opts)
+  if getattr(y, "shape", None) != x.shape:
+    raise invalid(f"{v.name}.apply(...)[0].shape", getattr(y, "shape", type(y).__name__),
+                  f"{tuple(x.shape)}: (B, T, d_model), the shape of x")
   return (y, w) if return_weights else y
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
+from attn import host_memory
 from attn.config import ConfigError
+from attn.registry import PluginWarning
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -15,6 +18,7 @@ COMMANDS = {
     "sweep": ("attn.experiments.cli", "run a sweep config: trials, metrics, resumable store"),
     "report": ("attn.experiments.reading.report", "write report.md and plots from a sweep directory"),
     "status": ("attn.experiments.running.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
+    "reproduce": ("attn.experiments.reproduce_cli", "re-run a slice of a shipped write-up and compare with its committed numbers"),
     "analyze": ("attn.experiments.reading.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
     "export": ("attn.experiments.reading.export", "write a sweep's metric rows from its store as TensorBoard runs"),
     "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
@@ -22,7 +26,18 @@ COMMANDS = {
 }
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+  """A plugin that failed to import is one line on stderr; other warnings as Python prints them."""
+  if issubclass(category, PluginWarning):
+    return f"attn: warning: {message}\n"
+  return _FORMAT(message, category, filename, lineno, line)
+
+
+_FORMAT = warnings.formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+  warnings.formatwarning = _one_line
   parser = argparse.ArgumentParser(prog="attn", description=__doc__)
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")
   for name, (module, help_text) in COMMANDS.items():
@@ -39,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
   module.add_arguments(p)
   args = p.parse_args(argv[1:])
   try:
+    host_memory.keep_freed_memory()  # before XLA's threads first allocate (attn.host_memory)
     return int(module.run(args) or 0)
   except ConfigError as e:
     print(f"attn {argv[0]}: error: {e}", file=sys.stderr)

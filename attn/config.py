@@ -103,6 +103,9 @@ class HeadConfig:
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
   values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
   1-based index in its model, for differential's λ_init; set by the models.
+  extra maps an outside head mechanism's name to its options ({"my_gate":
+  {"width": 3}}; attn.variants.mechanisms says why one field): the mechanism's
+  record validates them (attn.api.check_config); {} is None.
   """
 
   d_model: int
@@ -136,6 +139,7 @@ class HeadConfig:
   q_rank: int = 6
   kv_rank: int = 2
   layer: int = 1
+  extra: dict | None = None
 
   def __post_init__(self):
     _positive_int("d_model", self.d_model)
@@ -169,6 +173,7 @@ class HeadConfig:
         raise invalid("scale", self.scale, "a positive finite number or None")
     self._check_latent_and_rope()
     self._check_mechanisms()
+    object.__setattr__(self, "extra", _frozen_extra(self.extra))
 
   def _check_latent_and_rope(self) -> None:
     r = self.rope_dim
@@ -255,6 +260,39 @@ class HeadConfig:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+class FrozenDict(dict):
+  """A dict that cannot change and hashes by its items, so a HeadConfig holding one stays hashable."""
+
+  def _refuse(self, *args, **kwargs):
+    raise TypeError("a HeadConfig's extra options cannot change: use cfg.replace(extra=...)")
+
+  __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+  def __hash__(self) -> int:
+    return hash(tuple(sorted(self.items())))
+
+  def __reduce__(self):  # copy, deepcopy and pickle rebuild it whole, never item by item
+    return (type(self), (dict(self),))
+
+
+def _frozen_extra(extra: Any) -> FrozenDict | None:
+  """None, or {mechanism name: {option: value}} with identifier names, frozen; {} is None."""
+  if extra is None or (isinstance(extra, dict) and not extra):
+    return None
+  allowed = "None or a table {mechanism name: {option: value}} of an outside head mechanism's options"
+  if not isinstance(extra, dict):
+    raise invalid("extra", extra, allowed)
+  out = {}
+  for name, opts in extra.items():
+    if not isinstance(name, str) or not name.isidentifier() or not isinstance(opts, dict):
+      raise invalid("extra", dict(extra), allowed)
+    for key, value in opts.items():
+      if not isinstance(key, str) or not isinstance(value, (bool, int, float, str, type(None))):
+        raise invalid(f"extra.{name}.{key}", value, "a number, a string or a boolean")
+    out[name] = FrozenDict(opts)
+  return FrozenDict(out)
 
 
 def single_head(d_model: int, *, use_bias: bool = True) -> HeadConfig:

@@ -2,9 +2,14 @@
 
 Per attention layer (HeadConfig, any registered variant), each the variant's
 own plus its head mechanisms' (attn.variants.mechanisms: gates, sinks, QK-norm):
-  analytic   the variant's closed form (one line of math in its file);
+  analytic   the variant's closed form (one line of math in its file), or, for a
+             record without one, the stored count, labelled measured;
   stored     the elements of the tree `attn.init` creates (read from its shapes);
-  effective  the degrees of freedom of the function class (≤ stored).
+  effective  the degrees of freedom of the function class (≤ stored); without a
+             closed form, the Jacobian's rank at small sizes (attn.measured).
+FLOPs, KV-cache width and score weights without a closed form are measured too
+(XLA's cost analysis; what decoding caches; gradients); layer_table marks every
+measured figure, and `attn count` prints "(measured)" beside it.
 FLOPs count a multiply-add as 2, per batch element, softmax and elementwise
 ops not counted. The backward pass of a matmul y = a·b is two matmuls of the
 same size (da = dy·bᵀ, db = aᵀ·dy), so forward+backward = 3 × forward.
@@ -16,12 +21,11 @@ equals the number of elements in an instantiated model's nnx.Param tree.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
-from attn import api
+from attn import api, measured
 from attn.config import ConfigError, HeadConfig, invalid
 from attn.variants import mechanisms
 
@@ -32,18 +36,51 @@ if TYPE_CHECKING:
 MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
 
 
-def param_counts(variant: str, cfg: HeadConfig) -> dict[str, int]:
-  """{"analytic", "stored", "effective"} parameter counts of one attention layer."""
+def _closed(own, mech, cfg: HeadConfig, *args) -> int | None:
+  """The variant's closed form plus its active mechanisms', or None where one of them has none."""
+  extra = mech(cfg, *args)
+  return None if own is None or extra is None else int(own(cfg, *args) + extra)
+
+
+def measured_figures(variant: str, cfg: HeadConfig) -> list[str]:
+  """The figures of one layer that attn.count measures (attn.measured) for lack of a closed form.
+
+  Names as in layer_table's rows: analytic, effective, score_weights, flops, kv_cache.
+  """
   v = api.check_config(variant, cfg)
-  stored = sum(math.prod(shape) for shape in api.param_shapes(v.name, cfg).values())
-  return {"analytic": int(v.param_count(cfg) + mechanisms.param_count(cfg)),
-          "stored": int(stored),
-          "effective": int(v.effective_param_count(cfg) + mechanisms.effective_param_count(cfg))}
+  out = []
+  for figure, own, mech in (("analytic", v.param_count, mechanisms.param_count),
+                            ("effective", v.effective_param_count, mechanisms.effective_param_count),
+                            ("score_weights", v.score_weights, mechanisms.score_weights)):
+    if own is None or mech(cfg) is None:
+      out.append(figure)
+  if v.flops is None or mechanisms.flops(cfg, 1, 1) is None:
+    out.append("flops")
+  if v.kv_cache_width is None:
+    out.append("kv_cache")
+  return out
+
+
+def param_counts(variant: str, cfg: HeadConfig) -> dict[str, int | None]:
+  """{"analytic", "stored", "effective"} parameter counts of one layer.
+
+  Where the variant or a mechanism has no closed form, analytic is the stored
+  count and effective the Jacobian's rank (None for a layer too large to
+  measure it); measured_figures names them.
+  """
+  v = api.check_config(variant, cfg)
+  stored = measured.stored(v, cfg)
+  analytic = _closed(v.param_count, mechanisms.param_count, cfg)
+  effective = _closed(v.effective_param_count, mechanisms.effective_param_count, cfg)
+  return {"analytic": stored if analytic is None else analytic, "stored": int(stored),
+          "effective": measured.effective(v, cfg) if effective is None else effective}
 
 
 def score_weight_count(variant: str, cfg: HeadConfig) -> int:
   """Weights of one layer that the attention logits depend on (no biases, no values)."""
-  return int(api.check_config(variant, cfg).score_weights(cfg) + mechanisms.score_weights(cfg))
+  v = api.check_config(variant, cfg)
+  closed = _closed(v.score_weights, mechanisms.score_weights, cfg)
+  return measured.score_weights(v, cfg) if closed is None else closed
 
 
 def _check_length(name: str, value: Any) -> int:
@@ -54,11 +91,14 @@ def _check_length(name: str, value: Any) -> int:
 
 def flops(variant: str, cfg: HeadConfig, T: int, S: int | None = None,
           backward: bool = False) -> int:
-  """Analytic FLOPs of one layer per batch element: forward, or forward+backward (3×)."""
+  """FLOPs of one layer per batch element: forward, or forward+backward (3× in closed form;
+  XLA's cost analysis of both passes where the layer has no closed form)."""
   v = api.check_config(variant, cfg)
   T = _check_length("T", T)
   S = T if S is None else _check_length("S", S)
-  forward = int(v.flops(cfg, T, S) + mechanisms.flops(cfg, T, S))
+  forward = _closed(v.flops, mechanisms.flops, cfg, T, S)
+  if forward is None:
+    return measured.flops(v, cfg, T, S, backward)
   return 3 * forward if backward else forward
 
 
@@ -70,8 +110,11 @@ def _itemsize(dtype: Any) -> int:
 
 
 def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int:
-  """Bytes one layer caches per decoded token (MHA 2·H·K, GQA 2·G·K, MQA 2·K elements)."""
-  return int(api.check_config(variant, cfg).kv_cache_width(cfg)) * _itemsize(dtype)
+  """Bytes one layer caches per decoded token (MHA 2·H·K, GQA 2·G·K, MQA 2·K elements); what
+  decoding caches where the variant has no closed form."""
+  v = api.check_config(variant, cfg)
+  width = measured.kv_cache_width(v, cfg) if v.kv_cache_width is None else v.kv_cache_width(cfg)
+  return int(width) * _itemsize(dtype)
 
 
 # Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and
@@ -176,7 +219,8 @@ def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfl
   """One row per variant: the three counts, score weights, FLOPs and KV-cache bytes.
 
   A variant that refuses cfg (split_input when h does not divide d_model) gets
-  a row {"variant", "error"} instead of numbers.
+  a row {"variant", "error"} instead of numbers. "measured" lists the columns
+  measured for lack of a closed form (measured_figures), never shown as formulas.
   """
   _check_length("T", T)
   _check_length("S", T if S is None else S)
@@ -196,54 +240,52 @@ def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfl
                  "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
                  "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype),
                  "kv_bytes_at_T": kv_cache_bytes(name, cfg, T, dtype)})
+    figures = measured_figures(name, cfg)
+    if figures:
+      rows[-1]["measured"] = [c for f in figures for c in MEASURED_COLUMNS[f]]
   return rows
 
 
-# What each head mechanism adds to one layer, in closed form (attn.variants.mechanisms).
-MECHANISMS = (
-    ("gate headwise", {"gate": "headwise"}, "H·(D + b)", "2·T·D·H"),
-    ("gate elementwise", {"gate": "elementwise"}, "H·V·(D + b)", "2·T·D·H·V"),
-    ("sinks", {"sinks": True}, "H", "0"),
-    ("qk_norm", {"qk_norm": True}, "2·K", "0"),
-    ("window", {}, "0", "0 (fewer in practice: the kernels skip keys outside the window)"),
-    ("softcap", {}, "0", "0"),
-)
+# The columns of layer_table each measured figure fills.
+MEASURED_COLUMNS = {"analytic": ("analytic",), "effective": ("effective",),
+                    "score_weights": ("score_weights", "score_weights_per_head"),
+                    "flops": ("flops_fwd", "flops_fwd_bwd"),
+                    "kv_cache": ("kv_bytes_per_token", "kv_bytes_at_T")}
 
 
 def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:
-  """Bytes one layer caches after `length` tokens: a window layer keeps only the last `window`."""
-  kept = _check_length("length", length) if cfg.window is None else min(length, cfg.window)
+  """Bytes one layer caches after `length` tokens: a window layer keeps only the last `window`
+  (each mechanism's kv_tokens)."""
+  kept = mechanisms.kv_tokens(cfg, _check_length("length", length))
   return kept * kv_cache_bytes_per_token(variant, cfg, dtype)
 
 
 def mechanism_table(variant: str, cfg: HeadConfig, T: int, dtype: Any = "bfloat16",
                     window: int | None = None) -> list[dict[str, Any]]:
-  """One row per head mechanism: what it adds to one layer of `variant` at cfg's sizes.
+  """One row per example of each registered head mechanism: what it adds to one layer of `variant`.
 
   Parameters and forward FLOPs (for T tokens) added over the layer without any
   mechanism, in closed form and as numbers; the KV cache after T tokens, which
   only a window (default cfg.window, else T // 4) changes.
   """
-  plain = cfg.replace(gate=None, sinks=False, qk_norm=False, window=None, softcap=None)
+  plain = mechanisms.plain(cfg)
   base_params = param_counts(variant, plain)["analytic"]
   base_flops = flops(variant, plain, T)
   base_cache = kv_cache_bytes(variant, plain, T, dtype)
   w = window or cfg.window or max(T // 4, 1)
   rows = []
-  for name, change, params_form, flops_form in MECHANISMS:
-    if name == "window":
-      change = {"window": w}
-    elif name == "softcap":
-      change = {"softcap": 30.0}
-    on = plain.replace(**change)
-    try:
-      api.check_config(variant, on)
-    except ConfigError as e:
-      rows.append({"mechanism": name, "error": str(e)})
-      continue
-    rows.append({"mechanism": name + (f" {w}" if name == "window" else ""),
-                 "params_formula": params_form,
-                 "params": param_counts(variant, on)["analytic"] - base_params,
-                 "flops_formula": flops_form, "flops_fwd": flops(variant, on, T) - base_flops,
-                 "kv_cache_bytes": kv_cache_bytes(variant, on, T, dtype) - base_cache})
+  for m in mechanisms.MECHANISMS.values():
+    for label, change, params_form, flops_form in mechanisms.examples(m):
+      if "window" in change:
+        change, label = {**change, "window": w}, f"{label} {w}"
+      try:
+        on = plain.replace(**change)
+        api.check_config(variant, on)
+      except ConfigError as e:
+        rows.append({"mechanism": label, "error": str(e)})
+        continue
+      rows.append({"mechanism": label, "params_formula": params_form,
+                   "params": param_counts(variant, on)["analytic"] - base_params,
+                   "flops_formula": flops_form, "flops_fwd": flops(variant, on, T) - base_flops,
+                   "kv_cache_bytes": kv_cache_bytes(variant, on, T, dtype) - base_cache})
   return rows

@@ -17,16 +17,18 @@ import csv
 import dataclasses
 import io
 import json
+import tomllib
 from typing import Any
 
 from attn import count, count_layers, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
+from attn.variants.mechanisms import MECHANISMS
 
 # Every HeadConfig field is a flag: --d-k 64, --rope-theta 1e6, --no-use-bias (a field true by
 # default), --sinks (false by default); typed by its annotation, checked by HeadConfig.
 _HEAD_FIELDS = {f.name: f for f in dataclasses.fields(HeadConfig)}
-_ARG_TYPES = {"int": int, "float": float, "str": str}
+_ARG_TYPES = {"int": int, "float": float, "str": str, "dict": lambda text: _toml_table(text)}
 _LAYER_COLUMNS = [
     ("variant", "variant"), ("analytic", "params (analytic)"), ("stored", "params (stored)"),
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
@@ -78,8 +80,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--variant", action="append", default=None,
                       help="only this variant (repeatable; default all)")
   parser.add_argument("--mechanisms", action="store_true",
-                      help="also what each head mechanism (gate, sinks, qk_norm, window, softcap) adds")
+                      help="also what each head mechanism adds: " + "; ".join(
+                          m.help or m.name for m in MECHANISMS.values()))
   parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+
+
+def _toml_table(text: str) -> dict[str, Any]:
+  """--extra '{my_gate = {width = 3}}': a TOML inline table (HeadConfig.extra)."""
+  try:
+    return tomllib.loads(f"v = {text}")["v"]
+  except tomllib.TOMLDecodeError as e:
+    raise argparse.ArgumentTypeError(f"not a TOML inline table ({e})") from None
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +102,8 @@ def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
+  if value is None:
+    return "n/a"
   if isinstance(value, bool):
     return "yes" if value else "**no**"
   if isinstance(value, float):
@@ -101,24 +114,26 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-  """A markdown table; rows with an "error" show it in place of their numbers."""
+  """A markdown table; rows with an "error" show it in place of their numbers, and the cells a row
+  lists under "measured" (no closed form; attn.count) say so."""
   lines = ["| " + " | ".join(title for _, title in columns) + " |",
            "|---|" + "---:|" * (len(columns) - 1)]
   for row in rows:
     if "error" in row:
       cells = [row[columns[0][0]], f"n/a: {row['error']}"] + [""] * (len(columns) - 2)
     else:
-      cells = [_fmt(row.get(k, "")) for k, _ in columns]
+      cells = [_fmt(row.get(k, "")) + (" (measured)" if k in row.get("measured", ()) else "")
+               for k, _ in columns]
     lines.append("| " + " | ".join(str(c) for c in cells) + " |")
   return "\n".join(lines)
 
 
 def _csv(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
   out = io.StringIO()
-  keys = [k for k, _ in columns] + (["error"] if any("error" in r for r in rows) else [])
+  keys = [k for k, _ in columns] + [k for k in ("error", "measured") if any(k in r for r in rows)]
   writer = csv.DictWriter(out, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
   writer.writeheader()
-  writer.writerows(rows)
+  writer.writerows([{**r, "measured": " ".join(r["measured"])} if "measured" in r else r for r in rows])
   return out.getvalue().rstrip("\n")
 
 

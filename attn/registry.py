@@ -34,6 +34,24 @@ BUILTIN = "attn"        # the source of a built-in record
 RUNTIME = "register()"  # the source of a record added by Registry.register
 
 
+# Every Registry made, so that register() finds the one a record belongs to by its type.
+REGISTRIES: list[Registry] = []
+
+
+def register(record: Any) -> Any:
+  """Add a record (a Variant, a Mechanism, ...) to its registry, for this process only.
+
+  A notebook's records reach attn.apply, init, count and the NNX modules in this
+  process; worker processes started by `attn sweep --workers`, `--processes-per-trial`
+  or Slurm do not see them: put the record behind an entry point for those.
+  """
+  for registry in REGISTRIES:
+    if isinstance(record, registry.record_type):
+      return registry.register(record)
+  kinds = ", ".join(f"{r.record_type.__module__}.{r.record_type.__qualname__}" for r in REGISTRIES)
+  raise ConfigError(f"record={type(record).__name__} {record!r:.60} is not allowed: one of {kinds}")
+
+
 class PluginWarning(UserWarning):
   """An installed plugin that could not be loaded; everything else still works."""
 
@@ -61,6 +79,7 @@ class Registry(collections.abc.Mapping, Generic[R]):
     self._sources: dict[str, str] = {}
     self._broken: dict[str, str] = {}  # entry-point name -> why it could not be loaded
     self._lock = threading.RLock()
+    REGISTRIES.append(self)
 
   # -- filling ------------------------------------------------------------------------------
   def _load(self) -> dict[str, R]:

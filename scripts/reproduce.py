@@ -8,9 +8,14 @@
 For each NAME it runs `attn sweep configs/NAME.toml --out runs/NAME` (resuming
 a finished run costs nothing), then copies runs/NAME/report.md and its PNGs to
 experiments/NAME/ (with an analysed sweep, also one trial's plots as
-trial_*.png, named in trial_plots.txt) and writes experiments/NAME/run.json: the command, the
+trial_*.png, named in trial_plots.txt), writes experiments/NAME/trials.json (each trial's final
+metrics at full precision: what `attn reproduce experiments/NAME` compares a re-run with) and
+experiments/NAME/run.json: the command, the
 wall time of this invocation, the date, the machine and its load average
-(1 minute) at the start and end. The write-up
+(1 minute) at the start and end, and as run_record the lines of the store's
+own run record (runs/NAME/run.jsonl: commit, versions, CPU, XLA_FLAGS of
+each `attn sweep` on it; `attn reproduce` names the commit and CPU from its
+first line). Shipped run.json files without run_record name no commit. The write-up
 experiments/NAME/README.md is prose and is not touched.
 """
 
@@ -26,6 +31,9 @@ import shutil
 import subprocess
 import sys
 import time
+
+from attn.experiments.reading.reproduce import COMMITTED, committed_trials
+from attn.experiments.running import run_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,12 +83,15 @@ def reproduce(name: str, runs: str, report_only: bool, workers: int | None = Non
     with open(os.path.join(dest, "trial_plots.txt"), "w", encoding="utf-8") as f:
       f.write(f"trial_*.png are the plots of trial {os.path.basename(example)} "
               f"({os.path.relpath(example, ROOT)}): the analysed trial with the largest prunable fraction.\n")
+  with open(os.path.join(dest, COMMITTED), "w", encoding="utf-8") as f:
+    json.dump(committed_trials(os.path.join(ROOT, out)), f, indent=1)
+    f.write("\n")
   if report_only:
     return
   info = {"command": " ".join(cmd), "wall_s": round(wall, 1),
           "date": datetime.date.today().isoformat(), "cpu": _cpu(), "cores": os.cpu_count(),
           "python": platform.python_version(), "load_start": round(load_start, 2),
-          "load_end": round(os.getloadavg()[0], 2)}
+          "load_end": round(os.getloadavg()[0], 2), "run_record": run_record.read(os.path.join(ROOT, out))[0]}
   with open(os.path.join(dest, "run.json"), "w", encoding="utf-8") as f:
     json.dump(info, f, indent=1)
     f.write("\n")

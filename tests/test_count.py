@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.flatten_util import ravel_pytree
 
 import attn
 from attn import ConfigError, HeadConfig, cli, count, kernel, presets
@@ -82,14 +81,10 @@ def _accepts(name: str, cfg: HeadConfig) -> bool:
   return True
 
 
-# Tiny layers whose Jacobian (outputs on many inputs w.r.t. every parameter) fits in memory:
-# its generic rank is the local dimension of the function class, i.e. the effective count.
-JACOBIAN_CONFIGS = [HeadConfig(d_model=4, num_heads=4, d_k=1, d_v=2, num_kv_heads=2),
-                    HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=3, num_kv_heads=1, use_bias=False),
-                    HeadConfig(d_model=6, num_heads=2, d_k=2, d_v=3, num_kv_heads=1)]
-JACOBIAN_CASES = [pytest.param(name, cfg, id=f"{name}-{i}", marks=tier(name))
-                  for name in sorted(attn.VARIANTS)
-                  for i, cfg in enumerate(JACOBIAN_CONFIGS) if _accepts(name, cfg)] + [
+# The effective count is the Jacobian's rank (attn.testing.check_effective_count): the kit checks
+# every variant at its small configs (tests/test_contract.py); these are the shapes where a
+# formula has a case of its own.
+JACOBIAN_CASES = [
     pytest.param("per_head", HeadConfig(d_model=4, num_heads=2, d_k=5, d_v=5, use_bias=False),
                  id="per_head-dk>D"),
     pytest.param("collaborative", HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=2, collab_width=7,
@@ -115,21 +110,7 @@ JACOBIAN_CASES = [pytest.param(name, cfg, id=f"{name}-{i}", marks=tier(name))
 
 @pytest.mark.parametrize("name, cfg", JACOBIAN_CASES)
 def test_effective_count_is_the_rank_of_the_jacobian(name, cfg):
-  rng = np.random.default_rng(1)
-  # Every leaf N(0, 0.2²): small weights keep the softmax unsaturated, and equal scales
-  # keep two_stage's products well conditioned, so the float32 rank gap is clean.
-  params = {k: jnp.asarray(0.2 * rng.standard_normal(shape), jnp.float32)
-            for k, shape in sorted(attn.param_shapes(name, cfg).items())}
-  flat, unravel = ravel_pytree(params)
-  batch = max(12, -(-3 * flat.size // (5 * cfg.d_model)))  # at least 3x more outputs than parameters
-  x_BTD = jnp.asarray(np.random.default_rng(2).standard_normal((batch, 5, cfg.d_model)), jnp.float32)
-  f = lambda w: attn.VARIANTS[name].apply(unravel(w), x_BTD, None, cfg=cfg)[0].ravel()
-  s = np.linalg.svd(np.asarray(jax.jit(jax.jacfwd(f))(flat), np.float64), compute_uv=False)
-  s = s / s[0]
-  eff = count.param_counts(name, cfg)["effective"]
-  assert s[eff - 1] > 1e-6, (cfg, s[eff - 3:eff + 3])  # the last real direction, above round-off
-  if eff < flat.size:  # the next one at round-off, a clean gap below
-    assert s[eff] < 1e-6 and s[eff] < s[eff - 1] / 30, (cfg, s[eff - 3:eff + 3])
+  attn.testing.check_effective_count(name, cfg)
 
 
 @pytest.mark.parametrize("name", variant_params())
@@ -153,31 +134,10 @@ def test_seed_question_score_weights_per_head():
   assert count.param_counts("per_head", cfg)["analytic"] == 4 * 512 * 512 + 4 * 512
 
 
-def xla_flops(f, *args) -> float:
-  cost = jax.jit(f).lower(*args).compile().cost_analysis()
-  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+from attn.measured import xla_flops  # noqa: E402  (tests/test_mla.py and test_mechanisms.py read it here)
 
 
-@pytest.mark.parametrize("name", variant_params())
-def test_flops_agree_with_xla_cost_analysis(name):
-  # Small shapes where matmuls dominate: XLA also counts bias adds and softmax
-  # (a few ops per score).
-  cfg = HeadConfig(d_model=48, num_heads=4, d_k=12, d_v=20, num_kv_heads=2)
-  T, S = 4, 12
-  params = attn.init(name, jax.random.PRNGKey(0), cfg)
-  x_BTD = jnp.ones((1, T, cfg.d_model))
-  c_BSD = jnp.ones((1, S, cfg.d_model))
-  f = lambda p, x, c: attn.VARIANTS[name].apply(p, x, c, cfg=cfg)[0]
-
-  def fwd_bwd(p, x, c, dy):
-    y, vjp = jax.vjp(f, p, x, c)
-    return y, vjp(dy)
-
-  fwd = count.flops(name, cfg, T, S)
-  assert xla_flops(f, params, x_BTD, c_BSD) == pytest.approx(fwd, rel=0.10)
-  both = count.flops(name, cfg, T, S, backward=True)
-  assert both == 3 * fwd
-  assert xla_flops(fwd_bwd, params, x_BTD, c_BSD, x_BTD) == pytest.approx(both, rel=0.10)
+# FLOPs against XLA's cost analysis: the kit (attn.testing), for every variant.
 
 
 def test_flops_default_S_is_T_and_bad_lengths_are_refused():

@@ -12,73 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CONFIGS, ROPE_CONFIGS, fresh_params, randn
+
 from flax import nnx
 
 import attn
 from attn.config import ConfigError
 from attn.nn import DecoderLM, ModelConfig
 from attn.variants import cache as kv_cache
-from attn.variants.base import Options
 
 ALL = sorted(attn.VARIANTS)
 
 
-def _accepted(variant: str, names) -> list:
-  """The configs of `names` the variant accepts (mla with a latent narrower than G·(K + V))."""
-  out = []
-  for name in names:
-    cfg = {**CONFIGS, **ROPE_CONFIGS}[name]
-    if variant == "mla":
-      cfg = dataclasses.replace(cfg, latent_dim=cfg.d_k + 1)
-    try:
-      attn.VARIANTS[variant].check(cfg)
-    except ConfigError:
-      continue
-    out.append((name, cfg))
-  assert out, f"{variant} accepts none of {names}"
-  return out
-
-
-@pytest.mark.parametrize("variant", ALL)
-def test_cache_holds_kv_cache_width_per_token(variant):
-  var = attn.VARIANTS[variant]
-  for _, cfg in _accepted(variant, ("gqa", "mqa_nobias", "rope_gqa", "h_not_dividing_D")):
-    params = jax.eval_shape(lambda: var.init(jax.random.PRNGKey(0), cfg))
-    shapes = jax.eval_shape(lambda p: kv_cache.init(var, p, cfg, 3, 5), params)
-    for a in shapes.values():
-      assert a.shape[:2] == (3, 5)
-    assert kv_cache.width(shapes) == var.kv_cache_width(cfg)
-
-
-def _decode_in_chunks(var, params, x_BTD, cfg, chunks, head_mask=None):
-  cache = kv_cache.init(var, params, cfg, x_BTD.shape[0], x_BTD.shape[1] + 2)
-  ys, i = [], 0
-  for T in chunks:
-    y, cache = kv_cache.decode_step(var, params, x_BTD[:, i:i + T], cache, i, cfg=cfg,
-                                    head_mask=head_mask)
-    ys.append(y)
-    i += T
-  return jnp.concatenate(ys, axis=1)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ALL)
-def test_decode_step_equals_the_causal_forward_pass(variant):
-  var = attn.VARIANTS[variant]
-  # GQA (with RoPE where the variant has it), then MQA without biases.
-  cases = _accepted(variant, ("rope_gqa", "gqa"))[:1] + _accepted(variant, ("rope_mqa_nobias",
-                                                                             "mqa_nobias"))[:1]
-  for name, cfg in cases:
-    params = fresh_params(variant, cfg, seed=1)
-    x_BTD = randn(2, (2, 7, cfg.d_model))
-    full, _ = var.apply(params, x_BTD, cfg=cfg, opts=Options(is_causal=True))
-    got = _decode_in_chunks(var, params, x_BTD, cfg, (1,) * 7)
-    np.testing.assert_allclose(got, full, atol=2e-5, rtol=2e-5, err_msg=f"{name} one at a time")
-    gates = jnp.asarray(np.random.default_rng(3).uniform(size=(2, cfg.num_heads)), jnp.float32)
-    gated, _ = var.apply(params, x_BTD, cfg=cfg, opts=Options(is_causal=True, head_mask=gates))
-    got = _decode_in_chunks(var, params, x_BTD, cfg, (4, 1, 2), head_mask=gates)
-    np.testing.assert_allclose(got, gated, atol=2e-5, rtol=2e-5, err_msg=f"{name} chunked, gated")
+# A layer's cache holds kv_cache_width numbers per token, and decoding it token by token and in
+# chunks equals the causal full pass, for every variant with every mechanism: attn.testing's
+# check_variant (tests/test_contract.py; chunks in its thorough mode). Below: whole models.
 
 
 def _model(variant: str, num_layers: int = 2, **kw) -> DecoderLM:

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import attn
-from attn import ConfigError, HeadConfig, count
+from attn import ConfigError, HeadConfig, count, testing
 from attn.convert import CONVERTERS
 from attn.nn import DecoderLM, ModelConfig
 from attn.variants import cache as kv_cache
@@ -258,39 +258,17 @@ def test_every_variant_carries_the_mechanisms(variant, mech):
 # ----------------------------------------------------------------- decoding
 
 
-def decode_cases():
-  out = []
-  for name in sorted(attn.VARIANTS):
-    for mech in sorted(MECHS):
-      if config(name, mech) is not None:
-        fast = mech == "all" and name in ("per_head", "mla")  # the K/V and the latent cache
-        out.append(pytest.param(name, mech, id=f"{name}-{mech}",
-                                marks=() if fast else pytest.mark.slow))
-  return out
+# Decoding with each mechanism, past the window too (a ring of `window` slots), token by token and
+# in chunks, equals the forward pass: the kit's check, on every variant.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(mechanisms.MECHANISMS))
+def test_the_kit_passes_on_every_builtin_mechanism_and_variant(name):
+  testing.check_mechanism(mechanisms.MECHANISMS[name], thorough=True)
 
 
-@pytest.mark.parametrize("variant, mech", decode_cases())
-def test_token_by_token_decoding_equals_the_forward_pass(variant, mech):
-  """Past the window too (a ring of `window` slots), one token at a time and in chunks."""
-  cfg = config(variant, mech)
-  var = attn.VARIANTS[variant]
-  assert cfg.num_kv_heads < cfg.num_heads
-  p = random_params(attn.init(variant, jax.random.PRNGKey(0), cfg), 1)
-  x = randn(2, (B, 9, cfg.d_model))
-  xi = jnp.asarray(np.random.default_rng(3).uniform(size=(B, cfg.num_heads)), jnp.float32)
-  full, _ = var.apply(p, x, cfg=cfg, opts=Options(is_causal=True, head_mask=xi))
-  step = jax.jit(lambda p, x, c, i: kv_cache.decode_step(var, p, x, c, i, cfg=cfg, head_mask=xi))
-  for chunks in ((1,) * 9, (4, 1, 2, 2)):
-    cache = kv_cache.init(var, p, cfg, B, 10)
-    if cfg.window is not None:
-      assert next(iter(cache.values())).shape[1] == cfg.window
-    ys, i = [], 0
-    for n in chunks:
-      y, cache = step(p, x[:, i:i + n], cache, jnp.asarray(i))
-      ys.append(y)
-      i += n
-    np.testing.assert_allclose(jnp.concatenate(ys, 1), full, atol=3e-5, rtol=3e-5,
-                               err_msg=str(chunks))
+@pytest.mark.slow  # the fast tier's check_variant runs every variant with every mechanism on
+def test_the_kit_passes_on_the_gate():
+  testing.check_mechanism(mechanisms.MECHANISMS["gate"])
 
 
 def test_ring_mask_sees_the_window_by_position():
@@ -371,7 +349,7 @@ def test_qk_norm_needs_two_dims_and_three_variants_refuse_it():
 def test_circuits_leave_the_mechanisms_out_and_refuse_qk_norm():
   cfg = AWKWARD.replace(gate="headwise", sinks=True, window=2)
   p = per_head_params(cfg)
-  own = {n: a for n, a in p.items() if n not in mechanisms.NAMES}
+  own = {n: a for n, a in p.items() if n not in mechanisms.names()}
   got, plain = attn.analysis.circuits("per_head", p, cfg), attn.analysis.circuits(
       "per_head", own, AWKWARD)
   assert all(np.array_equal(got[n], plain[n]) for n in plain)
@@ -384,7 +362,7 @@ def test_conversions_carry_the_mechanisms_and_refuse_a_dropped_key_bias():
   cfg = AWKWARD.replace(gate="headwise", sinks=True, qk_norm=True, window=3, softcap=2.0)
   p = per_head_params(cfg)
   fused = attn.convert(p, "per_head", "fused", cfg)
-  for name in mechanisms.NAMES:
+  for name in mechanisms.names():
     if name in p:
       np.testing.assert_array_equal(fused[name], p[name])
   np.testing.assert_array_equal(ravel_pytree(attn.convert(fused, "fused", "per_head", cfg))[0],
@@ -402,7 +380,7 @@ def test_params_carry_the_mechanisms_by_name():
   cfg = AWKWARD.replace(gate="elementwise", sinks=True, qk_norm=True)
   p = attn.init("fused", jax.random.PRNGKey(0), cfg)
   H, V, K, D = cfg.num_heads, cfg.d_v, cfg.d_k, cfg.d_model
-  assert {n: p[n].shape for n in mechanisms.NAMES} == {
+  assert {n: p[n].shape for n in mechanisms.names()} == {
       "w_gate": (D, H, V), "b_gate": (H, V), "sinks": (H,), "q_norm": (K,), "k_norm": (K,)}
   own = attn.init("fused", jax.random.PRNGKey(0), AWKWARD)
   assert all(np.array_equal(own[n], p[n]) for n in own)  # mechanisms draw from their own key

@@ -19,6 +19,7 @@ heads, micro-batches (train.grad_accum) on data 2 × heads 2, and a checkpoint
 saved on heads = 4 resumed on one device.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -114,8 +115,15 @@ def test_the_rule_query_heads_split_kv_heads_when_m_divides_g_shared_arrays_repl
 
 def test_an_undeclared_parameter_is_refused_by_name():
   with pytest.raises(ConfigError, match=r"per_head.w_extra='w_extra' is not allowed: a parameter declared in "
-                                        r"attn/nn/sharding.py \(LAYOUTS\['per_head'\] or CANONICAL\)"):
+                                        r"variant 'per_head''s record \(Variant.sharding\)"):
     sharding.axes("per_head", "w_extra")
+  # A variant that declares no letters at all is replicated, and says so.
+  bare = dataclasses.replace(attn.VARIANTS["per_head"], name="bare", sharding=None)
+  with pytest.warns(sharding.ReplicatedWarning, match="'bare' declares no sharding letters.*'w_extra'"):
+    assert sharding.axes(bare, "w_extra") is None
+  with pytest.warns(sharding.ReplicatedWarning):
+    specs = sharding.param_specs(dataclasses.replace(bare, param_count=None), CONFIGS["base"], 2)
+  assert set(specs.values()) == {sharding.PartitionSpec()}
   with pytest.raises(ConfigError, match=r"heads=4 is not allowed: a divisor of num_heads=6"):
     sharding.param_specs("per_head", CONFIGS["gqa"], 4)
 

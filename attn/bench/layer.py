@@ -20,7 +20,8 @@ F.scaled_dot_product_attention; candidates whose XLA buffers would exceed half
 the available memory are skipped with that reason (--variants does not apply
 to the family). Causal long shapes also time the blocked core alone ("core",
 no projections) against the same core with a sliding window of LONG_WINDOW
-keys ("core_window"), whose FLOPs count only the pairs inside the window. The
+keys ("core_window", whose FLOPs count only the pairs inside the window);
+those up to T = 4096 without a mask time the core alone too ("core_full"). The
 candidates live in attn.bench.peers.
 """
 
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import attn
+from attn import host_memory
 from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
 
@@ -51,6 +53,7 @@ PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "torch_sdpa": "torch F.scaled_dot_product_attention",
                "einsum": "fused, einsum kernel",
                "core": "blocked core alone, causal",
+               "core_full": "blocked core alone, no mask",
                "core_window": "blocked core alone, causal window 256"}
 RATIO_LABELS = {"flax": "× flax", "jax_dpa": "× jax dpa", "torch": "× torch",
                 "torch_sdpa": "× torch SDPA"}
@@ -139,6 +142,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--decode", action="store_true",
                       help="instead: per-token KV-cache decode time and cache bytes per variant "
                            "at contexts 256, 1024, 4096 (attn.bench.decode)")
+  parser.add_argument("--steps", action="store_true",
+                      help="instead: the default sweep's models, step time against stored ratios to "
+                           "the matmul rate, in both trial orders, met or MISSED (attn.bench.steps)")
+  parser.add_argument("--account", action="store_true",
+                      help="instead: every dot of the fused layer (reference shape) and the blocked core "
+                           "(T=4096), its library, time and rate, per XLA flag set (attn.bench.account)")
+  parser.add_argument("--flag-sets", default=None,
+                      help="with --account: comma-separated, from attn.bench.flags.FLAG_SETS (default: all)")
+  parser.add_argument("--record", action="store_true",
+                      help="with --steps: store this run's ratios as the reference (attn/bench/step_ratios.json)")
   parser.add_argument("--sweep-seeds", type=int, default=4, help="seeds trained for --sweep")
   parser.add_argument("--sweep-steps", type=int, default=None,
                       help="training steps per trial for --sweep (default: the config's; --quick 20)")
@@ -179,7 +192,8 @@ def machine_info() -> dict[str, Any]:
   return {"cpu": model, "cores": os.cpu_count(), "threads": _threads(),
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
           "load_average": _load_average(),
-          "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+          "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "host_malloc": host_memory.in_force()}
 
 
 def _threads() -> int:
@@ -225,6 +239,8 @@ def _long_cases(shape: Shape, dtype, dtype_name: str,
   if causal:
     cases["core"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True)
     cases["core_window"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True, window=LONG_WINDOW)
+  elif T <= 4096:  # the core alone without a mask, for causal ÷ full of the core (scripts/bench_targets.py)
+    cases["core_full"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=False)
   if peers:
     torch_case = peers_lib.torch_sdpa_case(cfg, B, T, dtype_name, causal)
     if torch_case is not None:
@@ -267,7 +283,7 @@ def core_flops_of(shape: Shape) -> dict[str, int]:
   cfg, T = shape.cfg, shape.T
   per_pair = 2 * cfg.num_heads * (cfg.d_k + cfg.d_v) * shape.B
   pairs = sum(min(LONG_WINDOW, t + 1) for t in range(T))
-  return {"core": per_pair * T * T, "core_window": per_pair * pairs}
+  return {"core": per_pair * T * T, "core_full": per_pair * T * T, "core_window": per_pair * pairs}
 
 
 def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, repeats: int,
@@ -457,10 +473,17 @@ def run(args: argparse.Namespace) -> int:
   repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
   if isinstance(repeats, bool) or repeats < 1:
     raise invalid("--repeats", repeats, "a positive integer")
+  if args.account:  # the children's XLA_FLAGS extend this one: checked before JAX starts and reads it
+    from attn.bench import flags as flags_lib
+    flags_lib.check_xla_flags(os.environ.get("XLA_FLAGS", ""))
   info = machine_info()
   log = lambda text: print(text, file=sys.stderr, flush=True)
   if args.decode:
     return _run_decode(args, variants, repeats, info, log)
+  if args.steps:
+    return _run_steps(args, info, log)
+  if args.account:
+    return _run_account(args, repeats, info, log)
   print(f"# attn bench\n\n{info['cpu']}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
@@ -508,5 +531,44 @@ def _run_decode(args: argparse.Namespace, variants: list[str], repeats: int, inf
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"machine": info, "repeats": repeats, "decode": r}, f, indent=1)
+    log(f"wrote {args.out}")
+  return 0
+
+
+def _run_steps(args: argparse.Namespace, info, log) -> int:
+  from attn.bench import steps as bench_steps
+  n = 20 + bench_steps.SKIP if args.quick else 100
+  print(f"# attn bench --steps\n\n{info['cpu']}, {info['cores']} cores; load average at start "
+        f"{info['load_average']}; XLA_FLAGS={info['xla_flags']!r}\n")
+  result = bench_steps.measure(n, log=log)
+  stored = bench_steps.load_stored()
+  found = bench_steps.checks(result, stored)
+  print(bench_steps.markdown(result, found, stored))
+  if args.record:
+    bench_steps.record(result, info)
+    log(f"recorded {bench_steps.STORED}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"machine": info, "steps": result, "checks": found}, f, indent=1)
+    log(f"wrote {args.out}")
+  return 0 if all(met for *_, met in found) else 1
+
+
+def _run_account(args: argparse.Namespace, repeats: int, info, log) -> int:
+  from attn.bench import account
+  from attn.bench import flags as flags_lib
+  names = _names(args.flag_sets, flags_lib.FLAG_SETS, "--flag-sets", flags_lib.FLAG_SETS)
+  for name in names:
+    flags_lib.with_flag_set(name)  # every flag set and the XLA_FLAGS it adds to checked before any child runs
+  print(f"# attn bench --account\n\n{info['cpu']}, {info['cores']} cores; "
+        + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+        + f"; load average at start {info['load_average']}; {repeats} repeats\n")
+  ref = SHAPES["reference"]
+  shape = {"B": ref.B, "T": ref.T, "D": ref.D, "H": ref.H, "K": ref.K, "T_long": 4096, "window": LONG_WINDOW}
+  results = account.run_flag_sets(names, repeats, shape, log=log)
+  print(account.markdown(results))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"machine": info, "account": results}, f, indent=1)
     log(f"wrote {args.out}")
   return 0

@@ -197,6 +197,7 @@ class ModelConfig:
                           or not 0 < c < float("inf")):
       raise invalid("logit_softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
+    object.__setattr__(self, "extra", self.head.extra)  # frozen, so the config stays hashable
     if self.positional == "rope" and not self.rope_dim:
       raise invalid("rope_dim", self.rope_dim,
                     f"an even integer in [2, d_k={self.head.d_k}] with positional='rope'")

@@ -27,15 +27,18 @@ outputs to a partial (B,T,D) and one all-reduce sums them; XLA inserts it from
 these shardings, as it inserts every other collective. Everything outside the
 attention layers (embeddings, MLPs, norms) is replicated over "heads".
 
-CANONICAL is the rule for the canonical layout's names; LAYOUTS lists each
-variant's other parameters and the names it uses otherwise; MECHANISMS the head
-mechanisms' (gates and sinks split with their heads, QK-norm scales replicated). A parameter of a
-registered variant that neither declares is refused by name (tests check the
-table against every variant's parameters).
+CANONICAL is the rule for the canonical layout's names; each variant's record
+declares its other parameters and the names it uses otherwise (Variant.sharding),
+each head mechanism's record its own (Mechanism.sharding: gates and sinks split
+with their heads, QK-norm scales replicated). A parameter of a variant that
+declares letters but not for that name is refused by name; a variant that
+declares none (a first draft, a plugin) has all its own parameters replicated
+over "heads", the canonical names too, with a warning saying so (tests check every built-in's parameters are declared).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -45,46 +48,37 @@ from jax.sharding import PartitionSpec
 from attn import api
 from attn.config import HeadConfig, invalid
 from attn.nn.attention import MultiHeadAttention
+from attn.variants import mechanisms
+from attn.variants.base import Variant
 
 HEADS = "heads"  # the mesh axis heads split over
 
 CANONICAL = {"w_q": "DHK", "w_k": "DGK", "w_v": "DGV", "w_o": "HVD",
              "b_q": "HK", "b_k": "GK", "b_v": "GV", "b_o": "D"}
 
-LAYOUTS: dict[str, dict[str, str | None]] = {
-    "per_head": {},
-    "fused": {"w_qkv": "DP", "b_qkv": "P", "w_o": "HD"},  # w_o (H·V, D): H-major rows
-    "two_stage": {"w_q1": "DD", "w_k1": "DD", "w_v1": "DD", "b_q1": "D", "b_k1": "D", "b_v1": "D"},
-    "split_input": {"w_q": "HEK", "w_k": "GEK", "w_v": "GEV"},
-    "merged": {"w_qk": "HDD", "b_kc": "HD"},
-    "collaborative": {"w_q": "DJ", "w_k": "DJ", "b_q": "J", "b_k": "J", "m": "HJ"},
-    "mla": {"w_dq": "DQ", "w_uq": "QHK", "w_dkv": "DC", "w_uk": "CGK", "w_uv": "CGV",
-            "w_kr": "DR", "b_kr": "R"},
-    "talking_heads": {"mix_l": None, "mix_w": None},
-    # X: differential's two query/key pairs, tpa's factor ranks (replicated). Each device keeps its
-    # heads' head factors a^q (a^k, a^v when M divides G) and every dim factor b.
-    "differential": {"w_q": "DXHK", "w_k": "DXGK", "b_q": "XHK", "b_k": "XGK", "lambda_q1": None,
-                     "lambda_k1": None, "lambda_q2": None, "lambda_k2": None, "norm": None},
-    "tpa": {"w_aq": "DXH", "w_bq": "DXK", "w_ak": "DXG", "w_bk": "DXK", "w_av": "DXG", "w_bv": "DXV",
-            "b_aq": "XH", "b_bq": "XK", "b_ak": "XG", "b_bk": "XK", "b_av": "XG", "b_bv": "XV"},
-}
-# The head mechanisms' parameters (attn.variants.mechanisms), on any variant: a gate or a sink
-# belongs to its head. A headwise gate has no V axis: its letters stop at the array's rank.
-MECHANISMS = {"w_gate": "DHV", "b_gate": "HV", "sinks": "H", "q_norm": None, "k_norm": None}
+class ReplicatedWarning(UserWarning):
+  """A variant that declares no sharding letters: its parameters are replicated over "heads"."""
 
 
-def axes(variant: str, name: str) -> str | None:
+def axes(variant: str | Variant, name: str) -> str | None:
   """The letters of parameter `name` of `variant` (None: replicated); refuses an undeclared one."""
-  table = LAYOUTS.get(variant, {})
-  if name in table:
-    return table[name]
+  v = api.get_variant(variant)
+  own = v.sharding
+  from_mechanisms = mechanisms.letters()
+  if name in from_mechanisms:
+    return from_mechanisms[name]
+  if own is None:  # not even the canonical names: a draft's w_o need not be (H, V, D)
+    warnings.warn(f"attn: variant {v.name!r} declares no sharding letters (Variant.sharding): its "
+                  f"parameter {name!r} is replicated over the mesh's {HEADS!r} axis", ReplicatedWarning,
+                  stacklevel=2)
+    return None
+  if name in own:
+    return own[name]
   if name in CANONICAL:
     return CANONICAL[name]
-  if name in MECHANISMS:
-    return MECHANISMS[name]
-  raise invalid(f"{variant}.{name}", name,
-                f"a parameter declared in attn/nn/sharding.py (LAYOUTS[{variant!r}] or CANONICAL): "
-                "say how it splits over the mesh's heads axis")
+  raise invalid(f"{v.name}.{name}", name,
+                f"a parameter declared in variant {v.name!r}'s record (Variant.sharding) or the "
+                "canonical layout: say how it splits over the mesh's heads axis")
 
 
 def _axis_spec(letter: str, size: int, cfg: HeadConfig, heads: int) -> str | None:
@@ -97,21 +91,22 @@ def _axis_spec(letter: str, size: int, cfg: HeadConfig, heads: int) -> str | Non
   return None
 
 
-def param_specs(variant: str, cfg: HeadConfig, heads: int) -> dict[str, PartitionSpec]:
+def param_specs(variant: str | Variant, cfg: HeadConfig, heads: int) -> dict[str, PartitionSpec]:
   """name -> PartitionSpec of each parameter of `variant` for cfg over `heads` devices (the rule above)."""
   v = api.check_config(variant, cfg)
   if cfg.num_heads % heads:
     raise invalid("heads", heads, f"a divisor of num_heads={cfg.num_heads}")
   out = {}
-  for name, shape in api.param_shapes(v.name, cfg).items():
-    letters = axes(v.name, name)
+  from_mechanisms = mechanisms.names()
+  for name, shape in api.param_shapes(v, cfg).items():
+    letters = axes(v, name)
     if letters is None or heads == 1:
       out[name] = PartitionSpec()
       continue
-    if name in MECHANISMS:
+    if name in from_mechanisms:  # a headwise gate has no V axis: its letters stop at its rank
       letters = letters[:len(shape)]
     if len(letters) != len(shape):
-      raise invalid(f"LAYOUTS[{v.name!r}][{name!r}]", letters, f"{len(shape)} letters, one per axis of {shape}")
+      raise invalid(f"{v.name}.sharding[{name!r}]", letters, f"{len(shape)} letters, one per axis of {shape}")
     out[name] = PartitionSpec(*[_axis_spec(a, n, cfg, heads) for a, n in zip(letters, shape)])
   return out
 

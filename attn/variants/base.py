@@ -13,7 +13,7 @@ here and in attn.kernel, not in variant files: a variant that computes its
 own logits or attends to something else calls the pieces of the shared path
 (queries_and_keys, core or full_mask + probabilities, project_out) instead of
 attend_and_project. The head mechanisms (HeadConfig gate, sinks, qk_norm,
-window, softcap; attn.variants.mechanisms) live in those pieces: `init` makes
+window, softcap, and outside ones; attn.variants.mechanisms) live in those pieces: `init` makes
 the variant's own parameters and attn.init adds the mechanisms', attn.count
 adds their counts. A variant that cannot carry a HeadConfig feature (RoPE:
 rope_dim > 0; qk_norm) refuses it in its `check`, with the reason.
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -116,24 +116,39 @@ def _no_constraint(cfg: HeadConfig) -> None:
   del cfg
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Variant:
-  """One head parameterization: init / apply / counts / FLOPs / KV-cache width / score weights."""
+  """One head parameterization. Only name, init and apply are required.
+
+  init(key, cfg, dtype) -> dict of arrays; apply(params, x_BTD, context_BSD, *, cfg, opts) ->
+  (y_BTD, weights_BHTS or None). Everything else is optional: a figure a variant does not
+  declare in closed form (param_count, effective_param_count, flops, kv_cache_width,
+  score_weights) is measured by attn.count (attn.variants.measured) and labelled "measured".
+  sharding: parameter name -> one letter per axis (attn.nn.sharding's rule) for the names
+  beyond the canonical layout's; None means undeclared, and its parameters are replicated over
+  the mesh's heads axis (with a warning saying so). Frozen: dataclasses.replace makes a
+  variation of one; records compare by identity.
+  """
 
   name: str
   init: Callable[[Array, HeadConfig, Any], Params]
   apply: Callable[..., tuple[Array, Array | None]]
-  param_count: Callable[[HeadConfig], int]
-  effective_param_count: Callable[[HeadConfig], int]
-  flops: Callable[[HeadConfig, int, int], int]
-  kv_cache_width: Callable[[HeadConfig], int]
-  score_weights: Callable[[HeadConfig], int]
+  param_count: Callable[[HeadConfig], int] | None = None
+  effective_param_count: Callable[[HeadConfig], int] | None = None
+  flops: Callable[[HeadConfig, int, int], int] | None = None
+  kv_cache_width: Callable[[HeadConfig], int] | None = None
+  score_weights: Callable[[HeadConfig], int] | None = None
   check: Callable[[HeadConfig], None] = _no_constraint
   decode_apply: Callable[..., tuple[Array, Array | None]] | None = None
   cache_entries: Callable[..., dict[str, Array]] | None = None
   attend_cached: Callable[..., Array] | None = None
   circuits: Callable[..., dict[str, Any]] | None = None
   signed_weights: bool = False
+  sharding: Mapping[str, str | None] | None = None
+
+
+# The figures a Variant may give in closed form; attn.count measures the ones it does not.
+CLOSED_FORMS = ("param_count", "effective_param_count", "flops", "kv_cache_width", "score_weights")
 
 
 def normal(key: Array, shape: tuple[int, ...], fan_in: int, dtype=jnp.float32) -> Array:
@@ -199,8 +214,8 @@ def gate_heads(out_BTHV: Array, head_mask) -> Array:
 
 def queries_and_keys(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig,
                      opts: Options) -> tuple[Array, Array]:
-  """q and k as the scores read them: QK-norm (cfg.qk_norm), then RoPE at opts.qk_positions."""
-  q_BTHK, k_BSGK = mechanisms.normalize_qk(params, q_BTHK, k_BSGK, cfg)
+  """q and k as the scores read them: the mechanisms' on_qk (QK-norm), then RoPE at opts.qk_positions."""
+  q_BTHK, k_BSGK = mechanisms.on_qk(params, q_BTHK, k_BSGK, cfg)
   return rope.rotate_qk(q_BTHK, k_BSGK, cfg, opts.qk_positions)
 
 
@@ -208,16 +223,22 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
          opts: Options) -> tuple[Array, Array | None]:
   """kernel.attention under the call's masks: (o (B,T,H,V), weights (B,H,T,S) or None).
 
-  The layer's window, sinks and softcap (cfg; params["sinks"]) go with it.
+  The mechanisms' kernel keywords (window, sinks, softcap) go with it; a
+  mechanism acting on the logits that the kernel cannot take (an outside
+  on_logits) makes it the explicit path: scores, probabilities, weighted sum.
   impl None or "auto" (kernel.best_impl) is the einsum kernel for short
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
   without weights out.
   """
+  if mechanisms.needs_explicit_logits(cfg):
+    mask = full_mask(q_BTHK.shape[1], k_BSGK.shape[1], cfg=cfg, opts=opts)
+    w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg)
+    o_BTHV = kernel.weighted_sum(w_BHTS, v_BSGV)
+    return o_BTHV, (w_BHTS if opts.return_weights else None)
   out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, opts.mask, is_causal=opts.is_causal,
                          kv_lengths=opts.kv_lengths, scale=cfg.score_scale,
                          return_weights=opts.return_weights, impl=opts.impl or "auto",
-                         window=cfg.window, sinks=mechanisms.sinks(params, cfg),
-                         softcap=cfg.softcap)
+                         **mechanisms.kernel_args(params, cfg))
   return out if opts.return_weights else (out, None)
 
 
@@ -230,12 +251,10 @@ def full_mask(T: int, S: int, *, cfg: HeadConfig, opts: Options) -> Array | None
 def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) -> Array:
   """Softmax weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
 
-  As kernel.attention: the logits capped by cfg.softcap, the sinks in every denominator.
+  As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator.
   """
-  logits_BHTS = logits_BHTS.astype(jnp.float32)
-  if cfg.softcap is not None:
-    logits_BHTS = cfg.softcap * jnp.tanh(logits_BHTS / cfg.softcap)
-  return kernel.masked_softmax(logits_BHTS, mask, mechanisms.sinks(params, cfg))
+  logits_BHTS = mechanisms.on_logits(params, logits_BHTS.astype(jnp.float32), cfg)
+  return kernel.masked_softmax(logits_BHTS, mask, mechanisms.kernel_args(params, cfg)["sinks"])
 
 
 def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
@@ -243,9 +262,9 @@ def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
   """o_h of each head, gated, through W^O (as (H,V,D)) plus b_o, in x's dtype.
 
   x_BTD is the query-side input of the layer, the tokens whose outputs o_h
-  are: the output gate (cfg.gate) reads it. opts.head_mask multiplies too.
+  are: the mechanisms' on_output (the gate) reads it. opts.head_mask multiplies too.
   """
-  o_BTHV = gate_heads(mechanisms.gate_output(params, x_BTD, o_BTHV, cfg), opts.head_mask)
+  o_BTHV = gate_heads(mechanisms.on_output(params, x_BTD, o_BTHV, cfg), opts.head_mask)
   w_o_HVD = params["w_o"].reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
   y_BTD = output_projection(o_BTHV, w_o_HVD, bias(params, "b_o"))
   return y_BTD.astype(x_BTD.dtype)

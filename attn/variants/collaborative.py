@@ -100,6 +100,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="collaborative",
+    sharding={"w_q": "DJ", "w_k": "DJ", "b_q": "J", "b_k": "J", "m": "HJ"},
     init=init,
     apply=apply,
     param_count=param_count,

@@ -155,6 +155,8 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="differential",
+    sharding={"w_q": "DXHK", "w_k": "DXGK", "b_q": "XHK", "b_k": "XGK", "lambda_q1": None,
+              "lambda_k1": None, "lambda_q2": None, "lambda_k2": None, "norm": None},  # X: the two query/key pairs
     init=init,
     apply=apply,
     param_count=param_count,

@@ -79,6 +79,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
 
 VARIANT = Variant(
     name="fused",
+    sharding={"w_qkv": "DP", "b_qkv": "P", "w_o": "HD"},  # w_o (H·V, D): H-major rows
     init=init,
     apply=apply,
     param_count=standard_param_count,

@@ -1,138 +1,238 @@
-"""Head mechanisms any variant carries: output gates, attention sinks, QK-norm (window, softcap).
+"""Head mechanisms: features any variant carries, each one `Mechanism` record in one Registry.
 
-HeadConfig switches them on (gate, sinks, qk_norm, window, softcap); this
-module holds their parameters, their math and their counts, in one place, and
-attn.variants.base applies them in the shared path every variant goes through
-(queries_and_keys, core, probabilities, project_out). attn.init adds their
-parameters to the variant's own, attn.count adds their counts to the
-variant's, attn.convert carries them across unchanged: every mechanism acts on
-query heads, key heads of width d_k or the attention core, which all variants
-share. A variant that cannot carry one refuses it in its `check`, with the
-reason.
+The built-ins (attn.variants.head_mechanisms: gate, sinks, qk_norm, window,
+softcap), plugins of the entry-point group `attn.mechanisms` and records given
+to `attn.register` are all read from MECHANISMS: validation (api.check_config),
+init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
+`attn count --mechanisms` table and its help (and so the table in
+experiments/parameter_counts/README.md, which scripts/count_tables.py writes).
 
-  gate "headwise"     w_gate (D,H) [+ b_gate (H,)]: o_h ← o_h·σ(x·w_gate[:, h] + b_gate[h])
-  gate "elementwise"  w_gate (D,H,V) [+ b_gate (H,V)]: o_h ← o_h ⊙ σ(x·w_gate[:, h] + b_gate[h])
-      (Qiu et al. 2025, "Gated Attention for LLMs", G1: after the attention
-      core, before W^O; x is the token whose output o_h is.)
-  sinks               sinks (H,): one more logit per query head in every softmax
-      denominator, with no value (gpt-oss); a row's weights sum to less than 1.
-  qk_norm             q_norm (K,), k_norm (K,): every query and key head RMS-normalised
-      over its d_k dims, times the scales (shared by the heads), before RoPE (Qwen3).
-  window, softcap     no parameters: arguments of kernel.attention.
+A record acts at one or more points of the shared path every variant goes
+through (attn.variants.base):
 
-Counts, per layer (b = 1 with use_bias): params H·(D + b) (headwise gate),
-H·V·(D + b) (elementwise), H (sinks), 2·K (qk_norm). FLOPs: 2·T·D·H or
-2·T·D·H·V for the gate's projection (elementwise products not counted). Score
-weights: 2·K for qk_norm (the logits depend on both scales). The effective
-count (the dimension of the function class) changes beyond the mechanism's own
-parameters: base.value_output_dof and base.factored_score_dof read cfg, and
-effective_param_count here adds the rest; their docstrings give the reasons.
+  on_qk(params, q_BTHK, k_BSGK, *, cfg) -> (q, k)   queries and keys before the scores
+                                                     (before RoPE; qk_norm)
+  on_logits(params, logits_BHTS, *, cfg) -> logits  the scaled float32 logits before the
+                                                     softmax (softcap)
+  on_output(params, x_BTD, o_BTHV, *, cfg) -> o     each head's output before W^O (gate)
+  kernel(params, cfg) -> dict                       keyword arguments of kernel.attention
+                                                     (window, sinks, softcap: built-ins only)
+
+A mechanism with on_logits and no kernel keywords makes the layer take the
+einsum path (explicit logits, base.probabilities), since the fused kernels do
+not see it.
+
+Options. A built-in's options are HeadConfig fields, declared there (`fields`,
+the first one switching it on: gate="headwise", sinks=True), so trial ids of
+existing configs are unchanged. An outside mechanism's options live in ONE
+HeadConfig field, `extra`: a table from the mechanism's name to its options
+({"my_gate": {"width": 3}}; TOML `[model.extra.my_gate]`, `--set
+model.extra.my_gate={width=3}`); its presence switches the mechanism on,
+`defaults` fills what is not set, `check(cfg)` validates the values, and, as
+every [model] key, it is part of the trial id (left out when empty, so configs
+without plugins keep their ids). A function reads them with `options(cfg, name)`.
+Why one field: a plugin cannot add fields to attn's HeadConfig, and one table
+keyed by the record's name goes through ModelConfig, TOML, --set and the trial
+id the way every HeadConfig field does, with no per-plugin schema. The
+built-ins' fields are validated by HeadConfig where they are declared, so
+their records need no check.
+
+Parameters: `init(key, cfg, dtype)` -> dict of arrays (names no variant uses),
+`sharding` one letter per axis of each (H: split with the query heads, None:
+replicated; letters past an array's rank are dropped). Counts in closed form
+(param_count, effective_param_count, flops, score_weights) are optional: a
+layer whose mechanism lacks one has that figure measured (attn.count), and
+`kv_tokens(cfg, length)` says how many tokens a layer caches after `length`
+(window: the last `window`; counts only: the decoding ring is cfg.window's). `examples` are rows (label, HeadConfig changes
+that switch it on, params formula, FLOPs formula) for `attn count --mechanisms`
+and the configs the kit (attn.testing) composes with every variant; an outside
+mechanism with none is switched on with its defaults ({"extra": {name: {}}}).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig
+from attn.config import HeadConfig, invalid
+from attn.registry import Registry
+from attn.variants import head_mechanisms
+from attn.variants.mechanism import Mechanism
+
+__all__ = ["MECHANISMS", "Mechanism", "active", "options", "split"]
 
 Array = jax.Array
 Params = dict[str, Array]
 
-# Every parameter name a mechanism may add; a variant never uses these names.
-NAMES = ("w_gate", "b_gate", "sinks", "q_norm", "k_norm")
+
+MECHANISMS: Registry[Mechanism] = Registry("mechanism", "attn.mechanisms", Mechanism,
+                                           lambda: head_mechanisms.MECHANISMS)
+
+
+def is_builtin(m: Mechanism) -> bool:
+  return bool(m.fields)
+
+
+def is_on(m: Mechanism, cfg: HeadConfig) -> bool:
+  """Whether cfg switches m on: its first field set (built-ins), or its name in cfg.extra."""
+  if m.fields:
+    return getattr(cfg, m.fields[0]) not in (None, False)
+  return bool(cfg.extra) and m.name in cfg.extra
+
+
+def active(cfg: HeadConfig) -> list[Mechanism]:
+  """The mechanisms cfg switches on, in registry order."""
+  return [m for m in MECHANISMS.values() if is_on(m, cfg)]
+
+
+def options(cfg: HeadConfig, name: str) -> dict[str, Any]:
+  """A mechanism's options under cfg: its HeadConfig fields, or its defaults updated by cfg.extra."""
+  m = MECHANISMS.resolve(name, "mechanism")
+  if m.fields:
+    return {f: getattr(cfg, f) for f in m.fields}
+  return {**(m.defaults or {}), **dict((cfg.extra or {}).get(name) or {})}
+
+
+def check(cfg: HeadConfig) -> None:
+  """Every mechanism cfg names is known and its options are valid (its record's check)."""
+  for name, opts in (cfg.extra or {}).items():
+    m = MECHANISMS.resolve(name, "extra")
+    if m.fields:
+      raise invalid(f"extra.{name}", dict(opts), f"no entry: {name!r} is a built-in mechanism, set by "
+                    f"the HeadConfig fields {list(m.fields)}")
+    unknown = sorted(set(opts) - set(m.defaults or {}))
+    if unknown:
+      raise invalid(f"extra.{name}.{unknown[0]}", opts[unknown[0]],
+                    f"an option of mechanism {name!r}: one of {sorted(m.defaults or {})}")
+  for m in active(cfg):
+    if m.check is not None:
+      m.check(cfg)
+
+
+def _key(key: Array, m: Mechanism) -> Array:
+  # The gate (the only built-in with random weights) keeps the key it always had; others their own.
+  return key if m.name == "gate" else jax.random.fold_in(key, zlib.crc32(m.name.encode()) % 2**31)
 
 
 def init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
-  """The mechanisms' parameters for cfg: gate weights N(0, 1/D) and zero bias, zero sinks, unit
-  norm scales; {} when none is on."""
-  D, H, K, V = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v
-  out = {}
-  if cfg.gate is not None:
-    shape = (H,) if cfg.gate == "headwise" else (H, V)
-    out["w_gate"] = (jax.random.normal(key, (D, *shape), jnp.float32) / jnp.sqrt(D)).astype(dtype)
-    if cfg.use_bias:
-      out["b_gate"] = jnp.zeros(shape, dtype)
-  if cfg.sinks:
-    out["sinks"] = jnp.zeros((H,), dtype)
-  if cfg.qk_norm:
-    out.update(q_norm=jnp.ones((K,), dtype), k_norm=jnp.ones((K,), dtype))
+  """The parameters of every active mechanism; {} when none is on."""
+  out: Params = {}
+  for m in active(cfg):
+    if m.init is not None:
+      out.update(m.init(_key(key, m), cfg, dtype))
   return out
+
+
+def names() -> set[str]:
+  """Every parameter name a mechanism declares (its sharding letters); no variant uses these."""
+  return {n for m in MECHANISMS.values() for n in (m.sharding or {})}
+
+
+def letters() -> dict[str, str | None]:
+  """Parameter name -> its sharding letters, over every mechanism."""
+  return {n: a for m in MECHANISMS.values() for n, a in (m.sharding or {}).items()}
 
 
 def split(params: Params) -> tuple[Params, Params]:
   """(the variant's own parameters, the mechanisms')."""
-  own = {n: a for n, a in params.items() if n not in NAMES}
-  return own, {n: a for n, a in params.items() if n in NAMES}
+  mech = names()
+  return ({n: a for n, a in params.items() if n not in mech},
+          {n: a for n, a in params.items() if n in mech})
 
 
-# The math, applied by attn.variants.base's shared path.
+# The points of the shared path (attn.variants.base calls these).
 
-def rms_norm(x_BTNK: Array, scale_K: Array, eps: float) -> Array:
-  """x / sqrt(mean over K of x² + eps) · scale, in float32, returned in x's dtype."""
-  x = x_BTNK.astype(jnp.float32)
-  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return (y * scale_K.astype(jnp.float32)).astype(x_BTNK.dtype)
-
-
-def normalize_qk(params: Params, q_BTHK: Array, k_BSGK: Array,
-                 cfg: HeadConfig) -> tuple[Array, Array]:
-  """QK-norm (cfg.qk_norm): each query and key head RMS-normalised, times q_norm and k_norm."""
-  if not cfg.qk_norm:
-    return q_BTHK, k_BSGK
-  return (rms_norm(q_BTHK, params["q_norm"], cfg.qk_norm_eps),
-          rms_norm(k_BSGK, params["k_norm"], cfg.qk_norm_eps))
+def on_qk(params: Params, q_BTHK: Array, k_BSGK: Array, cfg: HeadConfig) -> tuple[Array, Array]:
+  for m in active(cfg):
+    if m.on_qk is not None:
+      q_BTHK, k_BSGK = m.on_qk(params, q_BTHK, k_BSGK, cfg=cfg)
+  return q_BTHK, k_BSGK
 
 
-def sinks(params: Params, cfg: HeadConfig) -> Array | None:
-  """The per-head sink logits (H,), or None without sinks."""
-  return params["sinks"] if cfg.sinks else None
+def on_logits(params: Params, logits_BHTS: Array, cfg: HeadConfig) -> Array:
+  for m in active(cfg):
+    if m.on_logits is not None:
+      logits_BHTS = m.on_logits(params, logits_BHTS, cfg=cfg)
+  return logits_BHTS
 
 
-def gate_output(params: Params, x_BTD: Array, o_BTHV: Array, cfg: HeadConfig) -> Array:
-  """o_h times σ(x·W_gate,h + b_gate,h): one gate per head ("headwise") or per value dim."""
-  if cfg.gate is None:
-    return o_BTHV
-  w_gate = params["w_gate"]
-  z = jnp.einsum("BTD,D...->BT...", x_BTD, w_gate, preferred_element_type=jnp.float32)
-  z = z + params.get("b_gate", jnp.zeros((), w_gate.dtype)).astype(jnp.float32)
-  g = jax.nn.sigmoid(z)
-  g_BTHV = g[..., None] if cfg.gate == "headwise" else g
-  return (o_BTHV.astype(jnp.float32) * g_BTHV).astype(o_BTHV.dtype)
+def on_output(params: Params, x_BTD: Array, o_BTHV: Array, cfg: HeadConfig) -> Array:
+  for m in active(cfg):
+    if m.on_output is not None:
+      o_BTHV = m.on_output(params, x_BTD, o_BTHV, cfg=cfg)
+  return o_BTHV
 
 
-# Counts, added to the variant's by attn.count.
-
-def param_count(cfg: HeadConfig) -> int:
-  """Parameters the mechanisms add (module docstring)."""
-  D, H, K, V = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v
-  b = 1 if cfg.use_bias else 0
-  gate = {None: 0, "headwise": H * (D + b), "elementwise": H * V * (D + b)}[cfg.gate]
-  return gate + (H if cfg.sinks else 0) + (2 * K if cfg.qk_norm else 0)
-
-
-def effective_param_count(cfg: HeadConfig) -> int:
-  """Degrees of freedom the mechanisms add beyond what the variant's own count reads from cfg.
-
-  The gate's weights and biases are all free (σ is not homogeneous: no
-  rescaling trades them against W^O); each sink is one more logit per head.
-  The rest (b_v no longer folding into b_o, the elementwise gate's smaller
-  gauge, the key bias no longer dropping out, QK-norm's scales) is counted by
-  base.value_output_dof and base.factored_score_dof, which read cfg.
-  """
-  D, H, V = cfg.d_model, cfg.num_heads, cfg.d_v
-  b = 1 if cfg.use_bias else 0
-  gate = {None: 0, "headwise": H * (D + b), "elementwise": H * V * (D + b)}[cfg.gate]
-  return gate + (H if cfg.sinks else 0)
+def kernel_args(params: Params, cfg: HeadConfig) -> dict[str, Any]:
+  """kernel.attention's keywords from the active mechanisms: window, sinks, softcap."""
+  out = {"window": None, "sinks": None, "softcap": None}
+  for m in active(cfg):
+    if m.kernel is not None:
+      out.update(m.kernel(params, cfg))
+  return out
 
 
-def flops(cfg: HeadConfig, T: int, S: int) -> int:
-  """The gate's projection, 2·T·D·H (headwise) or 2·T·D·H·V (elementwise); the rest elementwise."""
-  del S
-  D, H, V = cfg.d_model, cfg.num_heads, cfg.d_v
-  return {None: 0, "headwise": 2 * T * D * H, "elementwise": 2 * T * D * H * V}[cfg.gate]
+def needs_explicit_logits(cfg: HeadConfig) -> bool:
+  """A mechanism acts on the logits that the fused kernels cannot take as an argument."""
+  return any(m.on_logits is not None and m.kernel is None for m in active(cfg))
 
 
-def score_weights(cfg: HeadConfig) -> int:
-  """Weights the logits depend on that the mechanisms add: q_norm and k_norm (2·K)."""
-  return 2 * cfg.d_k if cfg.qk_norm else 0
+# Counts, added to the variant's by attn.count; None where an active mechanism has no closed form.
+
+def _sum(cfg: HeadConfig, field: str, *args) -> int | None:
+  total = 0
+  for m in active(cfg):
+    fn = getattr(m, field)
+    if fn is None:
+      if field == "param_count" and m.init is None:
+        continue  # no parameters
+      if field in ("flops", "score_weights") and m.init is None and m.on_qk is None:
+        continue  # no parameters the logits read, nothing computed worth counting
+      return None
+    total += int(fn(cfg, *args))
+  return total
+
+
+def param_count(cfg: HeadConfig) -> int | None:
+  """Parameters the active mechanisms add (None: one of them has no closed form)."""
+  return _sum(cfg, "param_count")
+
+
+def effective_param_count(cfg: HeadConfig) -> int | None:
+  """Degrees of freedom the mechanisms add beyond what the variant's own count reads from cfg."""
+  return _sum(cfg, "effective_param_count")
+
+
+def flops(cfg: HeadConfig, T: int, S: int) -> int | None:
+  return _sum(cfg, "flops", T, S)
+
+
+def score_weights(cfg: HeadConfig) -> int | None:
+  return _sum(cfg, "score_weights")
+
+
+def kv_tokens(cfg: HeadConfig, length: int) -> int:
+  """Tokens one layer caches after `length`: the fewest any active mechanism keeps."""
+  kept = length
+  for m in active(cfg):
+    if m.kv_tokens is not None:
+      kept = min(kept, int(m.kv_tokens(cfg, length)))
+  return kept
+
+
+def plain(cfg: HeadConfig) -> HeadConfig:
+  """cfg with every mechanism off: built-in switches at HeadConfig's defaults, no extra."""
+  defaults = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
+  return cfg.replace(**{m.fields[0]: defaults[m.fields[0]] for m in MECHANISMS.values() if m.fields},
+                     extra=None)
+
+
+def examples(m: Mechanism) -> tuple[tuple[str, dict[str, Any], str, str], ...]:
+  """m's example rows; an outside mechanism without any is switched on with its defaults."""
+  if m.examples:
+    return tuple((label, dict(change), p, f) for label, change, p, f in m.examples)
+  return ((m.name, {"extra": {m.name: {}}}, "not declared", "not declared"),)

@@ -96,6 +96,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="merged",
+    sharding={"w_qk": "HDD", "b_kc": "HD"},
     init=init,
     apply=apply,
     param_count=param_count,

@@ -214,6 +214,8 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="mla",
+    sharding={"w_dq": "DQ", "w_uq": "QHK", "w_dkv": "DC", "w_uk": "CGK", "w_uv": "CGV",
+              "w_kr": "DR", "b_kr": "R"},
     init=init,
     apply=apply,
     param_count=param_count,

@@ -54,6 +54,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
 
 VARIANT = Variant(
     name="per_head",
+    sharding={},
     init=init,
     apply=apply,
     param_count=standard_param_count,

@@ -81,6 +81,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="split_input",
+    sharding={"w_q": "HEK", "w_k": "GEK", "w_v": "GEV"},
     init=init,
     apply=apply,
     param_count=param_count,

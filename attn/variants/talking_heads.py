@@ -132,6 +132,7 @@ def circuits(p: Params, cfg: HeadConfig) -> dict:
 
 VARIANT = Variant(
     name="talking_heads",
+    sharding={"mix_l": None, "mix_w": None},
     init=init,
     apply=apply,
     param_count=param_count,

@@ -213,6 +213,9 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="tpa",
+    sharding={"w_aq": "DXH", "w_bq": "DXK", "w_ak": "DXG", "w_bk": "DXK", "w_av": "DXG",
+              "w_bv": "DXV", "b_aq": "XH", "b_bq": "XK", "b_ak": "XG", "b_bk": "XK", "b_av": "XG",
+              "b_bv": "XV"},  # X: the factor ranks
     init=init,
     apply=apply,
     param_count=param_count,

@@ -65,6 +65,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="two_stage",
+    sharding={"w_q1": "DD", "w_k1": "DD", "w_v1": "DD", "b_q1": "D", "b_k1": "D", "b_v1": "D"},
     init=init,
     apply=apply,
     param_count=param_count,

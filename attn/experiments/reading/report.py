@@ -336,7 +336,12 @@ def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
              s.get("attention_params_analytic"),
              s.get("attention_params_effective"), s.get("attention_flops_fwd"), step_ms,
              s.get("compile_s"), final.get("loss"), final.get("eval_loss"), final.get("eval_accuracy")]
-    lines.append("| " + " | ".join(_fmt(c, 3) if not isinstance(c, str) else c for c in cells) + " |")
+    text = [_fmt(c, 3) if not isinstance(c, str) else c for c in cells]
+    measured = s.get("attention_measured", ())  # no closed form: say so, never pass it as one
+    for i, figure in ((4, "analytic"), (5, "effective"), (6, "flops")):
+      if figure in measured:
+        text[i] += " (measured)"
+    lines.append("| " + " | ".join(text) + " |")
   return lines
 
 

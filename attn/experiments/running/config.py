@@ -63,7 +63,7 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
-TABLE_KEYS = (("train", "mesh"),)  # keys whose value is a table: --set SECTION.KEY.SUBKEY=VALUE sets one entry
+TABLE_KEYS = (("train", "mesh"), ("model", "extra"))  # tables: --set SECTION.KEY.SUBKEY=VALUE sets one entry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 
 from attn import count
+from attn import host_memory
 from attn.config import ConfigError, invalid
 from attn.experiments.training import checkpoints
 from attn.experiments.training import distributed
@@ -89,13 +90,20 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
   return cfg.replace(d_ff=d_ff)
 
 
-def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, int]:
-  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers."""
+def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
+  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers.
+
+  Each layer by its layer type. attention_measured names the figures measured for lack of a
+  closed form (count.measured_figures); an effective count too large to measure makes it None.
+  """
   heads = [cfg.layer_head(i) for i in range(cfg.num_layers)]  # each by its layer type
   pcs = [count.param_counts(cfg.variant, head) for head in heads]
-  return {"attention_params_analytic": sum(int(pc["analytic"]) for pc in pcs),
-          "attention_params_effective": sum(int(pc["effective"]) for pc in pcs),
-          "attention_flops_fwd": sum(int(count.flops(cfg.variant, head, seq_len)) for head in heads)}
+  effective = [pc["effective"] for pc in pcs]
+  out = {"attention_params_analytic": sum(int(pc["analytic"]) for pc in pcs),
+         "attention_params_effective": None if None in effective else sum(map(int, effective)),
+         "attention_flops_fwd": sum(int(count.flops(cfg.variant, head, seq_len)) for head in heads)}
+  measured = sorted({f for head in heads for f in count.measured_figures(cfg.variant, head)})
+  return {**out, "attention_measured": measured} if measured else out
 
 
 def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:
@@ -239,6 +247,7 @@ def train_group(configs: list[dict[str, Any]],
   evaluate) receives each program's compiled train step and evaluation
   (jax.stages.Compiled: memory_analysis(), as_text(), input_shardings) before it runs.
   """
+  host_memory.keep_freed_memory()  # reuse each step's XLA buffers: no page faults per step (attn.host_memory)
   cfg0 = configs[0]
   task = tasks_lib.make_task(cfg0["task"])
   model_cfg = models.ModelConfig(**cfg0["model"])

@@ -1,0 +1,154 @@
+"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, window, softcap.
+
+HeadConfig switches them on (gate, sinks, qk_norm, window, softcap) and
+validates those fields where it declares them; each record below holds a
+mechanism's parameters, its math at its point of the shared path and its
+counts (attn.variants.mechanisms has the record and the registry).
+
+  gate "headwise"     w_gate (D,H) [+ b_gate (H,)]: o_h ← o_h·σ(x·w_gate[:, h] + b_gate[h])
+  gate "elementwise"  w_gate (D,H,V) [+ b_gate (H,V)]: o_h ← o_h ⊙ σ(x·w_gate[:, h] + b_gate[h])
+      (Qiu et al. 2025, "Gated Attention for LLMs", G1: after the attention
+      core, before W^O; x is the token whose output o_h is.)
+  sinks               sinks (H,): one more logit per query head in every softmax
+      denominator, with no value (gpt-oss); a row's weights sum to less than 1.
+  qk_norm             q_norm (K,), k_norm (K,): every query and key head RMS-normalised
+      over its d_k dims, times the scales (shared by the heads), before RoPE (Qwen3).
+  window, softcap     no parameters: arguments of kernel.attention.
+
+Counts, per layer (b = 1 with use_bias): params H·(D + b) (headwise gate),
+H·V·(D + b) (elementwise), H (sinks), 2·K (qk_norm). FLOPs: 2·T·D·H or
+2·T·D·H·V for the gate's projection (elementwise products not counted). Score
+weights: 2·K for qk_norm (the logits depend on both scales). The effective
+count (the dimension of the function class) changes beyond the mechanism's own
+parameters: base.value_output_dof and base.factored_score_dof read cfg, and
+the records' effective_param_count add the rest: the gate's weights and biases
+are all free (σ is not homogeneous: no rescaling trades them against W^O);
+each sink is one more logit per head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn.config import HeadConfig
+from attn.variants.mechanism import Mechanism
+
+Array = jax.Array
+Params = dict[str, Array]
+
+
+def _zero(cfg: HeadConfig, *lengths) -> int:
+  del cfg, lengths
+  return 0
+
+
+# gate
+
+def _gate_shape(cfg: HeadConfig) -> tuple[int, ...]:
+  return (cfg.num_heads,) if cfg.gate == "headwise" else (cfg.num_heads, cfg.d_v)
+
+
+def _gate_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  """Gate weights N(0, 1/D), zero bias."""
+  D, shape = cfg.d_model, _gate_shape(cfg)
+  out = {"w_gate": (jax.random.normal(key, (D, *shape), jnp.float32) / jnp.sqrt(D)).astype(dtype)}
+  if cfg.use_bias:
+    out["b_gate"] = jnp.zeros(shape, dtype)
+  return out
+
+
+def gate_output(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig) -> Array:
+  """o_h times σ(x·W_gate,h + b_gate,h): one gate per head ("headwise") or per value dim."""
+  w_gate = params["w_gate"]
+  z = jnp.einsum("BTD,D...->BT...", x_BTD, w_gate, preferred_element_type=jnp.float32)
+  z = z + params.get("b_gate", jnp.zeros((), w_gate.dtype)).astype(jnp.float32)
+  g = jax.nn.sigmoid(z)
+  g_BTHV = g[..., None] if cfg.gate == "headwise" else g
+  return (o_BTHV.astype(jnp.float32) * g_BTHV).astype(o_BTHV.dtype)
+
+
+def _gate_params(cfg: HeadConfig) -> int:
+  b = 1 if cfg.use_bias else 0
+  return {"headwise": 1, "elementwise": cfg.d_v}[cfg.gate] * cfg.num_heads * (cfg.d_model + b)
+
+
+def _gate_flops(cfg: HeadConfig, T: int, S: int) -> int:
+  del S
+  return 2 * T * cfg.d_model * cfg.num_heads * {"headwise": 1, "elementwise": cfg.d_v}[cfg.gate]
+
+
+GATE = Mechanism(
+    name="gate", fields=("gate",), init=_gate_init, sharding={"w_gate": "DHV", "b_gate": "HV"},
+    on_output=gate_output, param_count=_gate_params, effective_param_count=_gate_params,
+    flops=_gate_flops, score_weights=_zero, examples=(("gate headwise", {"gate": "headwise"}, "H·(D + b)", "2·T·D·H"),
+              ("gate elementwise", {"gate": "elementwise"}, "H·V·(D + b)", "2·T·D·H·V")),
+    help="gate: headwise|elementwise, σ(x·W_gate) on each head's output")
+
+
+# sinks
+
+def _sinks_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  del key
+  return {"sinks": jnp.zeros((cfg.num_heads,), dtype)}
+
+
+SINKS = Mechanism(
+    name="sinks", fields=("sinks",), init=_sinks_init, sharding={"sinks": "H"},
+    kernel=lambda params, cfg: {"sinks": params["sinks"]},
+    param_count=lambda cfg: cfg.num_heads, effective_param_count=lambda cfg: cfg.num_heads,
+    flops=_zero, score_weights=_zero, examples=(("sinks", {"sinks": True}, "H", "0"),),
+    help="sinks: a learned logit per head in every softmax denominator")
+
+
+# qk_norm
+
+def rms_norm(x_BTNK: Array, scale_K: Array, eps: float) -> Array:
+  """x / sqrt(mean over K of x² + eps) · scale, in float32, returned in x's dtype."""
+  x = x_BTNK.astype(jnp.float32)
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return (y * scale_K.astype(jnp.float32)).astype(x_BTNK.dtype)
+
+
+def normalize_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *,
+                 cfg: HeadConfig) -> tuple[Array, Array]:
+  """Each query and key head RMS-normalised, times q_norm and k_norm."""
+  return (rms_norm(q_BTHK, params["q_norm"], cfg.qk_norm_eps),
+          rms_norm(k_BSGK, params["k_norm"], cfg.qk_norm_eps))
+
+
+def _qk_norm_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  del key
+  return {"q_norm": jnp.ones((cfg.d_k,), dtype), "k_norm": jnp.ones((cfg.d_k,), dtype)}
+
+
+QK_NORM = Mechanism(
+    name="qk_norm", fields=("qk_norm", "qk_norm_eps"), init=_qk_norm_init,
+    sharding={"q_norm": None, "k_norm": None}, on_qk=normalize_qk,
+    param_count=lambda cfg: 2 * cfg.d_k, effective_param_count=_zero, flops=_zero,
+    score_weights=lambda cfg: 2 * cfg.d_k, examples=(("qk_norm", {"qk_norm": True}, "2·K", "0"),),
+    help="qk_norm: RMSNorm of each query and key head before RoPE")
+
+
+# window and softcap: arguments of kernel.attention, no parameters
+
+WINDOW = Mechanism(
+    name="window", fields=("window",), kernel=lambda params, cfg: {"window": cfg.window},
+    param_count=_zero, effective_param_count=_zero, flops=_zero, score_weights=_zero,
+    kv_tokens=lambda cfg, length: min(length, cfg.window),
+    examples=(("window", {"window": 4}, "0",
+               "0 (fewer in practice: the kernels skip keys outside the window)"),), help="window: keys closer than it to the query")
+
+
+def _softcap(params: Params, logits_BHTS: Array, *, cfg: HeadConfig) -> Array:
+  del params
+  return cfg.softcap * jnp.tanh(logits_BHTS / cfg.softcap)
+
+
+SOFTCAP = Mechanism(
+    name="softcap", fields=("softcap",), kernel=lambda params, cfg: {"softcap": cfg.softcap},
+    on_logits=_softcap, param_count=_zero, effective_param_count=_zero, flops=_zero,
+    score_weights=_zero, examples=(("softcap", {"softcap": 30.0}, "0", "0"),),
+    help="softcap: logits -> c·tanh(logits/c)")
+
+MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP)

@@ -1,0 +1,76 @@
+"""attn.testing catches, by name, the faults a third party's record can have.
+
+Each broken record is a small variation of per_head (dataclasses.replace); the
+kit must say which property failed, for which record and config, with numbers.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import attn
+from attn import ConfigError, testing
+from attn.variants import mechanisms
+
+PER_HEAD = attn.VARIANTS["per_head"]
+
+
+def test_a_declared_count_off_by_one_is_caught():
+  bad = dataclasses.replace(PER_HEAD, name="off_by_one", param_count=lambda cfg: PER_HEAD.param_count(cfg) + 1)
+  with pytest.raises(AssertionError, match=r"param_count: variant 'off_by_one' at HeadConfig\(d_model=24, "
+                                           r".*declared (\d+), stored (\d+)") as e:
+    testing.check_variant(bad)
+  declared, stored = (int(n) for n in str(e.value).rsplit("declared ", 1)[1].split(", stored "))
+  assert declared == stored + 1
+
+
+def _peeking_apply(params, x_BTD, context_BSD=None, *, cfg, opts=attn.api.Options()):
+  return PER_HEAD.apply(params, x_BTD, context_BSD, cfg=cfg, opts=opts.replace(is_causal=False))
+
+
+def test_a_token_that_sees_a_later_one_is_caught():
+  bad = dataclasses.replace(PER_HEAD, name="peeks", apply=_peeking_apply)
+  with pytest.raises(AssertionError, match=r"causal: variant 'peeks' at .*under is_causal, outputs 0..2 "
+                                           r"after changing tokens 3..4: max \|difference\| [0-9.e-]+ >"):
+    testing.check_variant(bad)
+
+
+def _maskless_apply(params, x_BTD, context_BSD=None, *, cfg, opts=attn.api.Options()):
+  return PER_HEAD.apply(params, x_BTD, context_BSD, cfg=cfg, opts=opts.replace(mask=None))
+
+
+def test_a_variant_that_ignores_the_mask_is_caught():
+  bad = dataclasses.replace(PER_HEAD, name="maskless", apply=_maskless_apply)
+  with pytest.raises(AssertionError, match=r"mask: variant 'maskless' at .*fully masked row 1 has weights up to"):
+    testing.check_variant(bad)
+
+
+def test_a_mechanism_count_off_by_one_is_caught():
+  sinks = mechanisms.MECHANISMS["sinks"]
+  bad = dataclasses.replace(sinks, name="sinks_off", fields=(), sharding={"sinks": "H"},
+                            param_count=lambda cfg: cfg.num_heads + 1, check=None, examples=())
+  with pytest.raises(AssertionError, match="param_count: variant 'per_head' at .*mechanism 'sinks_off' "
+                                           "declares 7, adds 6"):
+    testing.check_mechanism(bad)
+  assert "sinks_off" not in mechanisms.MECHANISMS  # registered only while it was checked
+
+
+def test_apply_of_the_wrong_shape_and_init_not_a_dict_are_named():
+  half = dataclasses.replace(PER_HEAD, name="half", kv_cache_width=None,
+                             apply=lambda p, x, c=None, *, cfg, opts=None: (x[:, :2], None))
+  with pytest.raises(ConfigError, match=r"half.apply\(...\)\[0\].shape=\(2, 2, 24\) is not allowed: \(2, 5, 24\)"):
+    testing.check_variant(half)
+  listy = dataclasses.replace(PER_HEAD, name="listy", init=lambda key, cfg, dtype=jnp.float32: [1.0])
+  with pytest.raises(ConfigError, match=r"listy.init\(...\)='list' is not allowed: a dict of arrays"):
+    attn.init(listy, jax.random.PRNGKey(0), testing.AWKWARD["gqa_dv_ne_dk"])
+  with pytest.raises(ConfigError, match=r"listy.init\(...\)='list' is not allowed"):
+    testing.check_variant(listy)
+
+
+def test_the_kit_refuses_what_is_not_a_record():
+  with pytest.raises(ConfigError, match="variant='nope' is not allowed: one of"):
+    testing.check_variant("nope")
+  with pytest.raises(ConfigError, match="mechanism=3 is not allowed: an attn Mechanism record"):
+    testing.check_mechanism(3)
