@@ -222,6 +222,24 @@ def test_yarn_attention_factor_from_deepseek_mscale():
   assert out["attention_factor"] == cfg.rope_attention_factor and "beta_fast" not in out  # defaults left out
 
 
+def test_gemma3_rope_in_the_spellings_of_transformers_4_and_5():
+  """Gemma 3's two bases: 4's rope_theta + rope_local_base_freq + rope_scaling, 5's rope_parameters by
+  layer type; the default schedule (every 6th layer full); what rope_to_hf writes reads back both ways."""
+  g3 = LLAMA | {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 4, "head_dim": 4,
+                "query_pre_attn_scalar": 4}
+  linear = {"rope_type": "linear", "factor": 8.0}
+  v4 = hf.model_config(g3 | {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": linear})
+  v5 = hf.model_config(g3 | {"rope_parameters": {"full_attention": linear | {"rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+  assert v4 == v5 and (v4.global_every, v4.window, v4.sliding_rope_theta, v4.rope_theta, v4.rope_factor) == (
+      6, 4, 1e4, 1e6, 8.0)
+  assert v4.layer_head(0).rope_theta == 1e4 and v4.layer_head(0).rope_scaling is None  # sliding: own base, unscaled
+  assert v4.layer_head(5).rope_theta == 1e6 and v4.layer_head(5).rope_scaling == "linear"
+  out = hf.FAMILIES["gemma3_text"].config_out(v4)
+  assert hf.model_config(g3 | {k: out[k] for k in ("rope_theta", "rope_local_base_freq", "rope_scaling")}) == v4
+  assert hf.model_config(g3 | {"rope_parameters": out["rope_parameters"]}) == v4
+
+
 def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
   """5's rope_parameters, 4's rope_scaling ("type" in older files) beside rope_theta; rope_scaling
   wins where both are given, as in both releases; rope_to_hf writes both and each reads back."""
