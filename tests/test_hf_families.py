@@ -151,6 +151,17 @@ def test_family_logits_and_exact_round_trip(family):
   assert MEASURED[family][1] < TOL
 
 
+@pytest.mark.slow
+def test_smollm3_sliding_nope_layers():
+  """SmolLM3 with use_sliding_window: transformers slides its NoPE layers (layer 4 of 4), read as
+  sliding_attention_nope; logits and the bit-for-bit round trip through check_family."""
+  measured = check_family("smollm3", build("smollm3", use_sliding_window=True, sliding_window=3))
+  cfg = measured["config"]
+  assert cfg.layer_types == ("full_attention",) * 3 + ("sliding_attention_nope",) and cfg.window == 3
+  assert cfg.layer_head(3).window == 3 and cfg.layer_head(3).rope_dim == 0 and cfg.layer_head(0).window is None
+  assert measured["logits_relative"] < TOL
+
+
 # rope_parameters of the scaled types. head_dim 12 and theta 500 give wavelengths 2π/ω of 6.3, 17.7,
 # 49.9, 140, 396 and 1115 positions: llama3 with L = 64 (L/high = 16, L/low = 64) keeps one pair,
 # mixes two and divides three.
