@@ -30,9 +30,8 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
-ROPE_SCALINGS = (None, "linear", "llama3")  # transformers' rope_type names the checkpoint loaders map
-# Every kind a HeadConfig takes: yarn joins ROPE_SCALINGS once a loader reads its parameters.
-ROPE_SCALING_KINDS = (*ROPE_SCALINGS, "yarn")
+ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
+ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
 ROPE_LAYOUTS = ("half", "interleaved")  # which dims pair: i with i + r/2 (rotate_half), or 2i with 2i + 1
 # The fields only one or two rope_scaling kinds read; with any other kind they stay at their defaults.
 _SCALING_FIELDS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),

@@ -1,6 +1,8 @@
-"""Llama, Mistral, Qwen2, Qwen3 and Gemma 2 in and out (attn.nn.hf), BERT's MLM head out, refusals.
+"""The decoder families in and out (attn.nn.hf), BERT's MLM head out, refusals.
 
-Llama with RoPE scaling ("linear", "llama3") too, read from both transformers
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, and issue 31's Gemma 3 (text), SmolLM3, Phi-3 and gpt-oss
+(their tests skip on a transformers older than the family: SINCE). Llama with RoPE scaling ("linear",
+"llama3", "yarn") too, read from both transformers
 releases' spellings.
 
 Tiny random models built with transformers' own config classes (nothing is
@@ -33,7 +35,30 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=12, num_hidden_layers=3, sliding_window=3, query_pre_attn_scalar=10,
                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    # Gemma 3: 2 sliding layers : 1 full (global_every=3 as layer_types), per-head (1 + w) QK-norm,
+    # the sliding layers' own base (50) beside the full layers' linearly scaled one (500).
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(head_dim=12, num_hidden_layers=3, sliding_window=3, query_pre_attn_scalar=10,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    # SmolLM3: every 4th layer NoPE (transformers' default no_rope_layer_interval), Llama's biases.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(num_hidden_layers=4, attention_bias=True, mlp_bias=True, pad_token_id=None,
+                     bos_token_id=None, eos_token_id=None)),
+    # Phi-3: fused qkv_proj and gate_up_proj, Phi-4-mini's partial rotary 0.75 (6 of 8 dims), a window of 3.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(partial_rotary_factor=0.75, sliding_window=3, pad_token_id=None, bos_token_id=None,
+                  eos_token_id=None)),
+    # gpt-oss: sinks, windows of 3 on alternate layers, 4 experts (top 2) with a SwiGLU clamp of 1 that bites.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=12, sliding_window=3, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0)),
 }
+# The first transformers release with each family's classes (older ones skip its tests).
+SINCE = {"smollm3": "4.53", "gpt_oss": "4.55"}
+# Families whose weights a real checkpoint ships in bf16: the tiny model's are rounded to bf16 too
+# (Gemma 3's q/k-norm w is held as 1 + w, exact for bf16 w; float32 w would lose its last bits).
+BF16 = {"gemma3_text"}
+# The families added with issue 31: only their logits test runs in the default tier.
+NEW = {"gemma3_text", "smollm3", "phi3", "gpt_oss"}
 MEASURED = {}  # family -> (max abs, max relative) logit difference, printed with -s
 
 
@@ -55,20 +80,39 @@ def _rope(transformers, scaling=None):
   return dict(rope_theta=500.0) | ({"rope_scaling": scaling} if scaling else {})
 
 
+def _family_rope(family, transformers, scaling=None):
+  """_rope, or Gemma 3's: a linearly scaled base 500 on full layers, 50 on sliding ones (4: rope_local_base_freq;
+  5: rope_parameters by layer type)."""
+  if family == "gpt_oss":  # gpt-oss's own YaRN: no truncation, factor = max_position_embeddings / original
+    scaling = scaling or {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+  if family != "gemma3_text":
+    return _rope(transformers, scaling)
+  scaling = scaling or {"rope_type": "linear", "factor": 2.0}
+  if _v5(transformers):
+    return dict(rope_parameters={"full_attention": scaling | {"rope_theta": 500.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
+  return dict(rope_theta=500.0, rope_local_base_freq=50.0, rope_scaling=scaling)
+
+
 def build(family, seed=0, rope=None, **changes):
   """A random transformers model of the family: every parameter redrawn, norm scales near 1 (1 + w: near 0);
   rope: a RoPE scaling ({"rope_type": ..., "factor": ...}) in the release's own spelling."""
   transformers = _transformers()
   import torch
   conf, model, extra = FAMILIES[family]
-  cfg = getattr(transformers, conf)(**(BASE | _rope(transformers, rope) | extra | changes))
+  if not hasattr(transformers, conf):
+    pytest.skip(f"{family} needs transformers >= {SINCE[family]} (this is {transformers.__version__})")
+  cfg = getattr(transformers, conf)(**(BASE | _family_rope(family, transformers, rope) | extra | changes))
   cfg._attn_implementation = "eager"
   torch.manual_seed(seed)
   m = getattr(transformers, model)(cfg)
   with torch.no_grad():
     for name, p in m.named_parameters():
-      unit = name.endswith("norm.weight") and family != "gemma2"
+      unit = name.endswith("norm.weight") and not family.startswith("gemma")
       p.copy_(0.3 * torch.randn(p.shape) + (1.0 if unit else 0.0))
+      if family in BF16:
+        p.copy_(p.to(torch.bfloat16).float())
   return m.eval()
 
 
@@ -85,17 +129,37 @@ def _hf_logits(m, ids, mask):
     return m(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow if f in NEW - {"gemma3_text"} else [])
+                                    for f in sorted(FAMILIES)])
 def test_family_logits_and_exact_round_trip(family):
   """attn.testing.check_family on transformers' own model of the family: logits at every position
   whose window holds a real key, its state dict back bit for bit through to_hf of the loaded model
   (which knows its family), its save_pretrained directory read through numpy, the refusals."""
   measured = check_family(family, build(family))
   cfg = measured["config"]
-  assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, cfg.head.d_k, 500.0)
+  rotary = 6 if family == "phi3" else cfg.head.d_k
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_dim, cfg.rope_theta) == (4, 2, rotary, 500.0)
+  if family == "gpt_oss":
+    assert (cfg.mlp, cfg.moe_experts, cfg.sinks, cfg.global_every, cfg.rope_scaling, cfg.rope_truncate) == (
+        "moe", 4, True, 2, "yarn", False)
+  if family == "smollm3":  # layer 4 of 4 drops RoPE
+    assert cfg.layer_types == ("full_attention",) * 3 + ("full_attention_nope",)
+  if family == "gemma3_text":
+    assert (cfg.global_every, cfg.sliding_rope_theta, cfg.rope_scaling, cfg.qk_norm) == (3, 50.0, "linear", True)
   MEASURED[family] = (measured["logits_max_abs"], measured["logits_relative"])
   print(f"{family}: max abs {MEASURED[family][0]:.2e}, relative {MEASURED[family][1]:.2e}")
   assert MEASURED[family][1] < TOL
+
+
+@pytest.mark.slow
+def test_smollm3_sliding_nope_layers():
+  """SmolLM3 with use_sliding_window: transformers slides its NoPE layers (layer 4 of 4), read as
+  sliding_attention_nope; logits and the bit-for-bit round trip through check_family."""
+  measured = check_family("smollm3", build("smollm3", use_sliding_window=True, sliding_window=3))
+  cfg = measured["config"]
+  assert cfg.layer_types == ("full_attention",) * 3 + ("sliding_attention_nope",) and cfg.window == 3
+  assert cfg.layer_head(3).window == 3 and cfg.layer_head(3).rope_dim == 0 and cfg.layer_head(0).window is None
+  assert measured["logits_relative"] < TOL
 
 
 # rope_parameters of the scaled types. head_dim 12 and theta 500 give wavelengths 2π/ω of 6.3, 17.7,
@@ -105,7 +169,13 @@ SCALED = {
     "linear": {"rope_type": "linear", "factor": 2.5},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
+    # YaRN with L = 32 (128 / factor 4): the band between 1 and 32 turns ramps the middle pairs; the
+    # softmax temperature 0.1·ln 4 + 1 by default, and gpt-oss's spelling (no truncation, a given factor).
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-gpt-oss": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+                     "beta_slow": 0.5, "truncate": False, "attention_factor": 1.3},
 }
+ORIGINAL = {"llama3": 64, "yarn": 32}  # rope_original_max_len of each scaled kind (else the default)
 
 
 def _relative(model, ids, lengths, ref):
@@ -113,22 +183,28 @@ def _relative(model, ids, lengths, ref):
   return float(np.abs(got - ref).max()), float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("kind", sorted(SCALED))
-def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
-  """Llama 3.1-style RoPE scaling: logits over 40 positions, the round trip, and the same weights
-  read with the scaling dropped (or llama3's bands ignored) far off, so the comparison can fail."""
-  m = build("llama", max_position_embeddings=128, rope=SCALED[kind])
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.slow if k == "yarn-gpt-oss" else [])
+                                 for k in sorted(SCALED)])
+def test_scaled_rope_logits_and_exact_round_trip(key, tmp_path):
+  """Llama 3.1-style and YaRN RoPE scaling: logits over 40 positions, the round trip, and the same weights
+  read with the scaling dropped (or llama3's bands, yarn's ramp and temperature ignored) far off, so the
+  comparison can fail."""
+  kind = SCALED[key]["rope_type"]
+  m = build("llama", max_position_embeddings=128, rope=SCALED[key])
   ids, lengths, mask = _batch(m.config.vocab_size, T=40)
   ref = _hf_logits(m, ids, mask)
   m.save_pretrained(tmp_path)
   model, cfg = hf.from_hf(str(tmp_path))
   assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == (
-      kind, SCALED[kind]["factor"], 64 if kind == "llama3" else 8192)
-  name = f"llama ({kind} RoPE)"
+      kind, SCALED[key]["factor"], ORIGINAL.get(kind, 8192))
+  if key == "yarn-gpt-oss":
+    assert (cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate, cfg.rope_attention_factor) == (8, 0.5, False, 1.3)
+  name = f"llama ({key} RoPE)"
   MEASURED[name] = _relative(model, ids, lengths, ref)
   print(f"{name}: max abs {MEASURED[name][0]:.2e}, relative {MEASURED[name][1]:.2e}")
   assert MEASURED[name][1] < TOL
-  wrong = [{"rope_type": "default"}] + ([{"rope_type": "linear", "factor": 8.0}] if kind == "llama3" else [])
+  wrong = [{"rope_type": "default"}] + ([{"rope_type": "linear", "factor": SCALED[key]["factor"]}]
+                                       if kind in ("llama3", "yarn") else [])
   config = json.loads((tmp_path / "config.json").read_text())
   config.pop("rope_scaling", None)
   for params in wrong:
@@ -142,6 +218,37 @@ def test_scaled_rope_logits_and_exact_round_trip(kind, tmp_path):
   spelling = "rope_parameters" if _v5(_transformers()) else "rope_scaling"
   assert getattr(back.config, spelling) == getattr(m.config, spelling)
   assert hf.from_hf(back).config == cfg
+
+
+def test_yarn_attention_factor_from_deepseek_mscale():
+  """DeepSeek's mscale / mscale_all_dim give yarn's attention_factor as transformers derives it; absent, None
+  (HeadConfig's 0.1·ln(factor) + 1); given, as given."""
+  yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4}
+  ratio = (0.1 * 0.5 * np.log(40.0) + 1) / (0.1 * 2.0 * np.log(40.0) + 1)
+  cfg = hf.model_config(LLAMA | {"rope_parameters": yarn | {"mscale": 0.5, "mscale_all_dim": 2.0}})
+  assert cfg.rope_attention_factor == pytest.approx(ratio, rel=1e-12) and cfg.rope_original_max_len == 4
+  assert hf.model_config(LLAMA | {"rope_parameters": yarn}).rope_attention_factor is None
+  assert hf.model_config(LLAMA | {"rope_scaling": yarn | {"attention_factor": 0.9}}).rope_attention_factor == 0.9
+  out = hf.rope_to_hf(cfg)["rope_parameters"]
+  assert out["attention_factor"] == cfg.rope_attention_factor and "beta_fast" not in out  # defaults left out
+
+
+def test_gemma3_rope_in_the_spellings_of_transformers_4_and_5():
+  """Gemma 3's two bases: 4's rope_theta + rope_local_base_freq + rope_scaling, 5's rope_parameters by
+  layer type; the default schedule (every 6th layer full); what rope_to_hf writes reads back both ways."""
+  g3 = LLAMA | {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 4, "head_dim": 4,
+                "query_pre_attn_scalar": 4}
+  linear = {"rope_type": "linear", "factor": 8.0}
+  v4 = hf.model_config(g3 | {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": linear})
+  v5 = hf.model_config(g3 | {"rope_parameters": {"full_attention": linear | {"rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+  assert v4 == v5 and (v4.global_every, v4.window, v4.sliding_rope_theta, v4.rope_theta, v4.rope_factor) == (
+      6, 4, 1e4, 1e6, 8.0)
+  assert v4.layer_head(0).rope_theta == 1e4 and v4.layer_head(0).rope_scaling is None  # sliding: own base, unscaled
+  assert v4.layer_head(5).rope_theta == 1e6 and v4.layer_head(5).rope_scaling == "linear"
+  out = hf.FAMILIES["gemma3_text"].config_out(v4)
+  assert hf.model_config(g3 | {k: out[k] for k in ("rope_theta", "rope_local_base_freq", "rope_scaling")}) == v4
+  assert hf.model_config(g3 | {"rope_parameters": out["rope_parameters"]}) == v4
 
 
 def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
@@ -214,11 +321,15 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"model_type": "gpt_oss"}, r"gpt_oss.*mixture of experts"),
-    ({"model_type": "phi3"}, r"model_type='phi3'.*\['bert', 'gemma2', 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\]"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"rope_parameters.rope_type='yarn'"),
+    ({"model_type": "gpt_oss", "swiglu_alpha": 1.5}, r"config.swiglu_alpha=1.5.*1.702"),
+    ({"model_type": "gpt_oss", "output_router_logits": True}, r"config.output_router_logits=True.*router logits"),
+    ({"model_type": "mixtral"}, r"mixtral is refused.*block_sparse_moe"),
+    ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gpt2'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 0.0}}, r"rope_factor=0.0 is not allowed"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}},
+     r"config.rope_parameters.beta_fast='x'.*a number: yarn RoPE"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
-     r"rope_scaling.rope_type='dynamic'.*\['default', 'linear', 'llama3'\]"),
+     r"rope_scaling.rope_type='dynamic'.*\['default', 'linear', 'llama3', 'yarn'\]"),
     ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, r"rope_parameters.rope_type='longrope'"),
     ({"rope_scaling": {"rope_type": "linear"}}, r"config.rope_scaling.factor=None.*a number: linear RoPE"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
@@ -233,6 +344,23 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
     ({"model_type": "gemma2", "query_pre_attn_scalar": 4, "sliding_window": 2, "num_hidden_layers": 3,
       "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}, r"config.layer_types=.*every k-th"),
     ({"num_key_value_heads": 3, "num_attention_heads": 4, "hidden_size": 8}, "num_key_value_heads=3"),
+    # What issue 31's families may ask for and attn does not implement, refused with no weights on disk.
+    ({"layer_types": ["chunked_attention"]}, r"config.layer_types=\['chunked_attention'\]"),
+    ({"model_type": "llama4_text", "attention_chunk_size": 8192}, r"llama4_text is refused.*fixed chunks \(attention_chunk_size\)"),
+    ({"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     r"rope_parameters.sliding_attention.rope_type='linear'.*'default'"),
+    ({"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "longrope", "rope_theta": 1e6}}}, r"rope_parameters.rope_type='longrope'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, r"rope_scaling.rope_type='longrope'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.25}, r"config.partial_rotary_factor=0.25.*even rotary width.*gives 1"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}},
+     r"config.rope_parameters.partial_rotary_factor=1.5.*a fraction in \(0, 1\]"),
+    ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, r"config.no_rope_layers=\[1, 2\].*1 \(RoPE\) or 0"),
+    ({"model_type": "smollm3", "layer_types": ["full_attention", "sliding_attention_nope"], "num_hidden_layers": 2},
+     r"config.layer_types=.*'full_attention' / 'sliding_attention'"),
 ])
 def test_refusals_by_name(tmp_path, changes, match):
   with pytest.raises(ConfigError, match=match):
@@ -267,11 +395,11 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
     hf.to_hf(model, cfg, "gemma2")
   with pytest.raises(ConfigError, match="use_bias=True.*mistral has no qkv biases"):
     hf.to_hf(model, cfg, "mistral")
-  with pytest.raises(ConfigError, match=r"model_type='phi3' is not allowed: one of \['bert', 'gemma2'"):
-    hf.to_hf(model, cfg, "phi3")
-  # A DecoderLM with RoPE that from_hf did not load: three families fit it alike, so it must be named.
+  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'gemma2'"):
+    hf.to_hf(model, cfg, "falcon")
+  # A DecoderLM with RoPE that from_hf did not load: five families fit it alike, so it must be named.
   hand = DecoderLM(cfg, rngs=nnx.Rngs(0))
-  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mistral and qwen2 fit it alike"):
+  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mistral and phi3 and qwen2 and smollm3 fit it alike"):
     hf.to_hf(hand, cfg)
   nnx.update(hand, nnx.state(model))
   named = hf.to_hf(hand, cfg, "qwen2").state_dict()
@@ -346,7 +474,8 @@ def _cli(capsys, *argv):
   return code, out.out, out.err
 
 
-@pytest.mark.parametrize("family", ["bert", *sorted(FAMILIES)])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow if f in NEW else [])
+                                    for f in ["bert", *sorted(FAMILIES)]])
 def test_eval_every_family(tmp_path, capsys, family):
   path, texts = _checkpoint(tmp_path, family)
   code, out, err = _cli(capsys, "eval", "--hf", path, "--text", texts, "--seq-len", "16", "--max-tokens", "64",

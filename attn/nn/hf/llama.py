@@ -43,6 +43,8 @@ class LlamaLike:
   layer_types: each layer's "full_attention" / "sliding_attention" when config.json has no layer_types.
   windows_out: the config keys of a windowed model (None: the family has no windows).
   extra_in / extra_out / extra_mapped: more ModelConfig fields read from / written to the config.
+  rope_in / rope_out: the RoPE fields of a config and back (Gemma 3: one base per layer type).
+  qk_norm_plus_one: the q/k-norm weights are w in x̂·(1 + w) (Gemma 3), held by attn as 1 + w.
   """
 
   architecture: str
@@ -61,6 +63,9 @@ class LlamaLike:
   extra_in: Callable[[dict[str, Any], int], dict[str, Any]] = _NO_EXTRA
   extra_out: Callable[[ModelConfig], dict[str, Any]] = _NO_EXTRA
   extra_mapped: frozenset[str] = frozenset()
+  rope_in: Callable[[dict[str, Any]], dict[str, Any]] = rope_from_hf
+  rope_out: Callable[[ModelConfig], dict[str, Any]] = rope_to_hf
+  qk_norm_plus_one: bool = False
 
 
 def _flag(hf: dict[str, Any], rule: str | bool) -> bool:
@@ -104,7 +109,7 @@ def config_in(row: LlamaLike, hf: dict[str, Any]) -> ModelConfig:
   return ModelConfig(
       vocab_size=get(hf, "vocab_size"), d_model=D, num_layers=L, num_heads=H, d_ff=get(hf, "intermediate_size"),
       d_k=K, d_v=K, num_kv_heads=G, variant="per_head", max_len=get(hf, "max_position_embeddings"),
-      positional="rope", rope_dim=K, **rope_from_hf(hf), norm=row.norm, norm_type=row.norm_type, final_norm=True,
+      positional="rope", rope_dim=K, **row.rope_in(hf), norm=row.norm, norm_type=row.norm_type, final_norm=True,
       mlp="gated", activation=activation(hf, row.activation, "silu"),
       tie_embeddings=bool(hf.get("tie_word_embeddings", True)), use_bias=qkv, dense_bias=_flag(hf, row.mlp_bias),
       norm_eps=eps, qk_norm=row.qk_norm, qk_norm_eps=eps, window=window, global_every=global_every,
@@ -128,7 +133,8 @@ def weights_in(row: LlamaLike, w: Weights, cfg: ModelConfig) -> dict[str, Any]:
       # Qwen2 has no o_proj bias: attn's b_o holds zeros (the same function, D more parameters).
       heads["b_o"] = w(f"{a}.o_proj.bias", (D,)) if row.o_bias is not False else np.zeros(D, np.float32)
     if cfg.qk_norm:
-      heads |= {"q_norm": w(f"{a}.q_norm.weight", (K,)), "k_norm": w(f"{a}.k_norm.weight", (K,))}
+      one = np.float32(1.0 if row.qk_norm_plus_one else 0.0)
+      heads |= {"q_norm": one + w(f"{a}.q_norm.weight", (K,)), "k_norm": one + w(f"{a}.k_norm.weight", (K,))}
     mlp = {}
     for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
       mlp[name] = {"kernel": w(f"layers.{l}.mlp.{name}_proj.weight", shape).T}
@@ -191,7 +197,8 @@ def weights_out(row: LlamaLike, name: str, pure: dict[str, Any], cfg: ModelConfi
       else:
         zero(p["b_o"], f"blocks.{l}.attn b_o", name)
     if cfg.qk_norm:
-      sd |= {f"{a}.q_norm.weight": p["q_norm"], f"{a}.k_norm.weight": p["k_norm"]}
+      one = np.float32(1.0 if row.qk_norm_plus_one else 0.0)
+      sd |= {f"{a}.q_norm.weight": p["q_norm"] - one, f"{a}.k_norm.weight": p["k_norm"] - one}
     for n in ("gate", "up", "down"):
       sd[f"model.layers.{l}.mlp.{n}_proj.weight"] = np.asarray(block["mlp"][n]["kernel"]).T
       if cfg.has_dense_bias:
@@ -204,7 +211,7 @@ def config_out(row: LlamaLike, name: str, cfg: ModelConfig) -> dict[str, Any]:
   kw = dict(architectures=[row.architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
             intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head.d_k, max_position_embeddings=cfg.max_len,
-            rms_norm_eps=cfg.norm_eps, **rope_to_hf(cfg), tie_word_embeddings=cfg.tie_embeddings,
+            rms_norm_eps=cfg.norm_eps, **row.rope_out(cfg), tie_word_embeddings=cfg.tie_embeddings,
             attention_dropout=0.0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
   kw[row.activation] = activation_out(cfg, ("silu", "gelu_pytorch_tanh", "gelu", "relu"))
   for rule, on in ((row.qkv_bias, cfg.use_bias), (row.mlp_bias, cfg.has_dense_bias)):
@@ -215,7 +222,8 @@ def config_out(row: LlamaLike, name: str, cfg: ModelConfig) -> dict[str, Any]:
 
 # ModelConfig fields a Llama-like config holds, beyond the sizes every family maps.
 MAPPED = frozenset({"rope_theta", "rope_dim", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                    "rope_high_freq_factor", "rope_original_max_len", "tie_embeddings", "use_bias", "dense_bias",
+                    "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
+                    "rope_attention_factor", "rope_truncate", "tie_embeddings", "use_bias", "dense_bias",
                     "qk_norm_eps", "window", "global_every"})
 
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import bert, gemma2, gpt2, llama
+from attn.nn.hf import bert, gemma2, gemma3, gpt2, gpt_oss, llama, phi3, smollm3
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.models import MODELS, ModelConfig
@@ -30,15 +30,16 @@ from attn.registry import Registry
 
 def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
-  return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2)
+  return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
+          smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
                                       required=("model_types", "architectures", "config_in", "weights_in"))
 # Model types no family reads, refused with the reason.
-REFUSED = {"gpt_oss": "its feed-forward is a mixture of experts (a router and experts in every "
-                      "block); attn's models have one dense MLP per block",
-           "mixtral": "its feed-forward is a mixture of experts; attn's models have one dense MLP"}
+REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
+                          "windows do not express, and its feed-forward is a mixture of experts",
+           "mixtral": "no family reads its experts (block_sparse_moe) yet"}
 
 
 def _by_model_type() -> dict[str, Family]:

@@ -2,9 +2,12 @@
 
 transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
 files, "rope_type" in newer) beside a top-level rope_theta. Types "default",
-"linear" and "llama3" (Llama 3.1/3.2's frequency scaling) map onto HeadConfig's
-rope_scaling fields and go back out in both spellings; others (dynamic, yarn,
-longrope, ...) and a partial rotary width are refused by name.
+"linear", "llama3" (Llama 3.1/3.2's frequency scaling) and "yarn" (gpt-oss,
+DeepSeek-V3: beta_fast, beta_slow, truncate, and attention_factor, given or
+from mscale / mscale_all_dim as transformers derives it) map onto HeadConfig's
+rope_scaling fields and go back out in both spellings; others (dynamic,
+longrope, ...) are refused by name, and so is a partial rotary width unless the
+family reads it (Phi-3: rotary_fraction).
 """
 
 from __future__ import annotations
@@ -20,13 +23,24 @@ from attn.nn.models import ModelConfig
 ROPE_TYPES = ("default", *(k for k in ROPE_SCALINGS if k))  # transformers' rope_type values attn implements
 
 
-def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def rotary_fraction(hf: dict[str, Any]) -> float:
+  """partial_rotary_factor (Phi-3's fraction of each head that rotates), from rope_parameters (5) or the top level (4)."""
+  params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  where = "rope_parameters" if "partial_rotary_factor" in params else ""
+  f = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+    raise invalid(f"config.{where + '.' if where else ''}partial_rotary_factor", f, "a fraction in (0, 1]")
+  return float(f)
+
+
+def rope_from_hf(hf: dict[str, Any], partial: bool = False) -> dict[str, Any]:
   """The HeadConfig RoPE fields (rope_theta, and rope_scaling with its parameters) of a config.
 
   transformers 5 reads rope_parameters; 4 reads rope_scaling ("type" in older
   files, "rope_type" in newer) beside a top-level rope_theta. A rope_scaling,
   where present, wins, as in both (5 takes it over rope_parameters). Types
-  other than ROPE_TYPES (dynamic, yarn, longrope, ...) are refused by name.
+  other than ROPE_TYPES (dynamic, longrope, ...) are refused by name, and so is a
+  partial_rotary_factor unless partial (the family reads it: rotary_fraction).
   """
   where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
   params = hf.get(where) or {}
@@ -38,9 +52,10 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
   kind = params.get("rope_type", params.get("type", "default"))
   if kind not in ROPE_TYPES:
     raise invalid(f"config.{where}.rope_type", kind, f"one of {list(ROPE_TYPES)}: attn implements "
-                  "plain RoPE and its linear and llama3 scaling (not dynamic, yarn, longrope, ...)")
-  refuse(hf, {"partial_rotary_factor": ((1.0,), "attn's loader rotates the whole head")})
-  if params.get("partial_rotary_factor", 1.0) != 1.0:
+                  "plain RoPE and its linear, llama3 and yarn scaling (not dynamic, longrope, ...)")
+  if not partial:
+    refuse(hf, {"partial_rotary_factor": ((1.0,), "attn's loader rotates the whole head")})
+  if not partial and params.get("partial_rotary_factor", 1.0) != 1.0:
     raise invalid(f"config.{where}.partial_rotary_factor", params["partial_rotary_factor"],
                   "1.0: attn's loader rotates the whole head")
   out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
@@ -54,15 +69,32 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return int(value) if integer else float(value)
 
   out |= {"rope_scaling": kind, "rope_factor": number(f"{where}.factor", params.get("factor"))}
+  # As transformers 5: a top-level original_max_position_embeddings first (Phi-3 keeps it
+  # there), else the rope dict's, else max_position_embeddings.
+  key = "original_max_position_embeddings"
+  orig = (key, hf[key]) if key in hf else (f"{where}.{key}", params.get(key, hf.get("max_position_embeddings")))
   if kind == "llama3":
-    # As transformers 5: a top-level original_max_position_embeddings first (Phi-3 keeps it
-    # there), else the rope dict's, else max_position_embeddings.
-    key = "original_max_position_embeddings"
-    orig = (key, hf[key]) if key in hf else (f"{where}.{key}", params.get(key, hf.get("max_position_embeddings")))
     out |= {"rope_low_freq_factor": number(f"{where}.low_freq_factor", params.get("low_freq_factor")),
             "rope_high_freq_factor": number(f"{where}.high_freq_factor", params.get("high_freq_factor")),
             "rope_original_max_len": number(*orig, integer=True)}
+  if kind == "yarn":
+    out |= {"rope_original_max_len": number(*orig, integer=True), "rope_truncate": bool(params.get("truncate", True)),
+            "rope_attention_factor": _attention_factor(params, out["rope_factor"], where, number)}
+    for name in ("beta_fast", "beta_slow"):  # transformers: a missing (or 0) beta takes its default
+      if params.get(name):
+        out[f"rope_{name}"] = number(f"{where}.{name}", params[name])
   return out
+
+
+def _attention_factor(params: dict[str, Any], factor: float, where: str, number: Any) -> float | None:
+  """yarn's attention_factor: given, or DeepSeek's mscale ratio, or None (attn's default 0.1·ln(factor) + 1)."""
+  if params.get("attention_factor") is not None:
+    return number(f"{where}.attention_factor", params["attention_factor"])
+  m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+  if not (m and m_all):
+    return None
+  scale = lambda k: 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0  # noqa: E731
+  return scale(number(f"{where}.mscale", m)) / scale(number(f"{where}.mscale_all_dim", m_all))
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -76,5 +108,11 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   if cfg.rope_scaling == "llama3":
     rope |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
              "original_max_position_embeddings": cfg.rope_original_max_len}
+  if cfg.rope_scaling == "yarn":
+    rope["original_max_position_embeddings"] = cfg.rope_original_max_len
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}  # transformers' (and HeadConfig's)
+    rope |= {k: v for k in defaults if (v := getattr(cfg, f"rope_{k}")) != defaults[k]}
+    if cfg.rope_attention_factor is not None:
+      rope["attention_factor"] = cfg.rope_attention_factor
   out = {"rope_theta": cfg.rope_theta, "rope_parameters": rope | {"rope_theta": cfg.rope_theta}}
   return out | ({"rope_scaling": rope} if cfg.rope_scaling else {})
