@@ -203,6 +203,29 @@ def test_a_lease_of_a_killed_process_shows_the_trial_interrupted(config_path, tm
   assert t["state"] == "interrupted" and f"pid {dead.pid}" in t["reason"] and "out-of-memory" in t["reason"]
 
 
+@pytest.mark.parametrize("sacct_says, state", [("OUT_OF_MEMORY|0:125", "interrupted"),
+                                               ("RUNNING|0:0", "stale"), (None, "stale")])
+def test_a_silent_slurm_tasks_trial_is_interrupted_when_sacct_says_the_cluster_ended_it(
+    config_path, tmp_path, monkeypatch, sacct_says, state):
+  out = str(tmp_path / "out")
+  sweep.prepare(config_lib.load(config_path), out, stream=io.StringIO())
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  if sacct_says is not None:  # a stand-in for Slurm's accounting: prints its arguments' answer
+    (bin_dir / "sacct").write_text(f"#!/bin/sh\necho '{sacct_says}'\necho \"$@\" > {bin_dir}/args\n")
+    (bin_dir / "sacct").chmod(0o755)
+  monkeypatch.setenv("PATH", str(bin_dir) + os.pathsep + "/usr/bin:/bin")
+  d = store.Store(out).trial_dir(store.load_sweep(out)["trials"][0]["id"])
+  with open(os.path.join(d, "lease.json"), "w") as f:
+    json.dump({"token": "t", "host": "node7", "pid": 1, "pidns": "other", "job_id": "812_3.1"}, f)
+  os.utime(os.path.join(d, "lease.json"), (0, 0))  # heartbeat long silent
+  t = status.collect(out)[0]
+  assert t["state"] == state
+  if state == "interrupted":
+    assert t["reason"] == "Slurm ended its job 812_3: OUT_OF_MEMORY (exit 0:125, sacct)"
+    assert (bin_dir / "args").read_text().split()[-2:] == ["812_3", "--format=State,ExitCode"]
+
+
 def _subprocess_sweep(path, out, fault=None, extra=()):
   env = {**os.environ, "PYTHONPATH": ROOT}
   env.pop("ATTN_FAULT", None)

@@ -35,7 +35,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -84,6 +86,29 @@ def gone(held: dict[str, Any]) -> bool:
   except (OSError, KeyError, TypeError, ValueError, OverflowError):  # e.g. another user's live process
     return False
   return False
+
+
+# Slurm job states (sacct) in which the cluster, not the trial, ended the job: the trial is
+# interrupted and a re-run resumes it. (FAILED and COMPLETED are the task's own exit.)
+MACHINE_ENDS = ("OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "TIMEOUT", "CANCELLED", "BOOT_FAIL", "DEADLINE")
+
+
+def slurm_end(held: dict[str, Any], timeout: float = 10.0) -> str | None:
+  """Why Slurm ended the job of a lease whose heartbeat stopped, from its accounting (`sacct`), when
+  the cluster ended it (MACHINE_ENDS); None without a job, without sacct, or while it runs."""
+  job = str(held.get("job_id") or "").split(".")[0]
+  if not job or shutil.which("sacct") is None:
+    return None
+  try:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "--format=State,ExitCode"],
+                         capture_output=True, text=True, timeout=timeout).stdout
+  except (OSError, subprocess.SubprocessError):
+    return None
+  for line in out.splitlines():
+    state, _, code = line.strip().partition("|")
+    if state.split(" ")[0] in MACHINE_ENDS:
+      return f"Slurm ended its job {job}: {state} (exit {code or '?'}, sacct)"
+  return None
 
 
 def read(path: str) -> tuple[dict[str, Any] | None, float]:

@@ -8,7 +8,8 @@ its local workers, Slurm array tasks):
                the worker (host, pid, Slurm job), the step reached (the partial rows), heartbeat age
   interrupted  stopped by the machine, not by itself: its interrupted.json names why (no space left, an
                I/O error), or its lease names a process of this machine that is gone (killed by the
-               kernel's out-of-memory killer or a signal); `attn sweep` resumes it from its checkpoint
+               kernel's out-of-memory killer or a signal), or a Slurm job that sacct says the cluster
+               ended (OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, ...); `attn sweep` resumes it from its checkpoint
   stale        a lease older than the timeout: its worker is gone; the next worker takes it over
   pending      none of these (with the step of its checkpoint, if it has one)
   damaged      its config.json or summary.json does not parse (the file and what is
@@ -113,6 +114,8 @@ def collect(out: str, lease_timeout: float = leases.DEFAULT_TIMEOUT) -> list[dic
     if killed:
       reason = f"its worker ({leases.describe(held)}) is gone: killed (the kernel's out-of-memory " \
                "killer, or a signal)"
+    elif held is not None and held.get("job_id"):  # a silent Slurm task: did the cluster end it?
+      reason = leases.slurm_end(held) or reason
     torn = store_lib.torn_tail(os.path.join(d, store_lib.PARTIAL))
     t["warnings"] = [f"{torn}: dropped when the trial resumes"] if torn else []
     if t["damaged"] is not None:
