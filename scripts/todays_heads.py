@@ -141,9 +141,9 @@ def plot(rows: list[dict], path: str) -> None:
   fig, ax = plt.subplots(figsize=(9, 5.5))
   for r in rows:
     x, y = r["attention"] / 1e9, r["kv_bytes_at"][str(LONG)] / 2**30
-    y0 = r["kv_long_mha_full"] / 2**30
-    ax.annotate("", (x, y), (x, y0), arrowprops={"arrowstyle": "->", "color": "0.6"})
-    ax.scatter([x], [y0], marker="o", facecolors="none", edgecolors="0.5", s=40)
+    x0, y0 = r["attention_mha"] / 1e9, r["kv_long_mha_full"] / 2**30
+    ax.annotate("", (x, y), (x0, y0), arrowprops={"arrowstyle": "->", "color": "0.6"})
+    ax.scatter([x0], [y0], marker="o", facecolors="none", edgecolors="0.5", s=40)
     ax.scatter([x], [y], s=50)
     ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(6, -4), fontsize=9)
   ax.set_xscale("log")
@@ -151,7 +151,7 @@ def plot(rows: list[dict], path: str) -> None:
   ax.set_xlabel("attention parameters (billions, all layers)")
   ax.set_ylabel(f"KV cache per sequence at {LONG:,} tokens (GiB, bf16)")
   ax.set_title("KV cache at 128k: as built (dots) vs. the same model with MHA in every layer\n"
-               "(open circles; arrows: what GQA, local/global windows and NoPE save)", fontsize=10)
+               "(open circles, with its MHA attention parameters; arrows: what GQA and local/global windows save)", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -99,3 +99,11 @@ def test_total_equals_transformers_parameter_count(tmp_path, capsys, family):
   code, out, err = run_cli(capsys, "--hf", str(tmp_path / family), "--format", "json")
   assert code == 0, err
   assert json.loads(out)["total"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, published", [("gemma-3-1b", 999_885_952), ("llama-3.1-8b", 8_030_261_248)])
+def test_stored_published_configs_count_to_the_published_total(capsys, name, published):
+  """keras-hub's gemma3_1b "params" and the Llama 3.1 8B checkpoint's safetensors total, to the parameter."""
+  code, out, err = run_cli(capsys, "--hf", name, "--format", "json")
+  assert code == 0, err
+  assert json.loads(out)["total"] == published
