@@ -18,6 +18,7 @@ from typing import Any
 
 from attn import count, count_layers
 from attn.config import ConfigError, invalid
+from attn.nn import layer_types
 from attn.nn.models import ModelConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "hf_configs")
@@ -104,8 +105,8 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   active = count_layers.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
                                                                - parts.get("output", 0))
   layers = []
-  for row in count_layers.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:
-    head = m.layer_head(next(i for i in range(m.num_layers) if _type(m, i) == row["type"]))
+  for row in count_layers.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
+    head = m.layer_head(next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"]))
     layers.append({"type": row["type"], "layers": row["layers"], "window": row["window"],
                    "rope_theta": row["rope_theta"], "params_per_layer": row["params_per_layer"],
                    "score_weights_per_layer": count.score_weight_count(m.variant, head),
@@ -119,8 +120,3 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
                                                              if k.startswith("attention")) / total,
           "layer_types": layers,
           "kv_bytes_at": {str(L): sum(r["kv_bytes_at"][str(L)] for r in layers) for L in lengths}}
-
-
-def _type(m: ModelConfig, i: int) -> str:
-  from attn.nn import layer_types
-  return layer_types.layer_type(m, i)
