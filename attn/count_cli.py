@@ -8,6 +8,8 @@
   attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
   attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
   attn count --preset gpt2 --window 512 --global-every 4 --seq-len 8192  # per layer type at L
+  attn count --hf ./my-checkpoint --format json  # a checkpoint's config.json by component (no weights read)
+  attn count --hf gpt-oss-20b                    # a stored published config (attn/hf_configs)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import tomllib
 from typing import Any
 
-from attn import count, count_layers, presets
+from attn import count, count_hf, count_layers, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 from attn.variants.mechanisms import MECHANISMS
@@ -74,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
                         help="with --preset: the model's " + name + (" (comma-separated, one per layer)"
                                                                      if name == "layer_types" else ""))
+  parser.add_argument("--hf", metavar="DIR", default=None,
+                      help="a Hugging Face checkpoint directory (config.json only is enough) or a stored "
+                      "published config (" + ", ".join(count_hf.stored_configs()) + "): parameters by "
+                      "component, active per token, KV cache per layer type at 8k, 128k and --seq-len")
   parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
@@ -266,8 +272,41 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
   return text
 
 
+_HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
+               ("params_per_layer", "params/layer"), ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"),
+               ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
+
+
+def _hf_output(report: dict[str, Any], fmt: str) -> str:
+  if fmt == "json":
+    return json.dumps(report, indent=2)
+  rows = [{"component": k, "params": v} for k, v in report["breakdown"].items()]
+  rows.append({"component": "total", "params": report["total"]})
+  if fmt == "csv":
+    return _csv(rows, [("component", "component"), ("params", "params")])
+  lengths = list(report["kv_bytes_at"])
+  layers = [{**r, **{f"kv_{L}": r["kv_bytes_at"][L] for L in lengths}} for r in report["layer_types"]]
+  layers.append({"type": "total", "layers": report["num_layers"], **{f"kv_{L}": report["kv_bytes_at"][L]
+                                                                      for L in lengths}})
+  cols = _HF_COLUMNS + [(f"kv_{L}", f"KV cache B at {int(L):,}") for L in lengths]
+  return (f"{report['source']} ({report['model_type']}, {report['variant']} attention): {report['total']:,} "
+          f"parameters, {report['active_per_token']:,} active per token; attention "
+          f"{report['attention_share']:.1%} of the parameters.\n\n"
+          + markdown(rows, [("component", "component"), ("params", "params")])
+          + f"\n\nAttention by layer type (KV cache in {report['dtype']}):\n\n" + markdown(layers, cols)
+          + "".join(f"\n\nNote: {n}." for n in report["notes"]))
+
+
 def run(args: argparse.Namespace) -> int:
   """Prints the table; ConfigError (unknown preset, impossible dims) exits 2 via attn.cli."""
+  if args.hf is not None:
+    if args.preset or _overrides(args) or _model_overrides(args) or args.variant or args.mechanisms:
+      raise ConfigError(f"--hf={args.hf!r} is not allowed with --preset, dimension, variant or mechanism "
+                        "flags: it counts the checkpoint's config as it is")
+    hf, where = count_hf.read_hf_config(args.hf)
+    lengths = tuple(dict.fromkeys((8192, 131072, args.seq_len)))
+    print(_hf_output(count_hf.hf_report(hf, where, lengths, args.dtype), args.format))
+    return 0
   if args.preset in presets.GROUPS:
     if _overrides(args) or args.variant:
       raise ConfigError(f"preset={args.preset!r} is not allowed with dimension or variant "

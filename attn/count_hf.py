@@ -1,0 +1,122 @@
+"""`attn count --hf DIR`: a Hugging Face checkpoint's parameters by component, from its config.json alone.
+
+The family's config reader (attn.nn.hf.model_config) maps config.json to a
+ModelConfig without reading a weight, so a directory holding only config.json
+is counted. The total is what transformers' model.parameters() holds: attn's
+output layer keeps a zero bias where a family has biases (gpt-oss), which no
+Hugging Face lm_head has, so it is left out. A RoPE scaling attn refuses at run
+time (Phi-4-mini's longrope) changes no parameter and no cache width: the count
+drops it and says so. Stored published configs (attn/hf_configs/NAME.json)
+count by name: `attn count --hf llama-3.1-8b`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from attn import count, count_layers
+from attn.config import ConfigError, invalid
+from attn.nn import layer_types
+from attn.nn.models import ModelConfig
+
+CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "hf_configs")
+# RoPE scalings that change frequencies only: counted as plain RoPE (attn.nn.hf.rope refuses them for running).
+COUNT_ONLY_ROPE = ("longrope", "dynamic")
+
+
+def stored_configs() -> dict[str, str]:
+  """Name -> path of each published config.json stored in attn/hf_configs."""
+  if not os.path.isdir(CONFIGS_DIR):
+    return {}
+  return {f[:-5]: os.path.join(CONFIGS_DIR, f) for f in sorted(os.listdir(CONFIGS_DIR)) if f.endswith(".json")}
+
+
+def _allowed() -> str:
+  return ("a Hugging Face checkpoint directory holding config.json (weights are not read), or a stored "
+          f"published config: {', '.join(stored_configs())}")
+
+
+def read_hf_config(source: str) -> tuple[dict[str, Any], str]:
+  """The config dict of `--hf source` (a directory, or a stored config's name) and where it came from."""
+  stored = stored_configs()
+  if os.path.isdir(source):
+    where = os.path.join(source, "config.json")
+    if not os.path.isfile(where):
+      raise invalid("--hf", source, "a directory holding config.json; this one has none (or " + _allowed() + ")")
+  elif source in stored:
+    where = stored[source]
+  else:
+    raise invalid("--hf", source, _allowed())
+  try:
+    with open(where, encoding="utf-8") as f:
+      hf = json.load(f)
+  except (OSError, ValueError) as e:
+    raise invalid("--hf", where, f"a readable JSON config.json ({e})") from None
+  if not isinstance(hf, dict):
+    raise invalid("--hf", where, "a config.json holding a JSON object")
+  return hf, where
+
+
+def _rope_kind(hf: dict[str, Any]) -> str | None:
+  params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  return params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+
+
+def config_for_count(hf: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
+  """The ModelConfig the family's reader gives (no weights read), and notes on what counting ignored."""
+  from attn.nn.hf import model_config  # the hf package imports transformers-free modules only
+  notes = []
+  kind = _rope_kind(hf)
+  if kind in COUNT_ONLY_ROPE:
+    hf = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_parameters")}
+    notes.append(f"rope_scaling type {kind!r} counted as plain RoPE: it changes frequencies, not parameters or "
+                 "cache widths (attn refuses it for running)")
+  try:
+    return model_config(hf), notes
+  except ConfigError as e:
+    raise ConfigError(f"--hf: {e}") from None
+
+
+def hf_breakdown(m: ModelConfig) -> dict[str, int]:
+  """Parameters by component as transformers holds them: attention split per layer type."""
+  parts = count.model_param_breakdown(m, "decoder_lm")
+  if not m.tie_embeddings:
+    parts["output"] = m.vocab_size * m.d_model  # no Hugging Face decoder's lm_head has a bias
+  out: dict[str, int] = {}
+  for row in count_layers.layer_type_table(m, "decoder_lm", 1)[:-1]:
+    out[f"attention ({row['type']})"] = row["params"]
+  if sum(out.values()) != parts["attention"]:
+    raise AssertionError("per-type attention does not sum to the model's")  # one closed form, two groupings
+  mlp = "experts (router, all experts)" if m.mlp == "moe" else "mlp"
+  for key, value in parts.items():
+    if key != "attention" and value:
+      out[mlp if key == "mlp" else key] = value
+  return out
+
+
+def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192, 131072),
+              dtype: str = "bfloat16") -> dict[str, Any]:
+  """Everything `attn count --hf` prints, as a JSON-ready dict."""
+  m, notes = config_for_count(hf)
+  parts = hf_breakdown(m)
+  total = sum(parts.values())
+  active = count_layers.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
+                                                               - parts.get("output", 0))
+  layers = []
+  for row in count_layers.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
+    head = m.layer_head(next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"]))
+    layers.append({"type": row["type"], "layers": row["layers"], "window": row["window"],
+                   "rope_theta": row["rope_theta"], "params_per_layer": row["params_per_layer"],
+                   "score_weights_per_layer": count.score_weight_count(m.variant, head),
+                   "kv_bytes_per_token_per_layer": row["kv_bytes_per_token_per_layer"],
+                   "kv_bytes_at": {str(L): count.kv_cache_bytes(m.variant, head, L, dtype) * row["layers"]
+                                   for L in lengths}})
+  return {"source": source, "model_type": hf.get("model_type"), "variant": m.variant, "dtype": dtype,
+          "num_layers": m.num_layers, "d_model": m.d_model, "vocab_size": m.vocab_size,
+          "tie_embeddings": m.tie_embeddings, "notes": notes, "breakdown": parts, "total": total,
+          "active_per_token": active, "attention_share": sum(v for k, v in parts.items()
+                                                             if k.startswith("attention")) / total,
+          "layer_types": layers,
+          "kv_bytes_at": {str(L): sum(r["kv_bytes_at"][str(L)] for r in layers) for L in lengths}}
