@@ -44,12 +44,12 @@ import numpy as np
 from attn import api, count, measured
 from attn.config import ConfigError, HeadConfig
 from attn.masks import causal_mask, combine_masks, padding_mask
-from attn.variants import VARIANTS, cache
+from attn.variants import VARIANTS, cache, mechanisms
 from attn.variants.base import Options, Variant
 from attn.variants.mechanism import Mechanism
 from attn.variants.mechanisms import MECHANISMS, examples
 
-__all__ = ["AWKWARD", "check_mechanism", "check_variant", "check_effective_count"]
+__all__ = ["AWKWARD", "check_effective_count", "check_mechanism", "check_mechanism_counts", "check_variant"]
 
 B, T, S = 2, 5, 7
 
@@ -254,25 +254,34 @@ def _check_score_weights(v: Variant, cfg: HeadConfig) -> None:
       raise _fail("score_weights", v, cfg, f"declared {v.score_weights(cfg)}, the weights move with {got}")
 
 
-def _check_flops(v: Variant, thorough: bool) -> None:
-  cfg, T_, S_ = FLOPS
+def _check_flops(v: Variant, thorough: bool, cfg: HeadConfig | None = None, m: Mechanism | None = None) -> None:
+  """count.flops (the variant's closed form plus its active mechanisms') within 10% of XLA's."""
+  cfg, T_, S_ = (cfg or FLOPS[0]), *FLOPS[1:]
   if v.flops is None or not _accepts(v, cfg):
     return
+  if m is not None and m.flops is None:
+    if "flops" not in count.measured_figures(v, cfg):
+      raise _fail("flops", v, cfg, f"mechanism {m.name!r} declares none, yet count.flops is not labelled measured")
+    return
   for backward in (False, True) if thorough else (False,):
-    want = v.flops(cfg, T_, S_) * (3 if backward else 1)
+    want = count.flops(v, cfg, T_, S_, backward)
     got = measured.flops(v, cfg, T_, S_, backward)
     if not abs(got - want) <= 0.10 * want:
-      raise _fail("flops", v, cfg, f"declared {want} ({'fwd+bwd' if backward else 'fwd'}, T={T_}, "
+      with_m = f" with mechanism {m.name!r} ({m.flops(cfg, T_, S_)} of it)" if m is not None else ""
+      raise _fail("flops", v, cfg, f"declared {want}{with_m} ({'fwd+bwd' if backward else 'fwd'}, T={T_}, "
                   f"S={S_}), XLA counts {got}")
 
 
 def check_effective_count(v: Variant | str, cfg: HeadConfig) -> None:
-  """The declared effective count is the Jacobian's rank, with a clean gap below it."""
+  """The declared effective count (the variant's plus its active mechanisms') is the Jacobian's rank."""
   v = api.get_variant(v)
-  eff = v.effective_param_count(cfg)
+  own, mech = v.effective_param_count(cfg), mechanisms.effective_param_count(cfg)
+  if mech is None:
+    return  # a mechanism without a closed form: the total is measured, nothing declared to check
   rank = measured.jacobian_rank(v, cfg)
-  if eff != rank:
-    raise _fail("effective_param_count", v, cfg, f"declared {eff}, the Jacobian's rank is {rank} "
+  if own + mech != rank:
+    on = f" (variant {own} + mechanisms {mech})" if mech else ""
+    raise _fail("effective_param_count", v, cfg, f"declared {own + mech}{on}, the Jacobian's rank is {rank} "
                 f"(of {measured.stored(v, cfg)} parameters)")
 
 
@@ -289,7 +298,10 @@ def _with_mechanisms(v: Variant, cfg: HeadConfig, changes: list[dict]) -> HeadCo
   on = None
   for change in changes:
     extra = {**((on or cfg).extra or {}), **change.get("extra", {})}
-    candidate = (on or cfg).replace(**{**change, "extra": extra or None})
+    try:
+      candidate = (on or cfg).replace(**{**change, "extra": extra or None})
+    except ConfigError:  # HeadConfig's own refusal (qk_norm at d_k = 1)
+      continue
     if _accepts(v, candidate):
       on = candidate
   return on
@@ -370,6 +382,32 @@ def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = Fal
         checked += 1
     if not checked:
       raise AssertionError(f"configs: mechanism {mechanism.name!r}: no variant of {names} accepts it")
+    for name in variants or ["per_head"]:
+      check_mechanism_counts(mechanism, variant=name, thorough=thorough)
+
+
+# Round-off, not the count: at the kit's small weights a softcap of 30 or the default eps moves the
+# logits by ~1e-4 of themselves, so the directions they free (the kept key bias, the norm's scale)
+# sit near the rank tolerance. A tight cap and a tiny eps make their effect stand clear.
+def _jacobian_scaled(cfg: HeadConfig) -> HeadConfig:
+  return cfg.replace(**({"softcap": 0.05} if cfg.softcap is not None else {}),
+                     **({"qk_norm_eps": 1e-12} if cfg.qk_norm else {}))
+
+
+def check_mechanism_counts(mechanism: Mechanism, *, variant: Variant | str = "per_head",
+                           thorough: bool = False) -> None:
+  """With the mechanism on: count.flops within 10% of XLA's, and the declared effective count the
+  Jacobian's rank at the kit's small configs (fast: one of each; thorough: every example and config)."""
+  v = api.get_variant(variant)
+  with _registered(mechanism):
+    for cfg in _mechanism_configs(v, FLOPS[0], thorough, only=mechanism):
+      _check_flops(v, thorough, cfg, mechanism)
+    if mechanism.effective_param_count is None or v.effective_param_count is None:
+      return
+    small = [cfg for base in JACOBIAN if _accepts(v, base)
+             for cfg in _mechanism_configs(v, base, thorough, only=mechanism)]
+    for cfg in small if thorough else small[:1]:
+      check_effective_count(v, _jacobian_scaled(cfg))
 
 
 def _off(m: Mechanism, cfg: HeadConfig) -> HeadConfig:
