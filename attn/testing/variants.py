@@ -24,7 +24,7 @@ dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
   counts     declared param_count = stored; kv_cache_width = what the cache holds;
              score_weights = weights whose gradient reaches the attention weights;
              flops within 10% of XLA's cost analysis; effective = the Jacobian's rank
-             (at d_model ≤ 6, where it can be computed)
+             (at d_model ≤ 6, where it can be computed); for a mechanism, both with it on
 
 The fast mode (default) runs one or two configs; thorough=True runs them all
 and every mechanism separately. A record that is not registered is checked
@@ -365,7 +365,9 @@ def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = Fal
   """Run the contract on every variant (default per_head, or all with thorough) with the mechanism on.
 
   Beyond check_variant's properties: its parameters are declared with one sharding letter per
-  axis, and its declared parameter count is what it adds to the stored tree.
+  axis, its declared parameter count is what it adds to the stored tree, and (check_mechanism_counts,
+  on `variants` or per_head) count.flops with it on is within 10% of XLA's and the declared
+  effective count is the Jacobian's rank.
   """
   if not isinstance(mechanism, Mechanism):
     raise ConfigError(f"mechanism={mechanism!r} is not allowed: an attn Mechanism record")
