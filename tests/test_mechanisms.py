@@ -437,3 +437,13 @@ def count_cases():
 @pytest.mark.parametrize("variant, name", count_cases())
 def test_mechanism_counts_on_every_variant(variant, name):
   testing.check_mechanism_counts(mechanisms.MECHANISMS[name], variant=variant, thorough=True)
+
+
+# d_k > d_model, where sinks trade against the key bias (base.sink_trade): beyond the kit's configs.
+# Only variants whose Jacobian there is well enough conditioned to read (two_stage's products put a
+# real singular value near 1e-6).
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["collaborative", "fused", "merged", "per_head", "talking_heads"])
+@pytest.mark.parametrize("changes", [dict(sinks=True), dict(sinks=True, softcap=0.05)], ids=["sinks", "sinks_softcap"])
+def test_sink_trade_at_d_k_above_d_model(variant, changes):
+  testing.check_effective_count(variant, HeadConfig(d_model=3, num_heads=2, d_k=4, d_v=2, **changes))
