@@ -5,6 +5,7 @@ kit must say which property failed, for which record and config, with numbers.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -74,3 +75,29 @@ def test_the_kit_refuses_what_is_not_a_record():
     testing.check_variant("nope")
   with pytest.raises(ConfigError, match="mechanism=3 is not allowed: an attn Mechanism record"):
     testing.check_mechanism(3)
+
+
+def test_a_mechanism_whose_flops_are_off_is_caught():
+  gate = mechanisms.MECHANISMS["gate"]
+  # A copy on the same field: with gate set both act, so the gate's FLOPs are declared twice.
+  bad = dataclasses.replace(gate, name="gate_doubled")
+  with pytest.raises(AssertionError, match=r"flops: variant 'per_head' at HeadConfig\(d_model=48, .*gate='elementwise'"
+                                           r".*declared (\d+) with mechanism 'gate_doubled' \((\d+) of it\) "
+                                           r"\(fwd, T=4, S=12\), XLA counts (\d+)") as e:
+    testing.check_mechanism_counts(bad)
+  found = re.search(r"declared (\d+) .*\((\d+) of it\).*XLA counts (\d+)", str(e.value))
+  declared, copy, xla = (int(n) for n in found.groups())
+  assert copy > 0.10 * xla and abs(xla - (declared - copy)) <= 0.10 * xla  # counted once, it agrees
+
+
+def test_a_mechanism_whose_effective_count_is_off_by_one_is_caught():
+  sinks = mechanisms.MECHANISMS["sinks"]
+  # A copy on the same field: with sinks=True both act, the built-in's H plus the copy's one more.
+  bad = dataclasses.replace(sinks, name="sinks_eff_off", effective_param_count=lambda cfg: 1)
+  with pytest.raises(AssertionError, match=r"effective_param_count: variant 'per_head' at HeadConfig\(d_model=4, "
+                                           r".*sinks=True.*declared (\d+) \(variant \d+ \+ mechanisms 5\), "
+                                           r"the Jacobian's rank is (\d+)") as e:
+    testing.check_mechanism_counts(bad)
+  declared, rank = (int(n) for n in re.search(r"declared (\d+) .*rank is (\d+)", str(e.value)).groups())
+  assert declared == rank + 1
+  assert "sinks_eff_off" not in mechanisms.MECHANISMS

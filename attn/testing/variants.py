@@ -24,7 +24,7 @@ dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
   counts     declared param_count = stored; kv_cache_width = what the cache holds;
              score_weights = weights whose gradient reaches the attention weights;
              flops within 10% of XLA's cost analysis; effective = the Jacobian's rank
-             (at d_model ≤ 6, where it can be computed)
+             (at d_model ≤ 6, where it can be computed); for a mechanism, both with it on
 
 The fast mode (default) runs one or two configs; thorough=True runs them all
 and every mechanism separately. A record that is not registered is checked
@@ -44,12 +44,12 @@ import numpy as np
 from attn import api, count, measured
 from attn.config import ConfigError, HeadConfig
 from attn.masks import causal_mask, combine_masks, padding_mask
-from attn.variants import VARIANTS, cache
+from attn.variants import VARIANTS, cache, mechanisms
 from attn.variants.base import Options, Variant
 from attn.variants.mechanism import Mechanism
 from attn.variants.mechanisms import MECHANISMS, examples
 
-__all__ = ["AWKWARD", "check_mechanism", "check_variant", "check_effective_count"]
+__all__ = ["AWKWARD", "check_effective_count", "check_mechanism", "check_mechanism_counts", "check_variant"]
 
 B, T, S = 2, 5, 7
 
@@ -254,25 +254,34 @@ def _check_score_weights(v: Variant, cfg: HeadConfig) -> None:
       raise _fail("score_weights", v, cfg, f"declared {v.score_weights(cfg)}, the weights move with {got}")
 
 
-def _check_flops(v: Variant, thorough: bool) -> None:
-  cfg, T_, S_ = FLOPS
+def _check_flops(v: Variant, thorough: bool, cfg: HeadConfig | None = None, m: Mechanism | None = None) -> None:
+  """count.flops (the variant's closed form plus its active mechanisms') within 10% of XLA's."""
+  cfg, T_, S_ = (cfg or FLOPS[0]), *FLOPS[1:]
   if v.flops is None or not _accepts(v, cfg):
     return
+  if m is not None and m.flops is None:
+    if "flops" not in count.measured_figures(v, cfg):
+      raise _fail("flops", v, cfg, f"mechanism {m.name!r} declares none, yet count.flops is not labelled measured")
+    return
   for backward in (False, True) if thorough else (False,):
-    want = v.flops(cfg, T_, S_) * (3 if backward else 1)
+    want = count.flops(v, cfg, T_, S_, backward)
     got = measured.flops(v, cfg, T_, S_, backward)
     if not abs(got - want) <= 0.10 * want:
-      raise _fail("flops", v, cfg, f"declared {want} ({'fwd+bwd' if backward else 'fwd'}, T={T_}, "
+      with_m = f" with mechanism {m.name!r} ({m.flops(cfg, T_, S_)} of it)" if m is not None else ""
+      raise _fail("flops", v, cfg, f"declared {want}{with_m} ({'fwd+bwd' if backward else 'fwd'}, T={T_}, "
                   f"S={S_}), XLA counts {got}")
 
 
 def check_effective_count(v: Variant | str, cfg: HeadConfig) -> None:
-  """The declared effective count is the Jacobian's rank, with a clean gap below it."""
+  """The declared effective count (the variant's plus its active mechanisms') is the Jacobian's rank."""
   v = api.get_variant(v)
-  eff = v.effective_param_count(cfg)
+  own, mech = v.effective_param_count(cfg), mechanisms.effective_param_count(cfg)
+  if mech is None:
+    return  # a mechanism without a closed form: the total is measured, nothing declared to check
   rank = measured.jacobian_rank(v, cfg)
-  if eff != rank:
-    raise _fail("effective_param_count", v, cfg, f"declared {eff}, the Jacobian's rank is {rank} "
+  if own + mech != rank:
+    on = f" (variant {own} + mechanisms {mech})" if mech else ""
+    raise _fail("effective_param_count", v, cfg, f"declared {own + mech}{on}, the Jacobian's rank is {rank} "
                 f"(of {measured.stored(v, cfg)} parameters)")
 
 
@@ -289,7 +298,10 @@ def _with_mechanisms(v: Variant, cfg: HeadConfig, changes: list[dict]) -> HeadCo
   on = None
   for change in changes:
     extra = {**((on or cfg).extra or {}), **change.get("extra", {})}
-    candidate = (on or cfg).replace(**{**change, "extra": extra or None})
+    try:
+      candidate = (on or cfg).replace(**{**change, "extra": extra or None})
+    except ConfigError:  # HeadConfig's own refusal (qk_norm at d_k = 1)
+      continue
     if _accepts(v, candidate):
       on = candidate
   return on
@@ -353,7 +365,9 @@ def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = Fal
   """Run the contract on every variant (default per_head, or all with thorough) with the mechanism on.
 
   Beyond check_variant's properties: its parameters are declared with one sharding letter per
-  axis, and its declared parameter count is what it adds to the stored tree.
+  axis, its declared parameter count is what it adds to the stored tree, and (check_mechanism_counts,
+  on `variants` or per_head) count.flops with it on is within 10% of XLA's and the declared
+  effective count is the Jacobian's rank.
   """
   if not isinstance(mechanism, Mechanism):
     raise ConfigError(f"mechanism={mechanism!r} is not allowed: an attn Mechanism record")
@@ -370,6 +384,42 @@ def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = Fal
         checked += 1
     if not checked:
       raise AssertionError(f"configs: mechanism {mechanism.name!r}: no variant of {names} accepts it")
+    for name in variants or ["per_head"]:
+      check_mechanism_counts(mechanism, variant=name, thorough=thorough)
+
+
+# (variant, mechanism) whose Jacobian's last real singular value falls near the rank tolerance (1e-6):
+# differential with a gate, at each JACOBIAN config, headwise and elementwise (σ_eff/σ_1 = 3.7e-7 to
+# 1.8e-5 over seeds 1 and 5, then a clean drop to ~1e-9 at the declared count: the count is right, the
+# direction is second order in the two maps' difference). Its FLOPs are still checked.
+_ROUND_OFF = {("differential", "gate")}
+
+
+# For the Jacobian only: at the examples' softcap of 30 the cap barely bends the small logits, so the
+# direction it frees (the kept key bias) falls below the rank tolerance (per_head at JACOBIAN[0]: rank
+# 71, declared 72), and qk_norm's default eps breaks the norm's scale invariance enough to show (per_head
+# at JACOBIAN[1]: rank 110, declared 109). A tight cap and a tiny eps make the closed forms' idealisation
+# hold.
+def _jacobian_scaled(cfg: HeadConfig) -> HeadConfig:
+  return cfg.replace(**({"softcap": 0.05} if cfg.softcap is not None else {}),
+                     **({"qk_norm_eps": 1e-12} if cfg.qk_norm else {}))
+
+
+def check_mechanism_counts(mechanism: Mechanism, *, variant: Variant | str = "per_head",
+                           thorough: bool = False) -> None:
+  """With the mechanism on: count.flops within 10% of XLA's, and the declared effective count the
+  Jacobian's rank at the kit's small configs (fast: one of each; thorough: every example and config)."""
+  v = api.get_variant(variant)
+  with _registered(mechanism):
+    for cfg in _mechanism_configs(v, FLOPS[0], thorough, only=mechanism):
+      _check_flops(v, thorough, cfg, mechanism)
+    if (mechanism.effective_param_count is None or v.effective_param_count is None
+        or (v.name, mechanism.name) in _ROUND_OFF):
+      return
+    small = [cfg for base in JACOBIAN if _accepts(v, base)
+             for cfg in _mechanism_configs(v, base, thorough, only=mechanism)]
+    for cfg in small if thorough else small[:1]:
+      check_effective_count(v, _jacobian_scaled(cfg))
 
 
 def _off(m: Mechanism, cfg: HeadConfig) -> HeadConfig:
