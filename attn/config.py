@@ -235,8 +235,8 @@ class HeadConfig:
       raise invalid("sinks", self.sinks, "True or False")
     if self.qk_norm not in QK_NORMS or isinstance(self.qk_norm, (int, float)) and \
         not isinstance(self.qk_norm, bool):
-      raise invalid("qk_norm", self.qk_norm, "False, True (each head over its d_k dims, Qwen3) or "
-                    "'whole' (the whole projection before the split into heads, OLMo 2)")
+      raise invalid("qk_norm", self.qk_norm, "True or False (True: each head over its d_k dims, Qwen3), "
+                    "or 'whole' (the whole projection before the split into heads, OLMo 2)")
     if self.qk_norm is True and self.d_k < 2:
       raise invalid("qk_norm", True, f"False when d_k={self.d_k}: RMS-normalising one dim leaves "
                     "only its sign")

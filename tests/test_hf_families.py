@@ -510,3 +510,5 @@ def test_analyze_every_family(tmp_path, capsys, family):
   assert code == 0, err
   a = json.loads((out_dir / "analysis.json").read_text())
   assert a["num_heads"] == 4 and np.isfinite(a["eval"]["loss"]) and a["hf"] == os.path.abspath(path)
+  if family == "olmo2":  # no per-head W_QK under a norm over the whole projection: the report says why
+    assert "couples the heads" in a["layers"][0]["qk"]["refused"]

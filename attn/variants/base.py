@@ -420,7 +420,9 @@ def qk_norm_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
   qk_norm "whole" (one RMS over all H·K query dims, one over all G·K key dims)
   forgets only the two projections' overall scales, and its scales are per head:
   a group's R query scales against its one key scale give R products per
-  unrotated dim and 2R + 1 per RoPE pair, H·K + G·rope_dim/2 in all.
+  unrotated dim and 2R + 1 per RoPE pair, H·K + G·rope_dim/2 in all. (Measured
+  as the Jacobian's rank only where d_k is below the inputs a head reads: at
+  d_k ≥ d_q + b it over-counts, the Jacobian's rank being lower.)
   """
   b = 1 if cfg.use_bias else 0
   H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
