@@ -510,3 +510,63 @@ def test_gate_flops_agree_with_xla(gate):
   assert xla_flops(f, p, x, c) == pytest.approx(count.flops("per_head", cfg, 4, 12), rel=0.10)
   assert count.flops("per_head", cfg, 4, 12) - count.flops("per_head", cfg.replace(gate=None),
                                                            4, 12) == mechanisms.flops(cfg, 4, 12)
+
+
+# ----------------------------------------------------------------- qk_norm "whole" (OLMo 2)
+
+
+def test_qk_norm_whole_couples_the_heads_and_per_head_does_not():
+  """Changing query head 0's weights moves head 1's attention weights under "whole" only."""
+  for mode, coupled in ((True, False), ("whole", True)):
+    cfg = AWKWARD.replace(qk_norm=mode)
+    p = per_head_params(cfg)
+    x, _, _, _ = inputs(cfg)
+    moved = p | {"w_q": p["w_q"].at[:, 0].multiply(3.0)}
+    w = [attn.apply("per_head", q, x, None, cfg=cfg, is_causal=True, return_weights=True)[1]
+         for q in (p, moved)]
+    assert bool(jnp.abs(w[0][:, 1:] - w[1][:, 1:]).max() > 1e-4) == coupled, mode
+
+
+@pytest.mark.parametrize("value", ["Whole", "head", 1, 0.0, None])
+def test_qk_norm_modes_are_refused_by_name(value):
+  with pytest.raises(ConfigError, match=re.escape(f"qk_norm={value!r} is not allowed: True or False") +
+                     ".*'whole'"):
+    HeadConfig(d_model=8, num_heads=2, qk_norm=value)
+
+
+def test_qk_norm_whole_refusals_and_its_k_scales_follow_the_kv_heads():
+  cfg = AWKWARD.replace(qk_norm="whole")
+  for name in ("differential", "talking_heads"):
+    with pytest.raises(ConfigError, match=f"qk_norm='whole' is not allowed: False or True for {name}"):
+      attn.init(name, jax.random.PRNGKey(0), cfg)
+  with pytest.raises(ConfigError, match="qk_norm='whole'.*couples the heads"):
+    attn.analysis.circuits("per_head", per_head_params(cfg), cfg)
+  p = per_head_params(cfg)
+  x, ctx, blank, _ = inputs(cfg)
+  more = cfg.replace(num_kv_heads=6)
+  q = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=more)  # repeated keys: the same RMS, exact
+  assert q["k_norm_whole"].shape == (6, cfg.d_k)
+  np.testing.assert_allclose(attn.apply("per_head", q, x, ctx, cfg=more, mask=blank)[0],
+                             attn.apply("per_head", p, x, ctx, cfg=cfg, mask=blank)[0], atol=2e-5)
+  with pytest.warns(attn.LossyConversionWarning):  # mean-pooled keys: lossy, as without the norm
+    fewer = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=cfg.replace(num_kv_heads=1))
+  np.testing.assert_allclose(fewer["k_norm_whole"], p["k_norm_whole"].mean(0, keepdims=True), rtol=1e-6)
+
+
+def test_norm_after_counts_and_decodes():
+  """OLMo 2's blocks, x + norm(f(x)) with no input norm, with qk_norm "whole": counts equal the
+  tree, and the cached decoder equals the full pass."""
+  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=4,
+                    num_kv_heads=2, variant="per_head", max_len=12, norm="after", norm_type="rmsnorm",
+                    qk_norm="whole", positional="rope", rope_dim=4, mlp="gated", activation="silu")
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  block = model.blocks[0]
+  assert block.attn_norm is None and block.mlp_norm is None and block.attn_post_norm is not None
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+  assert count.model_param_count(cfg, "decoder_lm") == sum(a.size for a in leaves)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 7)), jnp.int32)
+  full = nnx.jit(lambda m, t: m(t))(model, tokens)
+  model.init_cache(2, 8)
+  step = nnx.jit(lambda m, t: m(t, decode=True))
+  steps = [step(model, tokens[:, :4])] + [step(model, tokens[:, i:i + 1]) for i in range(4, 7)]
+  np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5)
