@@ -392,8 +392,11 @@ def test_params_carry_the_mechanisms_by_name():
   cfg = AWKWARD.replace(gate="elementwise", sinks=True, qk_norm=True)
   p = attn.init("fused", jax.random.PRNGKey(0), cfg)
   H, V, K, D = cfg.num_heads, cfg.d_v, cfg.d_k, cfg.d_model
-  assert {n: p[n].shape for n in mechanisms.names()} == {
+  assert {n: p[n].shape for n in mechanisms.names() if n in p} == {
       "w_gate": (D, H, V), "b_gate": (H, V), "sinks": (H,), "q_norm": (K,), "k_norm": (K,)}
+  whole = attn.init("fused", jax.random.PRNGKey(0), cfg.replace(qk_norm="whole"))
+  assert {n: whole[n].shape for n in mechanisms.names() if n in whole and "norm" in n} == {
+      "q_norm_whole": (H, K), "k_norm_whole": (cfg.num_kv_heads, K)}
   own = attn.init("fused", jax.random.PRNGKey(0), AWKWARD)
   assert all(np.array_equal(own[n], p[n]) for n in own)  # mechanisms draw from their own key
   x = randn(0, (B, T, D))
