@@ -556,6 +556,7 @@ def test_qk_norm_whole_refusals_and_its_k_scales_follow_the_kv_heads():
   np.testing.assert_allclose(fewer["k_norm_whole"], p["k_norm_whole"].mean(0, keepdims=True), rtol=1e-6)
 
 
+@pytest.mark.slow  # the fast tier's olmo2 logits test runs norm "after" forward
 def test_norm_after_counts_and_decodes():
   """OLMo 2's blocks, x + norm(f(x)) with no input norm, with qk_norm "whole": counts equal the
   tree, and the cached decoder equals the full pass."""
