@@ -30,6 +30,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
+QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
 ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
 ROPE_LAYOUTS = ("half", "interleaved")  # which dims pair: i with i + r/2 (rotate_half), or 2i with 2i + 1
@@ -93,9 +94,11 @@ class HeadConfig:
   that cannot refuses one in its check): gate None, "headwise" or
   "elementwise" multiplies each query head's output by σ(x·W_gate + b_gate)
   before W^O (Qiu et al. 2025, G1); sinks adds one learned logit per query head
-  to every softmax denominator (gpt-oss); qk_norm RMS-normalises every query
+  to every softmax denominator (gpt-oss); qk_norm True RMS-normalises every query
   and key head over its d_k dims, with learned scales shared by the heads,
-  before RoPE (Qwen3), epsilon qk_norm_eps; window keeps the keys closer than
+  before RoPE (Qwen3), epsilon qk_norm_eps; qk_norm "whole" normalises the whole
+  query projection over its H·d_k dims and the key projection over G·d_k, one
+  scale per dim, before the split into heads (OLMo 2): it couples the heads; window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2).
@@ -132,7 +135,7 @@ class HeadConfig:
   q_latent_dim: int | None = None
   gate: str | None = None
   sinks: bool = False
-  qk_norm: bool = False
+  qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2)
   qk_norm_eps: float = 1e-6
   window: int | None = None
   softcap: float | None = None
@@ -228,10 +231,13 @@ class HeadConfig:
   def _check_mechanisms(self) -> None:
     if self.gate not in GATES:
       raise invalid("gate", self.gate, f"one of {list(GATES)}: the output gate of each query head")
-    for name in ("sinks", "qk_norm"):
-      if not isinstance(getattr(self, name), bool):
-        raise invalid(name, getattr(self, name), "True or False")
-    if self.qk_norm and self.d_k < 2:
+    if not isinstance(self.sinks, bool):
+      raise invalid("sinks", self.sinks, "True or False")
+    if self.qk_norm not in QK_NORMS or isinstance(self.qk_norm, (int, float)) and \
+        not isinstance(self.qk_norm, bool):
+      raise invalid("qk_norm", self.qk_norm, "True or False (True: each head over its d_k dims, Qwen3), "
+                    "or 'whole' (the whole projection before the split into heads, OLMo 2)")
+    if self.qk_norm is True and self.d_k < 2:
       raise invalid("qk_norm", True, f"False when d_k={self.d_k}: RMS-normalising one dim leaves "
                     "only its sign")
     eps = self.qk_norm_eps

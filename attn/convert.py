@@ -409,5 +409,16 @@ def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,
       warnings.warn(f"{name} is lossy here: relative error {err:.3g}",
                     LossyConversionWarning, stacklevel=2)
     error = max(error, err)
-  params = dict(params) | carried
+  params = dict(params) | _regroup_carried(carried, cfg.num_kv_heads, dst_cfg.num_kv_heads)
   return (params, error) if return_error else params
+
+
+def _regroup_carried(carried: Params, G: int, G2: int) -> Params:
+  """Mechanism parameters with a kv-head axis first (letters "G...": qk_norm "whole"'s k scales)
+  follow the kv heads: repeated (more; exact, as the repeated keys) or mean-pooled (fewer)."""
+  out = dict(carried)
+  for n, axes in mechanisms.letters().items():
+    if n in out and axes and axes[0] == "G" and G != G2:
+      a = out[n]
+      out[n] = jnp.repeat(a, G2 // G, axis=0) if G2 > G else a.reshape((G2, G // G2) + a.shape[1:]).mean(1)
+  return out

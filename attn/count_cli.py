@@ -65,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   for name, f in _HEAD_FIELDS.items():
     flag = name.replace("_", "-")
     kind = [n.strip() for n in str(f.type).split("|") if n.strip() != "None"][0]
-    if kind == "bool":
+    if name == "qk_norm":  # --qk-norm: per head; --qk-norm whole: over the whole projection (OLMo 2)
+      parser.add_argument("--qk-norm", dest=name, nargs="?", const=True, default=None, metavar="whole")
+    elif kind == "bool":
       parser.add_argument(f"--no-{flag}" if f.default else f"--{flag}", dest=name,
                           action="store_const", const=not f.default, default=None)
     else:

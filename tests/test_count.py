@@ -490,3 +490,17 @@ def test_mechanism_table_matches_closed_forms_and_stored_arrays(use_bias):
     assert rows[name]["params"] == stored - plain, name
   assert count.kv_cache_bytes("per_head", cfg.replace(window=7), 5, "float32") == 5 * width
   assert count.kv_cache_bytes("per_head", cfg.replace(window=7), 500, "float32") == 7 * width
+
+
+def test_cli_qk_norm_flag_takes_the_whole_mode(capsys):
+  """--qk-norm is per head (2·K scales), --qk-norm whole one scale per query and key dim ((H + G)·K)."""
+  stored = {}
+  for flag in ((), ("--qk-norm",), ("--qk-norm", "whole")):
+    code, out, err = run_cli(capsys, "--d-model", "20", "--num-heads", "6", "--d-k", "4", "--d-v", "3",
+                             "--num-kv-heads", "2", *flag, "--format", "json")
+    assert code == 0, err
+    stored[flag[1:] or flag] = json.loads(out)["rows"][0]["stored"]
+  assert stored[("--qk-norm",)] - stored[()] == 2 * 4
+  assert stored[("whole",)] - stored[()] == (6 + 2) * 4
+  code, _, err = run_cli(capsys, "--d-model", "24", "--num-heads", "6", "--qk-norm", "heads")
+  assert code == 2 and "qk_norm='heads' is not allowed" in err

@@ -35,6 +35,7 @@ MECHS = {
     "gate_elementwise": dict(gate="elementwise"),
     "sinks": dict(sinks=True),
     "qk_norm": dict(qk_norm=True, rope_dim=2, rope_theta=100.0),  # norm, then RoPE
+    "qk_norm_whole": dict(qk_norm="whole", rope_dim=2, rope_theta=100.0),  # OLMo 2's, then RoPE
     "window": dict(window=2),
     "softcap": dict(softcap=0.5),
     "all": dict(gate="elementwise", sinks=True, qk_norm=True, window=3, softcap=0.7),
@@ -99,12 +100,19 @@ def naive(p, x, c, cfg: HeadConfig, *, mask=None, causal=False, head_mask=None):
     allowed &= np.abs(t - s) < cfg.window
   bias = lambda name, i: p[name][i] if name in p else 0.0
   y = jnp.zeros(x.shape, jnp.float32) + p.get("b_o", 0.0)
+  if cfg.qk_norm == "whole":  # one RMS over every head's dims (H·K queries, G·K keys), then split
+    whole = lambda z, w, b, scale: _rms(z @ w.reshape(w.shape[0], -1) + b.reshape(-1), scale.reshape(-1), cfg)
+    q_all = whole(x, p["w_q"], p.get("b_q", jnp.zeros(1)), p["q_norm_whole"])
+    k_all = whole(c, p["w_k"], p.get("b_k", jnp.zeros(1)), p["k_norm_whole"])
   for h in range(cfg.num_heads):
     g = h // R
     q = x @ p["w_q"][:, h] + bias("b_q", h)
     k = c @ p["w_k"][:, g] + bias("b_k", g)
     v = c @ p["w_v"][:, g] + bias("b_v", g)
-    if cfg.qk_norm:
+    if cfg.qk_norm == "whole":
+      K = cfg.d_k
+      q, k = q_all[..., h * K:(h + 1) * K], k_all[..., g * K:(g + 1) * K]
+    elif cfg.qk_norm:
       q = q / jnp.sqrt(jnp.mean(q * q, -1, keepdims=True) + cfg.qk_norm_eps) * p["q_norm"]
       k = k / jnp.sqrt(jnp.mean(k * k, -1, keepdims=True) + cfg.qk_norm_eps) * p["k_norm"]
     if cfg.rope_dim:
@@ -133,6 +141,10 @@ def naive(p, x, c, cfg: HeadConfig, *, mask=None, causal=False, head_mask=None):
       o = o * (head_mask[..., h, None, None] if head_mask.ndim == 2 else head_mask[h])
     y = y + o @ p["w_o"][h]
   return y
+
+
+def _rms(z, scale, cfg):
+  return z / jnp.sqrt(jnp.mean(z * z, -1, keepdims=True) + cfg.qk_norm_eps) * scale
 
 
 def inputs(cfg, seed=0):
@@ -379,8 +391,11 @@ def test_params_carry_the_mechanisms_by_name():
   cfg = AWKWARD.replace(gate="elementwise", sinks=True, qk_norm=True)
   p = attn.init("fused", jax.random.PRNGKey(0), cfg)
   H, V, K, D = cfg.num_heads, cfg.d_v, cfg.d_k, cfg.d_model
-  assert {n: p[n].shape for n in mechanisms.names()} == {
+  assert {n: p[n].shape for n in mechanisms.names() if n in p} == {
       "w_gate": (D, H, V), "b_gate": (H, V), "sinks": (H,), "q_norm": (K,), "k_norm": (K,)}
+  whole = attn.init("fused", jax.random.PRNGKey(0), cfg.replace(qk_norm="whole"))
+  assert {n: whole[n].shape for n in mechanisms.names() if n in whole and "norm" in n} == {
+      "q_norm_whole": (H, K), "k_norm_whole": (cfg.num_kv_heads, K)}
   own = attn.init("fused", jax.random.PRNGKey(0), AWKWARD)
   assert all(np.array_equal(own[n], p[n]) for n in own)  # mechanisms draw from their own key
   x = randn(0, (B, T, D))
@@ -447,3 +462,64 @@ def test_mechanism_counts_on_every_variant(variant, name):
 @pytest.mark.parametrize("changes", [dict(sinks=True), dict(sinks=True, softcap=0.05)], ids=["sinks", "sinks_softcap"])
 def test_sink_trade_at_d_k_above_d_model(variant, changes):
   testing.check_effective_count(variant, HeadConfig(d_model=3, num_heads=2, d_k=4, d_v=2, **changes))
+
+
+# ----------------------------------------------------------------- qk_norm "whole" (OLMo 2)
+
+
+def test_qk_norm_whole_couples_the_heads_and_per_head_does_not():
+  """Changing query head 0's weights moves head 1's attention weights under "whole" only."""
+  for mode, coupled in ((True, False), ("whole", True)):
+    cfg = AWKWARD.replace(qk_norm=mode)
+    p = per_head_params(cfg)
+    x, _, _, _ = inputs(cfg)
+    moved = p | {"w_q": p["w_q"].at[:, 0].multiply(3.0)}
+    w = [attn.apply("per_head", q, x, None, cfg=cfg, is_causal=True, return_weights=True)[1]
+         for q in (p, moved)]
+    assert bool(jnp.abs(w[0][:, 1:] - w[1][:, 1:]).max() > 1e-4) == coupled, mode
+
+
+@pytest.mark.parametrize("value", ["Whole", "head", 1, 0.0, None])
+def test_qk_norm_modes_are_refused_by_name(value):
+  with pytest.raises(ConfigError, match=re.escape(f"qk_norm={value!r} is not allowed: True or False") +
+                     ".*'whole'"):
+    HeadConfig(d_model=8, num_heads=2, qk_norm=value)
+
+
+def test_qk_norm_whole_refusals_and_its_k_scales_follow_the_kv_heads():
+  cfg = AWKWARD.replace(qk_norm="whole")
+  for name in ("differential", "talking_heads"):
+    with pytest.raises(ConfigError, match=f"qk_norm='whole' is not allowed: False or True for {name}"):
+      attn.init(name, jax.random.PRNGKey(0), cfg)
+  with pytest.raises(ConfigError, match="qk_norm='whole'.*couples the heads"):
+    attn.analysis.circuits("per_head", per_head_params(cfg), cfg)
+  p = per_head_params(cfg)
+  x, ctx, blank, _ = inputs(cfg)
+  more = cfg.replace(num_kv_heads=6)
+  q = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=more)  # repeated keys: the same RMS, exact
+  assert q["k_norm_whole"].shape == (6, cfg.d_k)
+  np.testing.assert_allclose(attn.apply("per_head", q, x, ctx, cfg=more, mask=blank)[0],
+                             attn.apply("per_head", p, x, ctx, cfg=cfg, mask=blank)[0], atol=2e-5)
+  with pytest.warns(attn.LossyConversionWarning):  # mean-pooled keys: lossy, as without the norm
+    fewer = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=cfg.replace(num_kv_heads=1))
+  np.testing.assert_allclose(fewer["k_norm_whole"], p["k_norm_whole"].mean(0, keepdims=True), rtol=1e-6)
+
+
+@pytest.mark.slow  # the fast tier's olmo2 logits test runs norm "after" forward
+def test_norm_after_counts_and_decodes():
+  """OLMo 2's blocks, x + norm(f(x)) with no input norm, with qk_norm "whole": counts equal the
+  tree, and the cached decoder equals the full pass."""
+  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=4,
+                    num_kv_heads=2, variant="per_head", max_len=12, norm="after", norm_type="rmsnorm",
+                    qk_norm="whole", positional="rope", rope_dim=4, mlp="gated", activation="silu")
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  block = model.blocks[0]
+  assert block.attn_norm is None and block.mlp_norm is None and block.attn_post_norm is not None
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+  assert count.model_param_count(cfg, "decoder_lm") == sum(a.size for a in leaves)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 7)), jnp.int32)
+  full = nnx.jit(lambda m, t: m(t))(model, tokens)
+  model.init_cache(2, 8)
+  step = nnx.jit(lambda m, t: m(t, decode=True))
+  steps = [step(model, tokens[:, :4])] + [step(model, tokens[:, i:i + 1]) for i in range(4, 7)]
+  np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5)

@@ -23,7 +23,8 @@ Variant.circuits (talking_heads mixes per_head's circuits). With RoPE, qk is
 the score at t = s (the rotation R(t − s) sits between the factors). Head
 mechanisms (attn.variants.mechanisms) are left out: ov is each head's circuit
 before its output gate, sinks, a window and a softcap change the weights, not
-the circuits; QK-norm, which has no bilinear W_QK, is refused. Pure
+the circuits; QK-norm, which has no bilinear W_QK, is refused (over the whole projection,
+saying that it couples the heads). Pure
 functions of the params: they work under jax.jit with variant and cfg static.
 """
 
@@ -71,8 +72,11 @@ _OWN_LAYOUT = {"per_head": factors.from_per_head, "merged": _from_merged,
 def _read(variant: str, params: Params, cfg: HeadConfig) -> dict:
   v = check_config(variant, cfg)
   check_params(v.name, params, cfg)
+  if cfg.qk_norm == "whole":  # the report's per-head circuits say this in their place
+    raise invalid("qk_norm", "whole", "False for circuits: QK-norm over the whole projection couples "
+                  "the heads (one RMS over all H·K query dims): no head's score is its own W_QK,h")
   if cfg.qk_norm:
-    raise invalid("qk_norm", True, "False for circuits: RMS-normalised queries and keys score "
+    raise invalid("qk_norm", cfg.qk_norm, "False for circuits: RMS-normalised queries and keys score "
                   "through no fixed bilinear W_QK")
   if v.name in _OWN_LAYOUT:
     return _OWN_LAYOUT[v.name](params, cfg)

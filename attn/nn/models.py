@@ -17,7 +17,8 @@ Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
   pooler       D² + D;  classifier: [CLS] vector D (pooling "cls") + D·C + b·C
 Switches for Llama-style and Gemma-style models (attn.nn.hf), each off by default:
 norm_type "rmsnorm" (scale D, no bias) or "rmsnorm_plus_one" (Gemma: x̂·(1 + w));
-norm "sandwich" (a norm before and after each sublayer: 2 norms per sublayer);
+norm "sandwich" (a norm before and after each sublayer: 2 norms per sublayer),
+"after" (OLMo 2: x + norm(f(x)), the norm on the sublayer's output only, 1 per sublayer);
 mlp "gated" (down(act(gate(x))·up(x)): 3·D·d_ff + b·(2·d_ff + D); activation
 "silu" makes it SwiGLU); dense_bias (the MLP's and an untied output's biases,
 None following use_bias); embed_scale (tokens × √D); logit_softcap (output
@@ -87,7 +88,7 @@ from attn.nn.attention import MultiHeadAttention
 Array = jax.Array
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
-    "norm": ("pre", "post", "sandwich"),
+    "norm": ("pre", "post", "sandwich", "after"),
     "norm_type": ("layernorm", "rmsnorm", "rmsnorm_plus_one"),
     "mlp": ("plain", "gated", "moe"),
     "activation": ("gelu", "gelu_exact", "relu", "silu"),
@@ -447,27 +448,28 @@ class TransformerBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None, experts: bool = False):
     self.post_norm = cfg.norm == "post"
-    sandwich = cfg.norm == "sandwich"  # Gemma 2: x + post(f(pre(x)))
+    sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
+    pre = cfg.norm != "after"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
     self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs, **dtypes)
-    self.attn_norm = layer_norm(cfg, rngs)
+    self.attn_norm = layer_norm(cfg, rngs, pre)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
-    self.cross_norm = layer_norm(cfg, rngs, cross)
+    self.cross_norm = layer_norm(cfg, rngs, pre and cross)
     self.mlp = MLP(cfg, rngs=rngs) if not experts else moe.MoE(
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
         shared=MLP(cfg, rngs=rngs, d_ff=(cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
         if cfg.moe_shared_experts else None)
-    self.mlp_norm = layer_norm(cfg, rngs)
+    self.mlp_norm = layer_norm(cfg, rngs, pre)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich)
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
     self.mlp_post_norm = layer_norm(cfg, rngs, sandwich)
 
   def _residual(self, norm, f, x_BTD: Array, post=None) -> Array:
     # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x));
-    # sandwich (Gemma 2): x + post(f(pre(x))).
+    # sandwich (Gemma 2): x + post(f(pre(x))); after (OLMo 2): x + post(f(x)).
     if self.post_norm:
       return _norm(norm, x_BTD + f(x_BTD))
     return x_BTD + _norm(post, f(_norm(norm, x_BTD)))

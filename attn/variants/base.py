@@ -417,9 +417,17 @@ def qk_norm_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
   for a RoPE pair (i, i'), which the rotation mixes, the rank-one 2×2
   [γq_i; γq_i']·[γk_i, γk_i']: 3. In all, K + rope_dim/2. (Assumes d_k ≤ the
   inputs a query and a key read, d_q + b and d_kv + b: else some dims are unseen.)
+  qk_norm "whole" (one RMS over all H·K query dims, one over all G·K key dims)
+  forgets only the two projections' overall scales, and its scales are per head:
+  a group's R query scales against its one key scale give R products per
+  unrotated dim and 2R + 1 per RoPE pair, H·K + G·rope_dim/2 in all. (Measured
+  as the Jacobian's rank only where d_k is below the inputs a head reads: at
+  d_k ≥ d_q + b it over-counts, the Jacobian's rank being lower.)
   """
   b = 1 if cfg.use_bias else 0
   H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
+  if cfg.qk_norm == "whole":
+    return H * (d_q + b) * K - 1 + G * (d_kv + b) * K - 1 + H * K + G * (cfg.rope_dim // 2)
   return H * ((d_q + b) * K - 1) + G * ((d_kv + b) * K - 1) + K + cfg.rope_dim // 2
 
 

@@ -37,7 +37,7 @@ def check(cfg: HeadConfig) -> None:
                   "the shared dims cannot express per_head's per-head rotations, so the variant "
                   "would no longer contain per_head (per_head -> collaborative exact)")
   if cfg.qk_norm:
-    raise invalid("qk_norm", True, "False for collaborative: its heads are one shared D̃-wide "
+    raise invalid("qk_norm", cfg.qk_norm, "False for collaborative: its heads are one shared D̃-wide "
                   "query scaled by m_h against one shared key, so there are no d_k-wide query and "
                   "key heads to normalise")
 

@@ -51,7 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig
+from attn.config import HeadConfig, invalid
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, cached_kv, core,
                                 factored_score_dof, no_circuits, normal, project_heads,
                                 project_out, queries_and_keys)
@@ -62,6 +62,11 @@ NORM_EPS = 1e-5  # the reference code's subln RMSNorm
 def lambda_init(layer: int) -> float:
   """λ_init = 0.8 − 0.6·exp(−0.3·(l − 1)) at the 1-based layer l (the paper's schedule)."""
   return 0.8 - 0.6 * math.exp(-0.3 * (layer - 1))
+
+
+def check(cfg: HeadConfig) -> None:
+  if cfg.qk_norm == "whole":
+    raise invalid("qk_norm", "whole", "False or True for differential: its pairs of score maps share per-head QK-norm scales (shared_score_dof); a norm over the whole projection is not counted")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -155,6 +160,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="differential",
+    check=check,
     sharding={"w_q": "DXHK", "w_k": "DXGK", "b_q": "XHK", "b_k": "XGK", "lambda_q1": None,
               "lambda_k1": None, "lambda_q2": None, "lambda_k2": None, "norm": None},  # X: the two query/key pairs
     init=init,

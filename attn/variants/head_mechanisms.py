@@ -13,12 +13,15 @@ counts (attn.variants.mechanisms has the record and the registry).
       denominator, with no value (gpt-oss); a row's weights sum to less than 1.
   qk_norm             q_norm (K,), k_norm (K,): every query and key head RMS-normalised
       over its d_k dims, times the scales (shared by the heads), before RoPE (Qwen3).
+  qk_norm "whole"     q_norm_whole (H,K), k_norm_whole (G,K): all query heads normalised
+      together over H·K dims, all key heads over G·K, one scale per dim (OLMo 2): a head's
+      score depends on every head's projection, so the heads are coupled.
   window, softcap     no parameters: arguments of kernel.attention.
 
 Counts, per layer (b = 1 with use_bias): params H·(D + b) (headwise gate),
-H·V·(D + b) (elementwise), H (sinks), 2·K (qk_norm). FLOPs: 2·T·D·H or
+H·V·(D + b) (elementwise), H (sinks), 2·K (qk_norm), (H + G)·K (whole). FLOPs: 2·T·D·H or
 2·T·D·H·V for the gate's projection (elementwise products not counted). Score
-weights: 2·K for qk_norm (the logits depend on both scales). The effective
+weights: 2·K for qk_norm, (H + G)·K whole (the logits depend on both scales). The effective
 count (the dimension of the function class) changes beyond the mechanism's own
 parameters: base.value_output_dof and base.factored_score_dof read cfg, and
 the records' effective_param_count add the rest: the gate's weights and biases
@@ -112,22 +115,41 @@ def rms_norm(x_BTNK: Array, scale_K: Array, eps: float) -> Array:
 
 def normalize_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *,
                  cfg: HeadConfig) -> tuple[Array, Array]:
-  """Each query and key head RMS-normalised, times q_norm and k_norm."""
+  """Each query and key head RMS-normalised, times q_norm and k_norm; with qk_norm "whole", the
+  queries over all H·K dims at once (times q_norm_whole (H,K)), the keys over all G·K."""
+  if cfg.qk_norm == "whole":
+    return (_whole_norm(q_BTHK, params["q_norm_whole"], cfg.qk_norm_eps),
+            _whole_norm(k_BSGK, params["k_norm_whole"], cfg.qk_norm_eps))
   return (rms_norm(q_BTHK, params["q_norm"], cfg.qk_norm_eps),
           rms_norm(k_BSGK, params["k_norm"], cfg.qk_norm_eps))
 
 
+def _whole_norm(x_BTNK: Array, scale_NK: Array, eps: float) -> Array:
+  B, T, N, K = x_BTNK.shape
+  return rms_norm(x_BTNK.reshape(B, T, N * K), scale_NK.reshape(N * K), eps).reshape(B, T, N, K)
+
+
 def _qk_norm_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   del key
+  if cfg.qk_norm == "whole":
+    return {"q_norm_whole": jnp.ones((cfg.num_heads, cfg.d_k), dtype),
+            "k_norm_whole": jnp.ones((cfg.num_kv_heads, cfg.d_k), dtype)}
   return {"q_norm": jnp.ones((cfg.d_k,), dtype), "k_norm": jnp.ones((cfg.d_k,), dtype)}
+
+
+def _qk_norm_params(cfg: HeadConfig) -> int:
+  return (cfg.num_heads + cfg.num_kv_heads) * cfg.d_k if cfg.qk_norm == "whole" else 2 * cfg.d_k
 
 
 QK_NORM = Mechanism(
     name="qk_norm", fields=("qk_norm", "qk_norm_eps"), init=_qk_norm_init,
-    sharding={"q_norm": None, "k_norm": None}, on_qk=normalize_qk,
-    param_count=lambda cfg: 2 * cfg.d_k, effective_param_count=_zero, flops=_zero,
-    score_weights=lambda cfg: 2 * cfg.d_k, examples=(("qk_norm", {"qk_norm": True}, "2·K", "0"),),
-    help="qk_norm: RMSNorm of each query and key head before RoPE")
+    sharding={"q_norm": None, "k_norm": None, "q_norm_whole": "HK", "k_norm_whole": "GK"},
+    on_qk=normalize_qk, param_count=_qk_norm_params, effective_param_count=_zero, flops=_zero,
+    score_weights=_qk_norm_params,
+    examples=(("qk_norm whole", {"qk_norm": "whole"}, "(H + G)·K", "0"),  # before True: the kit's
+              ("qk_norm", {"qk_norm": True}, "2·K", "0")),  # all-at-once config keeps per-head
+    help="qk_norm: True|whole, RMSNorm of each query and key head (whole: of all heads at once, "
+         "coupling them) before RoPE")
 
 
 # window and softcap: arguments of kernel.attention, no parameters

@@ -41,7 +41,7 @@ def check(cfg: HeadConfig) -> None:
                   "position-free W_h exists (attn.variants.rope.position_free_fit gives the "
                   "best one and its error)")
   if cfg.qk_norm:
-    raise invalid("qk_norm", True, "False for merged: merged has no separate queries and keys "
+    raise invalid("qk_norm", cfg.qk_norm, "False for merged: merged has no separate queries and keys "
                   "to normalise, only x·W_h against the raw context")
 
 

@@ -49,7 +49,7 @@ def check(cfg: HeadConfig) -> None:
                   f"less than d_k={cfg.d_k} for mla: the d_k − rope_dim content dims of each key "
                   "head are what the latent gives")
   if cfg.qk_norm:
-    raise invalid("qk_norm", True, "False for mla: its absorbed (decoding) form scores "
+    raise invalid("qk_norm", cfg.qk_norm, "False for mla: its absorbed (decoding) form scores "
                   "q·W_UKᵀ against the cached latent, exact because a key is linear in the "
                   "latent; a normalised key is not, so the cache could not hold it")
 

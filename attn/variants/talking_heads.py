@@ -44,6 +44,11 @@ from attn.variants.base import (Options, Params, Variant, bias, cached_kv, facto
                                 standard_score_weights, value_output_dof)
 
 
+def check(cfg: HeadConfig) -> None:
+  if cfg.qk_norm == "whole":
+    raise invalid("qk_norm", "whole", "False or True for talking_heads: its effective count assumes per-head QK-norm; a norm over the whole projection is not counted")
+
+
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   H = cfg.num_heads
   return per_head.init(key, cfg, dtype) | {"mix_l": jnp.zeros((H, H), dtype), "mix_w": jnp.zeros((H, H), dtype)}
@@ -132,6 +137,7 @@ def circuits(p: Params, cfg: HeadConfig) -> dict:
 
 VARIANT = Variant(
     name="talking_heads",
+    check=check,
     sharding={"mix_l": None, "mix_w": None},
     init=init,
     apply=apply,

@@ -63,7 +63,7 @@ def _shapes(cfg: HeadConfig) -> dict[str, tuple[int, int]]:
 
 def check(cfg: HeadConfig) -> None:
   if cfg.qk_norm:
-    raise invalid("qk_norm", True, "False for tpa: a key's norm is a function of the whole head "
+    raise invalid("qk_norm", cfg.qk_norm, "False for tpa: a key's norm is a function of the whole head "
                   "it rebuilds from factors, which its cache keeps apart (kv_rank·(G + K) per token)")
 
 
