@@ -16,25 +16,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 from attn.config import invalid
+from attn.experiments.data import arrays
+from attn.experiments.data import backcopy
 from attn.experiments.data import corpus as corpus_lib
 
-TRAIN, EVAL = 0, 1
-
-
-def _rng(seed: int, split: int, index: int) -> np.random.Generator:
-  return np.random.default_rng([seed, split, index])
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise invalid(f"task.{name}", value, f"an integer >= {low}")
-
-
-def _lm_arrays(seq_BT1: np.ndarray, weights_BT: np.ndarray) -> dict[str, np.ndarray]:
-  """Inputs are seq[:, :-1], targets seq[:, 1:]: position t predicts token t+1."""
-  return {"tokens": seq_BT1[:, :-1].astype(np.int32),
-          "targets": seq_BT1[:, 1:].astype(np.int32),
-          "weights": weights_BT.astype(np.float32)}
+TRAIN, EVAL = arrays.TRAIN, arrays.EVAL
+_rng, _check_int, _lm_arrays = arrays.rng, arrays.check_int, arrays.lm_arrays
+BOS_BYTE = 256  # the text task's [BOS] token (bos = true)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +205,23 @@ class Text:
   index only, not the seed: every trial is scored on the same held-out bytes,
   so settings and seeds are compared on one sample. Every position counts, so
   eval_loss / ln 2 is held-out bits per byte.
+
+  Packing: files are one stream, each ended by a NUL byte (corpus), and a
+  window may span a file's end, as GPT-2-style packing does. bos = true puts
+  token 256, [BOS] (the vocabulary becomes 257), before every window: the
+  window is [BOS] and seq_len bytes from the same offsets, so the first
+  position is always one fixed token, where attention sinks form (Gu et al.
+  2024). [BOS] marks where the window starts, not where a file starts.
+  Position 0 then predicts the window's first byte with no text before it;
+  it has weight 0, so eval_loss / ln 2 is bits per byte over the seq_len - 1
+  bytes that follow at least one byte of text.
   """
 
   kind: ClassVar[str] = "decoder_lm"
-  vocab_size: ClassVar[int] = 256
   path: str = ""
   glob: str = ""
   seq_len: int = 128
+  bos: bool = False
 
   def __post_init__(self):
     _check_int("seq_len", self.seq_len, 2)
@@ -231,6 +229,8 @@ class Text:
       raise invalid("task.path", self.path, "a path to a text file or directory, or '' for the Python stdlib")
     if not isinstance(self.glob, str):
       raise invalid("task.glob", self.glob, "a glob string such as '**/*.txt' ('' for the default)")
+    if not isinstance(self.bos, bool):
+      raise invalid("task.bos", self.bos, "true (a [BOS] token before every window) or false")
     data = corpus_lib.load(self.path, self.glob)
     need = self.seq_len + 1
     for split, array in (("train", data.train), ("held-out", data.heldout)):
@@ -240,6 +240,11 @@ class Text:
                       f"{array.size} of {data.num_bytes}, {len(data.files)} files; about 5% of the "
                       "files are held out, a single file's last 5%)")
     object.__setattr__(self, "_corpus", data)
+
+  @property
+  def vocab_size(self) -> int:
+    """The 256 byte values, and [BOS] (token 256) with bos."""
+    return 257 if self.bos else 256
 
   @property
   def corpus(self) -> corpus_lib.Corpus:
@@ -254,8 +259,12 @@ class Text:
     data = self._corpus.train if split == TRAIN else self._corpus.heldout
     rng = _rng(seed if split == TRAIN else 0, split, index)
     start_B = rng.integers(0, data.size - self.seq_len, batch_size)[rows]
-    seq = data[start_B[:, None] + np.arange(self.seq_len + 1)]
-    return _lm_arrays(seq, np.ones((len(start_B), self.seq_len)))
+    weights = np.ones((len(start_B), self.seq_len))
+    if not self.bos:
+      return _lm_arrays(data[start_B[:, None] + np.arange(self.seq_len + 1)], weights)
+    seq = data[start_B[:, None] + np.arange(self.seq_len)].astype(np.int32)
+    weights[:, 0] = 0.0  # [BOS] predicts the first byte with no text before it
+    return _lm_arrays(np.concatenate([np.full((len(start_B), 1), BOS_BYTE, np.int32), seq], axis=1), weights)
 
 
 TASKS: dict[str, type] = {
@@ -264,6 +273,7 @@ TASKS: dict[str, type] = {
     "marker_position": MarkerPosition,
     "after_marker": AfterMarker,
     "text": Text,
+    "bigram_backcopy": backcopy.BigramBackcopy,
 }
 
 

@@ -106,6 +106,12 @@ FIRST_KEYS = {
     "train": ("steps", "batch_size", "lr", "warmup_steps", "end_lr_ratio", "weight_decay", "b1",
               "b2", "grad_clip", "eval_every", "eval_batches", "seed"),
 }
+# The same for [task], per task: a key a task gained later (text's bos) is hashed only away from
+# its default. A task missing here (added after this rule) hashes every key.
+FIRST_TASK_KEYS = {"mqar": ("vocab_size", "seq_len", "num_pairs"), "induction": ("vocab_size", "seq_len"),
+                   "marker_position": ("vocab_size", "seq_len", "num_classes", "num_markers"),
+                   "after_marker": ("vocab_size", "seq_len", "num_classes", "copies"),
+                   "text": ("path", "glob", "seq_len")}
 
 
 def _field_defaults(section: str) -> dict[str, Any]:
@@ -123,6 +129,12 @@ def trial_id(resolved: dict[str, Any]) -> str:
     for key in [k for k in cfg.get(section, {}) if k not in first and k in defaults]:
       if cfg[section][key] == defaults[key]:
         del cfg[section][key]
+  task = cfg.get("task", {})
+  if task.get("name") in FIRST_TASK_KEYS:
+    defaults = tasks.task_fields(task["name"])
+    for key in [k for k in task if k != "name" and k not in FIRST_TASK_KEYS[task["name"]]]:
+      if task[key] == defaults.get(key, object()):
+        del task[key]
   return stable_hash(cfg)
 
 
