@@ -432,6 +432,9 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
   train_cfg = TrainConfig(**cfg["train"])
   check_heads(train_cfg, model_cfg.num_heads)
+  if train_cfg.sink_metrics and task.kind != "decoder_lm":
+    raise invalid("train.sink_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
+                  "the sink metrics read a causal language model's first position")
   return {"task": task_cfg, "model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(train_cfg)}
 
 

@@ -47,6 +47,16 @@ def _check_mesh(value: Any) -> dict[str, Any]:
 
 def check_train_field(name: str, value: Any) -> Any:
   """value of [train] field `name`, checked alone (ints -> floats where a float is wanted); else a ConfigError."""
+  if name == "sink_metrics":
+    if not isinstance(value, bool):
+      raise invalid("train.sink_metrics", value, "true (sink metrics at every evaluation) or false")
+    return value
+  if name == "sink_threshold":
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and 0 < value < 1):
+      raise invalid("train.sink_threshold", value, "a number in (0, 1): a head is a sink head when its mean "
+                    "attention on the first position exceeds it (Gu et al. 2024 use 0.3)")
+    return float(value)
   if name == "data_parallel":
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
       raise invalid("train.data_parallel", value, '"auto" (every local device) or an integer >= 1')
@@ -102,6 +112,12 @@ class TrainConfig:
   order) with the activations of one micro-batch. k must divide batch_size,
   and each micro-batch must split over the data-parallel devices. Evaluation
   batches are not split.
+
+  sink_metrics: at every evaluation, also measure attention sinks, value
+  drains and massive activations per layer and head on the first held-out
+  batch (attn.experiments.training.sink_eval; language-model tasks only);
+  sink_threshold: the first-position mass above which a head counts as a
+  sink head, in (0, 1) (Gu et al. 2024: 0.3).
   """
 
   steps: int = 200
@@ -121,6 +137,8 @@ class TrainConfig:
   data_parallel_axis: str = "batch"
   grad_accum: int = 1
   mesh: dict[str, Any] | None = None
+  sink_metrics: bool = False
+  sink_threshold: float = 0.3
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

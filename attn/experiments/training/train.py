@@ -50,6 +50,7 @@ from attn.experiments.training import checkpoints
 from attn.experiments.training import distributed
 from attn.experiments.training import parallel
 from attn.experiments.training import preempt
+from attn.experiments.training import sink_eval
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
@@ -111,6 +112,18 @@ def _weights(batch: dict[str, jax.Array], kind: str) -> jax.Array:
   return batch["weights"] if kind == "decoder_lm" else jnp.ones(batch["labels"].shape, jnp.float32)
 
 
+def _scores(model, batch: dict[str, jax.Array], kind: str):
+  """(cross-entropy, hit, weight) per position (LM tasks) or example, float32."""
+  if kind == "decoder_lm":
+    logits = model(batch["tokens"]).astype(jnp.float32)
+    labels = batch["targets"]
+  else:
+    logits = model(batch["tokens"], batch["lengths"]).astype(jnp.float32)
+    labels = batch["labels"]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return nll, (jnp.argmax(logits, -1) == labels).astype(jnp.float32), _weights(batch, kind)
+
+
 def _loss(model, batch: dict[str, jax.Array], kind: str, denom=None):
   """Mean cross-entropy and accuracy (weighted positions for LM tasks), float32.
 
@@ -118,15 +131,7 @@ def _loss(model, batch: dict[str, jax.Array], kind: str, denom=None):
   (at least 1). A micro-batch passes its whole batch's, so that the micro-batch
   losses add up to the batch's.
   """
-  if kind == "decoder_lm":
-    logits = model(batch["tokens"]).astype(jnp.float32)
-    labels = batch["targets"]
-  else:
-    logits = model(batch["tokens"], batch["lengths"]).astype(jnp.float32)
-    labels = batch["labels"]
-  w = _weights(batch, kind)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+  nll, hit, w = _scores(model, batch, kind)
   denom = jnp.maximum(w.sum(), 1.0) if denom is None else denom
   return (nll * w).sum() / denom, (hit * w).sum() / denom
 
@@ -208,8 +213,14 @@ def _value_and_grad(graphdef, kind: str, grad_accum: int):
   return accumulated
 
 
-def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum: int = 1):
-  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted."""
+def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum: int = 1, task=None,
+              train: TrainConfig | None = None):
+  """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted.
+
+  A task with a trigger_mask (bigram_backcopy) adds eval_trigger_loss and eval_trigger_accuracy, over
+  the positions whose input is a trigger; train.sink_metrics adds the sink metrics (sink_eval).
+  """
+  domain_fn = getattr(task, "trigger_mask", None)
   value_and_grad = _value_and_grad(graphdef, kind, grad_accum)
 
   def step(params, opt_state, rest, batch, lr):
@@ -222,10 +233,21 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum:
     return params, opt_state, metrics
 
   def evaluate(params, rest, batches):
+    model = nnx.merge(graphdef, params, rest)
+
     def one(batch):
-      return _loss(nnx.merge(graphdef, params, rest), batch, kind)
-    loss, acc = jax.lax.map(one, batches)
-    return {"eval_loss": loss.mean(), "eval_accuracy": acc.mean()}
+      nll, hit, w = _scores(model, batch, kind)
+      ws = [w] if domain_fn is None else [w, w * domain_fn(batch["tokens"])]
+      return [((nll * v).sum() / jnp.maximum(v.sum(), 1.0), (hit * v).sum() / jnp.maximum(v.sum(), 1.0))
+              for v in ws]
+    means = jax.tree.map(jnp.mean, jax.lax.map(one, batches))
+    out = {"eval_loss": means[0][0], "eval_accuracy": means[0][1]}
+    if domain_fn is not None:
+      out.update(eval_trigger_loss=means[1][0], eval_trigger_accuracy=means[1][1])
+    if train is not None and train.sink_metrics:
+      tokens_BT = batches["tokens"][0]
+      out.update(sink_eval.row_metrics(sink_eval.model_stats(model, tokens_BT, train.sink_threshold, domain_fn)))
+    return out
 
   return step, evaluate
 
@@ -268,7 +290,7 @@ def train_group(configs: list[dict[str, Any]],
   s0 = states[0]
   layout = layout.with_state(nnx.merge(graphdef, s0["params"], s0["rest"]), s0["params"], s0["opt_state"],
                              s0["rest"], tx)
-  step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum)
+  step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum, task, train)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
   groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]
