@@ -84,6 +84,10 @@ def test_analyze_writes_analysis_json_and_plots_for_every_trial(analysed):
       assert all(r <= 16 // H for r in layer["qk"]["rank"])  # per_head: rank(W_Q W_Kᵀ) <= d_k
       assert all(0 <= e <= math.log(10) + 1e-5 for e in layer["attention"]["entropy"])
       assert np.allclose(np.linalg.norm(layer["importance"]["normalized"]), 1.0)
+      sinks = layer["sinks"]  # attn.analysis.sinks, on the same held-out batches
+      assert len(sinks["first_mass"]) == H and len(sinks["value_drain"]) == H and 0 <= sinks["sink_heads"] <= 1
+      np.testing.assert_allclose(sinks["sink_heads"], np.mean(np.array(sinks["first_mass"]) > 0.3))
+    assert 0 <= a["summary"]["sink_heads"] <= 1 and a["summary"]["residual_first"] > 0
     diversity = a["summary"]["head_diversity"]
     assert diversity is None if H == 1 else 0 < diversity < math.log(2)
     for name in a["plots"]:

@@ -30,6 +30,9 @@ METRICS = (
     ("sink_mass", "attention on a learned sink"),
     ("residual_max", "largest residual |h|"),
     ("residual_max_over_median", "largest / median residual |h|"),
+    ("sink_heads", "fraction of sink heads"),
+    ("value_drain", "first value norm / median"),
+    ("residual_first", "first residual norm / median"),
     ("prunable_fraction", "prunable fraction (≤ 0.01 acc. lost)"),
 )
 
@@ -115,11 +118,12 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
   for r in rows:
     rest = ", ".join(f"{short(k)}={v}" for k, v in r["label"].items() if k not in skip)
     lines.setdefault(rest or "mean", []).append(r)
-  fig, grid = plt.subplots(-(-len(METRICS) // 3), 3, figsize=(13, 3.5 * -(-len(METRICS) // 3)))
-  for ax in grid.ravel()[len(METRICS):]:
+  metrics = [(key, name) for key, name in METRICS if any(r[key] is not None for r in rows)]
+  fig, grid = plt.subplots(-(-len(metrics) // 3), 3, figsize=(13, 3.5 * -(-len(metrics) // 3)), squeeze=False)
+  for ax in grid.ravel()[len(metrics):]:
     ax.axis("off")
   spread = 0.12 if len(lines) > 1 else 0.0
-  for ax, (key, name) in zip(grid.ravel(), METRICS):
+  for ax, (key, name) in zip(grid.ravel(), metrics):
     for i, (line_name, rs) in enumerate(lines.items()):
       rs = sorted((r for r in rs if r[key] is not None), key=lambda r: values.index(r["label"][axis]))
       if not rs:
@@ -145,7 +149,7 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
     ax.set_xlim(-0.5, len(values) - 0.5)
     ax.set_title(name + (" (grey: d_k)" if key in ("qk_effective_rank", "qk_rank") else ""), fontsize=9)
     ax.tick_params(axis="y", labelsize=7)
-    if key in ("prunable_fraction", "first_mass", "sink_mass"):  # fractions
+    if key in ("prunable_fraction", "first_mass", "sink_mass", "sink_heads"):  # fractions
       ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
   if len(lines) > 1:

@@ -190,12 +190,17 @@ def _per_example(logits, batch: dict[str, Any]):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(graphdef, kind: str):
-  """The jitted gradient, pruning and statistics functions of one model shape."""
+def _compiled(graphdef, kind: str, sink_threshold: float = 0.3, domain_fn=None):
+  """The jitted gradient, pruning and statistics functions of one model shape.
+
+  A causal LM's statistics also hold attn.analysis.sinks' per layer (under "sinks"), with
+  sink_threshold, and by domain_fn's domain where given (bigram_backcopy's triggers).
+  """
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from attn import analysis
+  from attn.analysis import sinks
   from attn.experiments.reading import losses as losses_lib
   from attn.nn import models
 
@@ -223,8 +228,14 @@ def _compiled(graphdef, kind: str):
     return jax.lax.map(at, gates_KLH)
 
   def stats(state, batch):
-    with models.record_residuals() as residuals:
-      _, weights = _forward(nnx.merge(graphdef, state), batch, kind, return_weights=True)
+    model = nnx.merge(graphdef, state)
+    with models.record_residuals() as residuals, sinks.record_values() as values:
+      _, weights = _forward(model, batch, kind, return_weights=True)
+    sink_layers = [None] * len(weights)
+    if kind == "decoder_lm" and len(values) == len(weights):
+      windows = [block.attn.cfg.window for block in _blocks(model)]
+      domain = None if domain_fn is None else domain_fn(batch["tokens"])
+      sink_layers = sinks.sink_stats(weights, values, residuals, sink_threshold, windows, domain)
     out = []
     for w_BHTS, h_BTD in zip(weights, residuals):
       T, S = w_BHTS.shape[-2:]
@@ -236,7 +247,7 @@ def _compiled(graphdef, kind: str):
         real_BT = jnp.arange(T)[None, :] < batch["lengths"][:, None] + extra
         mask = (real_BT[:, :, None] & real_BT[:, None, :])[:, None]
       out.append({**analysis.attention_stats(w_BHTS, mask), **_residual_stats(h_BTD, real_BT)})
-    return out, [w_BHTS[0] for w_BHTS in weights]
+    return out, sink_layers, [w_BHTS[0] for w_BHTS in weights]
 
   return jax.jit(gate_grads), jax.jit(pruned), jax.jit(stats)
 
@@ -302,7 +313,18 @@ def summarize(layers: list[dict[str, Any]], curve: dict[str, Any],
           "residual_max": _max([lay["attention"]["residual_max"] for lay in layers]),
           "residual_max_over_median": _max([_ratio(lay["attention"]["residual_max"],
                                                    lay["attention"]["residual_median"]) for lay in layers]),
-          "prunable_fraction": curve["prunable_fraction"]}
+          "prunable_fraction": curve["prunable_fraction"], **_sink_summary(layers)}
+
+
+def _sink_summary(layers: list[dict[str, Any]]) -> dict[str, float | None]:
+  """attn.analysis.sinks.summary's sink_heads, value_drain, residual_first (and active_dormant) over layers."""
+  if not all("sinks" in lay for lay in layers):
+    return {}
+  from attn.analysis import sinks
+  import jax.numpy as jnp
+  s = sinks.summary([{k: jnp.asarray(np.asarray(v, float)) for k, v in lay["sinks"].items()} for lay in layers])
+  keys = ("sink_heads", "value_drain", "residual_first", "active_dormant")
+  return {k: (None if not math.isfinite(float(s[k])) else float(s[k])) for k in keys if k in s}
 
 
 def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots: bool = True) -> dict[str, Any]:
@@ -320,16 +342,19 @@ def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots
   held_out = _batches(task, train["seed"], tasks.EVAL, n, B)
   seen = _batches(task, train["seed"], tasks.TRAIN, n, B)
   about = {"trial": trial_id, "label": cfg.get("label", {}), "step": step, "task": cfg["task"]["name"]}
-  return analyze_model(model, model_cfg, task.kind, held_out, seen, trial_dir, about, plots, t0)
+  return analyze_model(model, model_cfg, task.kind, held_out, seen, trial_dir, about, plots, t0,
+                       train.get("sink_threshold", 0.3), getattr(task, "trigger_mask", None))
 
 
 def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], seen: dict[str, np.ndarray],
                   out_dir: str, about: dict[str, Any], plots: bool = True,
-                  t0: float | None = None) -> dict[str, Any]:
+                  t0: float | None = None, sink_threshold: float = 0.3, domain_fn=None) -> dict[str, Any]:
   """Analyses one model on batches (n, B, ...) of its task; writes out_dir/analysis.json (and PNGs).
 
   held_out scores the attention statistics and the pruning curve; seen (other
   data) gives the importance that orders the pruning. about's keys lead the JSON.
+  A causal LM's layers also get "sinks" (attn.analysis.sinks, threshold sink_threshold,
+  domains by domain_fn), and the summary their sink_heads, value_drain, residual_first.
   """
   import jax
   import jax.numpy as jnp
@@ -341,7 +366,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   n, B = held_out["tokens"].shape[:2]
   signed = attn_api.get_variant(model_cfg.variant).signed_weights
   graphdef, state = nnx.split(model)
-  gate_grads, pruned, stats = _compiled(graphdef, kind)
+  gate_grads, pruned, stats = _compiled(graphdef, kind, sink_threshold, domain_fn)
   blocks = _blocks(model)
   L, H = len(blocks), model_cfg.num_heads
 
@@ -352,14 +377,19 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
     spectra = [{name: {"effective_rank": [], "rank": [], "singular_values": [], "refused": str(e)}
                 for name in ("qk", "ov")}] * L
 
-  per_batch, example = [], None
+  per_batch, sink_batches, example = [], [], None
   for j in range(n):
-    out, first = stats(state, {k: v[j] for k, v in held_out.items()})
+    out, sink_layers, first = stats(state, {k: v[j] for k, v in held_out.items()})
     per_batch.append(jax.device_get(out))
+    sink_batches.append(jax.device_get(sink_layers))
     example = example if example is not None else jax.device_get(first)
   # Equal batches: the mean of batch means is the mean; the largest residual is the largest of all.
   attention = [{k: (np.max if k == "residual_max" else np.mean)([b[l][k] for b in per_batch], axis=0)
                 for k in per_batch[0][l]} for l in range(L)]
+  # The sink statistics: their mean over batches (ratios and fractions of each batch, averaged).
+  sink_stats = [None if sink_batches[0][l] is None else
+                {k: np.nanmean([b[l][k] for b in sink_batches], axis=0) for k in sink_batches[0][l]}
+                for l in range(L)]
 
   ones = jnp.ones((B, L, H), jnp.float32)
   grads = np.concatenate([np.asarray(gate_grads(state, {k: v[j] for k, v in seen.items()}, ones))
@@ -373,6 +403,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
     layers.append({
         **{name: dict(spectra[l][name]) for name in ("qk", "ov")},
         "attention": attention[l],
+        **({} if sink_stats[l] is None else {"sinks": sink_stats[l]}),
         "importance": {"raw": importance["raw"][l], "normalized": importance["normalized"][l]}})
   layers = _jsonable(layers)
   result = _jsonable({
