@@ -5,7 +5,10 @@ For every finished trial (or the ones named) it loads the final checkpoint
 
   trials/ID/analysis.json   per layer: W_QK and W_OV spectra (effective and
                             numerical rank per head), attention statistics on
-                            held-out data, head importance; the pruning curve;
+                            held-out data, head importance, and for a causal
+                            LM attention sinks, value drains and massive
+                            activations (attn.analysis.sinks, threshold
+                            train.sink_threshold); the pruning curve;
                             a summary the report compares across the sweep
   trials/ID/attention.png   one held-out example's attention, layers × heads
   trials/ID/spectra.png     singular values of W_QK,h and W_OV,h per layer
@@ -139,9 +142,11 @@ def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int
     out = analyze_trial(run_dir, tid, batches, plots=plots)
     s = out["summary"]
     js = "–" if s["head_diversity"] is None else f"{s['head_diversity']:.3f}"
+    sinks = f", first-position mass {_fmt(s['first_mass'])}, sink heads {_fmt(s['sink_heads'])}" \
+        if "sink_heads" in s else ""
     stream.write(f"trial {i + 1}/{len(chosen)} {tid} [{_label(out['label'])}]: prunable "
                  f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_fmt(s['qk_effective_rank'])} "
-                 f"(d_k={out['d_k']}), head JS {js}, {out['seconds']:.1f} s\n")
+                 f"(d_k={out['d_k']}), head JS {js}{sinks}, {out['seconds']:.1f} s\n")
   stream.write(f"analysed {len(chosen)} trials in {time.perf_counter() - t0:.1f} s\n")
   return chosen
 
