@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from attn.variants import base
 
 Array = jax.Array
-THRESHOLD = 0.3  # Gu et al. 2024's sink threshold on the first position's attention
 
 
 @contextlib.contextmanager
