@@ -178,7 +178,8 @@ def test_set_task_name_text_trains_quick_toml_with_no_other_setup(tmp_path, monk
   assert code == 0
   (trial,) = os.listdir(os.path.join(out, "trials"))
   cfg = json.load(open(os.path.join(out, "trials", trial, "config.json")))
-  assert cfg["task"] == {"name": "text", "path": "", "glob": "", "seq_len": 32} and cfg["model"]["vocab_size"] == 256
+  assert cfg["task"] == {"name": "text", "path": "", "glob": "", "seq_len": 32, "bos": False}
+  assert cfg["model"]["vocab_size"] == 256
   summary = json.load(open(os.path.join(out, "trials", trial, "summary.json")))
   # One step from init: held-out bits per byte near log2(256) = 8, as the report prints them.
   bpb = summary["final"]["eval_loss"] / math.log(2)
