@@ -72,6 +72,8 @@ def test_default_is_one_device_and_the_device_count_leaves_trial_ids_alone():
       assert cfg["model"].pop(key) == value
     for key in [k for k in cfg["model"] if k not in config_lib.FIRST_KEYS["model"]]:
       assert cfg["model"].pop(key) == getattr(ModelConfig, key)  # a newer key at its default
+    for key in [k for k in cfg["train"] if k not in config_lib.FIRST_KEYS["train"]]:
+      assert cfg["train"].pop(key) == getattr(TrainConfig, key)  # a newer key (sink_metrics) at its default
     text = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
     assert t.id == hashlib.sha256(text.encode()).hexdigest()[:12]
     assert (t.config["train"]["data_parallel"], t.config["train"]["data_parallel_axis"]) == (1, "batch")
