@@ -86,13 +86,21 @@ def layer_stats(w_BHTT: Array, v_BSGV: Array | None, h_BTD: Array, threshold: fl
   w0_BHT = w_BHTT[..., 0].astype(jnp.float32)
   first = _mean_over(w0_BHT, rows_BT)
   a = jnp.abs(h_BTD.astype(jnp.float32))
-  out = {"first_mass": first, "sink_heads": (first > threshold).mean(),
+  out = {"first_mass": first,
          "value_drain": jnp.full((1,), jnp.nan) if v_BSGV is None else _norm_ratio(v_BSGV),
          "residual_first": _norm_ratio(h_BTD), "residual_massive": a.max() / jnp.median(a)}
   if domain_BT is not None:
-    trig, other = _mean_over(w0_BHT, rows_BT & domain_BT), _mean_over(w0_BHT, rows_BT & ~domain_BT)
-    out.update(first_mass_trigger=trig, first_mass_other=other,
-               active_dormant=((other > threshold) & (trig <= threshold)).mean())
+    out.update(first_mass_trigger=_mean_over(w0_BHT, rows_BT & domain_BT),
+               first_mass_other=_mean_over(w0_BHT, rows_BT & ~domain_BT))
+  return {**out, **head_fractions(out, threshold)}
+
+
+def head_fractions(stats: dict[str, Array], threshold: float) -> dict[str, Array]:
+  """sink_heads (and active_dormant) of a layer from its masses per head (first_mass, first_mass_trigger/other)."""
+  out = {"sink_heads": (jnp.asarray(stats["first_mass"]) > threshold).mean()}
+  if "first_mass_trigger" in stats:
+    trig, other = jnp.asarray(stats["first_mass_trigger"]), jnp.asarray(stats["first_mass_other"])
+    out["active_dormant"] = ((other > threshold) & (trig <= threshold)).mean()
   return out
 
 

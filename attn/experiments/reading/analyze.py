@@ -366,6 +366,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   from flax import nnx
   from attn import analysis
   from attn import api as attn_api
+  from attn.analysis import sinks
   from attn.analysis.attention_stats import RANK_RTOL
   t0 = time.perf_counter() if t0 is None else t0
   n, B = held_out["tokens"].shape[:2]
@@ -391,10 +392,13 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   # Equal batches: the mean of batch means is the mean; the largest residual is the largest of all.
   attention = [{k: (np.max if k == "residual_max" else np.mean)([b[l][k] for b in per_batch], axis=0)
                 for k in per_batch[0][l]} for l in range(L)]
-  # The sink statistics: their mean over batches (ratios and fractions of each batch, averaged).
+  # The sink statistics: each batch's masses and ratios, averaged over batches; a sink head is one whose
+  # averaged mass exceeds the threshold.
   sink_stats = [None if sink_batches[0][l] is None else
                 {k: np.nanmean([b[l][k] for b in sink_batches], axis=0) for k in sink_batches[0][l]}
                 for l in range(L)]
+  sink_stats = [s if s is None else {**s, **jax.device_get(sinks.head_fractions(s, sink_threshold))}
+                for s in sink_stats]
 
   ones = jnp.ones((B, L, H), jnp.float32)
   grads = np.concatenate([np.asarray(gate_grads(state, {k: v[j] for k, v in seen.items()}, ones))
