@@ -38,7 +38,7 @@ ROPE_LAYOUTS = ("half", "interleaved")  # which dims pair: i with i + r/2 (rotat
 _SCALING_FIELDS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
                    "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",),
                    "rope_beta_slow": ("yarn",), "rope_attention_factor": ("yarn",),
-                   "rope_truncate": ("yarn",)}
+                   "rope_truncate": ("yarn",), "rope_mscale_all_dim": ("yarn",)}
 
 
 def _positive_number(field: str, value: Any, what: str) -> None:
@@ -83,12 +83,16 @@ class HeadConfig:
   (rope_truncate rounds that band outward to whole dims, as transformers
   does by default; gpt-oss turns it off), and multiplies the rotated dims of
   queries and keys by rope_attention_factor (None: 0.1·ln(rope_factor) + 1),
-  so their scores by its square. Without "llama3" its three
+  so their scores by its square; rope_mscale_all_dim m (DeepSeek's
+  mscale_all_dim, None: off) multiplies the score scale by (0.1·m·ln(rope_factor)
+  + 1)², as transformers' yarn_apply_mscale does. Without "llama3" its three
   fields stay at their defaults (1, 4, 8192: Llama 3.1's), likewise yarn's, and without scaling
   rope_factor at 1: a setting that would be ignored is refused. latent_dim is
   mla's KV latent width d_c (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h);
   q_latent_dim, if set, gives mla a low-rank query path through a latent of
-  that width.
+  that width; latent_norm_eps, if set, RMS-normalises mla's latents (the KV
+  latent, and the query latent with q_latent_dim) with learned scales at that
+  epsilon (DeepSeek's kv_a_layernorm and q_a_layernorm).
 
   Head mechanisms any variant can carry (attn.variants.mechanisms; a variant
   that cannot refuses one in its check): gate None, "headwise" or
@@ -131,8 +135,10 @@ class HeadConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float | None = None
   rope_truncate: bool = True
+  rope_mscale_all_dim: float | None = None
   latent_dim: int | None = None
   q_latent_dim: int | None = None
+  latent_norm_eps: float | None = None
   gate: str | None = None
   sinks: bool = False
   qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2)
@@ -193,6 +199,9 @@ class HeadConfig:
     _positive_int("latent_dim", self.latent_dim)
     if self.q_latent_dim is not None:
       _positive_int("q_latent_dim", self.q_latent_dim)
+    if self.latent_norm_eps is not None:
+      _positive_number("latent_norm_eps", self.latent_norm_eps,
+                       "the epsilon of mla's latent RMSNorms, or None for none")
     for name in ("q_rank", "kv_rank", "layer"):
       _positive_int(name, getattr(self, name))
 
@@ -221,6 +230,9 @@ class HeadConfig:
                        "yarn's attention_factor, or None for 0.1·ln(rope_factor) + 1")
     if not isinstance(self.rope_truncate, bool):
       raise invalid("rope_truncate", self.rope_truncate, "True or False")
+    if self.rope_mscale_all_dim is not None:
+      _positive_number("rope_mscale_all_dim", self.rope_mscale_all_dim,
+                       "DeepSeek's mscale_all_dim, or None for the plain 1/sqrt(d_k) scale")
     defaults = {f.name: f.default for f in dataclasses.fields(self)}  # Llama 3.1's and YaRN's values
     for name, readers in _SCALING_FIELDS.items():
       default = defaults[name]
@@ -259,7 +271,11 @@ class HeadConfig:
 
   @property
   def score_scale(self) -> float:
-    return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(self.d_k)
+    """scale (default 1/sqrt(d_k)), times yarn's mscale(rope_factor, rope_mscale_all_dim)² if set."""
+    base = float(self.scale) if self.scale is not None else 1.0 / math.sqrt(self.d_k)
+    if self.rope_mscale_all_dim is None or self.rope_factor <= 1:
+      return base
+    return base * (0.1 * self.rope_mscale_all_dim * math.log(self.rope_factor) + 1.0) ** 2
 
   def replace(self, **changes) -> HeadConfig:
     return dataclasses.replace(self, **changes)
