@@ -59,10 +59,13 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
       raise invalid(f"config.{name}", value, "a positive integer" if name != "first_k_dense_replace" else
                     "an integer >= 0")
   base = llama.config_in(ROW, hf | {"head_dim": r, "num_key_value_heads": H})
-  rope = {}
-  params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-  if base.rope_scaling == "yarn" and params.get("mscale_all_dim"):
-    rope["rope_mscale_all_dim"] = float(params["mscale_all_dim"])
+  rope, where = {}, "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  m_all = (hf.get(where) or {}).get("mscale_all_dim")
+  if m_all and base.rope_scaling != "yarn":  # transformers would scale the softmax: attn does with yarn only
+    raise invalid(f"config.{where}.mscale_all_dim", m_all, f"0 or absent with rope_type {base.rope_scaling!r}: "
+                  "attn applies DeepSeek's softmax mscale with yarn only")
+  if m_all:
+    rope["rope_mscale_all_dim"] = float(m_all)
   L = base.num_layers
   return base.replace(
       variant="mla", d_k=nope + r, d_v=V, num_kv_heads=H, rope_dim=r, latent_dim=C, q_latent_dim=Q,
