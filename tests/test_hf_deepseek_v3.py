@@ -138,7 +138,7 @@ def build(q_lora=6, seed=0, **changes):
   yarn = {"rope_type": "yarn", **{k: v for k, v in CONFIG["rope_scaling"].items() if k != "type"}}
   kw |= {"rope_parameters": yarn | {"rope_theta": 500.0}} if _v5(transformers) else {"rope_theta": 500.0,
                                                                                        "rope_scaling": yarn}
-  c = transformers.DeepseekV3Config(**kw, pad_token_id=None, bos_token_id=None, eos_token_id=None, **changes)
+  c = transformers.DeepseekV3Config(**(kw | changes), pad_token_id=None, bos_token_id=None, eos_token_id=None)
   c._attn_implementation = "eager"
   torch.manual_seed(seed)
   m = transformers.DeepseekV3ForCausalLM(c)
