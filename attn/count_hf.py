@@ -97,9 +97,11 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
 
 
 def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192, 131072),
-              dtype: str = "bfloat16") -> dict[str, Any]:
-  """Everything `attn count --hf` prints, as a JSON-ready dict."""
+              dtype: str = "bfloat16", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Everything `attn count --hf` prints, as a JSON-ready dict; changes: ModelConfig fields set on what
+  the family reads (a design undone: DeepSeek-V3's heads as per_head, keys and values cached whole)."""
   m, notes = config_for_count(hf)
+  m = m.replace(**changes) if changes else m
   parts = hf_breakdown(m)
   total = sum(parts.values())
   active = count_layers.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
