@@ -129,16 +129,20 @@ def savings(rows: list[dict]) -> str:
            "|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     kinds = sorted({t["type"] for t in r["layer_types"]})
+    gqa = r["kv_long_gqa_full"] < r["kv_long_mha_full"] and r["variant"] != "mla"
     design = ", ".join(filter(None, [
-        f"GQA {r['kv_long_mha_full'] // max(r['kv_long_gqa_full'], 1)}:1" if r["kv_long_gqa_full"] < r["kv_long_mha_full"] else "",
+        f"GQA {r['kv_long_mha_full'] // max(r['kv_long_gqa_full'], 1)}:1" if gqa else "",
         "local/global" if any(t["window"] and t["window"] < LONG for t in r["layer_types"]) else "",
         "NoPE" if any("nope" in k for k in kinds) else "", "sinks" if r["model_type"] == "gpt_oss" else "",
-        "latent (MLA)" if r["variant"] == "mla" else ""]))
+        "latent (MLA)" if r["variant"] == "mla" else ""])) or "none (MHA)"
     saved = r["kv_long_mha_full"] - r["kv_bytes_at"][str(LONG)]
     lines.append(f"| {r['name']} | {design} | {_gib(r['kv_long_mha_full'])} | {_gib(r['kv_long_gqa_full'])} | "
                  f"{_gib(r['kv_bytes_at'][str(LONG)])} | {r['kv_long_mha_full'] / r['kv_bytes_at'][str(LONG)]:,.1f} | "
                  f"{r['attention']:,} ({r['attention'] / r['attention_mha']:.2f}×) | {saved / r['attention']:,.0f} |")
   return "\n".join(lines)
+
+
+LABEL_LEFT = {"phi-4-mini"}  # 16 GiB at 128k, as llama-3.1-8b
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -152,7 +156,9 @@ def plot(rows: list[dict], path: str) -> None:
     ax.annotate("", (x, y), (x0, y0), arrowprops={"arrowstyle": "->", "color": "0.6"})
     ax.scatter([x0], [y0], marker="o", facecolors="none", edgecolors="0.5", s=40)
     ax.scatter([x], [y], s=50)
-    ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(6, -4), fontsize=9)
+    left = r["name"] in LABEL_LEFT  # beside a neighbour at the same height: its label on the other side
+    ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(-6 if left else 6, -4), fontsize=9,
+                ha="right" if left else "left")
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("attention parameters (billions, all layers)")
