@@ -89,7 +89,11 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
     out[f"attention ({row['type']})"] = row["params"]
   if sum(out.values()) != parts["attention"]:
     raise AssertionError("per-type attention does not sum to the model's")  # one closed form, two groupings
-  mlp = "experts (router, all experts)" if m.mlp == "moe" else "mlp"
+  mlp = "mlp"
+  if m.mlp == "moe":  # DeepSeek-V3's shared experts and dense first layers are in it too: say so
+    extra = (["shared experts"] if m.moe_shared_experts else []) + (
+        [f"{m.moe_dense_first} dense layers' mlp"] if m.moe_dense_first else [])
+    mlp = f"experts (router, all experts{''.join(', ' + e for e in extra)})"
   for key, value in parts.items():
     if key != "attention" and value:
       out[mlp if key == "mlp" else key] = value
