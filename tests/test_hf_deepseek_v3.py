@@ -63,16 +63,29 @@ def test_config_reads_the_latent_widths_and_the_router():
     ({"attention_bias": True}, r"config.attention_bias=True.*no bias"),
     ({"moe_layer_freq": 2}, r"config.moe_layer_freq=2"),
     ({"num_key_value_heads": 2}, r"config.num_key_value_heads=2.*num_attention_heads=4"),
-    ({"kv_lora_rank": 0}, r"config.kv_lora_rank=0.*a positive integer"),
+    ({"kv_lora_rank": 0}, r"config.kv_lora_rank=0.*an integer >= 1"),
+    ({"first_k_dense_replace": -1}, r"config.first_k_dense_replace=-1.*an integer >= 0"),
     ({"num_experts_per_tok": 9}, r"moe_top_k=9.*at most moe_experts=8"),
     ({"n_group": 3}, r"moe_groups=3.*a divisor of moe_experts=8"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0, "mscale_all_dim": 1.0}}, r"config.rope_scaling.mscale_all_dim=1.0.*yarn only"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0, "mscale_all_dim": 1.0}},
+     r"config.rope_scaling.mscale_all_dim=1.0.*yarn only"),
     ({"rope_scaling": {"type": "yarn", "factor": 0.0}}, r"rope_factor=0.0"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_type='dynamic'"),
 ])
 def test_refusals_by_name_before_any_weight(tmp_path, changes, match):
   (tmp_path / "config.json").write_text(json.dumps(CONFIG | changes))  # no weights on disk at all
   with pytest.raises(ConfigError, match=match):
+    hf.from_hf(str(tmp_path))
+
+
+def test_fp8_checkpoint_is_refused_on_its_tensor_names(tmp_path):
+  """The release's fp8 blocks (weight_scale_inv beside each weight) are refused by name, not misread."""
+  save_file = pytest.importorskip("safetensors.numpy").save_file
+  (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+  save_file({"model.layers.0.self_attn.q_a_proj.weight": np.zeros((6, 32), np.float32),
+             "model.layers.0.self_attn.q_a_proj.weight_scale_inv": np.ones((1, 1), np.float32)},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ConfigError, match=r"q_a_proj.weight_scale_inv.*fp8"):
     hf.from_hf(str(tmp_path))
 
 
@@ -134,10 +147,11 @@ def build(q_lora=6, seed=0, **changes):
     pytest.skip(f"a plain q_proj (q_lora_rank=None) needs transformers 5 (this is {transformers.__version__})")
   import torch
   keys = ("rope_theta", "rope_scaling", "model_type", "scoring_func", "topk_method", "moe_layer_freq")
-  kw = {k: v for k, v in CONFIG.items() if k not in keys} | {"q_lora_rank": q_lora, "rope_interleave": q_lora is not None}
+  kw = {k: v for k, v in CONFIG.items() if k not in keys}
+  kw |= {"q_lora_rank": q_lora, "rope_interleave": q_lora is not None}
   yarn = {"rope_type": "yarn", **{k: v for k, v in CONFIG["rope_scaling"].items() if k != "type"}}
-  kw |= {"rope_parameters": yarn | {"rope_theta": 500.0}} if _v5(transformers) else {"rope_theta": 500.0,
-                                                                                       "rope_scaling": yarn}
+  v5 = _v5(transformers)
+  kw |= {"rope_parameters": yarn | {"rope_theta": 500.0}} if v5 else {"rope_theta": 500.0, "rope_scaling": yarn}
   c = transformers.DeepseekV3Config(**(kw | changes), pad_token_id=None, bos_token_id=None, eos_token_id=None)
   c._attn_implementation = "eager"
   torch.manual_seed(seed)

@@ -51,13 +51,9 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   if G != H:
     raise invalid("config.num_key_value_heads", G, f"num_attention_heads={H}: kv_b_proj gives every query head "
                   "its own key and value")
-  r, nope, V = get(hf, "qk_rope_head_dim"), get(hf, "qk_nope_head_dim"), get(hf, "v_head_dim")
-  C, Q = get(hf, "kv_lora_rank"), hf.get("q_lora_rank")
-  for name, value in (("qk_rope_head_dim", r), ("qk_nope_head_dim", nope), ("v_head_dim", V),
-                      ("kv_lora_rank", C), ("first_k_dense_replace", hf.get("first_k_dense_replace", 0))):
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "first_k_dense_replace" else 1):
-      raise invalid(f"config.{name}", value, "a positive integer" if name != "first_k_dense_replace" else
-                    "an integer >= 0")
+  r, nope, V, C = (_count(hf, name, 1) for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                                                     "kv_lora_rank"))
+  Q, dense_first = hf.get("q_lora_rank"), _count(hf, "first_k_dense_replace", 0, default=0)
   base = llama.config_in(ROW, hf | {"head_dim": r, "num_key_value_heads": H})
   rope, where = {}, "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
   m_all = (hf.get(where) or {}).get("mscale_all_dim")
@@ -66,12 +62,19 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
                   "attn applies DeepSeek's softmax mscale with yarn only")
   if m_all:
     rope["rope_mscale_all_dim"] = float(m_all)
-  L = base.num_layers
+  moe = dense_first < base.num_layers  # else every layer keeps its dense MLP
   return base.replace(
       variant="mla", d_k=nope + r, d_v=V, num_kv_heads=H, rope_dim=r, latent_dim=C, q_latent_dim=Q,
       latent_norm_eps=LATENT_NORM_EPS, rope_layout="interleaved" if hf.get("rope_interleave", True) else "half",
-      mlp="moe" if hf.get("first_k_dense_replace", 0) < L else "gated", **rope,
-      **(_experts(hf) if hf.get("first_k_dense_replace", 0) < L else {}))
+      mlp="moe" if moe else "gated", **rope, **(_experts(hf) if moe else {}))
+
+
+def _count(hf: dict[str, Any], name: str, minimum: int, **default: Any) -> int:
+  """An integer field of at least `minimum`, refused by name otherwise."""
+  value = get(hf, name, **default)
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise invalid(f"config.{name}", value, f"an integer >= {minimum}")
+  return value
 
 
 def _experts(hf: dict[str, Any]) -> dict[str, Any]:
@@ -126,6 +129,10 @@ def _mlp_in(w: Weights, at: str, D: int, F: int) -> dict[str, Any]:
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
+  scales = sorted(n for n in w.names if n.endswith("weight_scale_inv"))
+  if scales:  # the release's fp8 blocks: refused on the names, before a weight is read
+    raise invalid("checkpoint", scales[:2], "bf16 or float32 weights: attn does not dequantize DeepSeek's fp8 "
+                  "blocks (weight_scale_inv); convert them first (DeepSeek's inference/fp8_cast_bf16.py)")
   D, N = cfg.d_model, cfg.vocab_size
   norm = lambda name: {"scale": w(f"{name}.weight", (D,))}  # noqa: E731
   blocks = {}
@@ -157,8 +164,9 @@ def fused_experts() -> bool:
 def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
   D, H, K, V, r, Q = cfg.d_model, cfg.num_heads, cfg.head.d_k, cfg.head.d_v, cfg.rope_dim, cfg.q_latent_dim
   nope, fused = K - r, fused_experts()
+  head = pure["embed"]["token"] if cfg.tie_embeddings else np.asarray(pure["head"]["linear"]["kernel"]).T
   sd = {"model.embed_tokens.weight": pure["embed"]["token"], "model.norm.weight": pure["final_norm"]["scale"],
-        "lm_head.weight": pure["embed"]["token"] if cfg.tie_embeddings else np.asarray(pure["head"]["linear"]["kernel"]).T}
+        "lm_head.weight": head}
   for l, block in pure["blocks"].items():
     p = {k: np.asarray(v) for k, v in block["attn"]["params"].items()}
     at, a, m = f"model.layers.{l}", f"model.layers.{l}.self_attn", f"model.layers.{l}.mlp"
@@ -209,6 +217,8 @@ def check_out(cfg: ModelConfig) -> None:
                   "('sigmoid', None, a width, >= 1): DeepSeek-V3's router and experts")
   if cfg.window is not None:
     raise invalid("window", cfg.window, "None: deepseek_v3 has no sliding windows")
+  if cfg.mlp not in ("gated", "moe"):
+    raise invalid("mlp", cfg.mlp, "'gated' or 'moe': deepseek_v3's feed-forward is gated")
 
 
 def config_out(cfg: ModelConfig) -> dict[str, Any]:
