@@ -69,6 +69,8 @@ def test_config_reads_the_latent_widths_and_the_router():
     ({"n_group": 3}, r"moe_groups=3.*a divisor of moe_experts=8"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0, "mscale_all_dim": 1.0}},
      r"config.rope_scaling.mscale_all_dim=1.0.*yarn only"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "mscale_all_dim": "x"}},
+     r"config.rope_scaling.mscale_all_dim='x'.*a number"),
     ({"rope_scaling": {"type": "yarn", "factor": 0.0}}, r"rope_factor=0.0"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_type='dynamic'"),
 ])

@@ -61,6 +61,8 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
     raise invalid(f"config.{where}.mscale_all_dim", m_all, f"0 or absent with rope_type {base.rope_scaling!r}: "
                   "attn applies DeepSeek's softmax mscale with yarn only")
   if m_all:
+    if isinstance(m_all, bool) or not isinstance(m_all, (int, float)):
+      raise invalid(f"config.{where}.mscale_all_dim", m_all, "a number: DeepSeek's softmax mscale reads it")
     rope["rope_mscale_all_dim"] = float(m_all)
   moe = dense_first < base.num_layers  # else every layer keeps its dense MLP
   return base.replace(
