@@ -249,12 +249,14 @@ def full_mask(T: int, S: int, *, cfg: HeadConfig, opts: Options) -> Array | None
 
 
 def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) -> Array:
-  """Softmax weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
+  """Attention weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
 
-  As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator.
+  As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator,
+  cfg.probability's function (sigmoid and relu: attn.probability) in place of the softmax.
   """
   logits_BHTS = mechanisms.on_logits(params, logits_BHTS.astype(jnp.float32), cfg)
-  return kernel.masked_softmax(logits_BHTS, mask, mechanisms.kernel_args(params, cfg)["sinks"])
+  args = mechanisms.kernel_args(params, cfg)
+  return kernel.masked_probabilities(logits_BHTS, mask, args["sinks"], args["probability"])
 
 
 def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
