@@ -238,3 +238,20 @@ def test_softmax_is_the_default_and_switches_nothing_on():
 def test_the_kit_passes_for_the_record_on_every_variant():
   from attn.testing import check_mechanism
   check_mechanism(attn.MECHANISMS["probability"], thorough=True)
+
+
+@pytest.mark.slow
+def test_exact_conversions_carry_it_and_one_that_drops_the_key_bias_refuses_biases():
+  """per_head -> merged is exact without biases (the option acts on both alike); with biases the
+  key bias's row constants, which sigmoid and relu do not drop, would be lost: refused by name."""
+  cfg = HeadConfig(d_model=12, num_heads=3, d_k=5, d_v=7, use_bias=False, probability="relu")
+  params = attn.init("per_head", jax.random.key(1), cfg)
+  x = randn(11, (2, 5, cfg.d_model))
+  merged = attn.convert(params, "per_head", "merged", cfg)
+  f = jax.jit(lambda p, x: attn.apply("per_head", p, x, cfg=cfg, is_causal=True))
+  g = jax.jit(lambda p, x: attn.apply("merged", p, x, cfg=cfg, is_causal=True))
+  np.testing.assert_allclose(g(merged, x), f(params, x), atol=2e-5, rtol=2e-5)
+  biased = cfg.replace(use_bias=True, probability="sigmoid")
+  with pytest.raises(ConfigError, match="use_bias=True is not allowed: False for per_head -> merged "
+                                        "with sinks, softcap or probability 'sigmoid'"):
+    attn.convert(attn.init("per_head", jax.random.key(1), biased), "per_head", "merged", biased)

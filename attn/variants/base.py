@@ -47,8 +47,8 @@ as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
 e.g. talking_heads, which mixes per_head's (attn.variants.factors); one
 that has no per-head W_QK sets a `circuits` that raises ConfigError saying why.
 
-return_weights gives softmax weights (rows sum to 1, fully masked rows 0)
-unless `signed_weights`: then a signed map whose rows need not sum to 1
+return_weights gives softmax weights (rows sum to 1, fully masked rows 0;
+with cfg.probability "sigmoid" or "relu" unnormalised, attn.probability) unless `signed_weights`: then a signed map whose rows need not sum to 1
 (differential's A_1 − λ·A_2).
 """
 
@@ -83,7 +83,7 @@ class Options:
     for RoPE (cfg.rope_dim > 0); None means 0..T−1 and 0..S−1.
   head_mask: (H,) or (B,H) gates on each query head's output before W^O
     (Michel et al. 2019); None means all ones.
-  return_weights: also return the softmax weights (B,H,T,S).
+  return_weights: also return the attention weights (B,H,T,S).
   impl: kernel.attention's implementation; None means the variant's default ("auto").
   """
 
