@@ -148,24 +148,31 @@ def test_visible_keys_count_the_dense_masks():
     lengths = jnp.asarray([0, S // 2, S])
     mask = None if dense is None else jnp.asarray(  # a full (B,H,T,S) mask, or one row per example
         rng.random((B, H, T, S) if dense == "full" else (B, 1, 1, S)) < 0.7)
-    want = kernel.structured_mask(T, S, is_causal, lengths, window)
-    want = attn.masks.combine_masks(mask, want)
+    d_TS = np.arange(T)[:, None] + S - T - np.arange(S)[None, :]  # query position - key position
+    want = (np.ones((B, H, T, S), bool) if mask is None else np.broadcast_to(mask, (B, H, T, S))) \
+        & (np.arange(S) < np.asarray(lengths)[:, None, None, None])
+    want = want & (d_TS >= 0 if is_causal else True) & (np.abs(d_TS) < window if window else True)
     got = probability.visible_keys(T, S, mask, is_causal=is_causal, kv_lengths=lengths, window=window)
-    np.testing.assert_array_equal(np.broadcast_to(got, (B, H, T)),
-                                  np.broadcast_to(want, (B, H, T, S)).sum(-1),
+    np.testing.assert_array_equal(np.broadcast_to(got, (B, H, T)), want.sum(-1),
                                   err_msg=f"{is_causal} {window} {dense}")
 
 
-def test_bfloat16_inputs_give_bf16_outputs_near_float32():
+def test_bfloat16_inputs_give_bf16_outputs_and_gradients_near_float32():
   B, T, S, H, G, K, V, bq, bk = SHAPES["T_lt_S"]
   q, k, v = qkv(8, B, T, S, H, G, K, V)
   for n, case in enumerate(CASES["T_lt_S"][:1]):
     mask, kw = options(SHAPES["T_lt_S"], case, seed=n)
     ref = naive(q, k, v, mask, **kw)[0]
+    ct = randn(9, (B, T, H, V))
+    ref_grads = grads("einsum", bq, bk, mask, kw, q, k, v, ct)
+    half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     for impl in ("einsum", "blocked"):
-      got = run(impl, bq, bk, mask, kw)(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+      got = run(impl, bq, bk, mask, kw)(*half)
       assert got.dtype == jnp.bfloat16
       np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=0.05 * np.abs(ref).max())
+      for g, want in zip(grads(impl, bq, bk, mask, kw, *half, ct), ref_grads):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float32), want, atol=0.05 * np.abs(want).max())
 
 
 def test_refused_by_name_before_tracing():
