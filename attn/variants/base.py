@@ -13,7 +13,7 @@ here and in attn.kernel, not in variant files: a variant that computes its
 own logits or attends to something else calls the pieces of the shared path
 (queries_and_keys, core or full_mask + probabilities, project_out) instead of
 attend_and_project. The head mechanisms (HeadConfig gate, sinks, qk_norm,
-window, softcap, and outside ones; attn.variants.mechanisms) live in those pieces: `init` makes
+window, softcap, probability, and outside ones; attn.variants.mechanisms) live in those pieces: `init` makes
 the variant's own parameters and attn.init adds the mechanisms', attn.count
 adds their counts. A variant that cannot carry a HeadConfig feature (RoPE:
 rope_dim > 0; qk_norm) refuses it in its `check`, with the reason.
