@@ -262,3 +262,20 @@ def test_exact_conversions_carry_it_and_one_that_drops_the_key_bias_refuses_bias
   with pytest.raises(ConfigError, match="use_bias=True is not allowed: False for per_head -> merged "
                                         "with sinks, softcap or probability 'sigmoid'"):
     attn.convert(attn.init("per_head", jax.random.key(1), biased), "per_head", "merged", biased)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prob", ["sigmoid", "relu"])
+def test_a_model_decoded_in_chunks_gives_the_full_forward_logits(prob):
+  """DecoderLM (attn.nn.decoding) with RoPE and a window ring: a chunked prefill, then single tokens."""
+  from flax import nnx
+  from attn.nn import DecoderLM, ModelConfig
+  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=3,
+                    num_kv_heads=2, max_len=12, positional="rope", rope_dim=2, rope_theta=100.0,
+                    window=3, probability=prob)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  tokens_BT = jnp.asarray(np.random.default_rng(12).integers(0, 13, (2, 7)), jnp.int32)
+  full = model(tokens_BT)
+  model.init_cache(2, 8)
+  outs = [model(tokens_BT[:, i:j], decode=True) for i, j in ((0, 4), (4, 5), (5, 6), (6, 7))]
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)
