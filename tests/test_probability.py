@@ -279,3 +279,15 @@ def test_a_model_decoded_in_chunks_gives_the_full_forward_logits(prob):
   model.init_cache(2, 8)
   outs = [model(tokens_BT[:, i:j], decode=True) for i, j in ((0, 4), (4, 5), (5, 6), (6, 7))]
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)
+
+
+def test_the_cli_lists_it_and_refuses_a_bad_value_by_name(capsys):
+  from attn import cli
+  with pytest.raises(SystemExit):
+    cli.main(["count", "--help"])
+  assert "probability: softmax|sigmoid|relu" in capsys.readouterr().out
+  for argv, why in ((["--probability", "tanh"], "probability='tanh' is not allowed: one of"),
+                    (["--probability", "relu", "--sinks"], "probability='relu' is not allowed: 'softmax'")):
+    code = cli.main(["count", "--d-model", "8", "--num-heads", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and why in err and "Traceback" not in err
