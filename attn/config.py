@@ -30,6 +30,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
+PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.probability)
 QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
 ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
@@ -105,7 +106,10 @@ class HeadConfig:
   scale per dim, before the split into heads (OLMo 2): it couples the heads; window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
-  softcap·tanh(logits/softcap) (Gemma 2).
+  softcap·tanh(logits/softcap) (Gemma 2); probability turns the logits into
+  weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
+  2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
+  masks leave visible (attn.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
   values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
@@ -145,6 +149,7 @@ class HeadConfig:
   qk_norm_eps: float = 1e-6
   window: int | None = None
   softcap: float | None = None
+  probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
   layer: int = 1
@@ -263,6 +268,7 @@ class HeadConfig:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):
       raise invalid("softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    check_probability(self.probability, self.sinks)
 
   @property
   def group_size(self) -> int:
@@ -315,6 +321,16 @@ def _frozen_extra(extra: Any) -> FrozenDict | None:
         raise invalid(f"extra.{name}.{key}", value, "a number, a string or a boolean")
     out[name] = FrozenDict(opts)
   return FrozenDict(out)
+
+
+def check_probability(probability: Any, sinks: Any) -> None:
+  """probability one of PROBABILITIES; "softmax" when learned sinks are on."""
+  if not isinstance(probability, str) or probability not in PROBABILITIES:
+    raise invalid("probability", probability, f"one of {list(PROBABILITIES)}: the function that turns "
+                  "attention logits into weights")
+  if probability != "softmax" and sinks is not None and sinks is not False:
+    raise invalid("probability", probability, "'softmax' with learned sinks: a sink is one more logit "
+                  f"in a normalizing denominator, and {probability} has none (or sinks=False)")
 
 
 def single_head(d_model: int, *, use_bias: bool = True) -> HeadConfig:

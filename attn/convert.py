@@ -115,13 +115,15 @@ def two_stage_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
 
 
 def _key_bias_drops_out(dst: str) -> Callable[[HeadConfig], None]:
-  """Refuses biases with sinks or softcap for a conversion that drops the key bias (into dst)."""
+  """Refuses biases with sinks, softcap or a probability other than softmax for a conversion that
+  drops the key bias (into dst)."""
   def check(cfg: HeadConfig) -> None:
-    if cfg.use_bias and (cfg.sinks or cfg.softcap is not None):
+    if cfg.use_bias and (cfg.sinks or cfg.softcap is not None or cfg.probability != "softmax"):
       raise invalid("use_bias", True,
-                    f"False for per_head -> {dst} with sinks or softcap: a row's constant "
-                    "x·W_Q,h·b_k + b_q,h·b_k then changes the weights (against the sink, inside "
-                    f"the cap), and {dst} has no parameter for it")
+                    f"False for per_head -> {dst} with sinks, softcap or probability "
+                    f"{cfg.probability!r}: a row's constant x·W_Q,h·b_k + b_q,h·b_k then changes the "
+                    "weights (against the sink, inside the cap, unnormalised), and "
+                    f"{dst} has no parameter for it")
   return check
 
 
