@@ -27,6 +27,14 @@ running max and sum at (sink_h, 1), as a key with no value would; their
 gradient is -Σ_t p_sink(t)·D_t with p_sink = exp(sink - lse) and
 D_t = Σ_v dO·O.
 
+probability "sigmoid" or "relu" (attn.probability) needs no online
+normaliser: each weight σ(l − log n_t) or max(l, 0)/n_t is pointwise once n_t,
+the keys a row's masks leave visible, is known (probability.visible_keys,
+before the loop, from the masks' bounds and a prefix sum of a dense mask). The
+forward pass sums weight·v over key blocks; the backward pass recomputes each
+weight and multiplies dP = dO·vᵀ by its derivative (σ(1 − σ), or 1/n_t where
+l > 0): there is no row term D_t.
+
 Letters as in the README; t and s index a block's queries and keys.
 """
 
@@ -38,6 +46,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from attn import probability as prob
 
 Array = jax.Array
 
@@ -74,6 +84,7 @@ class _Plan:
   key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
   window: int | None = None  # at most max(T, S): wider is the same mask
   softcap: float | None = None
+  probability: str = "softmax"
 
   @property
   def nq(self) -> int:
@@ -195,11 +206,14 @@ def _sink_rows(sinks_H: Array, G: int, bq: int) -> Array:
   return jnp.repeat(sinks_H.astype(jnp.float32).reshape(G, -1), bq, axis=1)
 
 
-def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
   """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
 
-  With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink.
+  With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink. With
+  sigmoid or relu (n_BTH the rows' visible keys), the log-sum-exp is all zeros, unused.
   """
+  if plan.probability != "softmax":
+    return _forward_pointwise(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH)
   B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R, M = H // G, (H // G) * plan.bq
@@ -242,8 +256,34 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
-              do_BTHV):
+def _forward_pointwise(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH):
+  """Σ_s weight_ts·v_s over the key blocks a query block sees, weights pointwise given n_t."""
+  B, Tp, H, K = q_BTHK.shape
+  G, V = k_BSGK.shape[2], v_BSGV.shape[3]
+  R, M = H // G, (H // G) * plan.bq
+  key_end = jnp.max(limit_B)
+
+  def query_block(i, out_BTHV):
+    q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
+    n_BGM1 = _rows(n_BTH, i * plan.bq, plan.bq, G)[..., None]
+
+    def key_block(j, acc_BGMV):
+      s = _dot("BGMK,BGsK->BGMs", q_BGMK, _keys(k_BSGK, j * plan.bk, plan.bk))
+      s, _ = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      p = prob.pointwise(plan.probability, s, n_BGM1)  # 0 where masked (s = -inf)
+      return acc_BGMV + _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), _keys(v_BSGV, j * plan.bk, plan.bk))
+
+    acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end), key_block,
+                        jnp.zeros((B, G, M, V), jnp.float32))
+    return lax.dynamic_update_slice_in_dim(out_BTHV, _unrows(acc, R).astype(out_BTHV.dtype),
+                                           i * plan.bq, axis=1)
+
+  out = lax.fori_loop(0, plan.nq, query_block, jnp.zeros((B, Tp, H, V), q_BTHK.dtype))
+  return out, jnp.zeros((B, Tp, H), jnp.float32)
+
+
+def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV,
+              lse_BTH, do_BTHV):
   """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
@@ -255,6 +295,7 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R = H // G
   dtype = q_BTHK.dtype
+  pointwise = plan.probability != "softmax"
   # delta_t = Σ_v dO·O = Σ_s P·dP: the softmax Jacobian's row term.
   delta_BTH = jnp.einsum("BTHV,BTHV->BTH", do_BTHV.astype(jnp.float32),
                          out_BTHV.astype(jnp.float32))
@@ -280,10 +321,17 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
       delta_BGM = _rows(delta_BTH, t0, plan.bq, G)
       s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
       s, dcap = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
-      p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
+      if pointwise:
+        n_BG1M = _rows(n_BTH, t0, plan.bq, G)[:, :, None, :]
+        p = prob.pointwise(plan.probability, s, n_BG1M)  # 0 where masked (s = -inf)
+      else:
+        p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
       dv_BGsV = dv_BGsV + _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
       dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
-      ds = p * (dp - delta_BGM[:, :, None, :])
+      if pointwise:
+        ds = dp * prob.pointwise_grad(plan.probability, s, p, n_BG1M)
+      else:
+        ds = p * (dp - delta_BGM[:, :, None, :])
       ds = (ds if dcap is None else ds * dcap).astype(dtype)
       dk_BGsK = dk_BGsK + _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
       # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
@@ -312,18 +360,18 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
-  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)[0]
+def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)[0]
 
 
-def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
-  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)
-  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH)
+def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
+  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV, lse_BTH)
 
 
 def _core_bwd(plan: _Plan, res, do_BTHV):
   dq, dk, dv, dsinks = _backward(plan, *res, do_BTHV)
-  return dq, dk, dv, None, None, dsinks
+  return dq, dk, dv, None, None, dsinks, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -346,29 +394,36 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
 
 def _plan(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
           window: int | None, scale: float = 1.0, softcap: float | None = None,
-          has_lengths: bool = False) -> _Plan:
+          has_lengths: bool = False, probability: str = "softmax") -> _Plan:
   bq, bk = block_sizes(T, S, block_q, block_k)
   return _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
                key_limit=has_lengths or S % bk > 0,
                window=None if window is None else min(window, max(T, S)),
-               softcap=None if softcap is None else float(softcap))
+               softcap=None if softcap is None else float(softcap), probability=probability)
 
 
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
-              sinks: Array | None = None, softcap: float | None = None) -> Array:
-  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks; inputs checked by kernel.attention."""
+              sinks: Array | None = None, softcap: float | None = None,
+              probability: str = "softmax") -> Array:
+  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks (or sigmoid, relu: attn.probability);
+  inputs checked by kernel.attention."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
-               softcap=softcap, has_lengths=kv_lengths is not None)
+               softcap=softcap, has_lengths=kv_lengths is not None, probability=probability)
   Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
     limit_B = jnp.minimum(jnp.asarray(kv_lengths).astype(jnp.int32), S)
+  n_BTH = None
+  if probability != "softmax":  # padded query rows get n = 1: their outputs are dropped
+    n_BHT = prob.visible_keys(T, S, mask, is_causal=is_causal, kv_lengths=kv_lengths, window=window)
+    n_BTH = jnp.broadcast_to(n_BHT.transpose(0, 2, 1), (B, T, H))
+    n_BTH = _pad(jnp.maximum(n_BTH, 1).astype(jnp.float32), 1, Tp).at[:, T:].set(1.0)
   out_BTHV = _core(plan, _pad(q_BTHK, 1, Tp), _pad(k_BSGK, 1, Sp), _pad(v_BSGV, 1, Sp),
-                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks)
+                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks, n_BTH)
   return out_BTHV[:, :T]
 
 
