@@ -25,10 +25,11 @@ With a domain (B,T) per query (bigram_backcopy: the input is a trigger):
                        domain's (first_mass_trigger <= threshold): Guo et
                        al.'s active-dormant heads, judged by the attention on
                        [BOS] alone
-The weights are whatever the layer returns: rows of softmax sum to 1, those
-of a learned sink, sigmoid or ReLU attention (HeadConfig.probability) to at
-most about 1 or to anything, and differential attention's are signed; first_mass is
-the weight itself in every case, so a threshold means most of a row's mass only under softmax.
+The weights are whatever the layer returns: softmax rows sum to 1, rows with
+a learned sink to less, sigmoid or ReLU rows (HeadConfig.probability) to
+anything, and differential attention's are signed. first_mass is the weight
+itself in every case, so the threshold reads as "most of the row" only under
+softmax.
 """
 
 from __future__ import annotations
