@@ -1,4 +1,4 @@
-"""The dot account's HLO reading, the XLA flag sets, and the host-memory setting (attn.bench, attn.host_memory)."""
+"""The dot account's HLO reading, the XLA flag sets (attn.bench)."""
 
 
 import jax
@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import pytest
 
 from attn import blocked
-from attn import host_memory
 from attn import kernel
 from attn.bench import account
 from attn.bench import flags
@@ -56,15 +55,6 @@ def test_an_unknown_flag_set_or_a_malformed_xla_flags_value_is_named():
   env = flags.with_flag_set("eigen+xnnpack", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"})
   assert env["XLA_FLAGS"].split() == ["--xla_cpu_multi_thread_eigen=false",
                                       *flags.FLAG_SETS["eigen+xnnpack"].split()]
-
-
-def test_host_memory_mode_is_checked(monkeypatch):
-  monkeypatch.setenv(host_memory.ENV, "never")
-  with pytest.raises(ConfigError, match="ATTN_HOST_MALLOC='never'"):
-    host_memory.mode()
-  monkeypatch.setenv(host_memory.ENV, "default")
-  assert host_memory.mode() == "default"
-
 
 
 def _bench_targets():
