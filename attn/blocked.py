@@ -17,9 +17,12 @@ kv_lengths (keys s >= kv_lengths[b] masked) and window w (key s visible iff
 iotas, and key blocks that no query of a block can see (above the causal
 diagonal, outside the window, or past every length in the batch) are skipped
 by the loop bounds (key_block_ranges): causal attention does about half the
-work, and a window O(T·w) instead of O(T·S). A dense boolean mask is sliced
-per block and combined with them. Fully masked rows give 0, in value and
-gradient.
+work, and a window O(T·w) instead of O(T·S). A window whose keys fit in a slab
+of at most SLAB_MAX takes the slab path instead: query blocks of SLAB_Q rows,
+each against the one slab of keys it may see (SLAB_Q + w with a causal mask),
+a plain softmax in one step, and a backward pass over the same slabs (dk, dv
+accumulate where slabs overlap). A dense boolean mask is sliced per block and
+combined with them. Fully masked rows give 0, in value and gradient.
 
 softcap c caps each block's scaled logits to c·tanh(l / c); the backward
 pass multiplies dS by its derivative 1 - tanh². sinks (H,) start each row's
@@ -48,6 +51,12 @@ Array = jax.Array
 # equal parts no larger.
 BLOCK_Q = 512
 BLOCK_K = 256
+# A window w takes the slab path: query blocks of SLAB_Q, each against one slab
+# of SLAB_Q + w keys (2w without a causal mask), where the loop over 512 × 256
+# blocks visits 3 key blocks per query block (experiments/performance.md,
+# Sliding windows). Slabs wider than SLAB_MAX keys take the loop.
+SLAB_Q = 128
+SLAB_MAX = 1024
 
 
 def block_sizes(T: int, S: int, block_q: int | None = None,
@@ -74,6 +83,7 @@ class _Plan:
   key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
   window: int | None = None  # at most max(T, S): wider is the same mask
   softcap: float | None = None
+  slab: int = 0  # > 0: each query block sees this many keys from _slab_start, in one step
 
   @property
   def nq(self) -> int:
@@ -113,6 +123,12 @@ def _keys(x_BSGX: Array, start, size: int) -> Array:
   return lax.dynamic_slice_in_dim(x_BSGX, start, size, axis=1).transpose(0, 2, 1, 3)
 
 
+def _slab_start(plan: _Plan, i):
+  """First key of query block i's slab: its window's first position, clamped to the padded keys."""
+  start = i * plan.bq + plan.S - plan.T - plan.window + 1
+  return jnp.clip(start, 0, plan.nk * plan.bk - plan.slab)
+
+
 def _key_blocks_for(plan: _Plan, i, key_end):
   """Key blocks [lo, hi) that query block i may see: window, causal diagonal, longest kv length."""
   # Positions: query t sits at t + S - T; the block's real queries span [p0, p1].
@@ -142,10 +158,11 @@ def _query_blocks_for(plan: _Plan, j):
   return lo, jnp.maximum(lo, hi)
 
 
-def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
-  """Which entries of block (i, j) may attend: (B,G,M,s), or (B,G,s,M) if keys_first; True = all."""
-  s_pos = j * plan.bk + jnp.arange(plan.bk)
-  t_pos = i * plan.bq + jnp.tile(jnp.arange(plan.bq), R)  # query position of each of the M rows
+def _keep(plan: _Plan, t0, s0, width: int, limit_B: Array, mask5, R: int, keys_first: bool):
+  """Which entries of queries [t0, t0+bq) × keys [s0, s0+width) may attend: (B,G,M,s), or (B,G,s,M)
+  if keys_first; True = all."""
+  s_pos = s0 + jnp.arange(width)
+  t_pos = t0 + jnp.tile(jnp.arange(plan.bq), R)  # query position of each of the M rows
   keep = True
   if plan.key_limit:
     keep_Bs = s_pos[None, :] < limit_B[:, None]
@@ -162,9 +179,9 @@ def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
   if mask5 is not None:
     m = mask5
     if m.shape[3] > 1:
-      m = lax.dynamic_slice_in_dim(m, i * plan.bq, plan.bq, axis=3)
+      m = lax.dynamic_slice_in_dim(m, t0, plan.bq, axis=3)
     if m.shape[4] > 1:
-      m = lax.dynamic_slice_in_dim(m, j * plan.bk, plan.bk, axis=4)
+      m = lax.dynamic_slice_in_dim(m, s0, width, axis=4)
     Bm, Gm, _, tm, sm = m.shape
     m = jnp.broadcast_to(m, (Bm, Gm, R, plan.bq, sm)).reshape(Bm, Gm, R * plan.bq, sm)
     keep = keep & (m.transpose(0, 1, 3, 2) if keys_first else m)
@@ -209,12 +226,13 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
     out_BTHV, lse_BTH = carry
     q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
 
-    def key_block(j, state):
+    def key_step(s0, width, state):
       m_BGM, l_BGM, acc_BGMV = state
-      k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
-      v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
+      k_BGsK = _keys(k_BSGK, s0, width)
+      v_BGsV = _keys(v_BSGV, s0, width)
       s = _dot("BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
-      s, _ = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, width, limit_B, mask5, R,
+                                    keys_first=False))
       m_new = jnp.maximum(m_BGM, s.max(-1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
       p = jnp.exp(s - m_use[..., None])
@@ -228,7 +246,11 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
       m0 = jnp.broadcast_to(_sink_rows(sinks_H, G, plan.bq), (B, G, M))
       l0 = jnp.ones((B, G, M), jnp.float32)
     init = (m0, l0, jnp.zeros((B, G, M, V), jnp.float32))
-    m, l, acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end), key_block, init)
+    if plan.slab:  # every key the block may see, in one step
+      m, l, acc = key_step(_slab_start(plan, i), plan.slab, init)
+    else:
+      m, l, acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end),
+                                lambda j, st: key_step(j * plan.bk, plan.bk, st), init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
@@ -242,6 +264,27 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
+def _block_grads(plan: _Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, k_BGsK, v_BGsV, keep, R: int,
+                 dtype):
+  """One block's dK (unscaled), dV in float32 (B,G,s,·) and dQ (B,t,H,K), from recomputed P."""
+  s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
+  s, dcap = _logits(plan, s, keep)
+  p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
+  dv_BGsV = _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
+  dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
+  ds = p * (dp - delta_BGM[:, :, None, :])
+  ds = (ds if dcap is None else ds * dcap).astype(dtype)
+  dk_BGsK = _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
+  # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
+  dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGsK.transpose(0, 1, 3, 2), ds)
+  return dk_BGsK, dv_BGsV, _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
+
+
+def _query_rows(plan: _Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH):
+  """q, dO, lse and delta of queries [t0, t0 + bq) in the (B,G,M,·) layout."""
+  return tuple(_rows(x, t0, plan.bq, G) for x in (q_BTHK, do_BTHV, lse_BTH, delta_BTH))
+
+
 def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
               do_BTHV):
   """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
@@ -249,7 +292,9 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
   are all plain matmuls, with no transposed copy of a score block. Key block
   j is read only by outer step j, so dk and dv overwrite k and v block by
-  block in the loop's carry: XLA may then reuse their buffers.
+  block in the loop's carry: XLA may then reuse their buffers. The slab path
+  (a window) runs over query blocks instead: each sees its whole slab of keys
+  in one step, so dq is final and dk, dv accumulate over the slabs.
   """
   B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
@@ -262,36 +307,45 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
   if sinks_H is not None:  # dO/dsink = -p_sink·O per row: dsink = -Σ_t p_sink·delta
     p_sink_BTH = jnp.exp(sinks_H.astype(jnp.float32) - lse_BTH)
     dsinks_H = -jnp.einsum("BTH,BTH->H", p_sink_BTH, delta_BTH).astype(sinks_H.dtype)
+  rows = functools.partial(_query_rows, plan, G=G, q_BTHK=q_BTHK, do_BTHV=do_BTHV,
+                           lse_BTH=lse_BTH, delta_BTH=delta_BTH)
   # logits = scale·q·kᵀ: dq = scale·dS·k and dk = scale·dSᵀ·q.
+  if plan.slab:
+    def slab_block(i, carry):
+      dq_BTHK, dk_BSGK, dv_BSGV = carry
+      t0, s0 = i * plan.bq, _slab_start(plan, i)
+      keep = _keep(plan, t0, s0, plan.slab, limit_B, mask5, R, keys_first=True)
+      dk_BGsK, dv_BGsV, dq_BtHK = _block_grads(
+          plan, *rows(t0), _keys(k_BSGK, s0, plan.slab), _keys(v_BSGV, s0, plan.slab), keep, R, dtype)
+
+      def add_at(acc_BSGX, d_BGsX):  # slabs overlap: dk, dv accumulate
+        new = lax.dynamic_slice_in_dim(acc_BSGX, s0, plan.slab, axis=1) + d_BGsX.transpose(0, 2, 1, 3)
+        return lax.dynamic_update_slice_in_dim(acc_BSGX, new, s0, axis=1)
+      return (lax.dynamic_update_slice_in_dim(dq_BTHK, dq_BtHK, t0, axis=1),
+              add_at(dk_BSGK, dk_BGsK), add_at(dv_BSGV, dv_BGsV))
+
+    init = (jnp.zeros((B, Tp, H, K), jnp.float32), jnp.zeros(k_BSGK.shape, jnp.float32),
+            jnp.zeros(v_BSGV.shape, jnp.float32))
+    dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nq, slab_block, init)
+    return (dq_BTHK.astype(dtype), (dk_BSGK * plan.scale).astype(k_BSGK.dtype),
+            dv_BSGV.astype(v_BSGV.dtype), dsinks_H)
+
   nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk  # key blocks before every length ends
 
   def key_block(j, carry):
     dq_BTHK, kdk_BSGK, vdv_BSGV = carry  # blocks >= j still hold k and v
-    k_BGsK = _keys(kdk_BSGK, j * plan.bk, plan.bk)
-    v_BGsV = _keys(vdv_BSGV, j * plan.bk, plan.bk)
-    k_BGKs = k_BGsK.transpose(0, 1, 3, 2)
+    s0 = j * plan.bk
+    k_BGsK = _keys(kdk_BSGK, s0, plan.bk)
+    v_BGsV = _keys(vdv_BSGV, s0, plan.bk)
 
     def query_block(i, state):
       dq_BTHK, dk_BGsK, dv_BGsV = state
       t0 = i * plan.bq
-      q_BGMK = _rows(q_BTHK, t0, plan.bq, G)
-      do_BGMV = _rows(do_BTHV, t0, plan.bq, G)
-      lse_BGM = _rows(lse_BTH, t0, plan.bq, G)
-      delta_BGM = _rows(delta_BTH, t0, plan.bq, G)
-      s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
-      s, dcap = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
-      p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
-      dv_BGsV = dv_BGsV + _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
-      dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
-      ds = p * (dp - delta_BGM[:, :, None, :])
-      ds = (ds if dcap is None else ds * dcap).astype(dtype)
-      dk_BGsK = dk_BGsK + _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
-      # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
-      dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGKs, ds)
-      dq_BtHK = _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
+      keep = _keep(plan, t0, s0, plan.bk, limit_B, mask5, R, keys_first=True)
+      dk, dv, dq_BtHK = _block_grads(plan, *rows(t0), k_BGsK, v_BGsV, keep, R, dtype)
       dq_old = lax.dynamic_slice_in_dim(dq_BTHK, t0, plan.bq, axis=1)
       dq_BTHK = lax.dynamic_update_slice_in_dim(dq_BTHK, dq_old + dq_BtHK, t0, axis=1)
-      return dq_BTHK, dk_BGsK, dv_BGsV
+      return dq_BTHK, dk_BGsK + dk, dv_BGsV + dv
 
     init = (dq_BTHK, jnp.zeros((B, G, plan.bk, K), jnp.float32),
             jnp.zeros((B, G, plan.bk, V), jnp.float32))
@@ -299,7 +353,6 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
     lo, hi = _query_blocks_for(plan, j)
     hi = jnp.where(j < nk_seen, hi, lo)
     dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(lo, hi, query_block, init)
-    s0 = j * plan.bk
     dk_BsGK = (dk_BGsK * plan.scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype)
     kdk_BSGK = lax.dynamic_update_slice_in_dim(kdk_BSGK, dk_BsGK, s0, axis=1)
     dv_BsGV = dv_BGsV.transpose(0, 2, 1, 3).astype(vdv_BSGV.dtype)
@@ -347,11 +400,15 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
 def _plan(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
           window: int | None, scale: float = 1.0, softcap: float | None = None,
           has_lengths: bool = False) -> _Plan:
-  bq, bk = block_sizes(T, S, block_q, block_k)
+  window = None if window is None else min(window, max(T, S))
+  slab, bq_slab = 0, block_q if block_q is not None else min(SLAB_Q, T)
+  if window is not None:  # queries [t, t + bq) see keys (t - w, t + bq + w) around their position
+    slab = bq_slab + (window if is_causal else 2 * window)
+    slab = slab if slab <= min(S, SLAB_MAX) else 0
+  bq, bk = block_sizes(T, S, bq_slab if slab else block_q, block_k)
   return _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               key_limit=has_lengths or S % bk > 0,
-               window=None if window is None else min(window, max(T, S)),
-               softcap=None if softcap is None else float(softcap))
+               key_limit=has_lengths or S % bk > 0, window=window,
+               softcap=None if softcap is None else float(softcap), slab=slab)
 
 
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
@@ -375,7 +432,8 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
 def key_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
                      block_q: int | None = None, block_k: int | None = None
                      ) -> list[tuple[int, int]]:
-  """Per query block, the key blocks [lo, hi) the forward pass visits (no kv_lengths)."""
+  """Per query block, the key blocks [lo, hi) the block loop visits (no kv_lengths; a window whose
+  slab fits takes the slab path instead: block_steps)."""
   plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
   return [tuple(int(x) for x in _key_blocks_for(plan, i, S)) for i in range(plan.nq)]
 
@@ -383,18 +441,31 @@ def key_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | N
 def query_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
                        block_q: int | None = None, block_k: int | None = None
                        ) -> list[tuple[int, int]]:
-  """Per key block, the query blocks [lo, hi) the backward pass visits (no kv_lengths)."""
+  """Per key block, the query blocks [lo, hi) the block loop's backward pass visits (no kv_lengths)."""
   plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
   return [tuple(int(x) for x in _query_blocks_for(plan, j)) for j in range(plan.nk)]
 
 
+def block_steps(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
+                block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
+  """(steps, loop depth) of one pass: visited block pairs two loops deep, or slabs one loop deep."""
+  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
+  if plan.slab:
+    return plan.nq, 1
+  return sum(int(hi - lo) for lo, hi in (_key_blocks_for(plan, i, S) for i in range(plan.nq))), 2
+
+
 def work_fraction(T: int, S: int, *, is_causal: bool, window: int | None = None,
                   block_q: int | None = None, block_k: int | None = None) -> float:
-  """The share of the T×S blocks the forward pass computes (1.0 with no causal mask or window)."""
+  """The share of the padded T×S scores the forward pass computes (1.0 with no causal mask or window)."""
   plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  done = sum(int(hi - lo) for lo, hi in (_key_blocks_for(plan, i, S) for i in range(plan.nq)))
-  return done / (plan.nq * plan.nk)
+  steps, depth = block_steps(T, S, is_causal=is_causal, window=window, block_q=block_q,
+                             block_k=block_k)
+  if depth == 1:  # slabs
+    return plan.slab / (plan.nk * plan.bk)
+  return steps / (plan.nq * plan.nk)
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "block_sizes", "key_block_ranges",
+__all__ = ["BLOCK_K", "BLOCK_Q", "SLAB_MAX", "SLAB_Q", "attention", "block_sizes", "block_steps",
+           "key_block_ranges",
            "query_block_ranges", "work_fraction"]
