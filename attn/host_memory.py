@@ -107,7 +107,10 @@ def use_kept_allocator() -> None:
   env.setdefault("MIMALLOC_PURGE_DELAY", PURGE_DELAY)
   sys.stdout.flush()
   sys.stderr.flush()
-  os.execve(sys.executable, sys.orig_argv, env)
+  try:
+    os.execve(sys.executable, sys.orig_argv, env)
+  except OSError:  # the process goes on as it is: keep_freed_memory() falls back to mallopt
+    return
 
 
 def _mallopt() -> str:
