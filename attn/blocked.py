@@ -35,63 +35,17 @@ Letters as in the README; t and s index a block's queries and keys.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attn.blocked_plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
+                                key_block_ranges, key_blocks_for, plan_for, query_block_ranges,
+                                query_blocks_for, slab_start, work_fraction)
+
 Array = jax.Array
-
-# Target block sizes, measured on a 2-core Zen 3 CPU (experiments/performance.md,
-# Long sequences): 512 queries × 256 keys ran the core's forward+backward at
-# T = 4096 in 0.65× the time of 256 × 256 (256 × 512 alike), whose batched
-# block matmuls XLA runs slowly here. The actual blocks split T and S into
-# equal parts no larger.
-BLOCK_Q = 512
-BLOCK_K = 256
-# A window w takes the slab path: query blocks of SLAB_Q, each against one slab
-# of SLAB_Q + w keys (2w without a causal mask), where the loop over 512 × 256
-# blocks visits 3 key blocks per query block (experiments/performance.md,
-# Sliding windows). Slabs wider than SLAB_MAX keys take the loop.
-SLAB_Q = 128
-SLAB_MAX = 1024
-
-
-def block_sizes(T: int, S: int, block_q: int | None = None,
-                block_k: int | None = None) -> tuple[int, int]:
-  """(block_q, block_k) for T queries and S keys: the given sizes (at most T, S) or equal splits."""
-  def pick(n, given, target):
-    if given is not None:
-      return min(given, n)
-    parts = -(-n // target)
-    return -(-n // parts)
-  return pick(T, block_q, BLOCK_Q), pick(S, block_k, BLOCK_K)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """The static shape of one blocked call: lengths, block sizes, causality, scale."""
-
-  T: int
-  S: int
-  bq: int
-  bk: int
-  is_causal: bool
-  scale: float
-  key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
-  window: int | None = None  # at most max(T, S): wider is the same mask
-  softcap: float | None = None
-  slab: int = 0  # > 0: each query block sees this many keys from _slab_start, in one step
-
-  @property
-  def nq(self) -> int:
-    return -(-self.T // self.bq)
-
-  @property
-  def nk(self) -> int:
-    return -(-self.S // self.bk)
 
 
 def _pad(x: Array, axis: int, size: int) -> Array:
@@ -123,42 +77,7 @@ def _keys(x_BSGX: Array, start, size: int) -> Array:
   return lax.dynamic_slice_in_dim(x_BSGX, start, size, axis=1).transpose(0, 2, 1, 3)
 
 
-def _slab_start(plan: _Plan, i):
-  """First key of query block i's slab: its window's first position, clamped to the padded keys."""
-  start = i * plan.bq + plan.S - plan.T - plan.window + 1
-  return jnp.clip(start, 0, plan.nk * plan.bk - plan.slab)
-
-
-def _key_blocks_for(plan: _Plan, i, key_end):
-  """Key blocks [lo, hi) that query block i may see: window, causal diagonal, longest kv length."""
-  # Positions: query t sits at t + S - T; the block's real queries span [p0, p1].
-  shift = plan.S - plan.T
-  p0 = i * plan.bq + shift
-  p1 = jnp.minimum((i + 1) * plan.bq, plan.T) - 1 + shift
-  lo, hi = 0, (key_end + plan.bk - 1) // plan.bk
-  if plan.is_causal:  # s <= p
-    hi = jnp.minimum(hi, jnp.clip(p1 // plan.bk + 1, 0, plan.nk))
-  if plan.window is not None:  # p - w < s < p + w
-    lo = jnp.clip((p0 - plan.window + 1) // plan.bk, 0, plan.nk)
-    hi = jnp.minimum(hi, jnp.clip((p1 + plan.window - 1) // plan.bk + 1, 0, plan.nk))
-  return lo, jnp.maximum(lo, hi)
-
-
-def _query_blocks_for(plan: _Plan, j):
-  """Query blocks [lo, hi) that may see key block j: causal diagonal and window."""
-  # Key block j's real keys span [s0, s1]; query t sits at position t + S - T.
-  shift = plan.S - plan.T
-  s0, s1 = j * plan.bk, jnp.minimum((j + 1) * plan.bk, plan.S) - 1
-  lo, hi = 0, plan.nq
-  if plan.is_causal:  # p >= s
-    lo = jnp.clip((s0 - shift) // plan.bq, 0, plan.nq)
-  if plan.window is not None:  # s - w < p < s + w
-    lo = jnp.maximum(lo, jnp.clip((s0 - plan.window + 1 - shift) // plan.bq, 0, plan.nq))
-    hi = jnp.clip((s1 + plan.window - 1 - shift) // plan.bq + 1, 0, plan.nq)
-  return lo, jnp.maximum(lo, hi)
-
-
-def _keep(plan: _Plan, t0, s0, width: int, limit_B: Array, mask5, R: int, keys_first: bool):
+def _keep(plan: Plan, t0, s0, width: int, limit_B: Array, mask5, R: int, keys_first: bool):
   """Which entries of queries [t0, t0+bq) × keys [s0, s0+width) may attend: (B,G,M,s), or (B,G,s,M)
   if keys_first; True = all."""
   s_pos = s0 + jnp.arange(width)
@@ -195,7 +114,7 @@ def _dot(spec: str, a: Array, b: Array) -> Array:
   return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
 
 
-def _logits(plan: _Plan, s, keep):
+def _logits(plan: Plan, s, keep):
   """Scaled (and capped) float32 logits of a block, masked entries -inf; and d cap / d logit."""
   # The scale rides on the block (fused into the exp pass), not on q: a scaled
   # copy of q would be one more (B,T,H,K) array alive through the backward pass.
@@ -212,7 +131,7 @@ def _sink_rows(sinks_H: Array, G: int, bq: int) -> Array:
   return jnp.repeat(sinks_H.astype(jnp.float32).reshape(G, -1), bq, axis=1)
 
 
-def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
 
   With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink.
@@ -247,9 +166,9 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
       l0 = jnp.ones((B, G, M), jnp.float32)
     init = (m0, l0, jnp.zeros((B, G, M, V), jnp.float32))
     if plan.slab:  # every key the block may see, in one step
-      m, l, acc = key_step(_slab_start(plan, i), plan.slab, init)
+      m, l, acc = key_step(slab_start(plan, i), plan.slab, init)
     else:
-      m, l, acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end),
+      m, l, acc = lax.fori_loop(*key_blocks_for(plan, i, key_end),
                                 lambda j, st: key_step(j * plan.bk, plan.bk, st), init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -264,7 +183,7 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _block_grads(plan: _Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, k_BGsK, v_BGsV, keep, R: int,
+def _block_grads(plan: Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, k_BGsK, v_BGsV, keep, R: int,
                  dtype):
   """One block's dK (unscaled), dV in float32 (B,G,s,·) and dQ (B,t,H,K), from recomputed P."""
   s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
@@ -280,12 +199,12 @@ def _block_grads(plan: _Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, k_BGsK, v_BGs
   return dk_BGsK, dv_BGsV, _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
 
 
-def _query_rows(plan: _Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH):
+def _query_rows(plan: Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH):
   """q, dO, lse and delta of queries [t0, t0 + bq) in the (B,G,M,·) layout."""
   return tuple(_rows(x, t0, plan.bq, G) for x in (q_BTHK, do_BTHV, lse_BTH, delta_BTH))
 
 
-def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
+def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
               do_BTHV):
   """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
@@ -313,7 +232,7 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
   if plan.slab:
     def slab_block(i, carry):
       dq_BTHK, dk_BSGK, dv_BSGV = carry
-      t0, s0 = i * plan.bq, _slab_start(plan, i)
+      t0, s0 = i * plan.bq, slab_start(plan, i)
       keep = _keep(plan, t0, s0, plan.slab, limit_B, mask5, R, keys_first=True)
       dk_BGsK, dv_BGsV, dq_BtHK = _block_grads(
           plan, *rows(t0), _keys(k_BSGK, s0, plan.slab), _keys(v_BSGV, s0, plan.slab), keep, R, dtype)
@@ -350,7 +269,7 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
     init = (dq_BTHK, jnp.zeros((B, G, plan.bk, K), jnp.float32),
             jnp.zeros((B, G, plan.bk, V), jnp.float32))
     # A key block past every kv length runs no query block: its dk, dv are 0.
-    lo, hi = _query_blocks_for(plan, j)
+    lo, hi = query_blocks_for(plan, j)
     hi = jnp.where(j < nk_seen, hi, lo)
     dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(lo, hi, query_block, init)
     dk_BsGK = (dk_BGsK * plan.scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype)
@@ -365,16 +284,16 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+def _core(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)[0]
 
 
-def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+def _core_fwd(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)
   return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH)
 
 
-def _core_bwd(plan: _Plan, res, do_BTHV):
+def _core_bwd(plan: Plan, res, do_BTHV):
   dq, dk, dv, dsinks = _backward(plan, *res, do_BTHV)
   return dq, dk, dv, None, None, dsinks
 
@@ -397,20 +316,6 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
   return m5
 
 
-def _plan(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
-          window: int | None, scale: float = 1.0, softcap: float | None = None,
-          has_lengths: bool = False) -> _Plan:
-  window = None if window is None else min(window, max(T, S))
-  slab, bq_slab = 0, block_q if block_q is not None else min(SLAB_Q, T)
-  if window is not None:  # queries [t, t + bq) see keys (t - w, t + bq + w) around their position
-    slab = bq_slab + (window if is_causal else 2 * window)
-    slab = slab if slab <= min(S, SLAB_MAX) else 0
-  bq, bk = block_sizes(T, S, bq_slab if slab else block_q, block_k)
-  return _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               key_limit=has_lengths or S % bk > 0, window=window,
-               softcap=None if softcap is None else float(softcap), slab=slab)
-
-
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
@@ -418,8 +323,8 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks; inputs checked by kernel.attention."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
-               softcap=softcap, has_lengths=kv_lengths is not None)
+  plan = plan_for(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
+                  softcap=softcap, has_lengths=kv_lengths is not None)
   Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
@@ -429,43 +334,6 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   return out_BTHV[:, :T]
 
 
-def key_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
-                     block_q: int | None = None, block_k: int | None = None
-                     ) -> list[tuple[int, int]]:
-  """Per query block, the key blocks [lo, hi) the block loop visits (no kv_lengths; a window whose
-  slab fits takes the slab path instead: block_steps)."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  return [tuple(int(x) for x in _key_blocks_for(plan, i, S)) for i in range(plan.nq)]
-
-
-def query_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
-                       block_q: int | None = None, block_k: int | None = None
-                       ) -> list[tuple[int, int]]:
-  """Per key block, the query blocks [lo, hi) the block loop's backward pass visits (no kv_lengths)."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  return [tuple(int(x) for x in _query_blocks_for(plan, j)) for j in range(plan.nk)]
-
-
-def block_steps(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
-                block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
-  """(steps, loop depth) of one pass: visited block pairs two loops deep, or slabs one loop deep."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  if plan.slab:
-    return plan.nq, 1
-  return sum(int(hi - lo) for lo, hi in (_key_blocks_for(plan, i, S) for i in range(plan.nq))), 2
-
-
-def work_fraction(T: int, S: int, *, is_causal: bool, window: int | None = None,
-                  block_q: int | None = None, block_k: int | None = None) -> float:
-  """The share of the padded T×S scores the forward pass computes (1.0 with no causal mask or window)."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  steps, depth = block_steps(T, S, is_causal=is_causal, window=window, block_q=block_q,
-                             block_k=block_k)
-  if depth == 1:  # slabs
-    return plan.slab / (plan.nk * plan.bk)
-  return steps / (plan.nq * plan.nk)
-
-
+# The plan's public names are re-exported: attn.blocked.key_block_ranges and the rest.
 __all__ = ["BLOCK_K", "BLOCK_Q", "SLAB_MAX", "SLAB_Q", "attention", "block_sizes", "block_steps",
-           "key_block_ranges",
-           "query_block_ranges", "work_fraction"]
+           "key_block_ranges", "query_block_ranges", "work_fraction"]

@@ -1,5 +1,6 @@
 """window, sinks and softcap: einsum and blocked against a naive numpy loop, gradients, refusals."""
 
+import functools
 import itertools
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn import ConfigError, blocked, kernel, masks
+from attn import ConfigError, blocked, blocked_plan, kernel, masks
 from conftest import randn
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k: lengths not multiples of the blocks
@@ -274,13 +275,13 @@ def test_both_window_paths_are_covered_here():
     B, T, S, H, G, K, V, bq, bk = SHAPES[name]
     for is_causal, window, *_ in cases:
       if window is not None:
-        plan = blocked._plan(T, S, bq, bk, is_causal=is_causal, window=window)
+        plan = blocked_plan.plan_for(T, S, bq, bk, is_causal=is_causal, window=window)
         paths.add((name, plan.slab > 0))
         if plan.slab:  # the slab holds every key a query block may see
           assert plan.slab >= bq + (window - 1 if is_causal else 2 * window - 2)
   assert {(n, True) for n in SHAPES} <= paths and any(not slab for _, slab in paths)
-  assert blocked._plan(16384, 16384, None, None, is_causal=True, window=256).slab == blocked.SLAB_Q + 256
-  assert blocked._plan(16384, 16384, None, None, is_causal=True, window=4096).slab == 0
+  long = functools.partial(blocked_plan.plan_for, 16384, 16384, None, None, is_causal=True)
+  assert long(window=256).slab == blocked.SLAB_Q + 256 and long(window=4096).slab == 0
 
 
 def test_window_wider_than_the_sequence_is_global():
