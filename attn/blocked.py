@@ -30,6 +30,14 @@ running max and sum at (sink_h, 1), as a key with no value would; their
 gradient is -Σ_t p_sink(t)·D_t with p_sink = exp(sink - lse) and
 D_t = Σ_v dO·O.
 
+probability "sigmoid" or "relu" (attn.probability) needs no online
+normaliser: each weight σ(l − log n_t) or max(l, 0)/n_t is pointwise once n_t,
+the keys a row's masks leave visible, is known (probability.visible_keys,
+before the loop, from the masks' bounds and a prefix sum of a dense mask). The
+forward pass sums weight·v over key blocks (the block loop: no slab path); the
+backward pass recomputes each weight and multiplies dP = dO·vᵀ by its
+derivative (σ(1 − σ), or 1/n_t where l > 0): there is no row term D_t.
+
 Letters as in the README; t and s index a block's queries and keys.
 """
 
@@ -41,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attn import probability as prob
 from attn.blocked_plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
                                 key_block_ranges, key_blocks_for, plan_for, query_block_ranges,
                                 query_blocks_for, slab_start, work_fraction)
@@ -131,11 +140,14 @@ def _sink_rows(sinks_H: Array, G: int, bq: int) -> Array:
   return jnp.repeat(sinks_H.astype(jnp.float32).reshape(G, -1), bq, axis=1)
 
 
-def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
+def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
   """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
 
-  With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink.
+  With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink. With
+  sigmoid or relu (n_BTH the rows' visible keys), the log-sum-exp is all zeros, unused.
   """
+  if plan.probability != "softmax":
+    return _forward_pointwise(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH)
   B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R, M = H // G, (H // G) * plan.bq
@@ -183,15 +195,50 @@ def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _block_grads(plan: Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, k_BGsK, v_BGsV, keep, R: int,
-                 dtype):
+def _forward_pointwise(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH):
+  """Σ_s weight_ts·v_s over the key blocks a query block sees, weights pointwise given n_t."""
+  B, Tp, H, K = q_BTHK.shape
+  G, V = k_BSGK.shape[2], v_BSGV.shape[3]
+  R, M = H // G, (H // G) * plan.bq
+  key_end = jnp.max(limit_B)
+
+  def query_block(i, out_BTHV):
+    q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
+    n_BGM1 = _rows(n_BTH, i * plan.bq, plan.bq, G)[..., None]
+
+    def key_block(j, acc_BGMV):
+      s0 = j * plan.bk
+      s = _dot("BGMK,BGsK->BGMs", q_BGMK, _keys(k_BSGK, s0, plan.bk))
+      s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, plan.bk, limit_B, mask5, R,
+                                    keys_first=False))
+      p = prob.pointwise(plan.probability, s, n_BGM1)  # 0 where masked (s = -inf)
+      return acc_BGMV + _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), _keys(v_BSGV, s0, plan.bk))
+
+    acc = lax.fori_loop(*key_blocks_for(plan, i, key_end), key_block,
+                        jnp.zeros((B, G, M, V), jnp.float32))
+    return lax.dynamic_update_slice_in_dim(out_BTHV, _unrows(acc, R).astype(out_BTHV.dtype),
+                                           i * plan.bq, axis=1)
+
+  out = lax.fori_loop(0, plan.nq, query_block, jnp.zeros((B, Tp, H, V), q_BTHK.dtype))
+  return out, jnp.zeros((B, Tp, H), jnp.float32)
+
+
+def _block_grads(plan: Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, n_BGM, k_BGsK, v_BGsV, keep,
+                 R: int, dtype):
   """One block's dK (unscaled), dV in float32 (B,G,s,·) and dQ (B,t,H,K), from recomputed P."""
   s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
   s, dcap = _logits(plan, s, keep)
-  p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
+  if n_BGM is not None:  # sigmoid or relu
+    n_BG1M = n_BGM[:, :, None, :]
+    p = prob.pointwise(plan.probability, s, n_BG1M)  # 0 where masked (s = -inf)
+  else:
+    p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
   dv_BGsV = _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
   dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
-  ds = p * (dp - delta_BGM[:, :, None, :])
+  if n_BGM is not None:
+    ds = dp * prob.pointwise_grad(plan.probability, s, p, n_BG1M)
+  else:
+    ds = p * (dp - delta_BGM[:, :, None, :])
   ds = (ds if dcap is None else ds * dcap).astype(dtype)
   dk_BGsK = _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
   # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
@@ -199,13 +246,14 @@ def _block_grads(plan: Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, k_BGsK, v_BGsV
   return dk_BGsK, dv_BGsV, _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
 
 
-def _query_rows(plan: Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH):
-  """q, dO, lse and delta of queries [t0, t0 + bq) in the (B,G,M,·) layout."""
-  return tuple(_rows(x, t0, plan.bq, G) for x in (q_BTHK, do_BTHV, lse_BTH, delta_BTH))
+def _query_rows(plan: Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH, n_BTH):
+  """q, dO, lse, delta and n (None for softmax) of queries [t0, t0 + bq) in the (B,G,M,·) layout."""
+  return tuple(None if x is None else _rows(x, t0, plan.bq, G)
+               for x in (q_BTHK, do_BTHV, lse_BTH, delta_BTH, n_BTH))
 
 
-def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH,
-              do_BTHV):
+def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV,
+              lse_BTH, do_BTHV):
   """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
@@ -227,7 +275,8 @@ def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_B
     p_sink_BTH = jnp.exp(sinks_H.astype(jnp.float32) - lse_BTH)
     dsinks_H = -jnp.einsum("BTH,BTH->H", p_sink_BTH, delta_BTH).astype(sinks_H.dtype)
   rows = functools.partial(_query_rows, plan, G=G, q_BTHK=q_BTHK, do_BTHV=do_BTHV,
-                           lse_BTH=lse_BTH, delta_BTH=delta_BTH)
+                           lse_BTH=lse_BTH, delta_BTH=delta_BTH,
+                           n_BTH=None if plan.probability == "softmax" else n_BTH)
   # logits = scale·q·kᵀ: dq = scale·dS·k and dk = scale·dSᵀ·q.
   if plan.slab:
     def slab_block(i, carry):
@@ -284,18 +333,18 @@ def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_B
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
-  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)[0]
+def _core(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)[0]
 
 
-def _core_fwd(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H):
-  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H)
-  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, out_BTHV, lse_BTH)
+def _core_fwd(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
+  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV, lse_BTH)
 
 
 def _core_bwd(plan: Plan, res, do_BTHV):
   dq, dk, dv, dsinks = _backward(plan, *res, do_BTHV)
-  return dq, dk, dv, None, None, dsinks
+  return dq, dk, dv, None, None, dsinks, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -319,18 +368,25 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
-              sinks: Array | None = None, softcap: float | None = None) -> Array:
-  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks; inputs checked by kernel.attention."""
+              sinks: Array | None = None, softcap: float | None = None,
+              probability: str = "softmax") -> Array:
+  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks (or sigmoid, relu: attn.probability);
+  inputs checked by kernel.attention."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   plan = plan_for(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
-                  softcap=softcap, has_lengths=kv_lengths is not None)
+                  softcap=softcap, has_lengths=kv_lengths is not None, probability=probability)
   Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
     limit_B = jnp.minimum(jnp.asarray(kv_lengths).astype(jnp.int32), S)
+  n_BTH = None
+  if probability != "softmax":  # padded query rows get n = 1: their outputs are dropped
+    n_BHT = prob.visible_keys(T, S, mask, is_causal=is_causal, kv_lengths=kv_lengths, window=window)
+    n_BTH = jnp.broadcast_to(n_BHT.transpose(0, 2, 1), (B, T, H))
+    n_BTH = _pad(jnp.maximum(n_BTH, 1).astype(jnp.float32), 1, Tp).at[:, T:].set(1.0)
   out_BTHV = _core(plan, _pad(q_BTHK, 1, Tp), _pad(k_BSGK, 1, Sp), _pad(v_BSGV, 1, Sp),
-                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks)
+                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks, n_BTH)
   return out_BTHV[:, :T]
 
 

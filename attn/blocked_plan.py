@@ -54,6 +54,7 @@ class Plan:
   window: int | None = None  # at most max(T, S): wider is the same mask
   softcap: float | None = None
   slab: int = 0  # > 0: each query block sees this many keys from slab_start, in one step
+  probability: str = "softmax"
 
   @property
   def nq(self) -> int:
@@ -101,17 +102,18 @@ def query_blocks_for(plan: Plan, j):
 
 def plan_for(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
              window: int | None, scale: float = 1.0, softcap: float | None = None,
-             has_lengths: bool = False) -> Plan:
+             has_lengths: bool = False, probability: str = "softmax") -> Plan:
   """The static plan of one call: block sizes, or the slab path for a window that fits; masks."""
   window = None if window is None else min(window, max(T, S))
   slab, bq_slab = 0, block_q if block_q is not None else min(SLAB_Q, T)
-  if window is not None:  # queries [t, t + bq) see keys (t - w, t + bq + w) around their position
+  if window is not None and probability == "softmax":  # queries [t, t + bq) see (t - w, t + bq + w)
     slab = bq_slab + (window if is_causal else 2 * window)
     slab = slab if slab <= min(S, SLAB_MAX) else 0
   bq, bk = block_sizes(T, S, bq_slab if slab else block_q, block_k)
   return Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
               key_limit=has_lengths or S % bk > 0, window=window,
-              softcap=None if softcap is None else float(softcap), slab=slab)
+              softcap=None if softcap is None else float(softcap), slab=slab,
+              probability=probability)
 
 
 def key_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,

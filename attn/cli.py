@@ -22,7 +22,7 @@ COMMANDS = {
     "analyze": ("attn.experiments.reading.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
     "export": ("attn.experiments.reading.export", "write a sweep's metric rows from its store as TensorBoard runs"),
     "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
-    "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face GPT-2, before and after converting its heads"),
+    "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face model, before and after converting its heads"),
 }
 
 

@@ -30,6 +30,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
+PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.probability)
 QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
 ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
@@ -38,7 +39,7 @@ ROPE_LAYOUTS = ("half", "interleaved")  # which dims pair: i with i + r/2 (rotat
 _SCALING_FIELDS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
                    "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",),
                    "rope_beta_slow": ("yarn",), "rope_attention_factor": ("yarn",),
-                   "rope_truncate": ("yarn",)}
+                   "rope_truncate": ("yarn",), "rope_mscale_all_dim": ("yarn",)}
 
 
 def _positive_number(field: str, value: Any, what: str) -> None:
@@ -83,12 +84,16 @@ class HeadConfig:
   (rope_truncate rounds that band outward to whole dims, as transformers
   does by default; gpt-oss turns it off), and multiplies the rotated dims of
   queries and keys by rope_attention_factor (None: 0.1·ln(rope_factor) + 1),
-  so their scores by its square. Without "llama3" its three
+  so their scores by its square; rope_mscale_all_dim m (DeepSeek's
+  mscale_all_dim, None: off) multiplies the score scale by (0.1·m·ln(rope_factor)
+  + 1)², as transformers' yarn_apply_mscale does. Without "llama3" its three
   fields stay at their defaults (1, 4, 8192: Llama 3.1's), likewise yarn's, and without scaling
   rope_factor at 1: a setting that would be ignored is refused. latent_dim is
   mla's KV latent width d_c (default 4 * d_k, DeepSeek-V2's d_c = 4·d_h);
   q_latent_dim, if set, gives mla a low-rank query path through a latent of
-  that width.
+  that width; latent_norm_eps, if set, RMS-normalises mla's latents (the KV
+  latent, and the query latent with q_latent_dim) with learned scales at that
+  epsilon (DeepSeek's kv_a_layernorm and q_a_layernorm).
 
   Head mechanisms any variant can carry (attn.variants.mechanisms; a variant
   that cannot refuses one in its check): gate None, "headwise" or
@@ -101,7 +106,10 @@ class HeadConfig:
   scale per dim, before the split into heads (OLMo 2): it couples the heads; window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
-  softcap·tanh(logits/softcap) (Gemma 2).
+  softcap·tanh(logits/softcap) (Gemma 2); probability turns the logits into
+  weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
+  2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
+  masks leave visible (attn.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
   values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
@@ -131,14 +139,17 @@ class HeadConfig:
   rope_beta_slow: float = 1.0
   rope_attention_factor: float | None = None
   rope_truncate: bool = True
+  rope_mscale_all_dim: float | None = None
   latent_dim: int | None = None
   q_latent_dim: int | None = None
+  latent_norm_eps: float | None = None
   gate: str | None = None
   sinks: bool = False
   qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2)
   qk_norm_eps: float = 1e-6
   window: int | None = None
   softcap: float | None = None
+  probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
   layer: int = 1
@@ -193,6 +204,9 @@ class HeadConfig:
     _positive_int("latent_dim", self.latent_dim)
     if self.q_latent_dim is not None:
       _positive_int("q_latent_dim", self.q_latent_dim)
+    if self.latent_norm_eps is not None:
+      _positive_number("latent_norm_eps", self.latent_norm_eps,
+                       "the epsilon of mla's latent RMSNorms, or None for none")
     for name in ("q_rank", "kv_rank", "layer"):
       _positive_int(name, getattr(self, name))
 
@@ -221,6 +235,9 @@ class HeadConfig:
                        "yarn's attention_factor, or None for 0.1·ln(rope_factor) + 1")
     if not isinstance(self.rope_truncate, bool):
       raise invalid("rope_truncate", self.rope_truncate, "True or False")
+    if self.rope_mscale_all_dim is not None:
+      _positive_number("rope_mscale_all_dim", self.rope_mscale_all_dim,
+                       "DeepSeek's mscale_all_dim, or None for the plain 1/sqrt(d_k) scale")
     defaults = {f.name: f.default for f in dataclasses.fields(self)}  # Llama 3.1's and YaRN's values
     for name, readers in _SCALING_FIELDS.items():
       default = defaults[name]
@@ -251,6 +268,7 @@ class HeadConfig:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):
       raise invalid("softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    check_probability(self.probability, self.sinks)
 
   @property
   def group_size(self) -> int:
@@ -259,7 +277,11 @@ class HeadConfig:
 
   @property
   def score_scale(self) -> float:
-    return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(self.d_k)
+    """scale (default 1/sqrt(d_k)), times yarn's mscale(rope_factor, rope_mscale_all_dim)² if set."""
+    base = float(self.scale) if self.scale is not None else 1.0 / math.sqrt(self.d_k)
+    if self.rope_mscale_all_dim is None or self.rope_factor <= 1:
+      return base
+    return base * (0.1 * self.rope_mscale_all_dim * math.log(self.rope_factor) + 1.0) ** 2
 
   def replace(self, **changes) -> HeadConfig:
     return dataclasses.replace(self, **changes)
@@ -299,6 +321,16 @@ def _frozen_extra(extra: Any) -> FrozenDict | None:
         raise invalid(f"extra.{name}.{key}", value, "a number, a string or a boolean")
     out[name] = FrozenDict(opts)
   return FrozenDict(out)
+
+
+def check_probability(probability: Any, sinks: Any) -> None:
+  """probability one of PROBABILITIES; "softmax" when learned sinks are on."""
+  if not isinstance(probability, str) or probability not in PROBABILITIES:
+    raise invalid("probability", probability, f"one of {list(PROBABILITIES)}: the function that turns "
+                  "attention logits into weights")
+  if probability != "softmax" and sinks is not None and sinks is not False:
+    raise invalid("probability", probability, "'softmax' with learned sinks: a sink is one more logit "
+                  f"in a normalizing denominator, and {probability} has none (or sinks=False)")
 
 
 def single_head(d_model: int, *, use_bias: bool = True) -> HeadConfig:

@@ -115,13 +115,15 @@ def two_stage_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
 
 
 def _key_bias_drops_out(dst: str) -> Callable[[HeadConfig], None]:
-  """Refuses biases with sinks or softcap for a conversion that drops the key bias (into dst)."""
+  """Refuses biases with sinks, softcap or a probability other than softmax for a conversion that
+  drops the key bias (into dst)."""
   def check(cfg: HeadConfig) -> None:
-    if cfg.use_bias and (cfg.sinks or cfg.softcap is not None):
+    if cfg.use_bias and (cfg.sinks or cfg.softcap is not None or cfg.probability != "softmax"):
       raise invalid("use_bias", True,
-                    f"False for per_head -> {dst} with sinks or softcap: a row's constant "
-                    "x·W_Q,h·b_k + b_q,h·b_k then changes the weights (against the sink, inside "
-                    f"the cap), and {dst} has no parameter for it")
+                    f"False for per_head -> {dst} with sinks, softcap or probability "
+                    f"{cfg.probability!r}: a row's constant x·W_Q,h·b_k + b_q,h·b_k then changes the "
+                    "weights (against the sink, inside the cap, unnormalised), and "
+                    f"{dst} has no parameter for it")
   return check
 
 
@@ -217,7 +219,14 @@ def per_head_to_talking_heads(p: Params, cfg: HeadConfig) -> tuple[Params, float
   return p | {"mix_l": zeros, "mix_w": zeros}, 0.0
 
 
-@register("mla", "per_head", exact=True)
+def _linear_latents(cfg: HeadConfig) -> None:
+  """Refuses mla's latent norms: RMSNorm(x·W_DKV) is no linear map of x, so no W_K or W_V holds it."""
+  if cfg.latent_norm_eps is not None:
+    raise invalid("latent_norm_eps", cfg.latent_norm_eps, "None to convert mla to or from another variant: "
+                  "the RMS-normalised latents (DeepSeek's) make keys and values nonlinear in x")
+
+
+@register("mla", "per_head", exact=True, check=_linear_latents)
 def mla_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   """W_K,g = [W_KR | W_DKV·W_UK,g], W_V,g = W_DKV·W_UV,g (W_Q = W_DQ·W_UQ): exact, RoPE or not.
 
@@ -267,8 +276,12 @@ def _mla_exact(cfg: HeadConfig) -> bool:
           and (r == 0 or G == 1))
 
 
-@register("per_head", "mla", exact=False, exact_when=_mla_exact,
-          check=_key_bias_drops_out("mla"))
+def _to_mla(cfg: HeadConfig) -> None:
+  _key_bias_drops_out("mla")(cfg)
+  _linear_latents(cfg)
+
+
+@register("per_head", "mla", exact=False, exact_when=_mla_exact, check=_to_mla)
 def per_head_to_mla(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   """Latent = every kv head's stacked [W_K,g content | W_V,g], truncated by SVD when too narrow.
 

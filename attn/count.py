@@ -37,9 +37,11 @@ MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
 
 
 def _closed(own, mech, cfg: HeadConfig, *args) -> int | None:
-  """The variant's closed form plus its active mechanisms', or None where one of them has none."""
+  """The variant's closed form plus its active mechanisms', or None where one of them has none
+  (a closed form may also return None at a config it does not cover: mla's latent norms)."""
   extra = mech(cfg, *args)
-  return None if own is None or extra is None else int(own(cfg, *args) + extra)
+  value = None if own is None or extra is None else own(cfg, *args)
+  return None if value is None else int(value + extra)
 
 
 def measured_figures(variant: str, cfg: HeadConfig) -> list[str]:
@@ -52,7 +54,7 @@ def measured_figures(variant: str, cfg: HeadConfig) -> list[str]:
   for figure, own, mech in (("analytic", v.param_count, mechanisms.param_count),
                             ("effective", v.effective_param_count, mechanisms.effective_param_count),
                             ("score_weights", v.score_weights, mechanisms.score_weights)):
-    if own is None or mech(cfg) is None:
+    if _closed(own, mech, cfg) is None:
       out.append(figure)
   if v.flops is None or mechanisms.flops(cfg, 1, 1) is None:
     out.append("flops")

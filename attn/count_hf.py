@@ -89,7 +89,11 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
     out[f"attention ({row['type']})"] = row["params"]
   if sum(out.values()) != parts["attention"]:
     raise AssertionError("per-type attention does not sum to the model's")  # one closed form, two groupings
-  mlp = "experts (router, all experts)" if m.mlp == "moe" else "mlp"
+  mlp = "mlp"
+  if m.mlp == "moe":  # DeepSeek-V3's shared experts and dense first layers are in it too: say so
+    extra = (["shared experts"] if m.moe_shared_experts else []) + (
+        [f"{m.moe_dense_first} dense layers' mlp"] if m.moe_dense_first else [])
+    mlp = f"experts (router, all experts{''.join(', ' + e for e in extra)})"
   for key, value in parts.items():
     if key != "attention" and value:
       out[mlp if key == "mlp" else key] = value
@@ -97,9 +101,11 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
 
 
 def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192, 131072),
-              dtype: str = "bfloat16") -> dict[str, Any]:
-  """Everything `attn count --hf` prints, as a JSON-ready dict."""
+              dtype: str = "bfloat16", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Everything `attn count --hf` prints, as a JSON-ready dict; changes: ModelConfig fields set on what
+  the family reads (a design undone: DeepSeek-V3's heads as per_head, keys and values cached whole)."""
   m, notes = config_for_count(hf)
+  m = m.replace(**changes) if changes else m
   parts = hf_breakdown(m)
   total = sum(parts.values())
   active = count_layers.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]

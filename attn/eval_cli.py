@@ -5,8 +5,8 @@
   attn eval --hf ./gpt2 --text '' --variant merged              # the Python stdlib, merged W_Q·W_Kᵀ
 
 PATH is a local Hugging Face directory as save_pretrained writes it (config.json,
-model.safetensors and the tokenizer's files) of a causal LM (gpt2, llama,
-mistral, qwen2, qwen3, gemma2) or a BERT; its weights are read with numpy,
+model.safetensors and the tokenizer's files) of any family attn.nn.hf.FAMILIES
+holds (GPT-2, BERT, the Llama-like decoders, plugins'); its weights are read with numpy,
 without torch. The text is tokenised with that tokenizer and the held-out split
 of the corpus is scored (attn.experiments.data.hf_text), by the objective the
 model was trained with (attn.experiments.reading.losses.OBJECTIVES):
@@ -50,8 +50,9 @@ from attn.experiments.reading.losses import (MLM_RATE, MLM_SEED, OBJECTIVES, PAI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--hf", metavar="PATH", required=True,
-                      help="a local Hugging Face directory (config.json, model.safetensors, tokenizer): gpt2, llama, "
-                      "mistral, qwen2, qwen3, gemma2, or a BERT (with its MLM head or without: a sentence encoder)")
+                      help="a local Hugging Face directory (config.json, model.safetensors, tokenizer) of a family "
+                      "attn.nn.hf.FAMILIES holds (GPT-2, BERT with or without its MLM head, the Llama-like "
+                      "decoders, plugins')")
   parser.add_argument("--text", metavar="FILE_OR_DIR", required=True,
                       help="text to score: a file, a directory, or '' for the Python standard library")
   parser.add_argument("--glob", default=None,

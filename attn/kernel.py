@@ -5,7 +5,8 @@ R = H // G. Masks are boolean, True where a query may attend a key, and
 broadcast to (B,H,T,S). A fully masked row gives zero weights and zero output.
 Structured masks travel as arguments: is_causal, kv_lengths and window
 (attention's docstring); the blocked implementation (attn.blocked) never
-builds them. attention's docstring also defines sinks and softcap.
+builds them. attention's docstring also defines sinks and softcap, and
+attn.probability the probability functions besides softmax (sigmoid, relu).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn import blocked, masks
+from attn import blocked, masks, probability as prob
 from attn.config import check_mask, check_structured, invalid
 
 Array = jax.Array
@@ -79,6 +80,14 @@ def masked_softmax(logits_BHTS: Array, mask: Array | None = None,
   return jnp.where(mask, jax.nn.softmax(logits_BHTS, axis=-1), 0.0)
 
 
+def masked_probabilities(logits_BHTS: Array, mask: Array | None = None, sinks: Array | None = None,
+                         probability: str = "softmax") -> Array:
+  """The weights of the logits under a dense mask: masked_softmax, or attn.probability's sigmoid/relu."""
+  if probability == "softmax":
+    return masked_softmax(logits_BHTS, mask, sinks)
+  return prob.weights(logits_BHTS, mask, probability)
+
+
 def _softmax_with_sinks(logits_BHTS: Array, mask: Array | None, sinks: Array) -> Array:
   """exp(l_ts) / (exp(sink_h) + Σ_s' exp(l_ts')); a fully masked row is all zeros."""
   sink_1H11 = sinks.astype(jnp.float32).reshape(1, -1, 1, 1)
@@ -120,17 +129,17 @@ def is_long(T: int, S: int) -> bool:
 
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
               logits_bias: Array | None = None, sinks: Array | None = None,
-              softcap: float | None = None) -> str:
+              softcap: float | None = None, probability: str = "softmax") -> str:
   """"cudnn" on a GPU where it applies; "blocked" for T·S >= BLOCKED_MIN_SCORES; else "einsum".
 
   cuDNN: half-precision heads with d_v = d_k (a multiple of 8, at most 128),
-  no weights out, no logits_bias, no sinks, no softcap. The blocked kernel
+  no weights out, no logits_bias, no sinks, no softcap, softmax. The blocked kernel
   needs no weights out and no logits_bias either.
   """
   K, V = q_BTHK.shape[-1], v_BSGV.shape[-1]
   plain = not return_weights and logits_bias is None
   fits_cudnn = (K == V and K % 8 == 0 and K <= 128 and plain
-                and sinks is None and softcap is None
+                and sinks is None and softcap is None and probability == "softmax"
                 and q_BTHK.dtype in (jnp.bfloat16, jnp.float16)
                 and q_BTHK.dtype == k_BSGK.dtype == v_BSGV.dtype)
   if fits_cudnn and jax.default_backend() == "gpu":
@@ -182,8 +191,9 @@ def _check_block(name: str, value) -> None:
     raise invalid(name, value, "a positive integer or None (chosen from the shapes)")
 
 
-def check_options(window, sinks, softcap, num_heads: int) -> None:
-  """window a positive int, sinks (H,) floats, softcap a positive finite number; each or None."""
+def check_options(window, sinks, softcap, num_heads: int, probability: str = "softmax") -> None:
+  """window a positive int, sinks (H,) floats, softcap a positive finite number, each or None;
+  probability one of attn.probability.PROBABILITIES, softmax with sinks."""
   if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                              or window <= 0):
     raise invalid("window", window, "a positive integer (keys closer than it to the query) or None")
@@ -197,6 +207,7 @@ def check_options(window, sinks, softcap, num_heads: int) -> None:
                     f"(H,)=({num_heads},): one sink logit per query head")
     if "float" not in str(getattr(sinks, "dtype", None)):
       raise invalid("sinks.dtype", str(sinks.dtype), "a float dtype: sinks are learned logits")
+  prob.check_probability(probability, sinks)
 
 
 def attention(
@@ -216,6 +227,7 @@ def attention(
     window: int | None = None,
     sinks: Array | None = None,
     softcap: float | None = None,
+    probability: str = "softmax",
 ) -> Array | tuple[Array, Array]:
   """softmax(cap(scale · q kᵀ) + logits_bias, masked, sinks) v for already projected heads.
 
@@ -227,7 +239,9 @@ def attention(
   denominator and carries no value (gpt-oss): p_ts = exp(l_ts) / (exp(sink_h)
   + Σ_s' exp(l_ts')), in float32. Returns (B,T,H,V), and the weights (B,H,T,S)
   in float32 when return_weights is set (without the sink's share: a row sums
-  to 1 - its sink weight).
+  to 1 - its sink weight). probability "sigmoid" or "relu" replaces the softmax
+  by σ(l − log n_t) or max(l, 0)/n_t, n_t the keys the row's masks leave
+  visible (attn.probability; no sinks), in float32.
 
   Masks combine by AND: mask (dense boolean, True = may attend), is_causal,
   kv_lengths and window. is_causal is bottom-right aligned, as
@@ -246,7 +260,7 @@ def attention(
   softmax over blocks of block_q queries and block_k keys, a recomputing VJP,
   no T×S array, masked blocks skipped; no weights out, no logits_bias), "xla"
   or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k, no weights out,
-  no sinks, no softcap), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
+  no sinks, no softcap, softmax only), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
   from T·S >= BLOCKED_MIN_SCORES = 512², the crossover measured on CPU, else
   einsum).
   """
@@ -258,14 +272,15 @@ def attention(
   check_structured(is_causal, kv_lengths, B, S)
   _check_block("block_q", block_q)
   _check_block("block_k", block_k)
-  check_options(window, sinks, softcap, H)
+  check_options(window, sinks, softcap, H, probability)
   if impl not in IMPLS:
     raise invalid("impl", impl, f"one of {IMPLS}")
   if scale is None:
     scale = 1.0 / math.sqrt(K)
   if impl == "auto":
     impl = best_impl(q_BTHK, k_BSGK, v_BSGV, return_weights=return_weights,
-                     logits_bias=logits_bias, sinks=sinks, softcap=softcap)
+                     logits_bias=logits_bias, sinks=sinks, softcap=softcap,
+                     probability=probability)
   if impl != "einsum" and return_weights:
     raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
   if impl == "blocked":
@@ -273,13 +288,17 @@ def attention(
       raise invalid("impl", impl, '"einsum", "xla" or "auto" with a logits_bias')
     return blocked.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
                              kv_lengths=kv_lengths, scale=scale, block_q=block_q,
-                             block_k=block_k, window=window, sinks=sinks, softcap=softcap)
+                             block_k=block_k, window=window, sinks=sinks, softcap=softcap,
+                             probability=probability)
   if impl != "einsum":
     for name, value in (("sinks", sinks), ("softcap", softcap)):
       if value is not None:
         raise invalid(name, value if name == "softcap" else "an array",
                       f'None with impl="{impl}" (jax.nn.dot_product_attention has no {name}): '
                       'impl "einsum", "blocked" or "auto" take it')
+    if probability != "softmax":
+      raise invalid("probability", probability, f'"softmax" with impl="{impl}" '
+                    '(jax.nn.dot_product_attention has only softmax): impl "einsum", "blocked" or "auto" take it')
     if v_BSGV.shape[-1] != K:
       raise invalid("impl", impl, f'"einsum" or "auto" when d_v={v_BSGV.shape[-1]} != d_k={K}')
     return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl,
@@ -297,7 +316,7 @@ def attention(
     logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
   if logits_bias is not None:
     logits_BHTS = logits_BHTS + logits_bias.astype(jnp.float32)
-  probs_BHTS = masked_softmax(logits_BHTS, mask, sinks)
+  probs_BHTS = masked_probabilities(logits_BHTS, mask, sinks, probability)
   out_BTHV = weighted_sum(probs_BHTS, v_BSGV).astype(q_BTHK.dtype)
   return (out_BTHV, probs_BHTS) if return_weights else out_BTHV
 

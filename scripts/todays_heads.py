@@ -7,7 +7,7 @@ the published totals below are quoted with their source. A stored config whose
 family attn cannot read yet is listed as pending with the reader's message.
 What each design saves is measured by counting the same config twice: with
 the design, and with it undone (kv heads = query heads; every layer full
-attention with RoPE).
+attention with RoPE; latent attention as per_head heads of the same widths).
 """
 
 from __future__ import annotations
@@ -67,9 +67,14 @@ def attention_params(report: dict) -> int:
   return sum(v for k, v in report["breakdown"].items() if k.startswith("attention"))
 
 
+# Latent attention undone: the same heads (d_k, d_v, H) as per_head, caching every head's key and value.
+NO_LATENT = {"variant": "per_head", "latent_dim": None, "q_latent_dim": None, "latent_norm_eps": None}
+
+
 def measure(name: str, hf: dict, where: str) -> dict:
   report = count_hf.hf_report(hf, where, (SHORT, LONG))
-  mha = count_hf.hf_report(undo(hf, True, True), where, (LONG,))
+  latent = NO_LATENT if report["variant"] == "mla" else None
+  mha = count_hf.hf_report(undo(hf, True, True), where, (LONG,), changes=latent)
   gqa_full = count_hf.hf_report(undo(hf, False, True), where, (LONG,))
   pub_total, pub_active, source = PUBLISHED[name]
   (total, tol), active = parse(pub_total), parse(pub_active)[0] if pub_active else None
@@ -78,7 +83,8 @@ def measure(name: str, hf: dict, where: str) -> dict:
     embed = report["breakdown"]["token_embeddings"]
     active_note = report["active_per_token"] - embed
   return {
-      "name": name, "model_type": hf["model_type"], "total": report["total"], "active": report["active_per_token"],
+      "name": name, "model_type": hf["model_type"], "variant": report["variant"], "total": report["total"],
+      "active": report["active_per_token"],
       "active_without_embedding_lookup": active_note, "attention": attention_params(report),
       "attention_share": report["attention_share"],
       "score_weights": sum(r["score_weights_per_layer"] * r["layers"] for r in report["layer_types"]),
@@ -123,15 +129,20 @@ def savings(rows: list[dict]) -> str:
            "|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     kinds = sorted({t["type"] for t in r["layer_types"]})
+    gqa = r["kv_long_gqa_full"] < r["kv_long_mha_full"] and r["variant"] != "mla"
     design = ", ".join(filter(None, [
-        f"GQA {r['kv_long_mha_full'] // max(r['kv_long_gqa_full'], 1)}:1" if r["kv_long_gqa_full"] < r["kv_long_mha_full"] else "",
-        "local/global" if any(t["window"] and t["window"] < LONG for t in r["layer_types"]) else "", "NoPE" if any("nope" in k for k in kinds) else "",
-        "sinks" if r["model_type"] == "gpt_oss" else ""]))
+        f"GQA {r['kv_long_mha_full'] // max(r['kv_long_gqa_full'], 1)}:1" if gqa else "",
+        "local/global" if any(t["window"] and t["window"] < LONG for t in r["layer_types"]) else "",
+        "NoPE" if any("nope" in k for k in kinds) else "", "sinks" if r["model_type"] == "gpt_oss" else "",
+        "latent (MLA)" if r["variant"] == "mla" else ""])) or "none (MHA)"
     saved = r["kv_long_mha_full"] - r["kv_bytes_at"][str(LONG)]
     lines.append(f"| {r['name']} | {design} | {_gib(r['kv_long_mha_full'])} | {_gib(r['kv_long_gqa_full'])} | "
                  f"{_gib(r['kv_bytes_at'][str(LONG)])} | {r['kv_long_mha_full'] / r['kv_bytes_at'][str(LONG)]:,.1f} | "
                  f"{r['attention']:,} ({r['attention'] / r['attention_mha']:.2f}×) | {saved / r['attention']:,.0f} |")
   return "\n".join(lines)
+
+
+LABEL_LEFT = {"phi-4-mini"}  # 16 GiB at 128k, as llama-3.1-8b
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -145,13 +156,16 @@ def plot(rows: list[dict], path: str) -> None:
     ax.annotate("", (x, y), (x0, y0), arrowprops={"arrowstyle": "->", "color": "0.6"})
     ax.scatter([x0], [y0], marker="o", facecolors="none", edgecolors="0.5", s=40)
     ax.scatter([x], [y], s=50)
-    ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(6, -4), fontsize=9)
+    left = r["name"] in LABEL_LEFT  # beside a neighbour at the same height: its label on the other side
+    ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(-6 if left else 6, -4), fontsize=9,
+                ha="right" if left else "left")
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("attention parameters (billions, all layers)")
   ax.set_ylabel(f"KV cache per sequence at {LONG:,} tokens (GiB, bf16)")
   ax.set_title("KV cache at 128k: as built (dots) vs. the same model with MHA in every layer\n"
-               "(open circles, with its MHA attention parameters; arrows: what GQA and local/global windows save)", fontsize=10)
+               "(open circles, with its MHA attention parameters; arrows: what GQA, local/global windows\n"
+               "and DeepSeek-V3's latent attention save)", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -57,10 +57,6 @@ FAMILIES = {
 }
 # The first transformers release with each family's classes (older ones skip its tests).
 SINCE = {"smollm3": "4.53", "gpt_oss": "4.55"}
-# Families whose transformers 4 models compute something else on the same weights: Gemma 3 on 4.51.1
-# gives logits 0.27 of the largest away from 5.24's (measured in CI's floor tier; not traced further),
-# so attn is compared with transformers 5 only.
-AGREES_FROM = {"gemma3_text": 5}
 # Families whose weights a real checkpoint ships in bf16: the tiny model's are rounded to bf16 too
 # (Gemma 3's q/k-norm w is held as 1 + w, exact for bf16 w; float32 w would lose its last bits).
 BF16 = {"gemma3_text"}
@@ -110,9 +106,10 @@ def build(family, seed=0, rope=None, **changes):
   conf, model, extra = FAMILIES[family]
   if not hasattr(transformers, conf):
     pytest.skip(f"{family} needs transformers >= {SINCE[family]} (this is {transformers.__version__})")
-  if int(transformers.__version__.split(".")[0]) < AGREES_FROM.get(family, 0):
-    pytest.skip(f"{family}: transformers {transformers.__version__} computes another function (AGREES_FROM)")
-  cfg = getattr(transformers, conf)(**(BASE | _family_rope(family, transformers, rope) | extra | changes))
+  kw = BASE | _family_rope(family, transformers, rope) | extra | changes
+  if family == "gemma3_text" and not _v5(transformers):  # transformers 4 ignores layer_types: its own spelling
+    kw = {k: v for k, v in kw.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
+  cfg = getattr(transformers, conf)(**kw)
   cfg._attn_implementation = "eager"
   torch.manual_seed(seed)
   m = getattr(transformers, model)(cfg)
@@ -408,7 +405,7 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
     hf.to_hf(model, cfg, "gemma2")
   with pytest.raises(ConfigError, match="use_bias=True.*mistral has no qkv biases"):
     hf.to_hf(model, cfg, "mistral")
-  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'gemma2'"):
+  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'deepseek_v3', 'gemma2'"):
     hf.to_hf(model, cfg, "falcon")
   # A DecoderLM with RoPE that from_hf did not load: five families fit it alike, so it must be named.
   hand = DecoderLM(cfg, rngs=nnx.Rngs(0))

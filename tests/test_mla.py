@@ -214,3 +214,28 @@ def test_flops_with_latents_and_rope_agree_with_xla(name, dims):
   f = lambda p, x, c: attn.VARIANTS[name].apply(p, x, c, cfg=cfg)[0]
   got = xla_flops(f, p, jnp.ones((1, Tq, cfg.d_model)), jnp.ones((1, Sk, cfg.d_model)))
   assert got == pytest.approx(count.flops(name, cfg, Tq, Sk), rel=0.10)
+
+
+def test_deepseek_options_off_by_default_and_refused_where_meaningless():
+  """latent_norm_eps and rope_mscale_all_dim default to None (attn's own mla unchanged); the mscale
+  multiplies the score scale by (0.1·m·ln factor + 1)² under yarn only; bad values are refused by name."""
+  cfg = MLA_CFGS["rope_qlatent"]
+  assert cfg.latent_norm_eps is None and cfg.rope_mscale_all_dim is None
+  assert cfg.score_scale == 1 / np.sqrt(cfg.d_k)
+  assert "latent_norm" not in attn.param_shapes("mla", cfg)
+  yarn = cfg.replace(rope_scaling="yarn", rope_factor=40.0, rope_mscale_all_dim=1.0)
+  assert yarn.score_scale == pytest.approx((0.1 * np.log(40.0) + 1) ** 2 / np.sqrt(cfg.d_k), rel=1e-12)
+  normed = cfg.replace(latent_norm_eps=1e-6)
+  assert attn.param_shapes("mla", normed)["latent_norm"] == (7,)
+  assert attn.param_shapes("mla", normed)["q_latent_norm"] == (9,)
+  from attn.variants import VARIANTS
+  stored = sum(int(np.prod(s)) for s in attn.param_shapes("mla", normed).values())
+  assert VARIANTS["mla"].param_count(normed) == VARIANTS["mla"].param_count(cfg) + 7 + 9 == stored
+  assert VARIANTS["mla"].effective_param_count(normed) is None  # no closed form: measured
+  with pytest.raises(ConfigError, match=r"rope_mscale_all_dim=1.0.*None when rope_scaling=None"):
+    cfg.replace(rope_mscale_all_dim=1.0)
+  with pytest.raises(ConfigError, match=r"latent_norm_eps=0.*a positive finite number"):
+    cfg.replace(latent_norm_eps=0)
+  from attn.nn import interop
+  with pytest.raises(ConfigError, match=r"rope_mscale_all_dim=1.0.*flax always scales"):
+    interop._default_scale(yarn, "flax")

@@ -31,6 +31,9 @@ def _default_scale(cfg: HeadConfig, library: str) -> None:
   if cfg.scale is not None and not math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k)):
     raise invalid("scale", cfg.scale,
                   f"None or 1/sqrt(d_k): {library} always scales by 1/sqrt(d_k)")
+  if cfg.rope_mscale_all_dim is not None:  # yarn's softmax mscale changes score_scale too
+    raise invalid("rope_mscale_all_dim", cfg.rope_mscale_all_dim,
+                  f"None: {library} always scales by 1/sqrt(d_k)")
 
 
 def _check_flax_cfg(cfg: HeadConfig) -> None:

@@ -33,7 +33,7 @@ first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
 parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
 contexts), tokens at positions 0..T−1. ModelConfig has every HeadConfig
 field (with_head_fields), declared once there: the head mechanisms gate, sinks,
-qk_norm, qk_norm_eps, window and softcap among them (attn.variants.mechanisms).
+qk_norm, qk_norm_eps, window, softcap and probability among them (attn.variants.mechanisms).
 Per-layer attention types (attn.nn.layer_types): layer_types lists one of
 full_attention, sliding_attention, full_attention_nope, sliding_attention_nope
 per layer (transformers' names, plus NoPE), sliding_rope_theta gives sliding

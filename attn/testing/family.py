@@ -41,6 +41,7 @@ from attn.config import ConfigError
 from attn.nn import hf
 from attn.nn.hf.base import BUFFERS
 from attn.nn.hf.files import read_object
+from attn.nn.hf.load import WEIGHTS
 from attn.nn.models import MODELS, Encoder, ModelConfig
 
 _NOT_ALLOWED = "attn-check-family: a value no family allows"
@@ -100,7 +101,7 @@ def _random(family: hf.Family, cfg: ModelConfig, seed: int) -> hf.Loaded:
   their init, 1 or Gemma's 0) written out, N(0, 0.3²) added to each tensor, read back, and written
   and read once more so that tied copies agree again. numpy only: nothing to compile."""
   shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: MODELS[family.model](cfg, rngs=nnx.Rngs(0))),
-                                      nnx.Param))
+                                      WEIGHTS))
   one = 0.0 if cfg.norm_type == "rmsnorm_plus_one" else 1.0
   fill = lambda path, a: np.full(a.shape, one if path[-1].key == "scale" else 0.0, np.float32)
   kw, sd = hf.to_hf_state(hf.build(family.model, cfg, jax.tree_util.tree_map_with_path(fill, shapes)),

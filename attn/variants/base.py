@@ -13,7 +13,7 @@ here and in attn.kernel, not in variant files: a variant that computes its
 own logits or attends to something else calls the pieces of the shared path
 (queries_and_keys, core or full_mask + probabilities, project_out) instead of
 attend_and_project. The head mechanisms (HeadConfig gate, sinks, qk_norm,
-window, softcap, and outside ones; attn.variants.mechanisms) live in those pieces: `init` makes
+window, softcap, probability, and outside ones; attn.variants.mechanisms) live in those pieces: `init` makes
 the variant's own parameters and attn.init adds the mechanisms', attn.count
 adds their counts. A variant that cannot carry a HeadConfig feature (RoPE:
 rope_dim > 0; qk_norm) refuses it in its `check`, with the reason.
@@ -47,8 +47,8 @@ as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
 e.g. talking_heads, which mixes per_head's (attn.variants.factors); one
 that has no per-head W_QK sets a `circuits` that raises ConfigError saying why.
 
-return_weights gives softmax weights (rows sum to 1, fully masked rows 0)
-unless `signed_weights`: then a signed map whose rows need not sum to 1
+return_weights gives softmax weights (rows sum to 1, fully masked rows 0;
+with cfg.probability "sigmoid" or "relu" unnormalised, attn.probability) unless `signed_weights`: then a signed map whose rows need not sum to 1
 (differential's A_1 − λ·A_2).
 """
 
@@ -83,7 +83,7 @@ class Options:
     for RoPE (cfg.rope_dim > 0); None means 0..T−1 and 0..S−1.
   head_mask: (H,) or (B,H) gates on each query head's output before W^O
     (Michel et al. 2019); None means all ones.
-  return_weights: also return the softmax weights (B,H,T,S).
+  return_weights: also return the attention weights (B,H,T,S).
   impl: kernel.attention's implementation; None means the variant's default ("auto").
   """
 
@@ -123,7 +123,8 @@ class Variant:
   init(key, cfg, dtype) -> dict of arrays; apply(params, x_BTD, context_BSD, *, cfg, opts) ->
   (y_BTD, weights_BHTS or None). Everything else is optional: a figure a variant does not
   declare in closed form (param_count, effective_param_count, flops, kv_cache_width,
-  score_weights) is measured by attn.count (attn.variants.measured) and labelled "measured".
+  score_weights) is measured by attn.count (attn.variants.measured) and labelled "measured";
+  so is one whose closed form returns None at a config it does not cover.
   sharding: parameter name -> one letter per axis (attn.nn.sharding's rule) for the names
   beyond the canonical layout's; None means undeclared, and its parameters are replicated over
   the mesh's heads axis (with a warning saying so). Frozen: dataclasses.replace makes a
@@ -134,7 +135,7 @@ class Variant:
   init: Callable[[Array, HeadConfig, Any], Params]
   apply: Callable[..., tuple[Array, Array | None]]
   param_count: Callable[[HeadConfig], int] | None = None
-  effective_param_count: Callable[[HeadConfig], int] | None = None
+  effective_param_count: Callable[[HeadConfig], int | None] | None = None
   flops: Callable[[HeadConfig, int, int], int] | None = None
   kv_cache_width: Callable[[HeadConfig], int] | None = None
   score_weights: Callable[[HeadConfig], int] | None = None
@@ -249,12 +250,14 @@ def full_mask(T: int, S: int, *, cfg: HeadConfig, opts: Options) -> Array | None
 
 
 def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) -> Array:
-  """Softmax weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
+  """Attention weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
 
-  As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator.
+  As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator,
+  cfg.probability's function (sigmoid and relu: attn.probability) in place of the softmax.
   """
   logits_BHTS = mechanisms.on_logits(params, logits_BHTS.astype(jnp.float32), cfg)
-  return kernel.masked_softmax(logits_BHTS, mask, mechanisms.kernel_args(params, cfg)["sinks"])
+  args = mechanisms.kernel_args(params, cfg)
+  return kernel.masked_probabilities(logits_BHTS, mask, args["sinks"], args["probability"])
 
 
 def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,

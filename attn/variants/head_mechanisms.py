@@ -1,6 +1,7 @@
-"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, window, softcap.
+"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, window, softcap,
+the probability function.
 
-HeadConfig switches them on (gate, sinks, qk_norm, window, softcap) and
+HeadConfig switches them on (gate, sinks, qk_norm, window, softcap, probability) and
 validates those fields where it declares them; each record below holds a
 mechanism's parameters, its math at its point of the shared path and its
 counts (attn.variants.mechanisms has the record and the registry).
@@ -17,6 +18,14 @@ counts (attn.variants.mechanisms has the record and the registry).
       together over H·K dims, all key heads over G·K, one scale per dim (OLMo 2): a head's
       score depends on every head's projection, so the heads are coupled.
   window, softcap     no parameters: arguments of kernel.attention.
+  probability         no parameters: "sigmoid" σ(l − log n) or "relu" max(l, 0)/n in place of
+      the softmax, n the keys a row's masks leave visible (attn.probability, which cites
+      the papers and says why n is that); refused with sinks (HeadConfig). It composes
+      with a gate (on the output), a softcap (on the logits first), a window and QK-norm,
+      and differential's two maps become σ(·) − λ·σ(·) (or the relu pair). Its effective
+      count is measured (no closed form: without a normaliser the key bias's constant
+      terms move the weights and b_v no longer folds into b_o, and relu is positively
+      homogeneous, which trades a scale between each head's W_QK and W_OV).
 
 Counts, per layer (b = 1 with use_bias): params H·(D + b) (headwise gate),
 H·V·(D + b) (elementwise), H (sinks), 2·K (qk_norm), (H + G)·K (whole). FLOPs: 2·T·D·H or
@@ -173,4 +182,16 @@ SOFTCAP = Mechanism(
     score_weights=_zero, examples=(("softcap", {"softcap": 30.0}, "0", "0"),),
     help="softcap: logits -> c·tanh(logits/c)")
 
-MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP)
+# probability: an argument of kernel.attention, no parameters. Last in the registry: the kit's
+# all-at-once config keeps sinks, which refuse it.
+
+PROBABILITY = Mechanism(
+    name="probability", fields=("probability",),
+    kernel=lambda params, cfg: {"probability": cfg.probability},
+    param_count=_zero, flops=_zero, score_weights=_zero,
+    examples=(("probability relu", {"probability": "relu"}, "0", "0"),
+              ("probability sigmoid", {"probability": "sigmoid"}, "0", "0")),
+    help="probability: softmax|sigmoid|relu, logits -> weights; sigmoid σ(l − log n), relu "
+         "max(l, 0)/n, n the keys a row sees")
+
+MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY)

@@ -1,7 +1,7 @@
 """Head mechanisms: features any variant carries, each one `Mechanism` record in one Registry.
 
 The built-ins (attn.variants.head_mechanisms: gate, sinks, qk_norm, window,
-softcap), plugins of the entry-point group `attn.mechanisms` and records given
+softcap, probability), plugins of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
 `attn count --mechanisms` table and its help (and so the table in
@@ -16,14 +16,16 @@ through (attn.variants.base):
                                                      softmax (softcap)
   on_output(params, x_BTD, o_BTHV, *, cfg) -> o     each head's output before W^O (gate)
   kernel(params, cfg) -> dict                       keyword arguments of kernel.attention
-                                                     (window, sinks, softcap: built-ins only)
+                                                     (window, sinks, softcap, probability:
+                                                     built-ins only)
 
 A mechanism with on_logits and no kernel keywords makes the layer take the
 einsum path (explicit logits, base.probabilities), since the fused kernels do
 not see it.
 
 Options. A built-in's options are HeadConfig fields, declared there (`fields`,
-the first one switching it on: gate="headwise", sinks=True), so trial ids of
+the first one switching it on when away from its default: gate="headwise",
+sinks=True, probability="sigmoid"), so trial ids of
 existing configs are unchanged. An outside mechanism's options live in ONE
 HeadConfig field, `extra`: a table from the mechanism's name to its options
 ({"my_gate": {"width": 3}}; TOML `[model.extra.my_gate]`, `--set
@@ -78,10 +80,14 @@ def is_builtin(m: Mechanism) -> bool:
 
 
 def is_on(m: Mechanism, cfg: HeadConfig) -> bool:
-  """Whether cfg switches m on: its first field set (built-ins), or its name in cfg.extra."""
+  """Whether cfg switches m on: its first field away from HeadConfig's default (built-ins), or its
+  name in cfg.extra."""
   if m.fields:
-    return getattr(cfg, m.fields[0]) not in (None, False)
+    return getattr(cfg, m.fields[0]) != _DEFAULTS[m.fields[0]]
   return bool(cfg.extra) and m.name in cfg.extra
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
 
 
 def active(cfg: HeadConfig) -> list[Mechanism]:
@@ -168,8 +174,8 @@ def on_output(params: Params, x_BTD: Array, o_BTHV: Array, cfg: HeadConfig) -> A
 
 
 def kernel_args(params: Params, cfg: HeadConfig) -> dict[str, Any]:
-  """kernel.attention's keywords from the active mechanisms: window, sinks, softcap."""
-  out = {"window": None, "sinks": None, "softcap": None}
+  """kernel.attention's keywords from the active mechanisms: window, sinks, softcap, probability."""
+  out = {"window": None, "sinks": None, "softcap": None, "probability": "softmax"}
   for m in active(cfg):
     if m.kernel is not None:
       out.update(m.kernel(params, cfg))
@@ -226,8 +232,7 @@ def kv_tokens(cfg: HeadConfig, length: int) -> int:
 
 def plain(cfg: HeadConfig) -> HeadConfig:
   """cfg with every mechanism off: built-in switches at HeadConfig's defaults, no extra."""
-  defaults = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
-  return cfg.replace(**{m.fields[0]: defaults[m.fields[0]] for m in MECHANISMS.values() if m.fields},
+  return cfg.replace(**{m.fields[0]: _DEFAULTS[m.fields[0]] for m in MECHANISMS.values() if m.fields},
                      extra=None)
 
 

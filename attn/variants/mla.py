@@ -7,8 +7,13 @@ a decoupled key k^R = x·W_KR + b_KR of width rope_dim is shared by every head.
 Each query/key head is d_k wide: its first rope_dim dims are the rotated part
 (query head h's own, against the shared k^R), the other d_k − rope_dim the
 content part against k_g. Queries are per_head's (w_q (D,H,K), b_q), or with
-cfg.q_latent_dim a low-rank path x·W_DQ·W_UQ. DeepSeek-V2's RMSNorms on the
-latents are left out: every piece here is linear, so the exact converters hold.
+cfg.q_latent_dim a low-rank path x·W_DQ·W_UQ. DeepSeek's RMSNorms on the
+latents are an option, off by default: with cfg.latent_norm_eps the latent is
+c = RMSNorm(x·W_DKV)·latent_norm and the query latent RMSNorm(x·W_DQ)·q_latent_norm
+(kv_a_layernorm, q_a_layernorm). Off, every piece is linear and the exact
+converters hold; on, keys and values are still linear in the cached c, so the
+absorbed form below stays exact, but the effective count has no closed form here
+(it is measured: the Jacobian's rank).
 
 Absorption (decode_apply, the inference path): q_h·k_gᵀ = (q_h·W_UK,gᵀ)·c, so
 a query absorbed into the latent scores the cached c directly, and the
@@ -17,7 +22,7 @@ question 4's merge W_Q·W_Kᵀ, taken only as far as the latent; with RoPE the
 rotated dims cannot be absorbed and stay apart (k^R is cached).
 
 Params: [D·H·K, or D·Q' + Q'·H·K] + D·d_c + d_c·G·(K − r) + d_c·G·V + D·r + H·V·D
-  [+ H·K + r + G·V + D], r = rope_dim, Q' = q_latent_dim.
+  [+ H·K + r + G·V + D] [+ d_c (+ Q') latent norm scales], r = rope_dim, Q' = q_latent_dim.
 FLOPs (unabsorbed, as apply computes): 2·T·D·H·K (or 2·T·Q'·(D + H·K))
   + 2·S·D·(d_c + r) + 2·S·d_c·G·(K − r + V) + 2·T·S·H·(K + V) + 2·T·H·V·D.
 Effective: the key/value inputs live in the latent subspace of R^D, of
@@ -28,7 +33,7 @@ Effective: the key/value inputs live in the latent subspace of R^D, of
   q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
   q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
 KV cache: d_c + rope_dim per token. Score weights: the query weights + D·d_c +
-  d_c·G·(K − r) + D·r.
+  d_c·G·(K − r) + D·r [+ the norm scales, d_c (+ Q')].
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from attn.variants import rope
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core, dense, lowrank_dof, normal, project_heads, project_out,
                                 rope_score_dof, value_output_dof)
+from attn.variants.head_mechanisms import rms_norm
 
 
 def check(cfg: HeadConfig) -> None:
@@ -68,6 +74,10 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
       "w_uv": normal(kv, (C, G, V), C, dtype),
       "w_o": normal(ko, (H, V, D), H * V, dtype),
   })
+  if cfg.latent_norm_eps is not None:
+    params["latent_norm"] = jnp.ones((C,), dtype)
+    if Q is not None:
+      params["q_latent_norm"] = jnp.ones((Q,), dtype)
   biases = {"b_q": (H, K), "b_v": (G, V), "b_o": (D,)}
   if r:
     params["w_kr"] = normal(kr, (D, r), D, dtype)
@@ -75,15 +85,21 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, biases, dtype)
 
 
-def queries(params: Params, x_BTD) -> jax.Array:
-  """q (B,T,H,K): x·W_Q + b_q, or x·W_DQ·W_UQ + b_q with the low-rank query path."""
+def queries(params: Params, x_BTD, cfg: HeadConfig) -> jax.Array:
+  """q (B,T,H,K): x·W_Q + b_q, or x·W_DQ·W_UQ + b_q with the low-rank query path (its latent
+  RMS-normalised with cfg.latent_norm_eps)."""
   if "w_q" in params:
     return project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
-  return project_heads(x_BTD @ params["w_dq"], params["w_uq"], bias(params, "b_q"))
+  lat_BTQ = x_BTD @ params["w_dq"]
+  if cfg.latent_norm_eps is not None:
+    lat_BTQ = rms_norm(lat_BTQ, params["q_latent_norm"], cfg.latent_norm_eps)
+  return project_heads(lat_BTQ, params["w_uq"], bias(params, "b_q"))
 
 
 def _latent_and_rope_key(params: Params, c_BSD, cfg: HeadConfig):
   lat_BSC = c_BSD @ params["w_dkv"]
+  if cfg.latent_norm_eps is not None:
+    lat_BSC = rms_norm(lat_BSC, params["latent_norm"], cfg.latent_norm_eps)
   kr_BSR = dense(c_BSD, params["w_kr"], bias(params, "b_kr")) if cfg.rope_dim else None
   return lat_BSC, kr_BSR
 
@@ -94,7 +110,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, _ = c_BSD.shape
   G, r = cfg.num_kv_heads, cfg.rope_dim
-  q_BTHK = queries(params, x_BTD)
+  q_BTHK = queries(params, x_BTD, cfg)
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
   k_BSGK = jnp.einsum("BSC,CGK->BSGK", lat_BSC, params["w_uk"])
   if r:  # the shared RoPE key fills the first r dims of every kv head; the base rotates them
@@ -128,7 +144,7 @@ def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, q_positions, *, cfg: 
   """decode_apply's kernel over latents and already rotated RoPE keys; queries at q_positions."""
   B, S, _ = lat_BSC.shape
   R, r, C = cfg.group_size, cfg.rope_dim, cfg.latent_dim
-  q_BTHK = queries(params, x_BTD)
+  q_BTHK = queries(params, x_BTD, cfg)
   w_uk_CHK = jnp.repeat(params["w_uk"], R, axis=1)
   w_uv_CHV = jnp.repeat(params["w_uv"], R, axis=1)
   q_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_BTHK[..., r:], w_uk_CHK)
@@ -174,10 +190,19 @@ def param_count(cfg: HeadConfig) -> int:
   C, r = cfg.latent_dim, cfg.rope_dim
   weights = _query_params(cfg) + D * C + C * G * (K - r) + C * G * V + D * r + H * V * D
   biases = H * K + r + G * V + D
-  return weights + (biases if cfg.use_bias else 0)
+  return weights + (biases if cfg.use_bias else 0) + _norm_scales(cfg)
 
 
-def effective_param_count(cfg: HeadConfig) -> int:
+def _norm_scales(cfg: HeadConfig) -> int:
+  """The latent norms' scales: d_c, and Q' with the query latent; 0 without latent_norm_eps."""
+  if cfg.latent_norm_eps is None:
+    return 0
+  return cfg.latent_dim + (cfg.q_latent_dim or 0)
+
+
+def effective_param_count(cfg: HeadConfig) -> int | None:
+  if cfg.latent_norm_eps is not None:
+    return None  # the norms are not linear: no closed form here, count.param_counts measures it
   D, H, G, R, K, V = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.d_k,
                       cfg.d_v)
   C, Q, r = cfg.latent_dim, cfg.q_latent_dim, cfg.rope_dim
@@ -209,13 +234,13 @@ def kv_cache_width(cfg: HeadConfig) -> int:
 
 def score_weights(cfg: HeadConfig) -> int:
   D, G, K, C, r = cfg.d_model, cfg.num_kv_heads, cfg.d_k, cfg.latent_dim, cfg.rope_dim
-  return _query_params(cfg) + D * C + C * G * (K - r) + D * r
+  return _query_params(cfg) + D * C + C * G * (K - r) + D * r + _norm_scales(cfg)
 
 
 VARIANT = Variant(
     name="mla",
     sharding={"w_dq": "DQ", "w_uq": "QHK", "w_dkv": "DC", "w_uk": "CGK", "w_uv": "CGV",
-              "w_kr": "DR", "b_kr": "R"},
+              "w_kr": "DR", "b_kr": "R", "latent_norm": "C", "q_latent_norm": "Q"},
     init=init,
     apply=apply,
     param_count=param_count,

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="held-out (and training) batches per trial (default: the trial's eval_batches)")
   parser.add_argument("--no-plots", action="store_true", help="write analysis.json only")
   hf = parser.add_argument_group("a pretrained model instead of a sweep (needs the hf extra)")
-  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face directory with its tokenizer (gpt2, llama, mistral, "
-                  "qwen2, qwen3, gemma2, bert)")
+  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face directory with its tokenizer, of a family "
+                  "attn.nn.hf.FAMILIES holds")
   hf.add_argument("--text", metavar="FILE_OR_DIR", help="text to analyse on ('' for the Python stdlib)")
   hf.add_argument("--glob", default=None, help="files of a --text directory (default '**/*')")
   hf.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go")

@@ -1,9 +1,10 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT and nine Llama-like decoder families.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoder families, DeepSeek-V3.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
 llama (Llama, Mistral, Qwen2 and Qwen3, one LlamaLike row each), gemma2, gemma3 (text),
-smollm3, phi3, gpt_oss, olmo2 (QK-norm over the whole projection, norms after each sublayer).
+smollm3, phi3, gpt_oss, olmo2 (QK-norm over the whole projection, norms after each sublayer),
+deepseek_v3 (latent attention in attn's mla layout, DeepSeek's experts).
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed
 packages, and FAMILIES.register(record) for the current process only (worker

@@ -21,17 +21,21 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import bert, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, smollm3
+from attn.nn.hf import bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, smollm3
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.models import MODELS, ModelConfig
+from attn.nn.moe import Buffer
 from attn.registry import Registry
+
+# What a checkpoint holds: parameters and buffers (DeepSeek-V3's expert-correction bias), not KV caches.
+WEIGHTS = (nnx.Param, Buffer)
 
 
 def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
-          smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2)
+          smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -193,7 +197,7 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_head
                         latent_dim=cfg.latent_dim if latent_dim is None else latent_dim)
   # The KV caches that init_cache or generate leave in a model hold the source's layout (its
   # kv heads, its variant's entries): build would take them for parameters and refuse them.
-  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
   blocks = _blocks(pure)
   errors = []
   with warnings.catch_warnings():  # one warning for the model below, not one per layer
@@ -276,7 +280,7 @@ def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, d
   """(HF config keywords, HF state dict, the config they were written from)."""
   out_cfg = cfg.replace(variant=family.variant,
                         num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
-  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
   for block in _blocks(pure).values():
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
