@@ -1,5 +1,10 @@
 """attn: compare multi-head attention head configurations by exact identities and experiments."""
 
+from attn import host_memory as _host_memory
+
+if _host_memory.is_attn_command():  # before jax loads: re-exec with mimalloc (attn.host_memory)
+  _host_memory.use_kept_allocator()
+
 from attn import kernel, masks
 from attn.api import apply, get_variant, init, param_shapes
 from attn.config import HEAD_PRESETS, ConfigError, HeadConfig, single_head, vaswani_base

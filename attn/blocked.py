@@ -17,9 +17,12 @@ kv_lengths (keys s >= kv_lengths[b] masked) and window w (key s visible iff
 iotas, and key blocks that no query of a block can see (above the causal
 diagonal, outside the window, or past every length in the batch) are skipped
 by the loop bounds (key_block_ranges): causal attention does about half the
-work, and a window O(T·w) instead of O(T·S). A dense boolean mask is sliced
-per block and combined with them. Fully masked rows give 0, in value and
-gradient.
+work, and a window O(T·w) instead of O(T·S). A window whose keys fit in a slab
+of at most SLAB_MAX takes the slab path instead: query blocks of SLAB_Q rows,
+each against the one slab of keys it may see (SLAB_Q + w with a causal mask),
+a plain softmax in one step, and a backward pass over the same slabs (dk, dv
+accumulate where slabs overlap). A dense boolean mask is sliced per block and
+combined with them. Fully masked rows give 0, in value and gradient.
 
 softcap c caps each block's scaled logits to c·tanh(l / c); the backward
 pass multiplies dS by its derivative 1 - tanh². sinks (H,) start each row's
@@ -31,16 +34,15 @@ probability "sigmoid" or "relu" (attn.probability) needs no online
 normaliser: each weight σ(l − log n_t) or max(l, 0)/n_t is pointwise once n_t,
 the keys a row's masks leave visible, is known (probability.visible_keys,
 before the loop, from the masks' bounds and a prefix sum of a dense mask). The
-forward pass sums weight·v over key blocks; the backward pass recomputes each
-weight and multiplies dP = dO·vᵀ by its derivative (σ(1 − σ), or 1/n_t where
-l > 0): there is no row term D_t.
+forward pass sums weight·v over key blocks (the block loop: no slab path); the
+backward pass recomputes each weight and multiplies dP = dO·vᵀ by its
+derivative (σ(1 − σ), or 1/n_t where l > 0): there is no row term D_t.
 
 Letters as in the README; t and s index a block's queries and keys.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -48,51 +50,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from attn import probability as prob
+from attn.blocked_plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
+                                key_block_ranges, key_blocks_for, plan_for, query_block_ranges,
+                                query_blocks_for, slab_start, work_fraction)
 
 Array = jax.Array
-
-# Target block sizes, measured on a 2-core Zen 3 CPU (experiments/performance.md,
-# Long sequences): 512 queries × 256 keys ran the core's forward+backward at
-# T = 4096 in 0.65× the time of 256 × 256 (256 × 512 alike), whose batched
-# block matmuls XLA runs slowly here. The actual blocks split T and S into
-# equal parts no larger.
-BLOCK_Q = 512
-BLOCK_K = 256
-
-
-def block_sizes(T: int, S: int, block_q: int | None = None,
-                block_k: int | None = None) -> tuple[int, int]:
-  """(block_q, block_k) for T queries and S keys: the given sizes (at most T, S) or equal splits."""
-  def pick(n, given, target):
-    if given is not None:
-      return min(given, n)
-    parts = -(-n // target)
-    return -(-n // parts)
-  return pick(T, block_q, BLOCK_Q), pick(S, block_k, BLOCK_K)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """The static shape of one blocked call: lengths, block sizes, causality, scale."""
-
-  T: int
-  S: int
-  bq: int
-  bk: int
-  is_causal: bool
-  scale: float
-  key_limit: bool = True  # compare keys with limit_B (kv_lengths given, or S padded)
-  window: int | None = None  # at most max(T, S): wider is the same mask
-  softcap: float | None = None
-  probability: str = "softmax"
-
-  @property
-  def nq(self) -> int:
-    return -(-self.T // self.bq)
-
-  @property
-  def nk(self) -> int:
-    return -(-self.S // self.bk)
 
 
 def _pad(x: Array, axis: int, size: int) -> Array:
@@ -124,39 +86,11 @@ def _keys(x_BSGX: Array, start, size: int) -> Array:
   return lax.dynamic_slice_in_dim(x_BSGX, start, size, axis=1).transpose(0, 2, 1, 3)
 
 
-def _key_blocks_for(plan: _Plan, i, key_end):
-  """Key blocks [lo, hi) that query block i may see: window, causal diagonal, longest kv length."""
-  # Positions: query t sits at t + S - T; the block's real queries span [p0, p1].
-  shift = plan.S - plan.T
-  p0 = i * plan.bq + shift
-  p1 = jnp.minimum((i + 1) * plan.bq, plan.T) - 1 + shift
-  lo, hi = 0, (key_end + plan.bk - 1) // plan.bk
-  if plan.is_causal:  # s <= p
-    hi = jnp.minimum(hi, jnp.clip(p1 // plan.bk + 1, 0, plan.nk))
-  if plan.window is not None:  # p - w < s < p + w
-    lo = jnp.clip((p0 - plan.window + 1) // plan.bk, 0, plan.nk)
-    hi = jnp.minimum(hi, jnp.clip((p1 + plan.window - 1) // plan.bk + 1, 0, plan.nk))
-  return lo, jnp.maximum(lo, hi)
-
-
-def _query_blocks_for(plan: _Plan, j):
-  """Query blocks [lo, hi) that may see key block j: causal diagonal and window."""
-  # Key block j's real keys span [s0, s1]; query t sits at position t + S - T.
-  shift = plan.S - plan.T
-  s0, s1 = j * plan.bk, jnp.minimum((j + 1) * plan.bk, plan.S) - 1
-  lo, hi = 0, plan.nq
-  if plan.is_causal:  # p >= s
-    lo = jnp.clip((s0 - shift) // plan.bq, 0, plan.nq)
-  if plan.window is not None:  # s - w < p < s + w
-    lo = jnp.maximum(lo, jnp.clip((s0 - plan.window + 1 - shift) // plan.bq, 0, plan.nq))
-    hi = jnp.clip((s1 + plan.window - 1 - shift) // plan.bq + 1, 0, plan.nq)
-  return lo, jnp.maximum(lo, hi)
-
-
-def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
-  """Which entries of block (i, j) may attend: (B,G,M,s), or (B,G,s,M) if keys_first; True = all."""
-  s_pos = j * plan.bk + jnp.arange(plan.bk)
-  t_pos = i * plan.bq + jnp.tile(jnp.arange(plan.bq), R)  # query position of each of the M rows
+def _keep(plan: Plan, t0, s0, width: int, limit_B: Array, mask5, R: int, keys_first: bool):
+  """Which entries of queries [t0, t0+bq) × keys [s0, s0+width) may attend: (B,G,M,s), or (B,G,s,M)
+  if keys_first; True = all."""
+  s_pos = s0 + jnp.arange(width)
+  t_pos = t0 + jnp.tile(jnp.arange(plan.bq), R)  # query position of each of the M rows
   keep = True
   if plan.key_limit:
     keep_Bs = s_pos[None, :] < limit_B[:, None]
@@ -173,9 +107,9 @@ def _keep(plan: _Plan, i, j, limit_B: Array, mask5, R: int, keys_first: bool):
   if mask5 is not None:
     m = mask5
     if m.shape[3] > 1:
-      m = lax.dynamic_slice_in_dim(m, i * plan.bq, plan.bq, axis=3)
+      m = lax.dynamic_slice_in_dim(m, t0, plan.bq, axis=3)
     if m.shape[4] > 1:
-      m = lax.dynamic_slice_in_dim(m, j * plan.bk, plan.bk, axis=4)
+      m = lax.dynamic_slice_in_dim(m, s0, width, axis=4)
     Bm, Gm, _, tm, sm = m.shape
     m = jnp.broadcast_to(m, (Bm, Gm, R, plan.bq, sm)).reshape(Bm, Gm, R * plan.bq, sm)
     keep = keep & (m.transpose(0, 1, 3, 2) if keys_first else m)
@@ -189,7 +123,7 @@ def _dot(spec: str, a: Array, b: Array) -> Array:
   return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
 
 
-def _logits(plan: _Plan, s, keep):
+def _logits(plan: Plan, s, keep):
   """Scaled (and capped) float32 logits of a block, masked entries -inf; and d cap / d logit."""
   # The scale rides on the block (fused into the exp pass), not on q: a scaled
   # copy of q would be one more (B,T,H,K) array alive through the backward pass.
@@ -206,7 +140,7 @@ def _sink_rows(sinks_H: Array, G: int, bq: int) -> Array:
   return jnp.repeat(sinks_H.astype(jnp.float32).reshape(G, -1), bq, axis=1)
 
 
-def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
   """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
 
   With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink. With
@@ -223,12 +157,13 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH
     out_BTHV, lse_BTH = carry
     q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
 
-    def key_block(j, state):
+    def key_step(s0, width, state):
       m_BGM, l_BGM, acc_BGMV = state
-      k_BGsK = _keys(k_BSGK, j * plan.bk, plan.bk)
-      v_BGsV = _keys(v_BSGV, j * plan.bk, plan.bk)
+      k_BGsK = _keys(k_BSGK, s0, width)
+      v_BGsV = _keys(v_BSGV, s0, width)
       s = _dot("BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
-      s, _ = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, width, limit_B, mask5, R,
+                                    keys_first=False))
       m_new = jnp.maximum(m_BGM, s.max(-1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
       p = jnp.exp(s - m_use[..., None])
@@ -242,7 +177,11 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH
       m0 = jnp.broadcast_to(_sink_rows(sinks_H, G, plan.bq), (B, G, M))
       l0 = jnp.ones((B, G, M), jnp.float32)
     init = (m0, l0, jnp.zeros((B, G, M, V), jnp.float32))
-    m, l, acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end), key_block, init)
+    if plan.slab:  # every key the block may see, in one step
+      m, l, acc = key_step(slab_start(plan, i), plan.slab, init)
+    else:
+      m, l, acc = lax.fori_loop(*key_blocks_for(plan, i, key_end),
+                                lambda j, st: key_step(j * plan.bk, plan.bk, st), init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
@@ -256,7 +195,7 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH
   return lax.fori_loop(0, plan.nq, query_block, init)
 
 
-def _forward_pointwise(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH):
+def _forward_pointwise(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH):
   """Σ_s weight_ts·v_s over the key blocks a query block sees, weights pointwise given n_t."""
   B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
@@ -268,12 +207,14 @@ def _forward_pointwise(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BT
     n_BGM1 = _rows(n_BTH, i * plan.bq, plan.bq, G)[..., None]
 
     def key_block(j, acc_BGMV):
-      s = _dot("BGMK,BGsK->BGMs", q_BGMK, _keys(k_BSGK, j * plan.bk, plan.bk))
-      s, _ = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=False))
+      s0 = j * plan.bk
+      s = _dot("BGMK,BGsK->BGMs", q_BGMK, _keys(k_BSGK, s0, plan.bk))
+      s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, plan.bk, limit_B, mask5, R,
+                                    keys_first=False))
       p = prob.pointwise(plan.probability, s, n_BGM1)  # 0 where masked (s = -inf)
-      return acc_BGMV + _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), _keys(v_BSGV, j * plan.bk, plan.bk))
+      return acc_BGMV + _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), _keys(v_BSGV, s0, plan.bk))
 
-    acc = lax.fori_loop(*_key_blocks_for(plan, i, key_end), key_block,
+    acc = lax.fori_loop(*key_blocks_for(plan, i, key_end), key_block,
                         jnp.zeros((B, G, M, V), jnp.float32))
     return lax.dynamic_update_slice_in_dim(out_BTHV, _unrows(acc, R).astype(out_BTHV.dtype),
                                            i * plan.bq, axis=1)
@@ -282,20 +223,50 @@ def _forward_pointwise(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BT
   return out, jnp.zeros((B, Tp, H), jnp.float32)
 
 
-def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV,
+def _block_grads(plan: Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, n_BGM, k_BGsK, v_BGsV, keep,
+                 R: int, dtype):
+  """One block's dK (unscaled), dV in float32 (B,G,s,·) and dQ (B,t,H,K), from recomputed P."""
+  s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
+  s, dcap = _logits(plan, s, keep)
+  if n_BGM is not None:  # sigmoid or relu
+    n_BG1M = n_BGM[:, :, None, :]
+    p = prob.pointwise(plan.probability, s, n_BG1M)  # 0 where masked (s = -inf)
+  else:
+    p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
+  dv_BGsV = _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
+  dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
+  if n_BGM is not None:
+    ds = dp * prob.pointwise_grad(plan.probability, s, p, n_BG1M)
+  else:
+    ds = p * (dp - delta_BGM[:, :, None, :])
+  ds = (ds if dcap is None else ds * dcap).astype(dtype)
+  dk_BGsK = _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
+  # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
+  dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGsK.transpose(0, 1, 3, 2), ds)
+  return dk_BGsK, dv_BGsV, _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
+
+
+def _query_rows(plan: Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH, n_BTH):
+  """q, dO, lse, delta and n (None for softmax) of queries [t0, t0 + bq) in the (B,G,M,·) layout."""
+  return tuple(None if x is None else _rows(x, t0, plan.bq, G)
+               for x in (q_BTHK, do_BTHV, lse_BTH, delta_BTH, n_BTH))
+
+
+def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV,
               lse_BTH, do_BTHV):
   """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
   are all plain matmuls, with no transposed copy of a score block. Key block
   j is read only by outer step j, so dk and dv overwrite k and v block by
-  block in the loop's carry: XLA may then reuse their buffers.
+  block in the loop's carry: XLA may then reuse their buffers. The slab path
+  (a window) runs over query blocks instead: each sees its whole slab of keys
+  in one step, so dq is final and dk, dv accumulate over the slabs.
   """
   B, Tp, H, K = q_BTHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   R = H // G
   dtype = q_BTHK.dtype
-  pointwise = plan.probability != "softmax"
   # delta_t = Σ_v dO·O = Σ_s P·dP: the softmax Jacobian's row term.
   delta_BTH = jnp.einsum("BTHV,BTHV->BTH", do_BTHV.astype(jnp.float32),
                          out_BTHV.astype(jnp.float32))
@@ -303,51 +274,53 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BT
   if sinks_H is not None:  # dO/dsink = -p_sink·O per row: dsink = -Σ_t p_sink·delta
     p_sink_BTH = jnp.exp(sinks_H.astype(jnp.float32) - lse_BTH)
     dsinks_H = -jnp.einsum("BTH,BTH->H", p_sink_BTH, delta_BTH).astype(sinks_H.dtype)
+  rows = functools.partial(_query_rows, plan, G=G, q_BTHK=q_BTHK, do_BTHV=do_BTHV,
+                           lse_BTH=lse_BTH, delta_BTH=delta_BTH,
+                           n_BTH=None if plan.probability == "softmax" else n_BTH)
   # logits = scale·q·kᵀ: dq = scale·dS·k and dk = scale·dSᵀ·q.
+  if plan.slab:
+    def slab_block(i, carry):
+      dq_BTHK, dk_BSGK, dv_BSGV = carry
+      t0, s0 = i * plan.bq, slab_start(plan, i)
+      keep = _keep(plan, t0, s0, plan.slab, limit_B, mask5, R, keys_first=True)
+      dk_BGsK, dv_BGsV, dq_BtHK = _block_grads(
+          plan, *rows(t0), _keys(k_BSGK, s0, plan.slab), _keys(v_BSGV, s0, plan.slab), keep, R, dtype)
+
+      def add_at(acc_BSGX, d_BGsX):  # slabs overlap: dk, dv accumulate
+        new = lax.dynamic_slice_in_dim(acc_BSGX, s0, plan.slab, axis=1) + d_BGsX.transpose(0, 2, 1, 3)
+        return lax.dynamic_update_slice_in_dim(acc_BSGX, new, s0, axis=1)
+      return (lax.dynamic_update_slice_in_dim(dq_BTHK, dq_BtHK, t0, axis=1),
+              add_at(dk_BSGK, dk_BGsK), add_at(dv_BSGV, dv_BGsV))
+
+    init = (jnp.zeros((B, Tp, H, K), jnp.float32), jnp.zeros(k_BSGK.shape, jnp.float32),
+            jnp.zeros(v_BSGV.shape, jnp.float32))
+    dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nq, slab_block, init)
+    return (dq_BTHK.astype(dtype), (dk_BSGK * plan.scale).astype(k_BSGK.dtype),
+            dv_BSGV.astype(v_BSGV.dtype), dsinks_H)
+
   nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk  # key blocks before every length ends
 
   def key_block(j, carry):
     dq_BTHK, kdk_BSGK, vdv_BSGV = carry  # blocks >= j still hold k and v
-    k_BGsK = _keys(kdk_BSGK, j * plan.bk, plan.bk)
-    v_BGsV = _keys(vdv_BSGV, j * plan.bk, plan.bk)
-    k_BGKs = k_BGsK.transpose(0, 1, 3, 2)
+    s0 = j * plan.bk
+    k_BGsK = _keys(kdk_BSGK, s0, plan.bk)
+    v_BGsV = _keys(vdv_BSGV, s0, plan.bk)
 
     def query_block(i, state):
       dq_BTHK, dk_BGsK, dv_BGsV = state
       t0 = i * plan.bq
-      q_BGMK = _rows(q_BTHK, t0, plan.bq, G)
-      do_BGMV = _rows(do_BTHV, t0, plan.bq, G)
-      lse_BGM = _rows(lse_BTH, t0, plan.bq, G)
-      delta_BGM = _rows(delta_BTH, t0, plan.bq, G)
-      s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
-      s, dcap = _logits(plan, s, _keep(plan, i, j, limit_B, mask5, R, keys_first=True))
-      if pointwise:
-        n_BG1M = _rows(n_BTH, t0, plan.bq, G)[:, :, None, :]
-        p = prob.pointwise(plan.probability, s, n_BG1M)  # 0 where masked (s = -inf)
-      else:
-        p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
-      dv_BGsV = dv_BGsV + _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
-      dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
-      if pointwise:
-        ds = dp * prob.pointwise_grad(plan.probability, s, p, n_BG1M)
-      else:
-        ds = p * (dp - delta_BGM[:, :, None, :])
-      ds = (ds if dcap is None else ds * dcap).astype(dtype)
-      dk_BGsK = dk_BGsK + _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
-      # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
-      dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGKs, ds)
-      dq_BtHK = _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
+      keep = _keep(plan, t0, s0, plan.bk, limit_B, mask5, R, keys_first=True)
+      dk, dv, dq_BtHK = _block_grads(plan, *rows(t0), k_BGsK, v_BGsV, keep, R, dtype)
       dq_old = lax.dynamic_slice_in_dim(dq_BTHK, t0, plan.bq, axis=1)
       dq_BTHK = lax.dynamic_update_slice_in_dim(dq_BTHK, dq_old + dq_BtHK, t0, axis=1)
-      return dq_BTHK, dk_BGsK, dv_BGsV
+      return dq_BTHK, dk_BGsK + dk, dv_BGsV + dv
 
     init = (dq_BTHK, jnp.zeros((B, G, plan.bk, K), jnp.float32),
             jnp.zeros((B, G, plan.bk, V), jnp.float32))
     # A key block past every kv length runs no query block: its dk, dv are 0.
-    lo, hi = _query_blocks_for(plan, j)
+    lo, hi = query_blocks_for(plan, j)
     hi = jnp.where(j < nk_seen, hi, lo)
     dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(lo, hi, query_block, init)
-    s0 = j * plan.bk
     dk_BsGK = (dk_BGsK * plan.scale).transpose(0, 2, 1, 3).astype(kdk_BSGK.dtype)
     kdk_BSGK = lax.dynamic_update_slice_in_dim(kdk_BSGK, dk_BsGK, s0, axis=1)
     dv_BsGV = dv_BGsV.transpose(0, 2, 1, 3).astype(vdv_BSGV.dtype)
@@ -360,16 +333,16 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+def _core(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
   return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)[0]
 
 
-def _core_fwd(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+def _core_fwd(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
   out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
   return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV, lse_BTH)
 
 
-def _core_bwd(plan: _Plan, res, do_BTHV):
+def _core_bwd(plan: Plan, res, do_BTHV):
   dq, dk, dv, dsinks = _backward(plan, *res, do_BTHV)
   return dq, dk, dv, None, None, dsinks, None
 
@@ -392,16 +365,6 @@ def _mask5(mask: Array | None, H: int, G: int, Tp: int, Sp: int) -> Array | None
   return m5
 
 
-def _plan(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
-          window: int | None, scale: float = 1.0, softcap: float | None = None,
-          has_lengths: bool = False, probability: str = "softmax") -> _Plan:
-  bq, bk = block_sizes(T, S, block_q, block_k)
-  return _Plan(T=T, S=S, bq=bq, bk=bk, is_causal=bool(is_causal), scale=float(scale),
-               key_limit=has_lengths or S % bk > 0,
-               window=None if window is None else min(window, max(T, S)),
-               softcap=None if softcap is None else float(softcap), probability=probability)
-
-
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = None, *,
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
@@ -411,8 +374,8 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   inputs checked by kernel.attention."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
-               softcap=softcap, has_lengths=kv_lengths is not None, probability=probability)
+  plan = plan_for(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
+                  softcap=softcap, has_lengths=kv_lengths is not None, probability=probability)
   Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
@@ -427,29 +390,6 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   return out_BTHV[:, :T]
 
 
-def key_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
-                     block_q: int | None = None, block_k: int | None = None
-                     ) -> list[tuple[int, int]]:
-  """Per query block, the key blocks [lo, hi) the forward pass visits (no kv_lengths)."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  return [tuple(int(x) for x in _key_blocks_for(plan, i, S)) for i in range(plan.nq)]
-
-
-def query_block_ranges(T: int, S: int, *, is_causal: bool = False, window: int | None = None,
-                       block_q: int | None = None, block_k: int | None = None
-                       ) -> list[tuple[int, int]]:
-  """Per key block, the query blocks [lo, hi) the backward pass visits (no kv_lengths)."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  return [tuple(int(x) for x in _query_blocks_for(plan, j)) for j in range(plan.nk)]
-
-
-def work_fraction(T: int, S: int, *, is_causal: bool, window: int | None = None,
-                  block_q: int | None = None, block_k: int | None = None) -> float:
-  """The share of the T×S blocks the forward pass computes (1.0 with no causal mask or window)."""
-  plan = _plan(T, S, block_q, block_k, is_causal=is_causal, window=window)
-  done = sum(int(hi - lo) for lo, hi in (_key_blocks_for(plan, i, S) for i in range(plan.nq)))
-  return done / (plan.nq * plan.nk)
-
-
-__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "block_sizes", "key_block_ranges",
-           "query_block_ranges", "work_fraction"]
+# The plan's public names are re-exported: attn.blocked.key_block_ranges and the rest.
+__all__ = ["BLOCK_K", "BLOCK_Q", "SLAB_MAX", "SLAB_Q", "attention", "block_sizes", "block_steps",
+           "key_block_ranges", "query_block_ranges", "work_fraction"]

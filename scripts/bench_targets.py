@@ -88,6 +88,7 @@ def run_benchmarks() -> list[dict[str, Any]]:
   from attn import host_memory
   from attn.bench import layer
   from attn.bench import steps as bench_steps
+  host_memory.use_kept_allocator()  # re-executes this script with mimalloc preloaded, as `attn` does
   host_memory.keep_freed_memory()
   info = layer.machine_info()
   log = lambda text: print(text, file=sys.stderr, flush=True)

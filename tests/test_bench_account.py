@@ -1,4 +1,4 @@
-"""The dot account's HLO reading, the XLA flag sets, and the host-memory setting (attn.bench, attn.host_memory)."""
+"""The dot account's HLO reading, the XLA flag sets (attn.bench)."""
 
 
 import jax
@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import pytest
 
 from attn import blocked
-from attn import host_memory
 from attn import kernel
 from attn.bench import account
 from attn.bench import flags
@@ -40,6 +39,18 @@ def test_account_counts_the_blocked_core_dots_once_per_visited_block_pair():
   assert pairs < (T // blocked.BLOCK_Q) * (T // blocked.BLOCK_K)
 
 
+@pytest.mark.slow
+def test_account_counts_the_windowed_core_dots_once_per_slab():
+  T, H, K, w = 1024, 2, 16, 64
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, T, H, K)) for i in range(3))
+  loss = lambda q, k, v: jnp.sum(kernel.attention(q, k, v, is_causal=True, window=w, impl="blocked"))
+  steps, depth = blocked.block_steps(T, T, is_causal=True, window=w)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  found = account.account(hlo, steps, depth)["dots"]
+  assert (steps, depth) == (T // blocked.SLAB_Q, 1)
+  assert len(found) == 7 and all(d["count"] == steps and d["depth"] == 1 for d in found)
+
+
 def test_a_timed_dot_reproduces_the_shape_it_was_read_from():
   d = {"lhs": (2, 12, 8), "rhs": (2, 8, 20), "out": (2, 12, 20), "dims": [(0,), (2,), (0,), (1,)]}
   assert account.time_dot(d, 1) > 0
@@ -56,15 +67,6 @@ def test_an_unknown_flag_set_or_a_malformed_xla_flags_value_is_named():
   env = flags.with_flag_set("eigen+xnnpack", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"})
   assert env["XLA_FLAGS"].split() == ["--xla_cpu_multi_thread_eigen=false",
                                       *flags.FLAG_SETS["eigen+xnnpack"].split()]
-
-
-def test_host_memory_mode_is_checked(monkeypatch):
-  monkeypatch.setenv(host_memory.ENV, "never")
-  with pytest.raises(ConfigError, match="ATTN_HOST_MALLOC='never'"):
-    host_memory.mode()
-  monkeypatch.setenv(host_memory.ENV, "default")
-  assert host_memory.mode() == "default"
-
 
 
 def _bench_targets():

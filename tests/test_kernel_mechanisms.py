@@ -1,5 +1,6 @@
 """window, sinks and softcap: einsum and blocked against a naive numpy loop, gradients, refusals."""
 
+import functools
 import itertools
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn import ConfigError, blocked, kernel, masks
+from attn import ConfigError, blocked, blocked_plan, kernel, masks
 from conftest import randn
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k: lengths not multiples of the blocks
@@ -23,7 +24,7 @@ CASES = {
     "T_lt_S": [(True, 4, True, 3.0, False, True), (False, 1, False, 2.0, True, False),
                (False, 100, True, None, False, False)],
     "T_gt_S": [(True, 3, True, None, True, True), (False, 2, True, 1.0, False, False),
-               (True, 100, False, 4.0, False, True)],
+               (True, 100, False, 4.0, False, True), (True, 1, True, 2.0, True, True)],
 }
 
 
@@ -265,6 +266,22 @@ def test_blocks_visited_at_a_fixed_window_grow_linearly_in_T():
     assert totals[2] - totals[1] == 2 * (totals[1] - totals[0])  # affine in T: O(T·w)
   assert blocked.work_fraction(16384, 16384, is_causal=True, window=w, block_q=bq,
                                block_k=bk) < 0.05
+
+
+def test_both_window_paths_are_covered_here():
+  """A window whose slab fits takes the slab path, a wider one the block loop; CASES has both."""
+  paths = set()
+  for name, cases in CASES.items():
+    B, T, S, H, G, K, V, bq, bk = SHAPES[name]
+    for is_causal, window, *_ in cases:
+      if window is not None:
+        plan = blocked_plan.plan_for(T, S, bq, bk, is_causal=is_causal, window=window)
+        paths.add((name, plan.slab > 0))
+        if plan.slab:  # the slab holds every key a query block may see
+          assert plan.slab >= bq + (window - 1 if is_causal else 2 * window - 2)
+  assert {(n, True) for n in SHAPES} <= paths and any(not slab for _, slab in paths)
+  long = functools.partial(blocked_plan.plan_for, 16384, 16384, None, None, is_causal=True)
+  assert long(window=256).slab == blocked.SLAB_Q + 256 and long(window=4096).slab == 0
 
 
 def test_window_wider_than_the_sequence_is_global():

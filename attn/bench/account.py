@@ -81,18 +81,19 @@ def library_of_fusion(rest: str) -> str | None:
           "__onednn_fusion": "oneDNN fusion"}.get(m.group(1), m.group(1))
 
 
-def account(hlo: str, pairs: int | None = None) -> dict[str, list[dict[str, Any]]]:
+def account(hlo: str, pairs: int | None = None, depth_of_pairs: int = 2) -> dict[str, list[dict[str, Any]]]:
   """The dots and big elementwise passes of compiled HLO, with their library and count per call.
 
-  pairs: how many times a loop nested two deep runs its body in one call (the
-  blocked core's visited block pairs); counts inside a single loop are unknown (None).
+  pairs: how many times a loop nested depth_of_pairs deep runs its body in one
+  call (the blocked core's visited block pairs, two deep, or its slabs, one
+  deep: blocked.block_steps); counts in shallower loops are unknown (None).
   """
   entry, comps = parse(hlo)
   dots, passes = [], []
 
   def walk(name: str, depth: int, library: str | None) -> None:
     shapes = {i["name"]: i["shape"] for i in comps.get(name, [])}
-    count = 1 if depth == 0 else (pairs if depth >= 2 else None)
+    count = 1 if depth == 0 else (pairs if depth >= depth_of_pairs else None)
     for ins in comps.get(name, []):
       op, rest = ins["op"], ins["rest"]
       if op == "dot":
@@ -160,8 +161,8 @@ def matmul_gflops(repeats: int = 5) -> float:
   return 2 * MATMUL_N ** 3 / _time(lambda: jax.block_until_ready(f(a)), repeats)[0] / 1e9
 
 
-def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, int | None]]:
-  """name -> (function, arguments, visited block pairs) for every call the account covers.
+def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, int] | None]]:
+  """name -> (function, arguments, (block steps, their loop depth) or None) for every call covered.
 
   shape: the reference shape's B, T, D, H, K and the long family's T_long and window.
   """
@@ -186,8 +187,8 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, int | None]
                                 (f"causal window {window_size}", True, window_size)):
     core = lambda q, k, v, do, c=causal, w=window: jnp.sum(
         attn.kernel.attention(q, k, v, is_causal=c, window=w, impl="blocked") * do)
-    pairs = sum(hi - lo for lo, hi in blocked.key_block_ranges(T, T, is_causal=causal, window=window))
-    out[f"blocked core fwd+bwd, T={T} {label}"] = (jax.grad(core, argnums=(0, 1, 2)), (q, k, v, do), pairs)
+    steps = blocked.block_steps(T, T, is_causal=causal, window=window)
+    out[f"blocked core fwd+bwd, T={T} {label}"] = (jax.grad(core, argnums=(0, 1, 2)), (q, k, v, do), steps)
   return out
 
 
@@ -197,9 +198,9 @@ def child(flag_set: str, repeats: int, shape: dict[str, int]) -> dict[str, Any]:
   rate = matmul_gflops()
   result: dict[str, Any] = {"flag_set": flag_set, "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
   timed: dict[str, float] = {}
-  for name, (f, args, pairs) in cases(shape).items():
+  for name, (f, args, steps) in cases(shape).items():
     compiled = jax.jit(f).lower(*args).compile()
-    found = account(compiled.as_text(), pairs)
+    found = account(compiled.as_text(), *(steps or (None,)))
     fastest, median = _time(lambda: jax.block_until_ready(compiled(*args)), repeats)
     for d in found["dots"]:
       if d["dims"] is None or d["lhs"] is None:
