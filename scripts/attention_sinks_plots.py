@@ -1,0 +1,169 @@
+"""The tables and plots of experiments/attention_sinks/ from a finished store of configs/attention_sinks.toml.
+
+  python scripts/attention_sinks_plots.py RUN_DIR [--out experiments/attention_sinks]
+
+Reads each trial's metrics rows (the train.sink_metrics keys of
+attn.experiments.training.sink_eval, measured on the first held-out batch at
+every evaluation) and writes sinks_table.md (final values, mean ± std over
+seeds, each case against per_head by attn report's rule), sink_curves.png
+(the baseline's metrics beside its loss), sinks_vs_case.png (the comparison)
+and attention_maps.png (per_head and +gate elementwise, seed 0, from the final
+checkpoints on the same held-out batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from attn.experiments.reading import report  # noqa: E402
+
+METRICS = [("eval_loss", "held-out loss (nats)"), ("first_mass", "first-position mass"),
+           ("sink_heads", "sink-head fraction (> 0.3)"), ("active_dormant", "active-dormant share"),
+           ("value_drain", "value drain ||v_0|| / median"), ("residual_first", "first-token residual / median"),
+           ("residual_massive", "largest residual entry / median")]
+BASE, GATED = "per_head", "+gate elementwise"
+
+
+def load(run_dir: str) -> dict[str, list[tuple[int, list[dict]]]]:
+  """case -> [(seed, evaluation rows)] in sweep order, seeds ascending."""
+  with open(os.path.join(run_dir, "sweep.json"), encoding="utf-8") as f:
+    trials = json.load(f)["trials"]
+  cases: dict[str, list] = {}
+  for t in trials:
+    path = os.path.join(run_dir, "trials", t["id"], "metrics.jsonl")
+    if not os.path.exists(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      rows = [r for r in map(json.loads, f) if "eval_loss" in r]
+    cases.setdefault(t["label"]["case"], []).append((t["label"]["train.seed"], rows, t["id"]))
+  return {c: sorted(v) for c, v in cases.items()}
+
+
+def against(x: list[float], base: list[float]) -> str:
+  """attn report's verdict of x against base, in whichever direction the means differ."""
+  hi, lo = (x, base) if np.mean(x) >= np.mean(base) else (base, x)
+  word = "higher" if hi is x else "lower"
+  v = report.verdict(hi, lo)
+  if v.startswith("a clear"):
+    se = v.split('(')[1].split(';')[0].replace("inf standard errors", "no spread in either group")
+    return f"clearly {word} ({se})"
+  if v.startswith("suggestive"):
+    return f"suggestively {word} ({v.split('(')[1].split(',')[0]})"
+  return v.replace("within seed noise", "within noise")
+
+
+def table(cases: dict) -> str:
+  """Markdown: one row per case, each metric's mean ± std and its verdict against per_head."""
+  head = "| case | " + " | ".join(label for _, label in METRICS) + " |"
+  lines = [head, "|" + "---|" * (len(METRICS) + 1)]
+  final = {c: {k: [rows[-1].get(k, np.nan) for _, rows, _ in v] for k, _ in METRICS} for c, v in cases.items()}
+  for c in cases:
+    cells = []
+    for k, _ in METRICS:
+      x = final[c][k]
+      cell = f"{np.mean(x):.3g} ± {np.std(x, ddof=1):.2g}"
+      if c != BASE and BASE in final and not np.isnan(x).any():
+        cell += f"<br>{against(x, final[BASE][k])}"
+      cells.append(cell)
+    lines.append(f"| {c} | " + " | ".join(cells) + " |")
+  lines.append("")
+  lines.append("Change over the last 10% of steps (attn report's late_change), per seed: "
+               "held-out loss / first-position mass")
+  lines.append("")
+  for c, v in cases.items():
+    late = [(report.late_change(rows, "eval_loss"), report.late_change(rows, "first_mass")) for _, rows, _ in v]
+    lines.append(f"- {c}: " + ", ".join(f"{a[0]:+.4f} / {b[0]:+.4f}" for a, b in late)
+                 + f" (over {late[0][0][1]} steps)")
+  return "\n".join(lines) + "\n"
+
+
+def curves(cases: dict, out: str) -> None:
+  """The baseline's first-position mass per head, sink-head fraction and held-out loss over steps."""
+  fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, (seed, rows, _) in enumerate(cases[BASE]):
+    steps = [r["step"] + 1 for r in rows]
+    heads = sorted(k for k in rows[-1] if k.startswith("first_mass_l0h"))
+    for j, k in enumerate(heads):
+      ax[0].plot(steps, [r[k] for r in rows], color=colors[i], lw=1, alpha=0.4 + 0.15 * j,
+                 label=f"seed {seed}" if j == 0 else None)
+    ax[1].plot(steps, [r["sink_heads"] for r in rows], color=colors[i], label=f"seed {seed}", marker=".", ms=3)
+    ax[2].plot(steps, [r["eval_loss"] for r in rows], color=colors[i], label=f"seed {seed}")
+  ax[0].axhline(0.3, color="k", ls="--", lw=0.8)
+  ax[0].set(title="per_head: first-position mass, each head", xlabel="step", ylabel="mass on [BOS]")
+  ax[1].set(title="per_head: sink-head fraction (mass > 0.3)", xlabel="step", yticks=[0, 0.25, 0.5, 0.75, 1])
+  ax[2].set(title="per_head: held-out loss", xlabel="step", ylabel="nats per token")
+  for a in ax:
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "sink_curves.png"), dpi=110)
+  plt.close(fig)
+
+
+def comparison(cases: dict, out: str) -> None:
+  """Each metric's final value per case, one dot per seed, the mean as a bar."""
+  names = list(cases)
+  fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 4.2))
+  for a, (k, label) in zip(axes, METRICS):
+    for i, c in enumerate(names):
+      x = [rows[-1].get(k, np.nan) for _, rows, _ in cases[c]]
+      a.bar(i, np.nanmean(x), color="0.85")
+      a.scatter([i] * len(x), x, s=14, zorder=3, c=[f"C{s}" for s, _, _ in cases[c]])
+    a.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+    a.set_title(label, fontsize=9)
+    a.grid(axis="y", alpha=0.3)
+    if k in ("residual_massive",):
+      a.set_yscale("log")
+  axes[0].text(0.02, 0.98, "dots: seeds 0 (C0), 1 (C1), 2 (C2)", transform=axes[0].transAxes,
+               va="top", fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "sinks_vs_case.png"), dpi=100)
+  plt.close(fig)
+
+
+def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
+  """Every head's attention on one held-out example, per_head above +gate elementwise (seed 0, final checkpoints)."""
+  from attn.experiments.data import tasks
+  from attn.experiments.reading.trials import load_trial
+  fig, ax = plt.subplots(2, 4, figsize=(14, 7), layout="constrained")
+  for r, case in enumerate((BASE, GATED)):
+    seed, _, trial = cases[case][0]
+    model, _, task = load_trial(run_dir, trial)
+    batch = task.batch(seed, tasks.EVAL, 0, 32)
+    _, weights = model(batch["tokens"], return_weights=True)
+    w_HTT = np.asarray(weights[0][example])
+    mass = np.asarray(weights[0])[:, :, 1:, 0].mean((0, 2))
+    for h in range(w_HTT.shape[0]):
+      im = ax[r, h].imshow(w_HTT[h], cmap="viridis", vmin=0, vmax=1)
+      ax[r, h].set_title(f"{case} seed {seed}, head {h}\nmass on [BOS] {mass[h]:.2f} (batch mean)", fontsize=8)
+      ax[r, h].set(xticks=[0, 16, 32, 48, 63], yticks=[0, 16, 32, 48, 63], xlabel="key", ylabel="query" if h == 0 else None)
+  fig.colorbar(im, ax=ax, shrink=0.6)
+  fig.savefig(os.path.join(out, "attention_maps.png"), dpi=100)
+  plt.close(fig)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("run_dir")
+  p.add_argument("--out", default="experiments/attention_sinks")
+  args = p.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  cases = load(args.run_dir)
+  with open(os.path.join(args.out, "sinks_table.md"), "w", encoding="utf-8") as f:
+    f.write(table(cases))
+  curves(cases, args.out)
+  comparison(cases, args.out)
+  if GATED in cases:
+    maps(args.run_dir, cases, args.out)
+
+
+if __name__ == "__main__":
+  main()
