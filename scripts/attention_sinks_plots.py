@@ -81,6 +81,13 @@ def table(cases: dict) -> str:
     late = [(report.late_change(rows, "eval_loss"), report.late_change(rows, "first_mass")) for _, rows, _ in v]
     lines.append(f"- {c}: " + ", ".join(f"{a[0]:+.4f} / {b[0]:+.4f}" for a, b in late)
                  + f" (over {late[0][0][1]} steps)")
+  lines += ["", "Held-out loss minus per_head's at the same seed (the same held-out batches), and held-out "
+            "trigger accuracy (the copy), per seed:", ""]
+  for c, v in cases.items():
+    d = [rows[-1]["eval_loss"] - b[-1]["eval_loss"] for (_, rows, _), (_, b, _) in zip(v, cases[BASE])]
+    acc = [rows[-1].get("eval_trigger_accuracy", np.nan) for _, rows, _ in v]
+    lines.append(f"- {c}: " + ", ".join(f"{x:+.4f}" for x in d) + "; trigger accuracy "
+                 + ", ".join(f"{a:.3f}" for a in acc))
   return "\n".join(lines) + "\n"
 
 
