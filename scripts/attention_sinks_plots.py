@@ -138,16 +138,11 @@ def comparison(cases: dict, out: str) -> None:
 
 def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
   """Every head's attention on one held-out example, per_head above +gate elementwise (seed 0, final checkpoints)."""
-  from attn.experiments.data import tasks
-  from attn.experiments.reading.trials import load_trial
   fig, ax = plt.subplots(2, 4, figsize=(14, 7), layout="constrained")
   for r, case in enumerate((BASE, GATED)):
     seed, _, trial = cases[case][0]
-    model, _, task = load_trial(run_dir, trial)
-    batch = task.batch(seed, tasks.EVAL, 0, 32)
-    _, weights = model(batch["tokens"], return_weights=True)
-    w_HTT = np.asarray(weights[0][example])
-    mass = np.asarray(weights[0])[:, :, 1:, 0].mean((0, 2))
+    w_BHTT = weights_of(run_dir, seed, trial)
+    w_HTT, mass = w_BHTT[example], w_BHTT[:, :, 1:, 0].mean((0, 2))
     for h in range(w_HTT.shape[0]):
       im = ax[r, h].imshow(w_HTT[h], cmap="viridis", vmin=0, vmax=1)
       ax[r, h].set_title(f"{case} seed {seed}, head {h}\nmass on [BOS] {mass[h]:.2f} (batch mean)", fontsize=8)
@@ -155,6 +150,30 @@ def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
   fig.colorbar(im, ax=ax, shrink=0.6)
   fig.savefig(os.path.join(out, "attention_maps.png"), dpi=100)
   plt.close(fig)
+
+
+def weights_of(run_dir: str, seed: int, trial: str) -> np.ndarray:
+  """The final checkpoint's layer-0 weights (B,H,T,T) on the first held-out batch (the one the sink metrics read)."""
+  from attn.experiments.data import tasks
+  from attn.experiments.reading.trials import load_trial
+  model, _, task = load_trial(run_dir, trial)
+  _, weights = model(task.batch(seed, tasks.EVAL, 0, 32)["tokens"], return_weights=True)
+  return np.asarray(weights[0], np.float64)
+
+
+def shares(run_dir: str, cases: dict) -> str:
+  """Per case and seed: the mean row sum and the first position's share w_0 / sum_s w_s (queries t >= 1)."""
+  lines = ["", "Rows normalised (final checkpoints, first held-out batch, queries t >= 1, mean over heads): "
+           "row sum / first position's share of the row, per seed:", ""]
+  for c, v in cases.items():
+    cells = []
+    for seed, _, trial in v:
+      w = weights_of(run_dir, seed, trial)[:, :, 1:, :]
+      total = w.sum(-1)
+      share = np.where(total > 0, w[..., 0] / np.where(total > 0, total, 1), 0.0)
+      cells.append(f"{total.mean():.3f} / {share.mean():.3f}")
+    lines.append(f"- {c}: " + ", ".join(cells))
+  return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -165,7 +184,7 @@ def main() -> None:
   os.makedirs(args.out, exist_ok=True)
   cases = load(args.run_dir)
   with open(os.path.join(args.out, "sinks_table.md"), "w", encoding="utf-8") as f:
-    f.write(table(cases))
+    f.write(table(cases) + shares(args.run_dir, cases))
   curves(cases, args.out)
   comparison(cases, args.out)
   if GATED in cases:
