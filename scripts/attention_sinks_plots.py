@@ -116,39 +116,25 @@ def curves(cases: dict, out: str) -> None:
 
 
 def comparison(cases: dict, out: str) -> None:
-  """Each metric's final value per case, one dot per seed, the mean as a bar."""
+  """Each metric's final value per case, one dot per seed, the mean as a bar; the loss paired with per_head's."""
   names = list(cases)
-  fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 4.2))
-  for a, (k, label) in zip(axes, METRICS):
+  base = {seed: rows[-1]["eval_loss"] for seed, rows, _ in cases[BASE]}
+  fig, axes = plt.subplots(2, 4, figsize=(15, 8), layout="constrained")
+  for a, (k, label) in zip(axes.flat, METRICS):
     for i, c in enumerate(names):
-      x = [rows[-1].get(k, np.nan) for _, rows, _ in cases[c]]
+      x = [rows[-1].get(k, np.nan) - (base[seed] if k == "eval_loss" else 0) for seed, rows, _ in cases[c]]
       a.bar(i, np.nanmean(x), color="0.85")
-      a.scatter([i] * len(x), x, s=14, zorder=3, c=[f"C{s}" for s, _, _ in cases[c]])
-    a.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
-    a.set_title(label, fontsize=9)
+      for seed, xi in zip([s for s, _, _ in cases[c]], x):
+        a.scatter(i, xi, s=16, zorder=3, color=f"C{seed}", label=f"seed {seed}" if i == 0 else None)
+    a.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    a.set_title("held-out loss − per_head's, same seed" if k == "eval_loss" else label, fontsize=9)
     a.grid(axis="y", alpha=0.3)
-    if k in ("residual_massive",):
-      a.set_yscale("log")
-  axes[0].text(0.02, 0.98, "dots: seeds 0 (C0), 1 (C1), 2 (C2)", transform=axes[0].transAxes,
-               va="top", fontsize=7)
-  fig.tight_layout()
+  axes[0, 1].axhline(0.3, color="k", ls="--", lw=0.8)
+  axes[0, 1].axhline(np.mean(1 / np.arange(2, 65)), color="k", ls=":", lw=0.8)  # uniform causal attention, t >= 1
+  axes[0, 1].text(0, 0.3, "threshold 0.3", fontsize=7, va="bottom")
+  axes[1, 3].axis("off")
+  axes[1, 3].legend(*axes[0, 0].get_legend_handles_labels(), loc="center", title="dots: one per seed")
   fig.savefig(os.path.join(out, "sinks_vs_case.png"), dpi=100)
-  plt.close(fig)
-
-
-def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
-  """Every head's attention on one held-out example, per_head above +gate elementwise (seed 0, final checkpoints)."""
-  fig, ax = plt.subplots(2, 4, figsize=(14, 7), layout="constrained")
-  for r, case in enumerate((BASE, GATED)):
-    seed, _, trial = cases[case][0]
-    w_BHTT = weights_of(run_dir, seed, trial)
-    w_HTT, mass = w_BHTT[example], w_BHTT[:, :, 1:, 0].mean((0, 2))
-    for h in range(w_HTT.shape[0]):
-      im = ax[r, h].imshow(w_HTT[h], cmap="viridis", vmin=0, vmax=1)
-      ax[r, h].set_title(f"{case} seed {seed}, head {h}\nmass on [BOS] {mass[h]:.2f} (batch mean)", fontsize=8)
-      ax[r, h].set(xticks=[0, 16, 32, 48, 63], yticks=[0, 16, 32, 48, 63], xlabel="key", ylabel="query" if h == 0 else None)
-  fig.colorbar(im, ax=ax, shrink=0.6)
-  fig.savefig(os.path.join(out, "attention_maps.png"), dpi=100)
   plt.close(fig)
 
 
