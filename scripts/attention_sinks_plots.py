@@ -157,9 +157,26 @@ def shares(run_dir: str, cases: dict) -> str:
       w = weights_of(run_dir, seed, trial)[:, :, 1:, :]
       total = w.sum(-1)
       share = np.where(total > 0, w[..., 0] / np.where(total > 0, total, 1), 0.0)
-      cells.append(f"{total.mean():.3f} / {share.mean():.3f}")
+      signed = (w < 0).any()  # differential: rows sum to about 0, a share is not defined
+      cells.append(f"{total.mean():.3f} / " + ("signed" if signed else f"{share.mean():.3f}"))
     lines.append(f"- {c}: " + ", ".join(cells))
   return "\n".join(lines) + "\n"
+
+
+def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
+  """Every head's attention on one held-out example, per_head above +gate elementwise (seed 0, final checkpoints)."""
+  fig, ax = plt.subplots(2, 4, figsize=(14, 7), layout="constrained")
+  for r, case in enumerate((BASE, GATED)):
+    seed, _, trial = cases[case][0]
+    w_BHTT = weights_of(run_dir, seed, trial)
+    w_HTT, mass = w_BHTT[example], w_BHTT[:, :, 1:, 0].mean((0, 2))
+    for h in range(w_HTT.shape[0]):
+      im = ax[r, h].imshow(w_HTT[h], cmap="viridis", vmin=0, vmax=1)
+      ax[r, h].set_title(f"{case} seed {seed}, head {h}\nmass on [BOS] {mass[h]:.2f} (batch mean)", fontsize=8)
+      ax[r, h].set(xticks=[0, 16, 32, 48, 63], yticks=[0, 16, 32, 48, 63], xlabel="key", ylabel="query" if h == 0 else None)
+  fig.colorbar(im, ax=ax, shrink=0.6)
+  fig.savefig(os.path.join(out, "attention_maps.png"), dpi=100)
+  plt.close(fig)
 
 
 def main() -> None:
