@@ -47,16 +47,17 @@ def load(run_dir: str) -> dict[str, list[tuple[int, list[dict]]]]:
 
 
 def against(x: list[float], base: list[float]) -> str:
-  """attn report's verdict of x against base, in whichever direction the means differ."""
+  """attn report's verdict of x against base, in whichever direction the means differ: clear/suggestive/noise."""
   hi, lo = (x, base) if np.mean(x) >= np.mean(base) else (base, x)
-  word = "higher" if hi is x else "lower"
+  arrow = "↑" if hi is x else "↓"
   v = report.verdict(hi, lo)
+  t = report.compare(hi, lo)[1]
+  se = "no spread" if np.isinf(t) else f"{t:.1f} SE"
   if v.startswith("a clear"):
-    se = v.split('(')[1].split(';')[0].replace("inf standard errors", "no spread in either group")
-    return f"clearly {word} ({se})"
+    return f"clear {arrow} ({se})"
   if v.startswith("suggestive"):
-    return f"suggestively {word} ({v.split('(')[1].split(',')[0]})"
-  return v.replace("within seed noise", "within noise")
+    return f"suggestive {arrow} ({se})"
+  return f"noise ({se})"
 
 
 def table(cases: dict) -> str:
@@ -70,7 +71,7 @@ def table(cases: dict) -> str:
       x = final[c][k]
       cell = f"{np.mean(x):.3g} ± {np.std(x, ddof=1):.2g}"
       if c != BASE and BASE in final and not np.isnan(x).any():
-        cell += f"<br>{against(x, final[BASE][k])}"
+        cell += f", {against(x, final[BASE][k])}"
       cells.append(cell)
     lines.append(f"| {c} | " + " | ".join(cells) + " |")
   lines.append("")
