@@ -26,7 +26,7 @@ from attn.experiments.reading import report  # noqa: E402
 
 METRICS = [("eval_loss", "held-out loss (nats)"), ("first_mass", "first-position mass"),
            ("sink_heads", "sink-head fraction (> 0.3)"), ("active_dormant", "active-dormant share"),
-           ("value_drain", "value drain ||v_0|| / median"), ("residual_first", "first-token residual / median"),
+           ("value_drain", "value drain ‖v₀‖ / median"), ("residual_first", "first-token residual / median"),
            ("residual_massive", "largest residual entry / median")]
 BASE, GATED = "per_head", "+gate elementwise"
 
