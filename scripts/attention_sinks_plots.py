@@ -5,7 +5,9 @@
 Reads each trial's metrics rows (the train.sink_metrics keys of
 attn.experiments.training.sink_eval, measured on the first held-out batch at
 every evaluation) and writes sinks_table.md (final values, mean ± std over
-seeds, each case against per_head by attn report's rule), sink_curves.png
+seeds, each case against per_head by attn report's rule; from the final
+checkpoints, row sums, the first position's share and where the residual's
+outliers sit), sink_curves.png
 (the baseline's metrics beside its loss), sinks_vs_case.png (the comparison)
 and attention_maps.png (per_head and +gate elementwise, seed 0, from the final
 checkpoints on the same held-out batch).
@@ -139,13 +141,37 @@ def comparison(cases: dict, out: str) -> None:
   plt.close(fig)
 
 
-def weights_of(run_dir: str, seed: int, trial: str) -> np.ndarray:
-  """The final checkpoint's layer-0 weights (B,H,T,T) on the first held-out batch (the one the sink metrics read)."""
+def forward(run_dir: str, seed: int, trial: str) -> tuple[np.ndarray, np.ndarray]:
+  """The final checkpoint's layer-0 weights (B,H,T,T) and residual (B,T,D) on the first held-out batch
+  (the one the sink metrics read)."""
   from attn.experiments.data import tasks
   from attn.experiments.reading.trials import load_trial
+  from attn.nn import models
   model, _, task = load_trial(run_dir, trial)
-  _, weights = model(task.batch(seed, tasks.EVAL, 0, 32)["tokens"], return_weights=True)
-  return np.asarray(weights[0], np.float64)
+  with models.record_residuals() as residuals:
+    _, weights = model(task.batch(seed, tasks.EVAL, 0, 32)["tokens"], return_weights=True)
+  return np.asarray(weights[0], np.float64), np.asarray(residuals[0], np.float64)
+
+
+def weights_of(run_dir: str, seed: int, trial: str) -> np.ndarray:
+  return forward(run_dir, seed, trial)[0]
+
+
+def outliers(run_dir: str, cases: dict, factor: float = 100.0) -> str:
+  """Per trial: where the largest residual entry sits, and which positions and dimensions exceed factor × median."""
+  lines = ["", f"Residual entries |h| above {factor:g} × the median (final checkpoints, first held-out batch): "
+           "largest / median at position t, count, positions, number of dimensions:", ""]
+  for c, v in cases.items():
+    for seed, _, trial in v:
+      a = np.abs(forward(run_dir, seed, trial)[1])
+      med = np.median(a)
+      _, t, _ = np.unravel_index(a.argmax(), a.shape)
+      big = np.nonzero(a > factor * med)
+      where = sorted(set(big[1].tolist()))
+      lines.append(f"- {c}, seed {seed}: {a.max() / med:.0f}× at t = {t}; {len(big[0])} entries"
+                   + (f" at t in {where[:3]}{'…' if len(where) > 3 else ''} ({len(where)} positions), "
+                      f"{len(set(big[2].tolist()))} dimensions" if len(big[0]) else ""))
+  return "\n".join(lines) + "\n"
 
 
 def shares(run_dir: str, cases: dict) -> str:
@@ -188,7 +214,7 @@ def main() -> None:
   os.makedirs(args.out, exist_ok=True)
   cases = load(args.run_dir)
   with open(os.path.join(args.out, "sinks_table.md"), "w", encoding="utf-8") as f:
-    f.write(table(cases) + shares(args.run_dir, cases))
+    f.write(table(cases) + shares(args.run_dir, cases) + outliers(args.run_dir, cases))
   curves(cases, args.out)
   comparison(cases, args.out)
   if GATED in cases:
