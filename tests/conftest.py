@@ -30,6 +30,11 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# attn.apply compiled whole (variant, cfg and flags static): run eagerly, every small op of a layer
+# compiles on its own, which costs a test several times more than one compile of the layer.
+jit_apply = jax.jit(attn.apply, static_argnums=0,
+                    static_argnames=("cfg", "return_weights", "is_causal"))
+
 # The awkward shapes every identity must survive: d_v != d_k, h not dividing
 # d_model, fewer key/value heads than query heads, no biases, a single head.
 CONFIGS = {

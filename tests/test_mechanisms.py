@@ -24,7 +24,7 @@ from attn.nn import DecoderLM, ModelConfig
 from attn.variants import cache as kv_cache
 from attn.variants import mechanisms
 from attn.variants.base import Options
-from conftest import FAST_VARIANTS, randn, random_params
+from conftest import FAST_VARIANTS, jit_apply, randn, random_params
 
 B, T, S = 2, 5, 7
 AWKWARD = HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=3, num_kv_heads=2)
@@ -201,9 +201,9 @@ def test_mechanisms_in_bf16():
   cfg = config("per_head", "all")
   p = per_head_params(cfg)
   x, ctx, blank, xi = inputs(cfg)
-  y32 = attn.apply("per_head", p, x, ctx, cfg=cfg, mask=blank, head_mask=xi)
+  y32 = jit_apply("per_head", p, x, ctx, cfg=cfg, mask=blank, head_mask=xi)
   p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
-  y16, w16 = attn.apply("per_head", p16, x.astype(jnp.bfloat16), ctx.astype(jnp.bfloat16),
+  y16, w16 = jit_apply("per_head", p16, x.astype(jnp.bfloat16), ctx.astype(jnp.bfloat16),
                         cfg=cfg, mask=blank, head_mask=xi.astype(jnp.bfloat16),
                         return_weights=True)
   assert y16.dtype == jnp.bfloat16 and w16.dtype == jnp.float32
