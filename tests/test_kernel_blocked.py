@@ -326,7 +326,7 @@ def test_fused_split_projections_equal_the_packed_matmul(G, V, use_bias):
   def proj(split):
     loss = lambda p, x: sum(jnp.sum(a * c) for a, c in
                             zip(fused.project_qkv(p, x, None, cfg, split=split), cts))
-    return jax.value_and_grad(loss, argnums=(0, 1))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   (packed, g_packed), (split, g_split) = proj(False)(params, x), proj(True)(params, x)
   np.testing.assert_allclose(split, packed, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_packed)):

@@ -423,4 +423,4 @@ def test_concrete_ids_captured_by_a_jitted_closure_are_checked_not_traced():
   graphdef, state = nnx.split(lm)
   tokens = jnp.ones((2, 5), jnp.int32)  # concrete, but closed over inside jit
   out = jax.jit(lambda s: nnx.merge(graphdef, s)(tokens))(state)
-  np.testing.assert_allclose(out, lm(tokens), atol=1e-5)
+  np.testing.assert_allclose(out, nnx.jit(lambda m, t: m(t))(lm, tokens), atol=1e-5)  # ids traced
