@@ -286,7 +286,7 @@ def test_models_outputs_equal_the_dense_mask_path():
 
 
 def test_decoder_lm_on_the_blocked_kernel_equals_einsum(monkeypatch):
-  cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=2, num_heads=4, d_ff=32, max_len=16,
+  cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=1, num_heads=4, d_ff=32, max_len=16,
                     variant="per_head")
   lm = DecoderLM(cfg, rngs=nnx.Rngs(3))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 31, (2, 11)))

@@ -46,6 +46,7 @@ def test_global_every_is_a_shorthand_for_the_list():
   assert layer_types.schedule(ModelConfig(**(BASE | dict(window=None)))) == ("full_attention",) * 4
 
 
+@pytest.mark.slow  # a whole model with every layer type, decoded: the fast tier's time limit
 def test_decoding_equals_the_full_pass_with_window_nope_and_global_layers():
   """One model with all of this change: the four types, a sliding base, interleaved YaRN RoPE, experts."""
   cfg = ModelConfig(**BASE, layer_types=MIXED, sliding_rope_theta=10.0, sinks=True, rope_layout="interleaved",

@@ -294,13 +294,24 @@ def test_ring_mask_sees_the_window_by_position():
 # ----------------------------------------------------------------- models
 
 
-def test_global_every_schedule_and_model_decoding():
-  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=3,
-                    num_kv_heads=2, variant="per_head", max_len=12, window=3, global_every=2,
-                    sinks=True, gate="headwise", qk_norm=True, softcap=3.0,
-                    positional="rope", rope_dim=2, rope_theta=100.0)
+GLOBAL_EVERY = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=3,
+                           num_kv_heads=2, variant="per_head", max_len=12, window=3, global_every=2,
+                           sinks=True, gate="headwise", qk_norm=True, softcap=3.0,
+                           positional="rope", rope_dim=2, rope_theta=100.0)
+
+
+def test_global_every_schedule():
+  cfg = GLOBAL_EVERY
   assert [cfg.replace(num_layers=5).layer_head(i).window for i in range(5)] == [3, None, 3, None, 3]
   assert all(cfg.replace(global_every=0).layer_head(i).window == 3 for i in range(4))
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))  # shapes only
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert count.model_param_count(cfg, "decoder_lm") == sum(a.size for a in leaves)
+
+
+@pytest.mark.slow  # a whole model with every mechanism, decoded: the fast tier's time limit
+def test_global_every_model_decoding():
+  cfg = GLOBAL_EVERY
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 7)), jnp.int32)
   full = nnx.jit(lambda m, t: m(t))(model, tokens)
@@ -309,8 +320,6 @@ def test_global_every_schedule_and_model_decoding():
   step = nnx.jit(lambda m, t: m(t, decode=True))
   steps = [step(model, tokens[:, :4])] + [step(model, tokens[:, i:i + 1]) for i in range(4, 7)]
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5, rtol=2e-5)
-  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-  assert count.model_param_count(cfg, "decoder_lm") == sum(a.size for a in leaves)
 
 
 def test_model_config_refuses_a_schedule_without_a_window():
