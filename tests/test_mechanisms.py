@@ -163,7 +163,13 @@ def per_head_params(cfg, seed=0):
 # ----------------------------------------------------------------- per_head against the loop
 
 
-@pytest.mark.parametrize("mech", sorted(MECHS))
+# "all" switches gate_elementwise, sinks, window and softcap on together (and qk_norm without RoPE):
+# those four alone run in the slow tier; what "all" leaves out runs alone in the fast tier.
+IN_ALL = ("gate_elementwise", "sinks", "softcap", "window")
+
+
+@pytest.mark.parametrize("mech", [pytest.param(m, marks=pytest.mark.slow if m in IN_ALL else ())
+                                  for m in sorted(MECHS)])
 def test_per_head_matches_the_naive_loop_under_jit_and_grad(mech):
   cfg = config("per_head", mech)
   p = per_head_params(cfg)
