@@ -88,9 +88,16 @@ def cfg(request):
   return CONFIGS[request.param]
 
 
+def device_array(a, dtype):
+  """a (numpy, any float dtype) as a jax array of dtype, cast on the host: jnp.asarray(a, dtype)
+  of a float64 array casts on the device, one compiled convert per new shape."""
+  dtype = np.dtype(dtype)
+  return jnp.asarray(np.asarray(a).astype(dtype), dtype)
+
+
 def randn(seed: int, shape, dtype=jnp.float32):
   """Fresh N(0,1) inputs drawn with numpy: jax.random would compile once per new shape."""
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+  return device_array(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def fresh_params(variant: str, cfg: HeadConfig, seed: int = 0, dtype=jnp.float32):
@@ -99,7 +106,7 @@ def fresh_params(variant: str, cfg: HeadConfig, seed: int = 0, dtype=jnp.float32
   out = {}
   for name, shape in sorted(attn.param_shapes(variant, cfg).items()):
     std = 0.5 if name.startswith("b_") else 1.0 / np.sqrt(np.prod(shape) / shape[-1])
-    out[name] = jnp.asarray(std * rng.standard_normal(shape), dtype)
+    out[name] = device_array(std * rng.standard_normal(shape), dtype)
   return out
 
 
@@ -109,7 +116,7 @@ def random_params(params, seed: int):
   out = {}
   for name, a in sorted(params.items()):
     std = 0.5 if name.startswith("b") else 1.0 / np.sqrt(a.size / a.shape[-1])
-    out[name] = jnp.asarray(std * rng.standard_normal(a.shape), a.dtype)
+    out[name] = device_array(std * rng.standard_normal(a.shape), a.dtype)
   return out
 
 
