@@ -1,13 +1,19 @@
 """Shared fixtures: awkward configs and fresh random inputs."""
 
+import importlib.metadata
 import os
 
-# Tests compile hundreds of tiny programs and run each once: XLA's CPU backend without its
+# Tests compile thousands of tiny programs and run each once: XLA's CPU backend without its
 # expensive LLVM passes compiles them about twice as fast (measured on two contract cases:
-# 7.8 s -> 4.6 s), and the same identities hold to the same tolerances.
+# 7.8 s -> 4.6 s), and without its MLIR fusion emitters (the older LLVM IR emitters instead)
+# a third faster again (test_kernel.py, cold cache, one process: 14.9 -> 9.9 s of CPU); the same
+# identities hold to the same tolerances.
+# XLA aborts on a flag it does not know: the emitters' flag only where it was tested (jaxlib 0.10.2).
+_JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-     "--xla_llvm_disable_expensive_passes=true"]).strip()
+     "--xla_llvm_disable_expensive_passes=true",
+     "--xla_cpu_use_fusion_emitters=false" if _JAXLIB >= (0, 10) else ""]).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp
@@ -27,6 +33,11 @@ os.makedirs(_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# attn.apply compiled whole (variant, cfg and flags static): run eagerly, every small op of a layer
+# compiles on its own, which costs a test several times more than one compile of the layer.
+jit_apply = jax.jit(attn.apply, static_argnums=0,
+                    static_argnames=("cfg", "return_weights", "is_causal"))
 
 # The awkward shapes every identity must survive: d_v != d_k, h not dividing
 # d_model, fewer key/value heads than query heads, no biases, a single head.
@@ -81,9 +92,16 @@ def cfg(request):
   return CONFIGS[request.param]
 
 
+def device_array(a, dtype):
+  """a (numpy, any float dtype) as a jax array of dtype, cast on the host: jnp.asarray(a, dtype)
+  of a float64 array casts on the device, one compiled convert per new shape."""
+  dtype = np.dtype(dtype)
+  return jnp.asarray(np.asarray(a).astype(dtype), dtype)
+
+
 def randn(seed: int, shape, dtype=jnp.float32):
   """Fresh N(0,1) inputs drawn with numpy: jax.random would compile once per new shape."""
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+  return device_array(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def fresh_params(variant: str, cfg: HeadConfig, seed: int = 0, dtype=jnp.float32):
@@ -92,7 +110,7 @@ def fresh_params(variant: str, cfg: HeadConfig, seed: int = 0, dtype=jnp.float32
   out = {}
   for name, shape in sorted(attn.param_shapes(variant, cfg).items()):
     std = 0.5 if name.startswith("b_") else 1.0 / np.sqrt(np.prod(shape) / shape[-1])
-    out[name] = jnp.asarray(std * rng.standard_normal(shape), dtype)
+    out[name] = device_array(std * rng.standard_normal(shape), dtype)
   return out
 
 
@@ -102,7 +120,7 @@ def random_params(params, seed: int):
   out = {}
   for name, a in sorted(params.items()):
     std = 0.5 if name.startswith("b") else 1.0 / np.sqrt(a.size / a.shape[-1])
-    out[name] = jnp.asarray(std * rng.standard_normal(a.shape), a.dtype)
+    out[name] = device_array(std * rng.standard_normal(a.shape), a.dtype)
   return out
 
 

@@ -1,5 +1,7 @@
 """attn.analysis: per-head circuits against numpy and the layers themselves; spectra and ranks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ circuits = jax.jit(analysis.circuits, static_argnums=(0, 2))
 AWKWARD = ("gqa", "mqa_nobias")
 
 
+@functools.cache  # cases() runs twice at collection, in every xdist worker
 def refusal(name, cfg):
   """The ConfigError of a variant without per-head circuits (Variant.circuits says why), or None."""
   shapes = {k: jax.ShapeDtypeStruct(s, jnp.float32)

@@ -193,17 +193,25 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
   cfg = models.ModelConfig(vocab_size=11, d_model=12, num_layers=3, num_heads=3, d_ff=8, max_len=9)
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(1))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)), jnp.int32)
-  with models.record_residuals() as seen:
-    model(tokens)
-  h = model.embed(tokens)
+
+  @nnx.jit  # one compile, not op by op; the recording works under jit (at trace time)
+  def run(model, tokens):
+    with models.record_residuals() as seen:
+      model(tokens)
+    h, chain = model.embed(tokens), []
+    for block in model.blocks:
+      h = block(h, is_causal=True)
+      chain.append(h)
+    return list(seen), chain
+
+  seen, chain = run(model, tokens)
   assert len(seen) == 3
-  for block, got in zip(model.blocks, seen):
-    h = block(h, is_causal=True)
+  for got, h in zip(seen, chain):
     np.testing.assert_allclose(np.asarray(got), np.asarray(h), rtol=1e-6, atol=1e-6)
   real = np.arange(9)[None, :] < np.array([[9], [4]])  # example 1 is padded past 4 tokens
   h_np = np.asarray(h).copy()
   h_np[1, 4:] = 1e6  # padding must not count
-  stats = _residual_stats(jnp.asarray(h_np), jnp.asarray(real))
+  stats = jax.jit(_residual_stats)(jnp.asarray(h_np), jnp.asarray(real))
   kept = np.abs(h_np[real])
   np.testing.assert_allclose(float(stats["residual_max"]), kept.max(), rtol=1e-6)
   np.testing.assert_allclose(float(stats["residual_median"]), np.median(kept), rtol=1e-6)

@@ -184,6 +184,9 @@ def test_an_unfinished_save_is_ignored_and_a_final_checkpoint_without_summary_is
   _assert_same_trials(sw, out, ref)
 
 
+forward = nnx.jit(lambda model, tokens: model(tokens))  # one compile, not op by op
+
+
 def test_load_trial_gives_the_model_whose_held_out_loss_is_the_summarys(reference):
   sw, out = reference[False]
   t = sw.trials[1]
@@ -195,7 +198,7 @@ def test_load_trial_gives_the_model_whose_held_out_loss_is_the_summarys(referenc
     losses = []
     for j in range(2):  # eval_batches
       b = task.batch(t.config["train"]["seed"], tasks.EVAL, j, 4)  # batch_size
-      logp = jax.nn.log_softmax(np.asarray(model(b["tokens"]), np.float64), axis=-1)
+      logp = jax.nn.log_softmax(np.asarray(forward(model, b["tokens"]), np.float64), axis=-1)
       nll = -np.take_along_axis(logp, b["targets"][..., None], axis=-1)[..., 0]
       losses.append((nll * b["weights"]).sum() / b["weights"].sum())
     return float(np.mean(losses))

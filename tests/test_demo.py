@@ -58,5 +58,9 @@ def test_bad_flags_exit_with_a_clear_message():
                      capture_output=True, text=True)
   assert r.returncode == 2
   assert "num_heads=0 is not allowed" in r.stderr and "Traceback" not in r.stderr
-  r = subprocess.run([sys.executable, "-m", "attn", "nonsense"], capture_output=True, text=True)
-  assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_an_unknown_command_exits_with_argparse_s_message(capsys):
+  with pytest.raises(SystemExit) as e:  # in process: a second interpreter would import JAX again
+    cli.main(["nonsense"])
+  assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err

@@ -90,7 +90,8 @@ def _inject_then_rerun(path, expected, out, kind, n, mode):
 
 
 @pytest.mark.parametrize("kind, n, mode", [
-    ("row", 3, "ENOSPC"),
+    # Subprocess sweeps, killed then re-run: every kind in the slow tier (the fast tier's time limit).
+    pytest.param("row", 3, "ENOSPC", marks=pytest.mark.slow),
     pytest.param("checkpoint", 2, "EIO", marks=pytest.mark.slow),
     pytest.param("store", 4, "ENOSPC", marks=pytest.mark.slow)])
 def test_a_fault_interrupts_and_a_plain_rerun_finishes_with_the_same_numbers(undisturbed, tmp_path, kind, n, mode):

@@ -102,8 +102,8 @@ def test_per_head_is_a_loop_of_h_linear_layers(cname):
   keep = np.random.default_rng(4).random((B, cfg.num_heads, T, S_)) < 0.6
   keep[0, :, 1] = False  # a query row that sees no key, in every head
   keep[1, -1] = False  # one head sees nothing at all in the second example
-  y, _ = attn.VARIANTS["per_head"].apply(params, x, c, cfg=cfg,
-                                         opts=Options(mask=jnp.asarray(keep)))
+  y, _ = jax.jit(lambda p, x, c, keep: attn.VARIANTS["per_head"].apply(  # one compile, not op by op
+      p, x, c, cfg=cfg, opts=Options(mask=keep)))(params, x, c, jnp.asarray(keep))
   np.testing.assert_allclose(np.asarray(y), _per_head_loop(params, x, c, cfg, keep),
                              rtol=1e-5, atol=1e-5)
   # A row that sees no key in any head is the output bias alone, not NaN.

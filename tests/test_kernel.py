@@ -25,8 +25,15 @@ def random_mask(seed, B, H, T, S, p=0.6):
   return jax.random.bernoulli(jax.random.PRNGKey(seed), p, (B, H, T, S))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("use_jit", [False, True])
+# The reference compiled whole: eagerly, each of its small ops compiles on its own.
+reference = jax.jit(kernel.reference_attention)
+
+
+# Eager (op by op, slow to compile) at the grouped cross-attention shape; the rest in the slow tier.
+@pytest.mark.parametrize("shape, use_jit", [
+    pytest.param(shape, use_jit, id=f"{use_jit}-shape{i}",
+                 marks=pytest.mark.slow if not use_jit and i != 1 else ())
+    for use_jit in (False, True) for i, shape in enumerate(SHAPES)])
 def test_matches_reference(shape, use_jit):
   B, T, S, H, G, K, V = shape
   q, k, v = qkv(0, *shape)
@@ -34,7 +41,7 @@ def test_matches_reference(shape, use_jit):
   mask = mask.at[:, :, 0].set(False)  # blank a whole row of every head
   f = jax.jit(kernel.attention) if use_jit else kernel.attention
   for m in (None, mask, mask[:, :1], masks.causal_mask(T, S) if T <= S else None):
-    np.testing.assert_allclose(f(q, k, v, m), kernel.reference_attention(q, k, v, m),
+    np.testing.assert_allclose(f(q, k, v, m), reference(q, k, v, m),
                                atol=2e-6, rtol=1e-5)
 
 
@@ -57,7 +64,8 @@ def test_fully_masked_rows_have_finite_gradients():
   B, T, S, H, G, K, V = shape
   q, k, v = qkv(2, *shape)
   mask = jnp.zeros((B, H, T, S), bool).at[:, :, 1:].set(True)
-  grads = jax.grad(lambda q, k, v: kernel.attention(q, k, v, mask).sum(), argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(lambda q, k, v: kernel.attention(q, k, v, mask).sum(),
+                           argnums=(0, 1, 2)))(q, k, v)
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
   assert np.all(np.asarray(grads[0])[:, 0] == 0)  # the blank query gets no gradient
@@ -68,7 +76,7 @@ def test_gradients_match_reference():
   B, T, S, H, G, K, V = shape
   q, k, v = qkv(4, *shape)
   mask = random_mask(9, B, H, T, S)
-  f = lambda fn: jax.grad(lambda q, k, v: (fn(q, k, v, mask) ** 2).sum(), argnums=(0, 1, 2))
+  f = lambda fn: jax.jit(jax.grad(lambda q, k, v: (fn(q, k, v, mask) ** 2).sum(), argnums=(0, 1, 2)))
   for a, b in zip(f(kernel.attention)(q, k, v), f(kernel.reference_attention)(q, k, v)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -77,7 +85,8 @@ def test_vmap_over_batch_equals_batched_call():
   B, T, S, H, G, K, V = SHAPES[2]
   q, k, v = qkv(6, *SHAPES[2])
   one = lambda q, k, v: kernel.attention(q[None], k[None], v[None])[0]
-  np.testing.assert_allclose(jax.vmap(one)(q, k, v), kernel.attention(q, k, v), atol=1e-6)
+  np.testing.assert_allclose(jax.jit(jax.vmap(one))(q, k, v), jax.jit(kernel.attention)(q, k, v),
+                             atol=1e-6)
 
 
 def test_bf16_inputs_softmax_in_float32():
@@ -85,7 +94,7 @@ def test_bf16_inputs_softmax_in_float32():
   q, k, v = qkv(7, *shape, dtype=jnp.bfloat16)
   out, w = kernel.attention(q, k, v, return_weights=True)
   assert out.dtype == jnp.bfloat16 and w.dtype == jnp.float32
-  ref = kernel.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+  ref = reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
   np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2, rtol=5e-2)
   # Large logits that would overflow a bf16 softmax stay finite.
   out = kernel.attention(q * 60, k * 60, v)

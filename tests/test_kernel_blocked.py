@@ -71,6 +71,12 @@ def value_and_grads(fn):
   return jax.jit(run)
 
 
+# Compiled whole: op by op, every small op of the kernel compiles on its own.
+attention = jax.jit(kernel.attention, static_argnames=("is_causal", "impl", "block_q", "block_k"))
+jit_grads = jax.jit(grads, static_argnums=0)
+reference = jax.jit(kernel.reference_attention)
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_blocked_equals_einsum_values_and_gradients(name):
   B, T, S, H, G, K, V, bq, bk = SHAPES[name]
@@ -86,8 +92,7 @@ def test_blocked_equals_einsum_values_and_gradients(name):
     ref_out, ref_grads = value_and_grads(
         lambda q, k, v: kernel.attention(q, k, v, keep, impl="einsum"))(q, k, v, ct)
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(out, kernel.reference_attention(q, k, v, keep), atol=1e-5,
-                               rtol=1e-5)
+    np.testing.assert_allclose(out, reference(q, k, v, keep), atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, ref_grads):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -100,9 +105,8 @@ def test_structured_masks_equal_dense_masks_on_every_path(impl):
     for case in ((True, "lengths", "blank"), (True, None, None)):
       is_causal, kv_lengths, mask = structured(B, T, S, case, seed=T)
       keep = dense_mask(B, H, T, S, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask)
-      got = kernel.attention(q, k, v, mask, is_causal=is_causal, kv_lengths=kv_lengths,
-                             impl=impl)
-      np.testing.assert_allclose(got, kernel.reference_attention(q, k, v, jnp.asarray(keep)),
+      got = attention(q, k, v, mask, is_causal=is_causal, kv_lengths=kv_lengths, impl=impl)
+      np.testing.assert_allclose(got, reference(q, k, v, jnp.asarray(keep)),
                                  atol=2e-6, rtol=1e-5)
 
 
@@ -110,10 +114,10 @@ def test_fully_masked_rows_are_zero_in_value_and_gradient():
   B, T, S, H, G, K, V, bq, bk = SHAPES["mqa_T_gt_S"]
   q, k, v = qkv(2, B, T, S, H, G, K, V)
   kv_lengths = jnp.array([0, 3, 0])
-  f = lambda q, k, v: kernel.attention(q, k, v, is_causal=True, kv_lengths=kv_lengths,
-                                       impl="blocked", block_q=bq, block_k=bk)
+  f = lambda q, k, v: attention(q, k, v, is_causal=True, kv_lengths=kv_lengths,
+                                impl="blocked", block_q=bq, block_k=bk)
   out = np.asarray(f(q, k, v))
-  dq, dk, dv = (np.asarray(g) for g in grads(f, q, k, v, randn(3, out.shape)))
+  dq, dk, dv = (np.asarray(g) for g in jit_grads(f, q, k, v, randn(3, out.shape)))
   assert np.all(np.isfinite(dq)) and np.all(np.isfinite(dk)) and np.all(np.isfinite(dv))
   for b in (0, 2):  # no key at all
     assert not out[b].any() and not dq[b].any() and not dk[b].any() and not dv[b].any()
@@ -127,17 +131,18 @@ def test_bfloat16_within_its_tolerance():
   B, T, S, H, G, K, V, bq, bk = SHAPES["gqa_cross"]
   q, k, v = qkv(4, B, T, S, H, G, K, V, jnp.bfloat16)
   kv_lengths = jnp.array([4, 11])
-  f = lambda q, k, v: kernel.attention(q, k, v, is_causal=True, kv_lengths=kv_lengths,
-                                       impl="blocked", block_q=bq, block_k=bk)
+  f = lambda q, k, v: attention(q, k, v, is_causal=True, kv_lengths=kv_lengths,
+                                impl="blocked", block_q=bq, block_k=bk)
   out = f(q, k, v)
   assert out.dtype == jnp.bfloat16
   f32 = [a.astype(jnp.float32) for a in (q, k, v)]
   keep = jnp.asarray(dense_mask(B, H, T, S, is_causal=True, kv_lengths=kv_lengths))
-  np.testing.assert_allclose(out.astype(jnp.float32), kernel.reference_attention(*f32, keep),
+  np.testing.assert_allclose(out.astype(jnp.float32), reference(*f32, keep),
                              atol=3e-2, rtol=3e-2)
   ct = randn(5, out.shape)
   ref = lambda q, k, v: kernel.attention(q, k, v, keep)
-  for a, b in zip(grads(lambda *x: f(*x).astype(jnp.float32), q, k, v, ct), grads(ref, *f32, ct)):
+  for a, b in zip(jit_grads(lambda *x: f(*x).astype(jnp.float32), q, k, v, ct),
+                  jit_grads(ref, *f32, ct)):
     assert a.dtype == jnp.bfloat16
     np.testing.assert_allclose(a.astype(jnp.float32), b, atol=6e-2, rtol=6e-2)
   big = f(q * 60, k * 60, v)  # logits far past bf16's exp range stay finite
@@ -281,7 +286,7 @@ def test_models_outputs_equal_the_dense_mask_path():
 
 
 def test_decoder_lm_on_the_blocked_kernel_equals_einsum(monkeypatch):
-  cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=2, num_heads=4, d_ff=32, max_len=16,
+  cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=1, num_heads=4, d_ff=32, max_len=16,
                     variant="per_head")
   lm = DecoderLM(cfg, rngs=nnx.Rngs(3))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 31, (2, 11)))
@@ -321,7 +326,7 @@ def test_fused_split_projections_equal_the_packed_matmul(G, V, use_bias):
   def proj(split):
     loss = lambda p, x: sum(jnp.sum(a * c) for a, c in
                             zip(fused.project_qkv(p, x, None, cfg, split=split), cts))
-    return jax.value_and_grad(loss, argnums=(0, 1))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   (packed, g_packed), (split, g_split) = proj(False)(params, x), proj(True)(params, x)
   np.testing.assert_allclose(split, packed, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_packed)):

@@ -24,7 +24,7 @@ from attn.nn import DecoderLM, ModelConfig
 from attn.variants import cache as kv_cache
 from attn.variants import mechanisms
 from attn.variants.base import Options
-from conftest import FAST_VARIANTS, randn, random_params
+from conftest import FAST_VARIANTS, jit_apply, randn, random_params
 
 B, T, S = 2, 5, 7
 AWKWARD = HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=3, num_kv_heads=2)
@@ -163,7 +163,13 @@ def per_head_params(cfg, seed=0):
 # ----------------------------------------------------------------- per_head against the loop
 
 
-@pytest.mark.parametrize("mech", sorted(MECHS))
+# "all" switches gate_elementwise, sinks, window and softcap on together (and qk_norm without RoPE):
+# those four alone run in the slow tier; what "all" leaves out runs alone in the fast tier.
+IN_ALL = ("gate_elementwise", "sinks", "softcap", "window")
+
+
+@pytest.mark.parametrize("mech", [pytest.param(m, marks=pytest.mark.slow if m in IN_ALL else ())
+                                  for m in sorted(MECHS)])
 def test_per_head_matches_the_naive_loop_under_jit_and_grad(mech):
   cfg = config("per_head", mech)
   p = per_head_params(cfg)
@@ -201,9 +207,9 @@ def test_mechanisms_in_bf16():
   cfg = config("per_head", "all")
   p = per_head_params(cfg)
   x, ctx, blank, xi = inputs(cfg)
-  y32 = attn.apply("per_head", p, x, ctx, cfg=cfg, mask=blank, head_mask=xi)
+  y32 = jit_apply("per_head", p, x, ctx, cfg=cfg, mask=blank, head_mask=xi)
   p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
-  y16, w16 = attn.apply("per_head", p16, x.astype(jnp.bfloat16), ctx.astype(jnp.bfloat16),
+  y16, w16 = jit_apply("per_head", p16, x.astype(jnp.bfloat16), ctx.astype(jnp.bfloat16),
                         cfg=cfg, mask=blank, head_mask=xi.astype(jnp.bfloat16),
                         return_weights=True)
   assert y16.dtype == jnp.bfloat16 and w16.dtype == jnp.float32
@@ -294,13 +300,24 @@ def test_ring_mask_sees_the_window_by_position():
 # ----------------------------------------------------------------- models
 
 
-def test_global_every_schedule_and_model_decoding():
-  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=3,
-                    num_kv_heads=2, variant="per_head", max_len=12, window=3, global_every=2,
-                    sinks=True, gate="headwise", qk_norm=True, softcap=3.0,
-                    positional="rope", rope_dim=2, rope_theta=100.0)
+GLOBAL_EVERY = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=3,
+                           num_kv_heads=2, variant="per_head", max_len=12, window=3, global_every=2,
+                           sinks=True, gate="headwise", qk_norm=True, softcap=3.0,
+                           positional="rope", rope_dim=2, rope_theta=100.0)
+
+
+def test_global_every_schedule():
+  cfg = GLOBAL_EVERY
   assert [cfg.replace(num_layers=5).layer_head(i).window for i in range(5)] == [3, None, 3, None, 3]
   assert all(cfg.replace(global_every=0).layer_head(i).window == 3 for i in range(4))
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))  # shapes only
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert count.model_param_count(cfg, "decoder_lm") == sum(a.size for a in leaves)
+
+
+@pytest.mark.slow  # a whole model with every mechanism, decoded: the fast tier's time limit
+def test_global_every_model_decoding():
+  cfg = GLOBAL_EVERY
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 7)), jnp.int32)
   full = nnx.jit(lambda m, t: m(t))(model, tokens)
@@ -309,8 +326,6 @@ def test_global_every_schedule_and_model_decoding():
   step = nnx.jit(lambda m, t: m(t, decode=True))
   steps = [step(model, tokens[:, :4])] + [step(model, tokens[:, i:i + 1]) for i in range(4, 7)]
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5, rtol=2e-5)
-  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-  assert count.model_param_count(cfg, "decoder_lm") == sum(a.size for a in leaves)
 
 
 def test_model_config_refuses_a_schedule_without_a_window():

@@ -20,7 +20,7 @@ import test_count
 from attn import ConfigError, HeadConfig
 from attn.nn import DecoderLM, ModelConfig
 from attn.variants import cache as kv_cache
-from conftest import fresh_params, randn
+from conftest import fresh_params, jit_apply, randn
 
 B = 2
 
@@ -159,8 +159,8 @@ def test_equals_the_naive_loop_under_jit_and_grad(variant, cname):
 def test_differential_weights_are_the_difference_map():
   cfg, x, ctx, keep, q_pos, _ = inputs("gqa_cross_rope", seed=4)
   p = params_of("differential", cfg)
-  _, w = attn.apply("differential", p, x, ctx, cfg=cfg, mask=keep, positions=q_pos,
-                    return_weights=True)
+  _, w = jit_apply("differential", p, x, ctx, cfg=cfg, mask=keep, positions=q_pos,
+                   return_weights=True)
   lam = float(attn.variants.differential.lambda_(p, cfg))
   sums = np.asarray(w.sum(-1))
   seen = np.asarray(keep.any(-1))  # (B,1,T): rows with a key
@@ -175,7 +175,7 @@ def test_lambda_init_follows_the_layer():
   assert attn.variants.differential.lambda_init(2) == pytest.approx(0.8 - 0.6 * math.exp(-0.3))
   cfg, x, _, _, _, _ = inputs("mqa_self_nobias")
   p = params_of("differential", cfg)
-  y1, y2 = (attn.apply("differential", p, x, cfg=cfg.replace(layer=l)) for l in (1, 2))
+  y1, y2 = (jit_apply("differential", p, x, cfg=cfg.replace(layer=l)) for l in (1, 2))
   assert float(jnp.abs(y1 - y2).max()) > 1e-3
 
 

@@ -127,7 +127,8 @@ def test_module_gradient_step_changes_params_and_lowers_loss():
 def test_module_bf16():
   cfg = attn.HeadConfig(d_model=8, num_heads=2)
   m = MultiHeadAttention(cfg, "fused", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-  y = m(jnp.asarray(randn(0, (1, 3, 8)), jnp.bfloat16), mask=np.tri(3, dtype=bool))
+  x = jnp.asarray(randn(0, (1, 3, 8)), jnp.bfloat16)
+  y = nnx.jit(lambda m, x: m(x, mask=np.tri(3, dtype=bool)))(m, x)  # one compile, not op by op
   assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y)))
 
 
@@ -423,4 +424,4 @@ def test_concrete_ids_captured_by_a_jitted_closure_are_checked_not_traced():
   graphdef, state = nnx.split(lm)
   tokens = jnp.ones((2, 5), jnp.int32)  # concrete, but closed over inside jit
   out = jax.jit(lambda s: nnx.merge(graphdef, s)(tokens))(state)
-  np.testing.assert_allclose(out, lm(tokens), atol=1e-5)
+  np.testing.assert_allclose(out, nnx.jit(lambda m, t: m(t))(lm, tokens), atol=1e-5)  # ids traced

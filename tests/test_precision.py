@@ -96,6 +96,7 @@ def _stored_dtypes(directory, step):
           if "float" in dtype}
 
 
+@pytest.mark.slow  # end to end, trained twice: the fast tier's time limit
 def test_bfloat16_parameters_optimiser_state_and_checkpoints_stay_bfloat16(tmp_path):
   param_dtype = "bfloat16"
   trial = _trial(MQAR, "model.dtype=bfloat16", f"model.param_dtype={param_dtype}")

@@ -19,7 +19,7 @@ from attn import ConfigError, HeadConfig
 from attn.experiments.running import config as config_lib
 from attn.nn.models import DecoderLM, ModelConfig
 from attn.variants import rope
-from conftest import ROPE_CONFIGS, TINY_MQAR, fresh_params, randn
+from conftest import ROPE_CONFIGS, TINY_MQAR, fresh_params, jit_apply, randn
 
 # The fields' defaults: RoPE without scaling.
 UNSCALED = dict(rope_scaling=None, rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
@@ -116,11 +116,11 @@ def test_linear_by_two_at_doubled_positions_is_plain_rope_in_every_variant():
   x = randn(0, (2, 4, cfg.d_model))
   for name in names:
     params = fresh_params(name, cfg)
-    want = attn.apply(name, params, x, cfg=cfg, positions=pos, is_causal=True)
-    got = attn.apply(name, params, x, cfg=scaled, positions=2 * pos, is_causal=True)
+    want = jit_apply(name, params, x, cfg=cfg, positions=pos, is_causal=True)
+    got = jit_apply(name, params, x, cfg=scaled, positions=2 * pos, is_causal=True)
     np.testing.assert_allclose(got, want, atol=1e-6, err_msg=name)
     if name == "per_head":  # the scaling acts at all
-      off = attn.apply(name, params, x, cfg=scaled, positions=pos, is_causal=True)
+      off = jit_apply(name, params, x, cfg=scaled, positions=pos, is_causal=True)
       assert float(jnp.abs(off - want).max()) > 1e-3
 
 

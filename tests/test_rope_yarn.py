@@ -50,20 +50,21 @@ def test_partial_rotation_in_both_layouts_against_numpy(layout):
 
 def test_interleaved_is_half_on_permuted_dims_and_scores_depend_on_offsets():
   """interleaved(x) = P⁻¹ half(P x) with P the de-interleaving permutation; q·k reads only t − s."""
+  rotate = jax.jit(rope.rotate, static_argnums=2)  # one compile per layout, not op by op
   cfg = HeadConfig(d_model=12, num_heads=2, d_k=10, rope_dim=6, rope_theta=50.0)
   inter = cfg.replace(rope_layout="interleaved")
   perm = np.r_[0:6:2, 1:6:2, 6:10]
   x = randn(0, (1, 4, 2, 10))
   pos = jnp.array([3, 7, 11, 40])
-  np.testing.assert_allclose(rope.rotate(x, pos, inter)[..., perm], rope.rotate(x[..., perm], pos, cfg),
+  np.testing.assert_allclose(rotate(x, pos, inter)[..., perm], rotate(x[..., perm], pos, cfg),
                              atol=1e-5)
   q, k = randn(1, (1, 1, 10)), randn(2, (1, 1, 10))
   for layout in (cfg, inter):
-    s1 = jnp.sum(rope.rotate(q, jnp.array([9]), layout) * rope.rotate(k, jnp.array([4]), layout))
-    s2 = jnp.sum(rope.rotate(q, jnp.array([105]), layout) * rope.rotate(k, jnp.array([100]), layout))
+    s1 = jnp.sum(rotate(q, jnp.array([9]), layout) * rotate(k, jnp.array([4]), layout))
+    s2 = jnp.sum(rotate(q, jnp.array([105]), layout) * rotate(k, jnp.array([100]), layout))
     np.testing.assert_allclose(s1, s2, rtol=1e-4)
   R = rope.rotation_matrices([5], inter)[0]
-  np.testing.assert_allclose(np.asarray(q[0]) @ R, rope.rotate(q, jnp.array([5]), inter)[0], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(q[0]) @ R, rotate(q, jnp.array([5]), inter)[0], atol=1e-5)
 
 
 def paper_yarn(theta, r, factor, L, alpha, beta, truncate):

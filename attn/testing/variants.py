@@ -95,13 +95,14 @@ def _close(prop: str, v: Variant, cfg: HeadConfig, got, want, atol: float, what:
 def _random_params(v: Variant, cfg: HeadConfig, seed: int) -> dict:
   """Random params of init's shapes, each leaf at its scale, biases nonzero (init makes them zero)."""
   rng = np.random.default_rng(seed)
-  return {n: jnp.asarray((0.5 if n.startswith("b") else 1.0 / np.sqrt(np.prod(s) / s[-1]))
-                         * rng.standard_normal(s), jnp.float32)
+  return {n: jnp.asarray(((0.5 if n.startswith("b") else 1.0 / np.sqrt(np.prod(s) / s[-1]))
+                          * rng.standard_normal(s)).astype(np.float32), jnp.float32)  # cast on the host
           for n, s in sorted(api.param_shapes(v, cfg).items())}
 
 
 def _randn(seed: int, shape) -> jax.Array:
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+  # Cast on the host: jnp.asarray(float64, float32) compiles a convert per shape.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32), jnp.float32)
 
 
 def _blank_mask() -> jax.Array:
