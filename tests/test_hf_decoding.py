@@ -60,7 +60,7 @@ def _hf_steps(m, prompt_BT, chosen_BN):
   """transformers' logits of the same steps with its cache, teacher-forced with attn's tokens.
 
   transformers 5.2 and later name the cache `cache` (argument and output), older releases
-  `past_key_values`. Gemma 2 on transformers 4 sizes the HybridCache it makes by itself to the
+  `past_key_values`. Gemma 2 and 3 on transformers 4 size the HybridCache they make by themselves to the
   first call's length, so there the loop makes one for every position, as generate() does, and
   says where each step's tokens go (cache_position). 5 has no HybridCache: Gemma 2 makes a
   DynamicCache whose sliding-window layers grow."""
@@ -69,7 +69,7 @@ def _hf_steps(m, prompt_BT, chosen_BN):
   params = inspect.signature(m.forward).parameters
   key = "cache" if "cache" in params else "past_key_values"
   past = {}
-  if int(transformers.__version__.split(".")[0]) < 5 and m.config.model_type == "gemma2":
+  if int(transformers.__version__.split(".")[0]) < 5 and m.config.model_type in ("gemma2", "gemma3_text"):
     past = {key: transformers.HybridCache(m.config, max_batch_size=prompt_BT.shape[0],
                                           max_cache_len=prompt_BT.shape[1] + chosen_BN.shape[1],
                                           dtype=torch.float32)}
