@@ -19,17 +19,9 @@ from attn.experiments.running import config as config_lib
 from attn.experiments.running import store
 from attn.experiments.running import sweep
 from attn.experiments.running import tb_writer
-from conftest import TINY_MQAR
+from conftest import TINY_SWEEP
 
-CONFIG = TINY_MQAR + """
-[train]
-steps = 4
-batch_size = 2
-eval_every = 2
-eval_batches = 1
-
-[sweep]
-seeds = [0]
+CONFIG = TINY_SWEEP.replace("seeds = [0, 1]", "seeds = [0]") + """
 
 [sweep.grid]
 "model.num_heads" = [1, 2]
