@@ -176,3 +176,22 @@ def test_first_mass_and_sink_mass_against_hand_computed_rows():
   np.testing.assert_allclose(out["first_mass"], [1.0, np.mean([1 / (t + 1) for t in rows]),
                                                  0.5 * np.mean([1 / (t + 1) for t in rows])], rtol=1e-5)
   np.testing.assert_allclose(out["sink_mass"], [0.0, 0.0, 0.5], atol=1e-6)
+  np.testing.assert_allclose(out["row_sum"], [1.0, 1.0, 0.5], atol=1e-6)
+
+
+@pytest.mark.parametrize("probability, signed", [("softmax", False), ("sigmoid", False), ("relu", False),
+                                                 ("softmax", True)])
+def test_summary_keeps_entropy_and_sink_mass_only_for_rows_that_are_distributions(probability, signed):
+  from attn.experiments.reading.analyze import summarize
+  rng = np.random.default_rng(7)
+  T = 5
+  causal = np.tril(np.ones((T, T), bool))
+  w = rng.uniform(0.0, 0.4, (2, 3, T, T)) * causal  # rows summing to anything, as sigmoid's do
+  attention = {k: np.asarray(v).tolist() for k, v in stats(jnp.asarray(w, jnp.float32), jnp.asarray(causal)).items()}
+  layer = {"attention": {**attention, "residual_max": 3.0, "residual_median": 1.0},
+           "qk": {"effective_rank": [1.0] * 3, "rank": [1] * 3}, "ov": {"effective_rank": [1.0] * 3, "rank": [1] * 3}}
+  out = summarize([layer], {"prunable_fraction": 0.0}, signed, probability)
+  np.testing.assert_allclose(out["row_sum"], w.sum(-1).mean(), rtol=1e-5)  # every causal row has a key
+  distributions = probability == "softmax" and not signed
+  for key in ("attention_entropy", "head_diversity", "sink_mass"):
+    assert (out[key] is not None) == distributions, key

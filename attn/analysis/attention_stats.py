@@ -25,6 +25,10 @@ Per head, averaged over the counted queries of every example:
               under a causal mask)
   sink_mass   1 − Σ_s w_ts: the mass a learned sink logit (HeadConfig.sinks,
               gpt-oss) takes from the keys; 0 for a plain softmax
+  row_sum     Σ_s w_ts: 1 under softmax, less with a learned sink, anything
+              under sigmoid or ReLU (HeadConfig.probability), whose rows are
+              not distributions: there entropy, head_js and sink_mass have no
+              meaning, and attn analyze's summary leaves them out
 Per layer:
   head_js     (H,H): the Jensen–Shannon divergence (nats) between heads h and g,
               per query row, averaged: 0 for equal rows, log 2 for rows on disjoint keys
@@ -93,7 +97,7 @@ def head_js(w_BHTS, mask=None) -> Array:
 
 
 def attention_stats(w_BHTS, mask=None, rtol: float = RANK_RTOL) -> dict[str, Array]:
-  """{"entropy", "confidence", "distance", "rank", "first_mass", "sink_mass"} (H,), "head_js" (H,H),
+  """{"entropy", "confidence", "distance", "rank", "first_mass", "sink_mass", "row_sum"} (H,), "head_js" (H,H),
   "diversity", "max_entropy"."""
   w_BHTS, mask = _check(w_BHTS, mask)
   B, H, T, S = w_BHTS.shape
@@ -116,6 +120,7 @@ def attention_stats(w_BHTS, mask=None, rtol: float = RANK_RTOL) -> dict[str, Arr
       "rank": jnp.where(rows_BHT.any(-1), rank_BH, 0).sum(0) / jnp.maximum(examples_H, 1),
       "first_mass": _row_mean(w_BHTS[..., 0], chooses_BHT),
       "sink_mass": _row_mean(1.0 - w_BHTS.sum(-1), rows_BHT),
+      "row_sum": _row_mean(w_BHTS.sum(-1), rows_BHT),
       "head_js": js_HH,
       "diversity": diversity,
       "max_entropy": _row_mean(jnp.log(jnp.maximum(n_keys_BHT, 1)).astype(w_BHTS.dtype),

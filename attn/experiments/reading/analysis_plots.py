@@ -44,7 +44,8 @@ def attention_grid(plt, a: dict[str, Any], weights: list[np.ndarray], path: str)
       else:
         image = ax.imshow(w_HTS[h], cmap="Blues", norm=PowerNorm(0.5, vmin=0.0, vmax=1.0),
                           interpolation="nearest")
-      entropy = stats["entropy"][h]
+      # under sigmoid or ReLU (or differential) the rows are no distributions: no entropy (analyze.summarize)
+      entropy = stats["entropy"][h] if (a.get("summary") or {}).get("attention_entropy", 0) is not None else None
       ax.set_title(f"layer {l} head {h}\nentropy {'–' if entropy is None else f'{entropy:.2f}'}, "
                    f"imp. {importance[h]:.2f}", fontsize=7)
       ax.set_xticks([])

@@ -28,6 +28,7 @@ METRICS = (
     ("head_diversity", "head diversity (mean JS, nats)"),
     ("first_mass", "attention on the first position"),
     ("sink_mass", "attention on a learned sink"),
+    ("row_sum", "attention row sum (1 under softmax)"),
     ("residual_max", "largest residual |h|"),
     ("residual_max_over_median", "largest / median residual |h|"),
     ("sink_heads", "fraction of sink heads"),

@@ -302,19 +302,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(layers: list[dict[str, Any]], curve: dict[str, Any],
-              signed: bool = False) -> dict[str, float | None]:
+              signed: bool = False, probability: str = "softmax") -> dict[str, float | None]:
   """The scalars the report compares: means over layers and heads, head diversity, prunable fraction.
 
   signed: the variant's weights are a difference of softmaxes (differential), whose rows do not
-  sum to 1 for want of a sink: no sink mass then.
+  sum to 1 for want of a sink: no sink mass then. probability (HeadConfig.probability) other than
+  "softmax": rows that are not distributions (sigmoid, ReLU), so no entropy, head diversity (a
+  Jensen–Shannon divergence) or sink mass (one minus the row sum, which there is no sink's); the
+  row sum is reported for every case.
   """
   over = lambda part, key: _mean([v for lay in layers for v in lay[part][key]])
   diversity = [lay["attention"]["diversity"] for lay in layers]
+  rows_are_distributions = not signed and probability == "softmax"
+  only = lambda value: value if rows_are_distributions else None
   return {"qk_effective_rank": over("qk", "effective_rank"), "qk_rank": over("qk", "rank"),
           "ov_effective_rank": over("ov", "effective_rank"), "ov_rank": over("ov", "rank"),
-          "attention_entropy": over("attention", "entropy"), "attention_rank": over("attention", "rank"),
-          "head_diversity": _mean([d for d in diversity if d is not None]),  # None with one head
-          "first_mass": over("attention", "first_mass"), "sink_mass": None if signed else over("attention", "sink_mass"),
+          "attention_entropy": only(over("attention", "entropy")), "attention_rank": over("attention", "rank"),
+          "head_diversity": only(_mean([d for d in diversity if d is not None])),  # None with one head
+          "first_mass": over("attention", "first_mass"), "sink_mass": only(over("attention", "sink_mass")),
+          "row_sum": over("attention", "row_sum"),
           "residual_max": _max([lay["attention"]["residual_max"] for lay in layers]),
           "residual_max_over_median": _max([_ratio(lay["attention"]["residual_max"],
                                                    lay["attention"]["residual_median"]) for lay in layers]),
@@ -422,7 +428,7 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
       "data": {"held_out_batches": n, "importance_batches": seen["tokens"].shape[0], "batch_size": B,
                "importance_split": "train", "attention_rank_rtol": RANK_RTOL},
       "eval": {"loss": curve["loss"][0], "accuracy": curve["accuracy"][0]},
-      "layers": layers, "pruning": curve, "summary": summarize(layers, curve, signed),
+      "layers": layers, "pruning": curve, "summary": summarize(layers, curve, signed, model_cfg.head.probability),
       "example": {"tokens": held_out["tokens"][0, 0]}})
   if plots:
     from attn.experiments.reading import analysis_plots
