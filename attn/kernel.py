@@ -29,13 +29,18 @@ def _check_qkv(q_BTHK, k_BSGK, v_BSGV) -> None:
     if getattr(a, "ndim", None) != 4:
       raise invalid(f"{name}.shape", getattr(a, "shape", None), "rank 4")
   B, T, H, K = q_BTHK.shape
-  Bk, S, G, Kk = k_BSGK.shape
+  Bk, S, Gk, Kk = k_BSGK.shape
   if Bk != B or Kk != K:
     raise invalid("k.shape", k_BSGK.shape, f"(B={B}, S, G, K={K}) to match q {q_BTHK.shape}")
+  if H % Gk:
+    raise invalid("k.shape[2]", Gk, f"a divisor of the query heads H={H}")
+  # A key with one head is shared by every kv head: v may then have any G dividing H.
+  G = v_BSGV.shape[2] if Gk == 1 and getattr(v_BSGV, "ndim", 0) == 4 else Gk
   if H % G:
-    raise invalid("k.shape[2]", G, f"a divisor of the query heads H={H}")
+    raise invalid("v.shape[2]", G, f"a divisor of the query heads H={H}")
   if v_BSGV.shape[:3] != (B, S, G):
-    raise invalid("v.shape", v_BSGV.shape, f"(B={B}, S={S}, G={G}, V) to match k")
+    raise invalid("v.shape", v_BSGV.shape, f"(B={B}, S={S}, G={G}, V) to match k"
+                  + (" (a one-head k is shared by every kv head)" if Gk == 1 else ""))
 
 
 def _group_queries(q_BTHK: Array, G: int) -> Array:
@@ -51,7 +56,11 @@ def _group_queries(q_BTHK: Array, G: int) -> Array:
 
 
 def scores(q_BTHK: Array, k_BSGK: Array) -> Array:
-  """Raw logits q·k in float32, (B,H,T,S), with G key/value heads shared by H query heads."""
+  """Raw logits q·k in float32, (B,H,T,S), with G key heads shared by H query heads.
+
+  A key with one head (G = 1: merged's raw context, collaborative's shared key)
+  meets all H query heads in one batched matmul per batch element, M = H·T rows.
+  """
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   q_BGMK = _group_queries(q_BTHK, G)
@@ -231,7 +240,9 @@ def attention(
 ) -> Array | tuple[Array, Array]:
   """softmax(cap(scale · q kᵀ) + logits_bias, masked, sinks) v for already projected heads.
 
-  q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) with H a multiple of G. scale defaults
+  q (B,T,H,K), k (B,S,G,K), v (B,S,G,V) with H a multiple of G; k may have one
+  head shared by every kv head (the einsum kernel then runs one matmul for all
+  H query heads instead of G copies of it; the others broadcast it). scale defaults
   to 1/sqrt(K). softcap c, if given, caps the scaled logits to c·tanh(l / c)
   (Gemma 2) before the bias, the masks and the softmax. logits_bias, if given,
   is added to the (capped) logits and must broadcast to (B,H,T,S). sinks (H,),
@@ -283,6 +294,8 @@ def attention(
                      probability=probability)
   if impl != "einsum" and return_weights:
     raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
+  if impl != "einsum" and k_BSGK.shape[2] != v_BSGV.shape[2]:  # one key head shared by every kv head
+    k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], v_BSGV.shape[2], K))
   if impl == "blocked":
     if logits_bias is not None:
       raise invalid("impl", impl, '"einsum", "xla" or "auto" with a logits_bias')
@@ -324,9 +337,8 @@ def attention(
 def reference_attention(q_BTHK, k_BSGK, v_BSGV, mask=None, *, scale=None):
   """A second, deliberately naive implementation (repeat kv heads, one head at a time) for tests."""
   B, T, H, K = q_BTHK.shape
-  G = k_BSGK.shape[2]
-  k_BSHK = jnp.repeat(k_BSGK, H // G, axis=2)
-  v_BSHV = jnp.repeat(v_BSGV, H // G, axis=2)
+  k_BSHK = jnp.repeat(k_BSGK, H // k_BSGK.shape[2], axis=2)
+  v_BSHV = jnp.repeat(v_BSGV, H // v_BSGV.shape[2], axis=2)
   scale = 1.0 / math.sqrt(K) if scale is None else scale
   outs = []
   for h in range(H):

@@ -96,7 +96,7 @@ def run_benchmarks() -> list[dict[str, Any]]:
   for name in ("reference", "long-4096", "long-4096-causal", "long-16384-causal"):
     shapes[name] = layer.bench_shape(name, layer.SHAPES[name], ["fused"], "float32", 3, True, log=log)
   step = bench_steps.measure(100, log=log)
-  checks = bench_steps.checks(step, bench_steps.load_stored())
+  checks = bench_steps.checks(step, bench_steps.load_stored(info["cpu_kind"]))
   return [{"machine": info, "dtype": "float32", "shapes": shapes}, {"machine": info, "checks": checks}]
 
 

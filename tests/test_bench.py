@@ -190,3 +190,35 @@ def test_collectives_are_counted_from_hlo_lines_with_tuple_results():
   assert got["collectives"] == 4
   assert got["collective_mb"] * 1e6 == pytest.approx(4 * (256 + 256 * 256 + 128 * 256 + 1 + 6) + 2 * 32)
   assert on_paper(312e12 * 0.4, 0.0, devices=1) == pytest.approx(1e3)  # one second of one GPU's work
+
+
+def _steps_result(h4_merged_ms):
+  runs = []
+  for order, ms in (("grid", 20.0), ("reversed", h4_merged_ms)):
+    runs.append({"order": order, "model": "h=4 merged", "matmul_s": 0.1, "step_s": ms / 1e3,
+                 "median_s": ms / 1e3, "faults_per_step": 3.0, "ratio": ms / 1e3 / 0.1})
+  return {"steps": 100, "matmul_n": 2048, "runs": runs}
+
+
+def test_step_ratios_are_stored_and_checked_per_cpu_kind(tmp_path):
+  from attn.bench import steps as bench_steps
+  path = str(tmp_path / "ratios.json")
+  zen3, zen5 = "AMD EPYC, family 25, AVX2", "AMD EPYC, family 26, AVX-512"
+  bench_steps.record(_steps_result(30.0), {"cpu": "AMD EPYC", "cpu_kind": zen3}, path)
+  bench_steps.record(_steps_result(20.0), {"cpu": "AMD EPYC", "cpu_kind": zen5}, path)
+  assert bench_steps.load_stored(zen3, path)["ratios"] == {"h=4 merged": 0.25}  # median of 0.2 and 0.3
+  assert bench_steps.load_stored(zen5, path)["ratios"] == {"h=4 merged": 0.2}
+  assert bench_steps.load_stored("Intel Xeon, family 6, AVX-512", path) is None
+  # 1.5x between the orders is missed; the Zen 3 ratio (0.30 against 0.25 stored) is within 35%.
+  found = {what: met for what, _, met in bench_steps.checks(_steps_result(30.0), bench_steps.load_stored(zen3, path))}
+  assert found == {"h=4 merged: step time, slower order / faster": False, "h=4 merged: page faults per step": True,
+                   "h=4 merged: step / matmul time": True}
+  # Against the Zen 5 record the same run is 1.5x its stored 0.2: missed. No record: no ratio check.
+  zen5_found = bench_steps.checks(_steps_result(30.0), bench_steps.load_stored(zen5, path))
+  assert [met for what, _, met in zen5_found if "matmul" in what] == [False]
+  assert not any("matmul" in what for what, _, _ in bench_steps.checks(_steps_result(30.0), None))
+
+
+def test_cpu_kind_names_the_model_first():
+  model, kind = bench.cpu_kind()
+  assert kind.startswith(model) and kind == bench.machine_info()["cpu_kind"]

@@ -45,6 +45,25 @@ def test_matches_reference(shape, use_jit):
                                atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["einsum", "blocked"])
+def test_a_one_head_key_shared_by_every_kv_head_equals_it_broadcast(impl):
+  # merged's raw context and collaborative's shared key: k (B,S,1,K) against v (B,S,G,V).
+  B, T, S, H, G, K, V = 2, 7, 9, 6, 3, 5, 4
+  q, k, v = qkv(11, B, T, S, H, 1, K, V)
+  v = randn(14, (B, S, G, V))
+  mask = random_mask(12, B, H, T, S).at[:, :, 2].set(False)  # a blank row in every head
+  k_wide = jnp.broadcast_to(k, (B, S, G, K))
+  f = lambda k: jax.jit(jax.value_and_grad(
+      lambda q, k, v: (kernel.attention(q, k, v, mask, impl=impl, block_q=4, block_k=4) ** 2).sum(),
+      argnums=(0, 1, 2)))(q, k, v)
+  (got, (dq, dk, dv)), (want, (dq_w, dk_w, dv_w)) = f(k), f(k_wide)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(kernel.attention(q, k, v, mask, impl=impl), reference(q, k, v, mask),
+                             atol=2e-6, rtol=1e-5)
+  for a, b in ((dq, dq_w), (dk, dk_w.sum(2, keepdims=True)), (dv, dv_w)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_weights_are_a_distribution_and_blank_rows_are_zero():
   B, T, S, H, G, K, V = SHAPES[1]
   q, k, v = qkv(1, *SHAPES[1])

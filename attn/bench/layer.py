@@ -171,17 +171,32 @@ def _names(text: str | None, known, field: str, default, groups=None) -> list[st
   return list(dict.fromkeys(names))
 
 
-def machine_info() -> dict[str, Any]:
-  """CPU model, cores, device and library versions, for the JSON and the header."""
-  model = platform.processor() or platform.machine()
+def cpu_kind() -> tuple[str, str]:
+  """(model name, kind): the kind adds the family and the widest vector ISA from /proc/cpuinfo.
+
+  Cloud guests name both a Zen 3 and a Zen 5 "AMD EPYC"; their step times differ by more than the
+  stored ratios' tolerance, so stored ratios are kept per kind ("AMD EPYC, family 25, AVX2").
+  """
+  model, fields = platform.processor() or platform.machine(), {}
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
-        if line.startswith("model name"):
-          model = line.split(":", 1)[1].strip()
-          break
+        if not line.strip():
+          break  # the first processor is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
   except OSError:
     pass
+  model = fields.get("model name", model)
+  flags = set(fields.get("flags", "").split())
+  isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+  kind = ", ".join(x for x in (model, fields.get("cpu family") and f"family {fields['cpu family']}", isa) if x)
+  return model, kind
+
+
+def machine_info() -> dict[str, Any]:
+  """CPU model and kind, cores, device and library versions, for the JSON and the header."""
+  model, kind = cpu_kind()
   dev = jax.devices()[0]
   versions = {"python": platform.python_version(), "jax": jax.__version__}
   for lib in ("jaxlib", "flax", "numpy", "torch"):
@@ -189,7 +204,7 @@ def machine_info() -> dict[str, Any]:
       versions[lib] = __import__(lib).__version__
     except ImportError:
       versions[lib] = None
-  return {"cpu": model, "cores": os.cpu_count(), "threads": _threads(),
+  return {"cpu": model, "cpu_kind": kind, "cores": os.cpu_count(), "threads": _threads(),
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
           "load_average": _load_average(),
           "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -541,7 +556,7 @@ def _run_steps(args: argparse.Namespace, info, log) -> int:
   print(f"# attn bench --steps\n\n{info['cpu']}, {info['cores']} cores; load average at start "
         f"{info['load_average']}; XLA_FLAGS={info['xla_flags']!r}\n")
   result = bench_steps.measure(n, log=log)
-  stored = bench_steps.load_stored()
+  stored = bench_steps.load_stored(info["cpu_kind"])
   found = bench_steps.checks(result, stored)
   print(bench_steps.markdown(result, found, stored))
   if args.record:

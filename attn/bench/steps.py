@@ -8,7 +8,9 @@ moves far less than a time. Both are the quick end of their samples (the lower
 quartile of the steps, the fastest of five matmuls): other jobs on the machine
 add time to some steps and rarely take any away. Three checks, each printed met or
 MISSED: every ratio within TOLERANCE of the one stored in step_ratios.json
-(recorded with --record on a named CPU and commit); the same model within
+for this CPU kind (attn.bench.layer.cpu_kind: model, family and vector ISA;
+recorded with --record, with its commit; a kind with no record is said so and
+not checked); the same model within
 ORDER_SPREAD in both orders (the h = 4 merged step took 1.5x longer or not
 depending on the trials before it: attn.host_memory); and page faults per step
 under MAX_FAULTS (a step that faults in its buffers again pays for it in time;
@@ -126,15 +128,20 @@ def checks(result: dict[str, Any], stored: dict[str, Any] | None) -> list[tuple[
 
 
 def record(result: dict[str, Any], machine: dict[str, Any], path: str = STORED) -> None:
-  """Stores each model's median ratio over both orders, with the CPU and setting it was measured on."""
+  """Stores each model's median ratio over both orders under the machine's CPU kind, with its setting.
+
+  The other kinds' records are kept."""
   by: dict[str, list[float]] = {}
   for r in result["runs"]:
     by.setdefault(r["model"], []).append(r["ratio"])
-  data = {"cpu": machine.get("cpu"), "commit": _commit(), "load_average": machine.get("load_average"),
+  kind = machine.get("cpu_kind") or machine.get("cpu")
+  data = {"cpu": kind, "commit": _commit(), "load_average": machine.get("load_average"),
           "host_malloc": host_memory.in_force(), "steps": result["steps"], "matmul_n": MATMUL_N,
           "ratios": {m: round(statistics.median(v), 4) for m, v in by.items()}}
+  kinds = _read(path).get("kinds", {})
+  kinds[kind] = data
   with open(path, "w", encoding="utf-8") as f:
-    json.dump(data, f, indent=1)
+    json.dump({"kinds": dict(sorted(kinds.items()))}, f, indent=1)
     f.write("\n")
 
 
@@ -148,12 +155,17 @@ def _commit() -> str | None:
   return out.stdout.strip() or None
 
 
-def load_stored(path: str = STORED) -> dict[str, Any] | None:
+def _read(path: str) -> dict[str, Any]:
   try:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   except FileNotFoundError:
-    return None
+    return {}
+
+
+def load_stored(kind: str, path: str = STORED) -> dict[str, Any] | None:
+  """The ratios recorded on this CPU kind (attn.bench.layer.cpu_kind), or None."""
+  return _read(path).get("kinds", {}).get(kind)
 
 
 def markdown(result: dict[str, Any], found: list[tuple[str, str, bool]], stored: dict[str, Any] | None) -> str:
@@ -164,7 +176,8 @@ def markdown(result: dict[str, Any], found: list[tuple[str, str, bool]], stored:
     lines.append(f"| {r['order']} | {r['model']} | {1e3 * r['step_s']:.2f} | {1e3 * r['median_s']:.2f} "
                  f"| {1e3 * r['matmul_s']:.1f} "
                  f"| {r['ratio']:.3f} | {r['faults_per_step']:.0f} |")
-  lines += ["", f"Stored ratios: {'none' if stored is None else stored.get('cpu')}; "
-            f"host memory: {host_memory.in_force()}", ""]
+  where = ("none for this CPU kind: the ratio check is skipped (`attn bench --steps --record` on a quiet "
+           "machine stores them)") if stored is None else f"{stored.get('cpu')} at {stored.get('commit')}"
+  lines += ["", f"Stored ratios: {where}; host memory: {host_memory.in_force()}", ""]
   lines += [f"- {what}: {value}: {'met' if met else 'MISSED'}" for what, value, met in found]
   return "\n".join(lines)

@@ -283,8 +283,7 @@ def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Arra
   """
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
-  if k_BSGK.shape[2] != v_BSGV.shape[2]:  # one key shared by all kv heads
-    k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], v_BSGV.shape[2], k_BSGK.shape[3]))
+  # A key with one head (shared by all kv heads) stays one head: kernel.attention takes it.
   o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
