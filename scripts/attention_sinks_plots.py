@@ -1,6 +1,7 @@
 """The tables and plots of experiments/attention_sinks/ from a finished store of configs/attention_sinks.toml.
 
   python scripts/attention_sinks_plots.py RUN_DIR [--out experiments/attention_sinks]
+  python scripts/attention_sinks_plots.py TEXT_RUN_DIR --text
 
 Reads each trial's metrics rows (the train.sink_metrics keys of
 attn.experiments.training.sink_eval, measured on the first held-out batch at
@@ -10,7 +11,9 @@ checkpoints, row sums, the first position's share and where the residual's
 outliers sit), sink_curves.png
 (the baseline's metrics beside its loss), sinks_vs_case.png (the comparison)
 and attention_maps.png (per_head and +gate elementwise, seed 0, from the final
-checkpoints on the same held-out batch).
+checkpoints on the same held-out batch). With --text, from a store of
+configs/attention_sinks_text.toml: text_sink_curves.png (every head's mass on
+[BOS] over training, per case, against uniform attention's, and the loss).
 """
 
 from __future__ import annotations
@@ -206,13 +209,50 @@ def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
   plt.close(fig)
 
 
+def uniform_first_mass(n: int) -> float:
+  """Uniform causal attention's weight on position 0, averaged over queries t = 1..n-1 (t sees t + 1 keys)."""
+  return float(np.mean([1.0 / (t + 1) for t in range(1, n)]))
+
+
+def text_curves(cases: dict, out: str, positions: int) -> None:
+  """configs/attention_sinks_text.toml: each case's heads' first-position mass over training, and the loss."""
+  fig, ax = plt.subplots(1, len(cases) + 1, figsize=(5 * (len(cases) + 1), 4))
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  uniform = uniform_first_mass(positions)
+  for a, (case, runs) in zip(ax, cases.items()):
+    for seed, rows, _ in runs:
+      steps = [r["step"] + 1 for r in rows]
+      heads = sorted(k for k in rows[-1] if k.startswith("first_mass_l") and "_trigger" not in k and "_other" not in k)
+      for k in heads:
+        layer = int(k.split("_l")[1].split("h")[0])
+        a.plot(steps, [r[k] for r in rows], color=colors[layer], lw=1, alpha=0.7,
+               label=f"layer {layer}, seed {seed}" if k.endswith("h0") else None)
+      ax[-1].plot(steps, [r["eval_loss"] for r in rows], label=f"{case}, seed {seed}", marker=".", ms=3)
+    a.axhline(0.3, color="k", ls="--", lw=0.8, label="sink threshold 0.3")
+    a.axhline(uniform, color="gray", ls=":", lw=1, label=f"uniform causal attention ({uniform:.3f})")
+    a.set(title=f"{case}: mass on [BOS], each head", xlabel="step", ylabel="first-position mass", yscale="log",
+          ylim=(1e-3, 1.0))
+  ax[-1].set(title="held-out loss", xlabel="step", ylabel="nats per byte")
+  for a in ax:
+    a.legend(fontsize=7)
+    a.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "text_sink_curves.png"), dpi=110)
+  plt.close(fig)
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("run_dir")
   p.add_argument("--out", default="experiments/attention_sinks")
+  p.add_argument("--text", action="store_true",
+                 help="the store is configs/attention_sinks_text.toml's: write text_sink_curves.png only")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   cases = load(args.run_dir)
+  if args.text:
+    text_curves(cases, args.out, positions=256)  # the model sees [BOS] and 255 bytes, predicts 256
+    return
   with open(os.path.join(args.out, "sinks_table.md"), "w", encoding="utf-8") as f:
     f.write(table(cases) + shares(args.run_dir, cases) + outliers(args.run_dir, cases))
   curves(cases, args.out)
