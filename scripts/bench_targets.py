@@ -67,7 +67,7 @@ def goals(report: dict[str, Any]) -> list[tuple[str, float | None, str, bool | N
 
 def header(report: dict[str, Any]) -> str:
   m = report.get("machine", {})
-  return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, load average {m.get('load_average')}; "
+  return (f"{m.get('cpu_kind', m.get('cpu', '?'))}, {m.get('cores', '?')} cores, load average {m.get('load_average')}; "
           f"XLA_FLAGS={m.get('xla_flags', '')!r}; host memory: {m.get('host_malloc', '?')}; "
           f"jax {m.get('versions', {}).get('jax')}, torch {m.get('versions', {}).get('torch') or 'not installed'}")
 
@@ -106,8 +106,18 @@ def main(argv: list[str]) -> int:
     return 0
   reports = []
   for path in argv:
-    with open(path, encoding="utf-8") as f:
-      reports.append(json.load(f))
+    try:
+      with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      print(f"bench_targets: {path}: not a readable JSON file ({e}); give files that `attn bench --out` or "
+            "`attn bench --steps --out` wrote, or no argument to measure", file=sys.stderr)
+      return 2
+    if not isinstance(report, dict):
+      print(f"bench_targets: {path}: a JSON {type(report).__name__}, not the object `attn bench --out` writes",
+            file=sys.stderr)
+      return 2
+    reports.append(report)
   reports = reports or run_benchmarks()
   for report in reports:
     print_goals(report)

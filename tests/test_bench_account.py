@@ -99,3 +99,12 @@ def test_bench_targets_judges_each_goal_from_the_measured_ratio():
   assert found["T=16384 causal: peak XLA MB, core"] == (200.0, True)
   assert found["T=16384 f+b: window 256 / full causal, core"] == (0.11, False)
   assert "torch peers" in found
+
+
+@pytest.mark.parametrize("content, says", [("", "not a readable JSON file"), ("[1, 2]", "a JSON list")])
+def test_bench_targets_names_a_file_that_is_not_a_bench_report(tmp_path, capsys, content, says):
+  path = tmp_path / "bench.json"
+  path.write_text(content)
+  assert _bench_targets().main([str(path)]) == 2
+  err = capsys.readouterr().err
+  assert str(path) in err and says in err

@@ -499,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
     return _run_steps(args, info, log)
   if args.account:
     return _run_account(args, repeats, info, log)
-  print(f"# attn bench\n\n{info['cpu']}, {info['cores']} cores ({info['threads']} usable: XLA "
+  print(f"# attn bench\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         + f"; load average at start {info['load_average']}\n")
@@ -536,7 +536,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_decode(args: argparse.Namespace, variants: list[str], repeats: int, info, log) -> int:
   from attn.bench import decode as bench_decode
   contexts = (64, 256) if args.quick else bench_decode.CONTEXTS
-  print(f"# attn bench --decode\n\n{info['cpu']}, {info['cores']} cores, {info['device']}; "
+  print(f"# attn bench --decode\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores, {info['device']}; "
         f"load average at start {info['load_average']}\n\nOne attention layer, D=512, H=8, "
         "d_k=d_v=64 (mla: d_c=256), B=1, float32, one token decoded at position L against a "
         "cache of L+1 slots (attn.bench.decode). Medians of ms per decoded token.\n")
@@ -553,7 +553,7 @@ def _run_decode(args: argparse.Namespace, variants: list[str], repeats: int, inf
 def _run_steps(args: argparse.Namespace, info, log) -> int:
   from attn.bench import steps as bench_steps
   n = 20 + bench_steps.SKIP if args.quick else 100
-  print(f"# attn bench --steps\n\n{info['cpu']}, {info['cores']} cores; load average at start "
+  print(f"# attn bench --steps\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores; load average at start "
         f"{info['load_average']}; XLA_FLAGS={info['xla_flags']!r}\n")
   result = bench_steps.measure(n, log=log)
   stored = bench_steps.load_stored(info["cpu_kind"])
@@ -575,7 +575,7 @@ def _run_account(args: argparse.Namespace, repeats: int, info, log) -> int:
   names = _names(args.flag_sets, flags_lib.FLAG_SETS, "--flag-sets", flags_lib.FLAG_SETS)
   for name in names:
     flags_lib.with_flag_set(name)  # every flag set and the XLA_FLAGS it adds to checked before any child runs
-  print(f"# attn bench --account\n\n{info['cpu']}, {info['cores']} cores; "
+  print(f"# attn bench --account\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         + f"; load average at start {info['load_average']}; {repeats} repeats\n")
   ref = SHAPES["reference"]
