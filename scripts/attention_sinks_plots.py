@@ -2,6 +2,7 @@
 
   python scripts/attention_sinks_plots.py RUN_DIR [--out experiments/attention_sinks]
   python scripts/attention_sinks_plots.py TEXT_RUN_DIR --text
+  python scripts/attention_sinks_plots.py RUN_DIR --against experiments/attention_sinks/sinks_table.md --out DIR
 
 Reads each trial's metrics rows (the train.sink_metrics keys of
 attn.experiments.training.sink_eval, measured on the first held-out batch at
@@ -209,6 +210,45 @@ def maps(run_dir: str, cases: dict, out: str, example: int = 0) -> None:
   plt.close(fig)
 
 
+def _mean_std(cell: str) -> tuple[float, float] | None:
+  """"0.366 ± 0.05, clear ↓ (8.8 SE)" -> (0.366, 0.05)."""
+  try:
+    mean, std = cell.split(",")[0].split("±")
+    return float(mean), float(std)
+  except ValueError:
+    return None
+
+
+def reproduction(cases: dict, committed_md: str, seeds: int = 3) -> str:
+  """Markdown: each case's final metrics in this store against a committed sinks_table.md's mean ± std.
+
+  Δ in standard errors of the difference of two means of `seeds` seeds each,
+  |Δ| / sqrt((s_new² + s_old²) / seeds); within the seeds' spread below 2 (as
+  attn report's "suggestive" threshold), and always when both spreads are 0 and the means agree.
+  """
+  with open(committed_md, encoding="utf-8") as f:
+    rows = [l for l in f.read().split("\n\n")[0].splitlines() if l.startswith("| ") and not l.startswith("| case")]
+  old = {r.split("|")[1].strip(): [_mean_std(c) for c in r.split("|")[2:-1]] for r in rows}
+  lines = ["| case | " + " | ".join(label for _, label in METRICS) + " |", "|" + "---|" * (len(METRICS) + 1)]
+  outside = []
+  for c, v in cases.items():
+    cells = []
+    for (k, label), committed in zip(METRICS, old.get(c, [None] * len(METRICS))):
+      x = [rows_[-1].get(k, np.nan) for _, rows_, _ in v]
+      m, sd = float(np.mean(x)), float(np.std(x, ddof=1))
+      if committed is None:
+        cells.append(f"{m:.3g} ± {sd:.2g}")
+        continue
+      se = np.sqrt((sd ** 2 + committed[1] ** 2) / seeds)
+      z = abs(m - committed[0]) / se if se > 0 else (0.0 if np.isclose(m, committed[0]) else np.inf)
+      if z >= 2:
+        outside.append(f"{c}: {label}")
+      cells.append(f"{m:.3g} ± {sd:.2g} (was {committed[0]:.3g} ± {committed[1]:.2g}; {z:.1f} SE)")
+    lines.append(f"| {c} | " + " | ".join(cells) + " |")
+  lines += ["", f"Outside the seeds' spread (2 SE or more): {', '.join(outside) or 'none'}", ""]
+  return "\n".join(lines)
+
+
 def uniform_first_mass(n: int) -> float:
   """Uniform causal attention's weight on position 0, averaged over queries t = 1..n-1 (t sees t + 1 keys)."""
   return float(np.mean([1.0 / (t + 1) for t in range(1, n)]))
@@ -247,9 +287,15 @@ def main() -> None:
   p.add_argument("--out", default="experiments/attention_sinks")
   p.add_argument("--text", action="store_true",
                  help="the store is configs/attention_sinks_text.toml's: write text_sink_curves.png only")
+  p.add_argument("--against", metavar="SINKS_TABLE",
+                 help="a committed sinks_table.md: write reproduction.md, this store's final metrics against it")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   cases = load(args.run_dir)
+  if args.against:
+    with open(os.path.join(args.out, "reproduction.md"), "w", encoding="utf-8") as f:
+      f.write(reproduction(cases, args.against))
+    return
   if args.text:
     text_curves(cases, args.out, positions=256)  # the model sees [BOS] and 255 bytes, predicts 256
     return
