@@ -114,11 +114,16 @@ def curves(cases: dict, out: str) -> None:
   ax[0].set(title="per_head: first-position mass, each head", xlabel="step", ylabel="mass on [BOS]")
   ax[1].set(title="per_head: sink-head fraction (mass > 0.3)", xlabel="step", yticks=[0, 0.25, 0.5, 0.75, 1])
   ax[2].set(title="per_head: held-out loss", xlabel="step", ylabel="nats per token")
+  _save_curves(fig, ax, os.path.join(out, "sink_curves.png"), legend_size=8)
+
+
+def _save_curves(fig, ax, path: str, legend_size: int) -> None:
+  """Legends and grids on every panel of a curves figure, then the PNG."""
   for a in ax:
-    a.legend(fontsize=8)
+    a.legend(fontsize=legend_size)
     a.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(os.path.join(out, "sink_curves.png"), dpi=110)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
@@ -273,12 +278,7 @@ def text_curves(cases: dict, out: str, positions: int) -> None:
     a.set(title=f"{case}: mass on [BOS], each head", xlabel="step", ylabel="first-position mass", yscale="log",
           ylim=(1e-3, 1.0))
   ax[-1].set(title="held-out loss", xlabel="step", ylabel="nats per byte")
-  for a in ax:
-    a.legend(fontsize=7)
-    a.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out, "text_sink_curves.png"), dpi=110)
-  plt.close(fig)
+  _save_curves(fig, ax, os.path.join(out, "text_sink_curves.png"), legend_size=7)
 
 
 def main() -> None:
