@@ -89,6 +89,8 @@ def options(cfg: HeadConfig, x, context=None, *, mask=None, return_weights: bool
     raise invalid("return_weights", return_weights, "True or False")
   if impl is not None and impl not in kernel.IMPLS:
     raise invalid("impl", impl, f"None or one of {list(kernel.IMPLS)}")
+  if impl is not None:
+    kernel.check_impl(impl, x.dtype)
   qk = rope.qk_positions(positions, x.shape[1], S, cross=context is not None) \
       if cfg.rope_dim else None
   return Options(mask=mask, is_causal=is_causal, kv_lengths=kv_lengths, qk_positions=qk,
@@ -97,7 +99,7 @@ def options(cfg: HeadConfig, x, context=None, *, mask=None, return_weights: bool
 
 def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, positions=None):
+          kv_lengths=None, positions=None, impl: str | None = None):
   """y (B,T,D) of the attention layer; with return_weights, (y, weights (B,H,T,S)).
 
   context (B,S,D) gives cross-attention; None means self-attention. mask is
@@ -111,11 +113,12 @@ def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mas
   positions, integer (T,) or (B,T), are the positions of x's tokens for RoPE
   (cfg.rope_dim > 0; ignored otherwise), used for the queries and, in
   self-attention, for the keys; cross-attention keys sit at 0..S−1. None
-  means 0..T−1.
+  means 0..T−1. impl picks the attention core's implementation (attn.kernel.attention:
+  "einsum", "blocked", "xla", "cudnn", "onednn"); None is the variant's default, "auto".
   """
   v = check_config(variant, cfg)
   opts = options(cfg, x, context, mask=mask, return_weights=return_weights, head_mask=head_mask,
-                 is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)
+                 is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl)
   check_params(v, params, cfg)
   y, w = v.apply(params, x, context, cfg=cfg, opts=opts)
   if getattr(y, "shape", None) != x.shape:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn import blocked, masks, probability as prob
+from attn import blocked, masks, onednn, probability as prob
 from attn.config import check_mask, check_structured, invalid
 
 Array = jax.Array
@@ -121,7 +121,25 @@ def weighted_sum(probs_BHTS: Array, v_BSGV: Array) -> Array:
   return out_BGRTV.transpose(0, 3, 1, 2, 4).reshape(B, T, H, V)
 
 
-IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn")
+IMPLS = ("auto", "einsum", "blocked", "xla", "cudnn", "onednn")
+
+
+def check_impl(impl, *dtypes) -> None:
+  """Raises ConfigError naming impl unless it is one of IMPLS that runs here on these dtypes."""
+  if impl not in IMPLS:
+    raise invalid("impl", impl, f"one of {IMPLS}")
+  if impl == "onednn" and (why := onednn.why_not(*dtypes)) is not None:
+    raise invalid("impl", impl, f"an implementation that runs here ({why}); available: {available_impls()}")
+
+
+def available_impls() -> list[str]:
+  """The impls that can run on this machine's default backend ("onednn" builds its handlers to find out)."""
+  out = ["auto", "einsum", "blocked", "xla"]
+  if jax.default_backend() == "gpu":
+    out.append("cudnn")
+  if onednn.why_not() is None:
+    out.append("onednn")
+  return out
 
 # impl="auto" off cuDNN: the blocked kernel from T·S >= 512² scores per (batch,
 # head). Measured forward+backward on a 2-core Zen 3, H=8, K=V=64, float32,
@@ -284,17 +302,17 @@ def attention(
   _check_block("block_q", block_q)
   _check_block("block_k", block_k)
   check_options(window, sinks, softcap, H, probability)
-  if impl not in IMPLS:
-    raise invalid("impl", impl, f"one of {IMPLS}")
+  check_impl(impl, q_BTHK.dtype, k_BSGK.dtype, v_BSGV.dtype)
   if scale is None:
     scale = 1.0 / math.sqrt(K)
   if impl == "auto":
     impl = best_impl(q_BTHK, k_BSGK, v_BSGV, return_weights=return_weights,
                      logits_bias=logits_bias, sinks=sinks, softcap=softcap,
                      probability=probability)
-  if impl != "einsum" and return_weights:
-    raise invalid("impl", impl, '"einsum" or "auto" when return_weights=True')
-  if impl != "einsum" and k_BSGK.shape[2] != v_BSGV.shape[2]:  # one key head shared by every kv head
+  dense = impl in ("einsum", "onednn")  # the (B,H,T,S) logits materialised: every option applies
+  if not dense and return_weights:
+    raise invalid("impl", impl, '"einsum", "onednn" or "auto" when return_weights=True')
+  if not dense and k_BSGK.shape[2] != v_BSGV.shape[2]:  # one key head shared by every kv head
     k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], v_BSGV.shape[2], K))
   if impl == "blocked":
     if logits_bias is not None:
@@ -303,7 +321,7 @@ def attention(
                              kv_lengths=kv_lengths, scale=scale, block_q=block_q,
                              block_k=block_k, window=window, sinks=sinks, softcap=softcap,
                              probability=probability)
-  if impl != "einsum":
+  if not dense:
     for name, value in (("sinks", sinks), ("softcap", softcap)):
       if value is not None:
         raise invalid(name, value if name == "softcap" else "an array",
@@ -317,7 +335,9 @@ def attention(
     return _dot_product_attention(q_BTHK, k_BSGK, v_BSGV, mask, scale, logits_bias, impl,
                                   is_causal, kv_lengths, window)
   mask = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths, window))
-  if q_BTHK.dtype == jnp.float32:
+  if impl == "onednn":  # float32 only (checked above): the same function, its two products on oneDNN
+    logits_BHTS = onednn.scores(q_BTHK * jnp.float32(scale), k_BSGK)
+  elif q_BTHK.dtype == jnp.float32:
     # Scaling q (T·K values) rather than the logits (T·S) is the same product
     # up to rounding, and keeps XLA's CPU matmul fusion from materialising a
     # (B,H,T,S) array of the scale (README, Performance). In half precision
@@ -330,7 +350,8 @@ def attention(
   if logits_bias is not None:
     logits_BHTS = logits_BHTS + logits_bias.astype(jnp.float32)
   probs_BHTS = masked_probabilities(logits_BHTS, mask, sinks, probability)
-  out_BTHV = weighted_sum(probs_BHTS, v_BSGV).astype(q_BTHK.dtype)
+  mix = onednn.weighted_sum if impl == "onednn" else weighted_sum
+  out_BTHV = mix(probs_BHTS, v_BSGV).astype(q_BTHK.dtype)
   return (out_BTHV, probs_BHTS) if return_weights else out_BTHV
 
 

@@ -35,11 +35,14 @@ def goals(report: dict[str, Any]) -> list[tuple[str, float | None, str, bool | N
     met = None if value is None else (value <= limit if op == "<=" else value >= limit)
     out.append((what, value, f"{op} {limit}", met))
 
-  f = _rows(shapes, "reference").get("fused")
-  if f is not None and dtype == "float32":
-    add("reference f+b: fused / torch MHA", f["ratios"].get("torch", {}).get("fb"), "<=", 0.7)
-    add("reference f+b: fused / flax MHA", f["ratios"].get("flax", {}).get("fb"), "<=", 0.7)
-    add("reference f+b: fused % of matmul rate", f["fb"]["pct_matmul"], ">=", 75.0)
+  ref = _rows(shapes, "reference")
+  f = ref.get("fused")
+  for name, label in (("fused", "fused"), ("fused_onednn", 'fused, impl="onednn"')):
+    if name in ref and dtype == "float32":
+      r = ref[name]
+      add(f"reference f+b: {label} / torch MHA", r["ratios"].get("torch", {}).get("fb"), "<=", 0.7)
+      add(f"reference f+b: {label} / flax MHA", r["ratios"].get("flax", {}).get("fb"), "<=", 0.7)
+      add(f"reference f+b: {label} % of matmul rate", r["fb"]["pct_matmul"], ">=", 75.0)
   if f is not None and dtype == "bfloat16":
     add("bfloat16 reference f+b: fused / torch MHA", f["ratios"].get("torch", {}).get("fb"), "<=", 1.0)
   full, causal = _rows(shapes, "long-4096"), _rows(shapes, "long-4096-causal")

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import attn
-from attn import host_memory
+from attn import host_memory, onednn
 from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
 
@@ -317,6 +317,14 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
       skipped[v] = str(e)
       continue
     cases[v] = _variant_case(variant, shape, dtype, mask)
+  if "fused" in cases and not shape.long:
+    # The fused layer again with impl="onednn" (attn.onednn: the core's products on oneDNN's sgemm).
+    why = onednn.why_not(dtype)
+    if why is None:
+      cases["fused_onednn"] = peers_lib.fused_case(shape.cfg, shape.B, shape.T, dtype,
+                                                   impl="onednn", mask=mask)
+    else:
+      skipped["fused_onednn"] = f'impl="onednn" does not run here: {why}'
   if peers and not shape.long:
     cfg = shape.cfg
     cases["jax_dpa"] = peers_lib.fused_case(cfg, shape.B, shape.T, dtype, impl="xla", mask=mask)

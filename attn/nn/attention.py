@@ -82,7 +82,7 @@ class MultiHeadAttention(nnx.Module):
                mask: jax.Array | None = None, return_weights: bool = False,
                head_mask: jax.Array | None = None, is_causal: bool = False,
                kv_lengths: jax.Array | None = None, positions: jax.Array | None = None,
-               decode: bool = False):
+               decode: bool = False, impl: str | None = None):
     """y (B,T,D); with return_weights, (y, weights (B,H,T,S)). mask: True = may attend.
 
     decode=True: x's tokens follow the cache_index tokens already cached (init_cache first);
@@ -90,14 +90,14 @@ class MultiHeadAttention(nnx.Module):
 
     head_mask (H,) or (B,H) gates each query head's output before W^O;
     is_causal and kv_lengths (B,) are structured masks; positions (T,) or (B,T) place
-    x's tokens for RoPE (attn.apply).
+    x's tokens for RoPE; impl the attention core's implementation (attn.apply).
     """
     if decode:
       return self._decode(x_BTD, head_mask)
     params, x_BTD, context_BSD = self._compute(x_BTD, context_BSD)
     return api.apply(self.variant, params, x_BTD, context_BSD, cfg=self.cfg,
                      mask=mask, return_weights=return_weights, head_mask=head_mask,
-                     is_causal=is_causal, kv_lengths=kv_lengths, positions=positions)
+                     is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl)
 
   def _decode(self, x_BTD: jax.Array, head_mask) -> jax.Array:
     if self.cache is None:

@@ -1,0 +1,135 @@
+// The attention core's three batched products as XLA FFI handlers on oneDNN's
+// row-major dnnl_sgemm (float32), read in place from attn's layouts: no
+// transposes, no copies. attn/onednn.py builds this file (once per source,
+// jaxlib and oneDNN library; cached) and registers the handlers for the CPU.
+//
+//   attn_onednn_nt  a (B,T,H,D), b (B,S,G,D)  ->  c (B,H,T,S),  c[b,h] = a[b,:,h] · b[b,:,g]ᵀ
+//   attn_onednn_nn  a (B,H,T,S), b (B,S,G,D)  ->  c (B,T,H,D),  c[b,:,h] = a[b,h] · b[b,:,g]
+//   attn_onednn_tn  a (B,H,T,S), b (B,T,H,D)  ->  c (B,S,G,D),  c[b,:,g] = Σ_{h in g} a[b,h]ᵀ · b[b,:,h]
+//
+// with g = h / (H / G): G key/value heads shared by H query heads. The three
+// close under differentiation (attn/onednn.py's custom VJPs). The (batch, head)
+// matrices are split across OpenMP threads; oneDNN's sgemm, called inside the
+// parallel region, runs each on one thread.
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// oneDNN's C API (dnnl.h, dnnl_types.h): dnnl_dim_t is int64_t, dnnl_status_t an
+// enum whose dnnl_success is 0. Declared here so the build needs no oneDNN headers.
+extern "C" int dnnl_sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K,
+                          float alpha, const float* A, int64_t lda, const float* B,
+                          int64_t ldb, float beta, float* C, int64_t ldc);
+
+namespace {
+
+ffi::Error Status(int failed, const char* name) {
+  if (failed == 0) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(name) + ": dnnl_sgemm returned status " +
+                              std::to_string(failed));
+}
+
+ffi::Error CheckHeads(int64_t H, int64_t G, const char* name) {
+  if (G <= 0 || H % G != 0)
+    return ffi::Error::InvalidArgument(std::string(name) + ": key/value heads G=" +
+                                       std::to_string(G) + " must divide H=" +
+                                       std::to_string(H));
+  return ffi::Error::Success();
+}
+
+ffi::Error Nt(ffi::BufferR4<ffi::F32> a, ffi::BufferR4<ffi::F32> b,
+              ffi::ResultBufferR4<ffi::F32> c) {
+  auto ad = a.dimensions(), bd = b.dimensions();
+  const int64_t B = ad[0], T = ad[1], H = ad[2], D = ad[3], S = bd[1], G = bd[2];
+  if (auto e = CheckHeads(H, G, "attn_onednn_nt"); e.failure()) return e;
+  const float* A = a.typed_data();
+  const float* Bm = b.typed_data();
+  float* C = c->typed_data();
+  if (D == 0) {
+    std::memset(C, 0, sizeof(float) * B * H * T * S);
+    return ffi::Error::Success();
+  }
+  const int64_t R = H / G;
+  int failed = 0;
+#pragma omp parallel for collapse(2) schedule(static) reduction(| : failed)
+  for (int64_t i = 0; i < B; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      failed |= dnnl_sgemm('N', 'T', T, S, D, 1.0f, A + (i * T * H + h) * D, H * D,
+                           Bm + (i * S * G + h / R) * D, G * D, 0.0f,
+                           C + (i * H + h) * T * S, S);
+  return Status(failed, "attn_onednn_nt");
+}
+
+ffi::Error Nn(ffi::BufferR4<ffi::F32> a, ffi::BufferR4<ffi::F32> b,
+              ffi::ResultBufferR4<ffi::F32> c) {
+  auto ad = a.dimensions(), bd = b.dimensions();
+  const int64_t B = ad[0], H = ad[1], T = ad[2], S = ad[3], G = bd[2], D = bd[3];
+  if (auto e = CheckHeads(H, G, "attn_onednn_nn"); e.failure()) return e;
+  const float* A = a.typed_data();
+  const float* Bm = b.typed_data();
+  float* C = c->typed_data();
+  if (S == 0) {
+    std::memset(C, 0, sizeof(float) * B * T * H * D);
+    return ffi::Error::Success();
+  }
+  const int64_t R = H / G;
+  int failed = 0;
+#pragma omp parallel for collapse(2) schedule(static) reduction(| : failed)
+  for (int64_t i = 0; i < B; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      failed |= dnnl_sgemm('N', 'N', T, D, S, 1.0f, A + (i * H + h) * T * S, S,
+                           Bm + (i * S * G + h / R) * D, G * D, 0.0f,
+                           C + (i * T * H + h) * D, H * D);
+  return Status(failed, "attn_onednn_nn");
+}
+
+ffi::Error Tn(ffi::BufferR4<ffi::F32> a, ffi::BufferR4<ffi::F32> b, int64_t G,
+              ffi::ResultBufferR4<ffi::F32> c) {
+  auto ad = a.dimensions(), bd = b.dimensions();
+  const int64_t B = ad[0], H = ad[1], T = ad[2], S = ad[3], D = bd[3];
+  if (auto e = CheckHeads(H, G, "attn_onednn_tn"); e.failure()) return e;
+  const float* A = a.typed_data();
+  const float* Bm = b.typed_data();
+  float* C = c->typed_data();
+  if (T == 0) {
+    std::memset(C, 0, sizeof(float) * B * S * G * D);
+    return ffi::Error::Success();
+  }
+  const int64_t R = H / G;
+  int failed = 0;
+  // One thread owns each (batch, kv head) output and sums its R query heads in turn.
+#pragma omp parallel for collapse(2) schedule(static) reduction(| : failed)
+  for (int64_t i = 0; i < B; ++i)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = g * R + r;
+        failed |= dnnl_sgemm('T', 'N', S, D, T, 1.0f, A + (i * H + h) * T * S, S,
+                             Bm + (i * T * H + h) * D, H * D, r == 0 ? 0.0f : 1.0f,
+                             C + (i * S * G + g) * D, G * D);
+      }
+  return Status(failed, "attn_onednn_tn");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attn_onednn_nt, Nt,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::BufferR4<ffi::F32>>()
+                                  .Arg<ffi::BufferR4<ffi::F32>>()
+                                  .Ret<ffi::BufferR4<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attn_onednn_nn, Nn,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::BufferR4<ffi::F32>>()
+                                  .Arg<ffi::BufferR4<ffi::F32>>()
+                                  .Ret<ffi::BufferR4<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attn_onednn_tn, Tn,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::BufferR4<ffi::F32>>()
+                                  .Arg<ffi::BufferR4<ffi::F32>>()
+                                  .Attr<int64_t>("G")
+                                  .Ret<ffi::BufferR4<ffi::F32>>());
