@@ -20,8 +20,7 @@ the CPU backend on x86-64 Linux; the ``onednn-cpu-gomp`` wheel (the ``onednn``
 extra: ``pip install -e ".[onednn]"``; its libdnnl.so.3 needs only the system's
 libgomp); a C++17 compiler (``$CXX`` or ``c++``). The handler library is built
 on first use, once per source, jaxlib and libdnnl, into ``$ATTN_CACHE_DIR`` or
-``~/.cache/attn`` (``python -m attn.onednn`` builds it and says where, or why
-not). float32 inputs only: oneDNN's sgemm is float32.
+``~/.cache/attn`` (``attn bench`` says in its header whether it runs here, or why not). float32 inputs only: oneDNN's sgemm is float32.
 """
 
 from __future__ import annotations
@@ -89,12 +88,13 @@ def _build(libdnnl: Path) -> Path:
     raise Unavailable(f"cannot create the build directory {out.parent} ({e}); set ATTN_CACHE_DIR") from None
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
-  cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-I{include}", str(SOURCE),
-         "-o", tmp, str(libdnnl), f"-Wl,-rpath,{libdnnl.parent}"]
+  cmd = [cxx, "-O3", "-std=c++17", "-w", "-shared", "-fPIC", f"-I{include}", str(SOURCE),
+         "-o", tmp, str(libdnnl), "-lgomp", f"-Wl,-rpath,{libdnnl.parent}"]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-      raise Unavailable(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+      errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+      raise Unavailable(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n" + "\n".join(errors[:10]))
     os.replace(tmp, out)  # concurrent builders each write their own file; the last rename wins
   finally:
     if os.path.exists(tmp):
@@ -197,16 +197,3 @@ def scores(q_BTHK, k_BSGK):
 def weighted_sum(probs_BHTS, v_BSGV):
   """kernel.weighted_sum on oneDNN: (B,T,H,V) float32."""
   return nn(probs_BHTS.astype(jnp.float32), v_BSGV)
-
-
-def main() -> int:
-  why = why_not()
-  if why is not None:
-    print(f'impl="onednn" is not available here: {why}')
-    return 1
-  print(f'impl="onednn" is available: handlers built from {SOURCE} into {_build(_libdnnl()).parent}')
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

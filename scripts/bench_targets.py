@@ -72,7 +72,8 @@ def header(report: dict[str, Any]) -> str:
   m = report.get("machine", {})
   return (f"{m.get('cpu_kind', m.get('cpu', '?'))}, {m.get('cores', '?')} cores, load average {m.get('load_average')}; "
           f"XLA_FLAGS={m.get('xla_flags', '')!r}; host memory: {m.get('host_malloc', '?')}; "
-          f"jax {m.get('versions', {}).get('jax')}, torch {m.get('versions', {}).get('torch') or 'not installed'}")
+          f"jax {m.get('versions', {}).get('jax')}, torch {m.get('versions', {}).get('torch') or 'not installed'}; "
+          f'impl="onednn": {m.get("onednn", "not recorded")}')
 
 
 def print_goals(report: dict[str, Any]) -> None:

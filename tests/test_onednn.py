@@ -162,3 +162,19 @@ def test_unknown_impl_is_refused():
   q = randn(20, (1, 3, 2, 4))
   with pytest.raises(ConfigError, match=r"impl.*'mkl'.*one of"):
     kernel.attention(q, q, q, impl="mkl")
+
+
+@needs_onednn
+def test_the_account_finds_and_counts_the_six_ffi_products():
+  from attn.bench import account
+  B, T, H, G, K, V = 2, 5, 6, 2, 4, 3
+  q, k, v = randn(21, (B, T, H, K)), randn(22, (B, T, G, K)), randn(23, (B, T, G, V))
+  loss = lambda q, k, v: kernel.attention(q, k, v, impl="onednn").sum()
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  found = [d for d in account.account(hlo)["dots"] if d.get("ffi")]
+  assert sorted(d["ffi"][len("attn_onednn_"):] for d in found) == ["nn", "nn", "nt", "nt", "tn", "tn"]
+  # by hand: scores and dP contract K or V over B·H·T·S pairs; P·v, dQ, dK and dV likewise
+  want = sorted([2 * B * H * T * T * K] * 3 + [2 * B * H * T * T * V] * 3)
+  assert sorted(account.dot_flops(d) for d in found) == want
+  assert all(d["library"].startswith("oneDNN sgemm") for d in found)
+  assert account.time_dot(found[0], 2) > 0

@@ -107,8 +107,14 @@ def account(hlo: str, pairs: int | None = None, depth_of_pairs: int = 2) -> dict
       elif op == "custom-call":
         m = re.search(r'custom_call_target="([^"]+)"', rest)
         target = m.group(1) if m else "?"
-        dots.append({"lhs": None, "rhs": None, "out": ins["shape"][1] if ins["shape"] else None, "dims": None,
-                     "library": f"custom call {target}", "count": count, "depth": depth})
+        d = {"lhs": None, "rhs": None, "out": ins["shape"][1] if ins["shape"] else None, "dims": None,
+             "library": f"custom call {target}", "count": count, "depth": depth}
+        if target in FFI_PRODUCTS:  # impl="onednn"'s products: timed alone like the dots
+          operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])[:2]
+          lhs, rhs = (shapes.get(o) for o in operands)
+          d.update(lhs=lhs[1] if lhs else None, rhs=rhs[1] if rhs else None, ffi=target,
+                   library="oneDNN sgemm (attn FFI, XLA's threads)")
+        dots.append(d)
       elif op == "fusion":
         lib = library_of_fusion(rest)
         if lib:
@@ -128,8 +134,17 @@ def account(hlo: str, pairs: int | None = None, depth_of_pairs: int = 2) -> dict
   return {"dots": dots, "passes": passes}
 
 
+# attn.onednn's FFI products (attn/onednn_gemm.cc): what each contracts, as an index of lhs/rhs.
+FFI_PRODUCTS = {"attn_onednn_nt": ("lhs", 3), "attn_onednn_nn": ("lhs", 3), "attn_onednn_tn": ("rhs", 3)}
+
+
 def dot_flops(d: dict[str, Any]) -> int:
-  """2 × output elements × contracted size."""
+  """2 × output elements × contracted size (an FFI product: × its contracted operand's size)."""
+  if d.get("ffi"):
+    if d["ffi"] == "attn_onednn_tn":  # Σ over the H query heads of (S×T)·(T×D): 2·B·H·T·S·D
+      return 2 * math.prod(d["lhs"]) * d["rhs"][3]
+    side, axis = FFI_PRODUCTS[d["ffi"]]
+    return 2 * math.prod(d["out"]) * d[side][axis]
   lhs, (_, lc, _, _) = d["lhs"], d["dims"]
   return 2 * math.prod(d["out"]) * math.prod(lhs[i] for i in lc)
 
@@ -147,11 +162,17 @@ def _time(f: Callable[[], Any], repeats: int) -> tuple[float, float]:
 
 
 def time_dot(d: dict[str, Any], repeats: int) -> float:
-  """Fastest time of the dot alone, compiled with this process's flags."""
-  lb, lc, rb, rc = d["dims"]
+  """Fastest time of the dot (or FFI product) alone, compiled with this process's flags."""
   a = jax.random.normal(jax.random.PRNGKey(0), d["lhs"], jnp.float32)
   b = jax.random.normal(jax.random.PRNGKey(1), d["rhs"], jnp.float32)
-  f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, ((lc, rc), (lb, rb))))
+  if d.get("ffi"):
+    from attn import onednn
+    G = d["out"][2]
+    f = jax.jit({"attn_onednn_nt": onednn.nt, "attn_onednn_nn": onednn.nn,
+                 "attn_onednn_tn": lambda a, b: onednn.tn(a, b, G)}[d["ffi"]])
+  else:
+    lb, lc, rb, rc = d["dims"]
+    f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, ((lc, rc), (lb, rb))))
   return _time(lambda: jax.block_until_ready(f(a, b)), repeats)[0]
 
 
@@ -176,10 +197,15 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, 
   params = fused.init(jax.random.PRNGKey(0), cfg, jnp.float32)
   x = jax.random.normal(jax.random.PRNGKey(1), (B, T, D), jnp.float32)
   ct = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
-  apply = lambda p, x: fused.apply(p, x, None, cfg=cfg, opts=Options())[0]
-  loss = lambda p, x, ct: jnp.sum(apply(p, x) * ct)
-  out = {"fused fwd, reference": (apply, (params, x), None),
-         "fused fwd+bwd, reference": (jax.grad(loss, argnums=(0, 1)), (params, x, ct), None)}
+  out = {}
+  for impl in ("auto", "onednn"):
+    if impl == "onednn" and attn.onednn.why_not() is not None:
+      continue  # not installed here: the bench's table says why
+    apply = lambda p, x, impl=impl: fused.apply(p, x, None, cfg=cfg, opts=Options(impl=impl))[0]
+    loss = lambda p, x, ct, apply=apply: jnp.sum(apply(p, x) * ct)
+    tag = "" if impl == "auto" else ', impl="onednn"'
+    out[f"fused fwd, reference{tag}"] = (apply, (params, x), None)
+    out[f"fused fwd+bwd, reference{tag}"] = (jax.grad(loss, argnums=(0, 1)), (params, x, ct), None)
   T, H, K, window_size = shape["T_long"], cfg.num_heads, cfg.d_k, shape["window"]
   keys = jax.random.split(jax.random.PRNGKey(3), 4)
   q, k, v, do = (jax.random.normal(kk, (1, T, H, K), jnp.float32) for kk in keys)
@@ -203,9 +229,9 @@ def child(flag_set: str, repeats: int, shape: dict[str, int]) -> dict[str, Any]:
     found = account(compiled.as_text(), *(steps or (None,)))
     fastest, median = _time(lambda: jax.block_until_ready(compiled(*args)), repeats)
     for d in found["dots"]:
-      if d["dims"] is None or d["lhs"] is None:
+      if (d["dims"] is None and not d.get("ffi")) or d["lhs"] is None:
         continue
-      key = json.dumps([d["lhs"], d["rhs"], d["dims"]])
+      key = json.dumps([d["lhs"], d["rhs"], d["dims"], d.get("ffi"), d["out"]])
       if key not in timed:
         timed[key] = time_dot(d, max(repeats, 5))
       d["s"], d["flops"] = timed[key], dot_flops(d)
@@ -229,6 +255,9 @@ def run_flag_sets(names: list[str], repeats: int, shape: dict[str, int], log=pri
 
 
 def _shape_text(d: dict[str, Any]) -> str:
+  if d.get("ffi"):
+    fmt = lambda s: "(" + ",".join(map(str, s)) + ")"
+    return f"{d['ffi'][len('attn_onednn_'):]} {fmt(d['lhs'])}, {fmt(d['rhs'])} → {fmt(d['out'])}"
   lb, lc, _, rc = d["dims"]
   batch = "×".join(str(d["lhs"][i]) for i in lb)
   m = "×".join(str(s) for i, s in enumerate(d["lhs"]) if i not in lb and i not in lc)

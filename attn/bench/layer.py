@@ -208,7 +208,8 @@ def machine_info() -> dict[str, Any]:
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
           "load_average": _load_average(),
           "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "host_malloc": host_memory.in_force()}
+          "host_malloc": host_memory.in_force(),
+          "onednn": onednn.why_not() or "available"}  # impl="onednn", or why it does not run here
 
 
 def _threads() -> int:
@@ -510,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
   print(f"# attn bench\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
-        + f"; load average at start {info['load_average']}\n")
+        + f"; load average at start {info['load_average']}; impl=\"onednn\": {info['onednn']}\n")
   print("Times are medians (ms). % mm: analytic GFLOP/s over this run's matmul rate. "
         "× peer: this layer's time over the peer's (below 1 is faster). "
         "fwd+bwd FLOPs = 3 × forward.\n")
