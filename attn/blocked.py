@@ -43,13 +43,14 @@ Letters as in the README; t and s index a block's queries and keys.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn import probability as prob
+from attn import onednn, probability as prob
 from attn.blocked_plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
                                 key_block_ranges, key_blocks_for, plan_for, query_block_ranges,
                                 query_blocks_for, slab_start, work_fraction)
@@ -116,11 +117,16 @@ def _keep(plan: Plan, t0, s0, width: int, limit_B: Array, mask5, R: int, keys_fi
   return keep
 
 
-def _dot(spec: str, a: Array, b: Array) -> Array:
-  """A block matmul in float32."""
+def _dot(plan: Plan, spec: str, a: Array, b: Array) -> Array:
+  """A block matmul in float32: batch letters first, then "MK,KN->MN" or "MK,NK->MN"."""
   # Half-precision blocks are upcast first: XLA's CPU matmul lacks a bf16 x bf16
   # -> f32 kernel for some block shapes, and the upcast copies one block only.
-  return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if plan.products == "xla":
+    return jnp.einsum(spec, a, b)
+  lhs, rhs = spec.split("->")[0].split(",")
+  c = onednn.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), transb=rhs[-1] == lhs[-1])
+  return c.reshape(*a.shape[:-2], *c.shape[-2:])
 
 
 def _logits(plan: Plan, s, keep):
@@ -161,14 +167,14 @@ def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
       m_BGM, l_BGM, acc_BGMV = state
       k_BGsK = _keys(k_BSGK, s0, width)
       v_BGsV = _keys(v_BSGV, s0, width)
-      s = _dot("BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
+      s = _dot(plan, "BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
       s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, width, limit_B, mask5, R,
                                     keys_first=False))
       m_new = jnp.maximum(m_BGM, s.max(-1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
       p = jnp.exp(s - m_use[..., None])
       alpha = jnp.exp(m_BGM - m_use)
-      pv = _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV)
+      pv = _dot(plan, "BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV)
       return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
 
     if sinks_H is None:
@@ -208,11 +214,11 @@ def _forward_pointwise(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH
 
     def key_block(j, acc_BGMV):
       s0 = j * plan.bk
-      s = _dot("BGMK,BGsK->BGMs", q_BGMK, _keys(k_BSGK, s0, plan.bk))
+      s = _dot(plan, "BGMK,BGsK->BGMs", q_BGMK, _keys(k_BSGK, s0, plan.bk))
       s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, plan.bk, limit_B, mask5, R,
                                     keys_first=False))
       p = prob.pointwise(plan.probability, s, n_BGM1)  # 0 where masked (s = -inf)
-      return acc_BGMV + _dot("BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), _keys(v_BSGV, s0, plan.bk))
+      return acc_BGMV + _dot(plan, "BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), _keys(v_BSGV, s0, plan.bk))
 
     acc = lax.fori_loop(*key_blocks_for(plan, i, key_end), key_block,
                         jnp.zeros((B, G, M, V), jnp.float32))
@@ -226,23 +232,23 @@ def _forward_pointwise(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, n_BTH
 def _block_grads(plan: Plan, q_BGMK, do_BGMV, lse_BGM, delta_BGM, n_BGM, k_BGsK, v_BGsV, keep,
                  R: int, dtype):
   """One block's dK (unscaled), dV in float32 (B,G,s,·) and dQ (B,t,H,K), from recomputed P."""
-  s = _dot("BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
+  s = _dot(plan, "BGsK,BGMK->BGsM", k_BGsK, q_BGMK)
   s, dcap = _logits(plan, s, keep)
   if n_BGM is not None:  # sigmoid or relu
     n_BG1M = n_BGM[:, :, None, :]
     p = prob.pointwise(plan.probability, s, n_BG1M)  # 0 where masked (s = -inf)
   else:
     p = jnp.exp(s - lse_BGM[:, :, None, :])  # 0 where masked (s = -inf)
-  dv_BGsV = _dot("BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
-  dp = _dot("BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
+  dv_BGsV = _dot(plan, "BGsM,BGMV->BGsV", p.astype(dtype), do_BGMV)
+  dp = _dot(plan, "BGsV,BGMV->BGsM", v_BGsV, do_BGMV)
   if n_BGM is not None:
     ds = dp * prob.pointwise_grad(plan.probability, s, p, n_BG1M)
   else:
     ds = p * (dp - delta_BGM[:, :, None, :])
   ds = (ds if dcap is None else ds * dcap).astype(dtype)
-  dk_BGsK = _dot("BGsM,BGMK->BGsK", ds, q_BGMK)
+  dk_BGsK = _dot(plan, "BGsM,BGMK->BGsK", ds, q_BGMK)
   # dQᵀ keeps the matmul plain; its (K, M) block is small to transpose back.
-  dq_BGKM = _dot("BGKs,BGsM->BGKM", k_BGsK.transpose(0, 1, 3, 2), ds)
+  dq_BGKM = _dot(plan, "BGKs,BGsM->BGKM", k_BGsK.transpose(0, 1, 3, 2), ds)
   return dk_BGsK, dv_BGsV, _unrows(dq_BGKM.transpose(0, 1, 3, 2), R) * plan.scale
 
 
@@ -369,13 +375,14 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
               sinks: Array | None = None, softcap: float | None = None,
-              probability: str = "softmax") -> Array:
+              probability: str = "softmax", products: str = "xla") -> Array:
   """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks (or sigmoid, relu: attn.probability);
-  inputs checked by kernel.attention."""
+  inputs checked by kernel.attention. products "onednn": the block matmuls on attn.onednn.bmm."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   plan = plan_for(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
                   softcap=softcap, has_lengths=kv_lengths is not None, probability=probability)
+  plan = dataclasses.replace(plan, products=products)
   Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:

@@ -55,6 +55,7 @@ class Plan:
   softcap: float | None = None
   slab: int = 0  # > 0: each query block sees this many keys from slab_start, in one step
   probability: str = "softmax"
+  products: str = "xla"  # the block matmuls: XLA's dots, or "onednn" (attn.onednn.bmm)
 
   @property
   def nq(self) -> int:

@@ -289,9 +289,11 @@ def attention(
   softmax over blocks of block_q queries and block_k keys, a recomputing VJP,
   no T×S array, masked blocks skipped; no weights out, no logits_bias), "xla"
   or "cudnn" (jax.nn.dot_product_attention; need d_v = d_k, no weights out,
-  no sinks, no softcap, softmax only), or "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
+  no sinks, no softcap, softmax only), "auto" (best_impl: cuDNN on a GPU where it applies, else blocked
   from T·S >= BLOCKED_MIN_SCORES = 512², the crossover measured on CPU, else
-  einsum).
+  einsum), or "onednn" (attn.onednn; opt-in, CPU, float32: the structure "auto"
+  picks on CPU, einsum or blocked, with its matmuls on oneDNN's sgemm through
+  jax.ffi; "auto" never picks it: experiments/performance.md says where it wins).
   """
   _check_qkv(q_BTHK, k_BSGK, v_BSGV)
   B, T, H, K = q_BTHK.shape
@@ -309,6 +311,9 @@ def attention(
     impl = best_impl(q_BTHK, k_BSGK, v_BSGV, return_weights=return_weights,
                      logits_bias=logits_bias, sinks=sinks, softcap=softcap,
                      probability=probability)
+  products = "xla"
+  if impl == "onednn" and return_weights is False and logits_bias is None and is_long(T, S):
+    impl, products = "blocked", "onednn"  # the structure "auto" picks, its products on oneDNN
   dense = impl in ("einsum", "onednn")  # the (B,H,T,S) logits materialised: every option applies
   if not dense and return_weights:
     raise invalid("impl", impl, '"einsum", "onednn" or "auto" when return_weights=True')
@@ -320,7 +325,7 @@ def attention(
     return blocked.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
                              kv_lengths=kv_lengths, scale=scale, block_q=block_q,
                              block_k=block_k, window=window, sinks=sinks, softcap=softcap,
-                             probability=probability)
+                             probability=probability, products=products)
   if not dense:
     for name, value in (("sinks", sinks), ("softcap", softcap)):
       if value is not None:

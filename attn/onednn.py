@@ -42,7 +42,7 @@ import numpy as np
 
 DIST = "onednn-cpu-gomp"
 SOURCE = Path(__file__).with_name("onednn_gemm.cc")
-TARGETS = ("attn_onednn_nt", "attn_onednn_nn", "attn_onednn_tn")
+TARGETS = ("attn_onednn_nt", "attn_onednn_nn", "attn_onednn_tn", "attn_onednn_bmm")
 
 
 class Unavailable(RuntimeError):
@@ -187,6 +187,14 @@ def _tn_bwd(G, res, dc_BSGD):
 nt.defvjp(_nt_fwd, _nt_bwd)
 nn.defvjp(_nn_fwd, _nn_bwd)
 tn.defvjp(_tn_fwd, _tn_bwd)
+
+
+def bmm(a_NMK, b, transb: bool):
+  """(N,M,P) float32: a[n] · b[n] with b (N,K,P), or a[n] · b[n]ᵀ with b (N,P,K) if transb. No VJP:
+  attn.blocked calls it inside its own."""
+  N, M, _ = a_NMK.shape
+  P = b.shape[1] if transb else b.shape[2]
+  return _call("attn_onednn_bmm", (N, M, P), a_NMK, b, transb=bool(transb))
 
 
 def scores(q_BTHK, k_BSGK):

@@ -158,6 +158,26 @@ ffi::Error Tn(ffi::ThreadPool pool, ffi::BufferR4<ffi::F32> a, ffi::BufferR4<ffi
   return Status(failed, "attn_onednn_tn");
 }
 
+// c[n] = a[n] · op(b[n]) for n < N, a (N,M,K), b (N,K,P) or, transposed, (N,P,K): the blocked
+// core's block products (attn.blocked), one matrix per item.
+ffi::Error Bmm(ffi::ThreadPool pool, ffi::BufferR3<ffi::F32> a, ffi::BufferR3<ffi::F32> b,
+               bool transb, ffi::ResultBufferR3<ffi::F32> c) {
+  auto ad = a.dimensions(), bd = b.dimensions();
+  const int64_t N = ad[0], M = ad[1], K = ad[2], P = transb ? bd[1] : bd[2];
+  const float* A = a.typed_data();
+  const float* Bm = b.typed_data();
+  float* C = c->typed_data();
+  if (K == 0) {
+    std::memset(C, 0, sizeof(float) * N * M * P);
+    return ffi::Error::Success();
+  }
+  int failed = ParallelFor(pool, N, [&](int64_t n) {
+    return dnnl_sgemm('N', transb ? 'T' : 'N', M, P, K, 1.0f, A + n * M * K, K, Bm + n * K * P,
+                      transb ? K : P, 0.0f, C + n * M * P, P);
+  });
+  return Status(failed, "attn_onednn_bmm");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attn_onednn_nt, Nt,
@@ -179,3 +199,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(attn_onednn_tn, Tn,
                                   .Arg<ffi::BufferR4<ffi::F32>>()
                                   .Attr<int64_t>("G")
                                   .Ret<ffi::BufferR4<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attn_onednn_bmm, Bmm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR3<ffi::F32>>()
+                                  .Arg<ffi::BufferR3<ffi::F32>>()
+                                  .Attr<bool>("transb")
+                                  .Ret<ffi::BufferR3<ffi::F32>>());

@@ -178,3 +178,37 @@ def test_the_account_finds_and_counts_the_six_ffi_products():
   assert sorted(account.dot_flops(d) for d in found) == want
   assert all(d["library"].startswith("oneDNN sgemm") for d in found)
   assert account.time_dot(found[0], 2) > 0
+
+
+@needs_onednn
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True, "window": 5}, {"sinks": True, "softcap": 3.0},
+                                {"probability": "relu", "is_causal": True}],
+                         ids=["full", "causal-window", "sinks-softcap", "relu"])
+def test_the_blocked_core_on_onednn_products_equals_it_on_xla_dots(kw):
+  from attn import blocked
+  B, T, S, H, G, K, V = 2, 13, 11, 6, 2, 5, 3  # blocks of 4 that do not divide the lengths
+  q, k, v = randn(24, (B, T, H, K)), randn(25, (B, S, G, K)), randn(26, (B, S, G, V))
+  kw = dict(kw, sinks=randn(27, (H,))) if kw.get("sinks") else kw
+  mask = jax.random.bernoulli(jax.random.PRNGKey(28), 0.7, (B, 1, T, S)).at[:, :, 3].set(False)
+
+  def run(products):
+    f = lambda q, k, v: blocked.attention(q, k, v, mask, kv_lengths=jnp.array([S, 7]), scale=0.4,
+                                          block_q=4, block_k=4, products=products, **kw)
+    loss = lambda q, k, v: (f(q, k, v) * jnp.sin(jnp.arange(B * T * H * V).reshape(B, T, H, V))).sum()
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  (got, g_got), (want, g_want) = run("onednn"), run("xla")
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@needs_onednn
+def test_long_sequences_take_the_blocked_structure():
+  B, T, H, K = 1, 520, 2, 4  # T·S >= 512²: "auto" would pick blocked; a partial last block
+  q, k, v = randn(29, (B, T, H, K)), randn(30, (B, T, 1, K)), randn(31, (B, T, 1, 6))
+  hlo = jax.jit(lambda q, k, v: kernel.attention(q, k, v, is_causal=True, impl="onednn")).lower(
+      q, k, v).as_text()
+  assert "attn_onednn_bmm" in hlo and "attn_onednn_nt" not in hlo
+  got = kernel.attention(q, k, v, is_causal=True, impl="onednn")
+  np.testing.assert_allclose(got, kernel.attention(q, k, v, is_causal=True, impl="einsum"),
+                             rtol=1e-5, atol=1e-5)

@@ -113,7 +113,8 @@ def account(hlo: str, pairs: int | None = None, depth_of_pairs: int = 2) -> dict
           operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])[:2]
           lhs, rhs = (shapes.get(o) for o in operands)
           d.update(lhs=lhs[1] if lhs else None, rhs=rhs[1] if rhs else None, ffi=target,
-                   library="oneDNN sgemm (attn FFI, XLA's threads)")
+                   library="oneDNN sgemm (attn FFI, XLA's threads)",
+                   transb="transb = true" in ins["rest"])
         dots.append(d)
       elif op == "fusion":
         lib = library_of_fusion(rest)
@@ -135,7 +136,8 @@ def account(hlo: str, pairs: int | None = None, depth_of_pairs: int = 2) -> dict
 
 
 # attn.onednn's FFI products (attn/onednn_gemm.cc): what each contracts, as an index of lhs/rhs.
-FFI_PRODUCTS = {"attn_onednn_nt": ("lhs", 3), "attn_onednn_nn": ("lhs", 3), "attn_onednn_tn": ("rhs", 3)}
+FFI_PRODUCTS = {"attn_onednn_nt": ("lhs", 3), "attn_onednn_nn": ("lhs", 3), "attn_onednn_tn": ("rhs", 3),
+                "attn_onednn_bmm": ("lhs", 2)}
 
 
 def dot_flops(d: dict[str, Any]) -> int:
@@ -167,9 +169,10 @@ def time_dot(d: dict[str, Any], repeats: int) -> float:
   b = jax.random.normal(jax.random.PRNGKey(1), d["rhs"], jnp.float32)
   if d.get("ffi"):
     from attn import onednn
-    G = d["out"][2]
+    G = d["out"][2] if len(d["out"]) == 4 else None
     f = jax.jit({"attn_onednn_nt": onednn.nt, "attn_onednn_nn": onednn.nn,
-                 "attn_onednn_tn": lambda a, b: onednn.tn(a, b, G)}[d["ffi"]])
+                 "attn_onednn_tn": lambda a, b: onednn.tn(a, b, G),
+                 "attn_onednn_bmm": lambda a, b: onednn.bmm(a, b, d["transb"])}[d["ffi"]])
   else:
     lb, lc, rb, rc = d["dims"]
     f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, ((lc, rc), (lb, rb))))
@@ -209,12 +212,17 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, 
   T, H, K, window_size = shape["T_long"], cfg.num_heads, cfg.d_k, shape["window"]
   keys = jax.random.split(jax.random.PRNGKey(3), 4)
   q, k, v, do = (jax.random.normal(kk, (1, T, H, K), jnp.float32) for kk in keys)
-  for label, causal, window in (("full", False, None), ("causal", True, None),
-                                (f"causal window {window_size}", True, window_size)):
-    core = lambda q, k, v, do, c=causal, w=window: jnp.sum(
-        attn.kernel.attention(q, k, v, is_causal=c, window=w, impl="blocked") * do)
-    steps = blocked.block_steps(T, T, is_causal=causal, window=window)
-    out[f"blocked core fwd+bwd, T={T} {label}"] = (jax.grad(core, argnums=(0, 1, 2)), (q, k, v, do), steps)
+  for impl in ("blocked", "onednn"):
+    if impl == "onednn" and attn.onednn.why_not() is not None:
+      continue
+    for label, causal, window in (("full", False, None), ("causal", True, None),
+                                  (f"causal window {window_size}", True, window_size)):
+      core = lambda q, k, v, do, c=causal, w=window, impl=impl: jnp.sum(
+          attn.kernel.attention(q, k, v, is_causal=c, window=w, impl=impl) * do)
+      steps = blocked.block_steps(T, T, is_causal=causal, window=window)
+      tag = "" if impl == "blocked" else ', impl="onednn"'
+      out[f"blocked core fwd+bwd, T={T} {label}{tag}"] = (jax.grad(core, argnums=(0, 1, 2)),
+                                                         (q, k, v, do), steps)
   return out
 
 

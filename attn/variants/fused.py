@@ -63,7 +63,7 @@ def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig, *, split: b
 # kernel.best_impl for the inputs: on CPU the einsum kernel, or the blocked
 # one for long sequences; cuDNN flash attention on a GPU where it applies.
 # Set this, or pass Options(impl=...) to apply, to force "einsum", "blocked",
-# "xla" or "cudnn" (jax.nn.dot_product_attention).
+# "xla" or "cudnn" (jax.nn.dot_product_attention), or "onednn" (attn.onednn).
 DEFAULT_IMPL = "auto"
 
 
@@ -71,7 +71,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
           opts: Options = Options()):
   impl = DEFAULT_IMPL if opts.impl is None else opts.impl
   S = x_BTD.shape[1] if context_BSD is None else context_BSD.shape[1]
-  long = impl == "blocked" or (impl == "auto" and kernel.is_long(x_BTD.shape[1], S))
+  long = impl == "blocked" or (impl in ("auto", "onednn") and kernel.is_long(x_BTD.shape[1], S))
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg, split=long)
   return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg,
                             opts=opts.replace(impl=impl))
