@@ -212,3 +212,11 @@ def test_long_sequences_take_the_blocked_structure():
   got = kernel.attention(q, k, v, is_causal=True, impl="onednn")
   np.testing.assert_allclose(got, kernel.attention(q, k, v, is_causal=True, impl="einsum"),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_a_gpu_backend_is_refused_by_name(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q = randn(32, (1, 3, 2, 4))
+  with pytest.raises(ConfigError, match=r"impl.*'onednn'.*CPU backend only.*\"gpu\".*available: \['auto', "
+                     r"'einsum', 'blocked', 'xla', 'cudnn'\]"):
+    kernel.attention(q, q, q, impl="onednn")
