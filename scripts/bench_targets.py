@@ -46,21 +46,24 @@ def goals(report: dict[str, Any]) -> list[tuple[str, float | None, str, bool | N
   if f is not None and dtype == "bfloat16":
     add("bfloat16 reference f+b: fused / torch MHA", f["ratios"].get("torch", {}).get("fb"), "<=", 1.0)
   full, causal = _rows(shapes, "long-4096"), _rows(shapes, "long-4096-causal")
-  if "fused" in full:
-    add("T=4096 f+b: fused (blocked) / torch SDPA", full["fused"]["ratios"].get("torch_sdpa", {}).get("fb"),
-        "<=", 0.7)
-  if "fused" in full and "fused" in causal:
-    add("T=4096 f+b: causal / full, layer", causal["fused"]["fb"]["ms"] / full["fused"]["fb"]["ms"], "<=", 0.55)
-  if "core" in causal and "core_full" in full:
-    add("T=4096 f+b: causal / full, core", causal["core"]["fb"]["ms"] / full["core_full"]["fb"]["ms"], "<=", 0.55)
   long16 = _rows(shapes, "long-16384-causal")
-  if "fused" in long16 and long16["fused"]["peak_bytes"] is not None:
-    add("T=16384 causal: peak XLA MB, layer", long16["fused"]["peak_bytes"] / 2**20, "<=", 256)
-  if "core" in long16 and long16["core"]["peak_bytes"] is not None:
-    add("T=16384 causal: peak XLA MB, core", long16["core"]["peak_bytes"] / 2**20, "<=", 256)
-  if "core_window" in long16:
-    add("T=16384 f+b: window 256 / full causal, core",
-        long16["core_window"]["fb"]["ms"] / long16["core"]["fb"]["ms"], "<=", 0.1)
+  for t, label in (("", "blocked"), ("_onednn", 'blocked, impl="onednn"')):
+    if "fused" + t in full:
+      add(f"T=4096 f+b: fused ({label}) / torch SDPA",
+          full["fused" + t]["ratios"].get("torch_sdpa", {}).get("fb"), "<=", 0.7)
+    if "fused" + t in full and "fused" + t in causal:
+      add(f"T=4096 f+b: causal / full, layer ({label})",
+          causal["fused" + t]["fb"]["ms"] / full["fused" + t]["fb"]["ms"], "<=", 0.55)
+    if "core" + t in causal and "core_full" + t in full:
+      add(f"T=4096 f+b: causal / full, core ({label})",
+          causal["core" + t]["fb"]["ms"] / full["core_full" + t]["fb"]["ms"], "<=", 0.55)
+    if "fused" + t in long16 and long16["fused" + t]["peak_bytes"] is not None:
+      add(f"T=16384 causal: peak XLA MB, layer ({label})", long16["fused" + t]["peak_bytes"] / 2**20, "<=", 256)
+    if "core" + t in long16 and long16["core" + t]["peak_bytes"] is not None:
+      add(f"T=16384 causal: peak XLA MB, core ({label})", long16["core" + t]["peak_bytes"] / 2**20, "<=", 256)
+    if "core_window" + t in long16:
+      add(f"T=16384 f+b: window 256 / full causal, core ({label})",
+          long16["core_window" + t]["fb"]["ms"] / long16["core" + t]["fb"]["ms"], "<=", 0.1)
   for what, value, met in report.get("checks", []):
     out.append((f"default sweep: {what}", None, value, met))
   if not torch and shapes:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attn
-from attn import ConfigError, cli, kernel, masks
+from attn import ConfigError, cli, kernel, masks, onednn
 from attn.bench import layer as bench
 from attn.variants import base, fused, per_head
 from attn.variants.base import Options
@@ -154,7 +154,11 @@ def test_cli_smoke_run_writes_json(tmp_path, capsys):
   report = json.loads(out.read_text())
   assert report["machine"]["cores"] >= 1 and report["machine"]["versions"]["jax"] == jax.__version__
   rows = report["shapes"]["small"]["rows"]
-  assert [r["name"] for r in rows] == ["fused"]
+  why = onednn.why_not()  # the fused layer again with impl="onednn" where it runs, else why not
+  assert [r["name"] for r in rows] == ["fused"] + (["fused_onednn"] if why is None else [])
+  assert report["machine"]["onednn"] == (why or "available")
+  if why is not None:
+    assert why in report["shapes"]["small"]["skipped"]["fused_onednn"]
   assert "| fused |" in capsys.readouterr().out
 
 

@@ -252,11 +252,19 @@ def _long_cases(shape: Shape, dtype, dtype_name: str,
       skipped[name] = c["skip"]
     else:
       cases[name] = c
-  if causal:
-    cases["core"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True)
-    cases["core_window"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True, window=LONG_WINDOW)
-  elif T <= 4096:  # the core alone without a mask, for causal ÷ full of the core (scripts/bench_targets.py)
-    cases["core_full"] = peers_lib.core_case(cfg, B, T, dtype, is_causal=False)
+  why = onednn.why_not(dtype)
+  impls = {"": "blocked"} | ({"_onednn": "onednn"} if why is None else {})
+  if why is not None:
+    skipped["fused_onednn"] = f'impl="onednn" does not run here: {why}'
+  for tag, impl in impls.items():
+    if tag:  # the blocked core with its block matmuls on oneDNN (attn.onednn.bmm)
+      cases["fused" + tag] = peers_lib.fused_case(cfg, B, T, dtype, impl=impl, is_causal=causal)
+    if causal:
+      cases["core" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True, impl=impl)
+      cases["core_window" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True,
+                                                       window=LONG_WINDOW, impl=impl)
+    elif T <= 4096:  # the core alone without a mask, for causal ÷ full of the core (bench_targets.py)
+      cases["core_full" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=False, impl=impl)
   if peers:
     torch_case = peers_lib.torch_sdpa_case(cfg, B, T, dtype_name, causal)
     if torch_case is not None:
@@ -352,7 +360,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
   core_flops = core_flops_of(shape)
   for k, c in cases.items():
     flops = (attn.get_variant(k).flops(shape.cfg, shape.T, shape.T) * shape.B
-             if k in attn.VARIANTS else core_flops.get(k, fwd_flops))
+             if k in attn.VARIANTS else core_flops.get(k.removesuffix("_onednn"), fwd_flops))
     row = {"name": k, "kind": "peer" if k in PEERS else "variant", "fwd_flops": flops,
            "peak_bytes": c["peak_bytes"]}
     for part, mult in (("fwd", 1), ("fb", 3)):

@@ -88,7 +88,7 @@ def fused_case(cfg: HeadConfig, B: int, T: int, dtype, *, impl: str, mask=None,
 
 
 def core_case(cfg: HeadConfig, B: int, T: int, dtype, *, is_causal: bool,
-              window: int | None = None) -> Candidate:
+              window: int | None = None, impl: str = "blocked") -> Candidate:
   """The blocked attention core alone, no projections: gradients for q (the input), k and v."""
   keys = jax.random.split(jax.random.PRNGKey(3), 3)
   G, K, V = cfg.num_kv_heads, cfg.d_k, cfg.d_v
@@ -96,7 +96,7 @@ def core_case(cfg: HeadConfig, B: int, T: int, dtype, *, is_causal: bool,
   kv = {"k": jax.random.normal(keys[1], (B, T, G, K)).astype(dtype),
         "v": jax.random.normal(keys[2], (B, T, G, V)).astype(dtype)}
   apply = lambda p, q: kernel.attention(q, p["k"], p["v"], is_causal=is_causal, window=window,
-                                        impl="blocked")
+                                        impl=impl)
   return jax_pair(apply, kv, q, dtype)
 
 
