@@ -85,19 +85,23 @@ def test_bench_targets_judges_each_goal_from_the_measured_ratio():
   report = {"dtype": "float32", "machine": {"cpu": "X", "versions": {"torch": None}},
             "shapes": {
                 "reference": {"rows": [row("fused", 10.0, {"flax": {"fb": 0.69}}, pct=80.0)]},
-                "long-4096": {"rows": [row("fused", 100.0), row("core_full", 50.0)]},
-                "long-4096-causal": {"rows": [row("fused", 60.0), row("core", 27.0)]},
+                "long-4096": {"rows": [row("fused", 100.0), row("core_full", 50.0),
+                                       row("core_full_onednn", 40.0)]},
+                "long-4096-causal": {"rows": [row("fused", 60.0), row("core", 27.0),
+                                              row("core_onednn", 24.0)]},
                 "long-16384-causal": {"rows": [row("fused", 1.0, peak=300 * 2**20),
                                                row("core", 100.0, peak=200 * 2**20), row("core_window", 11.0)]}}}
   found = {what: (value, met) for what, value, _, met in _bench_targets().goals(report)}
   assert found["reference f+b: fused / flax MHA"] == (0.69, True)
   assert found["reference f+b: fused / torch MHA"] == (None, None)  # torch not installed: not measured
   assert found["reference f+b: fused % of matmul rate"] == (80.0, True)
-  assert found["T=4096 f+b: causal / full, layer"] == (0.6, False)
-  assert found["T=4096 f+b: causal / full, core"] == (0.54, True)
-  assert found["T=16384 causal: peak XLA MB, layer"] == (300.0, False)
-  assert found["T=16384 causal: peak XLA MB, core"] == (200.0, True)
-  assert found["T=16384 f+b: window 256 / full causal, core"] == (0.11, False)
+  assert found["T=4096 f+b: causal / full, layer (blocked)"] == (0.6, False)
+  assert found["T=4096 f+b: causal / full, core (blocked)"] == (0.54, True)
+  assert found['T=4096 f+b: causal / full, core (blocked, impl="onednn")'] == (0.6, False)
+  assert 'T=4096 f+b: causal / full, layer (blocked, impl="onednn")' not in found  # no such rows
+  assert found["T=16384 causal: peak XLA MB, layer (blocked)"] == (300.0, False)
+  assert found["T=16384 causal: peak XLA MB, core (blocked)"] == (200.0, True)
+  assert found["T=16384 f+b: window 256 / full causal, core (blocked)"] == (0.11, False)
   assert "torch peers" in found
 
 
