@@ -484,7 +484,9 @@ def _cli(capsys, *argv):
   return code, out.out, out.err
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow if f in NEW else [])
+# `attn eval --hf` end to end: BERT and Llama in the fast tier, the other families (the same command on
+# another family, whose logits identity above stays fast) in the slow tier.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in ("bert", "llama") else pytest.mark.slow)
                                     for f in ["bert", *sorted(FAMILIES)]])
 def test_eval_every_family(tmp_path, capsys, family):
   path, texts = _checkpoint(tmp_path, family)
@@ -505,8 +507,10 @@ def test_eval_refuses_a_missing_tokenizer(tmp_path, capsys):
   assert code == 2 and "tokenizer.json, or vocab.json + merges.txt" in err
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "gemma2" else pytest.mark.slow)
-                                    for f in sorted(FAMILIES)])
+# `attn analyze --hf` end to end: test_hf_encoder runs it on BERT in the fast tier, every family here runs
+# in the slow tier (their logits identity, above, stays fast).
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_analyze_every_family(tmp_path, capsys, family):
   path, texts = _checkpoint(tmp_path, family)
   out_dir = tmp_path / "analysis"

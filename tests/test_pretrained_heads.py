@@ -202,6 +202,7 @@ def test_kv_round_trips_equal_the_real_converted_encoders(tmp_path):
   assert ph.cache_bytes(enc.cfg.head, ("mla", 16), 2) == 2 * 16 * 2
 
 
+@pytest.mark.slow  # the whole run end to end: each of its parts is checked above, in the fast tier
 def test_run_end_to_end_on_a_tiny_bert(tmp_path):
   pytest.importorskip("matplotlib")
   from attn.experiments.reading import pretrained_heads as ph
