@@ -11,7 +11,7 @@ from flax import nnx
 import attn
 from attn.convert import CONVERTERS
 from attn.nn import interop
-from conftest import randn
+from conftest import randn, tier
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -52,14 +52,15 @@ def _masks(B, H, T, S, seed):
 
 
 def _pairs(configs):
-  """per_head and fused on every config; the other variants on "base", where they accept it."""
+  """per_head and fused on every config; the other variants on "base", where they accept it (those
+  outside conftest.FAST_VARIANTS in the slow tier, as in the other suites over every variant)."""
   pairs = [(name, v) for name in sorted(configs) for v in ("per_head", "fused")]
   for v in OTHER_VARIANTS:
     try:
       attn.api.check_config(v, configs["base"])
     except attn.ConfigError:
       continue  # a variant that refuses the config by design: nothing to compare
-    pairs.append(("base", v))
+    pairs.append(pytest.param("base", v, marks=tier(v)))
   return pairs
 
 
