@@ -190,7 +190,7 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
   from flax import nnx
   from attn.experiments.reading.analyze import _residual_stats
   from attn.nn import models
-  cfg = models.ModelConfig(vocab_size=11, d_model=12, num_layers=3, num_heads=3, d_ff=8, max_len=9)
+  cfg = models.ModelConfig(vocab_size=11, d_model=12, num_layers=2, num_heads=3, d_ff=8, max_len=9)
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(1))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)), jnp.int32)
 
@@ -205,7 +205,7 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
     return list(seen), chain
 
   seen, chain = run(model, tokens)
-  assert len(seen) == 3
+  assert len(seen) == 2
   for got, h in zip(seen, chain):
     np.testing.assert_allclose(np.asarray(got), np.asarray(h), rtol=1e-6, atol=1e-6)
   real = np.arange(9)[None, :] < np.array([[9], [4]])  # example 1 is padded past 4 tokens

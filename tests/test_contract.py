@@ -22,7 +22,14 @@ from conftest import CONFIGS, ROPE_CONFIGS, randn, random_params, variant_params
 B, T, S = 2, 5, 7
 
 
-@pytest.mark.parametrize("variant", sorted(attn.VARIANTS))
+# differential and tpa (outside conftest.FAST_VARIANTS) run the kit in the slow tier: their own naive
+# loops under jit and grad (test_new_variants) are their identities in the fast tier. mla and
+# talking_heads have no such loop, so the kit stays their fast identity.
+KIT_SLOW = ("differential", "tpa")
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow if v in KIT_SLOW else ())
+                                     for v in sorted(attn.VARIANTS)])
 def test_the_kit_passes_on_every_builtin_variant(variant):
   testing.check_variant(variant)
 

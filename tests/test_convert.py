@@ -152,8 +152,9 @@ def test_merged_from_factored_has_rank_at_most_dk(cname):
     assert np.linalg.matrix_rank(np.asarray(m["w_qk"][0]), tol=tol) == cfg.d_k
 
 
-@pytest.mark.parametrize("cname", ["base", "gqa", "h_not_dividing_D", "mqa_nobias", "single_head",
-                                   "dk_above_D"])
+@pytest.mark.parametrize("cname", [pytest.param(c, marks=pytest.mark.slow if c in PLAIN_CONFIGS else ())
+                                   for c in ["base", "gqa", "h_not_dividing_D", "mqa_nobias",
+                                             "single_head", "dk_above_D"]])
 def test_svd_round_trip_is_exact_for_low_rank(cname):
   cfg = CONFIGS.get(cname) or HeadConfig(d_model=8, num_heads=2, d_k=10, d_v=3)
   m = convert(fresh("per_head", cfg), "per_head", "merged", cfg)

@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from attn.config import ConfigError
 from attn.nn import hf
@@ -186,8 +187,12 @@ SCALED = {
 ORIGINAL = {"llama3": 64, "yarn": 32}  # rope_original_max_len of each scaled kind (else the default)
 
 
+# A loaded model's logits, compiled: one compile per model instead of one per operation.
+_forward = nnx.jit(lambda m, ids, lengths: m(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
+
+
 def _relative(model, ids, lengths, ref):
-  got = np.asarray(model(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
+  got = np.asarray(_forward(model, ids, lengths))
   return float(np.abs(got - ref).max()), float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
@@ -306,13 +311,13 @@ def test_kv_heads_and_variant_on_load():
   ref = _hf_logits(m, ids, mask)
   more, cfg = loaded = hf.from_hf(m, num_kv_heads=4)  # each kv head repeated: exact
   assert loaded.errors == (0.0, 0.0) and cfg.num_kv_heads == 4
-  got = np.asarray(more(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
+  got = np.asarray(_forward(more, ids, lengths))
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOL
   with pytest.warns(hf.LossyConversionWarning):
     loaded = hf.from_hf(m, num_kv_heads=1)  # mean-pooled
   assert loaded.config.num_kv_heads == 1 and 0 < loaded.error < 2
   fused, cfg = hf.from_hf(m, variant="fused")
-  got = np.asarray(fused(ids.astype(np.int32), lengths_B=lengths.astype(np.int32)))
+  got = np.asarray(_forward(fused, ids, lengths))
   assert cfg.variant == "fused" and np.abs(got - ref).max() / np.abs(ref).max() < TOL
 
 
@@ -484,7 +489,9 @@ def _cli(capsys, *argv):
   return code, out.out, out.err
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow if f in NEW else [])
+# `attn eval --hf` end to end: BERT and Llama in the fast tier, the other families (the same command on
+# another family, whose logits identity above stays fast) in the slow tier.
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f in ("bert", "llama") else pytest.mark.slow)
                                     for f in ["bert", *sorted(FAMILIES)]])
 def test_eval_every_family(tmp_path, capsys, family):
   path, texts = _checkpoint(tmp_path, family)
@@ -505,8 +512,10 @@ def test_eval_refuses_a_missing_tokenizer(tmp_path, capsys):
   assert code == 2 and "tokenizer.json, or vocab.json + merges.txt" in err
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "gemma2" else pytest.mark.slow)
-                                    for f in sorted(FAMILIES)])
+# `attn analyze --hf` end to end: test_hf_encoder runs it on BERT in the fast tier, every family here runs
+# in the slow tier (their logits identity, above, stays fast).
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_analyze_every_family(tmp_path, capsys, family):
   path, texts = _checkpoint(tmp_path, family)
   out_dir = tmp_path / "analysis"

@@ -11,7 +11,7 @@ from flax import nnx
 import attn
 from attn.convert import CONVERTERS
 from attn.nn import interop
-from conftest import randn
+from conftest import randn, tier
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -52,14 +52,15 @@ def _masks(B, H, T, S, seed):
 
 
 def _pairs(configs):
-  """per_head and fused on every config; the other variants on "base", where they accept it."""
+  """per_head and fused on every config; the other variants on "base", where they accept it (those
+  outside conftest.FAST_VARIANTS in the slow tier, as in the other suites over every variant)."""
   pairs = [(name, v) for name in sorted(configs) for v in ("per_head", "fused")]
   for v in OTHER_VARIANTS:
     try:
       attn.api.check_config(v, configs["base"])
     except attn.ConfigError:
       continue  # a variant that refuses the config by design: nothing to compare
-    pairs.append(("base", v))
+    pairs.append(pytest.param("base", v, marks=tier(v)))
   return pairs
 
 
@@ -124,8 +125,8 @@ def test_flax_self_attention_matches():
   params = random_params("per_head", cfg, 3)
   mha = interop.to_flax(params, cfg, rngs=nnx.Rngs(0))
   x, mask = randn(4, (2, 5, cfg.d_model)), np.tri(5, dtype=bool)
-  np.testing.assert_allclose(attn.apply("per_head", params, x, cfg=cfg, mask=mask),
-                             mha(x, mask=mask), **TOL)
+  both = nnx.jit(lambda m, p, x: (attn.apply("per_head", p, x, cfg=cfg, mask=mask), m(x, mask=mask)))
+  np.testing.assert_allclose(*both(mha, params, x), **TOL)  # one compile, not one per operation
 
 
 def _zeros(variant, cfg):

@@ -13,7 +13,7 @@ from attn.bench.peers import peak_bytes
 from attn.config import HeadConfig
 from attn.nn import DecoderLM, Encoder, EncoderDecoder, ModelConfig
 from attn.variants import fused
-from conftest import CONFIGS, fresh_params, randn
+from conftest import CONFIGS, fresh_params, randn, tier
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k
     "self": (2, 13, 13, 4, 4, 8, 8, 4, 8),            # lengths not multiples of the blocks
@@ -203,8 +203,12 @@ def test_bad_inputs_are_clear_errors(kwargs, match):
     kernel.attention(q, k, v, **kwargs)
 
 
+# The variants outside conftest.FAST_VARIANTS in the slow tier (the structured masks are the kernel's:
+# the fast variants and the kernel tests above carry the identity), and merged forced onto the blocked
+# kernel too (per_head takes that path in the fast tier).
 @pytest.mark.parametrize("variant, force_blocked", [
-    *((v, False) for v in sorted(attn.VARIANTS)), ("per_head", True), ("merged", True)])
+    *(pytest.param(v, False, marks=tier(v)) for v in sorted(attn.VARIANTS)), ("per_head", True),
+    pytest.param("merged", True, marks=pytest.mark.slow)])
 def test_every_variant_structured_equals_dense_mask(variant, force_blocked, monkeypatch):
   if force_blocked:  # impl="auto" then takes the blocked kernel at these small shapes
     monkeypatch.setattr(kernel, "BLOCKED_MIN_SCORES", 0)

@@ -164,8 +164,10 @@ def per_head_params(cfg, seed=0):
 
 
 # "all" switches gate_elementwise, sinks, window and softcap on together (and qk_norm without RoPE):
-# those four alone run in the slow tier; what "all" leaves out runs alone in the fast tier.
-IN_ALL = ("gate_elementwise", "sinks", "softcap", "window")
+# those four alone run in the slow tier; what "all" leaves out runs alone in the fast tier, but for
+# per-head qk_norm then RoPE: "all" holds the per-head norm and qk_norm_whole the norm-then-RoPE
+# order (and test_hf_families' gemma3_text logits the two together, against transformers).
+IN_ALL = ("gate_elementwise", "sinks", "softcap", "window", "qk_norm")
 
 
 @pytest.mark.parametrize("mech", [pytest.param(m, marks=pytest.mark.slow if m in IN_ALL else ())
@@ -228,7 +230,10 @@ def variant_cases():
     for mech in sorted(MECHS):
       if config(name, mech) is None:
         continue
-      fast = name in FAST_VARIANTS and mech == "all"
+      # One variant per route in the fast tier: fused (its own params, converted to per_head's),
+      # merged (converted from per_head's) and split_input (the config whose heads divide d_model);
+      # per_head's "all" is test_per_head_matches_the_naive_loop's "all" case (gradients too).
+      fast = name in ("fused", "merged", "split_input") and mech == "all"
       out.append(pytest.param(name, mech, id=f"{name}-{mech}",
                               marks=() if fast else pytest.mark.slow))
   return out
@@ -415,7 +420,7 @@ def test_params_carry_the_mechanisms_by_name():
   own = attn.init("fused", jax.random.PRNGKey(0), AWKWARD)
   assert all(np.array_equal(own[n], p[n]) for n in own)  # mechanisms draw from their own key
   x = randn(0, (B, T, D))
-  attn.apply("fused", p, x, cfg=cfg)
+  jit_apply("fused", p, x, cfg=cfg)
   with pytest.raises(ConfigError, match=r"params=.*keys .*'sinks'"):
     attn.apply("fused", {n: a for n, a in p.items() if n != "sinks"}, x, cfg=cfg)
   with pytest.raises(ConfigError, match=r"params\['w_gate'\].shape"):
@@ -428,9 +433,9 @@ def test_options_is_one_pytree_record():
   x, _, blank, xi = inputs(cfg)
   opts = Options(mask=blank[..., :T], head_mask=xi, is_causal=True)
   f = jax.jit(lambda p, x, opts: attn.VARIANTS["per_head"].apply(p, x, cfg=cfg, opts=opts)[0])
-  np.testing.assert_allclose(f(p, x, opts), attn.apply("per_head", p, x, cfg=cfg,
-                                                       mask=blank[..., :T], head_mask=xi,
-                                                       is_causal=True), atol=1e-6)
+  np.testing.assert_allclose(f(p, x, opts), jit_apply("per_head", p, x, cfg=cfg,
+                                                      mask=blank[..., :T], head_mask=xi,
+                                                      is_causal=True), atol=1e-6)
   assert len(jax.tree.leaves(opts)) == 2
   with pytest.raises(dataclasses.FrozenInstanceError):
     opts.is_causal = False
@@ -490,7 +495,7 @@ def test_qk_norm_whole_couples_the_heads_and_per_head_does_not():
     p = per_head_params(cfg)
     x, _, _, _ = inputs(cfg)
     moved = p | {"w_q": p["w_q"].at[:, 0].multiply(3.0)}
-    w = [attn.apply("per_head", q, x, None, cfg=cfg, is_causal=True, return_weights=True)[1]
+    w = [jit_apply("per_head", q, x, None, cfg=cfg, is_causal=True, return_weights=True)[1]
          for q in (p, moved)]
     assert bool(jnp.abs(w[0][:, 1:] - w[1][:, 1:]).max() > 1e-4) == coupled, mode
 
@@ -514,8 +519,8 @@ def test_qk_norm_whole_refusals_and_its_k_scales_follow_the_kv_heads():
   more = cfg.replace(num_kv_heads=6)
   q = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=more)  # repeated keys: the same RMS, exact
   assert q["k_norm_whole"].shape == (6, cfg.d_k)
-  np.testing.assert_allclose(attn.apply("per_head", q, x, ctx, cfg=more, mask=blank)[0],
-                             attn.apply("per_head", p, x, ctx, cfg=cfg, mask=blank)[0], atol=2e-5)
+  np.testing.assert_allclose(jit_apply("per_head", q, x, ctx, cfg=more, mask=blank)[0],
+                             jit_apply("per_head", p, x, ctx, cfg=cfg, mask=blank)[0], atol=2e-5)
   with pytest.warns(attn.LossyConversionWarning):  # mean-pooled keys: lossy, as without the norm
     fewer = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=cfg.replace(num_kv_heads=1))
   np.testing.assert_allclose(fewer["k_norm_whole"], p["k_norm_whole"].mean(0, keepdims=True), rtol=1e-6)

@@ -395,6 +395,9 @@ def _assert_learns(losses):
   assert losses[-1] < losses[0], losses
 
 
+# A whole-model run, in the slow tier: in the fast tier test_experiments trains it a step on every task,
+# and the classifier's and the attention module's losses fall below.
+@pytest.mark.slow
 def test_decoder_lm_trains():
   lm = DecoderLM(TINY.replace(variant="per_head", tie_embeddings=False, num_layers=1),
                  rngs=nnx.Rngs(0))

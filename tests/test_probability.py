@@ -139,6 +139,10 @@ def test_gradient_of_the_einsum_kernel_equals_finite_differences_of_the_naive_lo
       np.testing.assert_allclose(dk[idx], np.sum((up - down) * ct) / 2e-5, atol=1e-4, rtol=1e-3)
 
 
+# Compiled once per case, not op by op.
+visible_keys = jax.jit(probability.visible_keys, static_argnums=(0, 1), static_argnames=("is_causal", "window"))
+
+
 def test_visible_keys_count_the_dense_masks():
   rng = np.random.default_rng(0)
   B, H = 3, 2
@@ -152,7 +156,7 @@ def test_visible_keys_count_the_dense_masks():
     want = (np.ones((B, H, T, S), bool) if mask is None else np.broadcast_to(mask, (B, H, T, S))) \
         & (np.arange(S) < np.asarray(lengths)[:, None, None, None])
     want = want & (d_TS >= 0 if is_causal else True) & (np.abs(d_TS) < window if window else True)
-    got = probability.visible_keys(T, S, mask, is_causal=is_causal, kv_lengths=lengths, window=window)
+    got = visible_keys(T, S, mask, is_causal=is_causal, kv_lengths=lengths, window=window)
     np.testing.assert_array_equal(np.broadcast_to(got, (B, H, T)), want.sum(-1),
                                   err_msg=f"{is_causal} {window} {dense}")
 
