@@ -54,7 +54,11 @@ PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "einsum": "fused, einsum kernel",
                "core": "blocked core alone, causal",
                "core_full": "blocked core alone, no mask",
-               "core_window": "blocked core alone, causal window 256"}
+               "core_window": "blocked core alone, causal window 256",
+               "fused_onednn": 'fused, impl="onednn"',
+               "core_onednn": 'blocked core alone, causal, impl="onednn"',
+               "core_full_onednn": 'blocked core alone, no mask, impl="onednn"',
+               "core_window_onednn": 'blocked core alone, causal window 256, impl="onednn"'}
 RATIO_LABELS = {"flax": "× flax", "jax_dpa": "× jax dpa", "torch": "× torch",
                 "torch_sdpa": "× torch SDPA"}
 
