@@ -341,7 +341,7 @@ def attention(
                                   is_causal, kv_lengths, window)
   mask = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths, window))
   if impl == "onednn":  # float32 only (checked above): the same function, its two products on oneDNN
-    logits_BHTS = onednn.scores(q_BTHK * jnp.float32(scale), k_BSGK)
+    logits_BHTS = onednn.nt(q_BTHK * jnp.float32(scale), k_BSGK)
   elif q_BTHK.dtype == jnp.float32:
     # Scaling q (T·K values) rather than the logits (T·S) is the same product
     # up to rounding, and keeps XLA's CPU matmul fusion from materialising a
@@ -355,7 +355,7 @@ def attention(
   if logits_bias is not None:
     logits_BHTS = logits_BHTS + logits_bias.astype(jnp.float32)
   probs_BHTS = masked_probabilities(logits_BHTS, mask, sinks, probability)
-  mix = onednn.weighted_sum if impl == "onednn" else weighted_sum
+  mix = onednn.nn if impl == "onednn" else weighted_sum  # probs are float32 there
   out_BTHV = mix(probs_BHTS, v_BSGV).astype(q_BTHK.dtype)
   return (out_BTHV, probs_BHTS) if return_weights else out_BTHV
 

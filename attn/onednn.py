@@ -1,26 +1,28 @@
-"""impl="onednn": the einsum kernel's two products on oneDNN's sgemm, through jax.ffi (CPU, float32).
+"""impl="onednn": the attention core's matmuls on oneDNN's sgemm, through jax.ffi (CPU, float32).
 
-The attention core's products are small batched matmuls (at the reference
-shape 64 of 256×64 · 64×256), and XLA:CPU runs them at about half the rate
-torch's oneDNN/MKL GEMMs reach (experiments/performance.md, Dot by dot). This
-impl keeps everything of the einsum kernel (masks, float32 softmax, sinks,
-softcap, sigmoid/relu, weights out) and replaces its two products, forward and
-backward, by three FFI handlers (attn/onednn_gemm.cc) that call oneDNN's
-row-major ``dnnl_sgemm`` once per (batch, head) straight on attn's layouts, the
-(batch, head) pairs split over OpenMP threads:
+XLA:CPU runs the core's small batched products (at the reference shape 64 of
+256×64 · 64×256) at about half the rate of torch's GEMMs (experiments/
+performance.md, Dot by dot). kernel.attention(impl="onednn") keeps everything
+else of the einsum kernel (masks, float32 softmax, sinks, softcap, sigmoid/relu,
+weights out), or of the blocked kernel where "auto" would pick it, and computes
+the products with four FFI handlers (attn/onednn_gemm.cc) that call oneDNN's
+row-major ``dnnl_sgemm`` once per matrix, read in place from attn's layouts, the
+matrices handed out over XLA's own intra-op threads:
 
   nt(a (B,T,H,D), b (B,S,G,D)) -> (B,H,T,S)   scores q·kᵀ, and dP = dO·vᵀ
   nn(a (B,H,T,S), b (B,S,G,D)) -> (B,T,H,D)   the weighted sum P·v, and dQ = dL·k
   tn(a (B,H,T,S), b (B,T,H,D)) -> (B,S,G,D)   dK = dLᵀ·q and dV = Pᵀ·dO, summed per kv group
+  bmm(a (N,M,K), b (N,K,P) or (N,P,K))        the blocked core's block products
 
-Each one's VJP is made of the others, so gradients of any order work.
+nt, nn and tn are one another's VJPs, so gradients of any order work.
 
-What it needs, checked before tracing by attn.kernel.check_impl (the error names ``impl``):
-the CPU backend on x86-64 Linux; the ``onednn-cpu-gomp`` wheel (the ``onednn``
-extra: ``pip install -e ".[onednn]"``; its libdnnl.so.3 needs only the system's
-libgomp); a C++17 compiler (``$CXX`` or ``c++``). The handler library is built
-on first use, once per source, jaxlib and libdnnl, into ``$ATTN_CACHE_DIR`` or
-``~/.cache/attn`` (``attn bench`` says in its header whether it runs here, or why not). float32 inputs only: oneDNN's sgemm is float32.
+What it needs, checked before tracing by attn.kernel.check_impl (the error
+names ``impl``): the CPU backend on x86-64 Linux; the ``onednn-cpu-gomp`` wheel
+(the ``onednn`` extra: ``pip install -e ".[onednn]"``; its libdnnl.so.3 needs
+only the system's libgomp); a C++17 compiler (``$CXX`` or ``c++``); float32
+inputs (oneDNN's sgemm). The handler library is built on first use, once per
+source, jaxlib and libdnnl, into ``$ATTN_CACHE_DIR`` or ``~/.cache/attn``
+(``attn bench`` says in its header whether it runs here, or why not).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _build(libdnnl: Path) -> Path:
     raise Unavailable(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; "
                       "install g++ or set CXX) to build the oneDNN handlers")
   include = jax.ffi.include_dir()
-  key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(),
+  key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), importlib.metadata.version("jaxlib").encode(),
                                    str(libdnnl).encode(), cxx.encode()])).hexdigest()[:16]
   out = cache_dir() / f"onednn-{key}" / "libattn_onednn.so"
   if out.is_file():
@@ -195,13 +197,3 @@ def bmm(a_NMK, b, transb: bool):
   N, M, _ = a_NMK.shape
   P = b.shape[1] if transb else b.shape[2]
   return _call("attn_onednn_bmm", (N, M, P), a_NMK, b, transb=bool(transb))
-
-
-def scores(q_BTHK, k_BSGK):
-  """kernel.scores on oneDNN: raw logits q·k, (B,H,T,S) float32."""
-  return nt(q_BTHK, k_BSGK)
-
-
-def weighted_sum(probs_BHTS, v_BSGV):
-  """kernel.weighted_sum on oneDNN: (B,T,H,V) float32."""
-  return nn(probs_BHTS.astype(jnp.float32), v_BSGV)

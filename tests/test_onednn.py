@@ -28,7 +28,8 @@ def _missing() -> str | None:
   return None
 
 
-needs_onednn = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+_MISSING = _missing()
+needs_onednn = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 # B, T, S, H, G, K, V: d_v != d_k, grouped, a one-key-head group, a single query, lengths that are
 # not multiples of anything.
