@@ -5,12 +5,13 @@ from attn import host_memory as _host_memory
 if _host_memory.is_attn_command():  # before jax loads: re-exec with mimalloc (attn.host_memory)
   _host_memory.use_kept_allocator()
 
-from attn import kernel, masks
+from attn import kernel
+from attn.kernel import masks
 from attn.api import apply, get_variant, init, param_shapes
 from attn.config import HEAD_PRESETS, ConfigError, HeadConfig, single_head, vaswani_base
 from attn.convert import LossyConversionWarning, convert
 from attn.kernel import attention
-from attn.masks import causal_mask, combine_masks, padding_mask
+from attn.kernel.masks import causal_mask, combine_masks, padding_mask
 from attn.variants import VARIANTS
 from attn import nn
 from attn.nn import MultiHeadAttention

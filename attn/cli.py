@@ -14,7 +14,7 @@ from attn.registry import PluginWarning
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS = {
     "demo": ("attn.demo", "answer the seed questions for one config in one screen"),
-    "count": ("attn.count_cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
+    "count": ("attn.count.cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
     "sweep": ("attn.experiments.cli", "run a sweep config: trials, metrics, resumable store"),
     "report": ("attn.experiments.reading.report", "write report.md and plots from a sweep directory"),
     "status": ("attn.experiments.running.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),

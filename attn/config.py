@@ -30,7 +30,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
-PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.probability)
+PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.kernel.probability)
 QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
 ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
@@ -109,7 +109,7 @@ class HeadConfig:
   softcap·tanh(logits/softcap) (Gemma 2); probability turns the logits into
   weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
   2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
-  masks leave visible (attn.probability; learned sinks need "softmax").
+  masks leave visible (attn.kernel.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
   values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
@@ -344,7 +344,7 @@ def vaswani_base(**changes) -> HeadConfig:
   return HeadConfig(d_model=512, num_heads=8, d_k=64, d_v=64).replace(**changes)
 
 
-HEAD_PRESETS = {  # one attention layer; whole models are in attn.presets
+HEAD_PRESETS = {  # one attention layer; whole models are in attn.count.presets
     "vaswani-base": vaswani_base,
     "single-head": lambda: single_head(512),
     "mqa": lambda: vaswani_base(num_kv_heads=1),

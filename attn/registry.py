@@ -78,6 +78,7 @@ class Registry(collections.abc.Mapping, Generic[R]):
     self._records: dict[str, R] | None = None
     self._sources: dict[str, str] = {}
     self._broken: dict[str, str] = {}  # entry-point name -> why it could not be loaded
+    self._wheres: dict[str, str] = {}  # name -> where its record came from, in words
     self._lock = threading.RLock()
     REGISTRIES.append(self)
 
@@ -117,6 +118,7 @@ class Registry(collections.abc.Mapping, Generic[R]):
                         f"one from {source!r} ({where}); rename one of them")
     records[record.name] = record
     sources[record.name] = source
+    self._wheres[record.name] = where
 
   def register(self, record: R) -> R:
     """Add a record for this process only (worker processes and cluster jobs do not see it)."""
@@ -164,6 +166,11 @@ class Registry(collections.abc.Mapping, Generic[R]):
     """Where a record came from: 'attn', a distribution's name, or 'register()'."""
     self._load()
     return self._sources[name]
+
+  def where(self, name: str) -> str:
+    """Where a record came from, in words: built-in, its entry point and distribution, or register()."""
+    self._load()
+    return self._wheres.get(name, self._sources.get(name, "unknown"))
 
   def broken(self) -> dict[str, str]:
     """Entry points that failed to import, and why."""

@@ -1,8 +1,8 @@
-"""Regenerates experiments/todays_heads_by_the_numbers/ (table, results.json, plot) from attn/hf_configs.
+"""Regenerates experiments/todays_heads_by_the_numbers/ (table, results.json, plot) from attn/count/hf_configs.
 
   PYTHONPATH=. python scripts/todays_heads.py
 
-Every number is attn's count (attn.count_hf, the same as `attn count --hf NAME`);
+Every number is attn's count (attn.count.hf, the same as `attn count --hf NAME`);
 the published totals below are quoted with their source. A stored config whose
 family attn cannot read yet is listed as pending with the reader's message.
 What each design saves is measured by counting the same config twice: with
@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 
-from attn import count_hf
+from attn.count import hf as count_hf
 from attn.config import ConfigError
 
 OUT = os.path.join("experiments", "todays_heads_by_the_numbers")

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attn import blocked
+from attn.kernel import blocked
 from attn import kernel
 from attn.bench import account
 from attn.bench import flags

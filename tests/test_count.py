@@ -1,7 +1,7 @@
 """Counting: three parameter counts, FLOPs vs XLA, KV cache, whole models, published tables, CLI.
 
 Published numbers are written here from their sources (Hugging Face checkpoints,
-Vaswani et al. 2017 Table 3), not taken from attn.presets.
+Vaswani et al. 2017 Table 3), not taken from attn.count.presets.
 """
 
 import json
@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 import attn
-from attn import ConfigError, HeadConfig, cli, count, kernel, presets
+from attn import ConfigError, HeadConfig, cli, count, kernel
+from attn.count import presets
 from attn.nn import models
 from conftest import CONFIGS, random_params, tier, variant_params
 
@@ -134,7 +135,7 @@ def test_seed_question_score_weights_per_head():
   assert count.param_counts("per_head", cfg)["analytic"] == 4 * 512 * 512 + 4 * 512
 
 
-from attn.measured import xla_flops  # noqa: E402  (tests/test_mla.py and test_mechanisms.py read it here)
+from attn.count.measured import xla_flops  # noqa: E402  (tests/test_mla.py and test_mechanisms.py read it here)
 
 
 # FLOPs against XLA's cost analysis: the kit (attn.testing), for every variant.

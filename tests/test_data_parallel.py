@@ -27,7 +27,7 @@ import pytest
 from attn.config import ConfigError
 from attn.experiments.running import config as config_lib
 from attn.experiments.training import parallel
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 from attn.experiments.training.config import TrainConfig
 from conftest import TINY_MQAR
 

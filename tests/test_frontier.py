@@ -7,7 +7,7 @@ import pytest
 
 from attn.experiments.reading import plots
 from attn.experiments.reading import report
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def _trial(task="text", **model):

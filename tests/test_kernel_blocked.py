@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 import attn
-from attn import ConfigError, blocked, kernel
+from attn import ConfigError, kernel
+from attn.kernel import blocked
 from attn.bench.peers import peak_bytes
 from attn.config import HeadConfig
 from attn.nn import DecoderLM, Encoder, EncoderDecoder, ModelConfig

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn import ConfigError, HeadConfig, count, count_layers
+from attn import ConfigError, HeadConfig, count
 from attn.experiments.running import config as config_lib
 from attn.nn import layer_types
 from attn.nn.models import MODELS, DecoderLM, ModelConfig
@@ -94,13 +94,13 @@ def test_counts_per_type_against_closed_forms():
   """KV cache at L: a sliding layer min(L, w), a full one L tokens of 2·G·K bytes (bf16: ×2)."""
   cfg = ModelConfig(**(BASE | dict(d_v=4, num_layers=9)), layer_types=MIXED * 2 + ("full_attention",))
   L, G, K = 20, 2, 4
-  rows = {r["type"]: r for r in count_layers.layer_type_table(cfg, "decoder_lm", L)}
+  rows = {r["type"]: r for r in count.layer_type_table(cfg, "decoder_lm", L)}
   per_token = 2 * G * K * 2
   assert rows["sliding_attention"]["kv_bytes_at_L"] == 2 * 3 * per_token
   assert rows["full_attention_nope"]["kv_bytes_at_L"] == 2 * L * per_token
   assert rows["full_attention"]["layers"] == 3 and rows["full_attention"]["kv_bytes_at_L"] == 3 * L * per_token
   assert rows["total"]["kv_bytes_at_L"] == (4 * 3 + 5 * L) * per_token
-  assert count_layers.model_kv_cache_bytes(cfg, "decoder_lm", L) == rows["total"]["kv_bytes_at_L"]
+  assert count.model_kv_cache_bytes(cfg, "decoder_lm", L) == rows["total"]["kv_bytes_at_L"]
   assert rows["total"]["params"] == count.model_param_breakdown(cfg, "decoder_lm")["attention"]
   assert rows["sliding_attention"]["flops_fwd_per_layer"] == count.flops("per_head", cfg.layer_head(0), L)
   mla = cfg.replace(variant="mla", rope_dim=2, latent_dim=6, layer_types=MIXED, num_layers=4)

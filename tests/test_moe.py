@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn import ConfigError, count, count_layers
+from attn import ConfigError, count
 from attn.nn import moe
 from attn.nn.models import MLP, DecoderLM, ModelConfig, activate
 
@@ -120,10 +120,10 @@ def test_moe_model_counts_total_and_active():
   dense = 3 * D * 12
   assert count.expert_params(cfg) == {"total": E * expert + router + shared, "active": k * expert + router + shared}
   moe_layers = cfg.num_layers - cfg.moe_dense_first
-  assert stored - count_layers.active_param_count(cfg, "decoder_lm") == moe_layers * (E - k) * expert
+  assert stored - count.active_param_count(cfg, "decoder_lm") == moe_layers * (E - k) * expert
   plain = cfg.replace(**{n: d for n, d in moe.FIELDS.items()}, mlp="gated")
   assert stored - count.model_param_count(plain, "decoder_lm") == moe_layers * (E * expert + router + shared - dense)
-  assert count_layers.active_param_count(plain, "decoder_lm") == count.model_param_count(plain, "decoder_lm")
+  assert count.active_param_count(plain, "decoder_lm") == count.model_param_count(plain, "decoder_lm")
 
 
 @pytest.mark.parametrize("changes, match", [

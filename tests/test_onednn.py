@@ -1,4 +1,4 @@
-"""impl="onednn" (attn.onednn: the core's products on oneDNN's sgemm through jax.ffi) against the einsum kernel.
+"""impl="onednn" (attn.kernel.onednn: the core's products on oneDNN's sgemm through jax.ffi) against the einsum kernel.
 
 Needs the onednn extra (the onednn-cpu-gomp wheel) and a C++ compiler: the tests that run it skip
 before anything imports or builds it when either is missing; with both, a failed build fails them.
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import attn
-from attn import ConfigError, HeadConfig, kernel, onednn
+from attn import ConfigError, HeadConfig, kernel
+from attn.kernel import onednn
 from conftest import randn
 
 
@@ -186,7 +187,8 @@ def test_the_account_finds_and_counts_the_six_ffi_products():
                                 {"probability": "relu", "is_causal": True}],
                          ids=["full", "causal-window", "sinks-softcap", "relu"])
 def test_the_blocked_core_on_onednn_products_equals_it_on_xla_dots(kw):
-  from attn import blocked
+  from attn.kernel import blocked
+  from attn.kernel.products import ONEDNN, XLA
   B, T, S, H, G, K, V = 2, 13, 11, 6, 2, 5, 3  # blocks of 4 that do not divide the lengths
   q, k, v = randn(24, (B, T, H, K)), randn(25, (B, S, G, K)), randn(26, (B, S, G, V))
   kw = dict(kw, sinks=randn(27, (H,))) if kw.get("sinks") else kw
@@ -197,7 +199,7 @@ def test_the_blocked_core_on_onednn_products_equals_it_on_xla_dots(kw):
                                           block_q=4, block_k=4, products=products, **kw)
     loss = lambda q, k, v: (f(q, k, v) * jnp.sin(jnp.arange(B * T * H * V).reshape(B, T, H, V))).sum()
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-  (got, g_got), (want, g_want) = run("onednn"), run("xla")
+  (got, g_got), (want, g_want) = run(ONEDNN), run(XLA)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   for a, b in zip(g_got, g_want):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -62,7 +62,7 @@ def installed(*paths: str):
     yield
   finally:
     del sys.path[:len(paths)]
-    for mod in [m for m in sys.modules if m.split(".")[0] in ("my_attn", "badplugin", "brokenmod")]:
+    for mod in [m for m in sys.modules if m.split(".")[0] in ("my_attn", "badplugin", "brokenmod", "raisingmod")]:
       del sys.modules[mod]
     importlib.invalidate_caches()
     VARIANTS.reload(), MECHANISMS.reload()
@@ -97,6 +97,33 @@ def test_an_installed_plugin_is_found_counted_and_its_mechanism_passes_the_kit(m
     assert counts["analytic"] == counts["stored"] == 8 * 4 * 8 + 2  # no closed form: the stored count
     assert attn.count.measured_figures("tempered", HeadConfig(d_model=8, num_heads=2)) == [
         "analytic", "effective", "score_weights", "flops", "kv_cache"]
+    # the README's apply has the documented signature, no default for opts: every caller passes it
+    assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--format", "csv"]) == 0
+    names = [line.split(",")[0] for line in capsys.readouterr().out.strip().splitlines()[1:]]
+    assert names == list(VARIANTS) and "tempered" in names and "per_head" in names
+    testing.check_variant("tempered")
+
+
+RAISES = """
+from attn import Variant
+from attn.variants import per_head
+def apply(params, x_BTD, context_BSD=None, *, cfg, opts):
+  raise RuntimeError("plugin bug")
+VARIANT = Variant(name="raises", init=per_head.init, apply=apply)
+"""
+
+
+def test_count_keeps_every_builtin_row_when_a_plugin_fails_at_call_time(tmp_path, capsys):
+  with installed(_bad(tmp_path, "raisingmod", RAISES, {"raises": "raisingmod:VARIANT"})):
+    assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--format", "csv"]) == 0
+    out = capsys.readouterr()
+    names = [line.split(",")[0] for line in out.out.strip().splitlines()[1:]]
+    assert names == [n for n in VARIANTS if n != "raises"] and "per_head" in names
+    [line] = out.err.strip().splitlines()
+    assert line.startswith("attn count: variant 'raises' left out: entry point 'raises' (raisingmod:VARIANT) "
+                           "of distribution 'raisingmod'") and line.endswith("RuntimeError: plugin bug")
+    # asked for by name, its failure is the command's
+    assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--variant", "raises"]) == 1
 
 
 @pytest.mark.slow
@@ -246,3 +273,18 @@ def test_the_cli_names_a_broken_plugin_in_one_line_and_no_traceback(tmp_path):
   lines = bad.stderr.strip().splitlines()
   assert lines[0].startswith("attn: warning: attn: skipped entry point 'broken'") and "boom" in lines[0]
   assert lines[-1].startswith("attn count: error: variant='broken' is not available")
+
+
+def test_the_nnx_module_takes_a_record_that_is_not_registered():
+  import jax
+  import numpy as np
+  from flax import nnx
+  record = dataclasses.replace(VARIANTS["per_head"], name="unregistered")
+  cfg = HeadConfig(d_model=8, num_heads=2, d_k=3, d_v=5, num_kv_heads=1)
+  mha = attn.MultiHeadAttention(cfg, record, rngs=nnx.Rngs(0))
+  assert "unregistered" not in VARIANTS and mha.record is record and mha.variant == "unregistered"
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 8))
+  want = attn.apply("per_head", mha.params_dict(), x, cfg=cfg, is_causal=True)
+  np.testing.assert_array_equal(mha(x, is_causal=True), want)
+  mha.init_cache(2, 5)
+  np.testing.assert_allclose(mha(x[:, :1], decode=True), want[:, :1], rtol=1e-5, atol=1e-6)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import attn
-from attn import ConfigError, HeadConfig, count, kernel, probability
+from attn import ConfigError, HeadConfig, count, kernel
+from attn.kernel import probability
 from attn.variants import cache, mechanisms
 from conftest import randn
 

@@ -135,7 +135,7 @@ def account(hlo: str, pairs: int | None = None, depth_of_pairs: int = 2) -> dict
   return {"dots": dots, "passes": passes}
 
 
-# attn.onednn's FFI products (attn/onednn_gemm.cc): what each contracts, as an index of lhs/rhs.
+# attn.kernel.onednn's FFI products (attn/kernel/onednn_gemm.cc): what each contracts, as an index of lhs/rhs.
 FFI_PRODUCTS = {"attn_onednn_nt": ("lhs", 3), "attn_onednn_nn": ("lhs", 3), "attn_onednn_tn": ("rhs", 3),
                 "attn_onednn_bmm": ("lhs", 2)}
 
@@ -168,7 +168,7 @@ def time_dot(d: dict[str, Any], repeats: int) -> float:
   a = jax.random.normal(jax.random.PRNGKey(0), d["lhs"], jnp.float32)
   b = jax.random.normal(jax.random.PRNGKey(1), d["rhs"], jnp.float32)
   if d.get("ffi"):
-    from attn import onednn
+    from attn.kernel import onednn
     G = d["out"][2] if len(d["out"]) == 4 else None
     f = jax.jit({"attn_onednn_nt": onednn.nt, "attn_onednn_nn": onednn.nn,
                  "attn_onednn_tn": lambda a, b: onednn.tn(a, b, G),
@@ -191,7 +191,7 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, 
   shape: the reference shape's B, T, D, H, K and the long family's T_long and window.
   """
   import attn
-  from attn import blocked
+  from attn.kernel import blocked
   from attn.config import HeadConfig
   from attn.variants.base import Options
   B, T, D = shape["B"], shape["T"], shape["D"]
@@ -202,7 +202,7 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, 
   ct = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
   out = {}
   for impl in ("auto", "onednn"):
-    if impl == "onednn" and attn.onednn.why_not() is not None:
+    if impl == "onednn" and attn.kernel.onednn.why_not() is not None:
       continue  # not installed here: the bench's table says why
     apply = lambda p, x, impl=impl: fused.apply(p, x, None, cfg=cfg, opts=Options(impl=impl))[0]
     loss = lambda p, x, ct, apply=apply: jnp.sum(apply(p, x) * ct)
@@ -213,7 +213,7 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, 
   keys = jax.random.split(jax.random.PRNGKey(3), 4)
   q, k, v, do = (jax.random.normal(kk, (1, T, H, K), jnp.float32) for kk in keys)
   for impl in ("blocked", "onednn"):
-    if impl == "onednn" and attn.onednn.why_not() is not None:
+    if impl == "onednn" and attn.kernel.onednn.why_not() is not None:
       continue
     for label, causal, window in (("full", False, None), ("causal", True, None),
                                   (f"causal window {window_size}", True, window_size)):

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 import attn
-from attn import host_memory, onednn
+from attn import host_memory
+from attn.kernel import onednn
 from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
 
@@ -261,7 +262,7 @@ def _long_cases(shape: Shape, dtype, dtype_name: str,
   if why is not None:
     skipped["fused_onednn"] = f'impl="onednn" does not run here: {why}'
   for tag, impl in impls.items():
-    if tag:  # the blocked core with its block matmuls on oneDNN (attn.onednn.bmm)
+    if tag:  # the blocked core with its block matmuls on oneDNN (attn.kernel.onednn.bmm)
       cases["fused" + tag] = peers_lib.fused_case(cfg, B, T, dtype, impl=impl, is_causal=causal)
     if causal:
       cases["core" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True, impl=impl)
@@ -331,7 +332,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
       continue
     cases[v] = _variant_case(variant, shape, dtype, mask)
   if "fused" in cases and not shape.long:
-    # The fused layer again with impl="onednn" (attn.onednn: the core's products on oneDNN's sgemm).
+    # The fused layer again with impl="onednn" (attn.kernel.onednn: the core's products on oneDNN's sgemm).
     why = onednn.why_not(dtype)
     if why is None:
       cases["fused_onednn"] = peers_lib.fused_case(shape.cfg, shape.B, shape.T, dtype,

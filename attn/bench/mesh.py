@@ -107,7 +107,7 @@ def measure(sets: list[str], steps: int) -> dict[str, float]:
                                      m=step.memory_analysis(), hlo=step.as_text()))
   m = memory["m"]
   from attn import count
-  from attn.nn.models import ModelConfig
+  from attn.nn.config import ModelConfig
   from attn.variants.base import core_flops
   cfg = ModelConfig(**trial.config["model"])
   B, T = trial.config["train"]["batch_size"], trial.config["task"]["seq_len"]

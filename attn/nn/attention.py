@@ -20,23 +20,25 @@ from flax import nnx
 from attn import api
 from attn.config import HeadConfig, check_head_mask, invalid
 from attn.variants import cache as kv_cache
-from attn.variants.base import Params
+from attn.variants.base import Params, Variant
 
 
 class MultiHeadAttention(nnx.Module):
-  """One attention layer of any registered variant, with its parameters as nnx.Params."""
+  """One attention layer of any variant (a registered name or a Variant record), its parameters nnx.Params."""
 
-  def __init__(self, cfg: HeadConfig, variant: str = "fused", *, rngs: nnx.Rngs | None = None,
+  def __init__(self, cfg: HeadConfig, variant: str | Variant = "fused", *, rngs: nnx.Rngs | None = None,
                dtype=None, param_dtype=jnp.float32, params: Params | None = None):
-    self.variant = api.check_config(variant, cfg).name
+    # A record need not be registered (attn.apply takes one too): the module keeps the record itself.
+    self.record = api.check_config(variant, cfg)
+    self.variant = self.record.name
     self.cfg = cfg
     self.dtype = None if dtype is None else jnp.dtype(dtype)
     if params is None:
       if not isinstance(rngs, nnx.Rngs):
         raise invalid("rngs", rngs, "an nnx.Rngs (or pass params=... to load existing weights)")
-      params = api.init(self.variant, rngs.params(), cfg, param_dtype)
+      params = api.init(self.record, rngs.params(), cfg, param_dtype)
     else:
-      api.check_params(self.variant, params, cfg)
+      api.check_params(self.record, params, cfg)
     self.params = nnx.Dict({name: nnx.Param(jnp.asarray(a)) for name, a in params.items()})
     self.cache: nnx.Dict | None = nnx.data(None)  # KV cache entries, set by init_cache
     self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -49,14 +51,14 @@ class MultiHeadAttention(nnx.Module):
     max_len tokens, or with cfg.window a ring of min(window, max_len);
     cache_index is the number of tokens already decoded.
     """
-    entries = kv_cache.init(api.get_variant(self.variant), self.params_dict(), self.cfg,
+    entries = kv_cache.init(self.record, self.params_dict(), self.cfg,
                             batch_size, max_len, dtype)
     self.cache = nnx.Dict({name: nnx.Cache(a) for name, a in entries.items()})
     self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
     self.cache_max_len = max_len
 
   @classmethod
-  def from_params(cls, cfg: HeadConfig, variant: str, params: Params) -> MultiHeadAttention:
+  def from_params(cls, cfg: HeadConfig, variant: str | Variant, params: Params) -> MultiHeadAttention:
     """A module holding the given plain-dict parameters (checked against cfg)."""
     return cls(cfg, variant, params=params)
 
@@ -74,7 +76,7 @@ class MultiHeadAttention(nnx.Module):
 
   def load_params(self, params: Params) -> None:
     """Replaces the parameter values with a plain dict of the variant's names and shapes."""
-    api.check_params(self.variant, params, self.cfg)
+    api.check_params(self.record, params, self.cfg)
     for name, a in params.items():
       self.params[name][...] = jnp.asarray(a)
 
@@ -95,7 +97,7 @@ class MultiHeadAttention(nnx.Module):
     if decode:
       return self._decode(x_BTD, head_mask)
     params, x_BTD, context_BSD = self._compute(x_BTD, context_BSD)
-    return api.apply(self.variant, params, x_BTD, context_BSD, cfg=self.cfg,
+    return api.apply(self.record, params, x_BTD, context_BSD, cfg=self.cfg,
                      mask=mask, return_weights=return_weights, head_mask=head_mask,
                      is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl)
 
@@ -113,7 +115,7 @@ class MultiHeadAttention(nnx.Module):
                     f"at most max_len - cache_index = {M} - {int(index)} = {M - int(index)} "
                     "tokens: positions beyond the cache")
     params, x_BTD, _ = self._compute(x_BTD)
-    y_BTD, cache = kv_cache.decode_step(api.get_variant(self.variant), params, x_BTD,
+    y_BTD, cache = kv_cache.decode_step(self.record, params, x_BTD,
                                         cache, index, cfg=self.cfg, head_mask=head_mask)
     for name, a in cache.items():
       self.cache[name][...] = a

@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import api, count, measured
+from attn import api, count
+from attn.count import measured
 from attn.config import ConfigError, HeadConfig
-from attn.masks import causal_mask, combine_masks, padding_mask
+from attn.kernel.masks import causal_mask, combine_masks, padding_mask
 from attn.variants import VARIANTS, cache, mechanisms
 from attn.variants.base import Options, Variant
 from attn.variants.mechanism import Mechanism

@@ -48,7 +48,7 @@ e.g. talking_heads, which mixes per_head's (attn.variants.factors); one
 that has no per-head W_QK sets a `circuits` that raises ConfigError saying why.
 
 return_weights gives softmax weights (rows sum to 1, fully masked rows 0;
-with cfg.probability "sigmoid" or "relu" unnormalised, attn.probability) unless `signed_weights`: then a signed map whose rows need not sum to 1
+with cfg.probability "sigmoid" or "relu" unnormalised, attn.kernel.probability) unless `signed_weights`: then a signed map whose rows need not sum to 1
 (differential's A_1 − λ·A_2).
 """
 
@@ -61,7 +61,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from attn import kernel, masks
+from attn import kernel
+from attn.kernel import masks
 from attn.config import HeadConfig, invalid
 from attn.variants import mechanisms, rope
 
@@ -253,7 +254,7 @@ def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) 
   """Attention weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
 
   As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator,
-  cfg.probability's function (sigmoid and relu: attn.probability) in place of the softmax.
+  cfg.probability's function (sigmoid and relu: attn.kernel.probability) in place of the softmax.
   """
   logits_BHTS = mechanisms.on_logits(params, logits_BHTS.astype(jnp.float32), cfg)
   args = mechanisms.kernel_args(params, cfg)

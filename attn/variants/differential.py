@@ -18,7 +18,7 @@ Layout: w_q (D,2,H,K) and w_k (D,2,G,K), [:, 0] the first query/key pair and
 [:, 1] the second; w_v (D,G,V), w_o (H,V,D), lambda_q1, lambda_k1, lambda_q2,
 lambda_k2 (K,), norm (V,); b_q (2,H,K), b_k (2,G,K), b_v (G,V), b_o (D,). RoPE
 rotates both pairs; both softmaxes take the call's masks (base.core twice). With
-cfg.probability "sigmoid" or "relu" (attn.probability) each A_i is that map instead,
+cfg.probability "sigmoid" or "relu" (attn.kernel.probability) each A_i is that map instead,
 A_1 − λ·A_2 a difference of two unnormalised maps (defined, not in the paper; its
 effective count is then measured, as for every variant under that option).
 return_weights gives the difference map A_1 − λ·A_2 (B,H,T,S): signed, its

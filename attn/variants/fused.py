@@ -63,7 +63,7 @@ def project_qkv(params: Params, x_BTD, context_BSD, cfg: HeadConfig, *, split: b
 # kernel.best_impl for the inputs: on CPU the einsum kernel, or the blocked
 # one for long sequences; cuDNN flash attention on a GPU where it applies.
 # Set this, or pass Options(impl=...) to apply, to force "einsum", "blocked",
-# "xla" or "cudnn" (jax.nn.dot_product_attention), or "onednn" (attn.onednn).
+# "xla" or "cudnn" (jax.nn.dot_product_attention), or "onednn" (attn.kernel.onednn).
 DEFAULT_IMPL = "auto"
 
 

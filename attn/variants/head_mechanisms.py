@@ -19,7 +19,7 @@ counts (attn.variants.mechanisms has the record and the registry).
       score depends on every head's projection, so the heads are coupled.
   window, softcap     no parameters: arguments of kernel.attention.
   probability         no parameters: "sigmoid" σ(l − log n) or "relu" max(l, 0)/n in place of
-      the softmax, n the keys a row's masks leave visible (attn.probability, which cites
+      the softmax, n the keys a row's masks leave visible (attn.kernel.probability, which cites
       the papers and says why n is that); refused with sinks (HeadConfig). It composes
       with a gate (on the output), a softcap (on the logits first), a window and QK-norm,
       and differential's two maps become σ(·) − λ·σ(·) (or the relu pair). Its effective

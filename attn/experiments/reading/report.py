@@ -288,7 +288,7 @@ def kv_cache_bytes(trial: dict[str, Any]) -> int | None:
   from attn import count  # lazy: imports jax
   from attn.config import ConfigError
   from attn.experiments.data import tasks
-  from attn.nn.models import ModelConfig
+  from attn.nn.config import ModelConfig
   cfg = trial.get("config") or {}
   try:
     model = ModelConfig(**cfg["model"])

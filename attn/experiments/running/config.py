@@ -152,7 +152,7 @@ MODEL_DEFAULTS = {"embed_init_std": 1.0}
 
 def _model_fields() -> dict[str, Any]:
   """Settable [model] keys -> their dataclass field (HeadConfig's fields among them, declared there)."""
-  from attn.nn.models import ModelConfig  # lazy: flax is only needed once models are built
+  from attn.nn.config import ModelConfig  # lazy: flax is only needed once models are built
   return {f.name: f for f in dataclasses.fields(ModelConfig) if f.name not in DERIVED_MODEL_KEYS}
 
 
@@ -503,7 +503,7 @@ def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = No
     if budget != "base":
       raise invalid("sweep.param_budget", budget, '"base" or a positive integer')
     from attn import count
-    from attn.nn.models import ModelConfig
+    from attn.nn.config import ModelConfig
     base_cfg = resolve(base, [d for d in derive if d != "fixed_params"], None)
     budget = count.model_param_count(ModelConfig(**base_cfg["model"]), tasks.TASKS[base["task"]["name"]].kind)
   trials, seen = [], {}

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from attn.config import invalid
-from attn.nn.models import MODELS, ModelConfig
+from attn.nn.config import ModelConfig
+from attn.nn.models import MODELS
 
 # Checkpoint names that are buffers, not weights (causal masks, ids, RoPE frequencies).
 BUFFERS = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids",

@@ -15,7 +15,7 @@ import numpy as np
 
 from attn.config import invalid
 from attn.nn.hf.base import Family, Weights, activation, activation_out, divisible, get, heads_of_width
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 _QKV = (("q", "query"), ("k", "key"), ("v", "value"))
 

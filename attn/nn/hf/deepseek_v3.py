@@ -39,7 +39,7 @@ from attn.config import invalid
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights, get
 from attn.nn.hf.rope import rope_to_hf
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default: q_a_layernorm and kv_a_layernorm are built without eps
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from attn.nn.hf.base import get
 from attn.nn.hf.llama import LlamaLike, family
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def _alternating(hf: dict[str, Any], L: int) -> list[str]:

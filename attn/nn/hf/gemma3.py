@@ -19,7 +19,7 @@ from attn.config import invalid
 from attn.nn.hf.gemma2 import _extra_in, _extra_out
 from attn.nn.hf.llama import LlamaLike, family
 from attn.nn.hf.rope import rope_from_hf, rope_to_hf
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 _TYPES = ("full_attention", "sliding_attention")
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from attn.nn.hf.base import Family, Weights, activation, activation_out, divisible, get, heads_of_width
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:

@@ -22,7 +22,7 @@ from attn.config import invalid
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights, get, zero
 from attn.nn.moe import GPT_OSS_ALPHA
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:

@@ -22,7 +22,7 @@ import numpy as np
 from attn.config import invalid
 from attn.nn.hf.base import Family, Weights, activation, activation_out, divisible, get, zero
 from attn.nn.hf.rope import rope_from_hf, rope_to_hf
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 _NO_EXTRA = lambda *_: {}  # noqa: E731
 

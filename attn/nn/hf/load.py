@@ -24,7 +24,8 @@ from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, smollm3
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
-from attn.nn.models import MODELS, ModelConfig
+from attn.nn.config import ModelConfig
+from attn.nn.models import MODELS
 from attn.nn.moe import Buffer
 from attn.registry import Registry
 

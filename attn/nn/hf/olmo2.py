@@ -15,7 +15,7 @@ from typing import Any
 
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:

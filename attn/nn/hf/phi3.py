@@ -21,7 +21,7 @@ from attn.config import invalid
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights
 from attn.nn.hf.rope import rope_from_hf, rotary_fraction
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:

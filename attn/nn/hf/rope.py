@@ -18,7 +18,7 @@ from typing import Any
 
 from attn.config import ROPE_SCALINGS, invalid
 from attn.nn.hf.base import refuse
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 ROPE_TYPES = ("default", *(k for k in ROPE_SCALINGS if k))  # transformers' rope_type values attn implements
 

@@ -18,7 +18,7 @@ from attn.config import invalid
 from attn.nn import layer_types
 from attn.nn.hf import llama
 from attn.nn.hf.base import get
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 
 def _schedule(hf: dict[str, Any], L: int) -> list[str]:

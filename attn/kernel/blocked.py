@@ -11,9 +11,9 @@ log-sum-exp (for the backward pass), and a few (B,H,block_q,block_k) blocks,
 whatever T·S is.
 
 Structured masks never become arrays: is_causal (bottom-right aligned, key s
-visible to query t iff s <= t + S - T, as attn.masks.causal_mask),
+visible to query t iff s <= t + S - T, as attn.kernel.masks.causal_mask),
 kv_lengths (keys s >= kv_lengths[b] masked) and window w (key s visible iff
-|t + S - T - s| < w, as attn.masks.window_mask) are compared per block from
+|t + S - T - s| < w, as attn.kernel.masks.window_mask) are compared per block from
 iotas, and key blocks that no query of a block can see (above the causal
 diagonal, outside the window, or past every length in the batch) are skipped
 by the loop bounds (key_block_ranges): causal attention does about half the
@@ -30,7 +30,7 @@ running max and sum at (sink_h, 1), as a key with no value would; their
 gradient is -Σ_t p_sink(t)·D_t with p_sink = exp(sink - lse) and
 D_t = Σ_v dO·O.
 
-probability "sigmoid" or "relu" (attn.probability) needs no online
+probability "sigmoid" or "relu" (attn.kernel.probability) needs no online
 normaliser: each weight σ(l − log n_t) or max(l, 0)/n_t is pointwise once n_t,
 the keys a row's masks leave visible, is known (probability.visible_keys,
 before the loop, from the masks' bounds and a prefix sum of a dense mask). The
@@ -50,8 +50,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn import onednn, probability as prob
-from attn.blocked_plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
+from attn.kernel import probability as prob
+from attn.kernel.products import XLA, Products
+from attn.kernel.plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
                                 key_block_ranges, key_blocks_for, plan_for, query_block_ranges,
                                 query_blocks_for, slab_start, work_fraction)
 
@@ -121,12 +122,7 @@ def _dot(plan: Plan, spec: str, a: Array, b: Array) -> Array:
   """A block matmul in float32: batch letters first, then "MK,KN->MN" or "MK,NK->MN"."""
   # Half-precision blocks are upcast first: XLA's CPU matmul lacks a bf16 x bf16
   # -> f32 kernel for some block shapes, and the upcast copies one block only.
-  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  if plan.products == "xla":
-    return jnp.einsum(spec, a, b)
-  lhs, rhs = spec.split("->")[0].split(",")
-  c = onednn.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), transb=rhs[-1] == lhs[-1])
-  return c.reshape(*a.shape[:-2], *c.shape[-2:])
+  return plan.products.block(spec, a.astype(jnp.float32), b.astype(jnp.float32))
 
 
 def _logits(plan: Plan, s, keep):
@@ -375,9 +371,9 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
               sinks: Array | None = None, softcap: float | None = None,
-              probability: str = "softmax", products: str = "xla") -> Array:
-  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks (or sigmoid, relu: attn.probability);
-  inputs checked by kernel.attention. products "onednn": the block matmuls on attn.onednn.bmm."""
+              probability: str = "softmax", products: Products = XLA) -> Array:
+  """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks (or sigmoid, relu: attn.kernel.probability);
+  inputs checked by kernel.attention; the block matmuls on products (attn.kernel.products)."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   plan = plan_for(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
@@ -397,6 +393,6 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
   return out_BTHV[:, :T]
 
 
-# The plan's public names are re-exported: attn.blocked.key_block_ranges and the rest.
+# The plan's public names are re-exported: attn.kernel.blocked.key_block_ranges and the rest.
 __all__ = ["BLOCK_K", "BLOCK_Q", "SLAB_MAX", "SLAB_Q", "attention", "block_sizes", "block_steps",
            "key_block_ranges", "query_block_ranges", "work_fraction"]

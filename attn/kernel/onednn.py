@@ -193,7 +193,7 @@ tn.defvjp(_tn_fwd, _tn_bwd)
 
 def bmm(a_NMK, b, transb: bool):
   """(N,M,P) float32: a[n] · b[n] with b (N,K,P), or a[n] · b[n]ᵀ with b (N,P,K) if transb. No VJP:
-  attn.blocked calls it inside its own."""
+  attn.kernel.blocked calls it inside its own."""
   N, M, _ = a_NMK.shape
   P = b.shape[1] if transb else b.shape[2]
   return _call("attn_onednn_bmm", (N, M, P), a_NMK, b, transb=bool(transb))

@@ -1,4 +1,4 @@
-"""Counting: parameters three ways, FLOPs and KV-cache bytes per attention layer; whole models.
+"""Counting per attention layer: parameters three ways, FLOPs and KV-cache bytes.
 
 Per attention layer (HeadConfig, any registered variant), each the variant's
 own plus its head mechanisms' (attn.variants.mechanisms: gates, sinks, QK-norm):
@@ -6,34 +6,27 @@ own plus its head mechanisms' (attn.variants.mechanisms: gates, sinks, QK-norm):
              record without one, the stored count, labelled measured;
   stored     the elements of the tree `attn.init` creates (read from its shapes);
   effective  the degrees of freedom of the function class (≤ stored); without a
-             closed form, the Jacobian's rank at small sizes (attn.measured).
+             closed form, the Jacobian's rank at small sizes (attn.count.measured).
 FLOPs, KV-cache width and score weights without a closed form are measured too
 (XLA's cost analysis; what decoding caches; gradients); layer_table marks every
 measured figure, and `attn count` prints "(measured)" beside it.
 FLOPs count a multiply-add as 2, per batch element, softmax and elementwise
 ops not counted. The backward pass of a matmul y = a·b is two matmuls of the
 same size (da = dy·bᵀ, db = aᵀ·dy), so forward+backward = 3 × forward.
-
-Whole models (attn.nn.ModelConfig) are summed from the same per-layer pieces
-the Flax modules in attn/nn/models.py are built from; `model_param_count`
-equals the number of elements in an instantiated model's nnx.Param tree.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax.numpy as jnp
 
-from attn import api, measured
+from attn import api
+from attn.count import measured
 from attn.config import ConfigError, HeadConfig, invalid
 from attn.variants import mechanisms
 
-if TYPE_CHECKING:
-  from attn.nn.models import ModelConfig
 
-# Which Flax module in attn.nn.models a count describes.
-MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
 
 
 def _closed(own, mech, cfg: HeadConfig, *args) -> int | None:
@@ -45,7 +38,7 @@ def _closed(own, mech, cfg: HeadConfig, *args) -> int | None:
 
 
 def measured_figures(variant: str, cfg: HeadConfig) -> list[str]:
-  """The figures of one layer that attn.count measures (attn.measured) for lack of a closed form.
+  """The figures of one layer that attn.count measures (attn.count.measured) for lack of a closed form.
 
   Names as in layer_table's rows: analytic, effective, score_weights, flops, kv_cache.
   """
@@ -85,7 +78,7 @@ def score_weight_count(variant: str, cfg: HeadConfig) -> int:
   return measured.score_weights(v, cfg) if closed is None else closed
 
 
-def _check_length(name: str, value: Any) -> int:
+def check_length(name: str, value: Any) -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
     raise invalid(name, value, "a positive integer sequence length")
   return value
@@ -96,8 +89,8 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int | None = None,
   """FLOPs of one layer per batch element: forward, or forward+backward (3× in closed form;
   XLA's cost analysis of both passes where the layer has no closed form)."""
   v = api.check_config(variant, cfg)
-  T = _check_length("T", T)
-  S = T if S is None else _check_length("S", S)
+  T = check_length("T", T)
+  S = T if S is None else check_length("S", S)
   forward = _closed(v.flops, mechanisms.flops, cfg, T, S)
   if forward is None:
     return measured.flops(v, cfg, T, S, backward)
@@ -119,133 +112,46 @@ def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat
   return int(width) * _itemsize(dtype)
 
 
-# Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and
-# a bias (2·D) whatever use_bias says, an RMSNorm a scale only (D); the BERT
-# pooler and the MLM head's transform always have a bias.
-
-
-def _layer_norm(m: ModelConfig) -> int:
-  if not m.layernorm:
-    return 0
-  return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
-
-
-def _mlp(m: ModelConfig, layer: int = 0) -> int:
-  if m.is_moe_layer(layer):
-    return expert_params(m)["total"]
-  n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
-  return n * m.d_model * m.d_ff + (((n - 1) * m.d_ff + m.d_model) if m.has_dense_bias else 0)
-
-
-def expert_params(m: ModelConfig) -> dict[str, int]:
-  """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
-
-  Each expert 3·D·F + b·(2F + D), F = moe_d_ff; the router D·E + b·E; shared experts
-  one gated MLP of width S·F. Active: the router, k experts and the shared ones.
-  """
-  D, F, b = m.d_model, m.moe_d_ff or m.d_ff, m.has_dense_bias
-  expert = 3 * D * F + ((2 * F + D) if b else 0)
-  SF = m.moe_shared_experts * F
-  fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
-      3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0)
-  return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
-
-
-def _attention(m: ModelConfig, layer: int = 0) -> int:
-  return param_counts(m.variant, m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
-
-
-def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
-                segments: bool = True) -> None:
-  parts["token_embeddings"] += m.vocab_size * m.d_model if token else 0
-  parts["position_embeddings"] += m.max_len * m.d_model if m.positional == "learned" else 0
-  parts["segment_embeddings"] += m.num_segments * m.d_model if segments else 0
-  parts["layernorm"] += _layer_norm(m) if m.embed_norm else 0
-
-
-def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
-  """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
-  parts["attention"] += (2 if cross else 1) * sum(_attention(m, i) for i in range(n))
-  parts["mlp"] += sum(_mlp(m, i) for i in range(n))
-  per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
-  parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
-      _layer_norm(m) if m.final_norm else 0)
-
-
-def _output(m: ModelConfig) -> int:
-  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.has_dense_bias else 0)
-
-
-def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
-  """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
-  if kind not in MODEL_KINDS:
-    raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
-  names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
-           "layernorm", "pooler", "classifier", "output", "mlm_head")
-  parts = dict.fromkeys(names, 0)
-  _embeddings(m, parts, segments=kind != "decoder_lm")
-  _blocks(m, parts, m.num_layers)
-  if kind in ("encoder", "classifier") and m.pooler:
-    parts["pooler"] = m.d_model * m.d_model + m.d_model
-  if kind == "encoder" and m.mlm_head:  # transform D² + D, its norm, the decoder's bias (weights tied)
-    parts["mlm_head"] = m.d_model * m.d_model + m.d_model + _layer_norm(m) + m.vocab_size
-  if kind == "classifier":
-    cls_vector = m.d_model if m.pooling == "cls" else 0
-    parts["classifier"] = cls_vector + m.d_model * m.num_classes + (
-        m.num_classes if m.use_bias else 0)
-  if kind == "encoder_decoder":
-    # The target side: its own positions (and embedding LN); the token table is the
-    # source's when share_src_tgt_embeddings; decoder blocks add cross-attention.
-    _embeddings(m, parts, token=not m.share_src_tgt_embeddings, segments=False)
-    _blocks(m, parts, m.num_decoder_layers, cross=True)
-  if kind in ("decoder_lm", "encoder_decoder"):
-    parts["output"] = _output(m)
-  return parts
-
-
-def model_param_count(m: ModelConfig, kind: str) -> int:
-  """Total parameters of a whole model, each shared array counted once."""
-  return sum(model_param_breakdown(m, kind).values())
-
-
-def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bfloat16") -> int:
-  """Self-attention KV cache of the decoding stack per generated token (all layers)."""
-  if kind not in ("decoder_lm", "encoder_decoder"):
-    raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
-  layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return sum(kv_cache_bytes_per_token(m.variant, m.layer_head(i), dtype) for i in range(layers))
-
-
 def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfloat16",
                 variants: list[str] | None = None) -> list[dict[str, Any]]:
   """One row per variant: the three counts, score weights, FLOPs and KV-cache bytes.
 
   A variant that refuses cfg (split_input when h does not divide d_model) gets
-  a row {"variant", "error"} instead of numbers. "measured" lists the columns
+  a row {"variant", "error"} instead of numbers; a plugin's record whose own code
+  raises gets {"variant", "plugin_error"} naming its entry point (built-ins raise). "measured" lists the columns
   measured for lack of a closed form (measured_figures), never shown as formulas.
   """
-  _check_length("T", T)
-  _check_length("S", T if S is None else S)
+  check_length("T", T)
+  check_length("S", T if S is None else S)
   _itemsize(dtype)
   rows = []
   for name in variants or list(api.VARIANTS):
     try:
       api.check_config(name, cfg)
+      rows.append(_layer_row(name, cfg, T, S, dtype))
     except ConfigError as e:
       rows.append({"variant": name, "error": str(e)})
-      continue
-    score = score_weight_count(name, cfg)
-    rows.append({"variant": name, **param_counts(name, cfg), "score_weights": score,
-                 "score_weights_per_head": score // cfg.num_heads if score % cfg.num_heads == 0
-                 else score / cfg.num_heads,
-                 "flops_fwd": flops(name, cfg, T, S),
-                 "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
-                 "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype),
-                 "kv_bytes_at_T": kv_cache_bytes(name, cfg, T, dtype)})
-    figures = measured_figures(name, cfg)
-    if figures:
-      rows[-1]["measured"] = [c for f in figures for c in MEASURED_COLUMNS[f]]
+    except Exception as e:  # noqa: BLE001  a plugin's own code failed: its row says so, the rest go on
+      if api.VARIANTS.source(name) == "attn":
+        raise
+      rows.append({"variant": name, "plugin_error": f"{api.VARIANTS.where(name)} failed while counting: "
+                                                    f"{type(e).__name__}: {e}"})
   return rows
+
+
+def _layer_row(name: str, cfg: HeadConfig, T: int, S: int | None, dtype: Any) -> dict[str, Any]:
+  score = score_weight_count(name, cfg)
+  row = {"variant": name, **param_counts(name, cfg), "score_weights": score,
+         "score_weights_per_head": score // cfg.num_heads if score % cfg.num_heads == 0
+         else score / cfg.num_heads,
+         "flops_fwd": flops(name, cfg, T, S),
+         "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
+         "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype),
+         "kv_bytes_at_T": kv_cache_bytes(name, cfg, T, dtype)}
+  figures = measured_figures(name, cfg)
+  if figures:
+    row["measured"] = [c for f in figures for c in MEASURED_COLUMNS[f]]
+  return row
 
 
 # The columns of layer_table each measured figure fills.
@@ -258,7 +164,7 @@ MEASURED_COLUMNS = {"analytic": ("analytic",), "effective": ("effective",),
 def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:
   """Bytes one layer caches after `length` tokens: a window layer keeps only the last `window`
   (each mechanism's kv_tokens)."""
-  kept = mechanisms.kv_tokens(cfg, _check_length("length", length))
+  kept = mechanisms.kv_tokens(cfg, check_length("length", length))
   return kept * kv_cache_bytes_per_token(variant, cfg, dtype)
 
 

@@ -23,7 +23,8 @@ from flax import nnx
 
 from attn import count
 from attn.config import invalid
-from attn.nn.models import MODELS, ModelConfig
+from attn.nn.config import ModelConfig
+from attn.nn.models import MODELS
 VASWANI_VOCAB = 41_000  # see the module docstring: the paper's "about 37000" gives 63M for base
 
 

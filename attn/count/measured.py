@@ -49,7 +49,7 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int, backward: bool = False)
   v = api.get_variant(variant)
   x = jax.ShapeDtypeStruct((1, T, cfg.d_model), jnp.float32)
   c = jax.ShapeDtypeStruct((1, S, cfg.d_model), jnp.float32)
-  f = lambda p, x, c: v.apply(p, x, c, cfg=cfg)[0]
+  f = lambda p, x, c: v.apply(p, x, c, cfg=cfg, opts=api.Options())[0]
   if not backward:
     return xla_flops(f, _shaped_params(variant, cfg), x, c)
 
@@ -91,7 +91,7 @@ def jacobian_rank(variant: str, cfg: HeadConfig, seed: int = 1) -> int:
   flat, unravel = ravel_pytree(params)
   batch = max(12, -(-3 * flat.size // (5 * cfg.d_model)))  # 3x more outputs than parameters
   x_BTD = jnp.asarray(rng.standard_normal((batch, 5, cfg.d_model)), jnp.float32)
-  f = lambda w: v.apply(unravel(w), x_BTD, None, cfg=cfg)[0].ravel()
+  f = lambda w: v.apply(unravel(w), x_BTD, None, cfg=cfg, opts=api.Options())[0].ravel()
   J = np.asarray(jax.jit(jax.jacfwd(f))(flat), np.float64)
   s = np.sqrt(np.clip(np.linalg.eigvalsh(J.T @ J)[::-1], 0.0, None))  # singular values, P×P work
   return int((s > RANK_TOL * s[0]).sum())

@@ -9,7 +9,7 @@
   attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
   attn count --preset gpt2 --window 512 --global-every 4 --seq-len 8192  # per layer type at L
   attn count --hf ./my-checkpoint --format json  # a checkpoint's config.json by component (no weights read)
-  attn count --hf gpt-oss-20b                    # a stored published config (attn/hf_configs)
+  attn count --hf gpt-oss-20b                    # a stored published config (attn/count/hf_configs)
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import csv
 import dataclasses
 import io
 import json
+import sys
 import tomllib
 from typing import Any
 
-from attn import count, count_hf, count_layers, presets
+from attn import count
+from attn.count import hf as count_hf, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 from attn.variants.mechanisms import MECHANISMS
@@ -214,9 +216,11 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
                   preset: presets.Preset | None) -> dict[str, Any]:
   variants = [get_variant(v).name for v in args.variant] if args.variant else None
   rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
+  failed = {r["variant"]: r["plugin_error"] for r in rows if "plugin_error" in r}
+  rows = [r for r in rows if "plugin_error" not in r]
   S = args.seq_len if args.kv_len is None else args.kv_len
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
-                            "dtype": args.dtype, "rows": rows}
+                            "dtype": args.dtype, "rows": rows, "plugin_errors": failed}
   ok = [r["variant"] for r in rows if "error" not in r]
   if ok and args.mechanisms:
     report["mechanisms_of"] = "per_head" if "per_head" in ok else ok[0]
@@ -228,9 +232,9 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
         "modified": bool(_overrides(args) or _model_overrides(args)), "count": count.model_param_count(m, kind),
-        "active_per_token": count_layers.active_param_count(m, kind),
+        "active_per_token": count.active_param_count(m, kind),
         "breakdown": count.model_param_breakdown(m, kind),
-        "layer_types": count_layers.layer_type_table(m, kind, args.seq_len, args.dtype)}
+        "layer_types": count.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
         row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
@@ -326,6 +330,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = preset.config.head
   else:
     cfg = HeadConfig(**{"d_model": 512, "num_heads": 8, **_overrides(args)})
-  print(_layer_output(_layer_report(cfg, args, preset), args.format))
-  return 0
+  report = _layer_report(cfg, args, preset)
+  print(_layer_output(report, args.format))
+  for name, why in report["plugin_errors"].items():  # the built-ins' rows stand; each failed plugin in one line
+    print(f"attn count: variant {name!r} left out: {why}", file=sys.stderr)
+  asked = {get_variant(v).name for v in args.variant or ()}
+  return 1 if asked & set(report["plugin_errors"]) else 0
 

@@ -1,6 +1,6 @@
 """Blocked attention's plan: block sizes, the slab path for windows, and the blocks each pass visits.
 
-attn.blocked computes; this module decides the static shape of a call (Plan)
+attn.kernel.blocked computes; this module decides the static shape of a call (Plan)
 and answers, without tracing, which blocks or slabs a pass visits (for the
 tests and attn bench --account). Positions are bottom-right aligned: query t
 sits at t + S - T.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+
+from attn.kernel.products import XLA, Products
 
 
 # Target block sizes, measured on a 2-core Zen 3 CPU (experiments/performance.md,
@@ -55,7 +57,7 @@ class Plan:
   softcap: float | None = None
   slab: int = 0  # > 0: each query block sees this many keys from slab_start, in one step
   probability: str = "softmax"
-  products: str = "xla"  # the block matmuls: XLA's dots, or "onednn" (attn.onednn.bmm)
+  products: Products = XLA  # the block matmuls: XLA's dots or oneDNN's (attn.kernel.products)
 
   @property
   def nq(self) -> int:

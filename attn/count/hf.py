@@ -6,7 +6,7 @@ is counted. The total is what transformers' model.parameters() holds: attn's
 output layer keeps a zero bias where a family has biases (gpt-oss), which no
 Hugging Face lm_head has, so it is left out. A RoPE scaling attn refuses at run
 time (Phi-4-mini's longrope) changes no parameter and no cache width: the count
-drops it and says so. Stored published configs (attn/hf_configs/NAME.json)
+drops it and says so. Stored published configs (attn/count/hf_configs/NAME.json)
 count by name: `attn count --hf llama-3.1-8b`.
 """
 
@@ -16,10 +16,10 @@ import json
 import os
 from typing import Any
 
-from attn import count, count_layers
+from attn import count
 from attn.config import ConfigError, invalid
 from attn.nn import layer_types
-from attn.nn.models import ModelConfig
+from attn.nn.config import ModelConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "hf_configs")
 # RoPE scalings that change frequencies only: counted as plain RoPE (attn.nn.hf.rope refuses them for running).
@@ -27,7 +27,7 @@ COUNT_ONLY_ROPE = ("longrope", "dynamic")
 
 
 def stored_configs() -> dict[str, str]:
-  """Name -> path of each published config.json stored in attn/hf_configs."""
+  """Name -> path of each published config.json stored in attn/count/hf_configs."""
   if not os.path.isdir(CONFIGS_DIR):
     return {}
   return {f[:-5]: os.path.join(CONFIGS_DIR, f) for f in sorted(os.listdir(CONFIGS_DIR)) if f.endswith(".json")}
@@ -85,7 +85,7 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
   if not m.tie_embeddings:
     parts["output"] = m.vocab_size * m.d_model  # no Hugging Face decoder's lm_head has a bias
   out: dict[str, int] = {}
-  for row in count_layers.layer_type_table(m, "decoder_lm", 1)[:-1]:
+  for row in count.layer_type_table(m, "decoder_lm", 1)[:-1]:
     out[f"attention ({row['type']})"] = row["params"]
   if sum(out.values()) != parts["attention"]:
     raise AssertionError("per-type attention does not sum to the model's")  # one closed form, two groupings
@@ -108,10 +108,10 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   m = m.replace(**changes) if changes else m
   parts = hf_breakdown(m)
   total = sum(parts.values())
-  active = count_layers.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
+  active = count.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
                                                                - parts.get("output", 0))
   layers = []
-  for row in count_layers.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
+  for row in count.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
     head = m.layer_head(next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"]))
     layers.append({"type": row["type"], "layers": row["layers"], "window": row["window"],
                    "rope_theta": row["rope_theta"], "params_per_layer": row["params_per_layer"],

@@ -1,0 +1,177 @@
+"""Whole models (attn.nn.ModelConfig): parameters by component, per layer type, active per token.
+
+Whole models are summed from the same per-layer pieces (attn.count.layer) the
+Flax modules in attn/nn/models.py are built from; `model_param_count` equals
+the number of elements in an instantiated model's nnx.Param tree.
+
+A model's self-attention layers are grouped by type (full, sliding, NoPE);
+each row gives one layer of the type and the sum over its layers. A sliding
+layer caches min(L, window) tokens, a full one L; a NoPE layer caches what
+its variant caches without RoPE (the same for most variants; mla drops its
+decoupled RoPE key). The FLOPs are attn.count.layer.flops, the dense closed form: a
+window's mask does not change it (the kernels skip what it masks, the count
+does not). The rows cover the decoding stack of a decoder (the decoder's
+self-attention of an encoder-decoder), the encoder's otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from attn.config import invalid
+from attn.count.layer import check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts
+from attn.nn import layer_types
+
+if TYPE_CHECKING:
+  from attn.nn.config import ModelConfig
+
+# Which Flax module in attn.nn.models a count describes.
+MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
+
+
+# Whole models: the pieces of attn/nn/models.py. nnx.LayerNorm has a scale and
+# a bias (2·D) whatever use_bias says, an RMSNorm a scale only (D); the BERT
+# pooler and the MLM head's transform always have a bias.
+
+
+def _layer_norm(m: ModelConfig) -> int:
+  if not m.layernorm:
+    return 0
+  return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
+
+
+def _mlp(m: ModelConfig, layer: int = 0) -> int:
+  if m.is_moe_layer(layer):
+    return expert_params(m)["total"]
+  n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
+  return n * m.d_model * m.d_ff + (((n - 1) * m.d_ff + m.d_model) if m.has_dense_bias else 0)
+
+
+def expert_params(m: ModelConfig) -> dict[str, int]:
+  """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
+
+  Each expert 3·D·F + b·(2F + D), F = moe_d_ff; the router D·E + b·E; shared experts
+  one gated MLP of width S·F. Active: the router, k experts and the shared ones.
+  """
+  D, F, b = m.d_model, m.moe_d_ff or m.d_ff, m.has_dense_bias
+  expert = 3 * D * F + ((2 * F + D) if b else 0)
+  SF = m.moe_shared_experts * F
+  fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
+      3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0)
+  return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
+
+
+def _attention(m: ModelConfig, layer: int = 0) -> int:
+  return param_counts(m.variant, m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
+
+
+def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
+                segments: bool = True) -> None:
+  parts["token_embeddings"] += m.vocab_size * m.d_model if token else 0
+  parts["position_embeddings"] += m.max_len * m.d_model if m.positional == "learned" else 0
+  parts["segment_embeddings"] += m.num_segments * m.d_model if segments else 0
+  parts["layernorm"] += _layer_norm(m) if m.embed_norm else 0
+
+
+def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
+  """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
+  parts["attention"] += (2 if cross else 1) * sum(_attention(m, i) for i in range(n))
+  parts["mlp"] += sum(_mlp(m, i) for i in range(n))
+  per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
+  parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
+      _layer_norm(m) if m.final_norm else 0)
+
+
+def _output(m: ModelConfig) -> int:
+  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.has_dense_bias else 0)
+
+
+def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
+  """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
+  if kind not in MODEL_KINDS:
+    raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
+  names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
+           "layernorm", "pooler", "classifier", "output", "mlm_head")
+  parts = dict.fromkeys(names, 0)
+  _embeddings(m, parts, segments=kind != "decoder_lm")
+  _blocks(m, parts, m.num_layers)
+  if kind in ("encoder", "classifier") and m.pooler:
+    parts["pooler"] = m.d_model * m.d_model + m.d_model
+  if kind == "encoder" and m.mlm_head:  # transform D² + D, its norm, the decoder's bias (weights tied)
+    parts["mlm_head"] = m.d_model * m.d_model + m.d_model + _layer_norm(m) + m.vocab_size
+  if kind == "classifier":
+    cls_vector = m.d_model if m.pooling == "cls" else 0
+    parts["classifier"] = cls_vector + m.d_model * m.num_classes + (
+        m.num_classes if m.use_bias else 0)
+  if kind == "encoder_decoder":
+    # The target side: its own positions (and embedding LN); the token table is the
+    # source's when share_src_tgt_embeddings; decoder blocks add cross-attention.
+    _embeddings(m, parts, token=not m.share_src_tgt_embeddings, segments=False)
+    _blocks(m, parts, m.num_decoder_layers, cross=True)
+  if kind in ("decoder_lm", "encoder_decoder"):
+    parts["output"] = _output(m)
+  return parts
+
+
+def model_param_count(m: ModelConfig, kind: str) -> int:
+  """Total parameters of a whole model, each shared array counted once."""
+  return sum(model_param_breakdown(m, kind).values())
+
+
+def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bfloat16") -> int:
+  """Self-attention KV cache of the decoding stack per generated token (all layers)."""
+  if kind not in ("decoder_lm", "encoder_decoder"):
+    raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
+  layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
+  return sum(kv_cache_bytes_per_token(m.variant, m.layer_head(i), dtype) for i in range(layers))
+
+
+def _stack(m: ModelConfig, kind: str) -> int:
+  if kind not in MODEL_KINDS:
+    raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
+  return m.num_decoder_layers if kind == "encoder_decoder" else m.num_layers
+
+
+def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16") -> list[dict[str, Any]]:
+  """One row per layer type of the stack, in order of first appearance, then a "total" row."""
+  check_length("length", length)
+  rows: dict[str, dict[str, Any]] = {}
+  for i in range(_stack(m, kind)):
+    name = layer_types.layer_type(m, i)
+    if name in rows:
+      rows[name]["layers"] += 1
+      continue
+    head = m.layer_head(i)
+    rows[name] = {"type": name, "layers": 1, "window": head.window,
+                  "rope_theta": head.rope_theta if head.rope_dim else None,
+                  "params_per_layer": param_counts(m.variant, head)["analytic"],
+                  "flops_fwd_per_layer": flops(m.variant, head, length),
+                  "kv_bytes_per_token_per_layer": kv_cache_bytes_per_token(m.variant, head, dtype),
+                  "kv_bytes_at_L_per_layer": kv_cache_bytes(m.variant, head, length, dtype)}
+  out = list(rows.values())
+  for row in out:
+    n = row["layers"]
+    row |= {"params": n * row["params_per_layer"], "flops_fwd": n * row["flops_fwd_per_layer"],
+            "kv_bytes_at_L": n * row["kv_bytes_at_L_per_layer"]}
+  total = {"type": "total", "layers": sum(r["layers"] for r in out)}
+  for key in ("params", "flops_fwd", "kv_bytes_at_L"):
+    total[key] = sum(r[key] for r in out)
+  return out + [total]
+
+
+def model_kv_cache_bytes(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16") -> int:
+  """Bytes the decoding stack caches after `length` tokens, each layer by its own type."""
+  if kind not in ("decoder_lm", "encoder_decoder"):
+    raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
+  return layer_type_table(m, kind, length, dtype)[-1]["kv_bytes_at_L"]
+
+
+def active_param_count(m: ModelConfig, kind: str) -> int:
+  """Parameters one token uses: the whole model less the experts its router does not keep."""
+  total = model_param_count(m, kind)
+  if m.mlp != "moe":
+    return total
+  experts = expert_params(m)
+  stacks = [m.num_layers] + ([m.num_decoder_layers] if kind == "encoder_decoder" else [])
+  moe_layers = sum(m.is_moe_layer(i) for n in stacks for i in range(n))
+  return total - moe_layers * (experts["total"] - experts["active"])

@@ -1,0 +1,159 @@
+"""The attention core's implementations, one record each, and the order "auto" tries them in.
+
+An Impl names the backends it runs on, why it cannot run on this machine at all
+(a missing wheel), why it cannot run a given call (an option, a shape, a dtype),
+whether "auto" should prefer it for a call it can run, and the function that
+runs it. Adding an implementation is one record here and one row of AUTO where
+"auto" should consider it. kernel.attention checks a call, asks the record,
+and turns a refusal into a ConfigError that names the implementation, the
+option at fault and the implementations that take the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from attn.kernel import blocked, dense, onednn, xla
+from attn.kernel.call import Call, Refusal
+from attn.kernel.products import ONEDNN, XLA, Products
+
+Array = jax.Array
+
+
+def _never(*_) -> None:
+  return None
+
+
+def _always(_: Call) -> bool:
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """One implementation of kernel.attention's function."""
+
+  name: str
+  backends: tuple[str, ...]  # jax.default_backend() values it runs on
+  run: Callable[[Call], Array | tuple[Array, Array]]
+  why_not: Callable[[Call], Refusal | None] = _never  # what of a call it cannot run, or None
+  unavailable: Callable[[], str | None] = _never  # why it cannot run on this machine at all, or None
+  dtypes: tuple[str, ...] | None = None  # the input dtypes it takes (None: any float)
+  prefers: Callable[[Call], bool] = _always  # "auto" picks it, where it can run, only for these calls
+  help: str = ""
+
+
+# "auto" on CPU: the blocked kernel from T·S >= 512² scores per (batch, head).
+# Measured forward+backward on a 2-core Zen 3, H=8, K=V=64, float32, blocks of
+# 512 × 256 (python scripts/blocked_crossover.py; experiments/performance.md,
+# Long sequences): blocked ÷ einsum at B=8 1.57 for T=S=256, 1.01 for 384, 0.88
+# for 512; at B=1 1.03, 1.10 and 0.86.
+BLOCKED_MIN_SCORES = 512 * 512
+
+
+def is_long(T: int, S: int) -> bool:
+  """T queries by S keys is where the blocked kernel beats the einsum one on CPU."""
+  return T * S >= BLOCKED_MIN_SCORES
+
+
+def _long(call: Call) -> bool:
+  return is_long(call.T, call.S)
+
+
+def _run_dense(call: Call, products: Products = XLA):
+  return dense.attention(call.q_BTHK, call.k_BSGK, call.v_BSGV, call.mask, is_causal=call.is_causal,
+                         kv_lengths=call.kv_lengths, scale=call.scale, logits_bias=call.logits_bias,
+                         return_weights=call.return_weights, window=call.window, sinks=call.sinks,
+                         softcap=call.softcap, probability=call.probability, products=products)
+
+
+def _run_blocked(call: Call, products: Products = XLA) -> Array:
+  c = call.with_shared_key()
+  return blocked.attention(c.q_BTHK, c.k_BSGK, c.v_BSGV, c.mask, is_causal=c.is_causal,
+                           kv_lengths=c.kv_lengths, scale=c.scale, block_q=c.block_q,
+                           block_k=c.block_k, window=c.window, sinks=c.sinks, softcap=c.softcap,
+                           probability=c.probability, products=products)
+
+
+def _why_not_blocked(call: Call) -> Refusal | None:
+  if call.return_weights:
+    return Refusal("return_weights", True, "False", "the blocked kernel never builds the weights")
+  if call.logits_bias is not None:
+    return Refusal("logits_bias", "an array", "None", "the blocked kernel takes structured masks only")
+  return None
+
+
+def _run_onednn(call: Call):
+  """The structure "auto" picks on CPU (einsum, or blocked for long plain calls), its products on oneDNN."""
+  if call.plain and _long(call):
+    return _run_blocked(call, ONEDNN)
+  return _run_dense(call, ONEDNN)
+
+
+def _onednn_unavailable() -> str | None:
+  return onednn.why_not()
+
+
+ALL_BACKENDS = ("cpu", "gpu", "tpu")
+
+IMPLEMENTATIONS: dict[str, Impl] = {impl.name: impl for impl in (
+    Impl("einsum", ALL_BACKENDS, _run_dense,
+         help="the (B,H,T,S) logits materialised; every option (attn.kernel.dense)"),
+    Impl("blocked", ALL_BACKENDS, _run_blocked, why_not=_why_not_blocked, prefers=_long,
+         help="online softmax over blocks, masked blocks skipped, no T×S array (attn.kernel.blocked)"),
+    Impl("xla", ALL_BACKENDS, lambda call: xla.attention(call, "xla"), why_not=xla.why_not,
+         prefers=lambda call: False, help="jax.nn.dot_product_attention's XLA path"),
+    Impl("cudnn", ("gpu",), lambda call: xla.attention(call, "cudnn"), why_not=xla.why_not_cudnn,
+         dtypes=("bfloat16", "float16"), prefers=lambda call: call.K <= 128,
+         help="cuDNN's flash attention through jax.nn.dot_product_attention"),
+    Impl("onednn", ("cpu",), _run_onednn, unavailable=_onednn_unavailable, dtypes=("float32",),
+         prefers=lambda call: False,
+         help="the einsum or blocked structure with its products on oneDNN's sgemm (attn.kernel.onednn)"),
+)}
+
+# The order "auto" tries, per backend: the first that runs here, can run the
+# call and prefers it. einsum takes every call, so each list ends with it.
+AUTO: dict[str, tuple[str, ...]] = {
+    "cpu": ("blocked", "einsum"),
+    "gpu": ("cudnn", "blocked", "einsum"),
+    "tpu": ("blocked", "einsum"),
+}
+
+
+def backend() -> str:
+  return jax.default_backend()
+
+
+def why_not_here(impl: Impl, dtypes=()) -> str | None:
+  """Why impl cannot run on this machine's default backend with these input dtypes, or None."""
+  here = backend()
+  if here not in impl.backends:
+    names = "/".join(b.upper() for b in impl.backends)
+    return f'it runs on the {names} backend only (the default backend is "{here}")'
+  if impl.dtypes is not None:
+    bad = sorted({str(d) for d in dtypes} - set(impl.dtypes))
+    if bad:
+      return f"it takes {', '.join(impl.dtypes)} only, got {', '.join(bad)}"
+  return impl.unavailable()
+
+
+def available() -> list[str]:
+  """"auto" and the implementations that run on this machine's default backend."""
+  return ["auto"] + [name for name, impl in IMPLEMENTATIONS.items() if why_not_here(impl) is None]
+
+
+def pick(call: Call) -> str:
+  """"auto"'s choice for a call: the first of AUTO[backend] that can run it and prefers it."""
+  for name in AUTO.get(backend(), AUTO["cpu"]):
+    impl = IMPLEMENTATIONS[name]
+    if why_not_here(impl, call.dtypes) is None and impl.why_not(call) is None and impl.prefers(call):
+      return name
+  return "einsum"
+
+
+def takers(call: Call) -> list[str]:
+  """The implementations that run here and can run this call ("auto" always can)."""
+  return ["auto"] + [name for name, impl in IMPLEMENTATIONS.items()
+                     if why_not_here(impl, call.dtypes) is None and impl.why_not(call) is None]

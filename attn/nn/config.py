@@ -1,0 +1,184 @@
+"""ModelConfig: one transformer's sizes, attention variant and architecture switches.
+
+Every HeadConfig field is also a ModelConfig field, declared once in HeadConfig
+(with_head_fields); the TOML schema and the validation follow from there. What
+each switch builds, and the parameters it adds, is in attn.nn.models' docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from attn import api
+from attn.config import PER_LAYER_FIELDS, HeadConfig, invalid
+from attn.nn import layer_types, moe
+
+_CHOICES = {
+    "positional": ("learned", "sinusoidal", "none", "rope"),
+    "norm": ("pre", "post", "sandwich", "after"),
+    "norm_type": ("layernorm", "rmsnorm", "rmsnorm_plus_one"),
+    "mlp": ("plain", "gated", "moe"),
+    "activation": ("gelu", "gelu_exact", "relu", "silu"),
+    "pooling": ("cls", "mean"),
+    "dtype": ("float32", "bfloat16"),
+    "param_dtype": ("float32", "bfloat16"),
+}
+_BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
+          "share_src_tgt_embeddings", "embed_scale", "mlm_head")
+def with_head_fields(cls):
+  """cls as a frozen dataclass that also has every field of HeadConfig it does not declare.
+
+  A head field (d_k, num_kv_heads, rope_dim, ...) is declared once, in
+  HeadConfig, with its type and default; ModelConfig, the TOML schema
+  ([model] keys, typed by the annotation) and the validation (HeadConfig's)
+  follow from there.
+  """
+  own = cls.__dict__.get("__annotations__", {})
+  annotations = dict(own)
+  for f in dataclasses.fields(HeadConfig):
+    if f.name not in own and f.name not in PER_LAYER_FIELDS:
+      annotations[f.name] = f.type
+      setattr(cls, f.name, f.default)
+  cls.__annotations__ = annotations
+  return dataclasses.dataclass(frozen=True)(cls)
+
+
+@with_head_fields
+class ModelConfig:
+  """One transformer: sizes, attention variant and the architecture switches (module docstring).
+
+  Every HeadConfig field but d_model and num_heads (declared here) is also a
+  field, with HeadConfig's default: `ModelConfig.head` is the layers' HeadConfig.
+  """
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  d_ff: int
+  variant: str = "fused"
+  max_len: int = 512
+  positional: str = "learned"
+  num_segments: int = 0
+  embed_norm: bool = False
+  norm: str = "pre"
+  final_norm: bool = True
+  layernorm: bool = True
+  activation: str = "gelu"
+  tie_embeddings: bool = True
+  embed_init_std: float = 0.02
+  norm_eps: float = 1e-5
+  pooler: bool = False
+  num_decoder_layers: int = 0
+  share_src_tgt_embeddings: bool = True
+  num_classes: int = 0
+  pooling: str = "cls"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  global_every: int = 0  # with HeadConfig.window: every k-th layer global, the rest local
+  norm_type: str = "layernorm"  # or "rmsnorm" (Llama), "rmsnorm_plus_one" (Gemma: scale 1 + w)
+  mlp: str = "plain"  # or "gated": down(act(gate(x)) * up(x)) (SwiGLU with silu, GeGLU with gelu)
+  dense_bias: bool | None = None  # biases of the MLP and an untied output layer; None: use_bias
+  embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma)
+  logit_softcap: float | None = None  # output logits -> c·tanh(logits/c) (Gemma 2)
+  mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
+  layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
+  sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
+  # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
+  moe_experts: int = 0  # E
+  moe_top_k: int = 0  # experts kept per token
+  moe_d_ff: int | None = None  # each expert's width (None: d_ff)
+  moe_router: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a correction bias)
+  moe_norm_topk: bool = True  # renormalise the kept weights to sum 1
+  moe_groups: int = 1  # sigmoid: expert groups (n_group)
+  moe_topk_groups: int = 1  # sigmoid: groups kept (topk_group)
+  moe_routed_scaling: float = 1.0  # the weights' multiplier (routed_scaling_factor)
+  moe_shared_experts: int = 0  # a gated MLP of width moe_shared_experts·moe_d_ff on every token
+  moe_dense_first: int = 0  # the first layers keep the dense MLP (first_k_dense_replace)
+  moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
+
+  def __post_init__(self):
+    object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+      _check_int(name, getattr(self, name), minimum=1)
+    for name in ("num_segments", "num_decoder_layers", "num_classes"):
+      _check_int(name, getattr(self, name), minimum=0)
+    for name in _BOOLS:
+      if not isinstance(getattr(self, name), bool):
+        raise invalid(name, getattr(self, name), "True or False")
+    for name, allowed in _CHOICES.items():
+      if getattr(self, name) not in allowed:
+        raise invalid(name, getattr(self, name), f"one of {list(allowed)}")
+    std = self.embed_init_std
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < float("inf"):
+      raise invalid("embed_init_std", std, "a positive finite number")
+    eps = self.norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+      raise invalid("norm_eps", eps, "a positive finite number (LayerNorm epsilon)")
+    if self.dense_bias not in (None, True, False):
+      raise invalid("dense_bias", self.dense_bias, "None (follow use_bias), True or False")
+    c = self.logit_softcap
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not 0 < c < float("inf")):
+      raise invalid("logit_softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
+    object.__setattr__(self, "extra", self.head.extra)  # frozen, so the config stays hashable
+    if self.positional == "rope" and not self.rope_dim:
+      raise invalid("rope_dim", self.rope_dim,
+                    f"an even integer in [2, d_k={self.head.d_k}] with positional='rope'")
+    if self.rope_dim and self.positional != "rope":
+      raise invalid("positional", self.positional,
+                    f"'rope' when rope_dim={self.rope_dim}: rotary positions replace additive ones")
+    _check_int("global_every", self.global_every, minimum=0)
+    if self.global_every and self.window is None:
+      raise invalid("global_every", self.global_every,
+                    "0 without a window: it makes every k-th layer global and the rest local")
+    layer_types.check(self)
+    moe.check(self)
+
+  @property
+  def head(self) -> HeadConfig:
+    """The HeadConfig of every attention layer in the model."""
+    return HeadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HeadConfig)
+                         if f.name not in PER_LAYER_FIELDS})
+
+  def layer_head(self, index: int) -> HeadConfig:
+    """The HeadConfig of self-attention layer `index` (0-based) of a stack, with layer = index + 1.
+
+    Its type (layer_types[index], or global_every's rule) sets its window and RoPE.
+    """
+    head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
+    return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+
+  def is_moe_layer(self, index: int) -> bool:
+    """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""
+    return self.mlp == "moe" and index >= self.moe_dense_first
+
+  @property
+  def has_dense_bias(self) -> bool:
+    """Whether the MLP and an untied output layer have biases (dense_bias, else use_bias)."""
+    return self.use_bias if self.dense_bias is None else self.dense_bias
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    """The dtype activations and matmuls run in (Flax's `dtype`); softmax and the loss stay float32."""
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    """The dtype parameters are stored, updated and checkpointed in (Flax's `param_dtype`)."""
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise invalid(name, value, f"an integer >= {minimum}")
