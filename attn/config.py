@@ -103,7 +103,10 @@ class HeadConfig:
   and key head over its d_k dims, with learned scales shared by the heads,
   before RoPE (Qwen3), epsilon qk_norm_eps; qk_norm "whole" normalises the whole
   query projection over its H·d_k dims and the key projection over G·d_k, one
-  scale per dim, before the split into heads (OLMo 2): it couples the heads; window keeps the keys closer than
+  scale per dim, before the split into heads (OLMo 2): it couples the heads;
+  qk_norm_plus_one makes those scales w in x̂·(1 + w), initialised at 0 (Gemma 3's
+  q_norm and k_norm, held as the checkpoint's w, so they are written back bit for
+  bit; unused without qk_norm, like qk_norm_eps); window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2); probability turns the logits into
@@ -147,6 +150,7 @@ class HeadConfig:
   sinks: bool = False
   qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2)
   qk_norm_eps: float = 1e-6
+  qk_norm_plus_one: bool = False  # the scales are w in x̂·(1 + w) (Gemma 3), initialised at 0
   window: int | None = None
   softcap: float | None = None
   probability: str = "softmax"
@@ -261,6 +265,9 @@ class HeadConfig:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) \
         or eps <= 0:
       raise invalid("qk_norm_eps", eps, "a positive finite number (the RMSNorm epsilon)")
+    if not isinstance(self.qk_norm_plus_one, bool):
+      raise invalid("qk_norm_plus_one", self.qk_norm_plus_one, "True or False (True: QK-norm scales "
+                    "are w in x̂·(1 + w), Gemma 3)")
     w = self.window
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
       raise invalid("window", w, "None or a positive integer: keys closer than it to the query")

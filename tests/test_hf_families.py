@@ -58,9 +58,6 @@ FAMILIES = {
 }
 # The first transformers release with each family's classes (older ones skip its tests).
 SINCE = {"smollm3": "4.53", "gpt_oss": "4.55"}
-# Families whose weights a real checkpoint ships in bf16: the tiny model's are rounded to bf16 too
-# (Gemma 3's q/k-norm w is held as 1 + w, exact for bf16 w; float32 w would lose its last bits).
-BF16 = {"gemma3_text"}
 # The families added with issue 31: only their logits test runs in the default tier.
 NEW = {"gemma3_text", "smollm3", "phi3", "gpt_oss", "olmo2"}
 MEASURED = {}  # family -> (max abs, max relative) logit difference, printed with -s
@@ -117,9 +114,7 @@ def build(family, seed=0, rope=None, **changes):
   with torch.no_grad():
     for name, p in m.named_parameters():
       unit = name.endswith("norm.weight") and not family.startswith("gemma")
-      p.copy_(0.3 * torch.randn(p.shape) + (1.0 if unit else 0.0))
-      if family in BF16:
-        p.copy_(p.to(torch.bfloat16).float())
+      p.copy_(0.3 * torch.randn(p.shape) + (1.0 if unit else 0.0))  # float32: every bit must come back
   return m.eval()
 
 
@@ -264,6 +259,53 @@ def test_gemma3_rope_in_the_spellings_of_transformers_4_and_5():
   out = hf.FAMILIES["gemma3_text"].config_out(v4)
   assert hf.model_config(g3 | {k: out[k] for k in ("rope_theta", "rope_local_base_freq", "rope_scaling")}) == v4
   assert hf.model_config(g3 | {"rope_parameters": out["rope_parameters"]}) == v4
+
+
+# Gemma 2 and 3 with float32 weights drawn at random, untied, as config.json and a state dict: no transformers.
+GEMMA = {"vocab_size": 11, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 3, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 4, "max_position_embeddings": 16, "query_pre_attn_scalar": 4,
+         "sliding_window": 4, "tie_word_embeddings": False,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_offset_norm_families_written_back_bit_for_bit_in_float32(family):
+  """(1 + w) norms (Gemma 2's block norms, Gemma 3's q/k-norms too): every float32 tensor read by from_hf comes
+  back from to_hf_state equal (==), the q/k-norm w among them at values where 1 + w - 1 != w in float32."""
+  from attn.nn.models import MODELS
+  cfg = hf.model_config(GEMMA | {"model_type": family})
+  assert cfg.norm_type == "rmsnorm_plus_one" and cfg.qk_norm_plus_one == (family == "gemma3_text")
+  _, shapes = hf.to_hf_state(MODELS["decoder_lm"](cfg, rngs=nnx.Rngs(0)), cfg, family)
+  rng = np.random.default_rng(0)
+  sd = {k: (0.3 * rng.standard_normal(np.shape(a))).astype(np.float32) for k, a in shapes.items()}
+  qk = [k for k in sd if k.endswith(("q_norm.weight", "k_norm.weight"))]
+  assert len(qk) == (6 if family == "gemma3_text" else 0)
+  assert all(np.any((np.float32(1) + sd[k]) - np.float32(1) != sd[k]) for k in qk)  # the old (1 + w) - 1 lost bits
+  config, back = hf.to_hf_state(hf.from_hf((GEMMA | {"model_type": family}, sd)))
+  assert config["model_type"] == family and set(back) == set(sd)
+  unequal = [k for k in sd if back[k].dtype != np.float32 or not np.array_equal(back[k], sd[k])]
+  assert not unequal
+
+
+def test_qk_norm_plus_one_is_the_same_function_as_a_scale_of_one_plus_w():
+  """qk_norm_plus_one with scales w against plain QK-norm with scales 1 + w (rounded once, in float32): the same
+  queries and keys; and the init (zeros) is the plain init (ones) as a function."""
+  import jax.numpy as jnp
+  from attn.config import HeadConfig
+  from attn.variants.head_mechanisms import QK_NORM, normalize_qk
+  rng = np.random.default_rng(0)
+  on = HeadConfig(d_model=8, num_heads=2, num_kv_heads=1, d_k=4, qk_norm=True, qk_norm_plus_one=True)
+  off = on.replace(qk_norm_plus_one=False)
+  w = {n: jnp.asarray(0.3 * rng.standard_normal(4), jnp.float32) for n in ("q_norm", "k_norm")}
+  q, k = jnp.asarray(rng.standard_normal((1, 3, 2, 4)), jnp.float32), jnp.asarray(rng.standard_normal((1, 3, 1, 4)),
+                                                                                  jnp.float32)
+  got, want = normalize_qk(w, q, k, cfg=on), normalize_qk({n: 1.0 + a for n, a in w.items()}, q, k, cfg=off)
+  assert all(np.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(got, want))
+  assert not np.allclose(got[0], normalize_qk(w, q, k, cfg=off)[0], atol=1e-3)  # without the 1: another function
+  init = QK_NORM.init(None, on)
+  assert all(np.array_equal(init[n], np.zeros(4)) for n in ("q_norm", "k_norm"))
+  assert all(np.allclose(a, b) for a, b in zip(normalize_qk(init, q, k, cfg=on),
+                                               normalize_qk(QK_NORM.init(None, off), q, k, cfg=off)))
 
 
 def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():

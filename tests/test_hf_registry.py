@@ -1,5 +1,6 @@
 """Checkpoint families as records (attn.nn.hf.FAMILIES): the kit on bare configs, one result type for
-every family, to_hf without model_type, families added from outside, bad records refused by name.
+every family, to_hf without model_type, families added from outside (docs/extending.md's example run
+as an installed plugin), bad records refused by name.
 
 Tiny random models drawn by attn.testing.check_family from a config dict (numpy only), once per
 module; transformers is compared where it is installed, and GPT-2's check runs with torch and
@@ -8,7 +9,10 @@ transformers hidden, to show the round trip and the refusals need neither.
 
 import dataclasses
 import importlib
+import os
+import re
 import sys
+import tomllib
 
 import numpy as np
 import pytest
@@ -243,3 +247,49 @@ def test_to_hf_refuses_a_config_out_without_a_transformers_class(checked):
       hf.to_hf(loaded.model, loaded.config, "odd_llama")
   finally:
     hf.FAMILIES.unregister("odd_llama")
+
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "extending.md")
+
+
+def _blocks(marker):
+  """The python and toml code blocks of a docs/extending.md section, in order."""
+  text = open(DOCS, encoding="utf-8").read()
+  section = text[text.index(marker):]
+  section = section[:section.index("\n## ", 1)]
+  return re.findall(r"```(python|toml)\n(.*?)```", section, re.S)
+
+
+def test_the_docs_checkpoint_family_is_installed_by_its_entry_point_and_passes_the_kit(tmp_path):
+  """docs/extending.md's family as package my_attn (the record module, its entry point read from the
+  toml block), then the doc's own test run on it: the docs cannot drift from what runs."""
+  (record, _), (entry, kind), (test, _) = [(code, kind) for kind, code in _blocks("## A checkpoint family")]
+  assert kind == "toml"
+  (tmp_path / "my_attn").mkdir()
+  (tmp_path / "my_attn" / "__init__.py").write_text("")
+  (tmp_path / "my_attn" / "acme.py").write_text(record)
+  entry_points = tomllib.loads(entry)["project"]["entry-points"]
+  assert list(entry_points) == ["attn.hf_families"]
+  _dist(tmp_path, "my_attn", list(entry_points["attn.hf_families"].items()))
+  saved = {m: sys.modules.pop(m) for m in [m for m in sys.modules if m.split(".")[0] == "my_attn"]}
+  sys.path.insert(0, str(tmp_path))
+  importlib.invalidate_caches()
+  hf.FAMILIES.reload()
+  try:
+    assert hf.FAMILIES.source("acme_llama") == "my_attn"
+    namespace = {}
+    exec(compile(test, "docs/extending.md (A checkpoint family)", "exec"), namespace)
+    namespace["test_acme_llama_family"]()  # check_family on the installed record, bare config: random weights
+    tiny = namespace["TINY"]
+    with pytest.raises(ConfigError, match=r"config.acme_experts=8 is not allowed: 0: attn reads acme's dense"):
+      hf.from_hf(({**tiny, "acme_experts": 8}, {}))
+    cfg = hf.model_config(tiny)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head.d_k, cfg.has_dense_bias) == (4, 2, 6, False)
+  finally:
+    sys.path.remove(str(tmp_path))
+    for m in [m for m in sys.modules if m.split(".")[0] == "my_attn"]:
+      del sys.modules[m]
+    sys.modules.update(saved)
+    importlib.invalidate_caches()
+    hf.FAMILIES.reload()
+  assert "acme_llama" not in hf.FAMILIES

@@ -1,4 +1,5 @@
-"""Trial ids are stable: each shipped config still names the trials its committed report lists."""
+"""Shipped configs: trial ids are stable (each still names the trials its committed report lists), and every
+config opens with a short header (question, command, runtime; the rest belongs in its write-up)."""
 
 import os
 import re
@@ -24,3 +25,30 @@ def test_committed_report_lists_the_configs_trial_ids(name):
     listed = set(re.findall(r"^\| ([0-9a-f]{12}) \|", f.read(), flags=re.M))
   sweep = config_lib.load(os.path.join(ROOT, "configs", name + ".toml"), [])
   assert listed and listed == {t.id for t in sweep.trials}
+
+
+HEADER_LINES = 8  # the convention: question, command and runtime in at most 8 comment lines
+
+
+def _header(text):
+  """The leading comment block: the lines from the top that start with '#'."""
+  lines = []
+  for line in text.splitlines():
+    if not line.startswith("#"):
+      break
+    lines.append(line)
+  return lines
+
+
+def test_the_header_counts_only_the_leading_comment_block():
+  assert _header("# a\n# b\n\n# not the header\n[meta]\n") == ["# a", "# b"]
+  assert _header("[meta]\n# a comment later\n") == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith(".toml")))
+def test_every_config_header_says_question_command_runtime_in_at_most_8_lines(name):
+  with open(os.path.join(ROOT, "configs", name), encoding="utf-8") as f:
+    header = _header(f.read())
+  assert 0 < len(header) <= HEADER_LINES, f"{name}: {len(header)} header lines (at most {HEADER_LINES})"
+  for label in ("# Question:", "# Command:", "# Runtime:"):
+    assert any(line.startswith(label) for line in header), f"{name}: no {label!r} line"

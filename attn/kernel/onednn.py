@@ -5,7 +5,7 @@ XLA:CPU runs the core's small batched products (at the reference shape 64 of
 performance.md, Dot by dot). kernel.attention(impl="onednn") keeps everything
 else of the einsum kernel (masks, float32 softmax, sinks, softcap, sigmoid/relu,
 weights out), or of the blocked kernel where "auto" would pick it, and computes
-the products with four FFI handlers (attn/onednn_gemm.cc) that call oneDNN's
+the products with four FFI handlers (attn/kernel/onednn_gemm.cc) that call oneDNN's
 row-major ``dnnl_sgemm`` once per matrix, read in place from attn's layouts, the
 matrices handed out over XLA's own intra-op threads:
 

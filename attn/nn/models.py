@@ -1,11 +1,15 @@
 """Small transformer models built on attn.nn.MultiHeadAttention, with exactly countable parameters.
 
 ModelConfig (attn.nn.config) covers GPT-2 (pre-norm, final LayerNorm, tied embeddings), BERT
-(post-norm, embedding LayerNorm, token types, pooler) and the encoder-decoder
-of Vaswani et al. 2017 (post-norm, sinusoidal positions, shared embeddings).
-activation "gelu" is the tanh approximation (GPT-2's gelu_new), "gelu_exact"
-the erf form (BERT's gelu); norm_eps is the LayerNorm epsilon (GPT-2 1e-5,
-BERT 1e-12). attn.nn.hf loads and saves Hugging Face weights (attn.nn.hf.FAMILIES).
+(post-norm, embedding LayerNorm, token types, pooler), the encoder-decoder of
+Vaswani et al. 2017 (post-norm, sinusoidal positions, shared embeddings) and,
+with the switches below, the Llama-style and Gemma-style decoders. activation
+"gelu" is the tanh approximation (GPT-2's gelu_new), "gelu_exact" the erf form
+(BERT's gelu); norm_eps is the LayerNorm epsilon (GPT-2 1e-5, BERT 1e-12).
+attn.nn.hf loads and saves Hugging Face weights: one Family record per
+checkpoint family (GPT-2, BERT, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
+SmolLM3, Phi-3, gpt-oss, OLMo 2, DeepSeek-V3; plugins add more), in
+attn.nn.hf.FAMILIES.
 
 Parameters, per model (LN = 2·D when layernorm; b = 1 when use_bias else 0):
   embeddings   vocab·D [+ max_len·D learned positions] [+ num_segments·D] [+ LN if embed_norm]
@@ -33,7 +37,8 @@ first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
 parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
 contexts), tokens at positions 0..T−1. ModelConfig has every HeadConfig
 field (with_head_fields), declared once there: the head mechanisms gate, sinks,
-qk_norm, qk_norm_eps, window, softcap and probability among them (attn.variants.mechanisms).
+qk_norm, qk_norm_eps, qk_norm_plus_one, window, softcap and probability among them
+(attn.variants.mechanisms).
 Per-layer attention types (attn.nn.layer_types): layer_types lists one of
 full_attention, sliding_attention, full_attention_nope, sliding_attention_nope
 per layer (transformers' names, plus NoPE), sliding_rope_theta gives sliding

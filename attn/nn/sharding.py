@@ -1,7 +1,8 @@
 """How each variant's arrays split over a mesh axis "heads": tensor parallelism by heads (Megatron-LM).
 
-Every parameter is declared here by one letter per axis, DESIGN.md's letters
-where they apply (D model width, H query heads, G key/value heads, K, V) and
+Every parameter has one letter per axis: the canonical layout's here (CANONICAL),
+the rest on the records that own them (below). The README's dimension letters
+where they apply (D model width, H query heads, G key/value heads, K, V), and
 a variant's own for the rest (C mla's latent, Q its query latent, R its RoPE
 key width, J collaborative's shared width, E split_input's D/H input slice,
 P fused's packed Q|K|V columns). With M devices on "heads" (M must divide H):

@@ -124,7 +124,7 @@ class Variant:
   init(key, cfg, dtype) -> dict of arrays; apply(params, x_BTD, context_BSD, *, cfg, opts) ->
   (y_BTD, weights_BHTS or None). Everything else is optional: a figure a variant does not
   declare in closed form (param_count, effective_param_count, flops, kv_cache_width,
-  score_weights) is measured by attn.count (attn.variants.measured) and labelled "measured";
+  score_weights) is measured by attn.count (attn.count.measured) and labelled "measured";
   so is one whose closed form returns None at a config it does not cover.
   sharding: parameter name -> one letter per axis (attn.nn.sharding's rule) for the names
   beyond the canonical layout's; None means undeclared, and its parameters are replicated over

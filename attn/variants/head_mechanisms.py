@@ -13,7 +13,8 @@ counts (attn.variants.mechanisms has the record and the registry).
   sinks               sinks (H,): one more logit per query head in every softmax
       denominator, with no value (gpt-oss); a row's weights sum to less than 1.
   qk_norm             q_norm (K,), k_norm (K,): every query and key head RMS-normalised
-      over its d_k dims, times the scales (shared by the heads), before RoPE (Qwen3).
+      over its d_k dims, times the scales (shared by the heads), before RoPE (Qwen3);
+      with qk_norm_plus_one, times (1 + the scales), which start at 0 (Gemma 3).
   qk_norm "whole"     q_norm_whole (H,K), k_norm_whole (G,K): all query heads normalised
       together over H·K dims, all key heads over G·K, one scale per dim (OLMo 2): a head's
       score depends on every head's projection, so the heads are coupled.
@@ -115,35 +116,39 @@ SINKS = Mechanism(
 
 # qk_norm
 
-def rms_norm(x_BTNK: Array, scale_K: Array, eps: float) -> Array:
-  """x / sqrt(mean over K of x² + eps) · scale, in float32, returned in x's dtype."""
+def rms_norm(x_BTNK: Array, scale_K: Array, eps: float, plus_one: bool = False) -> Array:
+  """x / sqrt(mean over K of x² + eps) · scale (plus_one: · (1 + scale)), in float32, returned in
+  x's dtype."""
   x = x_BTNK.astype(jnp.float32)
   y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return (y * scale_K.astype(jnp.float32)).astype(x_BTNK.dtype)
+  scale = scale_K.astype(jnp.float32)
+  return (y * (1.0 + scale if plus_one else scale)).astype(x_BTNK.dtype)
 
 
 def normalize_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *,
                  cfg: HeadConfig) -> tuple[Array, Array]:
   """Each query and key head RMS-normalised, times q_norm and k_norm; with qk_norm "whole", the
-  queries over all H·K dims at once (times q_norm_whole (H,K)), the keys over all G·K."""
+  queries over all H·K dims at once (times q_norm_whole (H,K)), the keys over all G·K; with
+  qk_norm_plus_one, times 1 + the scales."""
+  eps, one = cfg.qk_norm_eps, cfg.qk_norm_plus_one
   if cfg.qk_norm == "whole":
-    return (_whole_norm(q_BTHK, params["q_norm_whole"], cfg.qk_norm_eps),
-            _whole_norm(k_BSGK, params["k_norm_whole"], cfg.qk_norm_eps))
-  return (rms_norm(q_BTHK, params["q_norm"], cfg.qk_norm_eps),
-          rms_norm(k_BSGK, params["k_norm"], cfg.qk_norm_eps))
+    return (_whole_norm(q_BTHK, params["q_norm_whole"], eps, one),
+            _whole_norm(k_BSGK, params["k_norm_whole"], eps, one))
+  return rms_norm(q_BTHK, params["q_norm"], eps, one), rms_norm(k_BSGK, params["k_norm"], eps, one)
 
 
-def _whole_norm(x_BTNK: Array, scale_NK: Array, eps: float) -> Array:
+def _whole_norm(x_BTNK: Array, scale_NK: Array, eps: float, plus_one: bool) -> Array:
   B, T, N, K = x_BTNK.shape
-  return rms_norm(x_BTNK.reshape(B, T, N * K), scale_NK.reshape(N * K), eps).reshape(B, T, N, K)
+  return rms_norm(x_BTNK.reshape(B, T, N * K), scale_NK.reshape(N * K), eps, plus_one).reshape(B, T, N, K)
 
 
 def _qk_norm_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   del key
+  fill = jnp.zeros if cfg.qk_norm_plus_one else jnp.ones  # a scale of 1 either way
   if cfg.qk_norm == "whole":
-    return {"q_norm_whole": jnp.ones((cfg.num_heads, cfg.d_k), dtype),
-            "k_norm_whole": jnp.ones((cfg.num_kv_heads, cfg.d_k), dtype)}
-  return {"q_norm": jnp.ones((cfg.d_k,), dtype), "k_norm": jnp.ones((cfg.d_k,), dtype)}
+    return {"q_norm_whole": fill((cfg.num_heads, cfg.d_k), dtype),
+            "k_norm_whole": fill((cfg.num_kv_heads, cfg.d_k), dtype)}
+  return {"q_norm": fill((cfg.d_k,), dtype), "k_norm": fill((cfg.d_k,), dtype)}
 
 
 def _qk_norm_params(cfg: HeadConfig) -> int:
@@ -151,7 +156,7 @@ def _qk_norm_params(cfg: HeadConfig) -> int:
 
 
 QK_NORM = Mechanism(
-    name="qk_norm", fields=("qk_norm", "qk_norm_eps"), init=_qk_norm_init,
+    name="qk_norm", fields=("qk_norm", "qk_norm_eps", "qk_norm_plus_one"), init=_qk_norm_init,
     sharding={"q_norm": None, "k_norm": None, "q_norm_whole": "HK", "k_norm_whole": "GK"},
     on_qk=normalize_qk, param_count=_qk_norm_params, effective_param_count=_zero, flops=_zero,
     score_weights=_qk_norm_params,

@@ -4,7 +4,7 @@ Trials that are already finished in the store are skipped; an unfinished one
 resumes from its newest readable checkpoint (a warning on the stream names any
 checkpoint that could not be read). Unfinished trials that share a shape (equal
 configs but for train.seed) train together under jax.vmap over seeds when
-sweep.vmap_seeds is true (default false: slower on CPU, measured in the README);
+sweep.vmap_seeds is true (default false: slower on CPU, experiments/performance.md);
 each seed still saves its own checkpoints. A trial whose training raises is
 recorded as failed with the error, and the sweep goes on; so is one whose
 compiled step wants more memory than the machine has available (check_memory).

@@ -2,8 +2,8 @@
 
 Beyond Gemma 2 (sandwich norms, (1 + w) RMSNorm, √D embedding scale,
 query_pre_attn_scalar): q_norm and k_norm over each head, (1 + w) like its
-other norms (attn holds 1 + w: exact for bf16 weights, which is how Gemma 3
-ships; a float32 w loses the bits below 1's last place); sliding layers rotate
+other norms (attn holds w, ModelConfig.qk_norm_plus_one: written back bit for
+bit at any dtype); sliding layers rotate
 with rope_local_base_freq (attn's sliding_rope_theta) and no scaling, full
 layers with rope_theta and the checkpoint's rope_scaling (linear in 4B-27B).
 transformers 5 writes both as rope_parameters by layer type, 4 as rope_theta,

@@ -44,7 +44,8 @@ class LlamaLike:
   windows_out: the config keys of a windowed model (None: the family has no windows).
   extra_in / extra_out / extra_mapped: more ModelConfig fields read from / written to the config.
   rope_in / rope_out: the RoPE fields of a config and back (Gemma 3: one base per layer type).
-  qk_norm_plus_one: the q/k-norm weights are w in x̂·(1 + w) (Gemma 3), held by attn as 1 + w.
+  qk_norm_plus_one: the q/k-norm weights are w in x̂·(1 + w) (Gemma 3), held by attn as w
+  (ModelConfig.qk_norm_plus_one), so they are written back bit for bit.
   """
 
   architecture: str
@@ -113,7 +114,7 @@ def config_in(row: LlamaLike, hf: dict[str, Any]) -> ModelConfig:
       mlp="gated", activation=activation(hf, row.activation, "silu"),
       tie_embeddings=bool(hf.get("tie_word_embeddings", True)), use_bias=qkv, dense_bias=_flag(hf, row.mlp_bias),
       norm_eps=eps, qk_norm=row.qk_norm, qk_norm_eps=eps, window=window, global_every=global_every,
-      embed_scale=row.embed_scale, **row.extra_in(hf, K))
+      embed_scale=row.embed_scale, qk_norm_plus_one=row.qk_norm_plus_one, **row.extra_in(hf, K))
 
 
 def weights_in(row: LlamaLike, w: Weights, cfg: ModelConfig) -> dict[str, Any]:
@@ -132,9 +133,8 @@ def weights_in(row: LlamaLike, w: Weights, cfg: ModelConfig) -> dict[str, Any]:
                 "b_v": w(f"{a}.v_proj.bias", (G * K,)).reshape(G, K)}
       # Qwen2 has no o_proj bias: attn's b_o holds zeros (the same function, D more parameters).
       heads["b_o"] = w(f"{a}.o_proj.bias", (D,)) if row.o_bias is not False else np.zeros(D, np.float32)
-    if cfg.qk_norm:
-      one = np.float32(1.0 if row.qk_norm_plus_one else 0.0)
-      heads |= {"q_norm": one + w(f"{a}.q_norm.weight", (K,)), "k_norm": one + w(f"{a}.k_norm.weight", (K,))}
+    if cfg.qk_norm:  # config_in set cfg.qk_norm_plus_one to the row's: the checkpoint's w as it is
+      heads |= {"q_norm": w(f"{a}.q_norm.weight", (K,)), "k_norm": w(f"{a}.k_norm.weight", (K,))}
     mlp = {}
     for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
       mlp[name] = {"kernel": w(f"layers.{l}.mlp.{name}_proj.weight", shape).T}
@@ -197,14 +197,20 @@ def weights_out(row: LlamaLike, name: str, pure: dict[str, Any], cfg: ModelConfi
       else:
         zero(p["b_o"], f"blocks.{l}.attn b_o", name)
     if cfg.qk_norm:
-      one = np.float32(1.0 if row.qk_norm_plus_one else 0.0)
-      sd |= {f"{a}.q_norm.weight": p["q_norm"] - one, f"{a}.k_norm.weight": p["k_norm"] - one}
+      sd |= {f"{a}.{n}.weight": qk_scale_out(row, cfg, p[n]) for n in ("q_norm", "k_norm")}
     for n in ("gate", "up", "down"):
       sd[f"model.layers.{l}.mlp.{n}_proj.weight"] = np.asarray(block["mlp"][n]["kernel"]).T
       if cfg.has_dense_bias:
         sd[f"model.layers.{l}.mlp.{n}_proj.bias"] = block["mlp"][n]["bias"]
     sd |= {f"model.layers.{l}.{theirs}.weight": block[ours]["scale"] for ours, theirs in row.norms.items()}
   return sd
+
+
+def qk_scale_out(row: LlamaLike, cfg: ModelConfig, scale: np.ndarray) -> np.ndarray:
+  """A QK-norm scale as the family holds it: as attn holds it when both add the same 1 (bit for
+  bit), else with 1 added or taken away (a Qwen3-style model written as Gemma 3, rounded in float32)."""
+  shift = float(cfg.qk_norm_plus_one) - float(row.qk_norm_plus_one)
+  return scale if not shift else (scale + np.float32(shift)).astype(scale.dtype)
 
 
 def config_out(row: LlamaLike, name: str, cfg: ModelConfig) -> dict[str, Any]:
@@ -224,7 +230,7 @@ def config_out(row: LlamaLike, name: str, cfg: ModelConfig) -> dict[str, Any]:
 MAPPED = frozenset({"rope_theta", "rope_dim", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
                     "rope_attention_factor", "rope_truncate", "tie_embeddings", "use_bias", "dense_bias",
-                    "qk_norm_eps", "window", "global_every"})
+                    "qk_norm_eps", "qk_norm_plus_one", "window", "global_every"})
 
 
 def family(name: str, row: LlamaLike, model_types: tuple[str, ...] | None = None) -> Family:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights
 from attn.nn.config import ModelConfig
@@ -36,7 +38,8 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
   sd = llama.weights_out(ROW, "olmo2", pure, cfg.replace(qk_norm=False))
   for l, block in pure["blocks"].items():
     p, a = block["attn"]["params"], f"model.layers.{l}.self_attn"
-    sd |= {f"{a}.q_norm.weight": p["q_norm_whole"].ravel(), f"{a}.k_norm.weight": p["k_norm_whole"].ravel()}
+    sd |= {f"{a}.{n}.weight": llama.qk_scale_out(ROW, cfg, np.asarray(p[f"{n}_whole"])).ravel()
+           for n in ("q_norm", "k_norm")}
   return sd
 
 
