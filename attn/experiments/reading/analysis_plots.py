@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from attn.experiments.reading.plots import _pyplot
+from attn.experiments.reading.plots import _pyplot, show
+from attn.experiments.running.config import axis_name
 
 PLOTS = ("attention.png", "spectra.png", "importance.png", "pruning.png")
 
@@ -22,7 +23,7 @@ def _title(a: dict[str, Any]) -> str:
     scored = {"sentence_pairs": "; loss: in-batch ranking of window halves, accuracy: top-1 retrieval",
               "masked_lm": "; masked-LM loss and accuracy"}.get(a.get("objective"), "")
     return f"{a['hf']} (pretrained)\n{dims}, text {a['text'] or 'Python stdlib'}{scored}"
-  label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in a["label"].items())
+  label = ", ".join(f"{axis_name(k)}={show(v)}" for k, v in a["label"].items())
   return f"trial {a['trial']} [{label}]\n{dims}, checkpoint of step {a['step']}"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from attn.experiments.running import store as store_lib
-from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, short, slant, tied_axes
+from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, short, show, slant, tied_axes
 
 ANALYSIS = "analysis.json"
 # summary key of analysis.json -> what the report calls it
@@ -65,7 +65,7 @@ def groups(analysed: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """One row per group of trials equal but for the seed: label, d_k, seeds and each metric's _stat."""
   by: dict[str, list[dict[str, Any]]] = {}
   for t in analysed:
-    key = ", ".join(f"{short(k)}={v}" for k, v in t["label"].items() if k not in SEED_KEYS) or "all"
+    key = ", ".join(f"{short(k)}={show(v)}" for k, v in t["label"].items() if k not in SEED_KEYS) or "all"
     by.setdefault(key, []).append(t)
   rows = []
   for name, ts in by.items():
@@ -94,7 +94,7 @@ def _along(rows: list[dict[str, Any]], axes: list[str]) -> list[str]:
     skip = {axis, *tied.get(axis, [])}
     slices: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-      rest = ", ".join(f"{short(k)}={v}" for k, v in r["label"].items() if k not in skip)
+      rest = ", ".join(f"{short(k)}={show(v)}" for k, v in r["label"].items() if k not in skip)
       slices.setdefault(rest, []).append(r)
     for rest, rs in slices.items():
       if len(rs) < 2:
@@ -102,7 +102,7 @@ def _along(rows: list[dict[str, Any]], axes: list[str]) -> list[str]:
       values = _order([r["label"][axis] for r in rs])
       rs = sorted(rs, key=lambda r: values.index(r["label"][axis]))
       dk = len({r["d_k"] for r in rs}) > 1  # d_k moves with the axis (e.g. fixed width)
-      at = ", ".join(f"{r['label'][axis]}" + (f" (d_k={r['d_k']})" if dk else "") for r in rs)
+      at = ", ".join(f"{show(r['label'][axis])}" + (f" (d_k={r['d_k']})" if dk else "") for r in rs)
       parts = [f"{name} " + " → ".join(_cell(r[key]) for r in rs) for key, name in METRICS
                if any(r[key] is not None for r in rs)]
       where = f" ({rest})" if rest else ""
@@ -117,7 +117,7 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
   numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
   lines: dict[str, list[dict[str, Any]]] = {}
   for r in rows:
-    rest = ", ".join(f"{short(k)}={v}" for k, v in r["label"].items() if k not in skip)
+    rest = ", ".join(f"{short(k)}={show(v)}" for k, v in r["label"].items() if k not in skip)
     lines.setdefault(rest or "mean", []).append(r)
   metrics = [(key, name) for key, name in METRICS if any(r[key] is not None for r in rows)]
   fig, grid = plt.subplots(-(-len(metrics) // 3), 3, figsize=(13, 3.5 * -(-len(metrics) // 3)), squeeze=False)
@@ -142,8 +142,8 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
       dk_of[repr(r["label"][axis])].add(r["d_k"])
     dk = "model.d_k" not in skip and all(len(v) == 1 for v in dk_of.values()) and \
         len(set.union(*dk_of.values())) > 1  # d_k is set by this axis (e.g. fixed width)
-    ticks = {values.index(r["label"][axis]): str(r["label"][axis]) + "".join(
-        f"\n{short(b)}={r['label'][b]}" for b in tied) + (f"\nd_k={r['d_k']}" if dk else "")
+    ticks = {values.index(r["label"][axis]): show(r["label"][axis]) + "".join(
+        f"\n{short(b)}={show(r['label'][b])}" for b in tied) + (f"\nd_k={r['d_k']}" if dk else "")
         for r in rows}
     ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)], fontsize=7)
     slant(ax, list(ticks.values()), width=60)

@@ -45,6 +45,7 @@ import numpy as np
 
 from attn.config import ConfigError, invalid
 from attn.experiments.running import store as store_lib
+from attn.experiments.running.config import axis_name, show
 
 ANALYSIS = "analysis.json"
 
@@ -152,7 +153,7 @@ def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int
 
 
 def _label(label: dict[str, Any]) -> str:
-  return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in label.items()) or "–"
+  return ", ".join(f"{axis_name(k)}={show(v)}" for k, v in label.items()) or "–"
 
 
 # ---- model glue: the jitted pieces take the model as (graphdef, state), so trials of one shape share them.

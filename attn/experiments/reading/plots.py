@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from attn.experiments.running.config import axis_name, show
+
 SEED_KEYS = ("train.seed",)
 METRICS = (("eval_accuracy", "held-out accuracy"), ("eval_loss", "held-out loss"))
 # The byte-level `text` task: bits per byte (eval_loss / ln 2, lower is better) first.
@@ -29,8 +31,7 @@ def _full_range(metric: str, metrics) -> bool:
 MAX_PANELS = 8
 
 
-def short(key: str) -> str:
-  return key.split(".")[-1]
+short = axis_name  # model.num_heads -> num_heads, model.extra.NAME.OPTION -> NAME.OPTION
 
 
 def _pyplot():
@@ -44,15 +45,15 @@ def _pyplot():
 
 
 def _order(values: list[Any]) -> list[Any]:
-  """Distinct values in sweep order, numbers sorted."""
-  seen = list(dict.fromkeys(values))
+  """Distinct values in sweep order, numbers sorted; any value a config holds (tables too)."""
+  seen = list({repr(v): v for v in values}.values())
   if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in seen):
     return sorted(seen)
   return seen
 
 
 def _rest(label: dict[str, Any], skip: set[str]) -> str:
-  return ", ".join(f"{short(k)}={v}" for k, v in label.items() if k not in skip and k not in SEED_KEYS)
+  return ", ".join(f"{short(k)}={show(v)}" for k, v in label.items() if k not in skip and k not in SEED_KEYS)
 
 
 def tied_axes(rows: list[dict[str, Any]], axes: list[str]) -> dict[str, list[str]]:
@@ -67,8 +68,8 @@ def tied_axes(rows: list[dict[str, Any]], axes: list[str]) -> dict[str, list[str
 
 
 def _tick(r: dict[str, Any], axis: str, tied: list[str]) -> str:
-  text = str(r["label"][axis])
-  return text + "".join(f"\n{short(b)}={r['label'][b]}" for b in tied)
+  text = show(r["label"][axis])
+  return text + "".join(f"\n{short(b)}={show(r['label'][b])}" for b in tied)
 
 
 def slant(ax, labels: list[str], width: int = 48) -> None:
@@ -170,7 +171,7 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   if legend:
     handles = [plt.Line2D([], [], color=colour_of(i))
                for i in range(len(colours))]
-    fig.legend(handles, [str(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
+    fig.legend(handles, [show(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)
   fig.tight_layout(rect=(0, 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
   fig.savefig(path, dpi=80)
