@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
   wall = time.perf_counter() - t0
   kinds = []
   for t in picked:
-    label = ", ".join(f"{lib.short(k)}={v}" for k, v in t["label"].items())
+    label = ", ".join(f"{lib.short(k)}={lib.show(v)}" for k, v in t["label"].items())
     if t["id"] not in finals:
       kinds.append("failed")
       print(f"  {t['id']}  {label}: did not finish", flush=True)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from attn.config import invalid
-from attn.experiments.reading.plots import SEED_KEYS, short
+from attn.experiments.reading.plots import SEED_KEYS, short, show
 
 COMMITTED = "trials.json"
 SPREAD = 2.0
@@ -58,7 +58,7 @@ def _is_seed(key: str) -> bool:
 
 
 def _group(label: dict[str, Any]) -> str:
-  return ", ".join(f"{short(k)}={v}" for k, v in label.items() if not _is_seed(k)) or "all"
+  return ", ".join(f"{short(k)}={show(v)}" for k, v in label.items() if not _is_seed(k)) or "all"
 
 
 def _seed(label: dict[str, Any]) -> Any:
