@@ -22,9 +22,10 @@ import json
 import tomllib
 from typing import Any
 
-from attn import count, count_hf, count_layers, presets
+from attn import count, count_hf, count_layers, measured, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
+from attn.variants import mechanisms
 from attn.variants.mechanisms import MECHANISMS
 
 # Every HeadConfig field is a flag: --d-k 64, --rope-theta 1e6, --no-use-bias (a field true by
@@ -67,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kind = [n.strip() for n in str(f.type).split("|") if n.strip() != "None"][0]
     if name == "qk_norm":  # --qk-norm: per head; --qk-norm whole: over the whole projection (OLMo 2)
       parser.add_argument("--qk-norm", dest=name, nargs="?", const=True, default=None, metavar="whole")
+    elif name == "extra":  # an outside head mechanism's options, as [model.extra.NAME] in a config
+      outside = sorted(n for n, m in MECHANISMS.items() if not m.fields)
+      parser.add_argument("--extra", dest=name, type=_ARG_TYPES["dict"], default=None, metavar="TABLE",
+                          help="options of outside head mechanisms as a TOML inline table, e.g. "
+                          "'{NAME = {OPTION = VALUE}}' (installed: " + (", ".join(outside) or "none") + ")")
     elif kind == "bool":
       parser.add_argument(f"--no-{flag}" if f.default else f"--{flag}", dest=name,
                           action="store_const", const=not f.default, default=None)
@@ -213,7 +219,13 @@ def _table3(fmt: str) -> str:
 def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
                   preset: presets.Preset | None) -> dict[str, Any]:
   variants = [get_variant(v).name for v in args.variant] if args.variant else None
+  mechanisms.check(cfg)  # a mechanism's option refused by name, once, before any row
   rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
+  refused = [r for r in rows if "error" in r]
+  if rows and len(refused) == len(rows):  # nothing to print: the config itself is at fault
+    reasons = list(dict.fromkeys(r["error"] for r in refused))
+    raise ConfigError(reasons[0] if len(reasons) == 1 else
+                      "every variant refuses this layer: " + "; ".join(f"{r['variant']}: {r['error']}" for r in refused))
   S = args.seq_len if args.kv_len is None else args.kv_len
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
                             "dtype": args.dtype, "rows": rows}
@@ -249,12 +261,20 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
           f"sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
   if c["rope_dim"]:
     head = head[:-1] + f"; RoPE on the first {c['rope_dim']} dims of each head."
+  on = {f: c[f] for m in MECHANISMS.values() for f in m.fields if c.get(f) != HeadConfig.__dataclass_fields__[f].default}
+  if on or c.get("extra"):
+    options = [f"{k}={v}" for k, v in on.items()] + [
+        f"{name}.{k}={v}" for name, opts in (c.get("extra") or {}).items()
+        for k, v in mechanisms.options(HeadConfig(**c), name).items()] + [
+        f"{name} (no options)" for name, opts in (c.get("extra") or {}).items()
+        if not mechanisms.options(HeadConfig(**c), name)]
+    head = head[:-1] + "; mechanisms: " + ", ".join(options) + "."
   if any(r["variant"] == "mla" and "error" not in r for r in report["rows"]):
     q = c["q_latent_dim"]
     head += (f" mla: KV latent d_c={c['latent_dim']}"
              + (f", query latent {q}" if q else "") + f"; caches d_c + rope_dim = "
              f"{c['latent_dim'] + c['rope_dim']} elements per token.")
-  text = head + "\n\n" + markdown(report["rows"], columns)
+  text = head + "\n\n" + markdown(report["rows"], columns) + _unmeasured(report)
   if "mechanisms" in report:
     text += (f"\n\nWhat each head mechanism adds to one {report['mechanisms_of']} layer (b = 1 with "
              f"biases; T={report['T']}; a window keeps its last `window` tokens in the cache):\n\n"
@@ -272,6 +292,21 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
             + f"\n\nAttention by layer type at L={report['T']} (KV cache in {report['dtype']}):\n\n"
             + markdown(m["layer_types"], _LAYER_TYPE_COLUMNS) + "\n\n" + text)
   return text
+
+
+def _unmeasured(report: dict[str, Any]) -> str:
+  """A note for effective counts left n/a: which mechanism lacks a closed form, and what to declare."""
+  rows = [r for r in report["rows"] if "error" not in r and r.get("effective") is None]
+  if not rows:
+    return ""
+  cfg = HeadConfig(**report["layer"])
+  lacking = [m.name for m in mechanisms.active(cfg) if m.effective_param_count is None]
+  why = (f"mechanism {', '.join(map(repr, lacking))} declares no effective_param_count" if lacking
+         else "no closed form")
+  return (f"\n\nparams (effective) n/a for {', '.join(r['variant'] for r in rows)}: {why}, and a layer of "
+          f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank); "
+          "a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 "
+          "(docs/extending.md)")
 
 
 _HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
