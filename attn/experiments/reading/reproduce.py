@@ -323,3 +323,20 @@ def run_slice(w: Writeup, sweep: Any, picked: list[dict[str, Any]], out: str) ->
         final["eval_bpb"] = final["eval_loss"] / math.log(2)
       finals[t["id"]] = final
   return finals
+
+
+def replot(w: Writeup, out_dir: str | None = None) -> list[str]:
+  """Redraws a write-up's plots of final metrics (final_vs_AXIS.png) from its committed trials.json, without
+  training; returns the files written. Learning curves need a store's rows: they are left as they are."""
+  if not w.exact:
+    raise invalid("WRITEUP", w.path, f"a write-up with a {COMMITTED} (its trials' labels and finals); "
+                  "this one has only report.md's printed digits")
+  from attn.experiments.reading import plots, report
+  sweep = load_sweep(w)
+  configs = {t.id: t.config for t in sweep.trials}
+  trials = [{"id": t["id"], "label": t["label"], "config": configs[t["id"]], "rows": [],
+             "summary": {"status": "ok", "final": dict(t["final"])}} for t in w.trials]
+  text = report.add_bits_per_byte(trials)
+  rows = report.summarize(trials, w.primary)
+  return plots.make_plots(rows, trials, sweep.axes, out_dir or w.path,
+                          plots.TEXT_METRICS if text else plots.METRICS, curves=False)
