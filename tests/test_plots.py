@@ -69,3 +69,17 @@ def test_a_writeups_final_plots_are_redrawn_from_its_trials_json(tmp_path):
   made = reproduce.replot(reproduce.load_writeup(QUICK), str(tmp_path))
   assert made == ["final_vs_num_heads.png", "final_vs_variant.png"]  # no rows: no learning curves
   assert all(os.path.getsize(tmp_path / name) > 10_000 for name in made)
+
+
+def test_a_checkpoint_is_named_by_family_and_path_and_a_dash_says_why():
+  from attn.experiments.reading import analysis_plots, analyze
+  a = {"hf": "/ckpt/tiny-llama", "family": "llama", "variant": "per_head", "num_heads": 4, "d_k": 8, "d_v": 8,
+       "text": "", "objective": "next_token"}
+  title = analysis_plots._title(a)
+  assert title.startswith("llama model from /ckpt/tiny-llama\n") and "pretrained" not in title
+  assert analysis_plots._title({**a, "family": None}).startswith("Hugging Face checkpoint from /ckpt/tiny-llama")
+  refused = {"summary": {"qk_effective_rank": None}, "layers": [{"qk": {"refused": "tpa has no per-head W_QK"}}]}
+  assert analyze._qk_rank(refused) == "– (tpa has no per-head W_QK)"
+  assert analyze._qk_rank({"summary": {"qk_effective_rank": 3.456}}) == "3.46"
+  assert analyze._diversity({"head_diversity": None, "attention_entropy": 1.2}) == "– (one head: no pair)"
+  assert analyze._diversity({"head_diversity": None, "attention_entropy": None}) == "– (rows are not distributions)"
