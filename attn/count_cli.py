@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--hf", metavar="DIR", default=None,
                       help="a Hugging Face checkpoint directory (config.json only is enough) or a stored "
                       "published config (" + ", ".join(count_hf.stored_configs()) + "): parameters by "
-                      "component, active per token, KV cache per layer type at 8k, 128k and --seq-len")
+                      "component, active per token, KV cache per layer type at 8k, 128k and --seq-len "
+                      "(those within the model's max_position_embeddings; past it, at that context)")
   parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
@@ -334,6 +335,19 @@ def _hf_output(report: dict[str, Any], fmt: str) -> str:
           + "".join(f"\n\nNote: {n}." for n in report["notes"]))
 
 
+def _context_lengths(hf: dict[str, Any], wanted: tuple[int, ...]) -> tuple[tuple[int, ...], list[int], int | None]:
+  """(the lengths within the checkpoint's context, plus the context itself where some are past it; those
+  past it; the context) for the KV-cache columns. A config naming no context keeps every length."""
+  context = next((hf[k] for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool)), None)
+  wanted = tuple(dict.fromkeys(wanted))
+  if context is None:
+    return wanted, [], None
+  past = [L for L in wanted if L > context]
+  kept = [L for L in wanted if L <= context] + ([context] if past else [])
+  return tuple(dict.fromkeys(kept)), past, context
+
+
 def run(args: argparse.Namespace) -> int:
   """Prints the table; ConfigError (unknown preset, impossible dims) exits 2 via attn.cli."""
   if args.hf is not None:
@@ -341,8 +355,12 @@ def run(args: argparse.Namespace) -> int:
       raise ConfigError(f"--hf={args.hf!r} is not allowed with --preset, dimension, variant or mechanism "
                         "flags: it counts the checkpoint's config as it is")
     hf, where = count_hf.read_hf_config(args.hf)
-    lengths = tuple(dict.fromkeys((8192, 131072, args.seq_len)))
-    print(_hf_output(count_hf.hf_report(hf, where, lengths, args.dtype), args.format))
+    lengths, past, context = _context_lengths(hf, (8192, 131072, args.seq_len))
+    report = count_hf.hf_report(hf, where, lengths, args.dtype)
+    if past:
+      report["notes"] = [*report["notes"], f"KV cache at {' and '.join(f'{L:,}' for L in past)} tokens left out: "
+                         f"past the model's context of {context:,} (max_position_embeddings); shown at {context:,}"]
+    print(_hf_output(report, args.format))
     return 0
   if args.preset in presets.GROUPS:
     if _overrides(args) or args.variant:
