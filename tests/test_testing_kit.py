@@ -108,6 +108,18 @@ def test_an_exception_inside_a_hook_names_the_hook_and_is_chained():
   assert isinstance(e.value.__cause__, KeyError)
 
 
+def _broken_check(cfg):
+  return cfg.extra["broken_check"]["width"]  # no such option: a KeyError, not a ConfigError
+
+
+def test_a_check_that_raises_is_named_with_its_hook():
+  bad = attn.Mechanism(name="broken_check", check=_broken_check, on_logits=lambda p, l, *, cfg: l)
+  with pytest.raises(AssertionError, match=r"check_mechanism\('broken_check'\): configs: in mechanism "
+                                           r"'broken_check'.check, raised KeyError: 'width'") as e:
+    testing.check_mechanism(bad)
+  assert isinstance(e.value.__cause__, KeyError)
+
+
 def test_a_pass_says_what_it_checked_when_asked(capsys):
   scale = attn.Mechanism(name="halved", on_logits=lambda params, logits_BHTS, *, cfg: logits_BHTS * 0.5)
   testing.check_mechanism(scale)

@@ -58,11 +58,16 @@ class Checks:
 
   @contextlib.contextmanager
   def property(self, names: str | tuple[str, ...], config: str = "", records: Iterable[Any] = (),
-               where: str = "") -> Iterator[None]:
-    """One property (or several computed together, named in order) at one config; failures named."""
+               where: str = "", passthrough: tuple[type, ...] = (), tally: bool = True) -> Iterator[None]:
+    """One property (or several computed together, named in order) at one config; failures named.
+
+    passthrough: exception types raised as they are (a ConfigError refusing the kit's own arguments);
+    tally=False: a guard around other properties, not counted as one when it passes."""
     names = (names,) if isinstance(names, str) else names
     try:
       yield
+    except passthrough:
+      raise
     except AssertionError as e:
       text = str(e)
       if text.startswith(f"{self.kit}(") or text.startswith("check_"):
@@ -71,10 +76,11 @@ class Checks:
     except Exception as e:  # noqa: BLE001  (whatever the record raised: named, then chained)
       hook = hook_of(e, records)
       names = (e.attn_property,) if getattr(e, "attn_property", None) else names
-      at = f" at {config}" if config else ""
-      by = f" {where}" if where else ""
-      raise AssertionError(f"{self.who}: {'/'.join(names)}:{by}{at}: "
-                           f"{'in ' + hook + ', ' if hook else ''}raised {_first_line(e)}") from e
+      detail = " ".join(p for p in (where, f"at {config}" if config else "") if p)
+      raise AssertionError(f"{self.who}: {'/'.join(names)}: " + (f"{detail}: " if detail else "")
+                           + (f"in {hook}, " if hook else "") + f"raised {_first_line(e)}") from e
+    if not tally:
+      return
     for n in names:
       self.properties.setdefault(n, None)
     if config:

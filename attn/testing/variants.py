@@ -386,7 +386,8 @@ def check_variant(variant: Variant | str, *, thorough: bool = False,
   if not isinstance(v, Variant):
     raise ConfigError(f"variant={variant!r} is not allowed: an attn.Variant record")
   checks = Checks("check_variant", v.name, verbose)
-  _variant_properties(checks, v, thorough, configs)
+  with checks.property("configs", records=[v], passthrough=(ConfigError,), tally=False):  # the record's code outside a property
+    _variant_properties(checks, v, thorough, configs)
   checks.passed()
 
 
@@ -452,7 +453,8 @@ def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = Fal
     raise ConfigError(f"mechanism={mechanism!r} is not allowed: an attn Mechanism record")
   names = variants or (sorted(VARIANTS) if thorough else ["per_head"])
   checks = Checks("check_mechanism", mechanism.name, verbose)
-  with _registered(mechanism):
+  with _registered(mechanism), checks.property("configs", records=[mechanism], passthrough=(ConfigError,),
+                                               tally=False):
     checked = 0
     for name in names:
       v = api.get_variant(name)

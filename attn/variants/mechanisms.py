@@ -65,7 +65,7 @@ from attn.registry import Registry
 from attn.variants import head_mechanisms
 from attn.variants.mechanism import Mechanism
 
-__all__ = ["MECHANISMS", "Mechanism", "active", "options", "split"]
+__all__ = ["MECHANISMS", "HookError", "Mechanism", "active", "options", "split"]
 
 Array = jax.Array
 Params = dict[str, Array]
