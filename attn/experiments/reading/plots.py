@@ -50,7 +50,7 @@ def caption(trials: list[dict[str, Any]], axes: list[str]) -> str:
   swept = {a.split(".", 1)[1] for a in axes if a.startswith("model.")}
   parts = [task["name"].upper() if task["name"] in ("mqar",) else task["name"]]
   opts = [f"{k}={v}" for k, v in task.items() if k != "name" and not isinstance(v, (dict, list))
-          and same("task", k) and f"task.{k}" not in axes]
+          and v not in (None, "") and same("task", k) and f"task.{k}" not in axes]
   head = parts[0] + (f" ({', '.join(opts)})" if opts else "")
   steps = {c["train"]["steps"] for c in configs}
   seeds = len({c["train"]["seed"] for c in configs})
