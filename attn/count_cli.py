@@ -225,8 +225,8 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
   refused = [r for r in rows if "error" in r]
   if rows and len(refused) == len(rows):  # nothing to print: the config itself is at fault
     reasons = list(dict.fromkeys(r["error"] for r in refused))
-    raise ConfigError(reasons[0] if len(reasons) == 1 else
-                      "every variant refuses this layer: " + "; ".join(f"{r['variant']}: {r['error']}" for r in refused))
+    raise ConfigError(reasons[0] if len(reasons) == 1 else "every variant refuses this layer: "
+                      + "; ".join(f"{r['variant']}: {r['error']}" for r in refused))
   S = args.seq_len if args.kv_len is None else args.kv_len
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
                             "dtype": args.dtype, "rows": rows}
@@ -262,7 +262,8 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
           f"sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
   if c["rope_dim"]:
     head = head[:-1] + f"; RoPE on the first {c['rope_dim']} dims of each head."
-  on = {f: c[f] for m in MECHANISMS.values() for f in m.fields if c.get(f) != HeadConfig.__dataclass_fields__[f].default}
+  defaults = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
+  on = {f: c[f] for m in MECHANISMS.values() for f in m.fields if c.get(f) != defaults[f]}
   if on or c.get("extra"):
     options = [f"{k}={v}" for k, v in on.items()] + [
         f"{name}.{k}={v}" for name, opts in (c.get("extra") or {}).items()

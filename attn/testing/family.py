@@ -243,7 +243,8 @@ def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-
     with checks.property("read", _describe(None, source), [family]):
       given = _checkpoint(family, source)
       if given is None and not writes:
-        raise _fail("record", name, "a read-only family (weights_out None) is checked on a checkpoint, not a bare config")
+        raise _fail("record", name, "a read-only family (weights_out None) is checked on a checkpoint, "
+                    "not a bare config")
       loaded = hf.from_hf(source) if given is not None else _random(
           family, hf.model_config(source).replace(**(changes or {})), seed)
       if loaded.family != name:

@@ -386,7 +386,8 @@ def check_variant(variant: Variant | str, *, thorough: bool = False,
   if not isinstance(v, Variant):
     raise ConfigError(f"variant={variant!r} is not allowed: an attn.Variant record")
   checks = Checks("check_variant", v.name, verbose)
-  with checks.property("configs", records=[v], passthrough=(ConfigError,), tally=False):  # the record's code outside a property
+  # The record's code run outside any property (its check, choosing the configs) is named too.
+  with checks.property("configs", records=[v], passthrough=(ConfigError,), tally=False):
     _variant_properties(checks, v, thorough, configs)
   checks.passed()
 
