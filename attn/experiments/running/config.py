@@ -32,6 +32,14 @@ but not what it computes (to float tolerance, attn.experiments.training.parallel
 and .train). train.mesh is a table: `mesh = {data = 2, heads = 2}` in the file,
 `--set train.mesh.heads=2` (or `--set "train.mesh={heads = 2}"`) on the command line.
 
+A dotted key may reach into a table: train.mesh.AXIS, model.extra.NAME (an outside head
+mechanism's options) and model.extra.NAME.OPTION (one of them), as a grid or zip axis, a key of a
+case or a --set, like any field; the trial label names it by its path in the table
+(logit_scale.factor=3.0: axis_name, show). An option is refused by name before any trial starts
+when its mechanism is not installed, when the mechanism's record does not declare it (in its
+defaults), when one axis mixes tables and values, or when two axes (or an axis and a --set) reach
+into one table at different depths.
+
 Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
 """
 
