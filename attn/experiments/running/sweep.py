@@ -201,7 +201,7 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
 
 
 def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
-              overrides: list[str] | None = None, stream: TextIO = sys.stderr,
+              overrides: list[str] | None = None, stream: TextIO | None = None,
               lease_timeout: float = DEFAULT_LEASE_TIMEOUT, tensorboard: str | None = None) -> dict[str, int]:
   """Runs every unfinished trial of `sweep` into the store at `out`, waiting for those other workers hold.
 
@@ -211,6 +211,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   or by other workers), plus "unfinished" when it stopped early (preempted).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
+  stream = stream or sys.stderr  # at call time: a captured or replaced stderr is the one written to
   prepare(sweep, out, config_text, overrides, stream=stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
   worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb)
@@ -218,7 +219,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
 
 
 def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
-               stream: TextIO = sys.stderr, wait: bool = False, worker: str | None = None,
+               stream: TextIO | None = None, wait: bool = False, worker: str | None = None,
                tensorboard: str | None = None) -> dict[str, int]:
   """Runs each given (None: every) unfinished trial of the claimed store at `out` that it can lease, in sweep order.
 
@@ -229,6 +230,7 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
   this and the others train the trials it orders (module docstring).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
+  stream = stream or sys.stderr  # at call time (run_sweep)
   trials, vmap_seeds = stored_trials(out)
   mine = trials
   if trial_ids is not None:
