@@ -39,6 +39,14 @@ def test_config_only_directory_counts_by_hand(tmp_path, capsys):
   (row,) = r["layer_types"]
   assert row["kv_bytes_per_token_per_layer"] == 2 * G * K * 2  # keys and values, bf16
   assert r["kv_bytes_at"]["40"] == L * 40 * 2 * G * K * 2
+  # 8,192 and 131,072 are past the config's max_position_embeddings = 256: its context instead, and a note
+  assert list(r["kv_bytes_at"]) == ["40", "256"] and r["kv_bytes_at"]["256"] == L * 256 * 2 * G * K * 2
+  assert r["notes"][-1] == ("KV cache at 8,192 and 131,072 tokens left out: past the model's context of 256 "
+                            "(max_position_embeddings); shown at 256")
+  code, out, err = run_cli(capsys, "--hf", str(write(tmp_path, LLAMA | {"max_position_embeddings": 131072}, "long")),
+                           "--format", "json", "--seq-len", "40")
+  r = json.loads(out)
+  assert list(r["kv_bytes_at"]) == ["8192", "131072", "40"] and r["notes"] == []
   assert r["kv_bytes_at"]["131072"] == L * 131072 * 2 * G * K * 2
 
 
@@ -59,8 +67,8 @@ def test_windows_and_longrope_count_as_stored(tmp_path, capsys):
   r = json.loads(out)
   sliding, full = r["layer_types"]
   assert (sliding["type"], full["type"]) == ("sliding_attention", "full_attention")
-  assert sliding["kv_bytes_at"]["8192"] == 2 * 32 * 2 * 2 * 16 * 2
-  assert full["kv_bytes_at"]["8192"] == 2 * 8192 * 2 * 2 * 16 * 2
+  assert sliding["kv_bytes_at"]["256"] == 2 * 32 * 2 * 2 * 16 * 2  # at the context, 256: the window's 32 cached
+  assert full["kv_bytes_at"]["256"] == 2 * 256 * 2 * 2 * 16 * 2
   expert = 3 * 64 * 96 + 2 * 96 + 64
   assert r["total"] - r["active_per_token"] == 4 * 2 * expert  # 2 of 4 experts idle in each of 4 layers
 

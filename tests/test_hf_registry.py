@@ -218,6 +218,25 @@ def test_the_kit_catches_a_family_that_does_not_round_trip():
   assert "bad_llama" not in hf.FAMILIES  # the kit registered it for the check only
 
 
+def test_a_family_whose_code_raises_is_named_with_its_hook_and_a_pass_says_what_it_checked(capsys):
+  llama = hf.FAMILIES["llama"]
+
+  def forgetful(pure, cfg):  # a weights_out that reads a key the pure tree does not have
+    return {"lm_head.weight": pure["no_such_key"]}
+
+  bad = dataclasses.replace(llama, name="forgetful", model_types=("forgetful",), weights_out=forgetful)
+  # A bare config: its random checkpoint is written through weights_out, so reading it is what fails.
+  with pytest.raises(AssertionError, match=r"check_family\('forgetful'\): read: at source 'forgetful': in family "
+                                           r"'forgetful'.weights_out, raised KeyError: 'no_such_key'") as e:
+    check_family(bad, {**LLAMA, "model_type": "forgetful"})
+  assert isinstance(e.value.__cause__, KeyError) and "forgetful" not in hf.FAMILIES
+  mine = dataclasses.replace(llama, name="my_llama", model_types=("my_llama",))
+  check_family(mine, {**LLAMA, "model_type": "my_llama"}, verbose=True)
+  first = capsys.readouterr().out.splitlines()[0]
+  checked = "read, round trip, refusals" + (", transformers" if importlib.util.find_spec("transformers") else "")
+  assert first == f"check_family('my_llama'): passed {len(checked.split(', '))} properties at 2 configs: {checked}"
+
+
 def test_a_read_only_family_loads_and_is_checked_on_a_checkpoint(checked):
   kw, sd = hf.to_hf_state(checked["llama"]["loaded"])
   ro = dataclasses.replace(hf.FAMILIES["llama"], name="ro_llama", model_types=("ro_llama",), weights_out=None,

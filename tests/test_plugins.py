@@ -247,20 +247,29 @@ def test_attn_count_and_sweep_with_two_workers_run_an_installed_plugin(my_attn, 
   cfg = tmp_path / "c.toml"
   cfg.write_text(TINY_MQAR.replace("d_ff = 16", 'd_ff = 16\nvariant = "tempered"')
                  + "[model.extra.logit_scale]\nfactor = 1.5\n[train]\nsteps = 3\nbatch_size = 2\n"
-                 "eval_every = 3\neval_batches = 1\n[sweep]\nseeds = [0, 1]\n")
+                 "eval_every = 3\neval_batches = 1\n[sweep]\nseeds = [0]\n"
+                 '[sweep.grid]\n"model.extra.logit_scale.factor" = [1.5, 3.0]\n')  # its option, swept
   run = _attn(my_attn, "sweep", str(cfg), "--out", str(tmp_path / "out"), "--workers", "2", "--no-report")
   assert run.returncode == 0, run.stdout + run.stderr
   assert "workers done: 2 trials: 2 ok" in run.stdout + run.stderr
   header = json.load(open(tmp_path / "out" / "sweep.json"))
+  factors = []
   for t in header["trials"]:
     summary = json.load(open(tmp_path / "out" / "trials" / t["id"] / "config.json"))
     assert summary["model"]["variant"] == "tempered"
-    assert summary["model"]["extra"] == {"logit_scale": {"factor": 1.5}}
+    factors.append(summary["model"]["extra"]["logit_scale"]["factor"])
+    assert t["label"]["model.extra.logit_scale.factor"] == factors[-1]
+  assert factors == [1.5, 3.0]
   report = _attn(my_attn, "report", str(tmp_path / "out"))
   assert report.returncode == 0, report.stderr
   rows = [r for r in open(tmp_path / "out" / "report.md").read().splitlines() if "| tempered" in r
           or r.startswith("| " + header["trials"][0]["id"])]
   assert rows and all(r.count("(measured)") == 3 for r in rows)  # analytic, effective, FLOPs
+  assert "logit_scale.factor=3.0" in open(tmp_path / "out" / "report.md").read()
+  bad = _attn(my_attn, "count", "--extra", "{logit_scale = {factor = 0}}")
+  assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
+  assert bad.stderr.strip().splitlines()[-1] == (
+      "attn count: error: extra.logit_scale.factor=0 is not allowed: a positive number")
 
 
 @pytest.mark.slow

@@ -103,6 +103,19 @@ def test_not_a_writeup_is_refused_by_name(capsys, monkeypatch, path, words):
   assert rc == 2 and f"WRITEUP='{path}'" in err and words in err
 
 
+def test_a_writeup_resolves_from_the_checkout_and_a_miss_says_where_it_looked(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)  # outside any checkout: the one attn is imported from
+  assert reproduce.resolve("experiments/quick") == QUICK
+  assert reproduce.resolve("quick") == QUICK
+  monkeypatch.chdir(os.path.join(ROOT, "attn"))  # inside the checkout, below its root
+  assert reproduce.resolve("experiments/quick") == QUICK
+  monkeypatch.chdir(tmp_path)
+  rc, _, err = _main(capsys, "experiments/nope", "--trials", "1")
+  assert rc == 2 and "WRITEUP='experiments/nope'" in err
+  assert f"looked in {tmp_path / 'experiments' / 'nope'}, {os.path.join(ROOT, 'experiments', 'nope')}" in err
+  assert "write-ups there: " in err and " quick," in err
+
+
 def test_zero_trials_and_unknown_seeds_are_refused_by_name(capsys):
   rc, _, err = _main(capsys, QUICK, "--trials", "0")
   assert rc == 2 and "--trials=0" in err and ">= 1" in err
@@ -173,7 +186,8 @@ def test_reproduce_end_to_end_bit_equal_then_different(tmp_path, capsys, monkeyp
   from attn.experiments.running import run_record
   record = run_record.read("runs/tiny")[0]  # as scripts/reproduce.py copies it
   (w / "run.json").write_text(json.dumps({"run_record": record}))
-  rc, out, _ = _main(capsys, "experiments/tiny", "--trials", "1")
+  rc, out, err = _main(capsys, "experiments/tiny", "--trials", "1")
+  assert "1 trials to run" in err and "trial 1/1 [" in err and "trial 1/2" not in err  # counts what it runs
   commit = (record[0]["commit"] or "unknown")[:12]
   assert rc == 0 and f"committed run: commit {commit}" in out and f"CPU {record[0]['cpu']}" in out, out
   group = [t for t in committed["trials"] if t["label"]["model.num_heads"] == 1]

@@ -61,12 +61,15 @@ def test_a_mechanism_count_off_by_one_is_caught():
 def test_apply_of_the_wrong_shape_and_init_not_a_dict_are_named():
   half = dataclasses.replace(PER_HEAD, name="half", kv_cache_width=None,
                              apply=lambda p, x, c=None, *, cfg, opts=None: (x[:, :2], None))
-  with pytest.raises(ConfigError, match=r"half.apply\(...\)\[0\].shape=\(2, 2, 24\) is not allowed: \(2, 5, 24\)"):
+  with pytest.raises(AssertionError, match=r"check_variant\('half'\): shapes: variant 'half' at HeadConfig\(.*\): "
+                                           r"raised ConfigError: half.apply\(...\)\[0\].shape=\(2, 2, 24\) is not "
+                                           r"allowed: \(2, 5, 24\)") as e:
     testing.check_variant(half)
+  assert isinstance(e.value.__cause__, ConfigError)
   listy = dataclasses.replace(PER_HEAD, name="listy", init=lambda key, cfg, dtype=jnp.float32: [1.0])
   with pytest.raises(ConfigError, match=r"listy.init\(...\)='list' is not allowed: a dict of arrays"):
     attn.init(listy, jax.random.PRNGKey(0), testing.AWKWARD["gqa_dv_ne_dk"])
-  with pytest.raises(ConfigError, match=r"listy.init\(...\)='list' is not allowed"):
+  with pytest.raises(AssertionError, match=r"check_variant\('listy'\): .*listy.init\(...\)='list' is not allowed"):
     testing.check_variant(listy)
 
 
@@ -75,6 +78,58 @@ def test_the_kit_refuses_what_is_not_a_record():
     testing.check_variant("nope")
   with pytest.raises(ConfigError, match="mechanism=3 is not allowed: an attn Mechanism record"):
     testing.check_mechanism(3)
+
+
+def _truncating(params, logits_BHTS, *, cfg):  # drops the last key: the logits' shape changes
+  return logits_BHTS[..., :-1]
+
+
+def _missing_option(params, logits_BHTS, *, cfg):
+  return logits_BHTS * mechanisms.options(cfg, "missing_option")["factor"]  # no such option: KeyError
+
+
+def test_a_hook_that_changes_the_logits_shape_is_named_with_its_mechanism_and_config():
+  bad = attn.Mechanism(name="truncating", on_logits=_truncating)
+  with pytest.raises(AssertionError, match=r"check_mechanism\('truncating'\): shapes: variant 'per_head' at "
+                                           r"HeadConfig\(d_model=24, .*extra=\{'truncating': \{\}\}\): in "
+                                           r"mechanism 'truncating'.on_logits, raised HookError: .*returned logits of "
+                                           r"shape \(2, 6, 5, 4\) for logits of shape \(2, 6, 5, 5\)") as e:
+    testing.check_mechanism(bad)
+  assert isinstance(e.value.__cause__, mechanisms.HookError) and e.value.__cause__.hook == "on_logits"
+  assert "truncating" not in mechanisms.MECHANISMS
+
+
+def test_an_exception_inside_a_hook_names_the_hook_and_is_chained():
+  bad = attn.Mechanism(name="missing_option", defaults={"scale": 1.0}, on_logits=_missing_option)
+  with pytest.raises(AssertionError, match=r"check_mechanism\('missing_option'\): shapes: variant 'per_head' at "
+                                           r"HeadConfig\(.*\): in mechanism 'missing_option'.on_logits, raised "
+                                           r"KeyError: 'factor'") as e:
+    testing.check_mechanism(bad)
+  assert isinstance(e.value.__cause__, KeyError)
+
+
+def _broken_check(cfg):
+  return cfg.extra["broken_check"]["width"]  # no such option: a KeyError, not a ConfigError
+
+
+def test_a_check_that_raises_is_named_with_its_hook():
+  bad = attn.Mechanism(name="broken_check", check=_broken_check, on_logits=lambda p, l, *, cfg: l)
+  with pytest.raises(AssertionError, match=r"check_mechanism\('broken_check'\): configs: in mechanism "
+                                           r"'broken_check'.check, raised KeyError: 'width'") as e:
+    testing.check_mechanism(bad)
+  assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_a_pass_says_what_it_checked_when_asked(capsys):
+  scale = attn.Mechanism(name="halved", on_logits=lambda params, logits_BHTS, *, cfg: logits_BHTS * 0.5)
+  testing.check_mechanism(scale)
+  assert capsys.readouterr().out == ""  # silent unless asked
+  testing.check_mechanism(scale, verbose=True)
+  lines = capsys.readouterr().out.splitlines()
+  # per_head at the kit's first awkward config with the mechanism on, then the FLOPs config
+  assert lines[0] == ("check_mechanism('halved'): passed 10 properties at 2 configs: sharding, param_count, "
+                      "shapes, mask, causal, grads, bf16, head_mask, decoding, flops")
+  assert len(lines) == 3 and all(line.startswith("  HeadConfig(") for line in lines[1:])
 
 
 def test_a_mechanism_whose_flops_are_off_is_caught():

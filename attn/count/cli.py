@@ -24,9 +24,10 @@ import tomllib
 from typing import Any
 
 from attn import count
-from attn.count import hf as count_hf, presets
+from attn.count import hf as count_hf, measured, presets
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
+from attn.variants import mechanisms
 from attn.variants.mechanisms import MECHANISMS
 
 # Every HeadConfig field is a flag: --d-k 64, --rope-theta 1e6, --no-use-bias (a field true by
@@ -69,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kind = [n.strip() for n in str(f.type).split("|") if n.strip() != "None"][0]
     if name == "qk_norm":  # --qk-norm: per head; --qk-norm whole: over the whole projection (OLMo 2)
       parser.add_argument("--qk-norm", dest=name, nargs="?", const=True, default=None, metavar="whole")
+    elif name == "extra":  # an outside head mechanism's options, as [model.extra.NAME] in a config
+      outside = sorted(n for n, m in MECHANISMS.items() if not m.fields)
+      parser.add_argument("--extra", dest=name, type=_ARG_TYPES["dict"], default=None, metavar="TABLE",
+                          help="options of outside head mechanisms as a TOML inline table, e.g. "
+                          "'{NAME = {OPTION = VALUE}}' (installed: " + (", ".join(outside) or "none") + ")")
     elif kind == "bool":
       parser.add_argument(f"--no-{flag}" if f.default else f"--{flag}", dest=name,
                           action="store_const", const=not f.default, default=None)
@@ -83,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--hf", metavar="DIR", default=None,
                       help="a Hugging Face checkpoint directory (config.json only is enough) or a stored "
                       "published config (" + ", ".join(count_hf.stored_configs()) + "): parameters by "
-                      "component, active per token, KV cache per layer type at 8k, 128k and --seq-len")
+                      "component, active per token, KV cache per layer type at 8k, 128k and --seq-len "
+                      "(those within the model's max_position_embeddings; past it, at that context)")
   parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
   parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
@@ -215,9 +222,15 @@ def _table3(fmt: str) -> str:
 def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
                   preset: presets.Preset | None) -> dict[str, Any]:
   variants = [get_variant(v).name for v in args.variant] if args.variant else None
+  mechanisms.check(cfg)  # a mechanism's option refused by name, once, before any row
   rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
   failed = {r["variant"]: r["plugin_error"] for r in rows if "plugin_error" in r}
   rows = [r for r in rows if "plugin_error" not in r]
+  refused = [r for r in rows if "error" in r]
+  if rows and len(refused) == len(rows):  # nothing to print: the config itself is at fault
+    reasons = list(dict.fromkeys(r["error"] for r in refused))
+    raise ConfigError(reasons[0] if len(reasons) == 1 else "every variant refuses this layer: "
+                      + "; ".join(f"{r['variant']}: {r['error']}" for r in refused))
   S = args.seq_len if args.kv_len is None else args.kv_len
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
                             "dtype": args.dtype, "rows": rows, "plugin_errors": failed}
@@ -253,12 +266,21 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
           f"sequence for T={report['T']}, S={report['S']}; KV cache in {report['dtype']}.")
   if c["rope_dim"]:
     head = head[:-1] + f"; RoPE on the first {c['rope_dim']} dims of each head."
+  defaults = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
+  on = {f: c[f] for m in MECHANISMS.values() for f in m.fields if c.get(f) != defaults[f]}
+  if on or c.get("extra"):
+    options = [f"{k}={v}" for k, v in on.items()] + [
+        f"{name}.{k}={v}" for name, opts in (c.get("extra") or {}).items()
+        for k, v in mechanisms.options(HeadConfig(**c), name).items()] + [
+        f"{name} (no options)" for name, opts in (c.get("extra") or {}).items()
+        if not mechanisms.options(HeadConfig(**c), name)]
+    head = head[:-1] + "; mechanisms: " + ", ".join(options) + "."
   if any(r["variant"] == "mla" and "error" not in r for r in report["rows"]):
     q = c["q_latent_dim"]
     head += (f" mla: KV latent d_c={c['latent_dim']}"
              + (f", query latent {q}" if q else "") + f"; caches d_c + rope_dim = "
              f"{c['latent_dim'] + c['rope_dim']} elements per token.")
-  text = head + "\n\n" + markdown(report["rows"], columns)
+  text = head + "\n\n" + markdown(report["rows"], columns) + _unmeasured(report)
   if "mechanisms" in report:
     text += (f"\n\nWhat each head mechanism adds to one {report['mechanisms_of']} layer (b = 1 with "
              f"biases; T={report['T']}; a window keeps its last `window` tokens in the cache):\n\n"
@@ -276,6 +298,21 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
             + f"\n\nAttention by layer type at L={report['T']} (KV cache in {report['dtype']}):\n\n"
             + markdown(m["layer_types"], _LAYER_TYPE_COLUMNS) + "\n\n" + text)
   return text
+
+
+def _unmeasured(report: dict[str, Any]) -> str:
+  """A note for effective counts left n/a: which mechanism lacks a closed form, and what to declare."""
+  rows = [r for r in report["rows"] if "error" not in r and r.get("effective") is None]
+  if not rows:
+    return ""
+  cfg = HeadConfig(**report["layer"])
+  lacking = [m.name for m in mechanisms.active(cfg) if m.effective_param_count is None]
+  why = (f"mechanism {', '.join(map(repr, lacking))} declares no effective_param_count" if lacking
+         else "no closed form")
+  return (f"\n\nparams (effective) n/a for {', '.join(r['variant'] for r in rows)}: {why}, and a layer of "
+          f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank); "
+          "a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 "
+          "(docs/extending.md)")
 
 
 _HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
@@ -303,6 +340,19 @@ def _hf_output(report: dict[str, Any], fmt: str) -> str:
           + "".join(f"\n\nNote: {n}." for n in report["notes"]))
 
 
+def _context_lengths(hf: dict[str, Any], wanted: tuple[int, ...]) -> tuple[tuple[int, ...], list[int], int | None]:
+  """(the lengths within the checkpoint's context, plus the context itself where some are past it; those
+  past it; the context) for the KV-cache columns. A config naming no context keeps every length."""
+  context = next((hf[k] for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool)), None)
+  wanted = tuple(dict.fromkeys(wanted))
+  if context is None:
+    return wanted, [], None
+  past = [L for L in wanted if L > context]
+  kept = [L for L in wanted if L <= context] + ([context] if past else [])
+  return tuple(dict.fromkeys(kept)), past, context
+
+
 def run(args: argparse.Namespace) -> int:
   """Prints the table; ConfigError (unknown preset, impossible dims) exits 2 via attn.cli."""
   if args.hf is not None:
@@ -310,8 +360,12 @@ def run(args: argparse.Namespace) -> int:
       raise ConfigError(f"--hf={args.hf!r} is not allowed with --preset, dimension, variant or mechanism "
                         "flags: it counts the checkpoint's config as it is")
     hf, where = count_hf.read_hf_config(args.hf)
-    lengths = tuple(dict.fromkeys((8192, 131072, args.seq_len)))
-    print(_hf_output(count_hf.hf_report(hf, where, lengths, args.dtype), args.format))
+    lengths, past, context = _context_lengths(hf, (8192, 131072, args.seq_len))
+    report = count_hf.hf_report(hf, where, lengths, args.dtype)
+    if past:
+      report["notes"] = [*report["notes"], f"KV cache at {' and '.join(f'{L:,}' for L in past)} tokens left out: "
+                         f"past the model's context of {context:,} (max_position_embeddings); shown at {context:,}"]
+    print(_hf_output(report, args.format))
     return 0
   if args.preset in presets.GROUPS:
     if _overrides(args) or args.variant:

@@ -31,10 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="re-run only trials of these seeds (default: the first seed of each group)")
   parser.add_argument("--out", metavar="DIR", default=None,
                       help="keep the re-run's store here (default a temporary directory, removed after)")
+  parser.add_argument("--replot", action="store_true",
+                      help="train nothing: redraw the write-up's final_vs_*.png from its trials.json "
+                      "(into --out, default the write-up's directory)")
 
 
 def run(args: argparse.Namespace) -> int:
   w = lib.load_writeup(args.writeup)
+  if args.replot:
+    made = lib.replot(w, args.out)
+    print(f"replot {w.path}: {', '.join(made) or 'nothing (matplotlib is not installed)'} into "
+          f"{args.out or w.path} from {lib.COMMITTED}")
+    return 0
   picked = lib.choose(w, args.trials, args.seeds)  # bad --trials/--seeds refused before any training
   sweep = lib.load_sweep(w)  # a config changed since the write-up ran is refused here
   out = args.out or tempfile.mkdtemp(prefix="attn-reproduce-")
@@ -50,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
   wall = time.perf_counter() - t0
   kinds = []
   for t in picked:
-    label = ", ".join(f"{lib.short(k)}={v}" for k, v in t["label"].items())
+    label = ", ".join(f"{lib.short(k)}={lib.show(v)}" for k, v in t["label"].items())
     if t["id"] not in finals:
       kinds.append("failed")
       print(f"  {t['id']}  {label}: did not finish", flush=True)

@@ -159,7 +159,7 @@ ffi::Error Tn(ffi::ThreadPool pool, ffi::BufferR4<ffi::F32> a, ffi::BufferR4<ffi
 }
 
 // c[n] = a[n] · op(b[n]) for n < N, a (N,M,K), b (N,K,P) or, transposed, (N,P,K): the blocked
-// core's block products (attn.blocked), one matrix per item.
+// core's block products (attn.kernel.blocked), one matrix per item.
 ffi::Error Bmm(ffi::ThreadPool pool, ffi::BufferR3<ffi::F32> a, ffi::BufferR3<ffi::F32> b,
                bool transb, ffi::ResultBufferR3<ffi::F32> c) {
   auto ad = a.dimensions(), bd = b.dimensions();

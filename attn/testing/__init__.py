@@ -4,6 +4,10 @@ check_variant(variant), check_mechanism(mechanism), check_effective_count(varian
 check_mechanism_counts(mechanism): a variant or head mechanism record (attn.testing.variants
   says what they check).
 check_family(family, source): a checkpoint family (attn.nn.hf.Family) on a tiny checkpoint.
+
+Every failure is an AssertionError naming the check and its record, the property, the hook where
+one applies and the config, with what the record raised chained as its cause (attn.testing.failures);
+verbose=True makes a pass print how many properties at how many configs it checked.
 """
 
 from attn.testing.family import check_family

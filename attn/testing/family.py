@@ -43,6 +43,7 @@ from attn.nn.hf.base import BUFFERS
 from attn.nn.hf.files import read_object
 from attn.nn.hf.load import WEIGHTS
 from attn.nn.models import MODELS, Encoder, ModelConfig
+from attn.testing.failures import Checks
 
 _NOT_ALLOWED = "attn-check-family: a value no family allows"
 
@@ -211,32 +212,50 @@ def _against_transformers(family: hf.Family, loaded: hf.Loaded, source: Any, liv
   return {"logits_max_abs": diff, "logits_relative": relative}
 
 
+def _describe(cfg: ModelConfig | None, source: Any) -> str:
+  """The config a property ran at: the model's dims once read, else the source's model_type."""
+  if cfg is None:
+    kind = source.get("model_type") if isinstance(source, dict) else type(source).__name__
+    return f"source {kind!r}"
+  return (f"ModelConfig(d_model={cfg.d_model}, num_layers={cfg.num_layers}, num_heads={cfg.num_heads}, "
+          f"num_kv_heads={cfg.num_kv_heads}, variant={cfg.variant!r})")
+
+
 def check_family(family: hf.Family | str, source: Any, *, tolerance: float = 1e-4, seed: int = 0,
-                 changes: dict[str, Any] | None = None) -> dict[str, Any]:
+                 changes: dict[str, Any] | None = None, verbose: bool = False) -> dict[str, Any]:
   """Runs the family contract (module docstring) on `family` with the tiny checkpoint `source`.
 
   changes: ModelConfig fields to set on the model read from a bare config dict (BERT's
   mlm_head). A read-only family (no weights_out) needs a checkpoint, and its round trip is left
   out. Returns what was measured, {"logits_max_abs", "logits_relative"} (None without
   transformers, or for a read-only family without a live model), and what was checked:
-  "loaded" (from_hf's Loaded) and its "config".
+  "loaded" (from_hf's Loaded) and its "config". verbose: a pass prints what was checked.
+  Anything but an AssertionError that a property raises (the record's own code failing) comes
+  back as an AssertionError naming the family, the property, the hook and the config, chained.
   """
   family = hf.FAMILIES.resolve(family, "family") if isinstance(family, str) else family
   if not isinstance(family, hf.Family):
     raise _fail("record", str(family), f"a {hf.Family.__module__}.Family, not {type(family).__name__}")
   name, writes, transformers = family.name, family.weights_out is not None, _transformers()
   live = not isinstance(source, (dict, tuple, str, os.PathLike))
+  checks = Checks("check_family", name, verbose)
   with _registered(family):
-    given = _checkpoint(family, source)
-    if given is None and not writes:
-      raise _fail("record", name, "a read-only family (weights_out None) is checked on a checkpoint, not a bare config")
-    loaded = hf.from_hf(source) if given is not None else _random(
-        family, hf.model_config(source).replace(**(changes or {})), seed)
-    if loaded.family != name:
-      raise _fail("record", name, f"the checkpoint was read by family {loaded.family!r}")
-    _refusals(family, _round_trip(family, loaded, given) if writes else given)
+    with checks.property("read", _describe(None, source), [family]):
+      given = _checkpoint(family, source)
+      if given is None and not writes:
+        raise _fail("record", name, "a read-only family (weights_out None) is checked on a checkpoint, "
+                    "not a bare config")
+      loaded = hf.from_hf(source) if given is not None else _random(
+          family, hf.model_config(source).replace(**(changes or {})), seed)
+      if loaded.family != name:
+        raise _fail("record", name, f"the checkpoint was read by family {loaded.family!r}")
+    at = _describe(loaded.config, source)
+    state = checks.run("round trip", at, [family], _round_trip, family, loaded, given) if writes else given
+    checks.run("refusals", at, [family], _refusals, family, state)
     measured: dict[str, Any] = {"loaded": loaded, "config": loaded.config, "logits_max_abs": None,
                                 "logits_relative": None}
     if transformers is not None and (writes or live):
-      measured |= _against_transformers(family, loaded, source, live, tolerance, seed)
-    return measured
+      measured |= checks.run("transformers", at, [family], _against_transformers, family, loaded, source, live,
+                             tolerance, seed)
+  checks.passed()
+  return measured

@@ -5,8 +5,10 @@
     check_variant(my_package.VARIANT)                 # seconds: one awkward config set
     check_variant(my_package.VARIANT, thorough=True)  # every config, mechanism and count
 
-A failure raises AssertionError naming the property, the record, the config and
-the numbers. The properties, over awkward shapes (d_v ≠ d_k, G < H, h not
+A failure raises AssertionError naming the check and its record, the property,
+the config and the numbers; an exception the record's code raises (an einsum
+error, a hook returning the wrong shape) becomes one naming the hook, chained
+(attn.testing.failures). The properties, over awkward shapes (d_v ≠ d_k, G < H, h not
 dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
 
   shapes     y (B,T,D) in x's dtype, weights (B,H,T,S), rows summing to 1 (unless
@@ -45,6 +47,7 @@ from attn import api, count
 from attn.count import measured
 from attn.config import ConfigError, HeadConfig
 from attn.kernel.masks import causal_mask, combine_masks, padding_mask
+from attn.testing.failures import Checks
 from attn.variants import VARIANTS, cache, mechanisms
 from attn.variants.base import Options, Variant
 from attn.variants.mechanism import Mechanism
@@ -143,6 +146,43 @@ def _probe(v: Variant, cfg: HeadConfig):
   return jax.jit(run)
 
 
+def _locate(v: Variant, cfg: HeadConfig, p, x, ctx) -> tuple[str | None, Exception | None]:
+  """The first property whose call alone raises, and what it raised; (None, None) if none does."""
+  f = lambda p, x, c=None, **kw: api.apply(v, p, x, c, cfg=cfg, **kw)
+  H = cfg.num_heads
+  calls = [("shapes", lambda: (f(p, x, return_weights=True), f(p, x, ctx, return_weights=True))),
+           ("causal", lambda: (f(p, x, is_causal=True), f(p, x, mask=causal_mask(T)))),
+           ("mask", lambda: f(p, x, ctx, mask=_blank_mask(), return_weights=True)),
+           ("grads", lambda: jax.grad(lambda p, x, c: (f(p, x, c, mask=_blank_mask()) ** 2).sum(),
+                                      argnums=(0, 1, 2))(p, x, ctx)),
+           ("bf16", lambda: f(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16),
+                              ctx.astype(jnp.bfloat16))),
+           ("head_mask", lambda: f(p, x, ctx, head_mask=jnp.ones((H,))))]
+  if cfg.rope_dim:
+    calls.append(("rope", lambda: f(p, x, positions=jnp.zeros((B, T), jnp.int32) + jnp.arange(T),
+                                    return_weights=True)))
+  for prop, call in calls:
+    try:
+      jax.block_until_ready(call())
+    except Exception as e:  # noqa: BLE001
+      return prop, e
+  return None, None
+
+
+def _calls(cfg: HeadConfig, eager: bool = False) -> tuple[str, ...]:
+  """The properties _check_calls checks at cfg."""
+  return (("shapes",) + (("jit",) if eager else ()) + ("mask", "causal", "grads", "bf16", "head_mask")
+          + (("rope",) if cfg.rope_dim else ()))
+
+
+def _records(v: Variant, cfg: HeadConfig) -> list:
+  """The records whose code runs at cfg: the variant and its active mechanisms."""
+  try:
+    return [v, *mechanisms.active(cfg)]
+  except ConfigError:
+    return [v]
+
+
 def _check_calls(v: Variant, cfg: HeadConfig, eager: bool = False) -> None:
   """shapes, jit, mask, causal, grads, bf16, head_mask and rope at one config."""
   D, H, t0 = cfg.d_model, cfg.num_heads, 2
@@ -150,7 +190,13 @@ def _check_calls(v: Variant, cfg: HeadConfig, eager: bool = False) -> None:
   x, ctx = _randn(2, (B, T, D)), _randn(3, (B, S, D))
   x_late = x.at[:, t0 + 1:].set(_randn(4, (B, T - t0 - 1, D)))
   ctx_hidden = ctx.at[1, 3:].set(_randn(5, (S - 3, D)))  # example 1's padded keys
-  out = jax.device_get(_probe(v, cfg)(p, x, ctx, x_late, ctx_hidden, ctx * -3.0 + 1.0))
+  try:
+    out = jax.device_get(_probe(v, cfg)(p, x, ctx, x_late, ctx_hidden, ctx * -3.0 + 1.0))
+  except Exception as e:  # noqa: BLE001  (the probe traces every property at once: find the one that raises)
+    prop, first = _locate(v, cfg, p, x, ctx)
+    err = first or e
+    err.attn_property = prop or "calls"
+    raise err from (None if first is None else e)
   for name in ("is_causal", "causal_mask"):
     out[name] = tuple(out[name])
   for kind, s_len in (("self", T), ("cross", S)):
@@ -275,9 +321,16 @@ def _check_flops(v: Variant, thorough: bool, cfg: HeadConfig | None = None, m: M
                   f"S={S_}), XLA counts {got}")
 
 
-def check_effective_count(v: Variant | str, cfg: HeadConfig) -> None:
+def check_effective_count(v: Variant | str, cfg: HeadConfig, *, verbose: bool = False) -> None:
   """The declared effective count (the variant's plus its active mechanisms') is the Jacobian's rank."""
   v = api.get_variant(v)
+  checks = Checks("check_effective_count", v.name, verbose)
+  checks.run("effective_param_count", _describe(cfg), _records(v, cfg), _effective_count, v, cfg,
+             where=f"variant {v.name!r}")
+  checks.passed()
+
+
+def _effective_count(v: Variant, cfg: HeadConfig) -> None:
   own, mech = v.effective_param_count(cfg), mechanisms.effective_param_count(cfg)
   if mech is None or own is None:
     return  # no closed form at this config: the total is measured, nothing declared to check
@@ -320,7 +373,7 @@ def _mechanism_configs(v: Variant, base: HeadConfig, thorough: bool, only: Mecha
 
 
 def check_variant(variant: Variant | str, *, thorough: bool = False,
-                  configs: tuple[HeadConfig, ...] | None = None) -> None:
+                  configs: tuple[HeadConfig, ...] | None = None, verbose: bool = False) -> None:
   """Run the contract on one variant record (or a registered name); AssertionError on a failure.
 
   Fast (default): one awkward config (with RoPE where the variant takes it) with every registered
@@ -328,38 +381,54 @@ def check_variant(variant: Variant | str, *, thorough: bool = False,
   config plain, each mechanism alone, decoding in chunks too, score weights, FLOPs forward and
   backward, and the Jacobian's rank at every small config. configs: the call, decoding and count
   properties at these HeadConfigs instead (a variant's own options, e.g. mla's latent norms).
+  verbose: a pass prints how many properties at how many configs were checked, and which.
   """
   v = api.get_variant(variant)
   if not isinstance(v, Variant):
     raise ConfigError(f"variant={variant!r} is not allowed: an attn.Variant record")
+  checks = Checks("check_variant", v.name, verbose)
+  # The record's code run outside any property (its check, choosing the configs) is named too.
+  with checks.property("configs", records=[v], passthrough=(ConfigError,), tally=False):
+    _variant_properties(checks, v, thorough, configs)
+  checks.passed()
+
+
+def _at(checks: Checks, v: Variant, cfg: HeadConfig, names, fn, *args) -> None:
+  """One property (or several checked together) of variant v at cfg, named on failure."""
+  checks.run(names, _describe(cfg), _records(v, cfg), fn, *args, where=f"variant {v.name!r}")
+
+
+def _variant_properties(checks: Checks, v: Variant, thorough: bool, configs) -> None:
   if configs is not None:
     for cfg in configs:
-      api.check_config(v, cfg)
-      _check_counts(v, cfg)
-      _check_calls(v, cfg)
-      _check_decoding(v, cfg, ((1,) * 7, (4, 1, 2)))
-      _check_score_weights(v, cfg)
+      api.check_config(v, cfg)  # a config the variant refuses is bad input to the kit: its ConfigError
+      _at(checks, v, cfg, ("param_count", "kv_cache_width", "effective_param_count"), _check_counts, v, cfg)
+      _at(checks, v, cfg, _calls(cfg), _check_calls, v, cfg)
+      _at(checks, v, cfg, "decoding", _check_decoding, v, cfg, ((1,) * 7, (4, 1, 2)))
+      _at(checks, v, cfg, "score_weights", _check_score_weights, v, cfg)
     return
   configs = [c for c in AWKWARD.values() if _accepts(v, c)]
   if not configs:
-    raise AssertionError(f"configs: variant {v.name!r} accepts none of the kit's configs {list(AWKWARD)}")
+    raise AssertionError(f"{checks.who}: configs: variant {v.name!r} accepts none of the kit's configs "
+                         f"{list(AWKWARD)}")
   first = next((c for c in (AWKWARD["rope_gqa"], *configs) if _accepts(v, c)))
   chunkings = ((1,) * 7, (4, 1, 2)) if thorough else ((1,) * 7,)
   if thorough:
     for cfg in configs:
-      _check_counts(v, cfg)
-      _check_calls(v, cfg, eager=True)
-      _check_decoding(v, cfg, chunkings)
-      _check_score_weights(v, cfg)
+      _at(checks, v, cfg, ("param_count", "kv_cache_width", "effective_param_count"), _check_counts, v, cfg)
+      _at(checks, v, cfg, _calls(cfg, eager=True), _check_calls, v, cfg, True)
+      _at(checks, v, cfg, "decoding", _check_decoding, v, cfg, chunkings)
+      _at(checks, v, cfg, "score_weights", _check_score_weights, v, cfg)
   for cfg in _mechanism_configs(v, first, thorough) or [first]:
-    _check_counts(v, cfg)
-    _check_calls(v, cfg)
-    _check_decoding(v, cfg, chunkings)
-  _check_flops(v, thorough)
+    _at(checks, v, cfg, ("param_count", "kv_cache_width", "effective_param_count"), _check_counts, v, cfg)
+    _at(checks, v, cfg, _calls(cfg), _check_calls, v, cfg)
+    _at(checks, v, cfg, "decoding", _check_decoding, v, cfg, chunkings)
+  if v.flops is not None and _accepts(v, FLOPS[0]):
+    _at(checks, v, FLOPS[0], "flops", _check_flops, v, thorough)
   if v.effective_param_count is not None:
     small = [c for c in JACOBIAN if _accepts(v, c)]
     for cfg in small if thorough else small[:1]:
-      check_effective_count(v, cfg)
+      _at(checks, v, cfg, "effective_param_count", _effective_count, v, cfg)
 
 
 @contextlib.contextmanager
@@ -374,31 +443,35 @@ def _registered(m: Mechanism):
     MECHANISMS.unregister(m.name)
 
 
-def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = False) -> None:
+def check_mechanism(mechanism: Mechanism, *, variants=None, thorough: bool = False, verbose: bool = False) -> None:
   """Run the contract on every variant (default per_head, or all with thorough) with the mechanism on.
 
   Beyond check_variant's properties: its parameters are declared with one sharding letter per
   axis, its declared parameter count is what it adds to the stored tree, and (check_mechanism_counts,
   on `variants` or per_head) count.flops with it on is within 10% of XLA's and the declared
-  effective count is the Jacobian's rank.
+  effective count is the Jacobian's rank. verbose: a pass prints what was checked.
   """
   if not isinstance(mechanism, Mechanism):
     raise ConfigError(f"mechanism={mechanism!r} is not allowed: an attn Mechanism record")
   names = variants or (sorted(VARIANTS) if thorough else ["per_head"])
-  with _registered(mechanism):
+  checks = Checks("check_mechanism", mechanism.name, verbose)
+  with _registered(mechanism), checks.property("configs", records=[mechanism], passthrough=(ConfigError,),
+                                               tally=False):
     checked = 0
     for name in names:
       v = api.get_variant(name)
       base = next((c for c in AWKWARD.values() if _accepts(v, c)), None)
       for cfg in [] if base is None else _mechanism_configs(v, base, thorough, only=mechanism):
-        _check_mechanism_params(mechanism, v, cfg)
-        _check_calls(v, cfg)
-        _check_decoding(v, cfg, ((4, 1, 1, 1),))
+        _at(checks, v, cfg, ("sharding", "param_count"), _check_mechanism_params, mechanism, v, cfg)
+        _at(checks, v, cfg, _calls(cfg), _check_calls, v, cfg)
+        _at(checks, v, cfg, "decoding", _check_decoding, v, cfg, ((4, 1, 1, 1),))
         checked += 1
     if not checked:
-      raise AssertionError(f"configs: mechanism {mechanism.name!r}: no variant of {names} accepts it")
+      raise AssertionError(f"{checks.who}: configs: no variant of {names} accepts it (each refused every "
+                           f"config of the kit with it on: {list(AWKWARD)})")
     for name in variants or ["per_head"]:
-      check_mechanism_counts(mechanism, variant=name, thorough=thorough)
+      _mechanism_counts(checks, mechanism, api.get_variant(name), thorough)
+  checks.passed()
 
 
 # (variant, mechanism) whose Jacobian's last real singular value falls near the rank tolerance (1e-6):
@@ -419,22 +492,28 @@ def _jacobian_scaled(cfg: HeadConfig) -> HeadConfig:
 
 
 def check_mechanism_counts(mechanism: Mechanism, *, variant: Variant | str = "per_head",
-                           thorough: bool = False) -> None:
+                           thorough: bool = False, verbose: bool = False) -> None:
   """With the mechanism on: count.flops within 10% of XLA's, and the declared effective count the
   Jacobian's rank at the kit's small configs (fast: one of each; thorough: every example and config)."""
-  v = api.get_variant(variant)
+  checks = Checks("check_mechanism_counts", mechanism.name, verbose)
   with _registered(mechanism):
-    for cfg in _mechanism_configs(v, FLOPS[0], thorough, only=mechanism):
-      _check_flops(v, thorough, cfg, mechanism)
-    if (mechanism.effective_param_count is None or v.effective_param_count is None
-        or (v.name, mechanism.name) in _ROUND_OFF):
-      return
-    small = [cfg for base in JACOBIAN if _accepts(v, base)
-             for cfg in _mechanism_configs(v, base, thorough, only=mechanism)]
-    for cfg in small if thorough else small[:1]:
-      if _outside_closed_form(cfg):
-        continue
-      check_effective_count(v, _jacobian_scaled(cfg))
+    _mechanism_counts(checks, mechanism, api.get_variant(variant), thorough)
+  checks.passed()
+
+
+def _mechanism_counts(checks: Checks, mechanism: Mechanism, v: Variant, thorough: bool) -> None:
+  for cfg in _mechanism_configs(v, FLOPS[0], thorough, only=mechanism):
+    if v.flops is not None and _accepts(v, cfg):
+      _at(checks, v, cfg, "flops", _check_flops, v, thorough, cfg, mechanism)
+  if (mechanism.effective_param_count is None or v.effective_param_count is None
+      or (v.name, mechanism.name) in _ROUND_OFF):
+    return
+  small = [cfg for base in JACOBIAN if _accepts(v, base)
+           for cfg in _mechanism_configs(v, base, thorough, only=mechanism)]
+  for cfg in small if thorough else small[:1]:
+    if _outside_closed_form(cfg):
+      continue
+    _at(checks, v, _jacobian_scaled(cfg), "effective_param_count", _effective_count, v, _jacobian_scaled(cfg))
 
 
 def _outside_closed_form(cfg: HeadConfig) -> bool:

@@ -65,7 +65,7 @@ from attn.registry import Registry
 from attn.variants import head_mechanisms
 from attn.variants.mechanism import Mechanism
 
-__all__ = ["MECHANISMS", "Mechanism", "active", "options", "split"]
+__all__ = ["MECHANISMS", "HookError", "Mechanism", "active", "options", "split"]
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -152,24 +152,44 @@ def split(params: Params) -> tuple[Params, Params]:
 
 # The points of the shared path (attn.variants.base calls these).
 
+class HookError(ValueError):
+  """A mechanism's hook returned something the shared path cannot go on with; names the hook."""
+
+  def __init__(self, mechanism: str, hook: str, message: str):
+    super().__init__(f"mechanism {mechanism!r}.{hook}: {message}")
+    self.mechanism, self.hook = mechanism, hook
+
+
+def _same_shape(m: Mechanism, hook: str, what: str, got: Any, want: Array) -> Array:
+  """got, refused by name unless an array of want's shape (checked while tracing: costs nothing)."""
+  if getattr(got, "shape", None) != want.shape:
+    raise HookError(m.name, hook, f"returned {what} of shape {getattr(got, 'shape', type(got).__name__)} "
+                    f"for {what} of shape {tuple(want.shape)}: a hook returns the shape it is given")
+  return got
+
+
 def on_qk(params: Params, q_BTHK: Array, k_BSGK: Array, cfg: HeadConfig) -> tuple[Array, Array]:
   for m in active(cfg):
     if m.on_qk is not None:
-      q_BTHK, k_BSGK = m.on_qk(params, q_BTHK, k_BSGK, cfg=cfg)
+      out = m.on_qk(params, q_BTHK, k_BSGK, cfg=cfg)
+      if not isinstance(out, tuple) or len(out) != 2:
+        raise HookError(m.name, "on_qk", f"returned {type(out).__name__}: a hook returns (q, k)")
+      q_BTHK, k_BSGK = (_same_shape(m, "on_qk", "queries", out[0], q_BTHK),
+                        _same_shape(m, "on_qk", "keys", out[1], k_BSGK))
   return q_BTHK, k_BSGK
 
 
 def on_logits(params: Params, logits_BHTS: Array, cfg: HeadConfig) -> Array:
   for m in active(cfg):
     if m.on_logits is not None:
-      logits_BHTS = m.on_logits(params, logits_BHTS, cfg=cfg)
+      logits_BHTS = _same_shape(m, "on_logits", "logits", m.on_logits(params, logits_BHTS, cfg=cfg), logits_BHTS)
   return logits_BHTS
 
 
 def on_output(params: Params, x_BTD: Array, o_BTHV: Array, cfg: HeadConfig) -> Array:
   for m in active(cfg):
     if m.on_output is not None:
-      o_BTHV = m.on_output(params, x_BTD, o_BTHV, cfg=cfg)
+      o_BTHV = _same_shape(m, "on_output", "head outputs", m.on_output(params, x_BTD, o_BTHV, cfg=cfg), o_BTHV)
   return o_BTHV
 
 

@@ -47,9 +47,19 @@ class MQAR:
       raise invalid("task.vocab_size", self.vocab_size,
                     f">= {2 * self.num_pairs + 1} so that num_pairs={self.num_pairs} distinct keys fit")
 
+  chance_means: ClassVar[str] = "one of the listed values guessed"
+
   @property
   def num_queries(self) -> int:
     return (self.seq_len + 1 - 2 * self.num_pairs) // 2
+
+  @property
+  def chance(self) -> float:
+    """Held-out accuracy of a model that knows the answer is a listed value but not which: it guesses
+    one of the num_pairs listed, right when that value equals the queried one. Values are drawn with
+    replacement from V = vocab_size - 1 - (vocab_size - 1) // 2 tokens, so (1 + (n - 1)/V) / n."""
+    n, V = self.num_pairs, self.vocab_size - 1 - (self.vocab_size - 1) // 2
+    return (1 + (n - 1) / V) / n
 
   def batch(self, seed: int, split: int, index: int, batch_size: int) -> dict[str, np.ndarray]:
     rng = _rng(seed, split, index)

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from attn.experiments.reading.plots import _pyplot
+from attn.experiments.reading.plots import _pyplot, show
+from attn.experiments.running.config import axis_name
 
 PLOTS = ("attention.png", "spectra.png", "importance.png", "pruning.png")
 
@@ -21,9 +22,10 @@ def _title(a: dict[str, Any]) -> str:
   if a.get("hf"):  # a pretrained model (attn analyze --hf)
     scored = {"sentence_pairs": "; loss: in-batch ranking of window halves, accuracy: top-1 retrieval",
               "masked_lm": "; masked-LM loss and accuracy"}.get(a.get("objective"), "")
-    return f"{a['hf']} (pretrained)\n{dims}, text {a['text'] or 'Python stdlib'}{scored}"
-  label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in a["label"].items())
-  return f"trial {a['trial']} [{label}]\n{dims}, checkpoint of step {a['step']}"
+    family = f"{a['family']} model" if a.get("family") else "Hugging Face checkpoint"
+    return f"{family} from {a['hf']}\n{dims}, text {a['text'] or 'Python stdlib'}{scored}"
+  label = ", ".join(f"{axis_name(k)}={show(v)}" for k, v in a["label"].items())
+  return f"trial {a['trial']} [{label}]\ntask {a.get('task', '?')}, {dims}, checkpoint of step {a['step']}"
 
 
 def attention_grid(plt, a: dict[str, Any], weights: list[np.ndarray], path: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from attn.experiments.running import store as store_lib
-from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, short, slant, tied_axes
+from attn.experiments.reading.plots import SEED_KEYS, _order, _pyplot, caption, short, show, slant, tied_axes
 
 ANALYSIS = "analysis.json"
 # summary key of analysis.json -> what the report calls it
@@ -65,7 +65,7 @@ def groups(analysed: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """One row per group of trials equal but for the seed: label, d_k, seeds and each metric's _stat."""
   by: dict[str, list[dict[str, Any]]] = {}
   for t in analysed:
-    key = ", ".join(f"{short(k)}={v}" for k, v in t["label"].items() if k not in SEED_KEYS) or "all"
+    key = ", ".join(f"{short(k)}={show(v)}" for k, v in t["label"].items() if k not in SEED_KEYS) or "all"
     by.setdefault(key, []).append(t)
   rows = []
   for name, ts in by.items():
@@ -94,7 +94,7 @@ def _along(rows: list[dict[str, Any]], axes: list[str]) -> list[str]:
     skip = {axis, *tied.get(axis, [])}
     slices: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-      rest = ", ".join(f"{short(k)}={v}" for k, v in r["label"].items() if k not in skip)
+      rest = ", ".join(f"{short(k)}={show(v)}" for k, v in r["label"].items() if k not in skip)
       slices.setdefault(rest, []).append(r)
     for rest, rs in slices.items():
       if len(rs) < 2:
@@ -102,7 +102,7 @@ def _along(rows: list[dict[str, Any]], axes: list[str]) -> list[str]:
       values = _order([r["label"][axis] for r in rs])
       rs = sorted(rs, key=lambda r: values.index(r["label"][axis]))
       dk = len({r["d_k"] for r in rs}) > 1  # d_k moves with the axis (e.g. fixed width)
-      at = ", ".join(f"{r['label'][axis]}" + (f" (d_k={r['d_k']})" if dk else "") for r in rs)
+      at = ", ".join(f"{show(r['label'][axis])}" + (f" (d_k={r['d_k']})" if dk else "") for r in rs)
       parts = [f"{name} " + " → ".join(_cell(r[key]) for r in rs) for key, name in METRICS
                if any(r[key] is not None for r in rs)]
       where = f" ({rest})" if rest else ""
@@ -110,14 +110,15 @@ def _along(rows: list[dict[str, Any]], axes: list[str]) -> list[str]:
   return lines
 
 
-def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path: str) -> None:
-  """Each metric against one axis: seeds as dots, the mean as a line per setting of the other axes."""
+def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path: str, note: str = "") -> None:
+  """Each metric against one axis: seeds as dots, the mean a bar per setting of the other axes, bars
+  joined on a numeric axis of three or more values (plots.final_vs_axis's rule)."""
   skip = {axis, *tied}
   values = _order([r["label"][axis] for r in rows])
-  numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+  numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and len(values) > 2
   lines: dict[str, list[dict[str, Any]]] = {}
   for r in rows:
-    rest = ", ".join(f"{short(k)}={v}" for k, v in r["label"].items() if k not in skip)
+    rest = ", ".join(f"{short(k)}={show(v)}" for k, v in r["label"].items() if k not in skip)
     lines.setdefault(rest or "mean", []).append(r)
   metrics = [(key, name) for key, name in METRICS if any(r[key] is not None for r in rows)]
   fig, grid = plt.subplots(-(-len(metrics) // 3), 3, figsize=(13, 3.5 * -(-len(metrics) // 3)), squeeze=False)
@@ -142,8 +143,8 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
       dk_of[repr(r["label"][axis])].add(r["d_k"])
     dk = "model.d_k" not in skip and all(len(v) == 1 for v in dk_of.values()) and \
         len(set.union(*dk_of.values())) > 1  # d_k is set by this axis (e.g. fixed width)
-    ticks = {values.index(r["label"][axis]): str(r["label"][axis]) + "".join(
-        f"\n{short(b)}={r['label'][b]}" for b in tied) + (f"\nd_k={r['d_k']}" if dk else "")
+    ticks = {values.index(r["label"][axis]): show(r["label"][axis]) + "".join(
+        f"\n{short(b)}={show(r['label'][b])}" for b in tied) + (f"\nd_k={r['d_k']}" if dk else "")
         for r in rows}
     ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)], fontsize=7)
     slant(ax, list(ticks.values()), width=60)
@@ -155,9 +156,10 @@ def plot_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path:
     ax.grid(alpha=0.3)
   if len(lines) > 1:
     grid[0, 0].legend(fontsize=7)
-  fig.suptitle(f"inside the heads against {' / '.join(short(a) for a in [axis, *tied])}: "
-               "each seed a dot, the mean a line", fontsize=10)
-  fig.tight_layout()
+  fig.suptitle(f"inside the heads against {' / '.join(short(a) for a in [axis, *tied])}: each seed a dot, "
+               f"their mean a bar{', bars joined' if numeric else ''}; a missing bar: no value (–, see report.md)"
+               + (f"\n{note}" if note else ""), fontsize=9)
+  fig.tight_layout(rect=(0, 0, 1, 1 - (0.6 if note else 0.4) / fig.get_figheight()))
   fig.savefig(path, dpi=80)
   plt.close(fig)
 
@@ -176,7 +178,10 @@ def section(root: str, trials: list[dict[str, Any]], axes: list[str]) -> list[st
         "over heads and held-out queries; head diversity the mean Jensen–Shannon divergence between "
         "the heads of a layer (0: copies, log 2 = 0.693: disjoint keys); prunable fraction the share of "
         "heads gated off, least important first, before held-out accuracy drops more than 0.01. "
-        "Mean ± std over seeds.", "",
+        "Mean ± std over seeds. –: no value, for a reason of the layer's: head diversity with one head (no "
+        "pair to compare); W_QK ranks for a variant without per-head W_QK factors (its analysis.json says "
+        "why, under qk.refused); entropy, diversity and sink mass where rows are not distributions "
+        "(sigmoid, ReLU, differential).", "",
         "| group | seeds | d_k | " + " | ".join(name for _, name in METRICS) + " |",
         "|---|---|---|" + "---|" * len(METRICS)]
   for r in rows:
@@ -194,7 +199,7 @@ def section(root: str, trials: list[dict[str, Any]], axes: list[str]) -> list[st
     if plt is None or axis in hidden or len({repr(r["label"][axis]) for r in rows}) < 2:
       continue
     name = f"analysis_vs_{short(axis)}.png"
-    plot_axis(plt, rows, axis, tied.get(axis, []), os.path.join(root, name))
+    plot_axis(plt, rows, axis, tied.get(axis, []), os.path.join(root, name), caption(trials, axes))
     plots.append(name)
   if plots:
     md += [""] + [f"![{p}]({p})" for p in plots]

@@ -45,6 +45,7 @@ import numpy as np
 
 from attn.config import ConfigError, invalid
 from attn.experiments.running import store as store_lib
+from attn.experiments.running.config import axis_name, show
 
 ANALYSIS = "analysis.json"
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                      glob=args.glob, seq_len=args.seq_len, batch_size=args.batch_size)
     s = out["summary"]
     print(f"analysed {args.hf} in {out['seconds']:.1f} s: held-out loss {out['eval']['loss']:.4f}, prunable "
-          f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_fmt(s['qk_effective_rank'])} (d_k={out['d_k']}); "
+          f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_qk_rank(out)} (d_k={out['d_k']}); "
           f"wrote {os.path.join(args.out, ANALYSIS)} and {len(out.get('plots', []))} PNGs")
     return 0
   done = analyze_sweep(args.dir, args.trials or None, args.batches, plots=not args.no_plots)
@@ -90,6 +91,21 @@ def run(args: argparse.Namespace) -> int:
 def _fmt(x: float | None) -> str:
   """x to 2 decimals, or "–" where the analysis has no value (W_QK under QK-norm)."""
   return "–" if x is None else f"{x:.2f}"
+
+
+def _qk_rank(out: dict[str, Any]) -> str:
+  """W_QK's mean effective rank, or "–" with the reason there is none (the variant's refusal of circuits)."""
+  x = out["summary"]["qk_effective_rank"]
+  if x is not None:
+    return f"{x:.2f}"
+  why = next((lay["qk"].get("refused") for lay in out.get("layers", []) if lay["qk"].get("refused")), None)
+  return f"– ({why or 'no per-head W_QK to take the spectrum of'})"
+
+
+def _diversity(s: dict[str, Any]) -> str:
+  if s["head_diversity"] is not None:
+    return f"{s['head_diversity']:.3f}"
+  return "– (rows are not distributions)" if s.get("attention_entropy") is None else "– (one head: no pair)"
 
 
 def _has_checkpoint(run_dir: str, trial_id: str) -> bool:
@@ -141,18 +157,18 @@ def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int
   for i, tid in enumerate(chosen):
     out = analyze_trial(run_dir, tid, batches, plots=plots)
     s = out["summary"]
-    js = "–" if s["head_diversity"] is None else f"{s['head_diversity']:.3f}"
+    js = _diversity(s)
     sinks = f", first-position mass {_fmt(s['first_mass'])}, sink heads {_fmt(s['sink_heads'])}" \
         if "sink_heads" in s else ""
     stream.write(f"trial {i + 1}/{len(chosen)} {tid} [{_label(out['label'])}]: prunable "
-                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_fmt(s['qk_effective_rank'])} "
+                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_qk_rank(out)} "
                  f"(d_k={out['d_k']}), head JS {js}{sinks}, {out['seconds']:.1f} s\n")
   stream.write(f"analysed {len(chosen)} trials in {time.perf_counter() - t0:.1f} s\n")
   return chosen
 
 
 def _label(label: dict[str, Any]) -> str:
-  return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in label.items()) or "–"
+  return ", ".join(f"{axis_name(k)}={show(v)}" for k, v in label.items()) or "–"
 
 
 # ---- model glue: the jitted pieces take the model as (graphdef, state), so trials of one shape share them.
@@ -462,7 +478,8 @@ def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, pl
     raise invalid("--out", out_dir, "a directory (it is a file)")
   config = losses_lib.check_checkpoint(path)
   t0 = time.perf_counter()
-  model, model_cfg = hf.from_hf(path)
+  loaded = hf.from_hf(path)
+  model, model_cfg = loaded
   seq_len = losses_lib.pair_seq_len(config, model, seq_len)
   data = {}
   for split in ("heldout", "train"):
@@ -470,7 +487,7 @@ def analyze_hf(path: str, text: str, out_dir: str, batches: int = HF_BATCHES, pl
         path, text, model, config, seq_len, batch_size, batches * batch_size * seq_len, glob, split,
         whole=True, max_batches=batches)
   os.makedirs(out_dir, exist_ok=True)
-  about = {"trial": None, "hf": os.path.abspath(path), "text": text, "step": None, "label": {},
-           "task": "hf_text", "objective": kind}
+  about = {"trial": None, "hf": os.path.abspath(path), "family": loaded.family, "text": text, "step": None,
+           "label": {}, "task": "hf_text", "objective": kind}
   return analyze_model(model, model_cfg, "decoder_lm" if kind == "next_token" else kind, data["heldout"],
                        data["train"], out_dir, about, plots, t0)

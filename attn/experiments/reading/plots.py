@@ -1,8 +1,14 @@
 """Plots of a sweep: final metrics per swept axis, and held-out learning curves.
 
-Every seed is a point and the mean over seeds a line, so nothing is drawn
-outside a metric's range (no error bars). Swept values sit at evenly spaced
-ticks labelled with the values themselves (1, 2, 4, 8, not 2⁰, 2¹, ...).
+Every seed is a dot and the mean over seeds a bar (a short horizontal dash), so
+nothing is drawn outside a metric's range (no error bars). Swept values sit at
+evenly spaced ticks labelled with the values themselves (1, 2, 4, 8, not 2⁰,
+2¹, ...); the bars of a numeric axis with three or more values are joined by a
+line (a trend), those of two values or of names are not (categories). Each
+figure carries a caption line (`caption`): the task, the steps, the seeds and
+what every trial shares (d_model, layers, ...; d_k and d_v where they follow
+h); a task with a chance level (MQAR: a value guessed among those listed) draws
+it as a dotted line.
 Learning curves show held-out accuracy and loss (for the `text` task: bits per
 byte and next-byte accuracy) against step, one colour per value of the legend
 axis and one panel per setting of the other axes. When the settings differ in
@@ -17,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from attn.experiments.running.config import axis_name, show
+
 SEED_KEYS = ("train.seed",)
 METRICS = (("eval_accuracy", "held-out accuracy"), ("eval_loss", "held-out loss"))
 # The byte-level `text` task: bits per byte (eval_loss / ln 2, lower is better) first.
@@ -29,8 +37,50 @@ def _full_range(metric: str, metrics) -> bool:
 MAX_PANELS = 8
 
 
-def short(key: str) -> str:
-  return key.split(".")[-1]
+short = axis_name  # model.num_heads -> num_heads, model.extra.NAME.OPTION -> NAME.OPTION
+
+
+def caption(trials: list[dict[str, Any]], axes: list[str]) -> str:
+  """One line saying what a sweep's plots show: task, steps, seeds, and what the trials hold fixed."""
+  configs = [t["config"] for t in trials if t.get("config")]
+  if not configs:
+    return ""
+  task = configs[0]["task"]
+  same = lambda section, key: len({repr(c[section].get(key)) for c in configs}) == 1
+  swept = {a.split(".", 1)[1] for a in axes if a.startswith("model.")}
+  parts = [task["name"].upper() if task["name"] in ("mqar",) else task["name"]]
+  opts = [f"{k}={v}" for k, v in task.items() if k != "name" and not isinstance(v, (dict, list))
+          and v not in (None, "") and same("task", k) and f"task.{k}" not in axes]
+  head = parts[0] + (f" ({', '.join(opts)})" if opts else "")
+  steps = {c["train"]["steps"] for c in configs}
+  seeds = len({c["train"]["seed"] for c in configs})
+  text = [head, f"{min(steps)} steps" if len(steps) == 1 else f"{min(steps)}-{max(steps)} steps",
+          f"{seeds} seed{'s' * (seeds != 1)}"]
+  fixed = [f"{k}={configs[0]['model'][k]}" for k in ("d_model", "num_layers", "num_heads", "d_k", "d_v", "d_ff",
+                                                    "num_kv_heads", "variant")
+           if k not in swept and configs[0]["model"].get(k) is not None and same("model", k)]
+  moving = [k for k in ("d_k", "d_v") if k not in swept and not same("model", k)]
+  with_h = ""
+  if moving and "num_heads" in swept:
+    widths = sorted({c["model"]["d_k"] for c in configs}, reverse=True)
+    with_h = f"; {' = '.join(moving)} = d_model/h ({', '.join(map(str, widths))})"
+  return ", ".join(text) + ("; held fixed: " + ", ".join(fixed) if fixed else "") + with_h
+
+
+def chance(trials: list[dict[str, Any]]) -> tuple[float, str] | None:
+  """(accuracy, what it is) of guessing, for a task that has one (MQAR); None otherwise."""
+  configs = [t["config"] for t in trials if t.get("config")]
+  if not configs or len({repr(c["task"]) for c in configs}) != 1:
+    return None
+  from attn.experiments.data import tasks  # lazy: numpy only, but not needed without configs
+  task = tasks.make_task(configs[0]["task"])
+  level = getattr(task, "chance", None)
+  return None if level is None else (float(level), task.chance_means)
+
+
+def _caption(fig, text: str) -> None:
+  if text:
+    fig.text(0.5, 0.005, text, ha="center", va="bottom", fontsize=8, color="0.25", wrap=True)
 
 
 def _pyplot():
@@ -44,15 +94,15 @@ def _pyplot():
 
 
 def _order(values: list[Any]) -> list[Any]:
-  """Distinct values in sweep order, numbers sorted."""
-  seen = list(dict.fromkeys(values))
+  """Distinct values in sweep order, numbers sorted; any value a config holds (tables too)."""
+  seen = list({repr(v): v for v in values}.values())
   if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in seen):
     return sorted(seen)
   return seen
 
 
 def _rest(label: dict[str, Any], skip: set[str]) -> str:
-  return ", ".join(f"{short(k)}={v}" for k, v in label.items() if k not in skip and k not in SEED_KEYS)
+  return ", ".join(f"{short(k)}={show(v)}" for k, v in label.items() if k not in skip and k not in SEED_KEYS)
 
 
 def tied_axes(rows: list[dict[str, Any]], axes: list[str]) -> dict[str, list[str]]:
@@ -67,8 +117,8 @@ def tied_axes(rows: list[dict[str, Any]], axes: list[str]) -> dict[str, list[str
 
 
 def _tick(r: dict[str, Any], axis: str, tied: list[str]) -> str:
-  text = str(r["label"][axis])
-  return text + "".join(f"\n{short(b)}={r['label'][b]}" for b in tied)
+  text = show(r["label"][axis])
+  return text + "".join(f"\n{short(b)}={show(r['label'][b])}" for b in tied)
 
 
 def slant(ax, labels: list[str], width: int = 48) -> None:
@@ -88,16 +138,17 @@ def _log_if_spanning(ax, values: list[float]) -> None:
 
 
 def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], path: str,
-                  axes_order: list[str], metrics=METRICS) -> None:
-  """Final held-out accuracy and loss against one axis: seeds as points, the mean as a line."""
+                  axes_order: list[str], metrics=METRICS, note: str = "",
+                  guess: tuple[float, str] | None = None) -> None:
+  """Final held-out accuracy and loss against one axis: seeds as dots, the mean a bar (joined on a trend)."""
   skip = {axis, *tied}
   values = _order([r["label"][axis] for r in rows])
   lines: dict[str, list[dict[str, Any]]] = {}
   for r in rows:
     rest = _rest(r["label"], skip)
     lines.setdefault(rest.split("=", 1)[1] if rest.count("=") == 1 else rest or "mean", []).append(r)
-  fig, panels = plt.subplots(1, 2, figsize=(10, 4))
-  numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+  fig, panels = plt.subplots(1, 2, figsize=(10, 4.4))
+  numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and len(values) > 2
   spread = 0.3 if len(lines) > 1 else 0.0  # side by side, so seeds of different lines do not overlap
   for ax, (metric, title) in zip(panels, metrics):
     for i, (name, rs) in enumerate(lines.items()):
@@ -105,20 +156,25 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
       xs = np.array([values.index(r["label"][axis]) for r in rs], float)
       xs += (i / max(len(lines) - 1, 1) - 0.5) * spread
       means = [r[metric][0] for r in rs]
-      if numeric:  # a trend: join the means
+      if numeric:  # a trend over three or more ordered values: join the means
         line, = ax.plot(xs, means, "-", lw=1.5, marker="_", ms=14, mew=2, label=name)
-      else:  # categories: a bar per mean, nothing joins them
+      else:  # categories (names, or two values): a bar per mean, nothing joins them
         line, = ax.plot(xs, means, "_", ms=18, mew=2, label=name)
       for x, r in zip(xs, rs):
         seeds = r["seed_values"][metric]
         ax.plot([x] * len(seeds), seeds, "o", ms=4, alpha=0.6, color=line.get_color(), mec="none")
     ticks = {values.index(r["label"][axis]): _tick(r, axis, tied) for r in rows}
     ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)])
+    ax.set_xlim(-0.6, len(values) - 0.4)
     slant(ax, list(ticks.values()))
     ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
-    ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), mean a {'line' if numeric else 'bar'}",
-                 fontsize=9)
+    ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"
+                 + (", bars joined" if numeric else ""), fontsize=9)
+    if metric == "eval_accuracy" and guess is not None:
+      ax.axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
+      ax.annotate(f"chance {guess[0]:.3f}: {guess[1]}", (0.01, guess[0]), xycoords=("axes fraction", "data"),
+                  xytext=(0, 3), textcoords="offset points", fontsize=7, color="0.35")
     if _full_range(metric, metrics):
       ax.set_ylim(-0.02, 1.02)
     else:
@@ -126,12 +182,14 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
     ax.grid(alpha=0.3)
   if len(lines) > 1:
     panels[0].legend(fontsize=7, title=", ".join(short(a) for a in axes_order if a not in skip), title_fontsize=7)
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.05 if note else 0, 1, 1))
+  _caption(fig, note)
   fig.savefig(path, dpi=90)
   plt.close(fig)
 
 
-def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: str, metrics=METRICS) -> None:
+def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: str, metrics=METRICS,
+                    note: str = "", guess: tuple[float, str] | None = None) -> None:
   """Held-out metrics (accuracy top, loss bottom) against step; one colour per legend value, one panel per rest."""
   ok = [t for t in trials if t["summary"] and t["summary"]["status"] == "ok"]
   swept = [a for a in axes if a not in SEED_KEYS]
@@ -161,6 +219,11 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
     for i, (metric, _) in enumerate(metrics):
       if _full_range(metric, metrics):
         grid[i, j].set_ylim(-0.02, 1.02)
+      if metric == "eval_accuracy" and guess is not None:
+        grid[i, j].axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
+        if j == 0:
+          grid[i, j].annotate(f"chance {guess[0]:.3f}", (0.01, guess[0]), xycoords=("axes fraction", "data"),
+                              xytext=(0, 3), textcoords="offset points", fontsize=7, color="0.35")
     grid[1, j].set_xlabel("step")
     for i in range(2):
       grid[i, j].grid(alpha=0.3)
@@ -170,9 +233,10 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   if legend:
     handles = [plt.Line2D([], [], color=colour_of(i))
                for i in range(len(colours))]
-    fig.legend(handles, [str(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
+    fig.legend(handles, [show(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)
-  fig.tight_layout(rect=(0, 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
+  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
+  _caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)
 
@@ -232,11 +296,16 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
 
 
 def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: list[str],
-               out_dir: str, metrics=METRICS) -> list[str]:
-  """Writes the sweep's PNGs into out_dir; returns their file names ([] without matplotlib)."""
+               out_dir: str, metrics=METRICS, curves: bool = True) -> list[str]:
+  """Writes the sweep's PNGs into out_dir; returns their file names ([] without matplotlib).
+
+  curves=False leaves out the learning curves (a write-up's committed finals have no rows).
+  """
   plt = _pyplot()
   if plt is None or not rows:
     return []
+  note = caption(trials, axes)
+  guess = chance(trials) if metrics[0][0] == "eval_accuracy" else None
   made = []
   swept = [a for a in axes if a not in SEED_KEYS and all(a in r["label"] for r in rows)]
   tied = tied_axes(rows, swept)
@@ -245,10 +314,11 @@ def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: l
     if axis in hidden or len({repr(r["label"][axis]) for r in rows}) < 2:
       continue
     name = f"final_vs_{short(axis)}.png"
-    final_vs_axis(plt, rows, axis, tied.get(axis, []), os.path.join(out_dir, name), swept, metrics)
+    final_vs_axis(plt, rows, axis, tied.get(axis, []), os.path.join(out_dir, name), swept, metrics, note, guess)
     made.append(name)
-  learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"), metrics)
-  made.append("learning_curves.png")
+  if curves:
+    learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"), metrics, note, guess)
+    made.append("learning_curves.png")
   if len({r.get("kv_bytes") for r in rows}) > 1 and all(r.get("kv_bytes") for r in rows):
     lower_better = metrics[0] if metrics[0][0] != "eval_accuracy" else ("eval_loss", "held-out loss")
     kv_frontier(plt, rows, os.path.join(out_dir, "frontier_kv_cache.png"), lower_better)

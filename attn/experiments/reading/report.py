@@ -29,7 +29,7 @@ from attn.experiments.reading import plots as plots_lib
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import run_record
 from attn.experiments.training import faults
-from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS
+from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS, show
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ _short = plots_lib.short
 
 
 def _group_name(label: dict[str, Any]) -> str:
-  return ", ".join(f"{_short(k)}={v}" for k, v in label.items() if k not in SEED_KEYS) or "all"
+  return ", ".join(f"{_short(k)}={show(v)}" for k, v in label.items() if k not in SEED_KEYS) or "all"
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -213,7 +213,7 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8,
       continue  # answered under the first of the tied axes
     slices: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-      rest = ", ".join(f"{_short(k)}={v}" for k, v in r["label"].items() if k != axis and k not in tied)
+      rest = ", ".join(f"{_short(k)}={show(v)}" for k, v in r["label"].items() if k != axis and k not in tied)
       slices.setdefault(rest, []).append(r)
     name = _short(axis) + (f" (tied to {', '.join(_short(b) for b in tied)})" if tied else "")
     shown = 0
@@ -227,7 +227,7 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8,
       if all(_is_number(r["label"][axis]) for r in rs):
         rs = sorted(rs, key=lambda r: r["label"][axis])
       means = [r[primary][0] for r in rs]
-      along = ", ".join(f"{r['label'][axis]}: {r[primary][0]:.3f} ± {r[primary][1]:.3f}" for r in rs)
+      along = ", ".join(f"{show(r['label'][axis])}: {r[primary][0]:.3f} ± {r[primary][1]:.3f}" for r in rs)
       trend = ""
       if _is_number(rs[0]["label"][axis]) and len(rs) > 2:
         steps = np.diff(means)
@@ -243,17 +243,17 @@ def axis_answers(rows: list[dict[str, Any]], axes: list[str], limit: int = 8,
       where = f" ({rest})" if rest else ""
       if primary in LOWER_IS_BETTER:  # e.g. bits per byte: the lower wins
         signed = lambda r: [-v for v in r["seed_values"][primary]]
-        gap = (f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
+        gap = (f"Best {show(best['label'][axis])} vs worst {show(worst['label'][axis])}: gap "
                f"{worst[primary][0] - best[primary][0]:.3f}, {verdict(signed(best), signed(worst))}.")
       elif best["eval_accuracy"][0] == worst["eval_accuracy"][0]:  # saturated: tell apart by held-out loss
         lo = min(rs, key=lambda r: r["eval_loss"][0])
         hi = max(rs, key=lambda r: r["eval_loss"][0])
         losses = lambda r: [-v for v in r["seed_values"]["eval_loss"]]  # lower loss wins
-        gap = (f"The same accuracy at every setting; by held-out loss, best {lo['label'][axis]} "
-               f"({lo['eval_loss'][0]:.3g}) vs worst {hi['label'][axis]} ({hi['eval_loss'][0]:.3g}): "
+        gap = (f"The same accuracy at every setting; by held-out loss, best {show(lo['label'][axis])} "
+               f"({lo['eval_loss'][0]:.3g}) vs worst {show(hi['label'][axis])} ({hi['eval_loss'][0]:.3g}): "
                f"{verdict(losses(lo), losses(hi))}.")
       else:
-        gap = (f"Best {best['label'][axis]} vs worst {worst['label'][axis]}: gap "
+        gap = (f"Best {show(best['label'][axis])} vs worst {show(worst['label'][axis])}: gap "
                f"{best['eval_accuracy'][0] - worst['eval_accuracy'][0]:.3f}, "
                f"{verdict(best['accuracies'], worst['accuracies'])}.")
       lower = " (lower is better)" if primary in LOWER_IS_BETTER else ""
@@ -331,7 +331,7 @@ def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
     step_ms = s["step_time_s_median"] * 1e3 if "step_time_s_median" in s else None
     if step_ms is not None and s.get("group_size", 1) > 1:
       step_ms = f"{step_ms:.3g} (×{s['group_size']} seeds)"
-    cells = [t["id"], ", ".join(f"{_short(k)}={v}" for k, v in t["label"].items()) or "–",
+    cells = [t["id"], ", ".join(f"{_short(k)}={show(v)}" for k, v in t["label"].items()) or "–",
              s.get("status", "damaged" if t.get("damaged") else "unfinished"), s.get("model_params"),
              s.get("attention_params_analytic"),
              s.get("attention_params_effective"), s.get("attention_flops_fwd"), step_ms,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from attn.config import invalid
-from attn.experiments.reading.plots import SEED_KEYS, short
+from attn.experiments.reading.plots import SEED_KEYS, short, show
 
 COMMITTED = "trials.json"
 SPREAD = 2.0
@@ -58,7 +58,7 @@ def _is_seed(key: str) -> bool:
 
 
 def _group(label: dict[str, Any]) -> str:
-  return ", ".join(f"{short(k)}={v}" for k, v in label.items() if not _is_seed(k)) or "all"
+  return ", ".join(f"{short(k)}={show(v)}" for k, v in label.items() if not _is_seed(k)) or "all"
 
 
 def _seed(label: dict[str, Any]) -> Any:
@@ -144,14 +144,53 @@ def _read_run(path: str) -> dict[str, Any]:
   return {**first, **{k: v for k, v in data.items() if k != "run_record"}, "cpu": first.get("cpu") or data.get("cpu")}
 
 
+def _checkouts(cwd: str) -> list[str]:
+  """Checkouts of attn a write-up may belong to: the one holding cwd, then the one attn is imported from."""
+  out = []
+  here = os.path.abspath(cwd)
+  while True:
+    if os.path.isdir(os.path.join(here, "experiments")) and os.path.isdir(os.path.join(here, "configs")):
+      out.append(here)
+      break
+    if os.path.dirname(here) == here:
+      break
+    here = os.path.dirname(here)
+  package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  if os.path.isdir(os.path.join(package, "experiments")) and package not in out:
+    out.append(package)
+  return out
+
+
+def resolve(path: str, cwd: str | None = None) -> str:
+  """A write-up directory: `path` from the current directory, else from the checkout holding it or the
+  one attn runs from (experiments/quick, or just quick); refused naming every place it looked."""
+  cwd = cwd or os.getcwd()
+  tried = [os.path.abspath(os.path.join(cwd, path))]
+  if os.path.isdir(tried[0]) or os.path.isabs(path):
+    return os.path.normpath(path)
+  for root in _checkouts(cwd):
+    bare = not os.path.normpath(path).startswith("experiments" + os.sep)
+    for candidate in (os.path.join(root, path),) + ((os.path.join(root, "experiments", path),) if bare else ()):
+      candidate = os.path.normpath(candidate)
+      if candidate in tried:
+        continue
+      if os.path.isdir(candidate):
+        return candidate
+      tried.append(candidate)
+  shipped = sorted(d for root in _checkouts(cwd)[:1] for d in os.listdir(os.path.join(root, "experiments"))
+                   if os.path.isfile(os.path.join(root, "experiments", d, "report.md")))
+  raise invalid("WRITEUP", path, "a directory of a shipped write-up; looked in " + ", ".join(tried)
+                + (f" (write-ups there: {', '.join(shipped)})" if shipped else
+                   " (no attn checkout holds the current directory: run from one, or give the write-up's path)"))
+
+
 def load_writeup(path: str) -> Writeup:
-  """The write-up at `path` (experiments/NAME), refused by name unless it is one with a config in configs/."""
-  path = os.path.normpath(path)
+  """The write-up at `path` (experiments/NAME, from the current directory or a checkout: resolve),
+  refused by name unless it is one with a config in configs/."""
+  path = resolve(path)
   name = os.path.basename(path)
   report = os.path.join(path, "report.md")
   config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "configs", f"{name}.toml")
-  if not os.path.isdir(path):
-    raise invalid("WRITEUP", path, "a directory of a shipped write-up, e.g. experiments/quick")
   if not (os.path.exists(os.path.join(path, "README.md")) and os.path.exists(report)):
     raise invalid("WRITEUP", path, "a shipped write-up: a directory experiments/NAME holding README.md and the "
                   "report.md of its sweep (this one lacks them)")
@@ -284,3 +323,20 @@ def run_slice(w: Writeup, sweep: Any, picked: list[dict[str, Any]], out: str) ->
         final["eval_bpb"] = final["eval_loss"] / math.log(2)
       finals[t["id"]] = final
   return finals
+
+
+def replot(w: Writeup, out_dir: str | None = None) -> list[str]:
+  """Redraws a write-up's plots of final metrics (final_vs_AXIS.png) from its committed trials.json, without
+  training; returns the files written. Learning curves need a store's rows: they are left as they are."""
+  if not w.exact:
+    raise invalid("WRITEUP", w.path, f"a write-up with a {COMMITTED} (its trials' labels and finals); "
+                  "this one has only report.md's printed digits")
+  from attn.experiments.reading import plots, report
+  sweep = load_sweep(w)
+  configs = {t.id: t.config for t in sweep.trials}
+  trials = [{"id": t["id"], "label": t["label"], "config": configs[t["id"]], "rows": [],
+             "summary": {"status": "ok", "final": dict(t["final"])}} for t in w.trials]
+  text = report.add_bits_per_byte(trials)
+  rows = report.summarize(trials, w.primary)
+  return plots.make_plots(rows, trials, sweep.axes, out_dir or w.path,
+                          plots.TEXT_METRICS if text else plots.METRICS, curves=False)

@@ -32,6 +32,14 @@ but not what it computes (to float tolerance, attn.experiments.training.parallel
 and .train). train.mesh is a table: `mesh = {data = 2, heads = 2}` in the file,
 `--set train.mesh.heads=2` (or `--set "train.mesh={heads = 2}"`) on the command line.
 
+A dotted key may reach into a table: train.mesh.AXIS, model.extra.NAME (an outside head
+mechanism's options) and model.extra.NAME.OPTION (one of them), as a grid or zip axis, a key of a
+case or a --set, like any field; the trial label names it by its path in the table
+(logit_scale.factor=3.0: axis_name, show). An option is refused by name before any trial starts
+when its mechanism is not installed, when the mechanism's record does not declare it (in its
+defaults), when one axis mixes tables and values, or when two axes (or an axis and a --set) reach
+into one table at different depths.
+
 Every error is an attn.ConfigError naming the file, the key, the value and what is allowed.
 """
 
@@ -63,7 +71,10 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
-TABLE_KEYS = (("train", "mesh"), ("model", "extra"))  # tables: --set SECTION.KEY.SUBKEY=VALUE sets one entry
+# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options) and
+# model.extra.NAME.OPTION (one option), in --set, sweep axes and cases alike.
+TABLE_KEYS = (("train", "mesh"), ("model", "extra"))
+TABLE_DEPTH = {("train", "mesh"): 1, ("model", "extra"): 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +226,10 @@ def _check_value(where: str, section: str, name: str, value: Any, schema: dict[s
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  """{"model": {"num_heads": [..]}} and {"model.num_heads": [..]} both -> dotted keys."""
+  """{"model": {"num_heads": [..]}} and {"model.num_heads": [..]} both -> dotted keys; {} stays a value."""
   out = {}
   for k, v in table.items():
-    if isinstance(v, dict):
+    if isinstance(v, dict) and v:
       out.update(_flatten(v, f"{prefix}{k}."))
     else:
       out[f"{prefix}{k}"] = v
@@ -231,6 +242,91 @@ def _parse_value(text: str) -> Any:
     return tomllib.loads(f"v = {text}")["v"]
   except tomllib.TOMLDecodeError:
     return text
+
+
+def axis_name(key: str) -> str:
+  """How labels, tables and plots name a dotted key: its last part; a table's entry by its path in it
+  (model.extra.logit_scale.factor -> logit_scale.factor, train.mesh.heads -> mesh.heads)."""
+  parts = key.split(".")
+  if tuple(parts[:2]) == ("model", "extra") and len(parts) > 2:
+    return ".".join(parts[2:])
+  if tuple(parts[:2]) in TABLE_KEYS and len(parts) > 2:
+    return ".".join(parts[1:])
+  return parts[-1]
+
+
+def show(value: Any) -> str:
+  """A config value as a label writes it: a table as {key=value, ...}, anything else as str()."""
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{k}={show(v)}" for k, v in value.items()) + "}"
+  return str(value)
+
+
+def _entry(where: str, key: str, value: Any) -> Any:
+  """A value for a dotted key into a table (TABLE_KEYS), checked by what the key names.
+
+  train.mesh.AXIS: TrainConfig checks the mesh whole (naming train.mesh.AXIS).
+  model.extra.NAME: a table of options of NAME, an installed outside head mechanism;
+  model.extra.NAME.OPTION: one option NAME declares (in its defaults), a number, a string or a
+  boolean. The mechanism's own check judges the values when the trial is resolved.
+  """
+  section, field, *path = key.split(".")
+  if (section, field) != ("model", "extra") or not path:
+    return value
+  from attn.variants.mechanisms import MECHANISMS  # lazy: jax, slow to import for `attn status`
+  name = path[0]
+  outside = sorted(n for n, m in MECHANISMS.items() if not m.fields)
+  if name not in MECHANISMS or MECHANISMS[name].fields:
+    why = (f"{name!r} is a built-in, set by its [model] fields {list(MECHANISMS[name].fields)}"
+           if name in MECHANISMS else f"no mechanism {name!r} is installed"
+           + (f" ({MECHANISMS.broken()[name]})" if name in MECHANISMS.broken() else ""))
+    raise invalid(where, value, f"model.extra.NAME[.OPTION] with NAME an installed outside head mechanism, "
+                  f"one of {outside}: {why}")
+  declared = sorted(MECHANISMS[name].defaults or {})
+  if len(path) == 1:
+    if not isinstance(value, dict):
+      raise invalid(where, value, f"a table of options of mechanism {name!r} (keys among {declared}), "
+                    f"or set one: model.extra.{name}.OPTION")
+    unknown = sorted(set(value) - set(declared))
+    if unknown:
+      raise invalid(f"{where}.{unknown[0]}", value[unknown[0]],
+                    f"options mechanism {name!r} declares: {declared}")
+    return value
+  if path[1] not in declared:
+    raise invalid(where, value, f"an option mechanism {name!r} declares: model.extra.{name}.OPTION with "
+                  f"OPTION one of {declared} ({path[1]!r} is not one)")
+  if isinstance(value, (dict, list)):
+    raise invalid(where, value, f"a number, a string or a boolean: the value of option {path[1]!r} of "
+                  f"mechanism {name!r}")
+  return value
+
+
+def _put(cfg: dict[str, Any], key: str, value: Any, where: str = "") -> None:
+  """cfg[section][field]... = value along a dotted key, copying the tables it passes through."""
+  parts = key.split(".")
+  table = cfg.setdefault(parts[0], {})
+  for i, part in enumerate(parts[1:-1], 1):
+    inner = table.get(part)
+    if inner is None:
+      inner = {}
+    elif not isinstance(inner, dict):
+      raise invalid(where or ".".join(parts[:i + 1]), inner, f"a table, to set its key {parts[i + 1]}")
+    table[part] = inner = dict(inner)
+    table = inner
+  table[parts[-1]] = value
+
+
+def _overlaps(a: str, b: str) -> bool:
+  """One dotted key is the other or a table above it."""
+  return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _refuse_overlap(sweep: dict[str, Any], key: str, item: str) -> None:
+  """A --set into a table that a sweep axis or case also sets (other than exactly: that pins the axis)."""
+  for kind in ("grid", "zip"):
+    for axis in _flatten(sweep.get(kind, {})):
+      if axis != key and _overlaps(axis, key):
+        raise invalid("--set", item, f"a key that no sweep axis reaches into or above ({axis} is in sweep.{kind})")
 
 
 def override_keys(overrides: list[str]) -> dict[str, str]:
@@ -255,21 +351,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     if parts[0] == "sweep" and len(parts) > 2 and parts[1] in ("grid", "zip"):
       raw.setdefault("sweep", {}).setdefault(parts[1], {})[".".join(parts[2:])] = value
       continue
-    if len(parts) == 3 and tuple(parts[:2]) in TABLE_KEYS:  # one key of a table, e.g. train.mesh.heads
-      table = raw.setdefault(parts[0], {}).setdefault(parts[1], {})
-      if not isinstance(table, dict):
-        raise invalid(".".join(parts[:2]), table, "a table, to set its key " + parts[2])
-      table[parts[2]] = value
-      continue
-    if len(parts) != 2:
-      raise invalid("--set", item, "SECTION.KEY=VALUE, SECTION.TABLE.KEY=VALUE for "
-                    f"{['.'.join(k) for k in TABLE_KEYS]}, or sweep.grid.SECTION.KEY=[...]")
-    if key == "task.name" and value in tasks.TASKS and value != raw.get("task", {}).get("name"):
-      # Another task keeps only the file's [task] keys it shares (seq_len, vocab_size, ...).
-      known = tasks.task_fields(value)
-      raw["task"] = {k: v for k, v in raw.get("task", {}).items() if k in known}
-    raw.setdefault(parts[0], {})[parts[1]] = value
+    if len(parts) != 2 and not (tuple(parts[:2]) in TABLE_KEYS and len(parts) <= 2 + TABLE_DEPTH[tuple(parts[:2])]):
+      raise invalid("--set", item, "SECTION.KEY=VALUE, train.mesh.AXIS=VALUE, model.extra.NAME={...}, "
+                    "model.extra.NAME.OPTION=VALUE, or sweep.grid.SECTION.KEY=[...]")
+    if len(parts) > 2:  # into a table, e.g. train.mesh.heads or model.extra.NAME.OPTION
+      value = _entry(key, key, value)
+      _put(raw, key, value, where=".".join(parts[:-1]))
+    else:
+      if key == "task.name" and value in tasks.TASKS and value != raw.get("task", {}).get("name"):
+        # Another task keeps only the file's [task] keys it shares (seq_len, vocab_size, ...).
+        known = tasks.task_fields(value)
+        raw["task"] = {k: v for k, v in raw.get("task", {}).items() if k in known}
+      raw.setdefault(parts[0], {})[parts[1]] = value
     sweep = raw.get("sweep", {})
+    _refuse_overlap(sweep, key, item)
     for kind in ("grid", "zip"):
       axes = _flatten(sweep.get(kind, {}))
       if key in axes:
@@ -278,7 +373,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         sweep["grid"] = {k: v for k, v in axes.items() if k != key}
     if key == "train.seed" and "seeds" in sweep:
       del sweep["seeds"]
-    cased = [c.get("name") for c in sweep.get("cases", []) if isinstance(c, dict) and key in _flatten(c)]
+    cased = [c.get("name") for c in sweep.get("cases", [])
+             if isinstance(c, dict) and any(_overlaps(key, k) for k in _flatten(c))]
     if cased:
       raise invalid("--set", item, f"a key that no sweep.cases entry sets ({key} is set by {cased})")
   return raw
@@ -340,22 +436,62 @@ def _axes(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]]):
     for key, values in table.items():
       key = ALIASES.get(key, key)
       where = f"sweep.{kind}.{key}"
-      section, _, name = key.partition(".")
-      if section not in ("task", "model", "train") or not name:
-        raise invalid(where, values, "a dotted key task.X, model.X or train.X (or seed)")
-      schema = _schema(section, base["task"])
-      if name not in schema or (section == "model" and name in DERIVED_MODEL_KEYS):
-        raise invalid(where, values, f"a key of [{section}]: {sorted(schema)}")
       if not isinstance(values, list) or not values:
+        _key_value(where, key, None, base, "a dotted key task.X, model.X or train.X (or seed)", values)
         raise invalid(where, values, "a non-empty list of values")
-      values = [_check_value(where, section, name, v, schema) for v in values]
+      if len({isinstance(v, dict) for v in values}) > 1:
+        raise invalid(where, values, f"values of one kind for {_what(key)}: all tables or none")
+      values = [_key_value(where, key, v, base, "a dotted key task.X, model.X or train.X (or seed)")
+                for v in values]
       axes.append((key, values))
     out.append(axes)
   grid, tied = out
+  keyed = [("grid", k, v) for k, v in grid] + [("zip", k, v) for k, v in tied]
+  for i, (_, a, _) in enumerate(keyed):
+    for kind, b, values in keyed[i + 1:]:
+      if _overlaps(a, b):
+        raise invalid(f"sweep.{kind}.{b}", values, f"a key that no other axis reaches into or above ({a} is one)")
   lengths = {len(v) for _, v in tied}
   if len(lengths) > 1:
     raise invalid("sweep.zip", {k: len(v) for k, v in tied}, "lists of equal length (tied axes)")
   return grid, tied
+
+
+def _what(key: str) -> str:
+  """A key as an error names it: option O of mechanism N for model.extra.N.O, else the key."""
+  parts = key.split(".")
+  if tuple(parts[:2]) == ("model", "extra") and len(parts) == 4:
+    return f"option {parts[3]!r} of mechanism {parts[2]!r}"
+  if tuple(parts[:2]) == ("model", "extra") and len(parts) == 3:
+    return f"the options of mechanism {parts[2]!r}"
+  return key
+
+
+def _key_value(where: str, key: str, value: Any, base: dict[str, dict[str, Any]], dotted: str,
+               shown: Any = None) -> Any:
+  """One value of a sweep axis or case for a dotted key, checked (a key into a table: _entry);
+  value None checks the key only (errors show `shown`)."""
+  if value is None:
+    value = shown
+  section, _, name = key.partition(".")
+  if section not in ("task", "model", "train") or not name:
+    raise invalid(where, value, dotted)
+  schema = _schema(section, base["task"])
+  field, _, rest = name.partition(".")
+  table = (section, field) in TABLE_KEYS
+  if field not in schema or (section == "model" and field in DERIVED_MODEL_KEYS) or (rest and not table) or (
+      table and rest and len(rest.split(".")) > TABLE_DEPTH[(section, field)]):
+    raise invalid(where, value, f"a key of [{section}]: {sorted(schema)}"
+                  + ("; into a table: train.mesh.AXIS, model.extra.NAME, model.extra.NAME.OPTION" if rest else ""))
+  if value is shown:
+    return value
+  if rest:
+    return _entry(where, key, value)
+  value = _check_value(where, section, name, value, schema)
+  if (section, name) == ("model", "extra") and isinstance(value, dict):
+    for mech, opts in value.items():
+      _entry(f"{where}.{mech}", f"model.extra.{mech}", opts)
+  return value
 
 
 CASE = "case"  # the label key of sweep.cases
@@ -384,15 +520,11 @@ def _cases(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]],
     values = {}
     for key, value in _flatten({k: v for k, v in case.items() if k != "name"}).items():
       key = ALIASES.get(key, key)
-      section, _, field = key.partition(".")
-      if section not in ("task", "model", "train") or not field:
-        raise invalid(f"{where}.{key}", value, "a dotted key task.X, model.X or train.X")
-      schema = _schema(section, base["task"])
-      if field not in schema or (section == "model" and field in DERIVED_MODEL_KEYS):
-        raise invalid(f"{where}.{key}", value, f"a key of [{section}]: {sorted(schema)}")
-      if key in swept:
-        raise invalid(f"{where}.{key}", value, f"a key that no grid or zip axis sweeps ({key} is one)")
-      values[key] = _check_value(f"{where}.{key}", section, field, value, schema)
+      value = _key_value(f"{where}.{key}", key, value, base, "a dotted key task.X, model.X or train.X")
+      axis = next((a for a in swept if _overlaps(a, key)), None)
+      if axis is not None:
+        raise invalid(f"{where}.{key}", value, f"a key that no grid or zip axis sweeps ({axis} is one)")
+      values[key] = value
     out.append((name, values))
   if not out:
     raise invalid("sweep.cases", [], "at least one case")
@@ -511,11 +643,10 @@ def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = No
   for combo, (case, case_values) in itertools.product(list(_combos(grid, tied)), cases):
     cfg = copy.deepcopy(base)
     for key, value in {**case_values, **combo}.items():
-      section, _, name = key.partition(".")
-      cfg[section][name] = value
+      _put(cfg, key, value)
     if case is not None:
       combo = {CASE: case, **combo}
-    label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in combo.items())
+    label = ", ".join(f"{axis_name(k)}={show(v)}" for k, v in combo.items())
     try:
       resolved = resolve(cfg, derive, budget)
     except ConfigError as e:

@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Any
 
+from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import run_record
 from attn.experiments.running import store as store_lib
@@ -82,7 +83,7 @@ def collect(out: str, lease_timeout: float = leases.DEFAULT_TIMEOUT) -> list[dic
   now, rows = time.time(), []
   for i, entry in enumerate(header["trials"]):
     d = os.path.join(out, "trials", entry["id"])
-    label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in entry["label"].items())
+    label = ", ".join(f"{config_lib.axis_name(k)}={config_lib.show(v)}" for k, v in entry["label"].items())
     t = {"index": i + 1, "id": entry["id"], "label": label, "steps": None, "step": 0, "lease": None,
          "age": None, "summary": None, "recent": [], "damaged": None, "warnings": []}
     rows.append(t)

@@ -70,24 +70,37 @@ def _fmt_time(seconds: float) -> str:
 
 
 class Progress:
-  """One status line: trial i/N, step, loss, ETA of the whole sweep; redrawn on a tty."""
+  """One status line: trial i/N (of the trials this worker runs), step, loss, ETA; redrawn on a tty.
+
+  The ETA is the steps left at the rate of the steps timed so far, leaving out each group's first
+  step (its compilation, seconds against milliseconds); "estimating" until two steps are timed.
+  """
 
   def __init__(self, total_steps: int, n_trials: int, stream: TextIO = sys.stderr):
     self.total, self.n, self.stream = total_steps, n_trials, stream
-    self.done, self.t0, self.last = 0, time.perf_counter(), 0.0
+    self.done, self.last = 0, 0.0
+    self.timed_steps, self.timed_s, self.prev, self.group = 0, 0.0, 0.0, None
     self.tty = hasattr(stream, "isatty") and stream.isatty()
 
+  def eta(self) -> str:
+    if self.timed_steps < 2:
+      return "estimating"
+    return _fmt_time((self.total - self.done) * self.timed_s / self.timed_steps)
+
   def update(self, first: int, count: int, label: str, step: int, steps: int, loss: float) -> None:
+    """After step `step` of the group of `count` trials whose first is trial `first` (1-based) of n."""
     self.done += count
     now = time.perf_counter()
+    if self.group == (first, label):  # a step after the group's first: timed
+      self.timed_steps += count
+      self.timed_s += now - self.prev
+    self.group, self.prev = (first, label), now
     final = step == steps - 1
     if now - self.last < (0.2 if self.tty else 10.0) and not final and step > 0:
       return
     self.last = now
-    rate = self.done / max(now - self.t0, 1e-9)
-    eta = (self.total - self.done) / rate if rate > 0 else 0.0
     which = f"{first}/{self.n}" if count == 1 else f"{first}-{first + count - 1}/{self.n}"
-    line = f"trial {which} [{label}] step {step + 1}/{steps} loss {loss:.4f} ETA {_fmt_time(eta)}"
+    line = f"trial {which} [{label}] step {step + 1}/{steps} loss {loss:.4f} ETA {self.eta()}"
     if self.tty:
       self.stream.write("\r\033[K" + line + ("\n" if final else ""))
     else:
@@ -96,13 +109,13 @@ class Progress:
 
 
 def _label(group: list[config_lib.Trial]) -> str:
-  parts = {}
+  parts: dict[str, list[Any]] = {}
   for t in group:
     for k, v in t.label.items():
-      parts.setdefault(k.split(".")[-1], [])
-      if v not in parts[k.split(".")[-1]]:
-        parts[k.split(".")[-1]].append(v)
-  return ", ".join(f"{k}={','.join(map(str, v))}" for k, v in parts.items())
+      seen = parts.setdefault(config_lib.axis_name(k), [])
+      if v not in seen:
+        seen.append(v)
+  return ", ".join(f"{k}={','.join(map(config_lib.show, v))}" for k, v in parts.items())
 
 
 def _done(store: Store, trial_id: str) -> bool:
@@ -188,7 +201,7 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
 
 
 def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
-              overrides: list[str] | None = None, stream: TextIO = sys.stderr,
+              overrides: list[str] | None = None, stream: TextIO | None = None,
               lease_timeout: float = DEFAULT_LEASE_TIMEOUT, tensorboard: str | None = None) -> dict[str, int]:
   """Runs every unfinished trial of `sweep` into the store at `out`, waiting for those other workers hold.
 
@@ -198,6 +211,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   or by other workers), plus "unfinished" when it stopped early (preempted).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
+  stream = stream or sys.stderr  # at call time: a captured or replaced stderr is the one written to
   prepare(sweep, out, config_text, overrides, stream=stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
   worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb)
@@ -205,7 +219,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
 
 
 def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
-               stream: TextIO = sys.stderr, wait: bool = False, worker: str | None = None,
+               stream: TextIO | None = None, wait: bool = False, worker: str | None = None,
                tensorboard: str | None = None) -> dict[str, int]:
   """Runs each given (None: every) unfinished trial of the claimed store at `out` that it can lease, in sweep order.
 
@@ -216,6 +230,7 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
   this and the others train the trials it orders (module docstring).
   """
   lease_timeout = check_lease_timeout(lease_timeout)
+  stream = stream or sys.stderr  # at call time (run_sweep)
   trials, vmap_seeds = stored_trials(out)
   mine = trials
   if trial_ids is not None:
@@ -283,7 +298,8 @@ class _Worker:
     counts = {"ok": 0, "failed": 0, "skipped": len(trials) - len(pending)}
     cache = train.enable_compilation_cache()
     self.stream.write(f"{len(pending)} trials to run into {store.root} (JAX compilation cache: {cache})\n")
-    self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), self.n, self.stream)
+    self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), len(pending), self.stream)
+    self.started = 0  # trials this worker has started: the progress line's i of len(pending)
     try:
       self._loop(train, pending, counts, wait)
     except Exception as e:  # a fault of the machine outside a trial (a lease, a config read): stop here
@@ -373,6 +389,8 @@ class _Worker:
     store, progress, stream = self.store, self.progress, self.stream
     ids = [t.id for t in group]
     label, steps = _label(group), group[0].config["train"]["steps"]
+    first = self.started + 1
+    self.started += len(group)
 
     def on_start(j: int, step: int) -> None:
       for problem in store.start(group[j].id, resume_from=step):
@@ -385,7 +403,7 @@ class _Worker:
         stream.write(f"trial {self.name(group[j])} resumes at step {step} from {store.checkpoint_dir(group[j].id)}\n")
 
     def on_step(step: int, loss: float) -> None:
-      progress.update(self.index[group[0].id], len(group), label, step, steps, loss)
+      progress.update(first, len(group), label, step, steps, loss)
 
     def on_compiled(step_fn: Any, evaluate: Any) -> None:
       check_memory(group, [step_fn, evaluate])

@@ -40,6 +40,7 @@ import time
 from typing import Any, Iterable, TextIO
 
 from attn.config import invalid
+from attn.experiments.running.config import axis_name, show
 from attn.experiments.training import faults
 
 EXTRA = 'pip install -e ".[tensorboard]"'
@@ -59,7 +60,7 @@ def check(logdir: str, flag: str = "--tensorboard") -> str:
 
 def run_name(trial_id: str, label: dict[str, Any]) -> str:
   """`num_heads=4,seed=0-<id>`: the trial's axis values (short keys) and its id; just the id without axes."""
-  values = ",".join(f"{k.split('.')[-1]}={v}" for k, v in label.items())
+  values = ",".join(f"{axis_name(k)}={show(v)}" for k, v in label.items())
   name = f"{values}-{trial_id}" if values else trial_id
   return name.replace("/", "_").replace(os.sep, "_")
 
