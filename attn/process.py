@@ -227,9 +227,10 @@ def _reexec_with_mimalloc() -> None:
 def _allocator(chosen: str) -> str:
   if chosen == "keep":
     _reexec_with_mimalloc()  # returns only where it did not re-execute
-    if mimalloc_loaded():
-      delay = os.environ.get("MIMALLOC_PURGE_DELAY", "mimalloc's default")
-      return f"mimalloc (LD_PRELOAD, MIMALLOC_PURGE_DELAY={delay})"
+  if mimalloc_loaded():  # with keep, or preloaded by whoever started this process
+    delay = os.environ.get("MIMALLOC_PURGE_DELAY", "mimalloc's default")
+    return f"mimalloc (LD_PRELOAD, MIMALLOC_PURGE_DELAY={delay})" + (
+        "" if chosen == "keep" else f"; {ENV}={chosen} cannot unload what this process's environment preloaded")
   if chosen == "default":
     return f"glibc default ({ENV}=default)"
   if not _glibc_linux():
