@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
             flush=True)
   print(f"load average at end {os.getloadavg()}")
   for way in ways:
-    print(f"{way:12s} fwd+bwd median {statistics.median(got[way]):7.1f} ms  ({', '.join(f'{t:.1f}' for t in got[way])})")
+    each = ", ".join(f"{t:.1f}" for t in got[way])
+    print(f"{way:12s} fwd+bwd median {statistics.median(got[way]):7.1f} ms  ({each})")
   return 0
 
 

@@ -5,10 +5,10 @@ dirty, and a SHA-256 of `git diff HEAD` when it was), the versions of attn,
 jax, jaxlib, flax, optax, numpy and Python, the CPU model and its AVX-512 and
 AMX flags, the cores (and those this process may use), XLA_FLAGS, the host
 allocator in force (attn.process.in_force: mimalloc preloaded, glibc mallopt
-or glibc's default), the device kind, the start time and the load average. An end line holds the end time,
-the wall time since its start, the load average and how the run ended. A
-resumed sweep appends to the file (rewritten whole, atomically, like every
-file of the store). `attn report` and `attn status` print its first and last
+or glibc's default), the device kind, the start time and the load average.
+An end line holds the end time, the wall time since its start, the load
+average and how the run ended. A resumed sweep appends to the file
+(rewritten whole, atomically, like every file of the store). `attn report` and `attn status` print its first and last
 lines; a store without one (older than this record) or with a damaged one
 still reads, and they say so.
 """
@@ -89,7 +89,8 @@ def start_line() -> dict[str, Any]:
   import jax  # the sweep has imported it already
   return {"event": "start", "command": shlex.join(["attn", *sys.argv[1:]]), **_commit(), "versions": _versions(),
           **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "allocator": process.in_force(),
-          "device_kind": jax.devices()[0].device_kind, "start": _now(), "start_unix": time.time(), "loadavg": list(os.getloadavg())}
+          "device_kind": jax.devices()[0].device_kind, "start": _now(), "start_unix": time.time(),
+          "loadavg": list(os.getloadavg())}
 
 
 def end_line(start: dict[str, Any], outcome: str) -> dict[str, Any]:
