@@ -27,7 +27,7 @@ COMMANDS = {
     "export": ("attn.experiments.reading.export", "write a sweep's metric rows from its store as TensorBoard runs"),
     "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
     "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face model, before and after converting its heads"),
-    "python": ("attn.process", "run python ARGS with the allocator this command uses (mimalloc preloaded); "
+    "python": ("attn.process", "run python ARGS with this command's allocator (mimalloc preloaded); "
                "--print-env prints its variables"),
 }
 
