@@ -275,13 +275,13 @@ def in_force() -> str:
 def python(args: list[str]) -> int:
   """`attn python [ARGS]`: execs `python ARGS` with the command's allocator; `--print-env` prints its variables."""
   chosen = mode()
-  env = allocator_env(chosen)
   if args[:1] == ["--print-env"]:
-    base = clean_env()
+    env, base = allocator_env(chosen), clean_env()
     for key in sorted(k for k in env if k != PRELOADED and env[k] != base.get(k)):
       print(f"{key}={env[key]}")
     return 0
-  check_xla_flags()
+  check_xla_flags()  # before allocator_env: the script's own attn commands need not probe again
+  env = allocator_env(chosen)
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, [sys.executable, *args], env)
