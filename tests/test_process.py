@@ -70,6 +70,25 @@ print(json.dumps({**s, "env": s["env"] == before, "allocator": process.in_force(
   assert got["allocator"].startswith("glibc default (not a process of the attn command"), got
 
 
+def test_train_group_with_checkpoints_leaves_its_callers_process_alone(tmp_path, monkeypatch):
+  import threading
+  from attn.experiments.running import config as config_lib
+  from attn.experiments.training import train
+
+  def refuse(*a):
+    raise AssertionError("the library set up its caller's process")
+
+  monkeypatch.setattr(process, "_mallopt", refuse)
+  monkeypatch.setattr(process, "setup", refuse)
+  hooks = (sys.unraisablehook, threading.excepthook)
+  cfg = config_lib.resolve({"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
+                            "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 16},
+                            "train": {"steps": 2, "batch_size": 2, "eval_batches": 1}}, [], None)
+  (summary,) = train.train_group([cfg], lambda i, r: None, checkpoint_dirs=[str(tmp_path / "ckpt")])
+  assert summary["status"] == "ok" and os.listdir(tmp_path / "ckpt")  # a Saver wrote
+  assert (sys.unraisablehook, threading.excepthook) == hooks and "allocator" not in process._state
+
+
 def test_import_attn_starts_no_jax():
   got = _python("import sys, json, attn; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
                 "('jax', 'flax', 'numpy'))))")
