@@ -1,27 +1,32 @@
-"""attn: compare multi-head attention head configurations by exact identities and experiments."""
+"""attn: compare multi-head attention head configurations by exact identities and experiments.
 
-from attn import host_memory as _host_memory
+Importing attn defines names and does nothing else: each name (and each
+submodule, attn.config, attn.variants, ...) is imported on first use (PEP 562),
+so `import attn` does not start jax. What the `attn` command does to its own
+process (allocator, hooks, fault injection) is attn.process.
+"""
 
-if _host_memory.is_attn_command():  # before jax loads: re-exec with mimalloc (attn.host_memory)
-  _host_memory.use_kept_allocator()
+import importlib
+import sys
+import types
 
-from attn import kernel
-from attn.kernel import masks
-from attn.api import apply, get_variant, init, param_shapes
-from attn.config import HEAD_PRESETS, ConfigError, HeadConfig, single_head, vaswani_base
-from attn.convert import LossyConversionWarning, convert
-from attn.kernel import attention
-from attn.kernel.masks import causal_mask, combine_masks, padding_mask
-from attn.variants import VARIANTS
-from attn import nn
-from attn.nn import MultiHeadAttention
-from attn import count
-from attn import analysis
-from attn import testing
-from attn.registry import register
-from attn.variants.base import Options, Variant, attend_and_project, normal, project_heads
-from attn.variants.mechanism import Mechanism
-from attn.variants.mechanisms import MECHANISMS
+# name -> the module it comes from (submodules, attn.kernel, attn.nn, ..., need no entry)
+_FROM = {
+    "apply": "attn.api", "get_variant": "attn.api", "init": "attn.api", "param_shapes": "attn.api",
+    "HEAD_PRESETS": "attn.config", "ConfigError": "attn.config", "HeadConfig": "attn.config",
+    "single_head": "attn.config", "vaswani_base": "attn.config",
+    "LossyConversionWarning": "attn.convert", "convert": "attn.convert",
+    "attention": "attn.kernel",
+    "causal_mask": "attn.kernel.masks", "combine_masks": "attn.kernel.masks",
+    "padding_mask": "attn.kernel.masks",
+    "VARIANTS": "attn.variants",
+    "MultiHeadAttention": "attn.nn",
+    "register": "attn.registry",
+    "Options": "attn.variants.base", "Variant": "attn.variants.base", "attend_and_project": "attn.variants.base",
+    "normal": "attn.variants.base", "project_heads": "attn.variants.base",
+    "Mechanism": "attn.variants.mechanism",
+    "MECHANISMS": "attn.variants.mechanisms",
+}
 
 __all__ = [
     "HEAD_PRESETS", "MECHANISMS", "Mechanism", "Options", "VARIANTS", "Variant",
@@ -30,3 +35,40 @@ __all__ = [
     "MultiHeadAttention", "init", "kernel", "masks", "nn", "padding_mask", "param_shapes",
     "single_head", "vaswani_base",
 ]
+
+
+# name -> a module that lives deeper than attn's root (attn.masks: the kernel's masks)
+_MODULES = {"masks": "attn.kernel.masks"}
+
+
+def __getattr__(name: str):
+  """Imports a name of __all__, or a submodule, on first use."""
+  if name in _MODULES:
+    value = importlib.import_module(_MODULES[name])
+  elif name in _FROM:
+    value = getattr(importlib.import_module(_FROM[name]), name)
+  elif not name.startswith("_"):
+    try:
+      value = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+      if e.name != f"{__name__}.{name}":
+        raise
+      raise AttributeError(f"module 'attn' has no attribute {name!r}") from None
+  else:
+    raise AttributeError(f"module 'attn' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+  def __setattr__(self, name: str, value) -> None:
+    # Loading attn.convert binds the module on this package; attn.convert stays the function, as it was.
+    if not (isinstance(value, types.ModuleType) and name in _FROM):
+      super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,4 +1,10 @@
-"""The `attn` command: thin dispatch to subcommands that live in the library."""
+"""The `attn` command: thin dispatch to subcommands that live in the library.
+
+Run as a command (`attn ...`, `python -m attn ...`: main() without argv),
+attn.process.setup() sets up the process first (its allocator, hooks, fault
+injection; XLA_FLAGS and ATTN_HOST_MALLOC checked); main(argv) called from
+Python runs the subcommand in the caller's process and leaves it as it is.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,7 @@ import importlib
 import sys
 import warnings
 
-from attn import host_memory
-from attn.config import ConfigError
-from attn.registry import PluginWarning
+from attn import process
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -23,11 +27,14 @@ COMMANDS = {
     "export": ("attn.experiments.reading.export", "write a sweep's metric rows from its store as TensorBoard runs"),
     "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
     "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face model, before and after converting its heads"),
+    "python": ("attn.process", "run python ARGS with this command's allocator (mimalloc preloaded); "
+               "--print-env prints its variables"),
 }
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:
   """A plugin that failed to import is one line on stderr; other warnings as Python prints them."""
+  from attn.registry import PluginWarning
   if issubclass(category, PluginWarning):
     return f"attn: warning: {message}\n"
   return _FORMAT(message, category, filename, lineno, line)
@@ -36,26 +43,41 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
 _FORMAT = warnings.formatwarning
 
 
+def _config_error() -> type[Exception]:
+  from attn.config import ConfigError  # imports jax: after the process is set up
+  return ConfigError
+
+
 def main(argv: list[str] | None = None) -> int:
+  """The `attn` command; argv None: this process is the command's (process.setup() first)."""
+  own_process = argv is None
+  argv = sys.argv[1:] if argv is None else argv
+  command = argv[0] if argv and argv[0] in COMMANDS else None
+  try:
+    if command == "python":  # its arguments are python's own, passed on as they are
+      return process.python(argv[1:])
+    if own_process and command:
+      process.setup()
+  except _config_error() as e:  # evaluated only when an error is on its way
+    print(f"attn {command}: error: {e}", file=sys.stderr)
+    return 2
   warnings.formatwarning = _one_line
-  parser = argparse.ArgumentParser(prog="attn", description=__doc__)
+  parser = argparse.ArgumentParser(prog="attn", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")
   for name, (module, help_text) in COMMANDS.items():
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.set_defaults(_module=module)
     # Arguments are added lazily: only the chosen command's module is imported.
-  argv = sys.argv[1:] if argv is None else argv
-  if not argv or argv[0] not in COMMANDS:
+  if command is None:
     args = parser.parse_args(argv)  # prints help or the error for an unknown command
     parser.print_help()
     return 2
-  module = importlib.import_module(COMMANDS[argv[0]][0])
-  p = argparse.ArgumentParser(prog=f"attn {argv[0]}", description=COMMANDS[argv[0]][1])
+  module = importlib.import_module(COMMANDS[command][0])
+  p = argparse.ArgumentParser(prog=f"attn {command}", description=COMMANDS[command][1])
   module.add_arguments(p)
   args = p.parse_args(argv[1:])
   try:
-    host_memory.keep_freed_memory()  # before XLA's threads first allocate (attn.host_memory)
     return int(module.run(args) or 0)
-  except ConfigError as e:
-    print(f"attn {argv[0]}: error: {e}", file=sys.stderr)
+  except _config_error() as e:
+    print(f"attn {command}: error: {e}", file=sys.stderr)
     return 2

@@ -92,11 +92,10 @@ def print_goals(report: dict[str, Any]) -> None:
 
 def run_benchmarks() -> list[dict[str, Any]]:
   """The shapes and the step check the goals need, measured in this process."""
-  from attn import host_memory
+  from attn import process
   from attn.bench import layer
   from attn.bench import steps as bench_steps
-  host_memory.use_kept_allocator()  # re-executes this script with mimalloc preloaded, as `attn` does
-  host_memory.keep_freed_memory()
+  process.setup()  # this script's process set up as the attn command's: re-executed with mimalloc preloaded
   info = layer.machine_info()
   log = lambda text: print(text, file=sys.stderr, flush=True)
   shapes = {}

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from attn import host_memory
+from attn import process
 from attn.bench import flags as flags_lib
 
 _COMP = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
@@ -228,7 +228,6 @@ def cases(shape: dict[str, int]) -> dict[str, tuple[Callable, tuple, tuple[int, 
 
 def child(flag_set: str, repeats: int, shape: dict[str, int]) -> dict[str, Any]:
   """The account of every case under this process's XLA_FLAGS (run with attn.bench.flags' set)."""
-  host_memory.keep_freed_memory()  # as attn's CLI and runner do (attn.host_memory)
   rate = matmul_gflops()
   result: dict[str, Any] = {"flag_set": flag_set, "xla_flags": os.environ.get("XLA_FLAGS", ""), "cases": {}}
   timed: dict[str, float] = {}
@@ -308,4 +307,5 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
+  process.setup()  # a process of the attn command: its allocator, as `attn bench` has (attn.process)
   print(json.dumps(child(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))))

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import attn
-from attn import host_memory
+from attn import process
 from attn.kernel import onednn
 from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
@@ -213,7 +213,7 @@ def machine_info() -> dict[str, Any]:
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
           "load_average": _load_average(),
           "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "host_malloc": host_memory.in_force(),
+          "host_malloc": process.in_force(),
           "onednn": onednn.why_not() or "available"}  # impl="onednn", or why it does not run here
 
 

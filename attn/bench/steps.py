@@ -12,7 +12,7 @@ for this CPU kind (attn.bench.layer.cpu_kind: model, family and vector ISA;
 recorded with --record, with its commit; a kind with no record is said so and
 not checked); the same model within
 ORDER_SPREAD in both orders (the h = 4 merged step took 1.5x longer or not
-depending on the trials before it: attn.host_memory); and page faults per step
+depending on the trials before it: attn.process); and page faults per step
 under MAX_FAULTS (a step that faults in its buffers again pays for it in time;
 the count does not depend on load). A benchmark, not a test: it exits 1 when a
 check is missed.
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from attn import host_memory
+from attn import process
 from attn.config import invalid
 
 STORED = os.path.join(os.path.dirname(__file__), "step_ratios.json")
@@ -136,7 +136,7 @@ def record(result: dict[str, Any], machine: dict[str, Any], path: str = STORED) 
     by.setdefault(r["model"], []).append(r["ratio"])
   kind = machine.get("cpu_kind") or machine.get("cpu")
   data = {"cpu": kind, "commit": _commit(), "load_average": machine.get("load_average"),
-          "host_malloc": host_memory.in_force(), "steps": result["steps"], "matmul_n": MATMUL_N,
+          "host_malloc": process.in_force(), "steps": result["steps"], "matmul_n": MATMUL_N,
           "ratios": {m: round(statistics.median(v), 4) for m, v in by.items()}}
   kinds = _read(path).get("kinds", {})
   kinds[kind] = data
@@ -178,6 +178,6 @@ def markdown(result: dict[str, Any], found: list[tuple[str, str, bool]], stored:
                  f"| {r['ratio']:.3f} | {r['faults_per_step']:.0f} |")
   where = ("none for this CPU kind: the ratio check is skipped (`attn bench --steps --record` on a quiet "
            "machine stores them)") if stored is None else f"{stored.get('cpu')} at {stored.get('commit')}"
-  lines += ["", f"Stored ratios: {where}; host memory: {host_memory.in_force()}", ""]
+  lines += ["", f"Stored ratios: {where}; host memory: {process.in_force()}", ""]
   lines += [f"- {what}: {value}: {'met' if met else 'MISSED'}" for what, value, met in found]
   return "\n".join(lines)

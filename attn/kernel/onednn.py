@@ -93,7 +93,8 @@ def _build(libdnnl: Path) -> Path:
   cmd = [cxx, "-O3", "-std=c++17", "-w", "-shared", "-fPIC", f"-I{include}", str(SOURCE),
          "-o", tmp, str(libdnnl), "-lgomp", f"-Wl,-rpath,{libdnnl.parent}"]
   try:
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    from attn import process  # the compiler is not attn's: it gets no preloaded allocator of attn's
+    done = subprocess.run(cmd, capture_output=True, text=True, env=process.clean_env())
     if done.returncode != 0:
       errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
       raise Unavailable(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n" + "\n".join(errors[:10]))

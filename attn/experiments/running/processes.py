@@ -42,6 +42,7 @@ import time
 import traceback
 from typing import Any, TextIO
 
+from attn import process
 from attn.config import invalid
 from attn.experiments.running import status as status_lib
 from attn.experiments.running import supervisor
@@ -196,6 +197,7 @@ def run_group(out: str, processes: int, lease_timeout: float, coordinator_timeou
 
 def main(argv: list[str]) -> int:
   """`python -m attn.experiments.running.processes SPEC`: one process of run_group's group (SPEC: JSON)."""
+  process.setup()  # first, as the command's: may re-execute this process (attn.process)
   spec = json.loads(argv[0])
   os.sched_setaffinity(0, spec["cpus"])  # before jax sizes its thread pools
   from attn.experiments.training import distributed, preempt

@@ -3,11 +3,12 @@
 A start line holds the command line, attn's commit (whether the tree was
 dirty, and a SHA-256 of `git diff HEAD` when it was), the versions of attn,
 jax, jaxlib, flax, optax, numpy and Python, the CPU model and its AVX-512 and
-AMX flags, the cores (and those this process may use), XLA_FLAGS, the device
-kind, the start time and the load average. An end line holds the end time,
-the wall time since its start, the load average and how the run ended. A
-resumed sweep appends to the file (rewritten whole, atomically, like every
-file of the store). `attn report` and `attn status` print its first and last
+AMX flags, the cores (and those this process may use), XLA_FLAGS, the host
+allocator in force (attn.process.in_force: mimalloc preloaded, glibc mallopt
+or glibc's default), the device kind, the start time and the load average.
+An end line holds the end time, the wall time since its start, the load
+average and how the run ended. A resumed sweep appends to the file
+(rewritten whole, atomically, like every file of the store). `attn report` and `attn status` print its first and last
 lines; a store without one (older than this record) or with a damaged one
 still reads, and they say so.
 """
@@ -25,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from attn import process
 from attn.experiments.running import store as store_lib
 
 RECORD = "run.jsonl"
@@ -86,8 +88,9 @@ def start_line() -> dict[str, Any]:
   """Where and how this process runs (the start line)."""
   import jax  # the sweep has imported it already
   return {"event": "start", "command": shlex.join(["attn", *sys.argv[1:]]), **_commit(), "versions": _versions(),
-          **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "device_kind": jax.devices()[0].device_kind,
-          "start": _now(), "start_unix": time.time(), "loadavg": list(os.getloadavg())}
+          **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "allocator": process.in_force(),
+          "device_kind": jax.devices()[0].device_kind, "start": _now(), "start_unix": time.time(),
+          "loadavg": list(os.getloadavg())}
 
 
 def end_line(start: dict[str, Any], outcome: str) -> dict[str, Any]:
@@ -128,7 +131,8 @@ def describe(line: dict[str, Any]) -> str:
   v = line.get("versions") or {}
   return (f"start {line.get('start')}: `{line.get('command')}` at commit {commit}, jax {v.get('jax')}, "
           f"on {line.get('cpu')} ({line.get('cores_usable')} of {line.get('cores')} cores; "
-          f"{', '.join(line.get('cpu_flags') or []) or 'no AVX-512/AMX'}), XLA_FLAGS={line.get('xla_flags')}")
+          f"{', '.join(line.get('cpu_flags') or []) or 'no AVX-512/AMX'}), XLA_FLAGS={line.get('xla_flags')}"
+          + (f", allocator {line['allocator']}" if line.get("allocator") else ""))
 
 
 def summary(root: str) -> list[str]:

@@ -247,6 +247,8 @@ class SlurmTask(Checkpointable):
     self._stopping, self._requeue_pending, self._requeue = False, False, None
 
   def __call__(self, trial_ids: list[str]) -> dict[str, int]:
+    from attn import process
+    process.setup()  # first, as the command's: may re-execute the task (submitit starts it again, same pid)
     # submitit has installed its handlers: wrap its requeue handler, replace its SIGTERM bypass.
     sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
     if callable(signal.getsignal(sig)):

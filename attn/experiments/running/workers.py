@@ -14,6 +14,10 @@ the same persistent compilation cache. On GPUs, each worker sees the GPUs
 this process sees (submitit's CUDA_VISIBLE_DEVICES="" is undone) and does
 not preallocate memory.
 
+Each worker calls attn.process.setup() first, as the command does: it
+re-executes itself with mimalloc preloaded (nothing of the parent's
+allocator is inherited), installs the hooks and arms ATTN_FAULT.
+
 Logs: DIR/local/JOBID_0_log.{out,err}, one pair per worker; submitit's own job
 files (its pickle of the call: the store path, worker number, CPUs, the
 --tensorboard directory) sit beside them. Results stay in the JSON/Orbax store;
@@ -75,7 +79,10 @@ def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
 
 def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cuda: str | None,
             tensorboard: str | None = None) -> dict[str, int]:
-  """What worker k of n runs, in its own process."""
+  """What worker k of n runs, in its own process: set up as the command's (attn.process), first."""
+  from attn import process
+  allocator = process.setup()  # may re-execute this worker (submitit's job starts again, the same pid)
+  print(f"attn: worker {k + 1}/{n}: allocator {allocator}", file=sys.stderr, flush=True)
   os.sched_setaffinity(0, cpus)
   if cuda is None:
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -105,7 +105,9 @@ class Saver:
   The thread runs Orbax's synchronous save, so its error (a full disk, an I/O
   error) is caught there and raised by the next wait() in the training thread,
   where the sweep tells a fault of the machine from the trial's own; nothing
-  reaches threading.excepthook. Orbax's logged copies are dropped by faults.quiet.
+  reaches threading.excepthook. Orbax's logged copies are dropped by faults.quiet,
+  which the `attn` command installs for its process (attn.process.setup);
+  a Saver touches no process-wide hook.
   """
 
   def __init__(self, directory: str):
@@ -114,7 +116,6 @@ class Saver:
     self._orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler(**_alone()), **_alone())
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    faults.quiet()
 
   def save(self, step: int, state: dict[str, Any]) -> None:
     """Starts writing state (params, opt_state, rest) as checkpoint `step`, after the previous one is done."""

@@ -21,7 +21,9 @@ KIND in this process fail, KIND one of store (every file of the store written
 whole), row (each metrics row), checkpoint (each checkpoint save); MODE
 ENOSPC (that write and every later one of any kind fail: a full disk), EIO
 (that one write fails) or kill (SIGKILL right after that write completes).
-`counts()` tells how many writes of each kind a run made.
+`counts()` tells how many writes of each kind a run made. Importing this
+module arms nothing and installs nothing: a process of the `attn` command
+calls `quiet()` and `arm_from_env()` in attn.process.setup().
 """
 
 from __future__ import annotations
@@ -109,7 +111,11 @@ _FILTER = _DropFaults()
 
 
 def quiet() -> None:
-  """Drops Orbax's logged copies of a fault and its leftover unraisable errors; other errors pass (idempotent)."""
+  """Drops Orbax's logged copies of a fault and its leftover unraisable errors; other errors pass (idempotent).
+
+  Process-wide (logging filters, sys.unraisablehook, threading.excepthook):
+  attn.process.setup() calls it for the `attn` command; a library user may.
+  """
   for name in ("absl", "concurrent.futures", "asyncio"):
     logger = logging.getLogger(name)
     if _FILTER not in logger.filters:
@@ -158,11 +164,18 @@ def counts() -> dict[str, int]:
     return dict(_counts)
 
 
-def _from_env() -> None:
+def arm_from_env() -> None:
+  """Arms $ATTN_FAULT ("KIND:N:MODE"), if set: called by attn.process.setup(), never on import."""
   spec = os.environ.get("ATTN_FAULT")
-  if spec:
+  if not spec:
+    return
+  try:
     kind, n, mode = spec.split(":")
     arm(kind, int(n), mode)
+  except ValueError:
+    from attn.config import invalid  # imports jax: only on the error path
+    raise invalid("ATTN_FAULT", spec, f"KIND:N:MODE with KIND one of {list(KINDS)}, N >= 1, MODE ENOSPC, EIO "
+                  "or kill") from None
 
 
 @contextlib.contextmanager
@@ -184,8 +197,6 @@ def point(kind: str, path: str) -> Iterator[None]:
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
-
-_from_env()
 
 
 def available_memory() -> int | None:

@@ -44,7 +44,6 @@ import optax
 from flax import nnx
 
 from attn import count
-from attn import host_memory
 from attn.config import ConfigError, invalid
 from attn.experiments.training import checkpoints
 from attn.experiments.training import distributed
@@ -269,7 +268,6 @@ def train_group(configs: list[dict[str, Any]],
   evaluate) receives each program's compiled train step and evaluation
   (jax.stages.Compiled: memory_analysis(), as_text(), input_shardings) before it runs.
   """
-  host_memory.keep_freed_memory()  # reuse each step's XLA buffers: no page faults per step (attn.host_memory)
   cfg0 = configs[0]
   task = tasks_lib.make_task(cfg0["task"])
   model_cfg = models.ModelConfig(**cfg0["model"])
