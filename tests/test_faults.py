@@ -2,7 +2,7 @@
 
 One tiny sweep (two trials of four steps, checkpoints at 2 and 4) is trained
 undisturbed once; every test compares with it. The fault hook
-(attn.experiments.training.faults) makes the N-th write of the store, of a
+(attn.process.faults) makes the N-th write of the store, of a
 metrics row or of a checkpoint fail with ENOSPC (and every write after it: a
 full disk) or EIO (that one), or kills the process right after it; a plain
 re-run must then give the undisturbed numbers, every row once, no summary
@@ -26,7 +26,7 @@ from attn.experiments.running import config as config_lib
 from attn.experiments.running import status
 from attn.experiments.running import store
 from attn.experiments.running import sweep
-from attn.experiments.training import faults
+from attn.process import faults
 from conftest import TINY_SWEEP
 
 CONFIG = TINY_SWEEP

@@ -46,7 +46,7 @@ def _attn(*args, console=False, **env):
 _STATE = """
 import json, os, sys, threading
 def state():
-  from attn.experiments.training import faults
+  from attn.process import faults
   return {"ld_preload": os.environ.get("LD_PRELOAD"), "purge": os.environ.get("MIMALLOC_PURGE_DELAY"),
           "mimalloc_mapped": "libmimalloc" in open("/proc/self/maps").read(),
           "hooks": [sys.unraisablehook is sys.__unraisablehook__, threading.excepthook is threading.__excepthook__],
@@ -59,7 +59,8 @@ def test_import_attn_leaves_the_process_alone():
 before = dict(os.environ)
 import attn
 names = [getattr(attn, n) for n in attn.__all__]  # every name, attn.nn and attn.testing included
-from attn.experiments.training import checkpoints, faults, train
+from attn.experiments.training import checkpoints, train
+from attn.process import faults
 from attn import process
 s = state()
 print(json.dumps({**s, "env": s["env"] == before, "allocator": process.in_force()}))

@@ -13,7 +13,7 @@ trials' configs and, with --retry-failed, makes the trials that failed for
 their own reasons new again; the run record gets its start line
 (attn.experiments.running.run_record); the executor trains; the supervisor
 (attn.experiments.running.supervisor) says how it ended. A fault of the
-machine (a full disk, an I/O error: attn.experiments.training.faults) stops
+machine (a full disk, an I/O error: attn.process.faults) stops
 the sweep after the trial in progress, which stays resumable, with one
 message naming the path and exit status 1; the same command, once the disk
 has room, finishes the sweep.
@@ -50,7 +50,7 @@ from attn.experiments.running import processes as processes_lib
 from attn.experiments.running import run_record
 from attn.experiments.running import tb_writer
 from attn.experiments.running import workers as workers_lib
-from attn.experiments.training import faults
+from attn.process import faults
 
 workers_lib.import_submitit()  # first, without its logging setup (see there); slurm imports it too
 from attn.experiments.running import slurm  # noqa: E402

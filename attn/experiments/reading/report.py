@@ -28,7 +28,7 @@ from attn.experiments.reading import analysis_report
 from attn.experiments.reading import plots as plots_lib
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import run_record
-from attn.experiments.training import faults
+from attn.process import faults
 from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS, show
 
 

@@ -46,7 +46,7 @@ from attn import process
 from attn.config import invalid
 from attn.experiments.running import status as status_lib
 from attn.experiments.running import supervisor
-from attn.experiments.training import faults
+from attn.process import faults
 from attn.experiments.running.workers import cpu_shares
 
 DEFAULT_TIMEOUT = 60.0  # --coordinator-timeout: seconds for a trial's processes to connect

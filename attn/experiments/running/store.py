@@ -49,7 +49,7 @@ from typing import Any, Iterator
 
 from attn.config import ConfigError, invalid
 from attn.experiments.running import leases
-from attn.experiments.training import faults
+from attn.process import faults
 
 SWEEP, CONFIG, METRICS, SUMMARY = "sweep.json", "config.json", "metrics.jsonl", "summary.json"
 PARTIAL, CHECKPOINTS, INTERRUPTED = METRICS + ".partial", "checkpoints", "interrupted.json"

@@ -8,7 +8,7 @@ sweep.vmap_seeds is true (default false: slower on CPU, experiments/performance.
 each seed still saves its own checkpoints. A trial whose training raises is
 recorded as failed with the error, and the sweep goes on; so is one whose
 compiled step wants more memory than the machine has available (check_memory).
-A fault of the machine (attn.experiments.training.faults: no space, an I/O
+A fault of the machine (attn.process.faults: no space, an I/O
 error) is not the trial's: it is left without a summary, resumable from its
 last complete checkpoint, its reason in interrupted.json when the disk takes
 it, and the worker stops after it (counts["fault"] says why).
@@ -49,7 +49,7 @@ from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import tb_writer
-from attn.experiments.training import faults
+from attn.process import faults
 from attn.experiments.training import preempt
 from attn.experiments.running.store import CONFIG, PARTIAL, Store, config_todo, load_sweep, read_config, read_rows
 

@@ -41,7 +41,7 @@ from typing import Any, Iterable, TextIO
 
 from attn.config import invalid
 from attn.experiments.running.config import axis_name, show
-from attn.experiments.training import faults
+from attn.process import faults
 
 EXTRA = 'pip install -e ".[tensorboard]"'
 PREFIX = "events.out.tfevents."

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.experiments.training import faults
+from attn.process import faults
 
 KEEP = 2
 TMP_SUFFIX = ".orbax-checkpoint-tmp"

@@ -23,7 +23,7 @@ command calls `setup()` once, first, before jax starts: the console script and
    machine (one more interpreter start each). `clean_env()` is that
    environment for a child of any process (one started by `attn python`, whose
    environment holds the preload).
-5. attn.experiments.training.faults: `quiet()` (Orbax's logged copies of a
+5. attn.process.faults: `quiet()` (Orbax's logged copies of a
    fault dropped; sys.unraisablehook and threading.excepthook wrapped) and
    `arm_from_env()` (ATTN_FAULT, fault injection for the tests).
 
@@ -255,7 +255,7 @@ def setup() -> str:
   for key in set(os.environ) - set(clean):
     del os.environ[key]
   os.environ.update({k: v for k, v in clean.items() if os.environ.get(k) != v})
-  from attn.experiments.training import faults  # stdlib only: no jax
+  from attn.process import faults  # stdlib only: no jax (imported here, not at the top: setup() re-executes first)
   faults.quiet()
   faults.arm_from_env()
   return _state["allocator"]
