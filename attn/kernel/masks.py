@@ -72,3 +72,22 @@ def combine_masks(*masks: Array | None) -> Array | None:
   for m in present[1:]:
     out = jnp.logical_and(out, m)
   return out
+
+
+def visible_rows(T: int, S: int, is_causal: bool, kv_lengths: Array | None,
+                 window: int | None) -> Array | None:
+  """(B|1, T): whether query t has a key its structured masks leave visible; None if all have."""
+  t_T = jnp.arange(T) + (S - T)
+  lo_T = jnp.zeros((T,), jnp.int32)
+  hi_T = jnp.full((T,), S - 1)
+  if window is not None:
+    lo_T = jnp.maximum(lo_T, t_T - window + 1)
+    hi_T = jnp.minimum(hi_T, t_T + window - 1)
+  if is_causal:
+    hi_T = jnp.minimum(hi_T, t_T)
+  if kv_lengths is None:
+    if T <= S or not (is_causal or window is not None):  # t + S - T >= 0 keeps a key in reach
+      return None
+    return (lo_T <= hi_T)[None]
+  hi_BT = jnp.minimum(hi_T[None], kv_lengths.astype(jnp.int32)[:, None] - 1)
+  return lo_T[None] <= hi_BT
