@@ -91,3 +91,19 @@ def visible_rows(T: int, S: int, is_causal: bool, kv_lengths: Array | None,
     return (lo_T <= hi_T)[None]
   hi_BT = jnp.minimum(hi_T[None], kv_lengths.astype(jnp.int32)[:, None] - 1)
   return lo_T[None] <= hi_BT
+
+
+def rows_with_keys(mask: Array | None, T: int, S: int, is_causal: bool, kv_lengths: Array | None,
+                   window: int | None, B: int, H: int) -> Array | None:
+  """(B|1,T,H|1,1): whether a query row keeps a key under a dense mask and the structured ones.
+
+  For the wrappers of kernels that give a fully masked row something other than
+  attn's zeros; None when every row keeps one. Without a dense mask no (T,S)
+  array is built.
+  """
+  rows_BT = visible_rows(T, S, is_causal, kv_lengths, window)
+  keep = None if rows_BT is None else rows_BT[:, :, None, None]
+  if mask is not None:
+    dense_BTH1 = jnp.broadcast_to(mask, (B, H, T, S)).any(-1).transpose(0, 2, 1)[..., None]
+    keep = dense_BTH1 if keep is None else keep & dense_BTH1
+  return keep

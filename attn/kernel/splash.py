@@ -125,4 +125,5 @@ def attention(call: Call) -> Array:
   rows_BT = visible_rows(T, S, c.is_causal, c.kv_lengths, c.window)
   if rows_BT is None:
     return out_BTHV
+  # Splash leaves a row with no visible key undefined; attn's contract is zeros.
   return jnp.where(rows_BT[:, :, None, None], out_BTHV, 0).astype(dtype)

@@ -58,9 +58,18 @@ def _present(names) -> tuple[str, ...]:
   return keep or tuple(names)
 
 
+def _absl_defaults() -> None:
+  """tokamax reads its settings from absl flags, parsing sys.argv on first use, which fails under
+  any command line with flags of its own (attn's, pytest's): absl's flags keep their defaults."""
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 def attention(call: Call, implementation=None) -> Array:
   """kernel.attention's function through tokamax.dot_product_attention; the call checked by why_not."""
   import tokamax
+  _absl_defaults()
   c = call.with_shared_key()
   B, T, H, S = c.q_BTHK.shape[0], c.T, c.H, c.S
   mask, window = c.mask, c.window
@@ -81,13 +90,7 @@ def attention(call: Call, implementation=None) -> Array:
       key_value_seq_lengths=None if c.kv_lengths is None else c.kv_lengths.astype(jnp.int32),
       local_window_size=tk_window, logits_soft_cap=c.softcap,
       implementation=_present(names) if implementation is None else names)
-  rows_BT = masks.visible_rows(T, S, c.is_causal, c.kv_lengths, window)
-  if mask is None:
-    keep_BTH = None if rows_BT is None else rows_BT[:, :, None]
-  else:
-    keep_BTH = jnp.broadcast_to(mask, (B, H, T, S)).any(-1).transpose(0, 2, 1)
-    if rows_BT is not None:
-      keep_BTH = keep_BTH & rows_BT[:, :, None]
-  if keep_BTH is None:
+  keep = masks.rows_with_keys(mask, T, S, c.is_causal, c.kv_lengths, window, B, H)
+  if keep is None:
     return out_BTHV
-  return jnp.where(keep_BTH[..., None], out_BTHV, 0).astype(out_BTHV.dtype)
+  return jnp.where(keep, out_BTHV, 0).astype(out_BTHV.dtype)
