@@ -1,0 +1,69 @@
+"""ModelConfig.impl: every attention call of a model runs the named implementation; refusals and trial ids."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attn.config import ConfigError
+from attn.experiments.running import config as config_lib
+from attn.kernel import impls
+from attn.nn.config import ModelConfig
+from attn.nn.models import DecoderLM, EncoderDecoder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(vocab_size=11, d_model=12, num_layers=2, num_heads=3, d_ff=16, max_len=9)
+
+
+def counting(monkeypatch, name):
+  """Replaces IMPLEMENTATIONS[name] by the same record whose run counts its calls."""
+  seen = []
+  record = impls.IMPLEMENTATIONS[name]
+
+  def run(call):
+    seen.append(call.T)
+    return record.run(call)
+  monkeypatch.setitem(impls.IMPLEMENTATIONS, name, dataclasses.replace(record, run=run))
+  return seen
+
+
+def test_impl_reaches_every_attention_call_and_gives_the_same_function(monkeypatch):
+  seen = counting(monkeypatch, "xla")
+  tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, 11)
+  outs = {}
+  for impl in ("auto", "xla"):
+    model = DecoderLM(ModelConfig(**TINY, impl=impl), rngs=nnx.Rngs(0))
+    outs[impl] = model(tokens)
+  assert len(seen) == TINY["num_layers"]  # "auto" on CPU never picks xla; "xla" ran in each layer
+  np.testing.assert_allclose(outs["xla"], outs["auto"], atol=2e-5, rtol=2e-5)
+  del seen[:]
+  seq2seq = EncoderDecoder(ModelConfig(**TINY, num_decoder_layers=1, impl="xla"), rngs=nnx.Rngs(0))
+  seq2seq(tokens, tokens[:, :5])
+  assert sorted(seen) == [5, 5, 7, 7]  # two encoder layers (T=7), the decoder's self and cross (T=5)
+
+
+def test_a_bad_impl_is_refused_by_name_with_the_available_ones():
+  with pytest.raises(ConfigError, match=r"impl='flash' is not allowed.*one of.*available on this "
+                                        r"machine: \['auto', 'einsum'"):
+    ModelConfig(**TINY, impl="flash")
+
+
+def test_an_impl_that_does_not_run_here_is_refused_when_the_model_is_built(monkeypatch):
+  monkeypatch.setattr(impls, "backend", lambda: "cpu")
+  cfg = ModelConfig(**TINY, impl="cudnn")  # a name a GPU run may use: the config itself is fine
+  with pytest.raises(ConfigError, match=r"impl='cudnn'.*GPU backend only.*available: \['auto'"):
+    DecoderLM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_impl_enters_the_trial_id_only_away_from_auto():
+  path = os.path.join(ROOT, "configs", "quick.toml")
+  ids = {o: [t.id for t in config_lib.load(path, o).trials]
+         for o in ((), ("model.impl=auto",), ("model.impl=einsum",))}
+  assert ids[()] == ids[("model.impl=auto",)]
+  assert not set(ids[()]) & set(ids[("model.impl=einsum",)])
+  trial = config_lib.load(path, ["model.impl=blocked"]).trials[0]
+  assert trial.config["model"]["impl"] == "blocked"
