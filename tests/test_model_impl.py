@@ -67,3 +67,24 @@ def test_impl_enters_the_trial_id_only_away_from_auto():
   assert not set(ids[()]) & set(ids[("model.impl=einsum",)])
   trial = config_lib.load(path, ["model.impl=blocked"]).trials[0]
   assert trial.config["model"]["impl"] == "blocked"
+
+
+def test_a_trial_summary_names_what_its_attention_ran():
+  from attn.experiments.training import train
+  for impl, want in (("auto", {"einsum"}), ("xla", {"xla"})):
+    cfg = config_lib.resolve({"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
+                              "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 16,
+                                        "impl": impl},
+                              "train": {"steps": 1, "batch_size": 2, "eval_batches": 1}}, [], None)
+    (summary,) = train.train_group([cfg], lambda i, r: None)
+    assert set(summary["attention_impls"]) == want and all(summary["attention_impls"].values())
+
+
+def test_the_run_record_names_the_backend_and_auto_s_order(monkeypatch):
+  from attn.experiments.running import run_record
+  here = run_record.start_line()["kernel"]
+  assert here["backend"] == jax.default_backend() and here["auto_order"][-1] == "einsum"
+  monkeypatch.setattr(impls, "backend", lambda: "tpu")
+  line = run_record.start_line()
+  assert line["kernel"]["auto_order"][0] == "splash" and "splash" in line["kernel"]["impls_for_backend"]
+  assert "(tpu backend)" in run_record.describe(line)

@@ -15,6 +15,9 @@ matmul backend: XLA's or oneDNN's), onednn, masks, probability.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 
 from attn.config import invalid
@@ -29,6 +32,21 @@ from attn.kernel.products import scores, weighted_sum
 Array = jax.Array
 
 IMPLS = ("auto", *IMPLEMENTATIONS)
+
+# Set by record_picks: the dict attention counts the implementation of each call in (at trace time).
+_PICKS: contextvars.ContextVar = contextvars.ContextVar("attn_kernel_picks", default=None)
+
+
+@contextlib.contextmanager
+def record_picks():
+  """Yields a dict {implementation: calls}; each attention call traced inside adds the one it ran
+  ("auto" resolved). The trainer records it in each trial's summary (attention_impls)."""
+  seen: dict[str, int] = {}
+  token = _PICKS.set(seen)
+  try:
+    yield seen
+  finally:
+    _PICKS.reset(token)
 
 
 def check_impl(impl, *dtypes) -> None:
@@ -125,12 +143,14 @@ def attention(
   if (no := chosen.why_not(call)) is not None:
     raise invalid(no.option, no.value, f'{no.needs} with impl="{name}" ({no.why}); '
                   f"the implementations that take this call here: {_impls.takers(call)}")
+  if (seen := _PICKS.get()) is not None:
+    seen[name] = seen.get(name, 0) + 1
   return chosen.run(call)
 
 
 __all__ = [
     "AUTO", "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "IMPLS", "Call", "Impl", "Refusal", "attention",
-    "available_impls", "best_impl", "blocked", "check_impl", "check_options", "dense", "is_long",
+    "available_impls", "best_impl", "record_picks", "blocked", "check_impl", "check_options", "dense", "is_long",
     "masked_probabilities", "masked_softmax", "masks", "onednn", "probability",
     "reference_attention", "scores", "structured_mask", "weighted_sum",
 ]
