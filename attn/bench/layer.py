@@ -42,16 +42,20 @@ import jax.numpy as jnp
 
 import attn
 from attn import host_memory
+from attn import kernel
 from attn.kernel import onednn
 from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-PEERS = ("flax", "jax_dpa", "torch", "torch_sdpa")  # rows that other rows are divided by
+PEERS = ("flax", "jax_dpa", "torch", "torch_sdpa", "torch_sdpa_flash",
+         "torch_sdpa_cudnn")  # rows that other rows are divided by
 PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "jax_dpa": "jax.nn.dot_product_attention",
                "torch": "torch.nn.MultiheadAttention",
                "torch_sdpa": "torch F.scaled_dot_product_attention",
+               "torch_sdpa_flash": "torch SDPA, flash backend",
+               "torch_sdpa_cudnn": "torch SDPA, cuDNN backend",
                "einsum": "fused, einsum kernel",
                "core": "blocked core alone, causal",
                "core_full": "blocked core alone, no mask",
@@ -61,7 +65,8 @@ PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "core_full_onednn": 'blocked core alone, no mask, impl="onednn"',
                "core_window_onednn": 'blocked core alone, causal window 256, impl="onednn"'}
 RATIO_LABELS = {"flax": "× flax", "jax_dpa": "× jax dpa", "torch": "× torch",
-                "torch_sdpa": "× torch SDPA"}
+                "torch_sdpa": "× torch SDPA", "torch_sdpa_flash": "× SDPA flash",
+                "torch_sdpa_cudnn": "× SDPA cuDNN"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,8 @@ for _T in LONG_LENGTHS:
     SHAPES[f"long-{_T}{'-causal' if _causal else ''}"] = Shape(
         B=1, T=_T, D=512, H=8, K=64, causal=_causal, long=True)
 GROUPS = {"long": tuple(n for n in SHAPES if n.startswith("long-"))}
+# issue 44's accelerator goal: T = 4096, causal, 16 heads of 128 (run in bfloat16 on a GPU).
+SHAPES["wide-4096-causal"] = Shape(B=1, T=4096, D=2048, H=16, K=128, causal=True, long=True)
 DEFAULT_SHAPES = ("reference", "causal", "small")
 QUICK_SHAPES = ("reference", "small")
 SWEEP_CONFIG = "builtin"
@@ -140,6 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true",
                       help="fewer shapes and repeats: a smoke run, not a measurement")
   parser.add_argument("--no-peers", action="store_true", help="skip flax, jax and torch")
+  parser.add_argument("--impls", default=None,
+                      help="also time the fused layer with each of these attention cores "
+                           "(comma-separated from attn.kernel.IMPLS; rows fused[impl], \"auto\"'s "
+                           "pick named), and torch SDPA pinned to its flash and cuDNN backends")
   parser.add_argument("--sweep", metavar="CONFIG", nargs="?", const=SWEEP_CONFIG, default=None,
                       help="also measure sweep throughput, trials per minute, sequential vs "
                            "seeds under vmap, on the first trial of CONFIG (default: a built-in "
@@ -213,7 +224,8 @@ def machine_info() -> dict[str, Any]:
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
           "load_average": _load_average(),
           "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "host_malloc": host_memory.in_force(),
+          "host_malloc": host_memory.in_force(), "backend": jax.default_backend(),
+          "auto_order": list(kernel.AUTO.get(jax.default_backend(), kernel.AUTO["cpu"])),
           "onednn": onednn.why_not() or "available"}  # impl="onednn", or why it does not run here
 
 
@@ -315,14 +327,48 @@ def core_flops_of(shape: Shape) -> dict[str, int]:
   return {"core": per_pair * T * T, "core_full": per_pair * T * T, "core_window": per_pair * pairs}
 
 
+def _impl_cases(shape: Shape, dtype, dtype_name: str, impls: list[str],
+                peers: bool) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+  """The fused layer with each named core (is_causal, not a dense mask), "auto"'s pick, and torch
+  SDPA pinned to its flash and cuDNN backends: (cases, skipped with the reason, picks)."""
+  cases, skipped, picks = {}, {}, {}
+  for impl in impls:
+    name = f"fused[{impl}]"
+    try:
+      kernel.check_impl(impl, jnp.dtype(dtype))
+      with kernel.record_picks() as seen:
+        cases[name] = peers_lib.fused_case(shape.cfg, shape.B, shape.T, dtype, impl=impl,
+                                           is_causal=shape.causal)
+      picks[name] = ",".join(seen)
+    except ConfigError as e:
+      skipped[name] = f"refused: {e}"
+    except Exception as e:  # a kernel failing to compile here: said, and the other rows still run
+      skipped[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  if peers:
+    for backend in ("flash", "cudnn"):
+      c = peers_lib.torch_sdpa_case(shape.cfg, shape.B, shape.T, dtype_name, shape.causal, backend)
+      if c is None:
+        skipped[f"torch_sdpa_{backend}"] = "torch is not installed, or K != V or G != H"
+      elif "skip" in c:
+        skipped[f"torch_sdpa_{backend}"] = c["skip"]
+      else:
+        cases[f"torch_sdpa_{backend}"] = c
+  return cases, skipped, picks
+
+
 def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, repeats: int,
-                peers: bool, matmul_n: int = 2048, log=print) -> dict[str, Any]:
+                peers: bool, matmul_n: int = 2048, log=print,
+                impls: list[str] | None = None) -> dict[str, Any]:
   """Times the variants and peers at one shape; rows carry times, rates and ratios."""
   dtype = DTYPES[dtype_name]
   mask = attn.causal_mask(shape.T) if shape.causal else None
-  cases, skipped = {}, {}
+  cases, skipped, picks = {}, {}, {}
   if shape.long:
     cases, skipped = _long_cases(shape, dtype, dtype_name, peers)
+  if impls:
+    more, why, picks = _impl_cases(shape, dtype, dtype_name, impls, peers)
+    cases.update(more)
+    skipped.update(why)
   for v in [] if shape.long else variants:
     variant = attn.get_variant(v)
     try:
@@ -367,7 +413,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
     flops = (attn.get_variant(k).flops(shape.cfg, shape.T, shape.T) * shape.B
              if k in attn.VARIANTS else core_flops.get(k.removesuffix("_onednn"), fwd_flops))
     row = {"name": k, "kind": "peer" if k in PEERS else "variant", "fwd_flops": flops,
-           "peak_bytes": c["peak_bytes"]}
+           "peak_bytes": c["peak_bytes"], **({"ran": picks[k]} if k in picks else {})}
     for part, mult in (("fwd", 1), ("fb", 3)):
       t = times[f"{k}:{part}"]
       gflops = mult * flops / t["median_s"] / 1e9
@@ -380,7 +426,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
     r["ratios"] = {p: {part: r[part]["ms"] / by_name[p][part]["ms"] for part in ("fwd", "fb")}
                    for p in PEERS if p in by_name}
   return {"shape": dataclasses.asdict(shape), "dtype": dtype_name, "repeats": repeats,
-          "matmul": matmul, "rows": rows, "skipped": skipped}
+          "matmul": matmul, "rows": rows, "skipped": skipped, "picks": picks}
 
 
 def _mb(n):
@@ -410,7 +456,7 @@ def markdown(name: str, result: dict[str, Any]) -> str:
       f"{ratio_heads} peak MB |",
       "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(peers) + 1)]
   for r in result["rows"]:
-    label = PEER_LABELS.get(r["name"], r["name"])
+    label = PEER_LABELS.get(r["name"], r["name"]) + (f" ({r['ran']})" if r.get("ran") else "")
     ratios = "".join(f" {_ratio(r, p)} |" for p in peers)
     lines.append(
         f"| {label} | {r['fwd']['ms']:.1f} | {r['fwd']['pct_matmul']:.0f}% | {r['fb']['ms']:.1f} "
@@ -508,6 +554,7 @@ def run(args: argparse.Namespace) -> int:
                   GROUPS)
   variants = _names(args.variants, attn.VARIANTS, "--variants", attn.VARIANTS)
   repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
+  impls = None if args.impls is None else _names(args.impls, kernel.IMPLS, "--impls", ())
   if isinstance(repeats, bool) or repeats < 1:
     raise invalid("--repeats", repeats, "a positive integer")
   if args.account:  # the children's XLA_FLAGS extend this one: checked before JAX starts and reads it
@@ -531,7 +578,7 @@ def run(args: argparse.Namespace) -> int:
   results = {}
   for name in shapes:
     results[name] = bench_shape(name, SHAPES[name], variants, dtype, repeats,
-                                not args.no_peers, log=log)
+                                not args.no_peers, log=log, impls=impls)
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
             "shapes": results, "causal_ratio": causal_ratios(results),
