@@ -555,6 +555,8 @@ def run(args: argparse.Namespace) -> int:
   variants = _names(args.variants, attn.VARIANTS, "--variants", attn.VARIANTS)
   repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
   impls = None if args.impls is None else _names(args.impls, kernel.IMPLS, "--impls", ())
+  # An accelerator runs 2048³ in tens of microseconds, too short to time against the call's overhead.
+  matmul_n = 2048 if jax.default_backend() == "cpu" else 8192
   if isinstance(repeats, bool) or repeats < 1:
     raise invalid("--repeats", repeats, "a positive integer")
   if args.account:  # the children's XLA_FLAGS extend this one: checked before JAX starts and reads it
@@ -578,7 +580,7 @@ def run(args: argparse.Namespace) -> int:
   results = {}
   for name in shapes:
     results[name] = bench_shape(name, SHAPES[name], variants, dtype, repeats,
-                                not args.no_peers, log=log, impls=impls)
+                                not args.no_peers, log=log, impls=impls, matmul_n=matmul_n)
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
             "shapes": results, "causal_ratio": causal_ratios(results),
