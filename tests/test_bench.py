@@ -180,8 +180,10 @@ def test_cli_bad_flags_are_clear_errors(argv, match, capsys):
 @pytest.mark.slow
 def test_sweep_throughput_does_not_depend_on_the_current_directory(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # no configs/ here
-  r = bench.sweep_throughput(bench.SWEEP_CONFIG, seeds=2, steps=3)
+  r = bench.sweep_throughput(bench.SWEEP_CONFIG, seeds=2, steps=3, rounds=2)
   assert r["steps"] == 3 and r["seeds"] == 2
+  assert [list(x) for x in r["rounds"]] == [["sequential", "vmap"], ["vmap", "sequential"]]  # alternated
+  assert r["vmap"]["walls_s"] == [x["vmap"]["wall_s"] for x in r["rounds"]]
   assert r["trial"] == {}  # the built-in config has no swept axis but the seed
   assert r["sequential"]["status"] == ["ok"] and r["vmap"]["status"] == ["ok"]
   assert r["sequential"]["wall_s"] > 0 and r["vmap_speedup"] > 0

@@ -169,6 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--record", action="store_true",
                       help="with --steps: store this run's ratios as the reference (attn/bench/step_ratios.json)")
   parser.add_argument("--sweep-seeds", type=int, default=4, help="seeds trained for --sweep")
+  parser.add_argument("--sweep-rounds", type=int, default=1,
+                      help="for --sweep: rounds of sequential and vmap, alternated (order flipped each "
+                           "round); medians reported")
   parser.add_argument("--sweep-steps", type=int, default=None,
                       help="training steps per trial for --sweep (default: the config's; --quick 20)")
 
@@ -494,16 +497,18 @@ def window_ratios(results: dict[str, Any]) -> dict[int, float]:
   return out
 
 
-def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[str, Any]:
-  """Trials per minute of the config's first trial over `seeds` seeds: one by one, then under vmap.
+def sweep_throughput(config_path: str, seeds: int, steps: int | None, rounds: int = 1) -> dict[str, Any]:
+  """Trials per minute of the config's first trial over `seeds` seeds: one by one, and under vmap.
 
   Both go through the runner's train_group, compile included (the runner
   compiles once per shape, so a sweep pays it once per group), with the
-  persistent compilation cache the runner turns on.
+  persistent compilation cache the runner turns on. With rounds > 1 the two
+  alternate, the order flipped each round (sequential, vmap, vmap, sequential,
+  ...) so that a change of load hits both; the figures are medians over rounds.
   """
   from attn.experiments.running import config as config_lib
   from attn.experiments.training import train
-  for field, value in (("--sweep-seeds", seeds), ("--sweep-steps", steps)):
+  for field, value in (("--sweep-seeds", seeds), ("--sweep-steps", steps), ("--sweep-rounds", rounds)):
     if value is not None and (isinstance(value, bool) or value < 1):
       raise invalid(field, value, "a positive integer")
   if config_path == SWEEP_CONFIG:
@@ -520,17 +525,28 @@ def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[st
   cache = train.enable_compilation_cache()
   label = {k: v for k, v in trial.label.items() if k != "train.seed"}
   out = {"config": config_path, "trial": label, "seeds": seeds,
-         "steps": configs[0]["train"]["steps"], "compilation_cache": cache}
-  for mode, vmap in (("sequential", False), ("vmap", True)):
-    t0 = time.perf_counter()
-    summaries = train.train_group(configs, on_row=lambda i, row: None, vmap=vmap)
-    wall = time.perf_counter() - t0
-    per_group = len(summaries) if vmap else 1  # under vmap every summary holds the group's times
-    train_s = float(sum(s_.get("train_s", 0.0) for s_ in summaries) / per_group)
-    out[mode] = {"wall_s": wall, "trials_per_minute": 60 * seeds / wall,
-                 "compile_s": float(sum(s_.get("compile_s", 0.0) for s_ in summaries) / per_group),
+         "steps": configs[0]["train"]["steps"], "compilation_cache": cache, "rounds": []}
+  modes = (("sequential", False), ("vmap", True))
+  for r in range(rounds):
+    this = {}
+    for mode, vmap in modes if r % 2 == 0 else modes[::-1]:
+      t0 = time.perf_counter()
+      summaries = train.train_group(configs, on_row=lambda i, row: None, vmap=vmap)
+      wall = time.perf_counter() - t0
+      per_group = len(summaries) if vmap else 1  # under vmap every summary holds the group's times
+      this[mode] = {"wall_s": wall,
+                    "compile_s": float(sum(s_.get("compile_s", 0.0) for s_ in summaries) / per_group),
+                    "train_s": float(sum(s_.get("train_s", 0.0) for s_ in summaries) / per_group),
+                    "status": sorted({s_["status"] for s_ in summaries}),
+                    "loadavg": list(os.getloadavg())}
+    out["rounds"].append(this)
+  for mode, _ in modes:
+    med = lambda key: statistics.median(r_[mode][key] for r_ in out["rounds"])
+    wall, train_s = med("wall_s"), med("train_s")
+    out[mode] = {"wall_s": wall, "trials_per_minute": 60 * seeds / wall, "compile_s": med("compile_s"),
                  "train_s": train_s, "steady_trials_per_minute": 60 * seeds / max(train_s, 1e-9),
-                 "status": sorted({s_["status"] for s_ in summaries})}
+                 "walls_s": [r_[mode]["wall_s"] for r_ in out["rounds"]],
+                 "status": sorted({x for r_ in out["rounds"] for x in r_[mode]["status"]})}
   out["vmap_speedup"] = out["sequential"]["wall_s"] / out["vmap"]["wall_s"]
   return out
 
@@ -539,8 +555,10 @@ def sweep_markdown(r: dict[str, Any]) -> str:
   rows = "\n".join(f"| {m} | {r[m]['wall_s']:.1f} | {r[m]['compile_s']:.1f} "
                    f"| {r[m]['trials_per_minute']:.1f} | {r[m]['steady_trials_per_minute']:.1f} |"
                    for m in ("sequential", "vmap"))
+  walls = "; ".join(f"{m}: " + ", ".join(f"{w:.1f}" for w in r[m].get("walls_s", [])) for m in ("sequential", "vmap"))
   return (f"### sweep throughput: {r['config']} [{', '.join(f'{k}={v}' for k, v in r['trial'].items())}], "
-          f"{r['seeds']} seeds x {r['steps']} steps\n\n"
+          f"{r['seeds']} seeds x {r['steps']} steps, median of {len(r.get('rounds', [])) or 1} "
+          f"alternated rounds (wall s per round, in order: {walls})\n\n"
           f"| mode | wall s | compile s | trials / minute | without compile |\n"
           f"|---|---:|---:|---:|---:|\n{rows}\n\n"
           f"Seeds under vmap: {r['vmap_speedup']:.2f}x the sequential throughput (wall).")
@@ -595,7 +613,7 @@ def run(args: argparse.Namespace) -> int:
   if args.sweep:
     log("[sweep] training ...")
     steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)
-    report["sweep"] = sweep_throughput(args.sweep, args.sweep_seeds, steps)
+    report["sweep"] = sweep_throughput(args.sweep, args.sweep_seeds, steps, args.sweep_rounds)
     print("\n" + sweep_markdown(report["sweep"]))
   if args.out:
     with open(args.out, "w") as f:
