@@ -132,6 +132,7 @@ def test_tokamax_wrapper_equals_einsum_through_tokamax_xla_path():
     (6, 6, dict(window=3, kv_lengths=[6, 2])),
     (5, 8, dict(mask=True, bias=True)),
     (8, 8, dict(is_causal=True, softcap=4.0)),
+    (7, 7, dict(mask=True, kv_lengths=[7, 2], window=2)),  # a row the masks empty only together
 ])
 def test_tokamax_wrapper_sweep_through_tokamax_xla_path(T, S, options):
   qkv, kw = case(T * S, 2, T, S, 4, 1, 8, 8, **options)

@@ -99,11 +99,13 @@ def rows_with_keys(mask: Array | None, T: int, S: int, is_causal: bool, kv_lengt
 
   For the wrappers of kernels that give a fully masked row something other than
   attn's zeros; None when every row keeps one. Without a dense mask no (T,S)
-  array is built.
+  array is built; with one, the masks are ANDed before asking.
   """
-  rows_BT = visible_rows(T, S, is_causal, kv_lengths, window)
-  keep = None if rows_BT is None else rows_BT[:, :, None, None]
-  if mask is not None:
-    dense_BTH1 = jnp.broadcast_to(mask, (B, H, T, S)).any(-1).transpose(0, 2, 1)[..., None]
-    keep = dense_BTH1 if keep is None else keep & dense_BTH1
-  return keep
+  if mask is None:
+    rows_BT = visible_rows(T, S, is_causal, kv_lengths, window)
+    return None if rows_BT is None else rows_BT[:, :, None, None]
+  structured = [causal_mask(T, S) if is_causal else None,
+                None if kv_lengths is None else padding_mask(kv_lengths, S),
+                None if window is None else window_mask(T, S, window)]
+  full = combine_masks(mask, *structured)
+  return jnp.broadcast_to(full, (full.shape[0], H, T, S)).any(-1).transpose(0, 2, 1)[..., None]
