@@ -23,6 +23,10 @@ whatever their neighbours, 0 faults per call. Where mimalloc is missing, or in
 a process that is not the `attn` command (a library user, pytest), the glibc
 mallopt settings above are the fallback. ATTN_HOST_MALLOC: keep (default: the
 best of the two), mallopt (glibc's settings only), default (glibc untouched).
+
+All of this is for XLA:CPU's buffers. Where jax will run on a GPU or TPU (an
+accelerator plugin is installed and JAX_PLATFORMS does not say cpu) glibc is
+left as it is, and keep_freed_memory() says so for the records.
 """
 
 from __future__ import annotations
@@ -79,6 +83,26 @@ def mimalloc_loaded() -> bool:
     return False
 
 
+# jax's accelerator plugins by module: CUDA, ROCm and TPU (libtpu).
+ACCELERATOR_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin",
+                       "libtpu")
+
+
+def accelerator_plugin() -> str | None:
+  """The accelerator plugin jax will use here, or None (none installed, or JAX_PLATFORMS=cpu)."""
+  import importlib.util
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms and all(p.strip() == "cpu" for p in platforms.split(",")):
+    return None
+  for name in ACCELERATOR_PLUGINS:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return name
+    except (ImportError, ValueError):
+      continue
+  return None
+
+
 def is_attn_command() -> bool:
   """Whether this process is the `attn` command (`attn ...` or `python -m attn ...`)."""
   argv = getattr(sys, "orig_argv", [])
@@ -97,6 +121,8 @@ def use_kept_allocator() -> None:
   except Exception:  # a bad value is reported as a ConfigError by keep_freed_memory()
     return
   if os.environ.get(PRELOADED) or not _glibc_linux() or not getattr(sys, "orig_argv", None):
+    return
+  if accelerator_plugin() is not None:
     return
   lib = mimalloc_path()
   if lib is None:
@@ -128,8 +154,11 @@ def keep_freed_memory() -> str:
   if "setting" in _state:
     return _state["setting"]
   chosen = mode()
+  plugin = accelerator_plugin()
   if chosen == "default":
     setting = f"glibc default ({ENV}=default)"
+  elif plugin is not None and not mimalloc_loaded():
+    setting = f"glibc default (an accelerator run: {plugin} is installed; the settings are for XLA:CPU)"
   elif chosen == "keep" and mimalloc_loaded():
     setting = f"mimalloc (LD_PRELOAD, MIMALLOC_PURGE_DELAY={os.environ.get('MIMALLOC_PURGE_DELAY', '')})"
   elif not _glibc_linux():

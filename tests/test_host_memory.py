@@ -101,3 +101,23 @@ def test_host_memory_mode_is_checked(monkeypatch):
   assert host_memory.mode() == "default"
   monkeypatch.setenv(host_memory.ENV, "mallopt")
   assert host_memory.mode() == "mallopt"
+
+
+def test_an_accelerator_run_leaves_the_allocator_alone(monkeypatch):
+  calls = []
+  monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
+  monkeypatch.setenv(host_memory.ENV, "keep")
+  monkeypatch.delenv(host_memory.PRELOADED, raising=False)
+  monkeypatch.setattr(host_memory, "mimalloc_path", lambda: "/lib/libmimalloc.so")
+  monkeypatch.setattr(host_memory, "_glibc_linux", lambda: True)
+  monkeypatch.setattr(host_memory, "accelerator_plugin", lambda: "jax_cuda12_plugin")
+  host_memory.use_kept_allocator()
+  assert calls == []
+  monkeypatch.setattr(host_memory, "_state", {})
+  monkeypatch.setattr(host_memory, "mimalloc_loaded", lambda: False)
+  assert "accelerator run: jax_cuda12_plugin" in host_memory.keep_freed_memory()
+
+
+def test_jax_platforms_cpu_is_not_an_accelerator_run(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert host_memory.accelerator_plugin() is None

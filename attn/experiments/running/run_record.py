@@ -4,7 +4,8 @@ A start line holds the command line, attn's commit (whether the tree was
 dirty, and a SHA-256 of `git diff HEAD` when it was), the versions of attn,
 jax, jaxlib, flax, optax, numpy and Python, the CPU model and its AVX-512 and
 AMX flags, the cores (and those this process may use), XLA_FLAGS, the device
-kind, jax's backend and the attention kernel's table there (the order "auto"
+kind, the host allocator in force (attn.host_memory: off on an accelerator
+run), jax's backend and the attention kernel's table there (the order "auto"
 tries, the implementations of that backend, whether Pallas runs interpreted),
 the start time and the load average. Which implementation each trial's
 attention calls ran ("auto" resolved) is in its summary, attention_impls. An end line holds the end time,
@@ -94,12 +95,17 @@ def kernel_table() -> dict[str, Any]:
           "pallas_interpret": splash.interpret()}
 
 
+def _host_malloc() -> str:
+  from attn import host_memory
+  return host_memory.in_force()
+
+
 def start_line() -> dict[str, Any]:
   """Where and how this process runs (the start line)."""
   import jax  # the sweep has imported it already
   return {"event": "start", "command": shlex.join(["attn", *sys.argv[1:]]), **_commit(), "versions": _versions(),
           **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "device_kind": jax.devices()[0].device_kind,
-          "kernel": kernel_table(), "start": _now(), "start_unix": time.time(),
+          "kernel": kernel_table(), "host_malloc": _host_malloc(), "start": _now(), "start_unix": time.time(),
           "loadavg": list(os.getloadavg())}
 
 
