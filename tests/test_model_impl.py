@@ -89,3 +89,10 @@ def test_the_run_record_names_the_backend_and_auto_s_order(monkeypatch):
   line = run_record.start_line()
   assert line["kernel"]["auto_order"][0] == "splash" and "splash" in line["kernel"]["impls_for_backend"]
   assert "(tpu backend)" in run_record.describe(line)
+
+
+def test_a_sweep_whose_impl_does_not_run_here_is_refused_before_any_training(monkeypatch):
+  monkeypatch.setattr(impls, "backend", lambda: "cpu")
+  sweep = config_lib.load(os.path.join(ROOT, "configs", "quick.toml"), ["model.impl=cudnn"])
+  with pytest.raises(ConfigError, match=r"model.impl='cudnn'.*GPU backend only"):
+    config_lib.check_devices(sweep.trials, sweep.vmap_seeds)
