@@ -69,6 +69,7 @@ def test_impl_enters_the_trial_id_only_away_from_auto():
   assert trial.config["model"]["impl"] == "blocked"
 
 
+@pytest.mark.slow  # a real training step: about 2 s
 def test_a_trial_summary_names_what_its_attention_ran():
   from attn.experiments.training import train
   for impl, want in (("auto", {"einsum"}),):  # on CPU at T = 12 "auto" resolves to the einsum kernel
