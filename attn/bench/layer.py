@@ -591,7 +591,8 @@ def run(args: argparse.Namespace) -> int:
   print(f"# attn bench\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
-        + f"; load average at start {info['load_average']}; impl=\"onednn\": {info['onednn']}\n")
+        + f"; load average at start {info['load_average']}; impl=\"onednn\": {info['onednn']}; "
+        f"jax backend {info['backend']}, \"auto\" tries {', '.join(info['auto_order'])}\n")
   print("Times are medians (ms). % mm: analytic GFLOP/s over this run's matmul rate. "
         "× peer: this layer's time over the peer's (below 1 is faster). "
         "fwd+bwd FLOPs = 3 × forward.\n")
