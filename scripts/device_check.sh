@@ -145,7 +145,8 @@ if [[ "$BACKEND" != "gpu" ]]; then
 fi
 
 # 3. The gpu-marked tests (-m gpu overrides pyproject's default marker filter).
-step gpu_tests 150 "$PY" -m pytest -m gpu -n 0 -q -rs -p no:cacheprovider tests/test_kernel_accelerators.py
+step gpu_tests 150 "$PY" -m pytest -m gpu -n 0 -q -rs -p no:cacheprovider tests/test_kernel_accelerators.py \
+  tests/test_trials_per_device.py
 
 # 4. attn bench: attn's cores side by side with torch SDPA's flash and cuDNN backends, and the matmul rate.
 IMPLS=auto,cudnn,tokamax,blocked,einsum,xla

@@ -66,3 +66,31 @@ def test_trials_per_device_runs_the_workers_executor(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
   assert cli._check(parse("--trials-per-device", "2")) == "workers"
   assert __import__("os").environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+
+@pytest.mark.slow  # two worker processes, each compiling: about 20 s
+def test_trials_per_device_runs_every_trial_once_on_cpu(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  from conftest import TINY_SWEEP
+  cfg = tmp_path / "c.toml"
+  cfg.write_text(TINY_SWEEP + '\n[meta]\nname = "t"\nquestion = "q"\n')
+  out = tmp_path / "run"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  p = subprocess.run([sys.executable, "-m", "attn", "sweep", str(cfg), "--out", str(out), "--no-report",
+                      "--trials-per-device", "2"], capture_output=True, text=True, env=env, timeout=600)
+  assert p.returncode == 0, p.stderr
+  assert "2 local workers" in p.stderr
+  done = [json.loads((d / "summary.json").read_text())["status"] for d in (out / "trials").iterdir()]
+  assert done and set(done) == {"ok"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(__import__("jax").default_backend() != "gpu", reason="needs a GPU backend")
+def test_per_device_plan_on_this_gpu():
+  import jax
+  k, placement, fraction = workers.per_device_plan(2, jax.local_devices(), io.StringIO())
+  assert k == 2 and len(placement) == 2 * jax.local_device_count() and fraction == "0.450"
