@@ -137,7 +137,7 @@ env["available_impls"] = kernel.available_impls()
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(env, indent=1), file=sys.stderr)
 EOF
-[[ -s "$OUT/env.json" ]] && cat "$OUT/env.json" >&2 || { say "env: could not import jax/attn (see $OUT/env.log)"; FAILED=1; }
+[[ -s "$OUT/env.json" ]] && { cat "$OUT/env.json"; echo; } >&2 || { say "env: could not import jax/attn (see $OUT/env.log)"; FAILED=1; }
 BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)
 if [[ "$BACKEND" != "gpu" ]]; then
   say "NO GPU: jax's default backend is \"${BACKEND:-unknown}\". The GPU measurements below are skipped,"
