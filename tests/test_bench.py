@@ -180,8 +180,10 @@ def test_cli_bad_flags_are_clear_errors(argv, match, capsys):
 @pytest.mark.slow
 def test_sweep_throughput_does_not_depend_on_the_current_directory(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # no configs/ here
-  r = bench.sweep_throughput(bench.SWEEP_CONFIG, seeds=2, steps=3)
+  r = bench.sweep_throughput(bench.SWEEP_CONFIG, seeds=2, steps=3, rounds=2)
   assert r["steps"] == 3 and r["seeds"] == 2
+  assert [list(x) for x in r["rounds"]] == [["sequential", "vmap"], ["vmap", "sequential"]]  # alternated
+  assert r["vmap"]["walls_s"] == [x["vmap"]["wall_s"] for x in r["rounds"]]
   assert r["trial"] == {}  # the built-in config has no swept axis but the seed
   assert r["sequential"]["status"] == ["ok"] and r["vmap"]["status"] == ["ok"]
   assert r["sequential"]["wall_s"] > 0 and r["vmap_speedup"] > 0
@@ -230,3 +232,16 @@ def test_step_ratios_are_stored_and_checked_per_cpu_kind(tmp_path):
 def test_cpu_kind_names_the_model_first():
   model, kind = bench.cpu_kind()
   assert kind.startswith(model) and kind == bench.machine_info()["cpu_kind"]
+
+
+@pytest.mark.slow
+def test_impls_rows_name_auto_s_pick_and_skip_what_does_not_run_here():
+  shape = bench.Shape(B=1, T=6, D=8, H=2, K=4, causal=True)
+  result = bench.bench_shape("tiny", shape, [], "float32", repeats=1, peers=False, matmul_n=32,
+                             log=lambda _: None, impls=["auto", "cudnn"])
+  rows = {r["name"]: r for r in result["rows"]}
+  assert rows["fused[auto]"]["ran"] == "einsum"
+  assert "GPU backend only" in result["skipped"]["fused[cudnn]"]
+  assert "fused[auto] (einsum)" in bench.markdown("tiny", result)
+  with pytest.raises(ConfigError, match="--impls.*'flash'"):
+    bench._names("einsum,flash", kernel.IMPLS, "--impls", ())

@@ -9,7 +9,7 @@ ATTN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Bottom up. A module may import its own layer and those below it. count sits above nn because it
 # counts nn's models (ModelConfig); analysis below nn because the sentence models use its pooling.
 LAYERS = [
-    ("config", "process", "host_memory"),
+    ("config", "process"),
     ("registry",),
     ("kernel",),
     ("variants", "api"),

@@ -223,3 +223,20 @@ def test_kept_allocator_serves_each_call_without_page_faults():
   untouched = _python(_PROBE, ATTN_HOST_MALLOC="default")  # the probe counts what it should: glibc maps afresh
   assert untouched["setting"].startswith("glibc default"), untouched
   assert min(untouched["faults"]) > PAGES * 0.9, untouched
+
+
+def test_an_accelerator_run_leaves_the_allocator_alone(monkeypatch):
+  calls = []
+  monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
+  monkeypatch.delenv(process.PRELOADED, raising=False)
+  monkeypatch.setattr(process, "mimalloc_path", lambda: "/lib/libmimalloc.so")
+  monkeypatch.setattr(process, "mimalloc_loaded", lambda: False)
+  monkeypatch.setattr(process, "_glibc_linux", lambda: True)
+  monkeypatch.setattr(process, "accelerator_plugin", lambda: "jax_cuda12_plugin")
+  assert "accelerator run: jax_cuda12_plugin" in process._allocator("keep")
+  assert calls == []
+
+
+def test_jax_platforms_cpu_is_not_an_accelerator_run(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert process.accelerator_plugin() is None

@@ -41,17 +41,20 @@ import jax
 import jax.numpy as jnp
 
 import attn
-from attn import process
+from attn import kernel, process
 from attn.kernel import onednn
 from attn.bench import peers as peers_lib
 from attn.config import ConfigError, HeadConfig, invalid
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-PEERS = ("flax", "jax_dpa", "torch", "torch_sdpa")  # rows that other rows are divided by
+PEERS = ("flax", "jax_dpa", "torch", "torch_sdpa", "torch_sdpa_flash",
+         "torch_sdpa_cudnn")  # rows that other rows are divided by
 PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "jax_dpa": "jax.nn.dot_product_attention",
                "torch": "torch.nn.MultiheadAttention",
                "torch_sdpa": "torch F.scaled_dot_product_attention",
+               "torch_sdpa_flash": "torch SDPA, flash backend",
+               "torch_sdpa_cudnn": "torch SDPA, cuDNN backend",
                "einsum": "fused, einsum kernel",
                "core": "blocked core alone, causal",
                "core_full": "blocked core alone, no mask",
@@ -61,7 +64,8 @@ PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "core_full_onednn": 'blocked core alone, no mask, impl="onednn"',
                "core_window_onednn": 'blocked core alone, causal window 256, impl="onednn"'}
 RATIO_LABELS = {"flax": "× flax", "jax_dpa": "× jax dpa", "torch": "× torch",
-                "torch_sdpa": "× torch SDPA"}
+                "torch_sdpa": "× torch SDPA", "torch_sdpa_flash": "× SDPA flash",
+                "torch_sdpa_cudnn": "× SDPA cuDNN"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +97,8 @@ for _T in LONG_LENGTHS:
     SHAPES[f"long-{_T}{'-causal' if _causal else ''}"] = Shape(
         B=1, T=_T, D=512, H=8, K=64, causal=_causal, long=True)
 GROUPS = {"long": tuple(n for n in SHAPES if n.startswith("long-"))}
+# issue 44's accelerator goal: T = 4096, causal, 16 heads of 128 (run in bfloat16 on a GPU).
+SHAPES["wide-4096-causal"] = Shape(B=1, T=4096, D=2048, H=16, K=128, causal=True, long=True)
 DEFAULT_SHAPES = ("reference", "causal", "small")
 QUICK_SHAPES = ("reference", "small")
 SWEEP_CONFIG = "builtin"
@@ -140,6 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true",
                       help="fewer shapes and repeats: a smoke run, not a measurement")
   parser.add_argument("--no-peers", action="store_true", help="skip flax, jax and torch")
+  parser.add_argument("--impls", default=None,
+                      help="also time the fused layer with each of these attention cores "
+                           "(comma-separated from attn.kernel.IMPLS; rows fused[impl], \"auto\"'s "
+                           "pick named), and torch SDPA pinned to its flash and cuDNN backends")
   parser.add_argument("--sweep", metavar="CONFIG", nargs="?", const=SWEEP_CONFIG, default=None,
                       help="also measure sweep throughput, trials per minute, sequential vs "
                            "seeds under vmap, on the first trial of CONFIG (default: a built-in "
@@ -158,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--record", action="store_true",
                       help="with --steps: store this run's ratios as the reference (attn/bench/step_ratios.json)")
   parser.add_argument("--sweep-seeds", type=int, default=4, help="seeds trained for --sweep")
+  parser.add_argument("--sweep-rounds", type=int, default=1,
+                      help="for --sweep: rounds of sequential and vmap, alternated (order flipped each "
+                           "round); medians reported")
   parser.add_argument("--sweep-steps", type=int, default=None,
                       help="training steps per trial for --sweep (default: the config's; --quick 20)")
 
@@ -213,7 +226,8 @@ def machine_info() -> dict[str, Any]:
           "platform": platform.platform(), "device": f"{dev.platform}: {dev.device_kind}",
           "load_average": _load_average(),
           "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "host_malloc": process.in_force(),
+          "host_malloc": process.in_force(), "backend": jax.default_backend(),
+          "auto_order": list(kernel.AUTO.get(jax.default_backend(), kernel.AUTO["cpu"])),
           "onednn": onednn.why_not() or "available"}  # impl="onednn", or why it does not run here
 
 
@@ -315,14 +329,48 @@ def core_flops_of(shape: Shape) -> dict[str, int]:
   return {"core": per_pair * T * T, "core_full": per_pair * T * T, "core_window": per_pair * pairs}
 
 
+def _impl_cases(shape: Shape, dtype, dtype_name: str, impls: list[str],
+                peers: bool) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+  """The fused layer with each named core (is_causal, not a dense mask), "auto"'s pick, and torch
+  SDPA pinned to its flash and cuDNN backends: (cases, skipped with the reason, picks)."""
+  cases, skipped, picks = {}, {}, {}
+  for impl in impls:
+    name = f"fused[{impl}]"
+    try:
+      kernel.check_impl(impl, jnp.dtype(dtype))
+      with kernel.record_picks() as seen:
+        cases[name] = peers_lib.fused_case(shape.cfg, shape.B, shape.T, dtype, impl=impl,
+                                           is_causal=shape.causal)
+      picks[name] = ",".join(seen)
+    except ConfigError as e:
+      skipped[name] = f"refused: {e}"
+    except Exception as e:  # a kernel failing to compile here: said, and the other rows still run
+      skipped[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  if peers:
+    for backend in ("flash", "cudnn"):
+      c = peers_lib.torch_sdpa_case(shape.cfg, shape.B, shape.T, dtype_name, shape.causal, backend)
+      if c is None:
+        skipped[f"torch_sdpa_{backend}"] = "torch is not installed, or K != V or G != H"
+      elif "skip" in c:
+        skipped[f"torch_sdpa_{backend}"] = c["skip"]
+      else:
+        cases[f"torch_sdpa_{backend}"] = c
+  return cases, skipped, picks
+
+
 def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, repeats: int,
-                peers: bool, matmul_n: int = 2048, log=print) -> dict[str, Any]:
+                peers: bool, matmul_n: int = 2048, log=print,
+                impls: list[str] | None = None) -> dict[str, Any]:
   """Times the variants and peers at one shape; rows carry times, rates and ratios."""
   dtype = DTYPES[dtype_name]
   mask = attn.causal_mask(shape.T) if shape.causal else None
-  cases, skipped = {}, {}
+  cases, skipped, picks = {}, {}, {}
   if shape.long:
     cases, skipped = _long_cases(shape, dtype, dtype_name, peers)
+  if impls:
+    more, why, picks = _impl_cases(shape, dtype, dtype_name, impls, peers)
+    cases.update(more)
+    skipped.update(why)
   for v in [] if shape.long else variants:
     variant = attn.get_variant(v)
     try:
@@ -367,7 +415,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
     flops = (attn.get_variant(k).flops(shape.cfg, shape.T, shape.T) * shape.B
              if k in attn.VARIANTS else core_flops.get(k.removesuffix("_onednn"), fwd_flops))
     row = {"name": k, "kind": "peer" if k in PEERS else "variant", "fwd_flops": flops,
-           "peak_bytes": c["peak_bytes"]}
+           "peak_bytes": c["peak_bytes"], **({"ran": picks[k]} if k in picks else {})}
     for part, mult in (("fwd", 1), ("fb", 3)):
       t = times[f"{k}:{part}"]
       gflops = mult * flops / t["median_s"] / 1e9
@@ -380,7 +428,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
     r["ratios"] = {p: {part: r[part]["ms"] / by_name[p][part]["ms"] for part in ("fwd", "fb")}
                    for p in PEERS if p in by_name}
   return {"shape": dataclasses.asdict(shape), "dtype": dtype_name, "repeats": repeats,
-          "matmul": matmul, "rows": rows, "skipped": skipped}
+          "matmul": matmul, "rows": rows, "skipped": skipped, "picks": picks}
 
 
 def _mb(n):
@@ -410,7 +458,7 @@ def markdown(name: str, result: dict[str, Any]) -> str:
       f"{ratio_heads} peak MB |",
       "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(peers) + 1)]
   for r in result["rows"]:
-    label = PEER_LABELS.get(r["name"], r["name"])
+    label = PEER_LABELS.get(r["name"], r["name"]) + (f" ({r['ran']})" if r.get("ran") else "")
     ratios = "".join(f" {_ratio(r, p)} |" for p in peers)
     lines.append(
         f"| {label} | {r['fwd']['ms']:.1f} | {r['fwd']['pct_matmul']:.0f}% | {r['fb']['ms']:.1f} "
@@ -448,16 +496,18 @@ def window_ratios(results: dict[str, Any]) -> dict[int, float]:
   return out
 
 
-def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[str, Any]:
-  """Trials per minute of the config's first trial over `seeds` seeds: one by one, then under vmap.
+def sweep_throughput(config_path: str, seeds: int, steps: int | None, rounds: int = 1) -> dict[str, Any]:
+  """Trials per minute of the config's first trial over `seeds` seeds: one by one, and under vmap.
 
   Both go through the runner's train_group, compile included (the runner
   compiles once per shape, so a sweep pays it once per group), with the
-  persistent compilation cache the runner turns on.
+  persistent compilation cache the runner turns on. With rounds > 1 the two
+  alternate, the order flipped each round (sequential, vmap, vmap, sequential,
+  ...) so that a change of load hits both; the figures are medians over rounds.
   """
   from attn.experiments.running import config as config_lib
   from attn.experiments.training import train
-  for field, value in (("--sweep-seeds", seeds), ("--sweep-steps", steps)):
+  for field, value in (("--sweep-seeds", seeds), ("--sweep-steps", steps), ("--sweep-rounds", rounds)):
     if value is not None and (isinstance(value, bool) or value < 1):
       raise invalid(field, value, "a positive integer")
   if config_path == SWEEP_CONFIG:
@@ -474,17 +524,28 @@ def sweep_throughput(config_path: str, seeds: int, steps: int | None) -> dict[st
   cache = train.enable_compilation_cache()
   label = {k: v for k, v in trial.label.items() if k != "train.seed"}
   out = {"config": config_path, "trial": label, "seeds": seeds,
-         "steps": configs[0]["train"]["steps"], "compilation_cache": cache}
-  for mode, vmap in (("sequential", False), ("vmap", True)):
-    t0 = time.perf_counter()
-    summaries = train.train_group(configs, on_row=lambda i, row: None, vmap=vmap)
-    wall = time.perf_counter() - t0
-    per_group = len(summaries) if vmap else 1  # under vmap every summary holds the group's times
-    train_s = float(sum(s_.get("train_s", 0.0) for s_ in summaries) / per_group)
-    out[mode] = {"wall_s": wall, "trials_per_minute": 60 * seeds / wall,
-                 "compile_s": float(sum(s_.get("compile_s", 0.0) for s_ in summaries) / per_group),
+         "steps": configs[0]["train"]["steps"], "compilation_cache": cache, "rounds": []}
+  modes = (("sequential", False), ("vmap", True))
+  for r in range(rounds):
+    this = {}
+    for mode, vmap in modes if r % 2 == 0 else modes[::-1]:
+      t0 = time.perf_counter()
+      summaries = train.train_group(configs, on_row=lambda i, row: None, vmap=vmap)
+      wall = time.perf_counter() - t0
+      per_group = len(summaries) if vmap else 1  # under vmap every summary holds the group's times
+      this[mode] = {"wall_s": wall,
+                    "compile_s": float(sum(s_.get("compile_s", 0.0) for s_ in summaries) / per_group),
+                    "train_s": float(sum(s_.get("train_s", 0.0) for s_ in summaries) / per_group),
+                    "status": sorted({s_["status"] for s_ in summaries}),
+                    "loadavg": list(os.getloadavg())}
+    out["rounds"].append(this)
+  for mode, _ in modes:
+    med = lambda key: statistics.median(r_[mode][key] for r_ in out["rounds"])
+    wall, train_s = med("wall_s"), med("train_s")
+    out[mode] = {"wall_s": wall, "trials_per_minute": 60 * seeds / wall, "compile_s": med("compile_s"),
                  "train_s": train_s, "steady_trials_per_minute": 60 * seeds / max(train_s, 1e-9),
-                 "status": sorted({s_["status"] for s_ in summaries})}
+                 "walls_s": [r_[mode]["wall_s"] for r_ in out["rounds"]],
+                 "status": sorted({x for r_ in out["rounds"] for x in r_[mode]["status"]})}
   out["vmap_speedup"] = out["sequential"]["wall_s"] / out["vmap"]["wall_s"]
   return out
 
@@ -493,8 +554,10 @@ def sweep_markdown(r: dict[str, Any]) -> str:
   rows = "\n".join(f"| {m} | {r[m]['wall_s']:.1f} | {r[m]['compile_s']:.1f} "
                    f"| {r[m]['trials_per_minute']:.1f} | {r[m]['steady_trials_per_minute']:.1f} |"
                    for m in ("sequential", "vmap"))
+  walls = "; ".join(f"{m}: " + ", ".join(f"{w:.1f}" for w in r[m].get("walls_s", [])) for m in ("sequential", "vmap"))
   return (f"### sweep throughput: {r['config']} [{', '.join(f'{k}={v}' for k, v in r['trial'].items())}], "
-          f"{r['seeds']} seeds x {r['steps']} steps\n\n"
+          f"{r['seeds']} seeds x {r['steps']} steps, median of {len(r.get('rounds', [])) or 1} "
+          f"alternated rounds (wall s per round, in order: {walls})\n\n"
           f"| mode | wall s | compile s | trials / minute | without compile |\n"
           f"|---|---:|---:|---:|---:|\n{rows}\n\n"
           f"Seeds under vmap: {r['vmap_speedup']:.2f}x the sequential throughput (wall).")
@@ -508,6 +571,9 @@ def run(args: argparse.Namespace) -> int:
                   GROUPS)
   variants = _names(args.variants, attn.VARIANTS, "--variants", attn.VARIANTS)
   repeats = args.repeats if args.repeats is not None else (5 if args.quick else 20)
+  impls = None if args.impls is None else _names(args.impls, kernel.IMPLS, "--impls", ())
+  # An accelerator runs 2048³ in tens of microseconds, too short to time against the call's overhead.
+  matmul_n = 2048 if jax.default_backend() == "cpu" else 8192
   if isinstance(repeats, bool) or repeats < 1:
     raise invalid("--repeats", repeats, "a positive integer")
   if args.account:  # the children's XLA_FLAGS extend this one: checked before JAX starts and reads it
@@ -524,14 +590,15 @@ def run(args: argparse.Namespace) -> int:
   print(f"# attn bench\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores ({info['threads']} usable: XLA "
         f"and torch threads), {info['device']}; "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
-        + f"; load average at start {info['load_average']}; impl=\"onednn\": {info['onednn']}\n")
+        + f"; load average at start {info['load_average']}; impl=\"onednn\": {info['onednn']}; "
+        f"jax backend {info['backend']}, \"auto\" tries {', '.join(info['auto_order'])}\n")
   print("Times are medians (ms). % mm: analytic GFLOP/s over this run's matmul rate. "
         "× peer: this layer's time over the peer's (below 1 is faster). "
         "fwd+bwd FLOPs = 3 × forward.\n")
   results = {}
   for name in shapes:
     results[name] = bench_shape(name, SHAPES[name], variants, dtype, repeats,
-                                not args.no_peers, log=log)
+                                not args.no_peers, log=log, impls=impls, matmul_n=matmul_n)
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
             "shapes": results, "causal_ratio": causal_ratios(results),
@@ -546,7 +613,7 @@ def run(args: argparse.Namespace) -> int:
   if args.sweep:
     log("[sweep] training ...")
     steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)
-    report["sweep"] = sweep_throughput(args.sweep, args.sweep_seeds, steps)
+    report["sweep"] = sweep_throughput(args.sweep, args.sweep_seeds, steps, args.sweep_rounds)
     print("\n" + sweep_markdown(report["sweep"]))
   if args.out:
     with open(args.out, "w") as f:

@@ -114,22 +114,31 @@ def _torch_dtype(torch, dtype_name: str):
   return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
 
 
+def torch_device(torch) -> str:
+  """"cuda" when torch sees a GPU (the bench then runs torch there, beside jax's), else "cpu"."""
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _torch_calls(torch, layer, params, B: int, T: int, D: int, tdtype) -> Candidate:
   """Forward (no grad) and forward+backward (grads of params and x) calls of a torch layer."""
   torch.manual_seed(0)
-  x = torch.randn(B, T, D, dtype=tdtype)
-  ct = torch.randn(B, T, D, dtype=tdtype)
+  device = torch_device(torch)
+  x = torch.randn(B, T, D, dtype=tdtype, device=device)
+  ct = torch.randn(B, T, D, dtype=tdtype, device=device)
   params = list(params)
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
   def fwd():
     with torch.no_grad():
       layer(x)
+    sync()
 
   def fb():
     xg = x.detach().requires_grad_(True)
     for p in params:
       p.grad = None
     layer(xg).backward(ct)
+    sync()
   return {"fwd": fwd, "fb": fb, "peak_bytes": None}
 
 
@@ -145,18 +154,28 @@ def torch_mha_case(cfg: HeadConfig, B: int, T: int, dtype_name: str,
   torch.set_num_threads(threads())
   torch.manual_seed(0)
   mha = torch.nn.MultiheadAttention(cfg.d_model, cfg.num_heads, batch_first=True).to(
-      _torch_dtype(torch, dtype_name))
+      _torch_dtype(torch, dtype_name)).to(torch_device(torch))
   # torch's boolean attn_mask is True where attention is NOT allowed.
   kw = {"need_weights": False}
   if causal:
-    kw.update(attn_mask=torch.ones(T, T, dtype=torch.bool).triu(1), is_causal=True)
+    kw.update(attn_mask=torch.ones(T, T, dtype=torch.bool, device=torch_device(torch)).triu(1),
+              is_causal=True)
   return _torch_calls(torch, lambda x: mha(x, x, x, **kw)[0], mha.parameters(), B, T,
                       cfg.d_model, _torch_dtype(torch, dtype_name))
 
 
+# torch SDPA's backends by attn bench's name: torch.nn.attention.SDPBackend members.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+
+
 def torch_sdpa_case(cfg: HeadConfig, B: int, T: int, dtype_name: str,
-                    causal: bool) -> Candidate | None:
-  """torch Linear(D, 3·H·K) + F.scaled_dot_product_attention + Linear(H·K, D), when installed."""
+                    causal: bool, backend: str | None = None) -> Candidate | None:
+  """torch Linear(D, 3·H·K) + F.scaled_dot_product_attention + Linear(H·K, D), when installed.
+
+  backend, one of SDPA_BACKENDS, pins SDPA to that kernel (torch.nn.attention.sdpa_kernel); a
+  backend that cannot run here gives {"skip": reason}.
+  """
   try:
     import torch
   except ImportError:
@@ -164,18 +183,32 @@ def torch_sdpa_case(cfg: HeadConfig, B: int, T: int, dtype_name: str,
   if cfg.d_k != cfg.d_v or cfg.num_kv_heads != cfg.num_heads:
     return None
   torch.set_num_threads(threads())
-  tdtype = _torch_dtype(torch, dtype_name)
+  tdtype, device = _torch_dtype(torch, dtype_name), torch_device(torch)
   torch.manual_seed(0)
   H, K, D = cfg.num_heads, cfg.d_k, cfg.d_model
-  qkv = torch.nn.Linear(D, 3 * H * K).to(tdtype)
-  out = torch.nn.Linear(H * K, D).to(tdtype)
+  qkv = torch.nn.Linear(D, 3 * H * K).to(tdtype).to(device)
+  out = torch.nn.Linear(H * K, D).to(tdtype).to(device)
+  pin = None
+  if backend is not None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    pin = lambda: sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
   def layer(x):
     q, k, v = qkv(x).view(B, T, 3, H, K).permute(2, 0, 3, 1, 4)
     # torch's is_causal is top-left aligned; with T = S it is attn's causal mask.
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if pin is None:
+      o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+      with pin():
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return out(o.transpose(1, 2).reshape(B, T, H * K))
-  return _torch_calls(torch, layer, [*qkv.parameters(), *out.parameters()], B, T, D, tdtype)
+  case = _torch_calls(torch, layer, [*qkv.parameters(), *out.parameters()], B, T, D, tdtype)
+  if backend is not None:
+    try:  # a pinned backend that cannot run this call raises on the first call
+      case["fb"]()
+    except RuntimeError as e:
+      return {"skip": f"torch SDPA's {backend} backend does not run here ({str(e).splitlines()[0][:160]})"}
+  return case
 
 
 def matmul_cases(dtype, dtype_name: str, n: int) -> dict[str, Callable[[], Any]]:
@@ -184,8 +217,10 @@ def matmul_cases(dtype, dtype_name: str, n: int) -> dict[str, Callable[[], Any]]
   cases = {"jnp": block(jax.jit(jnp.matmul), a, a)}
   try:
     import torch
-    ta = torch.randn(n, n, dtype=_torch_dtype(torch, dtype_name))
-    cases["torch"] = lambda: ta @ ta
+    device = torch_device(torch)
+    ta = torch.randn(n, n, dtype=_torch_dtype(torch, dtype_name), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cases["torch"] = lambda: (ta @ ta, sync())
   except ImportError:
     pass
   return cases

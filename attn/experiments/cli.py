@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="local: this machine (default); slurm: submit one job array and return")
   parser.add_argument("--workers", metavar="N", type=int, default=None,
                       help="local worker processes (default 1: train in this process); logs in DIR/local/")
+  parser.add_argument("--trials-per-device", metavar="K", type=int, default=1,
+                      help="K local workers per GPU (each seeing one GPU and allowed 0.9/K of its memory: a "
+                           "trial that does not fit is refused naming the memory; K is reduced where a share "
+                           "would be under 2 GiB), K workers on CPU (default 1)")
   parser.add_argument("--processes-per-trial", metavar="P", type=int, default=1,
                       help="run each trial over P processes on this machine, each batch shared over all their "
                            "devices (default 1; on Slurm: --slurm-nodes and --slurm-tasks-per-node); logs in DIR/local/")
@@ -103,7 +107,9 @@ def _here(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int
 
 
 def _workers(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int, str | None]:
-  return workers_lib.run_workers(out, args.workers, lease_timeout, tensorboard=args.tensorboard)
+  per_device = args.trials_per_device if args.trials_per_device > 1 else None
+  return workers_lib.run_workers(out, args.workers, lease_timeout, tensorboard=args.tensorboard,
+                                 per_device=per_device)
 
 
 def _processes(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int, str | None]:
@@ -119,6 +125,14 @@ def _check(args: argparse.Namespace) -> str:
   """Checks the executor's options against each other; the EXECUTORS key (or "slurm")."""
   from attn.config import invalid
   workers = args.workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
+  per_device = args.trials_per_device = workers_lib.check_workers(args.trials_per_device, "--trials-per-device")
+  if per_device > 1:
+    if args.workers != 1 or args.executor == "slurm" or args.processes_per_trial != 1:
+      raise invalid("--trials-per-device", per_device, "1 with --workers, --executor slurm or "
+                    "--processes-per-trial: it sets the local workers itself (K per device)")
+    # The parent looks at the devices; it must not take their memory from the workers.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return "workers"
   processes = processes_lib.check_processes(args.processes_per_trial)
   processes_lib.check_timeout(args.coordinator_timeout)
   if args.executor == "slurm" and workers != 1:

@@ -9,11 +9,15 @@ softcap, and attn.kernel.probability the probability functions besides softmax.
 
 The package: call (the checked arguments), impls (the table of
 implementations and "auto"'s order), dense (the einsum kernel), blocked and
-plan (the blocked kernel), xla (jax.nn.dot_product_attention), products (the
+plan (the blocked kernel), xla (jax.nn.dot_product_attention), splash (Pallas's
+TPU splash attention), tokamax_kernel (tokamax's GPU kernels), products (the
 matmul backend: XLA's or oneDNN's), onednn, masks, probability.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 
@@ -29,6 +33,21 @@ from attn.kernel.products import scores, weighted_sum
 Array = jax.Array
 
 IMPLS = ("auto", *IMPLEMENTATIONS)
+
+# Set by record_picks: the dict attention counts the implementation of each call in (at trace time).
+_PICKS: contextvars.ContextVar = contextvars.ContextVar("attn_kernel_picks", default=None)
+
+
+@contextlib.contextmanager
+def record_picks():
+  """Yields a dict {implementation: calls}; each attention call traced inside adds the one it ran
+  ("auto" resolved). The trainer records it in each trial's summary (attention_impls)."""
+  seen: dict[str, int] = {}
+  token = _PICKS.set(seen)
+  try:
+    yield seen
+  finally:
+    _PICKS.reset(token)
 
 
 def check_impl(impl, *dtypes) -> None:
@@ -47,8 +66,9 @@ def available_impls() -> list[str]:
 def best_impl(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, return_weights: bool = False,
               logits_bias: Array | None = None, sinks: Array | None = None,
               softcap: float | None = None, probability: str = "softmax") -> str:
-  """"auto"'s pick (impls.AUTO): on a GPU cuDNN where it applies; the blocked kernel for
-  T·S >= BLOCKED_MIN_SCORES without weights out or logits_bias; else "einsum"."""
+  """"auto"'s pick (impls.AUTO): on a GPU cuDNN, then tokamax, on a TPU splash, where they
+  apply; the blocked kernel for T·S >= BLOCKED_MIN_SCORES without weights out or logits_bias;
+  else "einsum"."""
   return _impls.pick(Call(q_BTHK, k_BSGK, v_BSGV, logits_bias=logits_bias,
                           return_weights=return_weights, sinks=sinks, softcap=softcap,
                           probability=probability))
@@ -109,9 +129,13 @@ def attention(
   (jax.nn.dot_product_attention; d_v = d_k, no weights out, sinks, softcap,
   softmax only; cuDNN on a GPU in half precision), "onednn" (opt-in, CPU,
   float32: the structure "auto" picks on CPU with its products on oneDNN's
-  sgemm through jax.ffi), or "auto" (the first of impls.AUTO for the backend
-  that can run the call: cuDNN on a GPU, the blocked kernel from T·S >=
-  BLOCKED_MIN_SCORES = 512², the crossover measured on CPU, else einsum). An
+  sgemm through jax.ffi), "splash" (TPU, or anywhere with
+  ATTN_PALLAS_INTERPRET=1: Pallas's splash attention; no weights out,
+  logits_bias or dense mask), "tokamax" (GPU, the tokamax extra; no sinks,
+  no weights out), or "auto" (the first of impls.AUTO for the backend
+  that can run the call: cuDNN, then tokamax on a GPU, splash on a TPU, the
+  blocked kernel from T·S >= BLOCKED_MIN_SCORES = 512², the crossover
+  measured on CPU, else einsum). An
   implementation that cannot run the call is a ConfigError naming it, the
   option at fault and the implementations that can, before tracing.
   """
@@ -125,12 +149,14 @@ def attention(
   if (no := chosen.why_not(call)) is not None:
     raise invalid(no.option, no.value, f'{no.needs} with impl="{name}" ({no.why}); '
                   f"the implementations that take this call here: {_impls.takers(call)}")
+  if (seen := _PICKS.get()) is not None:
+    seen[name] = seen.get(name, 0) + 1
   return chosen.run(call)
 
 
 __all__ = [
     "AUTO", "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "IMPLS", "Call", "Impl", "Refusal", "attention",
-    "available_impls", "best_impl", "blocked", "check_impl", "check_options", "dense", "is_long",
+    "available_impls", "best_impl", "record_picks", "blocked", "check_impl", "check_options", "dense", "is_long",
     "masked_probabilities", "masked_softmax", "masks", "onednn", "probability",
     "reference_attention", "scores", "structured_mask", "weighted_sum",
 ]

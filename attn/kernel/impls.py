@@ -16,7 +16,7 @@ from typing import Callable
 
 import jax
 
-from attn.kernel import blocked, dense, onednn, xla
+from attn.kernel import blocked, dense, onednn, splash, tokamax_kernel, xla
 from attn.kernel.call import Call, Refusal
 from attn.kernel.products import ONEDNN, XLA, Products
 
@@ -31,6 +31,10 @@ def _always(_: Call) -> bool:
   return True
 
 
+def _compiled() -> bool:
+  return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Impl:
   """One implementation of kernel.attention's function."""
@@ -43,6 +47,7 @@ class Impl:
   dtypes: tuple[str, ...] | None = None  # the input dtypes it takes (None: any float)
   prefers: Callable[[Call], bool] = _always  # "auto" picks it, where it can run, only for these calls
   help: str = ""
+  interpreted: Callable[[], bool] = _compiled  # True: runs on any backend now (Pallas interpret mode)
 
 
 # "auto" on CPU: the blocked kernel from T·S >= 512² scores per (batch, head).
@@ -111,14 +116,24 @@ IMPLEMENTATIONS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("onednn", ("cpu",), _run_onednn, unavailable=_onednn_unavailable, dtypes=("float32",),
          prefers=lambda call: False,
          help="the einsum or blocked structure with its products on oneDNN's sgemm (attn.kernel.onednn)"),
+    Impl("splash", ("tpu",), splash.attention, why_not=splash.why_not, unavailable=splash.unavailable,
+         dtypes=("float32", "bfloat16"), prefers=lambda call: call.T >= splash.LANES,
+         interpreted=splash.interpret,
+         help="Pallas's TPU splash attention (attn.kernel.splash; ATTN_PALLAS_INTERPRET=1 runs it anywhere)"),
+    Impl("tokamax", ("gpu",), lambda call: tokamax_kernel.attention(call), why_not=tokamax_kernel.why_not,
+         unavailable=tokamax_kernel.unavailable, prefers=lambda call: call.T >= 128,
+         help="tokamax.dot_product_attention's Mosaic/Triton GPU kernels (attn.kernel.tokamax_kernel; extra [tokamax])"),
 )}
 
 # The order "auto" tries, per backend: the first that runs here, can run the
 # call and prefers it. einsum takes every call, so each list ends with it.
+# The GPU and TPU rows are not measured yet (no accelerator has run attn):
+# they follow MaxText's rule (the backend's flash kernel except for short
+# queries and decoding) until scripts/device_check.sh's numbers say otherwise.
 AUTO: dict[str, tuple[str, ...]] = {
     "cpu": ("blocked", "einsum"),
-    "gpu": ("cudnn", "blocked", "einsum"),
-    "tpu": ("blocked", "einsum"),
+    "gpu": ("cudnn", "tokamax", "blocked", "einsum"),
+    "tpu": ("splash", "blocked", "einsum"),
 }
 
 
@@ -129,9 +144,11 @@ def backend() -> str:
 def why_not_here(impl: Impl, dtypes=()) -> str | None:
   """Why impl cannot run on this machine's default backend with these input dtypes, or None."""
   here = backend()
-  if here not in impl.backends:
+  if here not in impl.backends and not impl.interpreted():
     names = "/".join(b.upper() for b in impl.backends)
-    return f'it runs on the {names} backend only (the default backend is "{here}")'
+    hint = (f"; {splash.INTERPRET_ENV}=1 runs it in Pallas interpret mode anywhere, slowly"
+            if impl.interpreted is not _compiled else "")
+    return f'it runs on the {names} backend only (the default backend is "{here}"{hint})'
   if impl.dtypes is not None:
     bad = sorted({str(d) for d in dtypes} - set(impl.dtypes))
     if bad:

@@ -72,3 +72,40 @@ def combine_masks(*masks: Array | None) -> Array | None:
   for m in present[1:]:
     out = jnp.logical_and(out, m)
   return out
+
+
+def visible_rows(T: int, S: int, is_causal: bool, kv_lengths: Array | None,
+                 window: int | None) -> Array | None:
+  """(B|1, T): whether query t has a key its structured masks leave visible; None if all have."""
+  t_T = jnp.arange(T) + (S - T)
+  lo_T = jnp.zeros((T,), jnp.int32)
+  hi_T = jnp.full((T,), S - 1)
+  if window is not None:
+    lo_T = jnp.maximum(lo_T, t_T - window + 1)
+    hi_T = jnp.minimum(hi_T, t_T + window - 1)
+  if is_causal:
+    hi_T = jnp.minimum(hi_T, t_T)
+  if kv_lengths is None:
+    if T <= S or not (is_causal or window is not None):  # t + S - T >= 0 keeps a key in reach
+      return None
+    return (lo_T <= hi_T)[None]
+  hi_BT = jnp.minimum(hi_T[None], kv_lengths.astype(jnp.int32)[:, None] - 1)
+  return lo_T[None] <= hi_BT
+
+
+def rows_with_keys(mask: Array | None, T: int, S: int, is_causal: bool, kv_lengths: Array | None,
+                   window: int | None, B: int, H: int) -> Array | None:
+  """(B|1,T,H|1,1): whether a query row keeps a key under a dense mask and the structured ones.
+
+  For the wrappers of kernels that give a fully masked row something other than
+  attn's zeros; None when every row keeps one. Without a dense mask no (T,S)
+  array is built; with one, the masks are ANDed before asking.
+  """
+  if mask is None:
+    rows_BT = visible_rows(T, S, is_causal, kv_lengths, window)
+    return None if rows_BT is None else rows_BT[:, :, None, None]
+  structured = [causal_mask(T, S) if is_causal else None,
+                None if kv_lengths is None else padding_mask(kv_lengths, S),
+                None if window is None else window_mask(T, S, window)]
+  full = combine_masks(mask, *structured)
+  return jnp.broadcast_to(full, (full.shape[0], H, T, S)).any(-1).transpose(0, 2, 1)[..., None]

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from attn.kernel import masks
 from attn.kernel.call import Call, Refusal
-from attn.kernel.dense import structured_mask
 
 Array = jax.Array
 
@@ -35,15 +34,39 @@ def why_not(call: Call) -> Refusal | None:
   return None
 
 
+def cudnn_head_max() -> int:
+  """cuDNN flash attention's largest head: 256 from Hopper (compute capability 9.0) on, else 128."""
+  try:
+    capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
+  except (RuntimeError, ValueError):
+    capability = 0.0
+  return 256 if capability >= 9.0 else 128
+
+
+def _dense_mask_needed(call: Call) -> bool:
+  """Whether the call reaches cuDNN with a dense mask (which it adds as a bias)."""
+  aligned = call.T == call.S or (call.T == 1 and call.window is None)
+  return (call.mask is not None or (call.is_causal and not aligned)
+          or (call.window is not None and not (call.is_causal and aligned)))
+
+
 def why_not_cudnn(call: Call) -> Refusal | None:
-  """cuDNN's flash attention: also half precision, one dtype, d_k a multiple of 8 up to 256."""
+  """cuDNN's flash attention (jax's checks in jax._src.cudnn.fused_attention_stablehlo, before tracing):
+  half precision, one dtype, d_k a multiple of 8 up to 256 (128 before Hopper), even T and S
+  with a bias or a dense mask."""
   if (why := why_not(call)) is not None:
     return why
   if call.dtypes - {"bfloat16", "float16"} or len(call.dtypes) > 1:
     return Refusal("q.dtype", sorted(call.dtypes), "one of bfloat16, float16 for q, k and v alike",
                    "cuDNN's flash attention runs in half precision")
-  if call.K % 8 or call.K > 256:
-    return Refusal("q.shape[-1]", call.K, "a multiple of 8 up to 256", "cuDNN's head sizes")
+  head_max = cudnn_head_max() if call.K > 128 else 256
+  if call.K % 8 or call.K > head_max:
+    return Refusal("q.shape[-1]", call.K, f"a multiple of 8 up to {head_max}",
+                   "cuDNN's head sizes on this GPU")
+  if (call.logits_bias is not None or _dense_mask_needed(call)) and (call.T % 2 or call.S % 2):
+    return Refusal("q.shape[1]" if call.T % 2 else "k.shape[1]", call.T if call.T % 2 else call.S,
+                   "an even length with a logits_bias, a dense mask, or causal/window at T != S",
+                   "cuDNN's backward pass with a bias needs even T and S")
   return None
 
 
@@ -55,8 +78,11 @@ def attention(call: Call, implementation: str) -> Array:
   window, is_causal, kv_lengths = call.window, call.is_causal, call.kv_lengths
   # jax's is_causal and local_window_size are top-left aligned (key s visible
   # iff s <= t, and t - left <= s <= t + right); attn's are bottom-right, so
-  # for T != S they travel as a dense mask. At T == S a causal window w is
-  # jax's (w - 1, 0), which cuDNN runs as its sliding window.
+  # for T != S they travel as a dense mask (which cuDNN adds as a bias: slower).
+  # At T == S a causal window w is jax's (w - 1, 0), which cuDNN runs as its
+  # sliding window. One query (decoding) with is_causal sees every key.
+  if is_causal and T == 1 and S > 1 and window is None:
+    is_causal = False
   jax_causal = is_causal and T == S
   jax_window = None
   if window is not None and jax_causal:
@@ -70,10 +96,9 @@ def attention(call: Call, implementation: str) -> Array:
       is_causal=jax_causal,
       key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
       local_window_size=jax_window, implementation=implementation)
-  full = masks.combine_masks(mask, structured_mask(T, S, jax_causal, kv_lengths,
-                                                   window if jax_window else None))
-  if full is None:
+  keep = masks.rows_with_keys(mask, T, S, jax_causal, kv_lengths, window if jax_window else None,
+                              B, H)
+  if keep is None:
     return out_BTHV
   # jax gives a fully masked row uniform weights; attn's contract is zeros.
-  has_key_BHT = jnp.broadcast_to(full, (B, H, T, S)).any(-1)
-  return jnp.where(has_key_BHT.transpose(0, 2, 1)[..., None], out_BTHV, 0).astype(out_BTHV.dtype)
+  return jnp.where(keep, out_BTHV, 0).astype(out_BTHV.dtype)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn import api
+from attn import api, kernel
 from attn.config import HeadConfig, check_head_mask, invalid
 from attn.variants import cache as kv_cache
 from attn.variants.base import Params, Variant
@@ -27,9 +27,15 @@ class MultiHeadAttention(nnx.Module):
   """One attention layer of any variant (a registered name or a Variant record), its parameters nnx.Params."""
 
   def __init__(self, cfg: HeadConfig, variant: str | Variant = "fused", *, rngs: nnx.Rngs | None = None,
-               dtype=None, param_dtype=jnp.float32, params: Params | None = None):
+               dtype=None, param_dtype=jnp.float32, params: Params | None = None,
+               impl: str | None = None):
+    """impl: the attention core's implementation of every call (None: attn.apply's default, "auto"),
+    refused here, before tracing, unless it runs on this machine."""
     # A record need not be registered (attn.apply takes one too): the module keeps the record itself.
     self.record = api.check_config(variant, cfg)
+    if impl is not None:
+      kernel.check_impl(impl)
+    self.impl = impl
     self.variant = self.record.name
     self.cfg = cfg
     self.dtype = None if dtype is None else jnp.dtype(dtype)
@@ -92,8 +98,10 @@ class MultiHeadAttention(nnx.Module):
 
     head_mask (H,) or (B,H) gates each query head's output before W^O;
     is_causal and kv_lengths (B,) are structured masks; positions (T,) or (B,T) place
-    x's tokens for RoPE; impl the attention core's implementation (attn.apply).
+    x's tokens for RoPE; impl the attention core's implementation (attn.apply), by default
+    the module's.
     """
+    impl = self.impl if impl is None else impl
     if decode:
       return self._decode(x_BTD, head_mask)
     params, x_BTD, context_BSD = self._compute(x_BTD, context_BSD)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from attn import api
+from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, HeadConfig, invalid
 from attn.nn import layer_types, moe
 
@@ -99,6 +99,7 @@ class ModelConfig:
   moe_shared_experts: int = 0  # a gated MLP of width moe_shared_experts·moe_d_ff on every token
   moe_dense_first: int = 0  # the first layers keep the dense MLP (first_k_dense_replace)
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
+  impl: str = "auto"  # every attention layer's core (attn.kernel.IMPLS); "auto" picks per call
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
@@ -136,6 +137,9 @@ class ModelConfig:
     if self.global_every and self.window is None:
       raise invalid("global_every", self.global_every,
                     "0 without a window: it makes every k-th layer global and the rest local")
+    if self.impl not in kernel.IMPLS:  # whether it runs here is checked where the model is built
+      raise invalid("impl", self.impl, f"one of {list(kernel.IMPLS)}; "
+                    f"available on this machine: {kernel.available_impls()}")
     layer_types.check(self)
     moe.check(self)
 

@@ -289,7 +289,8 @@ class TransformerBlock(nnx.Module):
     sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
     pre = cfg.norm != "after"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
-    dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+    dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                  impl=None if cfg.impl == "auto" else cfg.impl)
     self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs, **dtypes)
     self.attn_norm = layer_norm(cfg, rngs, pre)
     # A window is about positions in one sequence: cross-attention reads the whole context.

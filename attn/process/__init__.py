@@ -212,6 +212,29 @@ def _mallopt() -> str:
   return "glibc mallopt " + ", ".join(name for *_, name in options)
 
 
+# jax's accelerator plugins by module: CUDA, ROCm and TPU (libtpu).
+ACCELERATOR_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin",
+                       "libtpu")
+
+
+def accelerator_plugin() -> str | None:
+  """The accelerator plugin jax will use here, or None (none installed, or JAX_PLATFORMS=cpu).
+
+  The allocator settings are for XLA:CPU's buffers: an accelerator run leaves glibc as it is.
+  """
+  import importlib.util
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms and all(p.strip() == "cpu" for p in platforms.split(",")):
+    return None
+  for name in ACCELERATOR_PLUGINS:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return name
+    except (ImportError, ValueError):
+      continue
+  return None
+
+
 def _reexec_with_mimalloc() -> None:
   """Re-executes this process once with mimalloc preloaded; returns where it cannot (the caller falls back)."""
   if PRELOADED in os.environ or not _glibc_linux() or not getattr(sys, "orig_argv", None) or not mimalloc_path():
@@ -225,6 +248,9 @@ def _reexec_with_mimalloc() -> None:
 
 
 def _allocator(chosen: str) -> str:
+  plugin = accelerator_plugin() if chosen != "default" else None
+  if plugin is not None and not mimalloc_loaded():
+    return f"glibc default (an accelerator run: {plugin} is installed; the settings are for XLA:CPU)"
   if chosen == "keep":
     _reexec_with_mimalloc()  # returns only where it did not re-execute
   if mimalloc_loaded():  # with keep, or preloaded by whoever started this process

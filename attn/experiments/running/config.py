@@ -699,12 +699,19 @@ def check_seed_axis(trials: list[Trial], vmap_seeds: bool) -> None:
 def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1) -> None:
   """Refuses a sweep whose train.mesh cannot run on this machine's devices, before any trial starts.
 
-  processes: per trial; each of them has this machine's devices. train_group
+  Also refuses a model.impl that does not run here. processes: per trial; each of them has this
+  machine's devices. train_group
   checks again on the machine that trains (a Slurm node may have other
   devices than the one that submits); a runner that calls this first refuses
   the sweep instead of recording every trial as failed.
   """
   from attn.experiments.training import parallel  # lazy: jax, slow to import for `attn status`
+  from attn import kernel
+  for impl in sorted({t.config.get("model", {}).get("impl", "auto") for t in trials} - {"auto"}):
+    try:  # an implementation this machine cannot run (cudnn on a CPU): refused before any training
+      kernel.check_impl(impl)
+    except ConfigError as e:
+      raise ConfigError(f"model.{e}") from None
   for group in seed_groups(trials, vmap_seeds):
     n = len(group)
     parallel.device_count(TrainConfig(**group[0].config["train"]), n, vmap_seeds and n > 1, processes)

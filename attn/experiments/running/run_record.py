@@ -3,12 +3,15 @@
 A start line holds the command line, attn's commit (whether the tree was
 dirty, and a SHA-256 of `git diff HEAD` when it was), the versions of attn,
 jax, jaxlib, flax, optax, numpy and Python, the CPU model and its AVX-512 and
-AMX flags, the cores (and those this process may use), XLA_FLAGS, the host
-allocator in force (attn.process.in_force: mimalloc preloaded, glibc mallopt
-or glibc's default), the device kind, the start time and the load average.
-An end line holds the end time, the wall time since its start, the load
-average and how the run ended. A resumed sweep appends to the file
-(rewritten whole, atomically, like every file of the store). `attn report` and `attn status` print its first and last
+AMX flags, the cores (and those this process may use), XLA_FLAGS, the device
+kind, the host allocator in force (attn.process.in_force: mimalloc preloaded,
+glibc mallopt or glibc's default; off on an accelerator run), jax's backend and the attention kernel's table there (the order "auto"
+tries, the implementations of that backend, whether Pallas runs interpreted),
+the start time and the load average. Which implementation each trial's
+attention calls ran ("auto" resolved) is in its summary, attention_impls. An end line holds the end time,
+the wall time since its start, the load average and how the run ended. A
+resumed sweep appends to the file (rewritten whole, atomically, like every
+file of the store). `attn report` and `attn status` print its first and last
 lines; a store without one (older than this record) or with a damaged one
 still reads, and they say so.
 """
@@ -84,12 +87,22 @@ def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def kernel_table() -> dict[str, Any]:
+  """jax's backend and the attention kernel's table on it: auto's order, the implementations for it."""
+  from attn.kernel import impls, splash
+  backend = impls.backend()
+  return {"backend": backend, "auto_order": list(impls.AUTO.get(backend, impls.AUTO["cpu"])),
+          "impls_for_backend": [n for n, i in impls.IMPLEMENTATIONS.items() if backend in i.backends],
+          "pallas_interpret": splash.interpret()}
+
+
 def start_line() -> dict[str, Any]:
   """Where and how this process runs (the start line)."""
   import jax  # the sweep has imported it already
   return {"event": "start", "command": shlex.join(["attn", *sys.argv[1:]]), **_commit(), "versions": _versions(),
           **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "allocator": process.in_force(),
-          "device_kind": jax.devices()[0].device_kind, "start": _now(), "start_unix": time.time(),
+          "device_kind": jax.devices()[0].device_kind, "kernel": kernel_table(), "start": _now(),
+          "start_unix": time.time(),
           "loadavg": list(os.getloadavg())}
 
 
@@ -129,8 +142,10 @@ def describe(line: dict[str, Any]) -> str:
     return f"end {line.get('end')}: {line.get('outcome')} after {line.get('wall_s')} s"
   commit = (line.get("commit") or "unknown")[:12] + (" (dirty)" if line.get("dirty") else "")
   v = line.get("versions") or {}
+  backend = (line.get("kernel") or {}).get("backend")
+  where = f"{line.get('device_kind')} ({backend} backend) with " if backend and backend != "cpu" else ""
   return (f"start {line.get('start')}: `{line.get('command')}` at commit {commit}, jax {v.get('jax')}, "
-          f"on {line.get('cpu')} ({line.get('cores_usable')} of {line.get('cores')} cores; "
+          f"on {where}{line.get('cpu')} ({line.get('cores_usable')} of {line.get('cores')} cores; "
           f"{', '.join(line.get('cpu_flags') or []) or 'no AVX-512/AMX'}), XLA_FLAGS={line.get('xla_flags')}"
           + (f", allocator {line['allocator']}" if line.get("allocator") else ""))
 

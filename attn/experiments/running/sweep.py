@@ -126,14 +126,32 @@ def _done(store: Store, trial_id: str) -> bool:
     return False
 
 
+def device_memory() -> tuple[int | None, str]:
+  """(bytes a new allocation can get, where): the first device's allocator on a GPU or TPU (its limit
+  is this process's share under XLA_PYTHON_CLIENT_MEM_FRACTION), else the host's MemAvailable."""
+  import jax
+  dev = jax.local_devices()[0]
+  if dev.platform != "cpu":
+    try:
+      stats = dev.memory_stats() or {}
+    except Exception:  # not every backend reports it
+      stats = {}
+    if "bytes_limit" in stats:
+      share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+      where = f"{dev.device_kind}'s memory" + (f" (this process's share, {share} of it)" if share else "")
+      return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), where
+  return faults.available_memory(), "this machine's memory"
+
+
 def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
-  """Refuses (ConfigError: the trial fails by name) programs that want more memory than the machine has free."""
+  """Refuses (ConfigError: the trial fails by name) programs that want more memory than the device has free."""
   wanted = max(int(getattr(c.memory_analysis(), "peak_memory_in_bytes", 0) or 0) for c in compiled)
-  have = faults.available_memory()
+  have, where = device_memory()
   if have is not None and wanted > have:
-    raise invalid("trial", _label(group), f"a config whose train step fits this machine's memory: XLA's memory "
+    share = " or fewer --trials-per-device" if os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") else ""
+    raise invalid("trial", _label(group), f"a config whose train step fits {where}: XLA's memory "
                   f"analysis wants {faults.fmt_bytes(wanted)}, {faults.fmt_bytes(have)} is available; lower "
-                  "train.batch_size, raise train.grad_accum or shrink the model")
+                  f"train.batch_size, raise train.grad_accum, shrink the model{share}")
 
 
 def check_lease_timeout(seconds: Any) -> float:

@@ -18,6 +18,13 @@ Each worker calls attn.process.setup() first, as the command does: it
 re-executes itself with mimalloc preloaded (nothing of the parent's
 allocator is inherited), installs the hooks and arms ATTN_FAULT.
 
+`attn sweep --trials-per-device K` runs K workers per accelerator instead: on
+G GPUs K·G workers, each seeing one GPU (CUDA_VISIBLE_DEVICES) and allowed
+MEM_FRACTION / K of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION: its allocator's
+limit, so a trial that does not fit its share is refused by name by
+sweep.check_memory, never an out-of-memory error); a K whose share would be
+under MIN_SHARE_BYTES is reduced, saying so. On CPU it is K workers.
+
 Logs: DIR/local/JOBID_0_log.{out,err}, one pair per worker; submitit's own job
 files (its pickle of the call: the store path, worker number, CPUs, the
 --tensorboard directory) sit beside them. Results stay in the JSON/Orbax store;
@@ -37,6 +44,8 @@ from attn.experiments.running import status as status_lib
 from attn.experiments.running import supervisor
 
 NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local jobs are killed at timeout_min (default 2)
+MEM_FRACTION = 0.9  # of an accelerator's memory, shared by its --trials-per-device workers
+MIN_SHARE_BYTES = 2 * 2**30  # a CUDA context and XLA's workspaces alone take about 1 GB
 
 
 def import_submitit() -> Any:
@@ -62,11 +71,33 @@ def import_submitit() -> Any:
   return sys.modules["submitit"]
 
 
-def check_workers(n: Any) -> int:
+def check_workers(n: Any, field: str = "--workers") -> int:
   """n as an int; anything but an integer >= 1 is refused by name."""
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-    raise invalid("--workers", n, "an integer >= 1 (1: train in this process)")
+    raise invalid(field, n, "an integer >= 1 (1: train in this process)")
   return n
+
+
+def per_device_plan(k: int, devices: list[Any], stream: TextIO = sys.stderr) -> tuple[int, list[str | None], str | None]:
+  """(trials per device, each worker's CUDA_VISIBLE_DEVICES or None, its memory fraction or None).
+
+  devices: jax.local_devices(). On CPU, k workers on the CPU. On GPUs, k per GPU, each with
+  MEM_FRACTION / k of it; k is reduced (said on stream) until a share holds MIN_SHARE_BYTES.
+  """
+  if devices[0].platform == "cpu":
+    return k, [None] * k, None
+  total = min(int((d.memory_stats() or {}).get("bytes_limit", 0)) for d in devices) or None
+  if devices[0].platform == "gpu" and total:
+    # bytes_limit is this process's own allocator limit; the device's memory is that over its fraction.
+    total = int(total / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+  fits = k if total is None else max(1, min(k, int(MEM_FRACTION * total // MIN_SHARE_BYTES)))
+  if fits < k:
+    stream.write(f"--trials-per-device {k}: reduced to {fits}: {devices[0].device_kind} has "
+                 f"{total / 1e9:.1f} GB, and each trial process needs at least {MIN_SHARE_BYTES / 1e9:.1f} GB "
+                 f"(its CUDA context and XLA's workspaces) of the {MEM_FRACTION:.0%} shared\n")
+  ids = [str(getattr(d, "local_hardware_id", i)) for i, d in enumerate(devices)]
+  placement = [ids[w % len(ids)] for w in range(fits * len(ids))]
+  return fits, placement, f"{MEM_FRACTION / fits:.3f}"
 
 
 def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
@@ -78,7 +109,7 @@ def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
 
 
 def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cuda: str | None,
-            tensorboard: str | None = None) -> dict[str, int]:
+            tensorboard: str | None = None, mem_fraction: str | None = None) -> dict[str, int]:
   """What worker k of n runs, in its own process: set up as the command's (attn.process), first."""
   from attn import process
   allocator = process.setup()  # may re-execute this worker (submitit's job starts again, the same pid)
@@ -89,6 +120,8 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
   else:
     os.environ["CUDA_VISIBLE_DEVICES"] = cuda
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if mem_fraction is not None:  # its allocator's limit: a trial that does not fit is refused by name
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = mem_fraction
   preempt.install_handlers()
   from attn.experiments.running import sweep  # lazy: jax
   return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}",
@@ -96,10 +129,11 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
 
 
 def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.stderr,
-                tensorboard: str | None = None) -> tuple[int, str | None]:
+                tensorboard: str | None = None, per_device: int | None = None) -> tuple[int, str | None]:
   """Runs n local workers on the claimed store at `out` until they end.
 
   tensorboard: a log directory (absolute) where each worker writes the events of the trials it trains.
+  per_device: instead of n, that many workers per local device (per_device_plan).
 
   Returns (the signal that stopped them or 0, the machine's fault that stopped a worker or None).
   SIGTERM or SIGUSR1 to this process is passed on: each worker saves its trial and exits.
@@ -111,11 +145,20 @@ def run_workers(out: str, n: int, lease_timeout: float, stream: TextIO = sys.std
   folder = os.path.join(out, "local")
   executor = submitit.LocalExecutor(folder=folder)
   executor.update_parameters(timeout_min=NO_TIME_LIMIT_MIN)
-  shares = cpu_shares(n)
   cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
-  jobs = [executor.submit(_worker, os.path.abspath(out), k, n, shares[k], lease_timeout, cuda, tensorboard)
+  placement, fraction = None, None
+  if per_device is not None:
+    import jax  # the parent sees the devices (without preallocating: cli sets XLA_PYTHON_CLIENT_PREALLOCATE)
+    per_device, placement, fraction = per_device_plan(per_device, jax.local_devices(), stream)
+    n = len(placement)
+  shares = cpu_shares(n)
+  jobs = [executor.submit(_worker, os.path.abspath(out), k, n, shares[k], lease_timeout,
+                          cuda if placement is None or placement[k] is None else placement[k], tensorboard,
+                          fraction)
           for k in range(n)]
-  stream.write(f"{n} local workers on CPUs {'; '.join(','.join(map(str, s)) for s in shares)} "
+  gpus = "" if fraction is None else (f", {per_device} per device on devices "
+                                      f"{','.join(sorted(set(placement)))}, each allowed {fraction} of its memory")
+  stream.write(f"{n} local workers on CPUs {'; '.join(','.join(map(str, s)) for s in shares)}{gpus} "
                f"(logs: {folder}/)\n")
 
   def child(k: int, job: Any) -> supervisor.Child:

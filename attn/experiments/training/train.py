@@ -43,7 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from attn import count
+from attn import count, kernel
 from attn.config import ConfigError, invalid
 from attn.experiments.training import checkpoints
 from attn.experiments.training import distributed
@@ -308,11 +308,12 @@ def train_group(configs: list[dict[str, Any]],
       if on_start:
         on_start(i, start)
     state = _stack(group_states) if batched else group_states[0]
-    out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
-               *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs, layout,
-               on_compiled)
+    with kernel.record_picks() as picks:  # what each attention call ran ("auto" resolved), at trace time
+      out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
+                 *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs,
+                 layout, on_compiled)
     for i, summary in zip(group, out):
-      summaries[i] = {**summary, **counts}
+      summaries[i] = {**summary, **counts, "attention_impls": dict(sorted(picks.items()))}
   return summaries
 
 

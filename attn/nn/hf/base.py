@@ -34,7 +34,7 @@ ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "ge
 MAPPED = frozenset({"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "d_k", "d_v", "num_kv_heads",
                     "collab_width", "latent_dim", "q_latent_dim", "q_rank", "kv_rank", "variant", "max_len",
                     "activation", "embed_init_std", "norm_eps", "pooling", "share_src_tgt_embeddings", "dtype",
-                    "param_dtype"})
+                    "param_dtype", "impl"})  # impl: how attn computes, not what the checkpoint holds
 
 
 def require(module: str) -> Any:
