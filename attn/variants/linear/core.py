@@ -20,7 +20,8 @@ carrying S, as MaxText's and fla's chunked kernels do. Inside a chunk of length 
   o = (Q⊙e^γ)·S_0 + A·δ,               A_ts = Σ_k q_tk·k_sk·e^{γ_tk − γ_sk}      (s ≤ t)
   S_C = diag(e^{γ_C})·S_0 + (K⊙e^{γ_C − γ})ᵀ·δ
 
-(the UT transform: one unit lower-triangular solve per chunk; plain heads skip it, δ = β⊙V).
+(the UT transform: one unit lower-triangular solve per chunk, by forward substitution; plain
+heads skip it, δ = β⊙V).
 Every exponent is a sum of log-decays over a forward span, so ≤ 0: nothing overflows, however
 strong the decay. A per-key-channel decay materialises e^{γ_tk − γ_sk} as (C,C,K) per head and
 chunk, so its chunk should stay small (fla uses sub-chunks of 16 for the same reason). The body
@@ -90,6 +91,19 @@ def _state(state, B, H, K, V) -> Array:
   return state.astype(jnp.float32)
 
 
+def _unit_lower_solve(M_BHTS: Array, rhs_BHTV: Array) -> Array:
+  """δ with (I + M)·δ = rhs, M strictly lower triangular: forward substitution, a row a step.
+
+  Plain matmuls in a loop rather than LAPACK's triangular solve: XLA's CPU runtime deadlocked
+  (multithreaded Eigen) running that custom call inside several concurrent scans of one program.
+  """
+  def row(t, d_BHTV):
+    d_BHV = rhs_BHTV[:, :, t] - _einsum("BHS,BHSV->BHV", M_BHTS[:, :, t], d_BHTV)
+    return d_BHTV.at[:, :, t].set(d_BHV)
+
+  return jax.lax.fori_loop(0, M_BHTS.shape[-1], row, jnp.zeros_like(rhs_BHTV))
+
+
 def chunked(q_BTGK: Array, k_BTGK: Array, v_BTHV: Array, *, g: Array | None = None,
             beta_BTH: Array | None = None, delta: bool = False, chunk: int = 64,
             state_BHKV: Array | None = None, kv_lengths: Array | None = None
@@ -133,10 +147,7 @@ def chunked(q_BTGK: Array, k_BTGK: Array, v_BTHV: Array, *, g: Array | None = No
     if delta:
       rhs_BCHV = beta_c[..., None] * (v_c - _einsum("BCHK,BHKV->BCHV", k_c * e_gam, S_BHKV))
       M_BHTS = beta_c.transpose(0, 2, 1)[..., None] * scores(k_c, k_c, pair_decay(gam, strict_TS))
-      eye = jnp.eye(C, dtype=jnp.float32)
-      d_BHCV = jax.lax.linalg.triangular_solve(
-          eye + M_BHTS, rhs_BCHV.transpose(0, 2, 1, 3), left_side=True, lower=True,
-          unit_diagonal=True)
+      d_BHCV = _unit_lower_solve(M_BHTS, rhs_BCHV.transpose(0, 2, 1, 3))
     else:
       d_BHCV = (beta_c[..., None] * v_c).transpose(0, 2, 1, 3)
     A_BHTS = scores(q_c, k_c, pair_decay(gam, lower_TS))
