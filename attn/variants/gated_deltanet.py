@@ -124,7 +124,7 @@ def forward(params: Params, x_BTD, state, *, cfg: HeadConfig, opts: Options, dec
   else:
     o_BTHV, ssm = core.chunked(q, k, v, chunk=cfg.chunk, **kw)
   o_BTHV = parts.rms(o_BTHV) * params["norm"].astype(jnp.float32) * gate(params, x_in)
-  y_BTD = project_out(params, x_BTD, o_BTHV.astype(x_BTD.dtype), cfg=cfg, opts=opts)
+  y_BTD = project_out(params, x_in, o_BTHV.astype(x_BTD.dtype), cfg=cfg, opts=opts)
   return y_BTD, {"conv": conv_state, "ssm": ssm}
 
 
