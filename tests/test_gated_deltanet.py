@@ -1,5 +1,5 @@
 """gated_deltanet against transformers' Qwen3NextGatedDeltaNet (torch) with the same weights; the
-contract kit; decoding from the state; refusals by name; counts by hand.
+decoding from the state (the kit runs in tests/test_linear_variants.py); refusals by name; counts by hand.
 
 The second implementation is transformers' own layer (its pure-torch chunked and recurrent
 fallbacks), built in code from a tiny Qwen3NextConfig: no download.
@@ -12,7 +12,6 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig
-from attn.testing import check_variant
 from attn.variants import VARIANTS, cache, gated_deltanet
 
 torch = pytest.importorskip("torch")
@@ -72,15 +71,6 @@ def test_chunk_does_not_change_the_function():
         for c in (1, 3, 64)]
   np.testing.assert_allclose(ys[0], ys[1], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ys[0], ys[2], rtol=1e-5, atol=1e-5)
-
-
-def test_kit():
-  check_variant("gated_deltanet")
-
-
-@pytest.mark.slow
-def test_kit_thorough():
-  check_variant("gated_deltanet", thorough=True)
 
 
 def test_decoding_a_prompt_then_tokens_equals_the_full_pass_with_padding():
