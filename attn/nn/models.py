@@ -81,7 +81,7 @@ import numpy as np
 from flax import nnx
 
 from attn import api
-from attn.config import PER_LAYER_FIELDS, HeadConfig, check_ids, invalid
+from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, check_ids, invalid
 from attn.nn import decoding, layer_types, moe
 from attn.nn.attention import MultiHeadAttention
 
@@ -160,6 +160,8 @@ class ModelConfig:
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
   layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
+  linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
+  linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
   moe_top_k: int = 0  # experts kept per token
@@ -209,6 +211,11 @@ class ModelConfig:
     if self.global_every and self.window is None:
       raise invalid("global_every", self.global_every,
                     "0 without a window: it makes every k-th layer global and the rest local")
+    if self.linear_head is not None:
+      if not isinstance(self.linear_head, dict):
+        raise invalid("linear_head", self.linear_head, "None or a table of HeadConfig fields")
+      object.__setattr__(self, "linear_head", FrozenDict(self.linear_head))
+    layer_types.check_linear_fields(self)
     layer_types.check(self)
     moe.check(self)
 
@@ -225,6 +232,10 @@ class ModelConfig:
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
     return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+
+  def layer_variant(self, index: int) -> str:
+    """The variant of self-attention layer `index`: linear_variant for a linear_attention layer."""
+    return layer_types.variant_for(self, layer_types.layer_type(self, index))
 
   def is_moe_layer(self, index: int) -> bool:
     """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""
@@ -446,13 +457,13 @@ class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
-               head: HeadConfig | None = None, experts: bool = False):
+               head: HeadConfig | None = None, experts: bool = False, variant: str | None = None):
     self.post_norm = cfg.norm == "post"
     sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
     pre = cfg.norm != "after"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
-    self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs, **dtypes)
+    self.attn = MultiHeadAttention(head, variant or cfg.variant, rngs=rngs, **dtypes)
     self.attn_norm = layer_norm(cfg, rngs, pre)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
@@ -541,7 +552,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
   return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
-                                    experts=cfg.is_moe_layer(i)) for i in range(n)])
+                                    experts=cfg.is_moe_layer(i), variant=cfg.layer_variant(i))
+                   for i in range(n)])
 
 
 class Encoder(nnx.Module):
