@@ -152,7 +152,7 @@ def expert_params(m: ModelConfig) -> dict[str, int]:
 
 
 def _attention(m: ModelConfig, layer: int = 0) -> int:
-  return param_counts(m.variant, m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
+  return param_counts(m.layer_variant(layer), m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
 
 
 def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
@@ -213,7 +213,13 @@ def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bflo
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return sum(kv_cache_bytes_per_token(m.variant, m.layer_head(i), dtype) for i in range(layers))
+  return sum(kv_cache_bytes_per_token(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers))
+
+
+def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = "float32") -> int:
+  """The fixed-size decoding state of the stack's linear layers per sequence (all layers)."""
+  layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
+  return sum(state_bytes(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers))
 
 
 def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfloat16",
@@ -242,6 +248,9 @@ def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfl
                  "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
                  "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype),
                  "kv_bytes_at_T": kv_cache_bytes(name, cfg, T, dtype)})
+    if api.get_variant(name).init_state is not None:  # a fixed-size state: bytes and where KV passes it
+      rows[-1] |= {"state_bytes": state_bytes(name, cfg),
+                   "state_crossover_T": state_crossover(name, cfg, dtype)}
     figures = measured_figures(name, cfg)
     if figures:
       rows[-1]["measured"] = [c for f in figures for c in MEASURED_COLUMNS[f]]
@@ -253,6 +262,27 @@ MEASURED_COLUMNS = {"analytic": ("analytic",), "effective": ("effective",),
                     "score_weights": ("score_weights", "score_weights_per_head"),
                     "flops": ("flops_fwd", "flops_fwd_bwd"),
                     "kv_cache": ("kv_bytes_per_token", "kv_bytes_at_T")}
+
+
+def state_bytes(variant: str, cfg: HeadConfig, dtype: Any = "float32") -> int:
+  """Bytes of one layer's fixed-size decoding state per sequence, whatever its length (a head with
+  a state: Variant.state_size; 0 for a head with a KV cache). float32 by default: the state
+  accumulates in float32 (attn.variants.linear.core)."""
+  v = api.check_config(variant, cfg)
+  if v.init_state is None:
+    return 0
+  size = measured.state_size(v, cfg) if v.state_size is None else v.state_size(cfg)
+  return int(size) * _itemsize(dtype)
+
+
+def state_crossover(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int | None:
+  """The context length at which a softmax layer of the same HeadConfig (per_head) caches as many
+  bytes as this layer's state (the state in float32, the KV cache in dtype); None without a state."""
+  state = state_bytes(variant, cfg)
+  if not state:
+    return None
+  per_token = kv_cache_bytes_per_token("per_head", mechanisms.plain(cfg), dtype)
+  return -(-state // per_token)
 
 
 def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:

@@ -36,7 +36,8 @@ _LAYER_COLUMNS = [
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
     ("score_weights_per_head", "W_Q·W_Kᵀ weights/head"), ("flops_fwd", "FLOPs fwd"),
     ("flops_fwd_bwd", "FLOPs fwd+bwd"), ("kv_bytes_per_token", "KV cache B/token"),
-    ("kv_bytes_at_T", "KV cache B at T")]
+    ("kv_bytes_at_T", "KV cache B at T"), ("state_bytes", "state B/sequence"),
+    ("state_crossover_T", "KV cache = state at T")]
 _MECHANISM_COLUMNS = [
     ("mechanism", "mechanism"), ("params_formula", "adds params"), ("params", "="),
     ("flops_formula", "adds FLOPs fwd"), ("flops_fwd", "="), ("kv_cache_bytes", "KV cache B at T")]

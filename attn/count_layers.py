@@ -37,13 +37,13 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
     if name in rows:
       rows[name]["layers"] += 1
       continue
-    head = m.layer_head(i)
+    head, variant = m.layer_head(i), m.layer_variant(i)
     rows[name] = {"type": name, "layers": 1, "window": head.window,
                   "rope_theta": head.rope_theta if head.rope_dim else None,
-                  "params_per_layer": count.param_counts(m.variant, head)["analytic"],
-                  "flops_fwd_per_layer": count.flops(m.variant, head, length),
-                  "kv_bytes_per_token_per_layer": count.kv_cache_bytes_per_token(m.variant, head, dtype),
-                  "kv_bytes_at_L_per_layer": count.kv_cache_bytes(m.variant, head, length, dtype)}
+                  "params_per_layer": count.param_counts(variant, head)["analytic"],
+                  "flops_fwd_per_layer": count.flops(variant, head, length),
+                  "kv_bytes_per_token_per_layer": count.kv_cache_bytes_per_token(variant, head, dtype),
+                  "kv_bytes_at_L_per_layer": count.kv_cache_bytes(variant, head, length, dtype)}
   out = list(rows.values())
   for row in out:
     n = row["layers"]

@@ -78,3 +78,23 @@ def test_a_training_step_has_finite_gradients_and_right_padding_is_inert():
 def test_bad_hybrid_refused_by_name(kw, field):
   with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
     config(**kw)
+
+
+def test_state_and_kv_cache_counts_of_a_hybrid():
+  """Per layer and per model, by hand: the linear layers' float32 state per sequence, the full
+  layers' KV cache per token, and the context length where a softmax layer's cache passes the state."""
+  from attn import count
+  from attn.config import HeadConfig
+  m = config()
+  lin = m.layer_head(0)
+  state = 4 * 3 * 5 + 3 * (2 * 2 * 3 + 4 * 5)  # H·K·V + (W − 1)·(2GK + HV) numbers
+  assert count.state_bytes("gated_deltanet", lin) == 4 * state
+  assert count.state_bytes("per_head", lin) == 0
+  assert count.model_state_bytes(m) == 3 * 4 * state
+  assert count.model_kv_cache_bytes_per_token(m, "decoder_lm", "float32") == 4 * 2 * (4 + 4)  # 1 full layer
+  assert count.state_crossover("gated_deltanet", lin, "float32") == -(-4 * state // (4 * 2 * (3 + 5)))
+  cfg = HeadConfig(d_model=24, num_heads=6, d_k=5, d_v=7, num_kv_heads=2)
+  rows = {r["variant"]: r for r in count.layer_table(cfg, 8, variants=["per_head", "mamba2", "linear"])}
+  assert "state_bytes" not in rows["per_head"]
+  assert rows["linear"]["state_bytes"] == 4 * 6 * 5 * 8 and rows["linear"]["kv_bytes_per_token"] == 0
+  assert rows["mamba2"]["state_crossover_T"] == -(-rows["mamba2"]["state_bytes"] // (2 * 2 * 12))
