@@ -153,8 +153,9 @@ def state_record(name: str, forward_fn, shapes_fn) -> dict:
   return dict(apply=apply, step=step, init_state=init_state,
               state_size=lambda cfg: parts.state_size(shapes_fn(cfg)),
               kv_cache_width=lambda cfg: 0,
-              circuits=no_circuits(name, "a variant with per-head W_Q·W_Kᵀ: a linear head's "
-                                   "mixing depends on its state, not on one bilinear form"))
+              circuits=no_circuits(name, "a variant with a fixed per-head W_QK = W_Q·W_Kᵀ: a "
+                                   "linear head's mixing of values runs through its state, "
+                                   "decayed and rewritten token by token"))
 
 
 def param_count(cfg: HeadConfig) -> int:

@@ -109,9 +109,10 @@ def chunked(q_BTGK: Array, k_BTGK: Array, v_BTHV: Array, *, g: Array | None = No
             state_BHKV: Array | None = None, kv_lengths: Array | None = None
             ) -> tuple[Array, Array]:
   """(o (B,T,H,V), final state (B,H,K,V)), both float32: the recurrence, chunk tokens a step."""
-  C = check_chunk(chunk)
+  check_chunk(chunk)
   q, k, v, g, beta = _inputs(q_BTGK, k_BTGK, v_BTHV, g, beta_BTH, kv_lengths)
   B, T, H, K = q.shape
+  C = max(1, min(chunk, T))  # a chunk longer than the sequence would only add padding
   V = v.shape[-1]
   S0 = _state(state_BHKV, B, H, K, V)
   N = -(-T // C)
