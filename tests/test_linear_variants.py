@@ -1,6 +1,6 @@
 """kda, mamba2 and linear: against transformers' layers (kimi_linear, mamba2; torch, same weights)
-and causal linear attention against its quadratic form; the kit on every fixed-state head;
-refusals by name; counts by hand.
+and causal linear attention against its quadratic form; decoding; refusals by name; counts by
+hand. The kit (attn.testing.check_variant) runs on every built-in in tests/test_contract.py.
 
 gated_deltanet has its own file (tests/test_gated_deltanet.py); the shared core is in
 tests/test_linear_core.py.
@@ -13,7 +13,6 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig
-from attn.testing import check_variant
 from attn.variants import VARIANTS, cache
 
 torch = pytest.importorskip("torch")
@@ -138,17 +137,6 @@ def test_linear_equals_its_quadratic_form():
   want = np.einsum("BTHV,HVD->BTD", o, n["w_o"]) + n["b_o"]
   got = attn.apply("linear", p, jnp.asarray(x), cfg=LINEAR, is_causal=True)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", STATE_HEADS)
-def test_kit(name):
-  check_variant(name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", STATE_HEADS)
-def test_kit_thorough(name):
-  check_variant(name, thorough=True)
 
 
 @pytest.mark.parametrize("name", STATE_HEADS)
