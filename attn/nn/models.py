@@ -215,8 +215,8 @@ class ModelConfig:
       if not isinstance(self.linear_head, dict):
         raise invalid("linear_head", self.linear_head, "None or a table of HeadConfig fields")
       object.__setattr__(self, "linear_head", FrozenDict(self.linear_head))
-    layer_types.check_linear_fields(self)
     layer_types.check(self)
+    layer_types.check_linear_fields(self)
     moe.check(self)
 
   @property
