@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants.base import (Options, Params, Variant, add_bias, bias, dense, no_circuits,
-                                normal, project_heads, project_out)
+from attn.variants.base import (Options, Params, Variant, add_bias, bias, dense, normal,
+                                project_heads, project_out)
 from attn.variants.linear import core, parts
 
 NAME = "gated_deltanet"
@@ -65,21 +65,13 @@ def init_common(keys, cfg: HeadConfig, dtype) -> Params:
   return add_bias(params, cfg, {"b_q": (G, K), "b_k": (G, K), "b_v": (H, V), "b_o": (D,)}, dtype)
 
 
-def init_decay(key, H: int, dtype, shape=None) -> tuple[jax.Array, jax.Array]:
-  """a_log = log A with A ~ U(1, 16) (H,), and dt_bias = softplus⁻¹(dt), dt ~ logU(0.001, 0.1)."""
-  ka, kd = jax.random.split(key)
-  a_log = jnp.log(jax.random.uniform(ka, (H,), jnp.float32, 1.0, 16.0))
-  dt = jnp.exp(jax.random.uniform(kd, shape or (H,), jnp.float32, math.log(1e-3), math.log(0.1)))
-  return a_log.astype(dtype), (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-
-
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   D, H, V = cfg.d_model, cfg.num_heads, cfg.d_v
   keys = jax.random.split(key, 11)
   params = init_common(keys[:8], cfg, dtype)
   params["w_z"] = normal(keys[8], (D, H, V), D, dtype)
   params["w_a"] = normal(keys[9], (D, H), D, dtype)
-  params["a_log"], params["dt_bias"] = init_decay(keys[10], H, dtype)
+  params["a_log"], params["dt_bias"] = parts.init_decay(keys[10], H, dtype)
   return params
 
 
@@ -134,34 +126,11 @@ def state_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
   return {"conv": (cfg.conv_width - 1, 2 * G * K + H * V), "ssm": (H, K, V)}
 
 
-def state_record(name: str, forward_fn, shapes_fn) -> dict:
-  """The Variant fields of a fixed-state head: apply (causal only), init_state, step, state_size,
-  kv_cache_width 0 and no circuits."""
-
-  def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, opts: Options = Options()):
-    parts.check_call(name, context_BSD, opts)
-    return forward_fn(params, x_BTD, None, cfg=cfg, opts=opts)[0], None
-
-  def step(params: Params, x_BTD, state, *, cfg: HeadConfig, opts: Options):
-    parts.check_call(name, None, opts)
-    return forward_fn(params, x_BTD, state, cfg=cfg, opts=opts)
-
-  def init_state(cfg: HeadConfig, batch_size: int, dtype=jnp.float32) -> dict:
-    return {n: jnp.zeros((batch_size, *s), jnp.float32 if n == "ssm" else dtype)
-            for n, s in shapes_fn(cfg).items()}
-
-  return dict(apply=apply, step=step, init_state=init_state,
-              state_size=lambda cfg: parts.state_size(shapes_fn(cfg)),
-              kv_cache_width=lambda cfg: 0,
-              circuits=no_circuits(name, "a variant with a fixed per-head W_QK = W_Q·W_Kᵀ: a "
-                                   "linear head's mixing of values runs through its state, "
-                                   "decayed and rewritten token by token"))
-
-
 def param_count(cfg: HeadConfig) -> int:
   D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
   biases = 2 * G * K + H * V + D if cfg.use_bias else 0
-  return D * (2 * G * K + 2 * H * V + 2 * H) + W * (2 * G * K + H * V) + 2 * H + V + H * V * D + biases
+  return (D * (2 * G * K + 2 * H * V + 2 * H) + W * (2 * G * K + H * V) + 2 * H + V + H * V * D
+          + biases)
 
 
 def score_weights(cfg: HeadConfig) -> int:
@@ -179,5 +148,5 @@ VARIANT = Variant(
     param_count=param_count,
     score_weights=score_weights,
     check=check,
-    **state_record(NAME, forward, state_shapes),
+    **parts.state_record(NAME, forward, state_shapes),
 )

@@ -46,7 +46,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
       "w_fa": normal(keys[8], (D, K), D, dtype), "w_fb": normal(keys[9], (K, H, K), K, dtype),
       "w_ga": normal(keys[10], (D, V), D, dtype), "w_gb": normal(keys[11], (V, H, V), V, dtype),
   })
-  params["a_log"], params["dt_bias"] = gdn.init_decay(keys[12], H, dtype, (H, K))
+  params["a_log"], params["dt_bias"] = parts.init_decay(keys[12], H, dtype, (H, K))
   return params
 
 
@@ -91,5 +91,5 @@ VARIANT = Variant(
     param_count=param_count,
     score_weights=score_weights,
     check=check,
-    **gdn.state_record(NAME, forward, gdn.state_shapes),
+    **parts.state_record(NAME, forward, gdn.state_shapes),
 )

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants import gated_deltanet as gdn
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, normal, project_heads,
                                 project_out)
 from attn.variants.linear import core, parts
@@ -84,5 +83,5 @@ VARIANT = Variant(
     param_count=param_count,
     score_weights=score_weights,
     check=check,
-    **gdn.state_record(NAME, forward, state_shapes),
+    **parts.state_record(NAME, forward, state_shapes),
 )

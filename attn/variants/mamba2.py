@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants import gated_deltanet as gdn
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, dense, normal,
                                 project_heads, project_out, zeros)
 from attn.variants.linear import core, parts
@@ -61,7 +60,7 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
       "d_skip": jnp.ones((H,), dtype), "norm": jnp.ones((H, V), dtype),
       "w_o": normal(ks[8], (H, V, D), H * V, dtype),
   }
-  a_log, dt_bias = gdn.init_decay(ks[9], H, dtype)
+  a_log, dt_bias = parts.init_decay(ks[9], H, dtype)
   params.update(a_log=a_log, dt_bias=dt_bias)
   return add_bias(params, cfg, {"b_v": (H, V), "b_z": (H, V), "b_k": (G, K), "b_q": (G, K),
                                 "b_dt": (H,), "b_o": (D,)}, dtype)
@@ -128,5 +127,5 @@ VARIANT = Variant(
     param_count=param_count,
     score_weights=score_weights,
     check=check,
-    **gdn.state_record(NAME, forward, state_shapes),
+    **parts.state_record(NAME, forward, state_shapes),
 )

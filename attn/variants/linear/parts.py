@@ -18,11 +18,14 @@ inputs ("conv" in the state).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants import mechanisms
+from attn.variants.base import Options, Params, no_circuits
 
 Array = jax.Array
 
@@ -74,7 +77,8 @@ def causal_conv(x_BTC: Array, w_WC: Array, b_C=None, state_BWC: Array | None = N
   """(y (B,T,C), the last W − 1 inputs (B,W−1,C)): depthwise causal convolution from a state."""
   W = w_WC.shape[0]
   B, T, C = x_BTC.shape
-  past = jnp.zeros((B, W - 1, C), x_BTC.dtype) if state_BWC is None else state_BWC.astype(x_BTC.dtype)
+  past = (jnp.zeros((B, W - 1, C), x_BTC.dtype) if state_BWC is None
+          else state_BWC.astype(x_BTC.dtype))
   xp_BSC = jnp.concatenate([past, x_BTC], axis=1)
   y_BTC = sum(xp_BSC[:, j:j + T] * w_WC[j] for j in range(W))
   if b_C is not None:
@@ -103,3 +107,35 @@ def state_size(state_shapes: dict[str, tuple[int, ...]]) -> int:
       n *= d
     total += n
   return total
+
+
+def init_decay(key, H: int, dtype, shape=None) -> tuple[jax.Array, jax.Array]:
+  """a_log = log A with A ~ U(1, 16) (H,), and dt_bias = softplus⁻¹(dt), dt ~ logU(0.001, 0.1)."""
+  ka, kd = jax.random.split(key)
+  a_log = jnp.log(jax.random.uniform(ka, (H,), jnp.float32, 1.0, 16.0))
+  dt = jnp.exp(jax.random.uniform(kd, shape or (H,), jnp.float32, math.log(1e-3), math.log(0.1)))
+  return a_log.astype(dtype), (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def state_record(name: str, forward_fn, shapes_fn) -> dict:
+  """The Variant fields of a fixed-state head: apply (causal only), init_state, step, state_size,
+  kv_cache_width 0 and no circuits."""
+
+  def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, opts: Options = Options()):
+    check_call(name, context_BSD, opts)
+    return forward_fn(params, x_BTD, None, cfg=cfg, opts=opts)[0], None
+
+  def step(params: Params, x_BTD, state, *, cfg: HeadConfig, opts: Options):
+    check_call(name, None, opts)
+    return forward_fn(params, x_BTD, state, cfg=cfg, opts=opts)
+
+  def init_state(cfg: HeadConfig, batch_size: int, dtype=jnp.float32) -> dict:
+    return {n: jnp.zeros((batch_size, *s), jnp.float32 if n == "ssm" else dtype)
+            for n, s in shapes_fn(cfg).items()}
+
+  return dict(apply=apply, step=step, init_state=init_state,
+              state_size=lambda cfg: state_size(shapes_fn(cfg)),
+              kv_cache_width=lambda cfg: 0,
+              circuits=no_circuits(name, "a variant with a fixed per-head W_QK = W_Q·W_Kᵀ: a "
+                                   "linear head's mixing of values runs through its state, "
+                                   "decayed and rewritten token by token"))
