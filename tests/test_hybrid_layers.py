@@ -25,13 +25,15 @@ def tokens(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).integers(0, 13, shape), jnp.int32)
 
 
-@pytest.mark.parametrize("linear_variant", ["gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("linear_variant", ["gated_deltanet",
+                                            pytest.param("mamba2", marks=pytest.mark.slow)])
 def test_hybrid_decoding_equals_the_full_forward(linear_variant):
   model = DecoderLM(config(linear_variant=linear_variant), rngs=nnx.Rngs(0))
   tok = tokens(1, (2, 7))
-  full = model(tok)
+  full = nnx.jit(lambda m, t: m(t))(model, tok)
   model.init_cache(2, 9)
-  outs = [model(tok[:, :4], decode=True)] + [model(tok[:, i:i + 1], decode=True) for i in range(4, 7)]
+  step = nnx.jit(lambda m, t: m(t, decode=True))  # one compile per step length (4, then 1)
+  outs = [step(model, tok[:, :4])] + [step(model, tok[:, i:i + 1]) for i in range(4, 7)]
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
   linear_cache = {k: v[...].shape for k, v in model.blocks[0].attn.cache.items()}
   full_cache = {k: v[...].shape for k, v in model.blocks[3].attn.cache.items()}
@@ -50,6 +52,7 @@ def test_each_layer_gets_its_variant_and_head():
   assert [b.attn.variant for b in model.blocks] == ["gated_deltanet"] * 3 + ["fused"]
 
 
+@pytest.mark.slow  # ~10 s: a 4-layer model's gradient compiled (each layer's grads: the kit's)
 def test_a_training_step_has_finite_gradients_and_right_padding_is_inert():
   model = DecoderLM(config(linear_variant="kda"), rngs=nnx.Rngs(0))
   tok = tokens(2, (2, 6))
@@ -58,12 +61,12 @@ def test_a_training_step_has_finite_gradients_and_right_padding_is_inert():
   def loss(p, t):
     return (nnx.merge(graph, p, rest)(t) ** 2).mean()
 
-  grads = jax.grad(loss)(params, tok)
+  grads = jax.jit(jax.grad(loss))(params, tok)
   leaves = jax.tree.leaves(grads)
   assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
   assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
-  y = model(tok, lengths_B=jnp.array([6, 3]))
-  y2 = model(tok.at[1, 3:].set(0), lengths_B=jnp.array([6, 3]))
+  padded = nnx.jit(lambda m, t: m(t, lengths_B=jnp.array([6, 3])))
+  y, y2 = padded(model, tok), padded(model, tok.at[1, 3:].set(0))
   np.testing.assert_allclose(y2[1, :3], y[1, :3], rtol=1e-6, atol=1e-6)
 
 
