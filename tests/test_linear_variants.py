@@ -192,3 +192,14 @@ def test_return_weights_refused_by_name(name):
   p = attn.init(name, jax.random.PRNGKey(0), cfg)
   with pytest.raises(ConfigError, match="return_weights=True is not allowed: False for"):
     attn.apply(name, p, jnp.ones((1, 3, 20)), cfg=cfg, is_causal=True, return_weights=True)
+
+
+@pytest.mark.parametrize("name", STATE_HEADS)
+def test_conversions_to_and_from_softmax_heads_refused_by_name(name):
+  """No exact (nor lossy) map between a state head and a softmax head: attn.convert names both."""
+  cfg = HeadConfig(d_model=16, num_heads=4, num_kv_heads=2)
+  p = attn.init(name, jax.random.PRNGKey(0), cfg)
+  with pytest.raises(ConfigError, match=f"conversion='{name} -> per_head' is not allowed: one of"):
+    attn.convert(p, name, "per_head", cfg)
+  with pytest.raises(ConfigError, match=f"conversion='per_head -> {name}' is not allowed"):
+    attn.convert(attn.init("per_head", jax.random.PRNGKey(0), cfg), "per_head", name, cfg)
