@@ -29,7 +29,10 @@ decay per key channel and a low-rank sigmoid gate; its record reuses forward() b
 Params: D·(2GK + 2HV + 2H) + W·(2GK + HV) + 2H + V + HVD [+ 2GK + HV + D].
 State per sequence: H·K·V (float32) + (W − 1)·(2GK + HV) (the convolution's last inputs);
   no KV cache (kv_cache_width 0). Score weights (what the implied mixing of values depends on):
-  D·2GK + W·2GK + 2·D·H + 2H. FLOPs: measured (XLA), the chunked scan's depending on the chunk.
+  D·2GK + W·2GK + 2·D·H + 2H. FLOPs: measured (XLA), the chunked scan's depending on the chunk;
+  XLA's cost analysis counts the body of a scan once, so past one chunk the measured figure
+  undercounts the core (a closed form within the kit's 10% at its small config would have to
+  count the elementwise work too: not written yet).
 """
 
 from __future__ import annotations
