@@ -101,3 +101,13 @@ def test_state_and_kv_cache_counts_of_a_hybrid():
   assert "state_bytes" not in rows["per_head"]
   assert rows["linear"]["state_bytes"] == 4 * 6 * 5 * 8 and rows["linear"]["kv_bytes_per_token"] == 0
   assert rows["mamba2"]["state_crossover_T"] == -(-rows["mamba2"]["state_bytes"] // (2 * 2 * 12))
+
+
+def test_a_hybrid_goes_out_to_no_softmax_family():
+  """to_hf refuses a model with linear layers by name, before converting any weight."""
+  from attn.nn import hf
+  m = config(norm_type="rmsnorm", mlp="gated", activation="silu", use_bias=False, qk_norm=False,
+             linear_head=None, tie_embeddings=False)
+  model = DecoderLM(m, rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="layer_types\\[0\\]='linear_attention' is not allowed: a softmax"):
+    hf.to_hf_state(model, model_type="llama")
