@@ -80,3 +80,14 @@ def test_a_layer_type_attn_does_not_run_is_refused():
   config = {**tiny().to_dict(), "layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}
   with pytest.raises(ConfigError, match="config.layer_types=.* is not allowed"):
     hf.model_config(config)
+
+
+def test_count_hf_equals_transformers_parameters_and_reports_the_state(live):
+  from attn import count_hf
+  report = count_hf.hf_report(live.config.to_dict(), "tiny")
+  assert report["total"] == sum(p.numel() for p in live.parameters())
+  rows = {r["type"]: r for r in report["layer_types"]}
+  # H·K·V float32 + (W − 1)·(2GK + HV) numbers per sequence, 4 bytes each, per linear layer
+  assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
+  assert rows["linear_attention"]["kv_bytes_per_token_per_layer"] == 0
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * 2 * 2 * 8  # bf16 k and v, G=2, K=8
