@@ -91,3 +91,29 @@ def test_count_hf_equals_transformers_parameters_and_reports_the_state(live):
   assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
   assert rows["linear_attention"]["kv_bytes_per_token_per_layer"] == 0
   assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * 2 * 2 * 8  # bf16 k and v, G=2, K=8
+
+
+def test_to_hf_and_back_is_exact(live):
+  """from_hf(to_hf(m)) holds m's parameters bit for bit; the tensors written equal transformers'
+  (the zero-centred q/k norms to the last bit of 1 + w, attn holding the scale 1 + w)."""
+  import jax
+  loaded = hf.from_hf(live)
+  out = hf.to_hf(loaded)
+  assert type(out).__name__ == "Qwen3NextForCausalLM" and out.config.layer_types == KINDS
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():
+    exact = not name.endswith(("q_norm.weight", "k_norm.weight"))
+    np.testing.assert_allclose(ours[name], a, rtol=0, atol=0 if exact else 1.2e-7, err_msg=name)
+  back = hf.from_hf(out)
+  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model))):
+    np.testing.assert_array_equal(a, b)
+  tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
+  with torch.no_grad():
+    np.testing.assert_allclose(out(tok).logits.numpy(), live(tok).logits.numpy(), rtol=0, atol=1e-5)
+
+
+def nnx_state(model):
+  from flax import nnx
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))

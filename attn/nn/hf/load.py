@@ -282,7 +282,9 @@ def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, d
   out_cfg = cfg.replace(variant=family.variant,
                         num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
   pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
-  for block in _blocks(pure).values():
+  for l, block in _blocks(pure).items():
+    if cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant:
+      continue  # a linear layer (attn.nn.layer_types): its own variant, written as it is
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
   sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}
