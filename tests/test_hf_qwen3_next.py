@@ -117,3 +117,10 @@ def test_to_hf_and_back_is_exact(live):
 def nnx_state(model):
   from flax import nnx
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def test_the_family_kit_passes():
+  """attn.testing.check_family: read, refusals, the round trip and logits against transformers."""
+  from attn.testing import check_family
+  measured = check_family("qwen3_next", tiny().to_dict())
+  assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
