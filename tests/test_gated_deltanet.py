@@ -2,7 +2,8 @@
 decoding from the state (the kit runs in tests/test_linear_variants.py); refusals by name; counts by hand.
 
 The second implementation is transformers' own layer (its pure-torch chunked and recurrent
-fallbacks), built in code from a tiny Qwen3NextConfig: no download.
+fallbacks), built in code from a tiny Qwen3NextConfig: no download (skipped without torch and
+transformers; the rest of the file runs without them).
 """
 
 import jax
@@ -14,15 +15,14 @@ import attn
 from attn import ConfigError, HeadConfig
 from attn.variants import VARIANTS, cache, gated_deltanet
 
-torch = pytest.importorskip("torch")
-qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-from transformers import Qwen3NextConfig  # noqa: E402
-
 CFG = HeadConfig(d_model=24, num_heads=6, d_k=5, d_v=7, num_kv_heads=2, use_bias=False, chunk=4)
 
 
 def to_torch_layer(params, cfg: HeadConfig):
   """A Qwen3NextGatedDeltaNet holding attn's parameters (its fused in_proj_qkvz and in_proj_ba)."""
+  torch = pytest.importorskip("torch")
+  qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+  from transformers import Qwen3NextConfig
   D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
   R = H // G
   hf = Qwen3NextConfig(hidden_size=D, linear_num_key_heads=G, linear_num_value_heads=H,
@@ -57,6 +57,7 @@ def random_params(cfg, seed):
 @pytest.mark.parametrize("T", [1, 6, 13])
 def test_equals_transformers_qwen3_next_layer(T):
   """Chunked at chunk 4 (13 is not a multiple) against transformers' chunk of 64."""
+  torch = pytest.importorskip("torch")
   p = random_params(CFG, T)
   x = np.random.default_rng(T).standard_normal((2, T, CFG.d_model)).astype(np.float32)
   want = to_torch_layer(p, CFG)(torch.from_numpy(x)).detach().numpy()

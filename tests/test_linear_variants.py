@@ -15,15 +15,11 @@ import attn
 from attn import ConfigError, HeadConfig
 from attn.variants import VARIANTS, cache
 
-torch = pytest.importorskip("torch")
-kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-mamba2_hf = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
-from transformers import KimiLinearConfig, Mamba2Config  # noqa: E402
-
 STATE_HEADS = ("gated_deltanet", "kda", "mamba2", "linear")
 
 
 def t(a):
+  torch = pytest.importorskip("torch")
   return torch.from_numpy(np.array(a, np.float32))
 
 
@@ -50,6 +46,9 @@ KDA = HeadConfig(d_model=20, num_heads=3, d_k=6, d_v=6, use_bias=False, chunk=4)
 
 
 def kimi_layer(p, cfg):
+  torch = pytest.importorskip("torch")
+  kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+  from transformers import KimiLinearConfig
   D, H, K, W = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.conv_width
   hf = KimiLinearConfig(hidden_size=D, linear_num_heads=H, linear_head_dim=K,
                         linear_conv_kernel_dim=W, rms_norm_eps=1e-6, num_hidden_layers=1)
@@ -74,6 +73,7 @@ def kimi_layer(p, cfg):
 
 @pytest.mark.parametrize("T", [1, 9])
 def test_kda_equals_transformers_kimi_linear_layer(T):
+  torch = pytest.importorskip("torch")
   p = random_params("kda", KDA, T)
   x = x_of(T, 2, T, KDA.d_model)
   want = kimi_layer(p, KDA)(torch.from_numpy(x)).detach().numpy()
@@ -86,6 +86,9 @@ MAMBA = HeadConfig(d_model=24, num_heads=4, d_k=5, d_v=12, num_kv_heads=2, use_b
 
 
 def mamba_layer(p, cfg):
+  torch = pytest.importorskip("torch")
+  mamba2_hf = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+  from transformers import Mamba2Config
   D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
   hf = Mamba2Config(hidden_size=D, num_heads=H, head_dim=V, state_size=K, n_groups=G, expand=H * V // D,
                     conv_kernel=W, use_bias=False, use_conv_bias=True, chunk_size=64,
@@ -110,6 +113,7 @@ def mamba_layer(p, cfg):
 
 @pytest.mark.parametrize("T", [1, 11])
 def test_mamba2_equals_transformers_mamba2_mixer(T):
+  torch = pytest.importorskip("torch")
   p = random_params("mamba2", MAMBA, T)
   x = x_of(T, 2, T, MAMBA.d_model)
   want = mamba_layer(p, MAMBA)(torch.from_numpy(x)).detach().numpy()
