@@ -115,7 +115,10 @@ class HeadConfig:
   masks leave visible (attn.kernel.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
-  values of kv_rank each; default 6 and 2, the paper's). layer is the layer's
+  values of kv_rank each; default 6 and 2, the paper's). conv_width and chunk are the
+  fixed-state heads' (gated_deltanet, kda, mamba2, linear; attn.variants.linear): the width
+  of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
+  tokens one step of the chunked scan covers (64, MaxText's and fla's). layer is the layer's
   1-based index in its model, for differential's λ_init; set by the models.
   extra maps an outside head mechanism's name to its options ({"my_gate":
   {"width": 3}}; attn.variants.mechanisms says why one field): the mechanism's
@@ -156,6 +159,8 @@ class HeadConfig:
   probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
+  conv_width: int = 4
+  chunk: int = 64
   layer: int = 1
   extra: dict | None = None
 
@@ -211,7 +216,7 @@ class HeadConfig:
     if self.latent_norm_eps is not None:
       _positive_number("latent_norm_eps", self.latent_norm_eps,
                        "the epsilon of mla's latent RMSNorms, or None for none")
-    for name in ("q_rank", "kv_rank", "layer"):
+    for name in ("q_rank", "kv_rank", "conv_width", "chunk", "layer"):
       _positive_int(name, getattr(self, name))
 
   def _check_rope_scaling(self) -> None:

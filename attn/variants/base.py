@@ -41,6 +41,14 @@ opts)` -> y_BTD, cache holding the same names over the cache length and
 opts.mask saying which slots each query sees (mla: the latent and the rotated
 RoPE key).
 
+A head with a fixed-size state (attn.variants.linear: gated_deltanet, kda, mamba2, linear)
+decodes with that state instead of a KV cache: it sets `init_state(cfg, batch_size, dtype)` ->
+dict of (B, ...) zero arrays, the state of a sequence before its first token, and `step(params,
+x_BTD, state, *, cfg, opts)` -> (y_BTD, the state after x's tokens), equal to the causal `apply`
+continued from that state; `state_size(cfg)` is its numbers per sequence (independent of the
+length), and its kv_cache_width is 0. Such a head computes causal self-attention only: its apply
+refuses context, mask, return_weights and is_causal=False (the kit checks it that way).
+
 attn.analysis.circuits reads a variant through its exact converter to per_head.
 A variant without one sets `circuits(params, cfg)` -> the same dict of factors
 as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
@@ -145,6 +153,9 @@ class Variant:
   cache_entries: Callable[..., dict[str, Array]] | None = None
   attend_cached: Callable[..., Array] | None = None
   circuits: Callable[..., dict[str, Any]] | None = None
+  init_state: Callable[..., dict[str, Array]] | None = None
+  step: Callable[..., tuple[Array, dict[str, Array]]] | None = None
+  state_size: Callable[[HeadConfig], int] | None = None
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
 
