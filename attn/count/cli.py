@@ -311,12 +311,14 @@ def _unmeasured(report: dict[str, Any]) -> str:
     return ""
   cfg = HeadConfig(**report["layer"])
   lacking = [m.name for m in mechanisms.active(cfg) if m.effective_param_count is None]
-  why = (f"mechanism {', '.join(map(repr, lacking))} declares no effective_param_count" if lacking
-         else "no closed form")
+  if lacking:
+    why = f"mechanism {', '.join(map(repr, lacking))} declares no effective_param_count"
+    fix = "; a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 (docs/extending.md)"
+  else:
+    why, fix = "the variant declares no closed form", ""
   return (f"\n\nparams (effective) n/a for {', '.join(r['variant'] for r in rows)}: {why}, and a layer of "
-          f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank); "
-          "a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 "
-          "(docs/extending.md)")
+          f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank)"
+          + fix)
 
 
 _HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
