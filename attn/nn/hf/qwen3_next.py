@@ -6,15 +6,13 @@ linear_key/value_head_dim, conv_width: linear_conv_kernel_dim}); a full-attentio
 Llama-like per_head layer with three Qwen3-Next changes: q_proj holds each head's query and its
 output gate side by side ([query | gate] per head, transformers' torch.chunk), which is attn's
 elementwise gate σ(x·W_gate) on o_h; q_norm and k_norm are zero-centred RMSNorms (x̂·(1 + w),
-held by attn as 1 + w); partial_rotary_factor rotates the first int(f·head_dim) dims. Every
+held by attn as w: ModelConfig.qk_norm_plus_one); partial_rotary_factor rotates the first int(f·head_dim) dims. Every
 RMSNorm of the blocks and the final one is zero-centred too: norm_type "rmsnorm_plus_one".
 
 Refused by name before any weight is read: experts (num_experts > 0 on a layer outside
 mlp_only_layers: attn's MoE has no sigmoid-gated shared expert yet), a layer type other than
 full_attention or linear_attention, attention biases, and an rms_norm_eps other than 1e-6 (the
-gated norm of attn's gated_deltanet uses 1e-6). to_hf writes the same tensors back; the zero-centred
-norms go out as the stored scale − 1 (exact where 1 + w was: a float32 w near 0 loses its low bits
-on the way in).
+gated norm of attn's gated_deltanet uses 1e-6). to_hf writes the same tensors back, bit for bit.
 """
 
 from __future__ import annotations
@@ -69,7 +67,8 @@ def _full(w: Weights, a: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
           "w_k": w(f"{a}.k_proj.weight", (G * K, D)).T.reshape(D, G, K),
           "w_v": w(f"{a}.v_proj.weight", (G * K, D)).T.reshape(D, G, K),
           "w_o": w(f"{a}.o_proj.weight", (D, H * K)).T.reshape(H, K, D),
-          "q_norm": 1 + w(f"{a}.q_norm.weight", (K,)), "k_norm": 1 + w(f"{a}.k_norm.weight", (K,))}
+          # config_in set cfg.qk_norm_plus_one (ROW's): the checkpoint's w as it is, x̂·(1 + w) in the model
+          "q_norm": w(f"{a}.q_norm.weight", (K,)), "k_norm": w(f"{a}.k_norm.weight", (K,))}
 
 
 def _linear(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
@@ -115,7 +114,8 @@ def _full_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig) -> dict[str, n
   q_and_gate = np.concatenate([p["w_q"], p["w_gate"]], -1).reshape(D, H * 2 * K)
   return {f"{a}.q_proj.weight": q_and_gate.T, f"{a}.k_proj.weight": p["w_k"].reshape(D, G * K).T,
           f"{a}.v_proj.weight": p["w_v"].reshape(D, G * K).T, f"{a}.o_proj.weight": p["w_o"].reshape(H * K, D).T,
-          f"{a}.q_norm.weight": p["q_norm"] - 1, f"{a}.k_norm.weight": p["k_norm"] - 1}
+          f"{a}.q_norm.weight": llama.qk_scale_out(ROW, cfg, p["q_norm"]),
+          f"{a}.k_norm.weight": llama.qk_scale_out(ROW, cfg, p["k_norm"])}
 
 
 def _linear_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
