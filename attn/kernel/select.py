@@ -9,14 +9,15 @@ deterministically: of two equal scores, the lower index wins.
 MoBA (Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context
 LLMs"). Keys are cut into blocks of `block` (the last one may be short).
 Query head h scores block n by q_h · k̄_n, k̄_n the mean of kv head g(h)'s
-keys of block n that kv_lengths leaves (a block with none is never chosen).
-With is_causal (the paper's rule: a query is never routed to a future block,
-and always to its own, masked causally inside): the query's own block
-c = p // block is always selected, the blocks n < c (every key already seen)
-compete for the other top_k - 1 places, and no block n > c can be chosen.
-Without is_causal every block with a visible key competes for top_k places.
-When fewer blocks compete than places, all of them are taken. The choice is
-per query head (each head has its own q and kv head).
+keys of block n below kv_lengths. A query's own block is the last block in
+which it sees a key; it is always selected, and the other blocks in which it
+sees a key compete for the remaining top_k - 1 places. Under is_causal this
+is the paper's rule: the own block is the one holding the query's position
+(attended causally inside), no later block can be chosen, and the earlier
+ones compete. The same rule under a dense mask (a KV cache's decoding mask)
+gives the same choice as the causal full pass. When fewer blocks compete than
+places, all of them are taken. The choice is per query head (each head has its
+own q and kv head).
 
 Lightning indexer (DeepSeek-V3.2, DSA). n_I index heads of width d_I: index
 queries q^I (B,T,J,I), weights w (B,T,J), one index key k^I (B,S,I) per token;
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -78,29 +80,41 @@ def block_means(k_BSGK: Array, block: int, kv_lengths: Array | None = None) -> t
   return mean, n_BN > 0
 
 
+def visible_blocks(T: int, S: int, block: int, *, is_causal: bool, kv_lengths: Array | None = None,
+                   mask: Array | None = None, B: int = 1) -> Array:
+  """(B,1|H,T,N) bool: the key blocks in which query t sees at least one key.
+
+  Without a dense mask, from the structure alone (no T×S array); with one (B|1,1|H,T,S),
+  from the dense visibility.
+  """
+  N = num_blocks(S, block)
+  if mask is not None:
+    vis = visible(T, S, is_causal, kv_lengths, B)[:, None] & jnp.asarray(mask, bool)
+    vis = jnp.pad(vis, ((0, 0),) * 3 + ((0, N * block - S),))
+    return vis.reshape(*vis.shape[:3], N, block).any(-1)
+  start_N = jnp.arange(N) * block
+  limit_B = jnp.full((B,), S) if kv_lengths is None else jnp.minimum(jnp.asarray(kv_lengths), S)
+  vis = jnp.broadcast_to((start_N[None, :] < limit_B[:, None])[:, None, None, :], (B, 1, T, N))
+  if is_causal:
+    vis = vis & (start_N[None, :] <= positions(T, S)[:, None])[None, None]
+  return vis
+
+
 def moba_scores(q_BTHK: Array, k_BSGK: Array, *, block: int, is_causal: bool,
-                kv_lengths: Array | None = None) -> tuple[Array, Array]:
-  """(gate scores (B,H,T,N) float32: -inf where a block cannot be chosen, +inf for the forced own
-  block; the number of places the competing blocks get, top_k minus the forced one: (T,) 0 or 1)."""
+                kv_lengths: Array | None = None, mask: Array | None = None) -> Array:
+  """Gate scores (B,H,T,N) float32: q_h · k̄_n; -inf where the query sees no key of the block,
+  +inf for its own block (the last it sees a key of)."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   N = num_blocks(S, block)
-  mean_BNGK, has_BN = block_means(lax.stop_gradient(k_BSGK), block, kv_lengths)
+  mean_BNGK, _ = block_means(lax.stop_gradient(k_BSGK), block, kv_lengths)
   q = lax.stop_gradient(q_BTHK).astype(jnp.float32).reshape(B, T, G, H // G, K)
   s_BHTN = jnp.einsum("BTGRK,BNGK->BGRTN", q, mean_BNGK).reshape(B, H, T, N)
-  ok_B11N = has_BN[:, None, None, :]
-  forced = jnp.zeros((T,), jnp.int32)
-  if is_causal:
-    own_T = positions(T, S) // block  # negative: the query sees no key
-    n = jnp.arange(N)
-    ok_B1TN = ok_B11N & (n[None, None, None, :] < own_T[None, None, :, None])
-    s_BHTN = jnp.where(ok_B1TN, s_BHTN, NEG)
-    own_1TN = (n[None, :] == own_T[:, None])[None, None]
-    s_BHTN = jnp.where(own_1TN & ok_B11N, jnp.inf, s_BHTN)
-    forced = (own_T >= 0).astype(jnp.int32)
-  else:
-    s_BHTN = jnp.where(ok_B11N, s_BHTN, NEG)
-  return s_BHTN, forced
+  vis = visible_blocks(T, S, block, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask, B=B)
+  n = jnp.arange(N)
+  own = jnp.max(jnp.where(vis, n, -1), axis=-1, keepdims=True)  # -1: sees nothing
+  s_BHTN = jnp.where(vis, s_BHTN, NEG)
+  return jnp.where(n == own, jnp.inf, s_BHTN)
 
 
 def _top(scores: Array, top_k: int) -> Array:
@@ -117,9 +131,10 @@ def _top(scores: Array, top_k: int) -> Array:
 
 
 def moba_blocks(q_BTHK: Array, k_BSGK: Array, *, block: int, top_k: int, is_causal: bool,
-                kv_lengths: Array | None = None) -> Array:
+                kv_lengths: Array | None = None, mask: Array | None = None) -> Array:
   """(B,H,T,N) bool: the blocks each query head attends to (module docstring)."""
-  scores, _ = moba_scores(q_BTHK, k_BSGK, block=block, is_causal=is_causal, kv_lengths=kv_lengths)
+  scores = moba_scores(q_BTHK, k_BSGK, block=block, is_causal=is_causal, kv_lengths=kv_lengths,
+                       mask=mask)
   return _top(scores, top_k)
 
 
@@ -133,43 +148,32 @@ def _rank_select(scores: Array, top_k: int) -> Array:
 
 
 def moba_blocks_reference(q_BTHK, k_BSGK, *, block: int, top_k: int, is_causal: bool,
-                          kv_lengths=None) -> Array:
-  """moba_blocks by counting rivals, with a per-query loop in numpy-style jnp (tests)."""
+                          kv_lengths=None, mask=None) -> Array:
+  """moba_blocks from the dense (B,H,T,S) visibility, one query at a time, by counting rivals (tests)."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-  N = num_blocks(S, block)
-  R = H // G
+  N, R = num_blocks(S, block), H // G
   lim = [S] * B if kv_lengths is None else [min(int(x), S) for x in kv_lengths]
-  out = []
+  vis = visible(T, S, is_causal, kv_lengths, B)[:, None]
+  if mask is not None:
+    vis = vis & jnp.asarray(mask, bool)
+  vis = np.asarray(jnp.broadcast_to(vis, (B, H, T, S)))
+  q, k = np.asarray(q_BTHK, np.float32), np.asarray(k_BSGK, np.float32)
+  out = np.zeros((B, H, T, N), bool)
   for b in range(B):
-    per_h = []
     for h in range(H):
-      rows = []
       for t in range(T):
-        p = t + S - T
-        score, forced = [], None
-        for n in range(N):
-          keys = [s for s in range(n * block, min((n + 1) * block, S)) if s < lim[b]]
-          if not keys:
-            score.append(-jnp.inf)
-            continue
-          mean = jnp.mean(k_BSGK[b, jnp.array(keys), h // R].astype(jnp.float32), axis=0)
-          val = jnp.dot(q_BTHK[b, t, h].astype(jnp.float32), mean)
-          if is_causal and n == p // block and p >= 0:  # forced (it has a visible key: keys is not empty)
-            forced = n
-            score.append(-jnp.inf)
-          elif is_causal and n > p // block or is_causal and p < 0:
-            score.append(-jnp.inf)
-          else:
-            score.append(val)
-        places = top_k - (1 if forced is not None else 0)
-        row = _rank_select(jnp.array(score), places) if places > 0 else jnp.zeros(N, bool)
-        if forced is not None:
-          row = row.at[forced].set(True)
-        rows.append(row)
-      per_h.append(jnp.stack(rows))
-    out.append(jnp.stack(per_h))
-  return jnp.stack(out)
+        seen = np.flatnonzero(vis[b, h, t])
+        if not len(seen):
+          continue
+        own = seen[-1] // block
+        score = np.full(N, -np.inf, np.float32)
+        for n in set(int(s) // block for s in seen) - {own}:
+          keys = np.arange(n * block, min((n + 1) * block, lim[b]))
+          score[n] = np.dot(q[b, t, h], k[b, keys, h // R].mean(0))
+        out[b, h, t] = np.asarray(_rank_select(jnp.asarray(score), top_k - 1))
+        out[b, h, t, own] = True
+  return jnp.asarray(out)
 
 
 def blocks_to_mask(sel_BHTN: Array, block: int, S: int) -> Array:
@@ -177,12 +181,13 @@ def blocks_to_mask(sel_BHTN: Array, block: int, S: int) -> Array:
   return jnp.repeat(sel_BHTN, block, axis=-1)[..., :S]
 
 
-def moba_mask(q_BTHK, k_BSGK, *, block: int, top_k: int, is_causal: bool, kv_lengths=None) -> Array:
-  """The dense (B,H,T,S) mask of MoBA's selection, the structured masks ANDed in."""
+def moba_mask(q_BTHK, k_BSGK, *, block: int, top_k: int, is_causal: bool, kv_lengths=None,
+              mask=None) -> Array:
+  """The dense (B,H,T,S) mask of MoBA's selection, the structured masks ANDed in (not mask)."""
   B, T = q_BTHK.shape[:2]
   S = k_BSGK.shape[1]
   sel = moba_blocks(q_BTHK, k_BSGK, block=block, top_k=top_k, is_causal=is_causal,
-                    kv_lengths=kv_lengths)
+                    kv_lengths=kv_lengths, mask=mask)
   return blocks_to_mask(sel, block, S) & visible(T, S, is_causal, kv_lengths, B)[:, None]
 
 
@@ -194,46 +199,74 @@ def index_scores(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array) -> Array:
   return jnp.einsum("BTJS,BTJ->BTS", jax.nn.relu(dots), w_BTJ.astype(jnp.float32))
 
 
+def _indexer_chunk(qi, ki, w, t0, *, T: int, top_k: int, is_causal: bool, kv_lengths, mask) -> Array:
+  """(B,c,S) bool: the top_k visible keys of queries [t0, t0 + c) (qi, w already these rows)."""
+  B, c = qi.shape[:2]
+  S = ki.shape[1]
+  scores = index_scores(qi, ki, w)
+  t = t0 + jnp.arange(c)
+  s = jnp.arange(S)
+  keep = jnp.ones((B, c, S), bool)
+  if is_causal:
+    keep = keep & (s[None, None, :] <= (t + S - T)[None, :, None])
+  if kv_lengths is not None:
+    keep = keep & (s[None, None, :] < jnp.asarray(kv_lengths)[:, None, None])
+  if mask is not None:  # (B|1,1|H,T|1,S): a key any head sees
+    m = jnp.asarray(mask, bool).any(axis=1)
+    if m.shape[1] > 1:
+      m = lax.dynamic_slice_in_dim(jnp.pad(m, ((0, 0), (0, c), (0, 0))), t0, c, axis=1)
+    keep = keep & m
+  return _top(jnp.where(keep, scores, NEG), top_k)
+
+
+def _by_chunks(fn, qi, w, T: int, chunk: int):
+  """fn(qi rows, w rows, t0) over chunks of queries, concatenated along T."""
+  chunk = min(chunk, T)
+  n = -(-T // chunk)
+  if n == 1:
+    return fn(qi, w, 0)
+  pad = n * chunk - T
+  qi = jnp.pad(qi, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  w = jnp.pad(w, ((0, 0), (0, pad), (0, 0)))
+  out = lax.map(lambda i: fn(lax.dynamic_slice_in_dim(qi, i * chunk, chunk, 1),
+                             lax.dynamic_slice_in_dim(w, i * chunk, chunk, 1), i * chunk), jnp.arange(n))
+  return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], n * chunk, *out.shape[3:])[:, :T]
+
+
 def indexer_tokens(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, is_causal: bool,
-                   kv_lengths: Array | None = None, chunk: int | None = None) -> Array:
+                   kv_lengths: Array | None = None, mask: Array | None = None,
+                   chunk: int | None = None) -> Array:
   """(B,T,S) bool: each query's top_k visible keys by the index score (module docstring).
 
-  chunk: queries scored at a time (the index scores of chunk queries by S keys are
-  alive at once, never T×S); None: all at once.
+  chunk: queries scored at a time (chunk × S index scores alive at once); None: all at once.
   """
   qi, ki, w = (lax.stop_gradient(a) for a in (qi_BTJI, ki_BSI, w_BTJ))
-  B, T = qi.shape[:2]
-  S = ki.shape[1]
-  chunk = T if chunk is None else min(chunk, T)
-  n = -(-T // chunk)
-  pad = n * chunk - T
+  T = qi.shape[1]
+  fn = lambda q, ww, t0: _indexer_chunk(q, ki, ww, t0, T=T, top_k=top_k, is_causal=is_causal,
+                                        kv_lengths=kv_lengths, mask=mask)
+  return _by_chunks(fn, qi, w, T, T if chunk is None else chunk)
 
-  def one(i):
-    t0 = i * chunk
-    q = lax.dynamic_slice_in_dim(jnp.pad(qi, ((0, 0), (0, pad), (0, 0), (0, 0))), t0, chunk, 1)
-    wc = lax.dynamic_slice_in_dim(jnp.pad(w, ((0, 0), (0, pad), (0, 0))), t0, chunk, 1)
-    scores = index_scores(q, ki, wc)
-    t = t0 + jnp.arange(chunk)
-    keep = jnp.ones((B, chunk, S), bool)
-    if is_causal:
-      keep = keep & (jnp.arange(S)[None, None, :] <= (t + S - T)[None, :, None])
-    if kv_lengths is not None:
-      keep = keep & (jnp.arange(S)[None, None, :] < jnp.asarray(kv_lengths)[:, None, None])
-    return _top(jnp.where(keep, scores, NEG), top_k)
 
-  if n == 1:
-    return one(0)[:, :T]
-  out = lax.map(one, jnp.arange(n))  # (n, B, chunk, S)
-  return out.transpose(1, 0, 2, 3).reshape(B, n * chunk, S)[:, :T]
+def indexer_bits(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, is_causal: bool,
+                 kv_lengths: Array | None = None, chunk: int = 256) -> Array:
+  """indexer_tokens packed (pack_bits), chunk by chunk: (B,T,ceil(S/32)) uint32, no T×S bool."""
+  qi, ki, w = (lax.stop_gradient(a) for a in (qi_BTJI, ki_BSI, w_BTJ))
+  T = qi.shape[1]
+  fn = lambda q, ww, t0: pack_bits(_indexer_chunk(q, ki, ww, t0, T=T, top_k=top_k,
+                                                  is_causal=is_causal, kv_lengths=kv_lengths,
+                                                  mask=None))
+  return _by_chunks(fn, qi, w, T, chunk)
 
 
 def indexer_tokens_reference(qi_BTJI, ki_BSI, w_BTJ, *, top_k: int, is_causal: bool,
-                             kv_lengths=None) -> Array:
+                             kv_lengths=None, mask=None) -> Array:
   """indexer_tokens by counting rivals over the whole (B,T,S) score (tests)."""
   B, T = qi_BTJI.shape[:2]
   S = ki_BSI.shape[1]
   scores = index_scores(qi_BTJI, ki_BSI, w_BTJ)
   keep = visible(T, S, is_causal, kv_lengths, B)
+  if mask is not None:
+    keep = keep & jnp.asarray(mask, bool).any(axis=1)
   return _rank_select(jnp.where(keep, scores, NEG), top_k)
 
 
