@@ -113,7 +113,7 @@ MOBA = Mechanism(
     name="moba", defaults={"block": 64, "top_k": 4}, check=lambda cfg: _check("moba", cfg),
     param_count=lambda cfg: 0, effective_param_count=lambda cfg: 0, flops=_moba_flops,
     score_weights=lambda cfg: 0,
-    examples=(("moba", {"extra": {"moba": {"block": 2, "top_k": 2}}}, "0",
+    examples=(("moba block 2, top 2", {"extra": {"moba": {"block": 2, "top_k": 2}}}, "0",
                "2·T·⌈S/b⌉·H·K + S·G·K (the core: top_k·b keys a query, not S)"),),
     help="moba: {block, top_k}: each query head attends to top_k blocks of keys by q·(mean key), "
          "its own among them")
@@ -189,7 +189,7 @@ INDEXER = Mechanism(
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init,
     sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ"}, param_count=_indexer_params,
     flops=indexer_flops, score_weights=lambda cfg: 0,
-    examples=(("indexer", {"extra": {"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}},
+    examples=(("indexer 2 heads of 3, top 3", {"extra": {"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}},
                "C·(H·J·I + G·I + H·J), C = K − r",
                "2·T·H·C·J·(I + 1) + 2·S·G·C·I + 2·T·S·J·(I + 1) (the core: top_k keys a query)"),),
     help="indexer: {heads, head_dim, top_k}: DeepSeek-V3.2's lightning indexer, each query's top_k "
