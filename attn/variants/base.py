@@ -232,9 +232,9 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
   without weights out.
   """
-  chosen = [n for n in selection.SELECTORS if n in (cfg.extra or {})]
-  if chosen:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
-    o_BTHV, opts = selection.attend(chosen[0], params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+  chooser = mechanisms.selector(cfg)
+  if chooser is not None:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
+    o_BTHV, opts = selection.attend(chooser, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
                                     kernel_args=mechanisms.kernel_args(params, cfg),
                                     explicit=mechanisms.needs_explicit_logits(cfg))
     if o_BTHV is not None:

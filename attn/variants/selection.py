@@ -111,6 +111,7 @@ def moba_keys(cfg: HeadConfig, T: int) -> int:
 
 MOBA = Mechanism(
     name="moba", defaults={"block": 64, "top_k": 4}, check=lambda cfg: _check("moba", cfg),
+    select=_moba_select,
     param_count=lambda cfg: 0, effective_param_count=lambda cfg: 0, flops=_moba_flops,
     score_weights=lambda cfg: 0,
     examples=(("moba block 2, top 2", {"extra": {"moba": {"block": 2, "top_k": 2}}}, "0",
@@ -186,7 +187,7 @@ def indexer_keys(cfg: HeadConfig, T: int) -> int:
 
 INDEXER = Mechanism(
     name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048},
-    check=lambda cfg: _check("indexer", cfg), init=_indexer_init,
+    check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
     sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ"}, param_count=_indexer_params,
     flops=indexer_flops, score_weights=lambda cfg: 0,
     examples=(("indexer 2 heads of 3, top 3", {"extra": {"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}},
@@ -197,7 +198,6 @@ INDEXER = Mechanism(
 
 RECORDS = (MOBA, INDEXER)
 DEFAULTS = {m.name: dict(m.defaults) for m in RECORDS}
-SELECTS = {"moba": _moba_select, "indexer": _indexer_select}
 
 
 def selected_core_flops(cfg: HeadConfig, T: int) -> int:
@@ -211,18 +211,18 @@ def selected_core_flops(cfg: HeadConfig, T: int) -> int:
   return 2 * pairs * cfg.num_heads * (cfg.d_k + cfg.d_v)
 
 
-# The core (base.core calls this when a selector is on)
+# The core (base.core calls this when a mechanism with `select` is on)
 
-def attend(name: str, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
+def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
            opts, kernel_args: dict, explicit: bool):
   """(o (B,T,H,V), None) from the sparse kernel, or (None, opts with the selection's mask ANDed in)."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  name, fn = m.name, m.select
   long = is_long(T, S)
   if opts.return_weights and long:
     raise invalid("return_weights", True, f"False with key selection (extra.{name}) at T·S >= "
                   f"{BLOCKED_MIN_SCORES}: the weights are the (B,H,T,S) array a selection avoids")
   impl = opts.impl or "auto"
-  fn = SELECTS[name]
   plain = (opts.mask is None and kernel_args["window"] is None and kernel_args["sinks"] is None
            and kernel_args["probability"] == "softmax" and not explicit)
   if long and plain and impl in ("auto", "blocked"):
