@@ -181,3 +181,33 @@ def test_sparse_kernel_visits_only_selected_blocks():
   blocks = select.moba_blocks(q, k, block=64, top_k=2, is_causal=True)
   n = sparse.visits(blocks, T, block_q=64)
   assert n <= 16 * 2 * 64 and n < 136
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_gathered_kernel_equals_dense_moba(shape):
+  """MoBA's pairs gathered per key block (attn.kernel.gathered) against the einsum kernel with the
+  same choice as a dense mask: values and gradients, GQA/MQA, d_v ≠ d_k, a batch element seeing nothing,
+  chunks smaller than a block's rows (several chunks a block, padding between blocks)."""
+  from attn.kernel import gathered
+  B, T, S, H, G, K, V = shape
+  q, k, v = _randn(30, (B, T, H, K)), _randn(31, (B, S, G, K)), _randn(32, (B, S, G, V))
+  kv_lengths = jnp.array([S, 0][:B])
+  co = _randn(33, (B, T, H, V))
+  for is_causal, softcap in ((True, None), (False, 2.0)):
+    idx, chosen = select.moba_top(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths)
+    mask = select.moba_mask(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths)
+    np.testing.assert_array_equal(  # the indices name the same set as moba_blocks
+        jnp.zeros(mask.shape[:3] + (select.num_blocks(S, 8),), bool).at[
+            jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+            jnp.arange(T)[None, None, :, None], idx].max(chosen),
+        select.moba_blocks(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths))
+    ga = lambda q, k, v: gathered.attention(q, k, v, idx, chosen, block=8, scale=K ** -0.5,
+                                            is_causal=is_causal, kv_lengths=kv_lengths, softcap=softcap,
+                                            chunk=16)
+    de = lambda q, k, v: kernel.attention(q, k, v, mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                                          softcap=softcap)
+    (y, vjp), (y_ref, vjp_ref) = jax.vjp(jax.jit(ga), q, k, v), jax.vjp(de, q, k, v)
+    np.testing.assert_allclose(y, y_ref, atol=2e-6)
+    for a, b in zip(vjp(co), vjp_ref(co)):
+      np.testing.assert_allclose(a, b, atol=2e-5)
+    assert not np.any(y[1])

@@ -73,11 +73,12 @@ def test_selecting_every_key_is_full_causal_attention_exactly(variant):
 @pytest.mark.parametrize("extra", [{"moba": {"block": 64, "top_k": 3}},
                                    {"indexer": {"heads": 2, "head_dim": 4, "top_k": 100}}])
 def test_sparse_path_equals_dense_path_at_long_T(extra, monkeypatch):
-  """T = 600 (auto takes the sparse kernel) against impl="einsum" (the selection's dense mask),
+  """T = 600 (auto takes the kernel computing only the chosen keys) against impl="einsum" (the
+  selection's dense mask),
   values and gradients, with GQA, d_v ≠ d_k, RoPE and padding."""
   calls = []
-  run = selection.sparse.attention
-  monkeypatch.setattr(selection.sparse, "attention", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+  for module in (selection.sparse, selection.gathered):  # the indexer's kernel, MoBA's
+    monkeypatch.setattr(module, "attention", lambda *a, run=module.attention, **kw: calls.append(1) or run(*a, **kw))
   cfg = HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=5, num_kv_heads=2, rope_dim=2, extra=extra)
   p = api.init("per_head", jax.random.key(2), cfg)
   x = _randn(3, (2, 600, 16))

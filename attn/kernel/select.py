@@ -296,3 +296,12 @@ def token_blocks(bits_BTW: Array, block_k: int, S: int) -> Array:
   N, per = num_blocks(S, block_k), block_k // 32
   bits = jnp.pad(bits_BTW, ((0, 0), (0, 0), (0, N * per - W)))
   return (bits.reshape(B, T, N, per) != 0).any(-1)[:, None]
+
+
+def moba_top(q_BTHK: Array, k_BSGK: Array, *, block: int, top_k: int, is_causal: bool,
+             kv_lengths: Array | None = None) -> tuple[Array, Array]:
+  """MoBA's choice as indices: (blocks (B,H,T,k) int32, chosen (B,H,T,k) bool), k = min(top_k, N);
+  the same set as moba_blocks (attn.kernel.gathered reads it)."""
+  scores = moba_scores(q_BTHK, k_BSGK, block=block, is_causal=is_causal, kv_lengths=kv_lengths)
+  vals, idx = lax.top_k(scores, min(top_k, scores.shape[-1]))
+  return idx.astype(jnp.int32), vals > NEG

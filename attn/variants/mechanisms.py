@@ -20,8 +20,9 @@ through (attn.variants.base):
                                                      built-ins only)
   select(params, q, k, *, cfg, is_causal,           the keys each query may attend to (key
          kv_lengths, mask, dense)                    selection: moba, indexer; one a layer):
-                                                     a dense mask, or blocks for the sparse
-                                                     kernel (attn.variants.selection)
+                                                     a dense mask, or (a kernel, its arguments)
+                                                     that computes only the chosen keys
+                                                     (attn.variants.selection)
 
 A mechanism with on_logits and no kernel keywords makes the layer take the
 einsum path (explicit logits, base.probabilities), since the fused kernels do

@@ -22,9 +22,12 @@ here). Options live in HeadConfig.extra:
            cached beside k and v).
 
 Where the work is saved: at T·S >= kernel.BLOCKED_MIN_SCORES ("auto" or "blocked",
-no dense mask, window, sinks or other probability) the blocked kernel visits
-only the selected key blocks (attn.kernel.sparse), and the indexer scores its
-queries 256 at a time: no T×S float array. Elsewhere the selection becomes a
+no dense mask, window, sinks or other probability), MoBA runs attn.kernel.gathered
+(each chosen (query, block) pair computed once: B·H·T·top_k·block scores) and the
+indexer attn.kernel.sparse (the blocked kernel over the key blocks holding a
+chosen token, masked inside; its queries scored 256 at a time): no T×S float
+array. (Mechanism.select returns, for that path, the kernel and its arguments;
+for the dense path, a boolean mask.) Elsewhere the selection becomes a
 dense mask ANDed into the call's, and the layer's own path runs (every option;
 the definition the sparse path equals). return_weights at long T is refused: it
 would build the (B,H,T,S) array selection exists to avoid.
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.kernel import masks, select, sparse
+from attn.kernel import gathered, masks, select, sparse
 from attn.kernel.impls import BLOCKED_MIN_SCORES, is_long
 from attn.variants.mechanism import Mechanism
 
@@ -86,9 +89,9 @@ def _moba_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, 
   if dense:
     return select.moba_mask(q_BTHK, k_BSGK, block=block, top_k=o["top_k"], is_causal=is_causal,
                             kv_lengths=kv_lengths, mask=mask)
-  blocks = select.moba_blocks(q_BTHK, k_BSGK, block=block, top_k=o["top_k"], is_causal=is_causal,
-                              kv_lengths=kv_lengths)
-  return blocks, block, None
+  idx, chosen = select.moba_top(q_BTHK, k_BSGK, block=block, top_k=o["top_k"], is_causal=is_causal,
+                                kv_lengths=kv_lengths)
+  return gathered.attention, {"idx_BHTk": idx, "valid_BHTk": chosen, "block": block}
 
 
 def _moba_flops(cfg: HeadConfig, T: int, S: int) -> int:
@@ -160,7 +163,8 @@ def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
                                  mask=mask, chunk=None if not is_long(qi.shape[1], S) else INDEX_CHUNK)[:, None]
   bits = select.indexer_bits(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
                              chunk=INDEX_CHUNK)
-  return select.token_blocks(bits, INDEX_BLOCK, S), INDEX_BLOCK, bits
+  return sparse.attention, {"blocks_BHTN": select.token_blocks(bits, INDEX_BLOCK, S),
+                            "block_k": INDEX_BLOCK, "bits_BTW": bits}
 
 
 def _indexer_params(cfg: HeadConfig) -> int:
@@ -226,11 +230,10 @@ def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: A
   plain = (opts.mask is None and kernel_args["window"] is None and kernel_args["sinks"] is None
            and kernel_args["probability"] == "softmax" and not explicit)
   if long and plain and impl in ("auto", "blocked"):
-    blocks, block_k, bits = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal,
-                               kv_lengths=opts.kv_lengths, mask=None, dense=False)
-    o = sparse.attention(q_BTHK, k_BSGK, v_BSGV, blocks, block_k=block_k, scale=cfg.score_scale,
-                         is_causal=opts.is_causal, kv_lengths=opts.kv_lengths, bits_BTW=bits,
-                         softcap=kernel_args["softcap"])
+    run, chosen = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal,
+                     kv_lengths=opts.kv_lengths, mask=None, dense=False)
+    o = run(q_BTHK, k_BSGK, v_BSGV, **chosen, scale=cfg.score_scale, is_causal=opts.is_causal,
+            kv_lengths=opts.kv_lengths, softcap=kernel_args["softcap"])
     return o, opts
   window = kernel_args["window"]
   seen = masks.combine_masks(opts.mask, None if window is None else masks.window_mask(T, S, window))
