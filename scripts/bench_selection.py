@@ -4,8 +4,9 @@
 
 The attention core alone (B=1, H=8, K=V=64, float32, causal), forward and
 forward+backward, wall seconds (median) and XLA's peak buffer bytes of the
-forward+backward: the blocked kernel (full causal) and attn.kernel.sparse over
-MoBA's blocks (512 keys, top 4: 2048 keys a query), the indexer's tokens (top
+forward+backward: the blocked kernel (full causal), MoBA (blocks of 512, top 4: 2048
+keys a query) in attn.kernel.gathered (what the layer runs) and in
+attn.kernel.sparse over the union per query block, the indexer's tokens (top
 2048, 4 index heads of 32, one index key) and a synthetic selection shared by
 each query block (its own block and 3 earlier ones: what a selection that
 clusters within a query block costs). The selection is timed apart. Prints one
@@ -27,7 +28,7 @@ import numpy as np
 
 from attn import kernel
 from attn.bench.peers import peak_bytes
-from attn.kernel import select, sparse
+from attn.kernel import gathered, select, sparse
 
 
 def _cpu() -> str:
@@ -67,6 +68,7 @@ def main() -> None:
   moba_sel = jax.jit(lambda q, k: select.moba_blocks(q, k, block=512, top_k=4, is_causal=True))
   index_sel = jax.jit(lambda qi, ki, wi: select.indexer_bits(qi, ki, wi, top_k=2048, is_causal=True))
   blocks_moba = moba_sel(q, k)
+  idx, chosen = jax.jit(lambda q, k: select.moba_top(q, k, block=512, top_k=4, is_causal=True))(q, k)
   bits = index_sel(qi, ki, wi)
   blocks_index = select.token_blocks(bits, 128, T)
   n = T // 512  # synthetic: query block i (of 512) sees blocks i, i-1, i//2, 0
@@ -78,7 +80,10 @@ def main() -> None:
 
   cores = {
       "full causal (blocked)": (lambda q, k, v: kernel.attention(q, k, v, is_causal=True, impl="blocked"), ()),
-      "moba 512×4": (lambda q, k, v, b: sparse.attention(q, k, v, b, block_k=512, scale=scale, is_causal=True),
+      "moba 512×4, pairs gathered (kernel.gathered)": (
+          lambda q, k, v, i, c: gathered.attention(q, k, v, i, c, block=512, scale=scale, is_causal=True),
+          (idx, chosen)),
+      "moba 512×4, union per query block (kernel.sparse)": (lambda q, k, v, b: sparse.attention(q, k, v, b, block_k=512, scale=scale, is_causal=True),
                      (blocks_moba,)),
       "indexer top 2048": (lambda q, k, v, b, bits: sparse.attention(q, k, v, b, block_k=128, scale=scale,
                                                                      is_causal=True, bits_BTW=bits),
@@ -95,7 +100,7 @@ def main() -> None:
     t_f = _time(fwd, (q, k, v, *extra), args.repeats)
     t_fb = _time(fb, (q, k, v, ct, *extra), args.repeats)
     visited = ""
-    if extra:  # query blocks of 512; causal visits n(n+1)/2 · (512 / block_k) key blocks
+    if extra and extra[0].dtype == jnp.bool_:  # query blocks of 512; causal visits n(n+1)/2 · (512 / block_k) key blocks
       bk = T // extra[0].shape[-1]
       visited = f"{sparse.visits(extra[0], T) / (n * (n + 1) // 2 * (512 // bk)):.2f}"
     rows.append((name, t_f, t_fb, peak, visited))
