@@ -50,7 +50,8 @@ class _Plan:
 
 
 def _layout(plan: _Plan, idx_BHTk: Array, valid_BHTk: Array):
-  """(row of each slot (L,) pair index or P for none, (b, g, j) of each chunk, chunks used)."""
+  """(row of each slot (L,) pair index or P for none, (b, g, j) of each chunk, chunks used, the slot
+  of each pair (P,) or L for none)."""
   B, H, T, k, G, N, C = plan.B, plan.H, plan.T, plan.top, plan.G, plan.N, plan.chunk
   P = B * H * T * k
   b = jnp.arange(B)[:, None, None, None]
@@ -70,7 +71,8 @@ def _layout(plan: _Plan, idx_BHTk: Array, valid_BHTk: Array):
   seg_of_slot = jnp.zeros((L + 1,), jnp.int32).at[slot].set(safe.astype(jnp.int32))[:L]
   chunk_seg = seg_of_slot[::C]
   used = (jnp.sum(padded) // C).astype(jnp.int32)
-  return row, chunk_seg, used
+  slot_P = jnp.zeros((P,), slot.dtype).at[order].set(slot)  # each pair's slot (L: none)
+  return row, chunk_seg, used, slot_P
 
 
 def _chunk(plan: _Plan, c, row_L, chunk_seg, limit_B, q_RK, k_BSGK, v_BSGV):
@@ -108,23 +110,27 @@ def _forward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, idx_BHTk, valid_BHTk)
   B, T, H, K = q_BTHK.shape
   V = v_BSGV.shape[3]
   P = B * H * T * plan.top
-  row_L, chunk_seg, used = _layout(plan, idx_BHTk, valid_BHTk)
+  row_L, chunk_seg, used, slot_P = _layout(plan, idx_BHTk, valid_BHTk)
   q_RK = q_BTHK.reshape(B * T * H, K)
+  C, L = plan.chunk, plan.n_chunks * plan.chunk
 
-  def step(c, carry):
-    m_P, l_P, acc_PV = carry
-    rows, _, _, q, kb, vb, keep = _chunk(plan, c, row_L, chunk_seg, limit_B, q_RK, k_BSGK, v_BSGV)
+  def step(c, carry):  # partials by slot, chunk after chunk (no scatter in the loop)
+    m_L, l_L, acc_LV = carry
+    _, _, _, q, kb, vb, keep = _chunk(plan, c, row_L, chunk_seg, limit_B, q_RK, k_BSGK, v_BSGV)
     s, _ = _logits(plan, q, kb, keep)
     m = s.max(-1)
     p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[:, None])
     acc = jnp.dot(p, vb.astype(jnp.float32))
-    return m_P.at[rows].set(m), l_P.at[rows].set(p.sum(-1)), acc_PV.at[rows].set(acc)
+    return (lax.dynamic_update_slice_in_dim(m_L, m, c * C, 0),
+            lax.dynamic_update_slice_in_dim(l_L, p.sum(-1), c * C, 0),
+            lax.dynamic_update_slice_in_dim(acc_LV, acc, c * C, 0))
 
-  init = (jnp.full((P + 1,), -jnp.inf, jnp.float32), jnp.zeros((P + 1,), jnp.float32),
-          jnp.zeros((P + 1, V), jnp.float32))
-  m_P, l_P, acc_PV = lax.fori_loop(0, used, step, init)
+  init = (jnp.full((L + 1,), -jnp.inf, jnp.float32), jnp.zeros((L + 1,), jnp.float32),
+          jnp.zeros((L + 1, V), jnp.float32))  # slot L: the pairs with no block
+  m_L, l_L, acc_LV = lax.fori_loop(0, used, step, init)
+  m_P, l_P, acc_PV = m_L[slot_P], l_L[slot_P], acc_LV[slot_P]
   shape = (B, H, T, plan.top)
-  m, l, acc = m_P[:P].reshape(shape), l_P[:P].reshape(shape), acc_PV[:P].reshape(*shape, V)
+  m, l, acc = m_P.reshape(shape), l_P.reshape(shape), acc_PV.reshape(*shape, V)
   M = m.max(-1, keepdims=True)
   w = jnp.exp(m - jnp.where(M == -jnp.inf, 0.0, M))  # 0 for a pair with nothing
   L = (w * l).sum(-1)
@@ -139,7 +145,7 @@ def _backward(plan: _Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, idx_BHTk, valid_BHTk
               do_BTHV):
   B, T, H, K = q_BTHK.shape
   V = v_BSGV.shape[3]
-  row_L, chunk_seg, used = _layout(plan, idx_BHTk, valid_BHTk)
+  row_L, chunk_seg, used, _ = _layout(plan, idx_BHTk, valid_BHTk)
   q_RK = q_BTHK.reshape(B * T * H, K)
   do_RV = do_BTHV.reshape(B * T * H, V).astype(jnp.float32)
   lse_R = lse_BTH.reshape(B * T * H)
