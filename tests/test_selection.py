@@ -131,3 +131,12 @@ def test_counts_in_closed_form():
   stored = sum(int(np.prod(shapes[n])) for n in ("w_iq", "w_ik", "w_iw"))
   assert MECHANISMS["indexer"].param_count(cfg) == stored == 2 * (6 * 3 * 5 + 2 * 5 + 6 * 3)
   assert selection.selected_core_flops(CFG, T) == 2 * (T * (T + 1) // 2) * 6 * 13
+
+
+@pytest.mark.parametrize("variant,name", [("talking_heads", "moba"), ("talking_heads", "indexer"),
+                                          ("merged", "indexer"), ("collaborative", "indexer"),
+                                          ("mla", "indexer")])
+def test_variants_that_cannot_carry_a_selection_refuse_it_by_name(variant, name):
+  cfg = HeadConfig(d_model=24, num_heads=6, d_k=6, d_v=7, num_kv_heads=2, extra={name: {}})
+  with pytest.raises(ConfigError, match=f"extra\\.{name}=.*absent for {variant}"):
+    api.check_config(variant, cfg)
