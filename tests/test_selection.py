@@ -59,6 +59,8 @@ def test_selecting_every_key_is_full_causal_attention_exactly(variant):
   plain = CFG.replace(rope_dim=0) if variant == "mla" else CFG
   x = _randn(1, (2, T, plain.d_model))
   for extra in ({"moba": {"block": 4, "top_k": 4}}, {"indexer": {"heads": 2, "head_dim": 3, "top_k": T}}):
+    if variant == "mla" and "indexer" in extra:
+      continue  # refused by mla
     cfg = plain.replace(extra=extra)
     p = api.init(variant, jax.random.key(1), cfg)
     own = {n: a for n, a in p.items() if not n.startswith("w_i")}
