@@ -43,6 +43,8 @@ def test_selection_refused_on_non_softmax_heads_and_indexer_without_unrotated_di
     api.check_config("per_head", CFG.replace(probability="sigmoid", extra={"moba": {}}))
   with pytest.raises(ConfigError, match="rope_dim"):
     api.check_config("per_head", CFG.replace(rope_dim=6, extra={"indexer": {}}))
+  with pytest.raises(ConfigError, match="window"):
+    api.check_config("per_head", CFG.replace(window=8, extra={"moba": {}}))
 
 
 def test_return_weights_refused_at_long_T():

@@ -63,7 +63,8 @@ def _positive(name: str, key: str, value) -> None:
 
 
 def _check(name: str, cfg: HeadConfig) -> None:
-  """Options positive integers; one selector a layer; softmax heads; the indexer needs unrotated dims."""
+  """Options positive integers; one selector a layer; softmax heads, no window; the indexer needs
+  unrotated dims."""
   o = _opts(cfg, name)
   for key in DEFAULTS[name]:
     _positive(name, key, o[key])
@@ -74,6 +75,10 @@ def _check(name: str, cfg: HeadConfig) -> None:
   if cfg.probability != "softmax":
     raise invalid("probability", cfg.probability, f'"softmax" with key selection (extra.{name}): a '
                   "selection restricts a softmax head's keys")
+  if cfg.window is not None:
+    raise invalid("window", cfg.window, f"None with key selection (extra.{name}): a window's decoding "
+                  "cache is a ring whose slots are not positions, so MoBA's blocks and the indexer's "
+                  "ties would not be the full pass's")
   if name == "indexer" and cfg.rope_dim >= cfg.d_k:
     raise invalid("rope_dim", cfg.rope_dim, f"below d_k={cfg.d_k} with extra.indexer: the index heads "
                   "read a head's unrotated dims")
