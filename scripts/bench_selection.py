@@ -79,12 +79,14 @@ def main() -> None:
   blocks_syn = jnp.asarray(syn)
 
   cores = {
-      "full causal (blocked)": (lambda q, k, v: kernel.attention(q, k, v, is_causal=True, impl="blocked"), ()),
+      "full causal (blocked)": (
+          lambda q, k, v: kernel.attention(q, k, v, is_causal=True, impl="blocked"), ()),
       "moba 512×4, pairs gathered (kernel.gathered)": (
           lambda q, k, v, i, c: gathered.attention(q, k, v, i, c, block=512, scale=scale, is_causal=True),
           (idx, chosen)),
-      "moba 512×4, union per query block (kernel.sparse)": (lambda q, k, v, b: sparse.attention(q, k, v, b, block_k=512, scale=scale, is_causal=True),
-                     (blocks_moba,)),
+      "moba 512×4, union per query block (kernel.sparse)": (
+          lambda q, k, v, b: sparse.attention(q, k, v, b, block_k=512, scale=scale, is_causal=True),
+          (blocks_moba,)),
       "indexer top 2048": (lambda q, k, v, b, bits: sparse.attention(q, k, v, b, block_k=128, scale=scale,
                                                                      is_causal=True, bits_BTW=bits),
                            (blocks_index, bits)),
@@ -100,16 +102,19 @@ def main() -> None:
     t_f = _time(fwd, (q, k, v, *extra), args.repeats)
     t_fb = _time(fb, (q, k, v, ct, *extra), args.repeats)
     visited = ""
-    if extra and extra[0].dtype == jnp.bool_:  # query blocks of 512; causal visits n(n+1)/2 · (512 / block_k) key blocks
+    if extra and extra[0].dtype == jnp.bool_:
+      # Query blocks of 512; causal attention visits n(n+1)/2 · (512 / block_k) key blocks.
       bk = T // extra[0].shape[-1]
       visited = f"{sparse.visits(extra[0], T) / (n * (n + 1) // 2 * (512 // bk)):.2f}"
     rows.append((name, t_f, t_fb, peak, visited))
   t_moba = _time(moba_sel, (q, k), args.repeats)
   t_index = _time(index_sel, (qi, ki, wi), args.repeats)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
   print(f"T={T}, B=1, H=8, K=V=64, float32, causal; {_cpu()}, {os.cpu_count()} cores; commit {commit}; "
         f"load {tuple(round(x, 2) for x in os.getloadavg())}; jax {jax.__version__}")
-  print("| core | fwd s | fwd+bwd s | × full (fwd+bwd) | peak MB (fwd+bwd) | visited share of causal blocks |")
+  print("| core | fwd s | fwd+bwd s | × full (fwd+bwd) | peak MB (fwd+bwd) "
+        "| visited share of causal blocks |")
   print("|---|---|---|---|---|---|")
   base = rows[0][2]
   for name, t_f, t_fb, peak, vis in rows:
