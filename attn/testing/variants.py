@@ -17,7 +17,8 @@ dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
   causal     no output depends on a later token, under is_causal and a causal mask
   mask       keys a mask hides move nothing; fully masked rows get zero weights and
              ignore every key
-  bf16       bfloat16 params and inputs give finite bf16 outputs near float32's
+  bf16       bfloat16 params and inputs give finite bf16 outputs near float32's (finite only
+             with a key selection, whose discrete choice may flip between precisions)
   head_mask  gates ξ = 1 are the layer, and y is affine in ξ
   rope       with rope_dim: shifting every position keeps y; reordering them changes it
   mechanisms the above with every registered mechanism the variant accepts switched on
@@ -238,7 +239,11 @@ def _check_calls(v: Variant, cfg: HeadConfig, eager: bool = False) -> None:
   if y16.dtype != jnp.bfloat16 or not np.all(np.isfinite(np.asarray(y16, np.float32))):
     raise _fail("bf16", v, cfg, f"y is {y16.dtype}, finite: {bool(np.isfinite(np.asarray(y16, np.float32)).all())}")
   y32 = out["cross"][0]
-  _close("bf16", v, cfg, np.asarray(y16, np.float32), y32, 0.1 * float(np.abs(y32).max()), "bf16 y against float32")
+  # A key selection (Mechanism.select) is a discrete choice: near a tie, bfloat16's rounding of q and
+  # k may choose another key than float32, and y then moves by more than rounding. Finite bf16 only.
+  if mechanisms.selector(cfg) is None:
+    _close("bf16", v, cfg, np.asarray(y16, np.float32), y32, 0.1 * float(np.abs(y32).max()),
+           "bf16 y against float32")
   g = out["gated"]
   _close("head_mask", v, cfg, g[0], out["cross"][0], scale, "gates of one against no gates")
   if H > 1:

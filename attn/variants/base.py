@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.kernel import masks
 from attn.config import HeadConfig, invalid
-from attn.variants import mechanisms, rope
+from attn.variants import mechanisms, rope, selection
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -243,6 +243,13 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
   without weights out.
   """
+  chooser = mechanisms.selector(cfg)
+  if chooser is not None:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
+    o_BTHV, opts = selection.attend(chooser, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                                    kernel_args=mechanisms.kernel_args(params, cfg),
+                                    explicit=mechanisms.needs_explicit_logits(cfg))
+    if o_BTHV is not None:
+      return o_BTHV, None
   if mechanisms.needs_explicit_logits(cfg):
     mask = full_mask(q_BTHK.shape[1], k_BSGK.shape[1], cfg=cfg, opts=opts)
     w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg)
