@@ -212,3 +212,23 @@ def test_grouped_kit():
       GROUPED,
       GROUPED.replace(num_kv_heads=1, use_bias=False, o_groups=2, o_rank=5, gate="elementwise",
                       qk_norm=True, window=3)))
+
+
+# Effective counts: the closed forms against the Jacobian's rank (attn.count.measured), where they hold.
+
+@pytest.mark.parametrize("variant, cfg", [
+    ("k_eq_v", HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=2, num_kv_heads=1)),
+    ("k_eq_v", HeadConfig(d_model=5, num_heads=4, d_k=2, d_v=2, num_kv_heads=2)),
+    ("k_eq_v", HeadConfig(d_model=6, num_heads=2, d_k=3, d_v=3, num_kv_heads=2, use_bias=False)),
+    ("grouped_lowrank", HeadConfig(d_model=6, num_heads=4, d_k=2, d_v=1, num_kv_heads=2, o_groups=2,
+                                   o_rank=2, use_bias=False)),
+])
+def test_effective_count_is_the_jacobians_rank(variant, cfg):
+  declared = api.get_variant(variant).effective_param_count(cfg)
+  assert declared is not None and declared < measured.stored(variant, cfg)
+  assert declared == measured.jacobian_rank(variant, cfg)
+
+
+def test_effective_count_is_measured_where_no_closed_form_holds():
+  assert api.get_variant("k_eq_v").effective_param_count(KEQV) is None  # RoPE
+  assert api.get_variant("grouped_lowrank").effective_param_count(GROUPED) is None  # o_rank below full

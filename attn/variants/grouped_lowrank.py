@@ -24,7 +24,8 @@ and project_out's gate and head mask act before A, on each head's output.
 Params: D·(H·K + G·K + G·V) + H·V·r + g·r·D [+ H·K + G·K + G·V + D].
 FLOPs: per_head's projections and core, with the output 2·T·(H·V·r + g·r·D).
 KV cache: G·(K + V) per token, per_head's. Score weights: D·(H + G)·K.
-Effective: measured (the Jacobian's rank).
+Effective: per_head's where every group's block is full rank (o_rank ≥ min(H/g·V, D)): then
+W^O is any matrix and the function class is per_head's; below it, measured (the Jacobian's rank).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import jax.numpy as jnp
 from attn.config import HeadConfig
 from attn.variants import mechanisms
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, cached_kv, core, dense,
-                                gate_heads, normal, project_heads, queries_and_keys,
-                                standard_kv_cache_width, standard_score_weights)
+                                factored_effective_param_count, gate_heads, normal, project_heads,
+                                queries_and_keys, standard_kv_cache_width, standard_score_weights)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -84,6 +85,13 @@ def param_count(cfg: HeadConfig) -> int:
   return weights + ((H * K + G * K + G * V + D) if cfg.use_bias else 0)
 
 
+def effective_param_count(cfg: HeadConfig) -> int | None:
+  """per_head's count where the groups' blocks are full rank (any W^O); None (measured) below."""
+  if cfg.o_rank < min(cfg.num_heads // cfg.o_groups * cfg.d_v, cfg.d_model):
+    return None
+  return factored_effective_param_count(cfg)
+
+
 def flops(cfg: HeadConfig, T: int, S: int) -> int:
   D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
   g, r = cfg.o_groups, cfg.o_rank
@@ -97,6 +105,7 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=param_count,
+    effective_param_count=effective_param_count,
     flops=flops,
     kv_cache_width=standard_kv_cache_width,
     score_weights=standard_score_weights,

@@ -19,8 +19,11 @@ at their slots' positions (attn.variants.cache) when it attends.
 Params: D·H·K + D·G·K + H·K·D [+ H·K + G·K + D].
 FLOPs: 2·D·(T·H·K + S·G·K) + 2·T·H·K·D + the core 2·T·S·H·(K + K).
 KV cache: G·K per token. Score weights: D·(H + G)·K (w_q and w_kv).
-Effective: measured (the Jacobian's rank): tying W_K to W_V leaves one GL(K)
-gauge per kv group acting on scores and values together, with no closed form here.
+Effective, in closed form for the plain layer only (no RoPE, value norm or head mechanism;
+d_k ≤ d_model and d_k ≤ R·d_model): stored − G·K² − G·K·b. Per kv group, W_KV → W_KV·A with
+W_Q,h → W_Q,h·A⁻ᵀ and W_O,h → A⁻¹·W_O,h (GL(K)) is the same layer, and b_kv is free to move: its
+score terms are constant along s (the softmax drops them) and its value term, a row's weights
+summing to 1, is a constant b_kv·W_O,h that b_o absorbs. Elsewhere measured (the Jacobian's rank).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
+from attn.variants import mechanisms
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, core, normal,
                                 project_heads, project_out, queries_and_keys)
 
@@ -92,6 +96,15 @@ def param_count(cfg: HeadConfig) -> int:
   return D * H * K + D * G * K + H * K * D + ((H * K + G * K + D) if cfg.use_bias else 0)
 
 
+def effective_param_count(cfg: HeadConfig) -> int | None:
+  """stored − G·K² − G·K·b for the plain layer (module docstring); None (measured) elsewhere."""
+  D, G, K = cfg.d_model, cfg.num_kv_heads, cfg.d_k
+  if cfg.rope_dim or cfg.value_norm_eps is not None or mechanisms.active(cfg) or K > D \
+      or K > cfg.group_size * D:
+    return None
+  return param_count(cfg) - G * K * K - (G * K if cfg.use_bias else 0)
+
+
 def flops(cfg: HeadConfig, T: int, S: int) -> int:
   D, H, G, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k
   return 2 * D * (T * H * K + S * G * K) + 2 * T * H * K * D + 2 * T * S * H * 2 * K
@@ -112,6 +125,7 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=param_count,
+    effective_param_count=effective_param_count,
     flops=flops,
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
