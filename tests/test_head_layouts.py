@@ -123,6 +123,7 @@ def test_k_eq_v_flops_match_xla(cfg):
   assert abs(got - want) <= 0.1 * want, (want, got)
 
 
+@pytest.mark.slow  # ~15 s: two configs, each through every property of the kit
 def test_k_eq_v_kit():
   """The contract at d_v = d_k (the kit's own configs mostly have d_v ≠ d_k, which k_eq_v refuses):
   RoPE with G < H and h not dividing d_model, then the value norm with every mechanism and a window,
@@ -205,6 +206,7 @@ def test_grouped_counts():
   assert abs(got - want) <= 0.1 * want, (want, got)
 
 
+@pytest.mark.slow  # ~20 s (the fast kit on both variants runs in test_contract)
 def test_grouped_kit():
   """The contract with groups and a rank below full: RoPE, G < H, h ∤ d_model, d_v ≠ d_k; then every
   mechanism and a window (ring decoding)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from attn import api
 from attn.config import ConfigError, HeadConfig, invalid
+from attn.nn import layer_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,9 @@ def layer_type(m: Any, index: int) -> str:
 
 
 def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
-  """head (the model's, for one layer) with the settings of layer type `kind`."""
+  """head (the model's, for one layer) with the settings of layer type `kind` (and its sizes in
+  m.layer_heads, attn.nn.layer_heads)."""
+  head = layer_heads.apply(m, kind, head)
   t = LAYER_TYPES[kind]
   if not t.sliding:
     head = head.replace(window=None)
@@ -113,6 +116,7 @@ def check(m: Any) -> None:
     if not any(LAYER_TYPES[k].sliding and LAYER_TYPES[k].rope for k in types):
       raise invalid("sliding_rope_theta", theta, "None: no layer is sliding with RoPE, so none would "
                     "read it")
+  layer_heads.check(m, schedule(m))
   seen = set()
   for i in range(m.num_layers):
     kind = layer_type(m, i)
