@@ -18,7 +18,10 @@ l (from 1) is full_attention when k divides l, else sliding_attention (k = 0:
 all sliding); without a window every layer is full_attention.
 
 Each layer keeps its own KV cache (attn.variants.cache): a sliding layer a
-ring of `window` slots, a full one max_len slots, whatever its RoPE.
+ring of `window` slots, a full one max_len slots, whatever its RoPE (unless it
+reads another layer's: ModelConfig.kv_source, attn.nn.kv_sharing). A type's
+own head sizes (d_k, d_v, num_kv_heads) are ModelConfig.layer_heads
+(attn.nn.layer_heads), applied first by head_for.
 """
 
 from __future__ import annotations
