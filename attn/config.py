@@ -231,9 +231,8 @@ class HeadConfig:
     if self.num_heads % self.o_groups:
       raise invalid("o_groups", self.o_groups, f"a divisor of num_heads={self.num_heads}: each output "
                     "group holds num_heads/o_groups whole heads")
-    if self.o_rank is None:
-      object.__setattr__(self, "o_rank", self.num_heads // self.o_groups * self.d_v)
-    _positive_int("o_rank", self.o_rank)
+    if self.o_rank is not None:
+      _positive_int("o_rank", self.o_rank)
 
   def _check_rope_scaling(self) -> None:
     kind = self.rope_scaling

@@ -152,13 +152,15 @@ def test_grouped_output_is_blockdiag_times_b():
   w_o = (block @ np.asarray(p["w_ob"], np.float64)).reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
   np.testing.assert_allclose(q["w_o"], w_o, rtol=1e-5, atol=1e-6)
   y = attn.apply("grouped_lowrank", p, x, cfg=cfg, is_causal=True)
-  np.testing.assert_allclose(attn.apply("per_head", q, x, cfg=cfg, is_causal=True), y, rtol=1e-5, atol=1e-5)
+  flat = api.config_for("per_head", cfg)  # the same layer with o_groups, o_rank unset (per_head refuses them)
+  np.testing.assert_allclose(attn.apply("per_head", q, x, cfg=flat, is_causal=True), y, rtol=1e-5, atol=1e-5)
 
 
 def test_per_head_to_grouped_is_exact_at_full_rank_and_for_low_rank_blocks():
   cfg = GROUPED
-  p, x = _params("per_head", cfg, 9), _x(10, (2, 5, cfg.d_model))
-  y = attn.apply("per_head", p, x, cfg=cfg)
+  flat = api.config_for("per_head", cfg)
+  p, x = _params("per_head", flat, 9), _x(10, (2, 5, cfg.d_model))
+  y = attn.apply("per_head", p, x, cfg=flat)
   full = cfg.replace(o_rank=cfg.num_heads // cfg.o_groups * cfg.d_v)  # 6 < d_model: any block fits
   with warnings.catch_warnings():
     warnings.simplefilter("error", LossyConversionWarning)
@@ -173,12 +175,12 @@ def test_per_head_to_grouped_is_exact_at_full_rank_and_for_low_rank_blocks():
     q, err = convert(p_low, "per_head", "grouped_lowrank", cfg, return_error=True)
     assert err < 1e-5
   np.testing.assert_allclose(attn.apply("grouped_lowrank", q, x, cfg=cfg),
-                             attn.apply("per_head", p_low, x, cfg=cfg), rtol=1e-4, atol=1e-4)
+                             attn.apply("per_head", p_low, x, cfg=flat), rtol=1e-4, atol=1e-4)
 
 
 def test_per_head_to_grouped_is_lossy_below_rank_and_says_how_much():
   cfg = GROUPED
-  p = _params("per_head", cfg, 12)
+  p = _params("per_head", api.config_for("per_head", cfg), 12)
   with pytest.warns(LossyConversionWarning, match="lossy"):
     _, err = convert(p, "per_head", "grouped_lowrank", cfg, return_error=True)
   blocks = np.asarray(p["w_o"], np.float64).reshape(cfg.o_groups, -1, cfg.d_model)
@@ -191,6 +193,11 @@ def test_per_head_to_grouped_is_lossy_below_rank_and_says_how_much():
 def test_grouped_refusals_name_the_field():
   with pytest.raises(ConfigError, match="o_groups=4"):
     GROUPED.replace(o_groups=4)
+  # A field only another variant reads would be ignored: refused by name.
+  with pytest.raises(ConfigError, match="o_groups=3 is not allowed: 1 for variant 'per_head'"):
+    attn.init("per_head", jax.random.key(0), GROUPED)
+  with pytest.raises(ConfigError, match="value_norm_eps=1e-06 is not allowed: None for variant 'mla'"):
+    attn.init("mla", jax.random.key(0), KEQV.replace(value_norm_eps=1e-6, rope_dim=0))
   with pytest.raises(ConfigError, match="o_rank=0"):
     GROUPED.replace(o_rank=0)
 

@@ -13,6 +13,7 @@ from flax import nnx
 from attn import ConfigError, HeadConfig, count
 from attn.experiments.running import config as config_lib
 from attn.nn.models import MODELS, DecoderLM, ModelConfig
+from attn.variants import grouped_lowrank
 from conftest import TINY_MQAR
 
 # h = 4 does not divide d_model = 14; sliding layers 2 kv heads of (4, 3), global 1 of (6, 6).
@@ -32,7 +33,7 @@ def test_each_layer_gets_its_types_sizes():
   hash(cfg)  # frozen, so a config stays hashable
   # Derived sizes follow the layer's own: grouped_lowrank's full o_rank is H/g·V of the layer.
   grouped = ModelConfig(**(BASE | dict(variant="grouped_lowrank", o_groups=2)), layer_heads=GLOBAL)
-  assert [grouped.layer_head(i).o_rank for i in range(2)] == [2 * 3, 2 * 6]
+  assert [grouped_lowrank.rank(grouped.layer_head(i)) for i in range(2)] == [2 * 3, 2 * 6]
 
 
 def _attention_params(D, H, G, K, V):

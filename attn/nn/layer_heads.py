@@ -9,7 +9,7 @@ The fields a type may set are FIELDS; a type not in the table keeps the model's 
 override is applied first in layer_types.head_for, so a layer's HeadConfig
 (ModelConfig.layer_head) carries it, and with it the layer's parameters, its KV cache and its
 counts (attn.count.model's layer_type_table groups layers by type, each row its own head). A
-head field the model leaves to be derived (collab_width, latent_dim, o_rank: None) is derived
+head field the model leaves to be derived (collab_width, latent_dim: None) is derived
 again from the layer's own sizes. A type no layer has, a field outside FIELDS or a size the
 variant refuses is refused by name (layer_types.check runs every type's head through the
 variant's check).

@@ -128,8 +128,10 @@ class Variant:
   so is one whose closed form returns None at a config it does not cover.
   sharding: parameter name -> one letter per axis (attn.nn.sharding's rule) for the names
   beyond the canonical layout's; None means undeclared, and its parameters are replicated over
-  the mesh's heads axis (with a warning saying so). Frozen: dataclasses.replace makes a
-  variation of one; records compare by identity.
+  the mesh's heads axis (with a warning saying so). fields: HeadConfig fields this variant
+  alone reads (k_eq_v's value_norm_eps); attn.api.check_config refuses them away from what
+  HeadConfig gives unset under any other variant, which would ignore them. Frozen:
+  dataclasses.replace makes a variation of one; records compare by identity.
   """
 
   name: str
@@ -147,6 +149,7 @@ class Variant:
   circuits: Callable[..., dict[str, Any]] | None = None
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
+  fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
 
 
 # The figures a Variant may give in closed form; attn.count measures the ones it does not.

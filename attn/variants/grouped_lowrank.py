@@ -40,9 +40,14 @@ from attn.variants.base import (Options, Params, Variant, add_bias, bias, cached
                                 queries_and_keys, standard_kv_cache_width, standard_score_weights)
 
 
+def rank(cfg: HeadConfig) -> int:
+  """r: cfg.o_rank, or H/g·V (full rank: each group's map square) when None."""
+  return cfg.num_heads // cfg.o_groups * cfg.d_v if cfg.o_rank is None else cfg.o_rank
+
+
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
-  g, r = cfg.o_groups, cfg.o_rank
+  g, r = cfg.o_groups, rank(cfg)
   kq, kk, kv, ka, kb = jax.random.split(key, 5)
   params = {
       "w_q": normal(kq, (D, H, K), D, dtype),
@@ -80,21 +85,21 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
 
 def param_count(cfg: HeadConfig) -> int:
   D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
-  g, r = cfg.o_groups, cfg.o_rank
+  g, r = cfg.o_groups, rank(cfg)
   weights = D * (H * K + G * K + G * V) + H * V * r + g * r * D
   return weights + ((H * K + G * K + G * V + D) if cfg.use_bias else 0)
 
 
 def effective_param_count(cfg: HeadConfig) -> int | None:
   """per_head's count where the groups' blocks are full rank (any W^O); None (measured) below."""
-  if cfg.o_rank < min(cfg.num_heads // cfg.o_groups * cfg.d_v, cfg.d_model):
+  if rank(cfg) < min(cfg.num_heads // cfg.o_groups * cfg.d_v, cfg.d_model):
     return None
   return factored_effective_param_count(cfg)
 
 
 def flops(cfg: HeadConfig, T: int, S: int) -> int:
   D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
-  g, r = cfg.o_groups, cfg.o_rank
+  g, r = cfg.o_groups, rank(cfg)
   proj = 2 * D * (T * H * K + S * G * K + S * G * V)
   return proj + 2 * T * (H * V * r + g * r * D) + 2 * T * S * H * (K + V)
 
@@ -109,4 +114,5 @@ VARIANT = Variant(
     flops=flops,
     kv_cache_width=standard_kv_cache_width,
     score_weights=standard_score_weights,
+    fields=("o_groups", "o_rank"),
 )

@@ -132,4 +132,5 @@ VARIANT = Variant(
     check=check,
     cache_entries=cache_entries,
     attend_cached=attend_cached,
+    fields=("value_norm_eps",),
 )
