@@ -241,3 +241,12 @@ def test_effective_count_is_the_jacobians_rank(variant, cfg):
 def test_effective_count_is_measured_where_no_closed_form_holds():
   assert api.get_variant("k_eq_v").effective_param_count(KEQV) is None  # RoPE
   assert api.get_variant("grouped_lowrank").effective_param_count(GROUPED) is None  # o_rank below full
+
+
+def test_grouped_output_splits_by_whole_groups_over_a_heads_mesh():
+  from attn.nn import sharding
+  specs = sharding.param_specs("grouped_lowrank", GROUPED, 3)  # 3 devices, 3 groups of 2 heads
+  assert specs["w_oa"] == sharding.PartitionSpec("heads", None, None)
+  assert specs["w_ob"] == sharding.PartitionSpec("heads", None)
+  specs = sharding.param_specs("grouped_lowrank", GROUPED, 2)  # 2 devices would split a group
+  assert specs["w_oa"] == sharding.PartitionSpec(None, None, None) and specs["w_ob"] == sharding.PartitionSpec(None, None)

@@ -106,7 +106,9 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 VARIANT = Variant(
     name="grouped_lowrank",
-    sharding={"w_oa": None, "w_ob": None},
+    # Groups are contiguous heads: with M devices dividing o_groups, device d holds its heads' whole
+    # groups (their A_i, their r rows of B); otherwise both are replicated (attn.nn.sharding's P).
+    sharding={"w_oa": "PVO", "w_ob": "PD"},
     init=init,
     apply=apply,
     param_count=param_count,
