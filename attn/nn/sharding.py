@@ -20,7 +20,8 @@ on "heads" (M must divide H):
      projected q, k, v to their heads' devices after the one packed matmul;
      per_head's layout, three matrices, needs no such move. grouped_lowrank's
      A (g, H/g·V, r) and B (g·r, D) split by groups where M divides g: each
-     device then holds whole groups of its own heads.
+     device then holds whole groups of its own heads (B's g·r rows split wherever
+     M divides g·r, a plain block split where M does not divide g).
   any other letter, and None (the whole array): replicated. Shared arrays
      are: two_stage's D×D first stage, mla's latent projections W^DKV, W^DQ,
      W^KR, collaborative's shared W̃_Q, W̃_K, talking_heads' H×H mixes
