@@ -115,8 +115,11 @@ class HeadConfig:
   masks leave visible (attn.kernel.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
-  values of kv_rank each; default 6 and 2, the paper's). value_norm_eps, if set,
-  gives k_eq_v's values a weightless RMSNorm over each head at that epsilon
+  values of kv_rank each; default 6 and 2, the paper's). conv_width and chunk are the
+  fixed-state heads' (gated_deltanet, kda, mamba2, linear; attn.variants.linear): the width
+  of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
+  tokens one step of the chunked scan covers (64, MaxText's and fla's). value_norm_eps, if
+  set, gives k_eq_v's values a weightless RMSNorm over each head at that epsilon
   (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
   projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
   groups, each group's H/o_groups·d_v outputs through its own rank-o_rank map
@@ -161,6 +164,8 @@ class HeadConfig:
   probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
+  conv_width: int = 4
+  chunk: int = 64
   value_norm_eps: float | None = None
   o_groups: int = 1
   o_rank: int | None = None
@@ -219,7 +224,7 @@ class HeadConfig:
     if self.latent_norm_eps is not None:
       _positive_number("latent_norm_eps", self.latent_norm_eps,
                        "the epsilon of mla's latent RMSNorms, or None for none")
-    for name in ("q_rank", "kv_rank", "layer"):
+    for name in ("q_rank", "kv_rank", "conv_width", "chunk", "layer"):
       _positive_int(name, getattr(self, name))
     self._check_layouts()
 

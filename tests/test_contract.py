@@ -93,6 +93,14 @@ def test_init_is_deterministic(variant):
   assert ("b_o" in p1) == cfg.use_bias
 
 
+def own_tokens(variant, ctx):
+  """(mask or is_causal, context and its flag) of the head-mask cases: a head with a fixed-size
+  state reads only its own tokens, causally (attn.variants.linear), so it runs causal self-attention."""
+  if attn.VARIANTS[variant].init_state is not None:
+    return dict(is_causal=True), None, dict(is_causal=True)
+  return dict(mask=attn.causal_mask(T)), ctx, {}
+
+
 def scale_w_o(params, cfg, xi_H):
   """The same params with head h's rows of W^O (w_o[h], however w_o is stored) times xi_H[h]."""
   if "w_oa" in params:  # grouped_lowrank: head h's rows of its group's A (W^O = blockdiag(A)·B)
@@ -115,12 +123,12 @@ def test_head_mask_gates_each_heads_output(variant, cname):
   xi_H[-1] = 0.0  # the last head off (with one head, y = b_o)
   xi_BH = rng.uniform(0.5, 2.0, (B, H)) * (rng.random((B, H)) < 0.6)
   scaled = [scale_w_o(params, cfg, xi) for xi in (xi_H, *xi_BH)]
+  masked, c, cross_kw = own_tokens(variant, ctx)
 
   @jax.jit
   def outputs(params, scaled, xi_H, xi_BH):  # one compilation for every comparison
-    causal = lambda p, xi: attn.apply(variant, p, x, cfg=cfg, mask=attn.causal_mask(T),
-                                      head_mask=xi)
-    cross = lambda p, xi: attn.apply(variant, p, x, ctx, cfg=cfg, head_mask=xi)
+    causal = lambda p, xi: attn.apply(variant, p, x, cfg=cfg, head_mask=xi, **masked)
+    cross = lambda p, xi: attn.apply(variant, p, x, c, cfg=cfg, head_mask=xi, **cross_kw)
     return [(causal(params, jnp.ones(H)), causal(params, None)),
             (cross(params, jnp.ones((B, H))), cross(params, None)),
             (causal(params, xi_H), causal(scaled[0], None)),
@@ -138,7 +146,8 @@ def test_head_mask_gradient_is_each_heads_contribution(variant, cname):
   cfg, params, x, ctx = setup(variant, cname, seed=13)
   H = cfg.num_heads
   r_BTD = randn(14, (B, T, cfg.d_model))
-  f = lambda xi: (attn.apply(variant, params, x, ctx, cfg=cfg, head_mask=xi) * r_BTD).sum()
+  _, c, cross_kw = own_tokens(variant, ctx)
+  f = lambda xi: (attn.apply(variant, params, x, c, cfg=cfg, head_mask=xi, **cross_kw) * r_BTD).sum()
   grad_H = jax.jit(jax.grad(f))(jnp.ones(H))
   f_H = jax.jit(jax.vmap(f))(jnp.concatenate([jnp.eye(H), jnp.zeros((1, H))]))
   np.testing.assert_allclose(grad_H, f_H[:H] - f_H[H], atol=1e-4, rtol=1e-4)

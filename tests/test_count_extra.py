@@ -5,6 +5,7 @@ in it too. tests/test_plugins.py runs `attn count` on the installed package in a
 """
 
 import json
+import re
 
 import pytest
 
@@ -80,4 +81,5 @@ def test_the_extra_flag_has_a_help_line(logit_scale, capsys):
     attn.cli.main(["count", "--help"])
   text = " ".join(capsys.readouterr().out.split())
   assert "--extra TABLE options of outside head mechanisms as a TOML inline table" in text
-  assert "(installed: logit_scale)" in text
+  # The built-in key selectors (moba, indexer) keep their options in extra too: listed beside it.
+  assert re.search(r"\(installed: (\w+, )*logit_scale(, \w+)*\)", text), text

@@ -6,6 +6,8 @@ rows, soft-cap order) but not its GPU kernels; those, cuDNN and compiled splash 
 gpu / tpu markers and skip elsewhere.
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,11 +22,7 @@ ON_GPU = jax.default_backend() == "gpu"
 ON_TPU = jax.default_backend() == "tpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason=f"needs a GPU backend (this is {jax.default_backend()})")
 needs_tpu = pytest.mark.skipif(not ON_TPU, reason=f"needs a TPU backend (this is {jax.default_backend()})")
-try:
-  import tokamax  # noqa: F401
-  HAVE_TOKAMAX = True
-except ImportError:
-  HAVE_TOKAMAX = False
+HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None  # found, not imported: attn imports it
 needs_tokamax = pytest.mark.skipif(not HAVE_TOKAMAX, reason="tokamax is not installed (extra [tokamax])")
 
 

@@ -206,9 +206,11 @@ def test_bad_inputs_are_clear_errors(kwargs, match):
 
 # The variants outside conftest.FAST_VARIANTS in the slow tier (the structured masks are the kernel's:
 # the fast variants and the kernel tests above carry the identity), and merged forced onto the blocked
-# kernel too (per_head takes that path in the fast tier).
+# kernel too (per_head takes that path in the fast tier). The heads with a fixed-size state take no
+# dense mask (attn.variants.linear; the kit checks their kv_lengths).
 @pytest.mark.parametrize("variant, force_blocked", [
-    *(pytest.param(v, False, marks=tier(v)) for v in sorted(attn.VARIANTS)), ("per_head", True),
+    *(pytest.param(v, False, marks=tier(v)) for v in sorted(attn.VARIANTS)
+      if attn.VARIANTS[v].init_state is None), ("per_head", True),
     pytest.param("merged", True, marks=pytest.mark.slow)])
 def test_every_variant_structured_equals_dense_mask(variant, force_blocked, monkeypatch):
   if force_blocked:  # impl="auto" then takes the blocked kernel at these small shapes

@@ -39,7 +39,9 @@ _LAYER_COLUMNS = [
     ("effective", "params (effective)"), ("score_weights", "W_Q·W_Kᵀ weights"),
     ("score_weights_per_head", "W_Q·W_Kᵀ weights/head"), ("flops_fwd", "FLOPs fwd"),
     ("flops_fwd_bwd", "FLOPs fwd+bwd"), ("kv_bytes_per_token", "KV cache B/token"),
-    ("kv_bytes_at_T", "KV cache B at T")]
+    ("kv_bytes_at_T", "KV cache B at T"), ("state_bytes", "state B/sequence"),
+    ("state_crossover_T", "KV cache = state at T")]
+_STATE_KEYS = ("state_bytes", "state_crossover_T")
 _MECHANISM_COLUMNS = [
     ("mechanism", "mechanism"), ("params_formula", "adds params"), ("params", "="),
     ("flops_formula", "adds FLOPs fwd"), ("flops_fwd", "="), ("kv_cache_bytes", "KV cache B at T")]
@@ -256,6 +258,8 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
 
 def _layer_output(report: dict[str, Any], fmt: str) -> str:
   columns = _LAYER_COLUMNS + ([("model_params", "model params")] if "model" in report else [])
+  # the state's columns only where a row has a state (a fixed-state head; attn.variants.linear)
+  columns = [c for c in columns if c[0] not in _STATE_KEYS or any(c[0] in r for r in report["rows"])]
   if fmt == "json":
     return json.dumps(report, indent=2)
   if fmt == "csv":
@@ -307,12 +311,14 @@ def _unmeasured(report: dict[str, Any]) -> str:
     return ""
   cfg = HeadConfig(**report["layer"])
   lacking = [m.name for m in mechanisms.active(cfg) if m.effective_param_count is None]
-  why = (f"mechanism {', '.join(map(repr, lacking))} declares no effective_param_count" if lacking
-         else "no closed form")
+  if lacking:
+    why = f"mechanism {', '.join(map(repr, lacking))} declares no effective_param_count"
+    fix = "; a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 (docs/extending.md)"
+  else:
+    why, fix = "the variant declares no closed form", ""
   return (f"\n\nparams (effective) n/a for {', '.join(r['variant'] for r in rows)}: {why}, and a layer of "
-          f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank); "
-          "a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 "
-          "(docs/extending.md)")
+          f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank)"
+          + fix)
 
 
 _HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),

@@ -148,6 +148,8 @@ def _layer_row(name: str, cfg: HeadConfig, T: int, S: int | None, dtype: Any) ->
          "flops_fwd_bwd": flops(name, cfg, T, S, backward=True),
          "kv_bytes_per_token": kv_cache_bytes_per_token(name, cfg, dtype),
          "kv_bytes_at_T": kv_cache_bytes(name, cfg, T, dtype)}
+  if api.get_variant(name).init_state is not None:  # a fixed-size state: bytes and where KV passes it
+    row |= {"state_bytes": state_bytes(name, cfg), "state_crossover_T": state_crossover(name, cfg, dtype)}
   figures = measured_figures(name, cfg)
   if figures:
     row["measured"] = [c for f in figures for c in MEASURED_COLUMNS[f]]
@@ -159,6 +161,27 @@ MEASURED_COLUMNS = {"analytic": ("analytic",), "effective": ("effective",),
                     "score_weights": ("score_weights", "score_weights_per_head"),
                     "flops": ("flops_fwd", "flops_fwd_bwd"),
                     "kv_cache": ("kv_bytes_per_token", "kv_bytes_at_T")}
+
+
+def state_bytes(variant: str, cfg: HeadConfig, dtype: Any = "float32") -> int:
+  """Bytes of one layer's fixed-size decoding state per sequence, whatever its length (a head with
+  a state: Variant.state_size; 0 for a head with a KV cache). float32 by default: the state
+  accumulates in float32 (attn.variants.linear.core)."""
+  v = api.check_config(variant, cfg)
+  if v.init_state is None:
+    return 0
+  size = measured.state_size(v, cfg) if v.state_size is None else v.state_size(cfg)
+  return int(size) * _itemsize(dtype)
+
+
+def state_crossover(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int | None:
+  """The context length at which a softmax layer of the same HeadConfig (per_head) caches as many
+  bytes as this layer's state (the state in float32, the KV cache in dtype); None without a state."""
+  state = state_bytes(variant, cfg)
+  if not state:
+    return None
+  per_token = kv_cache_bytes_per_token("per_head", mechanisms.plain(cfg), dtype)
+  return -(-state // per_token)
 
 
 def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:

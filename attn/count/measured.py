@@ -49,7 +49,7 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int, backward: bool = False)
   v = api.get_variant(variant)
   x = jax.ShapeDtypeStruct((1, T, cfg.d_model), jnp.float32)
   c = jax.ShapeDtypeStruct((1, S, cfg.d_model), jnp.float32)
-  f = lambda p, x, c: v.apply(p, x, c, cfg=cfg, opts=api.Options())[0]
+  f = lambda p, x, c: _call(v, p, x, c, cfg)
   if not backward:
     return xla_flops(f, _shaped_params(variant, cfg), x, c)
 
@@ -63,9 +63,27 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int, backward: bool = False)
 def kv_cache_width(variant: str, cfg: HeadConfig) -> int:
   """Numbers a decoder caches per token: the entries of attn.variants.cache.init, per slot."""
   v = api.get_variant(variant)
+  if v.init_state is not None:
+    return 0  # a fixed-size state (state_size below), nothing per token
   shapes = jax.eval_shape(lambda p: cache.init(v, p, cfg.replace(window=None), 1, 1),
                           _shaped_params(variant, cfg))
   return sum(math.prod(s.shape[2:]) for s in shapes.values())
+
+
+def state_size(variant: str, cfg: HeadConfig) -> int:
+  """Numbers of one sequence's decoding state (0 for a head with a KV cache instead)."""
+  v = api.get_variant(variant)
+  if v.init_state is None:
+    return 0
+  shapes = jax.eval_shape(lambda: v.init_state(cfg, 1))
+  return sum(math.prod(s.shape[1:]) for s in shapes.values())
+
+
+def _call(v, p, x, c, cfg: HeadConfig):
+  """y of one layer; a fixed-state head (causal self-attention only) without the context."""
+  if v.init_state is not None:
+    return v.apply(p, x, None, cfg=cfg, opts=api.Options(is_causal=True))[0]
+  return v.apply(p, x, c, cfg=cfg, opts=api.Options())[0]
 
 
 def score_weights(variant: str, cfg: HeadConfig) -> int:
@@ -91,7 +109,7 @@ def jacobian_rank(variant: str, cfg: HeadConfig, seed: int = 1) -> int:
   flat, unravel = ravel_pytree(params)
   batch = max(12, -(-3 * flat.size // (5 * cfg.d_model)))  # 3x more outputs than parameters
   x_BTD = jnp.asarray(rng.standard_normal((batch, 5, cfg.d_model)), jnp.float32)
-  f = lambda w: v.apply(unravel(w), x_BTD, None, cfg=cfg, opts=api.Options())[0].ravel()
+  f = lambda w: _call(v, unravel(w), x_BTD, None, cfg).ravel()
   J = np.asarray(jax.jit(jax.jacfwd(f))(flat), np.float64)
   s = np.sqrt(np.clip(np.linalg.eigvalsh(J.T @ J)[::-1], 0.0, None))  # singular values, P×P work
   return int((s > RANK_TOL * s[0]).sum())

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attn.config import invalid
-from attn.count.layer import check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts
+from attn.count.layer import (check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts,
+                              state_bytes)
 from attn.nn import kv_sharing, layer_types
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def expert_params(m: ModelConfig) -> dict[str, int]:
 
 
 def _attention(m: ModelConfig, layer: int = 0) -> int:
-  return param_counts(m.variant, m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
+  return param_counts(m.layer_variant(layer), m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
 
 
 def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
@@ -126,7 +127,7 @@ def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bflo
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return sum(kv_cache_bytes_per_token(m.variant, m.layer_head(i), dtype) for i in range(layers)
+  return sum(kv_cache_bytes_per_token(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers)
              if _caches(m, kind, i))
 
 
@@ -134,6 +135,12 @@ def _caches(m: ModelConfig, kind: str, index: int) -> bool:
   """Whether layer `index` of the stack holds a KV cache: not one reading another layer's keys and
   values (kv_source, attn.nn.kv_sharing: the cache holds each shared pair once)."""
   return kind != "decoder_lm" or kv_sharing.source(m, index) == index
+
+
+def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = "float32") -> int:
+  """The fixed-size decoding state of the stack's linear layers per sequence (all layers)."""
+  layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
+  return sum(state_bytes(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers))
 
 
 def _stack(m: ModelConfig, kind: str) -> int:
@@ -152,14 +159,14 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
       rows[name]["layers"] += 1
       rows[name]["kv_shared_layers"] += not _caches(m, kind, i)
       continue
-    head = m.layer_head(i)
+    head, variant = m.layer_head(i), m.layer_variant(i)
     rows[name] = {"type": name, "layers": 1, "kv_shared_layers": int(not _caches(m, kind, i)),
                   "window": head.window,
                   "rope_theta": head.rope_theta if head.rope_dim else None,
-                  "params_per_layer": param_counts(m.variant, head)["analytic"],
-                  "flops_fwd_per_layer": flops(m.variant, head, length),
-                  "kv_bytes_per_token_per_layer": kv_cache_bytes_per_token(m.variant, head, dtype),
-                  "kv_bytes_at_L_per_layer": kv_cache_bytes(m.variant, head, length, dtype)}
+                  "params_per_layer": param_counts(variant, head)["analytic"],
+                  "flops_fwd_per_layer": flops(variant, head, length),
+                  "kv_bytes_per_token_per_layer": kv_cache_bytes_per_token(variant, head, dtype),
+                  "kv_bytes_at_L_per_layer": kv_cache_bytes(variant, head, length, dtype)}
   out = list(rows.values())
   for row in out:
     n = row["layers"]

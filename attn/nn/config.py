@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from attn import api, kernel
-from attn.config import PER_LAYER_FIELDS, HeadConfig, invalid
+from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
 from attn.nn import kv_sharing, layer_heads, layer_types, moe
 
 _CHOICES = {
@@ -87,6 +87,8 @@ class ModelConfig:
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
   layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
+  linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
+  linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
@@ -144,7 +146,12 @@ class ModelConfig:
     if self.impl not in kernel.IMPLS:  # whether it runs here is checked where the model is built
       raise invalid("impl", self.impl, f"one of {list(kernel.IMPLS)}; "
                     f"available on this machine: {kernel.available_impls()}")
+    if self.linear_head is not None:
+      if not isinstance(self.linear_head, dict):
+        raise invalid("linear_head", self.linear_head, "None or a table of HeadConfig fields")
+      object.__setattr__(self, "linear_head", FrozenDict(self.linear_head))
     layer_types.check(self)
+    layer_types.check_linear_fields(self)
     kv_sharing.check(self)
     moe.check(self)
 
@@ -161,6 +168,10 @@ class ModelConfig:
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
     return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+
+  def layer_variant(self, index: int) -> str:
+    """The variant of self-attention layer `index`: linear_variant for a linear_attention layer."""
+    return layer_types.variant_for(self, layer_types.layer_type(self, index))
 
   def is_moe_layer(self, index: int) -> bool:
     """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""

@@ -57,20 +57,23 @@ def check(m: Any) -> None:
     raise invalid("kv_source", f"{len(src)} entries", f"one per layer: num_layers={m.num_layers}")
   if m.num_decoder_layers:
     raise invalid("num_decoder_layers", m.num_decoder_layers, "0 with kv_source: a decoder-only stack")
-  record = api.get_variant(m.variant)
-  if record.cache_entries is not None and any(s != i for i, s in enumerate(src)):
-    raise invalid("variant", m.variant, "one whose keys and values reach base.cached_kv for kv_source: "
-                  f"{m.variant} caches through its own cache_entries, so no layer can read another's")
   for i, s in enumerate(src):
     if s == i:
       continue
     where = f"kv_source[{i}]"
+    name = m.layer_variant(i) if hasattr(m, "layer_variant") else m.variant
+    record = api.get_variant(name)
+    if record.cache_entries is not None or getattr(record, "step", None) is not None:
+      raise invalid("variant", name, "one whose keys and values reach base.cached_kv for kv_source: "
+                    f"{name} caches through its own cache_entries or state, so no layer can read another's")
     if not 0 <= s < i:
       raise invalid(where, s, f"{i} (its own keys and values) or an earlier layer in [0, {i}): a layer "
                     "attends to keys and values already computed")
     if src[s] != s:
       raise invalid(where, s, f"a layer with its own keys and values: layer {s} reads layer {src[s]}'s")
     a, b = m.layer_head(i).replace(layer=1), m.layer_head(s).replace(layer=1)
+    if hasattr(m, "layer_variant") and m.layer_variant(s) != name:
+      raise invalid(where, s, f"a layer of the same variant: layer {s} is {m.layer_variant(s)}, layer {i} {name}")
     if a != b:
       diff = [n for n in a.to_dict() if getattr(a, n) != getattr(b, n)]
       raise invalid(where, s, f"a layer with the same head: layer {s} differs from layer {i} in {diff}")

@@ -9,8 +9,16 @@ is the model's HeadConfig (ModelConfig.head):
                           4th layer; Cohere 2's, EXAONE 4's and Llama 4's global ones)
   sliding_attention_nope  the window, no rotation
 
-The first two are transformers' `layer_types` values, so a checkpoint's list
-maps entry for entry. sliding_rope_theta is Gemma 3's rope_local_base_freq:
+  linear_attention        a head with a fixed-size state instead of softmax attention:
+                          the variant ModelConfig.linear_variant (gated_deltanet by
+                          default; kda, mamba2, linear) with ModelConfig.linear_head's
+                          HeadConfig fields over the model's d_model, num_heads, d_k,
+                          d_v, num_kv_heads, use_bias, conv_width and chunk; none of the
+                          model's RoPE, window or head mechanisms (Qwen3-Next's linear
+                          layers: 16 key heads, 32 value heads of 128)
+
+The first two and linear_attention are transformers' `layer_types` values, so a checkpoint's
+list maps entry for entry. sliding_rope_theta is Gemma 3's rope_local_base_freq:
 its sliding layers rotate with their own base and without the model's
 rope_scaling (transformers builds their rotary embedding with rope_type
 "default"). global_every = k is the shorthand for a list: with a window, layer
@@ -18,9 +26,10 @@ l (from 1) is full_attention when k divides l, else sliding_attention (k = 0:
 all sliding); without a window every layer is full_attention.
 
 Each layer keeps its own KV cache (attn.variants.cache): a sliding layer a
-ring of `window` slots, a full one max_len slots, whatever its RoPE (unless it
-reads another layer's: ModelConfig.kv_source, attn.nn.kv_sharing). A type's
-own head sizes (d_k, d_v, num_kv_heads) are ModelConfig.layer_heads
+ring of `window` slots, a full one max_len slots, whatever its RoPE; a linear
+layer its fixed-size state (a hybrid decodes with both). A layer reading another
+layer's keys and values holds none (ModelConfig.kv_source, attn.nn.kv_sharing). A
+type's own head sizes (d_k, d_v, num_kv_heads) are ModelConfig.layer_heads
 (attn.nn.layer_heads), applied first by head_for.
 """
 
@@ -32,6 +41,7 @@ from typing import Any
 from attn import api
 from attn.config import ConfigError, HeadConfig, invalid
 from attn.nn import layer_heads
+from attn.variants import VARIANTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +50,7 @@ class LayerType:
 
   sliding: bool  # the model's window (else window None)
   rope: bool  # the model's rotary positions (else rope_dim 0: NoPE)
+  linear: bool = False  # ModelConfig.linear_variant with linear_head, in place of the model's variant
 
 
 LAYER_TYPES = {
@@ -47,7 +58,13 @@ LAYER_TYPES = {
     "sliding_attention": LayerType(sliding=True, rope=True),
     "full_attention_nope": LayerType(sliding=False, rope=False),
     "sliding_attention_nope": LayerType(sliding=True, rope=False),
+    "linear_attention": LayerType(sliding=False, rope=False, linear=True),
 }
+
+# The model's HeadConfig fields a linear layer keeps (linear_head overrides any of them); every
+# other field (RoPE, window, mechanisms, mla's and tpa's options) takes HeadConfig's default.
+_LINEAR_KEEPS = ("d_model", "num_heads", "d_k", "d_v", "num_kv_heads", "use_bias", "conv_width",
+                 "chunk", "layer")
 
 # RoPE fields a NoPE layer sets to their defaults (rope_dim 0 and no scaling), and those a
 # sliding layer with its own base resets (its scaling) while keeping rope_dim and the layout.
@@ -65,11 +82,19 @@ def layer_type(m: Any, index: int) -> str:
   return "full_attention" if m.global_every and (index + 1) % m.global_every == 0 else "sliding_attention"
 
 
+def variant_for(m: Any, kind: str) -> str:
+  """The variant of the layers of type `kind`: linear_variant for a linear type, else the model's."""
+  return m.linear_variant if LAYER_TYPES[kind].linear else m.variant
+
+
 def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
   """head (the model's, for one layer) with the settings of layer type `kind` (and its sizes in
   m.layer_heads, attn.nn.layer_heads)."""
   head = layer_heads.apply(m, kind, head)
   t = LAYER_TYPES[kind]
+  if t.linear:
+    kept = {n: getattr(head, n) for n in _LINEAR_KEEPS}
+    return HeadConfig(**{**kept, **dict(m.linear_head or {})})
   if not t.sliding:
     head = head.replace(window=None)
   if not t.rope:
@@ -108,6 +133,10 @@ def check(m: Any) -> None:
       if not LAYER_TYPES[k].rope and m.positional != "rope":
         raise invalid(f"layer_types[{i}]", k, f"a type with RoPE when positional={m.positional!r}: "
                       "there are no rotary positions to drop (every layer is position-free already)")
+    for i, k in enumerate(kinds):
+      if LAYER_TYPES[k].linear:
+        _check_linear(m, i)
+        break
     if w is not None and not any(LAYER_TYPES[k].sliding for k in kinds):
       raise invalid("window", w, "None: no entry of layer_types is a sliding type, so none would read it")
   theta = m.sliding_rope_theta
@@ -127,9 +156,35 @@ def check(m: Any) -> None:
       continue
     seen.add(kind)
     try:
-      api.check_config(m.variant, head_for(m, kind, m.head))
+      api.check_config(variant_for(m, kind), head_for(m, kind, m.head))
     except ConfigError as e:
       raise ConfigError(f"layer_types[{i}]={kind!r}: {e}") from None
+
+
+def _check_linear(m: Any, i: int) -> None:
+  """linear_variant a head with a fixed-size state; linear_head a table of HeadConfig fields."""
+  v = api.get_variant(m.linear_variant)
+  if v.init_state is None:
+    names = sorted(n for n, r in VARIANTS.items() if r.init_state is not None)
+    raise invalid("linear_variant", m.linear_variant, f"a variant with a fixed-size state for "
+                  f"layer_types[{i}]='linear_attention': one of {names}")
+  fields = {f.name for f in dataclasses.fields(HeadConfig)}
+  for name in m.linear_head or {}:
+    if name not in fields or name == "layer":
+      raise invalid(f"linear_head.{name}", m.linear_head[name], "a HeadConfig field of the "
+                    "linear layers (num_heads, num_kv_heads, d_k, d_v, conv_width, chunk, ...)")
+
+
+def check_linear_fields(m: Any) -> None:
+  """linear_variant and linear_head left at their defaults when no layer is linear_attention."""
+  if any(LAYER_TYPES[k].linear for k in m.layer_types or ()):
+    return
+  if m.linear_head is not None:
+    raise invalid("linear_head", dict(m.linear_head), "None: no entry of layer_types is "
+                  "'linear_attention', so no layer would read it")
+  if m.linear_variant != "gated_deltanet":
+    raise invalid("linear_variant", m.linear_variant, "'gated_deltanet' (the default): no entry "
+                  "of layer_types is 'linear_attention', so no layer would read it")
 
 
 def schedule(m: Any, n: int | None = None) -> tuple[str, ...]:

@@ -284,14 +284,14 @@ class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
-               head: HeadConfig | None = None, experts: bool = False):
+               head: HeadConfig | None = None, experts: bool = False, variant: str | None = None):
     self.post_norm = cfg.norm == "post"
     sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
     pre = cfg.norm != "after"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                   impl=None if cfg.impl == "auto" else cfg.impl)
-    self.attn = MultiHeadAttention(head, cfg.variant, rngs=rngs, **dtypes)
+    self.attn = MultiHeadAttention(head, variant or cfg.variant, rngs=rngs, **dtypes)
     self.attn_norm = layer_norm(cfg, rngs, pre)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
@@ -382,7 +382,7 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
   blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
-                             experts=cfg.is_moe_layer(i)) for i in range(n)]
+                             experts=cfg.is_moe_layer(i), variant=cfg.layer_variant(i)) for i in range(n)]
   for i, block in enumerate(blocks):
     if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values
       block.attn.kv_source = kv_sharing.source(cfg, i)

@@ -41,6 +41,14 @@ opts)` -> y_BTD, cache holding the same names over the cache length and
 opts.mask saying which slots each query sees (mla: the latent and the rotated
 RoPE key).
 
+A head with a fixed-size state (attn.variants.linear: gated_deltanet, kda, mamba2, linear)
+decodes with that state instead of a KV cache: it sets `init_state(cfg, batch_size, dtype)` ->
+dict of (B, ...) zero arrays, the state of a sequence before its first token, and `step(params,
+x_BTD, state, *, cfg, opts)` -> (y_BTD, the state after x's tokens), equal to the causal `apply`
+continued from that state; `state_size(cfg)` is its numbers per sequence (independent of the
+length), and its kv_cache_width is 0. Such a head computes causal self-attention only: its apply
+refuses context, mask, return_weights and is_causal=False (the kit checks it that way).
+
 attn.analysis.circuits reads a variant through its exact converter to per_head.
 A variant without one sets `circuits(params, cfg)` -> the same dict of factors
 as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
@@ -64,7 +72,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.kernel import masks
 from attn.config import HeadConfig, invalid
-from attn.variants import mechanisms, rope
+from attn.variants import mechanisms, rope, selection
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -147,6 +155,9 @@ class Variant:
   cache_entries: Callable[..., dict[str, Array]] | None = None
   attend_cached: Callable[..., Array] | None = None
   circuits: Callable[..., dict[str, Any]] | None = None
+  init_state: Callable[..., dict[str, Array]] | None = None
+  step: Callable[..., tuple[Array, dict[str, Array]]] | None = None
+  state_size: Callable[[HeadConfig], int] | None = None
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
   fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
@@ -235,6 +246,13 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
   without weights out.
   """
+  chooser = mechanisms.selector(cfg)
+  if chooser is not None:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
+    o_BTHV, opts = selection.attend(chooser, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                                    kernel_args=mechanisms.kernel_args(params, cfg),
+                                    explicit=mechanisms.needs_explicit_logits(cfg))
+    if o_BTHV is not None:
+      return o_BTHV, None
   if mechanisms.needs_explicit_logits(cfg):
     mask = full_mask(q_BTHK.shape[1], k_BSGK.shape[1], cfg=cfg, opts=opts)
     w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg)

@@ -19,6 +19,10 @@ step attends to the ring as it was plus its own new tokens (ring_mask gives
 what each query sees, by position), then writes the new tokens over the
 oldest slots, so a step longer than the ring (a prompt) is exact too. The
 variant then runs with window=None: the mask already holds the window.
+
+A head with a fixed-size state (Variant.init_state and step; attn.variants.linear) has no
+per-token cache: init gives its state, (B, ...) arrays whatever max_len, and decode_step runs
+`step` from it; the index only counts tokens (the model's bound on max_len).
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ def slots(cfg: HeadConfig, max_len: int) -> int:
 
 def init(variant: Variant, params: Params, cfg: HeadConfig, batch_size: int, max_len: int,
          dtype=jnp.float32) -> dict[str, Array]:
-  """An empty cache: zeros of (batch_size, slots(cfg, max_len), ...) for each entry it caches."""
+  """An empty cache: zeros of (batch_size, slots(cfg, max_len), ...) for each entry it caches
+  (a fixed-state head: its state before the first token)."""
+  if variant.init_state is not None:
+    return variant.init_state(cfg, batch_size, dtype)
   x_shape = jax.ShapeDtypeStruct((batch_size, 1, cfg.d_model), dtype)
   shapes = jax.eval_shape(lambda x: entries(variant, params, x, cfg=cfg,
                                             positions=jnp.zeros((1,), jnp.int32)), x_shape)
@@ -151,6 +158,9 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
   dynamic_update_slice would clamp instead of failing). A window layer's
   cache is a ring (module docstring).
   """
+  if variant.step is not None:
+    return variant.step(params, x_BTD, cache, cfg=cfg, opts=Options(is_causal=True,
+                                                                     head_mask=head_mask))
   if cfg.window is not None:
     return _ring_step(variant, params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
   T = x_BTD.shape[1]

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
+from attn.variants import selection
 from attn.variants.mechanism import Mechanism
 
 Array = jax.Array
@@ -199,4 +200,6 @@ PROBABILITY = Mechanism(
     help="probability: softmax|sigmoid|relu, logits -> weights; sigmoid σ(l − log n), relu "
          "max(l, 0)/n, n the keys a row sees")
 
-MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY)
+# Key selection (attn.variants.selection) last: the kit's all-at-once config, with probability
+# "sigmoid" on, leaves them off (they take softmax heads only).
+MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS)

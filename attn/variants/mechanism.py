@@ -28,6 +28,7 @@ class Mechanism:
   on_logits: Callable[..., Array] | None = None
   on_output: Callable[..., Array] | None = None
   kernel: Callable[[Params, HeadConfig], dict[str, Any]] | None = None
+  select: Callable[..., Any] | None = None  # key selection (attn.variants.selection)
   param_count: Callable[[HeadConfig], int] | None = None
   effective_param_count: Callable[[HeadConfig], int] | None = None
   flops: Callable[[HeadConfig, int, int], int] | None = None

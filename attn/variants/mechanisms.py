@@ -18,6 +18,11 @@ through (attn.variants.base):
   kernel(params, cfg) -> dict                       keyword arguments of kernel.attention
                                                      (window, sinks, softcap, probability:
                                                      built-ins only)
+  select(params, q, k, *, cfg, is_causal,           the keys each query may attend to (key
+         kv_lengths, mask, dense)                    selection: moba, indexer; one a layer):
+                                                     a dense mask, or (a kernel, its arguments)
+                                                     that computes only the chosen keys
+                                                     (attn.variants.selection)
 
 A mechanism with on_logits and no kernel keywords makes the layer take the
 einsum path (explicit logits, base.probabilities), since the fused kernels do
@@ -200,6 +205,11 @@ def kernel_args(params: Params, cfg: HeadConfig) -> dict[str, Any]:
     if m.kernel is not None:
       out.update(m.kernel(params, cfg))
   return out
+
+
+def selector(cfg: HeadConfig) -> Mechanism | None:
+  """The active mechanism that selects keys (Mechanism.select), or None."""
+  return next((m for m in active(cfg) if m.select is not None), None)
 
 
 def needs_explicit_logits(cfg: HeadConfig) -> bool:

@@ -58,6 +58,10 @@ def check(cfg: HeadConfig) -> None:
     raise invalid("qk_norm", cfg.qk_norm, "False for mla: its absorbed (decoding) form scores "
                   "q·W_UKᵀ against the cached latent, exact because a key is linear in the "
                   "latent; a normalised key is not, so the cache could not hold it")
+  if cfg.extra and "indexer" in cfg.extra:
+    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for mla: the indexer reads "
+                  "per-head unrotated query and key dims (attn.variants.selection), which the absorbed "
+                  "(decoding) form does not hand the kernel: it scores against the cached latent")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:

@@ -220,6 +220,10 @@ def check_fields(cfg: ModelConfig, family: Family) -> None:
   for name, want in family.fixed.items():
     if getattr(cfg, name) != want:
       raise invalid(name, getattr(cfg, name), f"{want!r}: {family.name} has it so")
+  linear = [i for i, kind in enumerate(cfg.layer_types or ()) if kind == "linear_attention"]
+  if linear and "linear_head" not in family.mapped:  # a state head's parameters have no place there
+    raise invalid(f"layer_types[{linear[0]}]", "linear_attention", f"a softmax layer type: "
+                  f"{family.name} has no linear-attention layers")
   free = MAPPED | family.mapped | set(family.fixed)
   for f in dataclasses.fields(ModelConfig):
     if f.name not in free and getattr(cfg, f.name) != f.default:

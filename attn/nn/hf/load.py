@@ -21,7 +21,7 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, smollm3
+from attn.nn.hf import bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, qwen3_next, smollm3
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.config import ModelConfig
@@ -36,7 +36,8 @@ WEIGHTS = (nnx.Param, Buffer)
 def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
-          smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3)
+          smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
+          qwen3_next.QWEN3_NEXT)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -282,7 +283,9 @@ def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, d
   out_cfg = cfg.replace(variant=family.variant,
                         num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
   pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
-  for block in _blocks(pure).values():
+  for l, block in _blocks(pure).items():
+    if cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant:
+      continue  # a linear layer (attn.nn.layer_types): its own variant, written as it is
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
   sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}

@@ -1,0 +1,95 @@
+"""kda: Kimi Delta Attention, the gated delta rule with a decay per key channel (Kimi Linear, 2025).
+
+gated_deltanet's layer (attn.variants.gated_deltanet: the same projections, short convolution,
+l2-normed q and k, β = σ(x·W_b), delta rule and gated RMSNorm) with two changes, as
+transformers' kimi_linear defines them (KimiLinearDeltaAttention):
+
+  the decay is per key channel, through a low-rank projection:
+    g = −exp(A_log_h)·softplus(x·W_fa·W_fb + dt_bias) ∈ R^{H×K}, W_fa (D, K), W_fb (K, H, K),
+    so each of the d_k rows of a head's state fades at its own rate (core.chunked with g (B,T,H,K));
+  the output gate is low-rank and a sigmoid: o ← RMSNorm(o)·norm ⊙ σ(x·W_ga·W_gb), W_ga (D, V),
+    W_gb (V, H, V).
+
+The low-rank widths are d_k (decay) and d_v (gate): Kimi Linear's f_a_proj and g_a_proj map to
+head_dim, its d_k = d_v. The heads map onto HeadConfig as gated_deltanet's do (num_heads the
+value heads, num_kv_heads the query/key heads: Kimi Linear has as many of each); chunk and
+conv_width are the HeadConfig fields. A per-key-channel decay makes each chunk of the scan hold
+a (C, C, d_k) tensor per head (attn.variants.linear.core): keep chunk small (16 or 32).
+
+Params: D·(2GK + HV + H) + W·(2GK + HV) + D·K + K·H·K + H·K + H + D·V + V·H·V + V + HVD
+  [+ 2GK + HV + D]. State per sequence: H·K·V + (W − 1)·(2GK + HV), as gated_deltanet.
+Score weights: D·2GK + W·2GK + D·H + D·K + K·H·K + H·K + H. FLOPs: measured.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn.config import HeadConfig
+from attn.variants import gated_deltanet as gdn
+from attn.variants.base import Params, Variant, dense, normal
+from attn.variants.linear import parts
+
+NAME = "kda"
+
+
+def check(cfg: HeadConfig) -> None:
+  parts.check(cfg, NAME)
+
+
+def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  D, H, K, V = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v
+  keys = jax.random.split(key, 13)
+  params = gdn.init_common(keys[:8], cfg, dtype)
+  params.update({
+      "w_fa": normal(keys[8], (D, K), D, dtype), "w_fb": normal(keys[9], (K, H, K), K, dtype),
+      "w_ga": normal(keys[10], (D, V), D, dtype), "w_gb": normal(keys[11], (V, H, V), V, dtype),
+  })
+  params["a_log"], params["dt_bias"] = parts.init_decay(keys[12], H, dtype, (H, K))
+  return params
+
+
+def channel_decay(params: Params, x_BTD) -> jax.Array:
+  """g = −exp(A_log)·softplus(x·W_fa·W_fb + dt_bias): (B,T,H,K), float32."""
+  f_BTF = dense(x_BTD, params["w_fa"], 0)
+  f_BTHK = jnp.einsum("BTF,FHK->BTHK", f_BTF, params["w_fb"]).astype(jnp.float32)
+  a_H11 = jnp.exp(params["a_log"].astype(jnp.float32))[:, None]
+  return -a_H11 * jax.nn.softplus(f_BTHK + params["dt_bias"].astype(jnp.float32))
+
+
+def sigmoid_gate(params: Params, x_BTD) -> jax.Array:
+  """σ(x·W_ga·W_gb): (B,T,H,V), float32."""
+  g_BTF = dense(x_BTD, params["w_ga"], 0)
+  return jax.nn.sigmoid(jnp.einsum("BTF,FHV->BTHV", g_BTF, params["w_gb"]).astype(jnp.float32))
+
+
+def forward(params: Params, x_BTD, state, *, cfg: HeadConfig, opts):
+  return gdn.forward(params, x_BTD, state, cfg=cfg, opts=opts, decay=channel_decay,
+                     gate=sigmoid_gate)
+
+
+def param_count(cfg: HeadConfig) -> int:
+  D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
+  biases = 2 * G * K + H * V + D if cfg.use_bias else 0
+  decay = D * K + K * H * K + H * K + H
+  gate = D * V + V * H * V
+  return (D * (2 * G * K + H * V + H) + W * (2 * G * K + H * V) + decay + gate + V + H * V * D
+          + biases)
+
+
+def score_weights(cfg: HeadConfig) -> int:
+  D, H, G, K, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.conv_width
+  return D * 2 * G * K + W * 2 * G * K + D * H + D * K + K * H * K + H * K + H
+
+
+VARIANT = Variant(
+    name=NAME,
+    sharding={**gdn.SHARDING, "w_fa": "DF", "w_fb": "FHK", "w_ga": "DF", "w_gb": "FHV",
+              "a_log": "H", "dt_bias": "HK"},
+    init=init,
+    param_count=param_count,
+    score_weights=score_weights,
+    check=check,
+    **parts.state_record(NAME, forward, gdn.state_shapes),
+)

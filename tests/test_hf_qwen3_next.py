@@ -1,0 +1,125 @@
+"""Qwen3-Next in: a tiny random Qwen3NextForCausalLM built in code (no download), read by
+attn.nn.hf.from_hf into a hybrid DecoderLM (gated_deltanet and gated softmax layers); logits under
+right padding and greedy decoding with caches and states against transformers; refusals by name."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from attn import ConfigError
+from attn.nn import hf
+from attn.nn.decoding import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3NextConfig"):
+  pytest.skip("this transformers has no qwen3_next", allow_module_level=True)
+
+KINDS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def tiny(**changes):
+  kw = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, layer_types=KINDS,
+            num_experts=0, mlp_only_layers=[0, 1, 2, 3], max_position_embeddings=64, tie_word_embeddings=False)
+  return transformers.Qwen3NextConfig(**{**kw, **changes})
+
+
+@pytest.fixture(scope="module")
+def live():
+  torch.manual_seed(0)
+  model = transformers.Qwen3NextForCausalLM(tiny()).eval()
+  with torch.no_grad():  # zero-centred norms start at 0 (a scale of 1): move them so they are read
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight") and "linear_attn" not in name:
+        p.normal_(0.0, 0.2)
+  return model
+
+
+def test_logits_equal_transformers_under_right_padding(live):
+  loaded = hf.from_hf(live)
+  assert loaded.family == "qwen3_next"
+  cfg = loaded.config
+  assert cfg.layer_types == tuple(KINDS) and cfg.rope_dim == 2 and cfg.gate == "elementwise"  # 0.25 of 8
+  assert [b.attn.variant for b in loaded.model.blocks] == ["gated_deltanet"] * 3 + ["per_head"]
+  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
+  mask = np.ones((2, 9), np.int64)
+  mask[1, 6:] = 0
+  with torch.no_grad():
+    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+
+
+def test_cached_greedy_decoding_equals_transformers(live):
+  loaded = hf.from_hf(live)
+  prompt = np.random.default_rng(1).integers(0, 50, (1, 5))
+  with torch.no_grad():
+    want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(num_experts=4, mlp_only_layers=[0, 1]), "config.num_experts"),
+    (dict(attention_bias=True), "config.attention_bias"),
+    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
+    (dict(linear_num_key_heads=3), "num_kv_heads"),
+])
+def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
+  config = tiny(**changes).to_dict()
+  with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
+    hf.model_config(config)
+
+
+def test_a_layer_type_attn_does_not_run_is_refused():
+  config = {**tiny().to_dict(), "layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}
+  with pytest.raises(ConfigError, match="config.layer_types=.* is not allowed"):
+    hf.model_config(config)
+
+
+def test_count_hf_equals_transformers_parameters_and_reports_the_state(live):
+  from attn.count import hf as count_hf
+  report = count_hf.hf_report(live.config.to_dict(), "tiny")
+  assert report["total"] == sum(p.numel() for p in live.parameters())
+  rows = {r["type"]: r for r in report["layer_types"]}
+  # H·K·V float32 + (W − 1)·(2GK + HV) numbers per sequence, 4 bytes each, per linear layer
+  assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
+  assert rows["linear_attention"]["kv_bytes_per_token_per_layer"] == 0
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * 2 * 2 * 8  # bf16 k and v, G=2, K=8
+
+
+def test_to_hf_and_back_is_exact(live):
+  """from_hf(to_hf(m)) holds m's parameters bit for bit; the tensors written equal transformers'
+  (the zero-centred q/k norms to the last bit of 1 + w, attn holding the scale 1 + w)."""
+  import jax
+  loaded = hf.from_hf(live)
+  out = hf.to_hf(loaded)
+  assert type(out).__name__ == "Qwen3NextForCausalLM" and out.config.layer_types == KINDS
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():  # bit for bit, the zero-centred q/k norms too (held as w)
+    np.testing.assert_array_equal(ours[name], a, err_msg=name)
+  back = hf.from_hf(out)
+  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model))):
+    np.testing.assert_array_equal(a, b)
+  tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
+  with torch.no_grad():
+    np.testing.assert_allclose(out(tok).logits.numpy(), live(tok).logits.numpy(), rtol=0, atol=1e-5)
+
+
+def nnx_state(model):
+  from flax import nnx
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def test_the_family_kit_passes():
+  """attn.testing.check_family: read, refusals, the round trip and logits against transformers."""
+  from attn.testing import check_family
+  measured = check_family("qwen3_next", tiny().to_dict())
+  assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4

@@ -1,0 +1,151 @@
+"""The linear-attention core (attn.variants.linear.core) against a per-token loop written here.
+
+naive() below is the recurrence as the papers write it, one token at a time in a Python loop
+(Gated DeltaNet, Yang et al. 2024, eq. 10; Kimi Linear's KDA with a decay per key channel;
+Mamba-2's SSD and causal linear attention without the delta rule), with grouped value heads by
+repeating each query/key head and padding by skipping the tokens past an example's length. The
+chunked and recurrent forms must give its outputs, final states and gradients to float32
+round-off, at lengths that are not a multiple of the chunk, with d_v ≠ d_k, G < H and batches of
+different lengths.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn import ConfigError
+from attn.variants.linear import core
+
+
+def naive(q, k, v, g, beta, delta, state=None, lengths=None):
+  """(o (B,T,H,V), S (B,H,K,V)): the per-token recurrence, example by example, head by head."""
+  B, T, G, K = q.shape
+  H, V = v.shape[2:]
+  R = H // G
+  outs, states = [], []
+  for b in range(B):
+    n = T if lengths is None else int(lengths[b])
+    per_head_o, per_head_S = [], []
+    for h in range(H):
+      S = jnp.zeros((K, V)) if state is None else state[b, h]
+      o = []
+      for t in range(T):
+        if t < n:
+          decay = jnp.ones(K) if g is None else jnp.exp(g[b, t, h]) * jnp.ones(K)
+          S = decay[:, None] * S
+          kt = k[b, t, h // R]
+          bt = 1.0 if beta is None else beta[b, t, h]
+          written = v[b, t, h] - kt @ S if delta else v[b, t, h]
+          S = S + jnp.outer(kt, bt * written)
+        o.append(q[b, t, h // R] @ S)
+      per_head_o.append(jnp.stack(o))
+      per_head_S.append(S)
+    outs.append(jnp.stack(per_head_o, 1))
+    states.append(jnp.stack(per_head_S))
+  return jnp.stack(outs), jnp.stack(states)
+
+
+def inputs(seed, B=2, T=11, G=2, H=4, K=3, V=5, per_channel=False, decay=True):
+  r = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(r.standard_normal(s).astype(np.float32))
+  q, k, v = f(B, T, G, K), f(B, T, G, K), f(B, T, H, V)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)  # the delta rule is stable for |β·k|² < 2
+  g = None
+  if decay:
+    shape = (B, T, H, K) if per_channel else (B, T, H)
+    g = -jnp.asarray(r.uniform(0.01, 1.5, shape).astype(np.float32))
+  beta = jnp.asarray(r.uniform(0.1, 1.0, (B, T, H)).astype(np.float32))
+  state = f(B, H, K, V)
+  return q, k, v, g, beta, state
+
+
+# (delta rule, decay per key channel, decay at all): Gated DeltaNet, KDA, SSD/GLA, linear.
+KINDS = {"gated_delta": (True, False, True), "kda": (True, True, True),
+         "ssd": (False, False, True), "gla": (False, True, True), "linear": (False, False, False)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_chunked_and_recurrent_equal_the_loop(kind, chunk):
+  delta, per_channel, decay = KINDS[kind]
+  q, k, v, g, beta, state = inputs(hash((kind, chunk)) % 1000, per_channel=per_channel, decay=decay)
+  lengths = jnp.array([11, 6])
+  want_o, want_S = naive(q, k, v, g, beta, delta, state, lengths)
+  kw = dict(g=g, beta_BTH=beta, delta=delta, state_BHKV=state, kv_lengths=lengths)
+  o, S = jax.jit(lambda *a: core.chunked(*a, chunk=chunk, **kw))(q, k, v)
+  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
+  o, S = jax.jit(lambda *a: core.recurrent(*a, **kw))(q, k, v)
+  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gated_delta", "kda", "ssd"])
+def test_gradients_agree(kind):
+  """∂ of a random projection of (o, S) by q, k, v, g, β and the initial state: all three forms."""
+  delta, per_channel, _ = KINDS[kind]
+  q, k, v, g, beta, state = inputs(7, B=2, T=7, G=1, H=2, K=3, V=2, per_channel=per_channel)
+  lengths = jnp.array([7, 4])
+  r = np.random.default_rng(1)
+  wo, ws = (jnp.asarray(r.standard_normal(s).astype(np.float32)) for s in ((2, 7, 2, 2), (2, 2, 3, 2)))
+
+  def loss(form):
+    def f(q, k, v, g, beta, state):
+      if form == "naive":
+        o, S = naive(q, k, v, g, beta, delta, state, lengths)
+      else:
+        extra = {"chunk": 3} if form == "chunked" else {}
+        o, S = getattr(core, form)(q, k, v, g=g, beta_BTH=beta, delta=delta, state_BHKV=state,
+                                   kv_lengths=lengths, **extra)
+      return (o * wo).sum() + (S * ws).sum()
+    return jax.grad(f, argnums=tuple(range(6)))(q, k, v, g, beta, state)
+
+  want = loss("naive")
+  for form in ("chunked", "recurrent"):
+    for got, ref in zip(jax.jit(lambda: loss(form))(), want):
+      np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_strong_decay_stays_finite():
+  """A chunk whose decays sum far below float32's exp range (−100 a token) is still exact."""
+  q, k, v, g, beta, _ = inputs(3, T=9, per_channel=True)
+  g = g * 100.0
+  o, S = core.chunked(q, k, v, g=g, beta_BTH=beta, delta=True, chunk=9)
+  want_o, want_S = naive(q, k, v, g, beta, True)
+  assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
+  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+
+
+def test_chunks_continue_from_a_state():
+  """Two calls, the second from the first's state, equal one call over the whole sequence."""
+  q, k, v, g, beta, _ = inputs(5, T=10)
+  kw = dict(delta=True, chunk=4)
+  o, S = core.chunked(q, k, v, g=g, beta_BTH=beta, **kw)
+  o1, S1 = core.chunked(q[:, :3], k[:, :3], v[:, :3], g=g[:, :3], beta_BTH=beta[:, :3], **kw)
+  o2, S2 = core.recurrent(q[:, 3:], k[:, 3:], v[:, 3:], g=g[:, 3:], beta_BTH=beta[:, 3:],
+                          delta=True, state_BHKV=S1)
+  np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(S2, S, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_inputs_accumulate_in_float32():
+  q, k, v, g, beta, _ = inputs(9, T=12)
+  bf = lambda a: a.astype(jnp.bfloat16)
+  o, S = core.chunked(bf(q), bf(k), bf(v), g=g, beta_BTH=beta, delta=True, chunk=5)
+  want, _ = naive(*(bf(a).astype(jnp.float32) for a in (q, k, v)), g, beta, True)
+  assert o.dtype == jnp.float32 and S.dtype == jnp.float32
+  np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [0, -2, 2.5, True])
+def test_bad_chunk_refused_by_name(chunk):
+  q, k, v, *_ = inputs(0, T=3)
+  with pytest.raises(ConfigError, match=r"chunk=.* is not allowed: a positive integer"):
+    core.chunked(q, k, v, chunk=chunk)
+
+
+def test_value_heads_not_a_multiple_refused():
+  q, k, v, *_ = inputs(0, T=3, G=2, H=3)
+  with pytest.raises(ConfigError, match="a multiple of G=2"):
+    core.chunked(q, k, v)
