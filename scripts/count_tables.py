@@ -1,4 +1,4 @@
-"""Rewrites the `attn count` tables in README.md and experiments/parameter_counts/README.md.
+"""Rewrites the `attn count` tables in experiments/parameter_counts/README.md.
 
 Each table sits between `<!-- attn count ARGS -->` and `<!-- /attn count -->`;
 this script runs `attn count ARGS` and puts its output there (without the first
@@ -19,7 +19,7 @@ import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ("README.md", os.path.join("experiments", "parameter_counts", "README.md"))
+FILES = (os.path.join("experiments", "parameter_counts", "README.md"),)
 BLOCK = re.compile(r"(<!-- attn count (.*?) -->\n)(.*?)(<!-- /attn count -->)", re.S)
 
 

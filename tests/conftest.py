@@ -154,3 +154,17 @@ eval_batches = 1
 [sweep]
 seeds = [0, 1]
 """
+
+
+# docs/extending.md's logit_scale mechanism, its two functions (tests register it as they need it).
+def logit_scale_logits(params, logits_BHTS, *, cfg):
+  from attn.variants.mechanisms import options
+  return logits_BHTS * options(cfg, "logit_scale")["factor"]
+
+
+def logit_scale_check(cfg):
+  from attn import ConfigError
+  from attn.variants.mechanisms import options
+  factor = options(cfg, "logit_scale")["factor"]
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+    raise ConfigError(f"extra.logit_scale.factor={factor!r} is not allowed: a positive number")

@@ -11,18 +11,9 @@ import pytest
 
 import attn
 import attn.cli
-from attn import ConfigError, Mechanism
-from attn.variants.mechanisms import MECHANISMS, options
-
-
-def _scale(params, logits_BHTS, *, cfg):
-  return logits_BHTS * options(cfg, "logit_scale")["factor"]
-
-
-def _check(cfg):
-  factor = options(cfg, "logit_scale")["factor"]
-  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-    raise ConfigError(f"extra.logit_scale.factor={factor!r} is not allowed: a positive number")
+from attn import Mechanism
+from attn.variants.mechanisms import MECHANISMS
+from conftest import logit_scale_check as _check, logit_scale_logits as _scale
 
 
 @pytest.fixture(params=["declared", "undeclared"])

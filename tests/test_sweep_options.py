@@ -16,23 +16,13 @@ from attn import ConfigError, Mechanism
 from attn.experiments.reading import analyze, report
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import sweep, tb_writer
-from attn.variants.mechanisms import MECHANISMS, options
-from conftest import TINY_MQAR
+from attn.variants.mechanisms import MECHANISMS
+from conftest import TINY_MQAR, logit_scale_check as _check, logit_scale_logits as _scale
 
 BASE = TINY_MQAR + "[train]\nsteps = 2\nbatch_size = 2\neval_every = 2\neval_batches = 1\n[sweep]\nseeds = [0]\n"
 GRID = BASE + '[sweep.grid]\n"model.extra.logit_scale.factor" = [1.0, 3.0]\n'
 CASES = BASE + ('[[sweep.cases]]\nname = "soft"\nmodel.extra.logit_scale.factor = 0.5\n'
                 '[[sweep.cases]]\nname = "sharp"\nmodel.extra.logit_scale.factor = 4.0\n')
-
-
-def _scale(params, logits_BHTS, *, cfg):
-  return logits_BHTS * options(cfg, "logit_scale")["factor"]
-
-
-def _check(cfg):
-  factor = options(cfg, "logit_scale")["factor"]
-  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-    raise ConfigError(f"extra.logit_scale.factor={factor!r} is not allowed: a positive number")
 
 
 @pytest.fixture

@@ -142,6 +142,31 @@ def _sink_rows(sinks_H: Array, G: int, bq: int) -> Array:
   return jnp.repeat(sinks_H.astype(jnp.float32).reshape(G, -1), bq, axis=1)
 
 
+def online_step(plan: Plan, state, s, v_BGsV: Array):
+  """One key block of the online softmax: the running max, denominator and weighted sum, given its logits s."""
+  m_BGM, l_BGM, acc_BGMV = state
+  m_new = jnp.maximum(m_BGM, s.max(-1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
+  p = jnp.exp(s - m_use[..., None])
+  alpha = jnp.exp(m_BGM - m_use)
+  pv = _dot(plan, "BGMs,BGsV->BGMV", p.astype(v_BGsV.dtype), v_BGsV)
+  return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
+
+
+def store_rows(plan: Plan, i, R: int, carry, state):
+  """Query block i's output and log-sum-exp (zeros for a row that saw no key) written into carry."""
+  out_BTHV, lse_BTH = carry
+  m, l, acc = state
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
+  lse_BGM = jnp.where(seen, m + jnp.log(l_safe), 0.0)
+  out_BTHV = lax.dynamic_update_slice_in_dim(
+      out_BTHV, _unrows(o_BGMV, R).astype(out_BTHV.dtype), i * plan.bq, axis=1)
+  lse_BTH = lax.dynamic_update_slice_in_dim(lse_BTH, _unrows(lse_BGM, R), i * plan.bq, axis=1)
+  return out_BTHV, lse_BTH
+
+
 def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
   """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
 
@@ -160,18 +185,12 @@ def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
     q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
 
     def key_step(s0, width, state):
-      m_BGM, l_BGM, acc_BGMV = state
       k_BGsK = _keys(k_BSGK, s0, width)
       v_BGsV = _keys(v_BSGV, s0, width)
       s = _dot(plan, "BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
       s, _ = _logits(plan, s, _keep(plan, i * plan.bq, s0, width, limit_B, mask5, R,
                                     keys_first=False))
-      m_new = jnp.maximum(m_BGM, s.max(-1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
-      p = jnp.exp(s - m_use[..., None])
-      alpha = jnp.exp(m_BGM - m_use)
-      pv = _dot(plan, "BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV)
-      return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
+      return online_step(plan, state, s, v_BGsV)
 
     if sinks_H is None:
       m0, l0 = jnp.full((B, G, M), -jnp.inf, jnp.float32), jnp.zeros((B, G, M), jnp.float32)
@@ -184,14 +203,7 @@ def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
     else:
       m, l, acc = lax.fori_loop(*key_blocks_for(plan, i, key_end),
                                 lambda j, st: key_step(j * plan.bk, plan.bk, st), init)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
-    lse_BGM = jnp.where(seen, m + jnp.log(l_safe), 0.0)
-    out_BTHV = lax.dynamic_update_slice_in_dim(
-        out_BTHV, _unrows(o_BGMV, R).astype(out_BTHV.dtype), i * plan.bq, axis=1)
-    lse_BTH = lax.dynamic_update_slice_in_dim(lse_BTH, _unrows(lse_BGM, R), i * plan.bq, axis=1)
-    return out_BTHV, lse_BTH
+    return store_rows(plan, i, R, (out_BTHV, lse_BTH), (m, l, acc))
 
   init = (jnp.zeros((B, Tp, H, V), q_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
   return lax.fori_loop(0, plan.nq, query_block, init)

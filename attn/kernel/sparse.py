@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn.kernel.blocked import _block_grads, _dot, _logits, _pad, _rows, _unrows
+from attn.kernel.blocked import _block_grads, _dot, _logits, _pad, _rows, online_step, store_rows
 from attn.kernel.plan import BLOCK_Q, Plan, block_sizes
 from attn.kernel.products import XLA, Products
 from attn.kernel.select import bits_at
@@ -109,7 +109,6 @@ def _forward(sp: SparsePlan, q_BTHK, k_BSGK, v_BSGV, limit_B, blocks_BHTN, bits_
     q_BGMK = _rows(q_BTHK, i * plan.bq, plan.bq, G)
 
     def visit(l, state):
-      m_BGM, l_BGM, acc_BGMV = state
       j_B = list_BnN[:, i, l]
       s0_B = j_B * plan.bk
       k_BGsK = _gather_keys(k_BSGK, s0_B, plan.bk)
@@ -117,24 +116,12 @@ def _forward(sp: SparsePlan, q_BTHK, k_BSGK, v_BSGV, limit_B, blocks_BHTN, bits_
       s = _dot(plan, "BGMK,BGsK->BGMs", q_BGMK, k_BGsK)
       keep = _keep(sp, i, j_B, l < count_Bn[:, i], limit_B, blocks_BHTN, bits_BTW, G, R, False)
       s, _ = _logits(plan, s, keep)
-      m_new = jnp.maximum(m_BGM, s.max(-1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_use[..., None])
-      alpha = jnp.exp(m_BGM - m_use)
-      pv = _dot(plan, "BGMs,BGsV->BGMV", p.astype(v_BSGV.dtype), v_BGsV)
-      return m_new, alpha * l_BGM + p.sum(-1), alpha[..., None] * acc_BGMV + pv
+      return online_step(plan, state, s, v_BGsV)
 
     init = (jnp.full((B, G, M), -jnp.inf, jnp.float32), jnp.zeros((B, G, M), jnp.float32),
             jnp.zeros((B, G, M, V), jnp.float32))
     m, l, acc = lax.fori_loop(0, jnp.max(count_Bn[:, i]), visit, init)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    o_BGMV = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
-    lse_BGM = jnp.where(seen, m + jnp.log(l_safe), 0.0)
-    out_BTHV = lax.dynamic_update_slice_in_dim(
-        out_BTHV, _unrows(o_BGMV, R).astype(out_BTHV.dtype), i * plan.bq, axis=1)
-    lse_BTH = lax.dynamic_update_slice_in_dim(lse_BTH, _unrows(lse_BGM, R), i * plan.bq, axis=1)
-    return out_BTHV, lse_BTH
+    return store_rows(plan, i, R, (out_BTHV, lse_BTH), (m, l, acc))
 
   init = (jnp.zeros((B, Tp, H, V), q_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
   return lax.fori_loop(0, plan.nq, query_block, init)

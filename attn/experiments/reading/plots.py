@@ -19,6 +19,7 @@ KV cache (rows carrying kv_bytes), frontier_kv_cache.png plots bits per byte
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -79,8 +80,10 @@ def chance(trials: list[dict[str, Any]]) -> tuple[float, str] | None:
 
 
 def _caption(fig, text: str) -> None:
+  """The caption under the plots, wrapped to the figure's width (about 15 characters an inch at 8 pt)."""
   if text:
-    fig.text(0.5, 0.005, text, ha="center", va="bottom", fontsize=8, color="0.25", wrap=True)
+    lines = textwrap.fill(text, width=max(40, int(fig.get_figwidth() * 15)), break_on_hyphens=False)
+    fig.text(0.5, 0.005, lines, ha="center", va="bottom", fontsize=8, color="0.25")
 
 
 def _pyplot():
@@ -222,8 +225,9 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
       if metric == "eval_accuracy" and guess is not None:
         grid[i, j].axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
         if j == 0:
-          grid[i, j].annotate(f"chance {guess[0]:.3f}", (0.01, guess[0]), xycoords=("axes fraction", "data"),
-                              xytext=(0, 3), textcoords="offset points", fontsize=7, color="0.35")
+          # at the right end, under the line: curves start near chance and rise away from it
+          grid[i, j].annotate(f"chance {guess[0]:.3f}", (0.99, guess[0]), xycoords=("axes fraction", "data"),
+                              xytext=(0, -9), textcoords="offset points", fontsize=7, color="0.35", ha="right")
     grid[1, j].set_xlabel("step")
     for i in range(2):
       grid[i, j].grid(alpha=0.3)
