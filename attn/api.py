@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +13,8 @@ from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs,
                          check_structured, invalid)
 from attn.variants import VARIANTS, mechanisms, rope
 from attn.variants.base import Options, Params, Variant
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
 
 
 def get_variant(name: str | Variant) -> Variant:
@@ -27,8 +30,29 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
   if not isinstance(cfg, HeadConfig):
     raise invalid("cfg", type(cfg).__name__, "an attn.HeadConfig")
   mechanisms.check(cfg)
+  _check_owned_fields(v, cfg)
   v.check(cfg)
   return v
+
+
+def config_for(variant: str | Variant, cfg: HeadConfig) -> HeadConfig:
+  """cfg with the fields other variants own (Variant.fields) and this one does not back at their
+  unset values: the config of the same layer as this variant reads it (attn.convert's other side)."""
+  v = get_variant(variant)
+  names = {n for other in VARIANTS.values() for n in other.fields if n not in v.fields}
+  return cfg.replace(**{n: _DEFAULTS[n] for n in sorted(names)}) if names else cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_owned_fields(v: Variant, cfg: HeadConfig) -> None:
+  """Refuses a field another variant owns (Variant.fields), set away from its unset value: v ignores it."""
+  for other in VARIANTS.values():
+    for name in other.fields:
+      if name in v.fields:
+        continue
+      if getattr(cfg, name) != _DEFAULTS[name]:
+        raise invalid(name, getattr(cfg, name), f"{_DEFAULTS[name]!r} for variant {v.name!r}: only "
+                      f"{other.name} reads it, so it would be ignored")
 
 
 def _init(v: Variant, key: jax.Array, cfg: HeadConfig, dtype) -> Params:

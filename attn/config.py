@@ -118,7 +118,12 @@ class HeadConfig:
   values of kv_rank each; default 6 and 2, the paper's). conv_width and chunk are the
   fixed-state heads' (gated_deltanet, kda, mamba2, linear; attn.variants.linear): the width
   of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
-  tokens one step of the chunked scan covers (64, MaxText's and fla's). layer is the layer's
+  tokens one step of the chunked scan covers (64, MaxText's and fla's). value_norm_eps, if
+  set, gives k_eq_v's values a weightless RMSNorm over each head at that epsilon
+  (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
+  projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
+  groups, each group's H/o_groups·d_v outputs through its own rank-o_rank map
+  (None: H/o_groups·d_v, full rank). layer is the layer's
   1-based index in its model, for differential's λ_init; set by the models.
   extra maps an outside head mechanism's name to its options ({"my_gate":
   {"width": 3}}; attn.variants.mechanisms says why one field): the mechanism's
@@ -161,6 +166,9 @@ class HeadConfig:
   kv_rank: int = 2
   conv_width: int = 4
   chunk: int = 64
+  value_norm_eps: float | None = None
+  o_groups: int = 1
+  o_rank: int | None = None
   layer: int = 1
   extra: dict | None = None
 
@@ -218,6 +226,18 @@ class HeadConfig:
                        "the epsilon of mla's latent RMSNorms, or None for none")
     for name in ("q_rank", "kv_rank", "conv_width", "chunk", "layer"):
       _positive_int(name, getattr(self, name))
+    self._check_layouts()
+
+  def _check_layouts(self) -> None:
+    if self.value_norm_eps is not None:
+      _positive_number("value_norm_eps", self.value_norm_eps,
+                       "the epsilon of k_eq_v's weightless value norm, or None for none")
+    _positive_int("o_groups", self.o_groups)
+    if self.num_heads % self.o_groups:
+      raise invalid("o_groups", self.o_groups, f"a divisor of num_heads={self.num_heads}: each output "
+                    "group holds num_heads/o_groups whole heads")
+    if self.o_rank is not None:
+      _positive_int("o_rank", self.o_rank)
 
   def _check_rope_scaling(self) -> None:
     kind = self.rope_scaling

@@ -25,9 +25,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from attn.api import check_config, check_params
+from attn.api import check_config, check_params, config_for
 from attn.config import HeadConfig, invalid
-from attn.variants import mechanisms
+from attn.variants import grouped_lowrank, mechanisms
 from attn.variants.base import Params
 
 # Relative error under which a lossy step counts as exact (float32 round-off).
@@ -316,6 +316,55 @@ def per_head_to_mla(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   return out, jnp.sqrt(lost / jnp.maximum(total, 1e-30))
 
 
+def _linear_values(cfg: HeadConfig) -> None:
+  """Refuses k_eq_v's value norm: RMSNorm(x·W_KV) is no linear map of x, so no W_V holds it."""
+  if cfg.value_norm_eps is not None:
+    raise invalid("value_norm_eps", cfg.value_norm_eps, "None to convert k_eq_v to per_head: the "
+                  "weightless value norm makes each value RMSNorm(x·W_KV,g), no linear map of x, so "
+                  "per_head's W_V cannot hold it (the keys can: W_K = W_KV)")
+
+
+@register("k_eq_v", "per_head", exact=True, check=_linear_values)
+def k_eq_v_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """W_K = W_V = W_KV and b_k = b_v = b_kv: the one projection written twice."""
+  out = {"w_q": p["w_q"], "w_k": p["w_kv"], "w_v": p["w_kv"], "w_o": p["w_o"]}
+  if cfg.use_bias:
+    out.update(b_q=p["b_q"], b_k=p["b_kv"], b_v=p["b_kv"], b_o=p["b_o"])
+  return out, 0.0
+
+
+@register("grouped_lowrank", "per_head", exact=True)
+def grouped_lowrank_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """W^O = blockdiag(A_1..A_g)·B: group i's rows are A_i·B_i, B_i the i-th r rows of B."""
+  H, V, D, g, r = cfg.num_heads, cfg.d_v, cfg.d_model, cfg.o_groups, grouped_lowrank.rank(cfg)
+  w_ob_grD = p["w_ob"].reshape(g, r, D)
+  w_o = jnp.einsum("gNr,grD->gND", p["w_oa"], w_ob_grD).reshape(H, V, D)
+  return {n: a for n, a in p.items() if n not in ("w_oa", "w_ob")} | {"w_o": w_o}, 0.0
+
+
+def _grouped_exact(cfg: HeadConfig) -> bool:
+  """Every group's block of W^O (H/g·V, D) fits rank o_rank."""
+  return grouped_lowrank.rank(cfg) >= min(cfg.num_heads // cfg.o_groups * cfg.d_v, cfg.d_model)
+
+
+@register("per_head", "grouped_lowrank", exact=False, exact_when=_grouped_exact)
+def per_head_to_grouped_lowrank(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
+  """Each group's block W_i of W^O factored A_i·B_i (its truncated SVD where rank W_i > o_rank).
+
+  The error is the relative Frobenius norm of the discarded singular values of all blocks
+  over W^O's; exact (0) where every block has rank ≤ o_rank.
+  """
+  H, V, D, g, r = cfg.num_heads, cfg.d_v, cfg.d_model, cfg.o_groups, grouped_lowrank.rank(cfg)
+  w_gND = p["w_o"].reshape(g, H // g * V, D)
+  parts = [_factor(w_gND[i], r) for i in range(g)]
+  lost = sum(part[2] for part in parts)
+  total = sum(part[3] for part in parts)
+  out = {n: a for n, a in p.items() if n != "w_o"}
+  out.update(w_oa=jnp.stack([part[0] for part in parts]),
+             w_ob=jnp.concatenate([part[1] for part in parts], axis=0))
+  return out, jnp.sqrt(lost / jnp.maximum(total, 1e-30))
+
+
 _KV_NAMES = ("w_k", "w_v", "b_k", "b_v")
 
 
@@ -407,10 +456,10 @@ def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,
   (params, error), error being the largest relative error of any step.
   """
   dst_cfg = cfg if dst_cfg is None else dst_cfg
-  check_config(src, cfg)
+  check_config(src, config_for(src, cfg))  # a field only dst reads (o_groups) is not src's to refuse
   _check_dst_cfg(cfg, dst_cfg)
-  check_config(dst, dst_cfg)
-  check_params(src, params, cfg)
+  check_config(dst, config_for(dst, dst_cfg))
+  check_params(src, params, config_for(src, cfg))
   # Head mechanisms (gates, sinks, QK-norm scales) act on query heads, d_k-wide heads or the
   # core, the same in every variant: they cross unchanged, and the steps see the rest.
   params, carried = mechanisms.split(params)

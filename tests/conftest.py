@@ -82,6 +82,11 @@ def in_matrix(variant: str, cname: str) -> bool:
   return variant in FAST_VARIANTS or cname not in PLAIN_CONFIGS
 
 
+def for_variant(name: str, cfg: HeadConfig) -> HeadConfig:
+  """cfg, with d_v = d_k for a variant whose values are its keys (k_eq_v refuses d_v ≠ d_k)."""
+  return cfg.replace(d_v=cfg.d_k) if name == "k_eq_v" else cfg
+
+
 def variant_params(names=None):
   """pytest params over attn.VARIANTS (or names), each in its tier."""
   return [pytest.param(n, marks=tier(n), id=n) for n in sorted(names or attn.VARIANTS)]

@@ -86,7 +86,7 @@ def test_every_variant_has_a_case_and_refuses_the_rest():
 
 @pytest.mark.parametrize("variant", variant_params())
 def test_init_is_deterministic(variant):
-  cfg = CONFIGS["gqa"]
+  cfg = CONFIGS["gqa" if variant != "k_eq_v" else "mqa_nobias"]  # k_eq_v: d_v = d_k
   p1 = attn.init(variant, jax.random.PRNGKey(1), cfg)
   p2 = attn.init(variant, jax.random.PRNGKey(1), cfg)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), p1, p2))
@@ -103,6 +103,11 @@ def own_tokens(variant, ctx):
 
 def scale_w_o(params, cfg, xi_H):
   """The same params with head h's rows of W^O (w_o[h], however w_o is stored) times xi_H[h]."""
+  if "w_oa" in params:  # grouped_lowrank: head h's rows of its group's A (W^O = blockdiag(A)·B)
+    w_oa = np.asarray(params["w_oa"], np.float64)
+    g = w_oa.shape[0]
+    w = w_oa.reshape(g, cfg.num_heads // g, cfg.d_v, -1) * np.asarray(xi_H).reshape(g, -1)[:, :, None, None]
+    return {**params, "w_oa": jnp.asarray(w.reshape(w_oa.shape), params["w_oa"].dtype)}
   w_o = np.asarray(params["w_o"], np.float64)
   w_HVD = w_o.reshape(cfg.num_heads, cfg.d_v, cfg.d_model) * np.asarray(xi_H)[:, None, None]
   return {**params, "w_o": jnp.asarray(w_HVD.reshape(w_o.shape), params["w_o"].dtype)}

@@ -19,7 +19,7 @@ import attn
 from attn import ConfigError, HeadConfig, cli, count, kernel
 from attn.count import presets
 from attn.nn import models
-from conftest import CONFIGS, random_params, tier, variant_params
+from conftest import CONFIGS, for_variant, random_params, tier, variant_params
 
 
 def random_configs(n: int, seed: int = 0) -> list[HeadConfig]:
@@ -124,7 +124,7 @@ def test_effective_count_is_the_rank_of_the_jacobian(name, cfg):
 
 @pytest.mark.parametrize("name", variant_params(WEIGHTED))
 def test_score_weights_are_the_weights_the_logits_depend_on(name):
-  cfg = HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, collab_width=7)
+  cfg = for_variant(name, HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, collab_width=7))
   params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 3)
   x_BTD = jax.random.normal(jax.random.PRNGKey(4), (2, 5, cfg.d_model))
   r_BHTS = jax.random.normal(jax.random.PRNGKey(5), (2, 4, 5, 5))
@@ -179,7 +179,7 @@ def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypa
   # takes them: attention(q, k, v), or its pieces scores(q, k) and weighted_sum(w, v) for a
   # variant that mixes explicit logits (talking_heads). A variant whose kernel reads keys and values
   # rebuilt from what it caches (cache_entries without decode_apply: tpa's factors) is read there.
-  cfg = HeadConfig(d_model=12, num_heads=6, d_k=3, d_v=5, num_kv_heads=3, collab_width=7)
+  cfg = for_variant(name, HeadConfig(d_model=12, num_heads=6, d_k=3, d_v=5, num_kv_heads=3, collab_width=7))
   seen = []
 
   def spy(fn, *read):

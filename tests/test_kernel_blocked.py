@@ -14,7 +14,7 @@ from attn.bench.peers import peak_bytes
 from attn.config import HeadConfig
 from attn.nn import DecoderLM, Encoder, EncoderDecoder, ModelConfig
 from attn.variants import fused
-from conftest import CONFIGS, fresh_params, randn, tier
+from conftest import CONFIGS, for_variant, fresh_params, randn, tier
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k
     "self": (2, 13, 13, 4, 4, 8, 8, 4, 8),            # lengths not multiples of the blocks
@@ -215,7 +215,7 @@ def test_bad_inputs_are_clear_errors(kwargs, match):
 def test_every_variant_structured_equals_dense_mask(variant, force_blocked, monkeypatch):
   if force_blocked:  # impl="auto" then takes the blocked kernel at these small shapes
     monkeypatch.setattr(kernel, "BLOCKED_MIN_SCORES", 0)
-  cfg = CONFIGS["gqa"]
+  cfg = for_variant(variant, CONFIGS["gqa"])
   params = fresh_params(variant, cfg, seed=1)
   x, ctx = randn(2, (2, 5, cfg.d_model)), randn(3, (2, 7, cfg.d_model))
   kv_lengths = jnp.array([0, 4])

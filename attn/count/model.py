@@ -11,7 +11,10 @@ its variant caches without RoPE (the same for most variants; mla drops its
 decoupled RoPE key). The FLOPs are attn.count.layer.flops, the dense closed form: a
 window's mask does not change it (the kernels skip what it masks, the count
 does not). The rows cover the decoding stack of a decoder (the decoder's
-self-attention of an encoder-decoder), the encoder's otherwise.
+self-attention of an encoder-decoder), the encoder's otherwise. A layer that reads another
+layer's keys and values (ModelConfig.kv_source) caches nothing: each row counts its
+kv_shared_layers and leaves them out of kv_bytes_at_L (their unused key and value weights
+stay in params, as in the model's tree).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from attn.config import invalid
 from attn.count.layer import (check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts,
                               state_bytes)
-from attn.nn import layer_types
+from attn.nn import kv_sharing, layer_types
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
@@ -124,7 +127,14 @@ def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bflo
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return sum(kv_cache_bytes_per_token(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers))
+  return sum(kv_cache_bytes_per_token(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers)
+             if _caches(m, kind, i))
+
+
+def _caches(m: ModelConfig, kind: str, index: int) -> bool:
+  """Whether layer `index` of the stack holds a KV cache: not one reading another layer's keys and
+  values (kv_source, attn.nn.kv_sharing: the cache holds each shared pair once)."""
+  return kind != "decoder_lm" or kv_sharing.source(m, index) == index
 
 
 def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = "float32") -> int:
@@ -147,9 +157,11 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
     name = layer_types.layer_type(m, i)
     if name in rows:
       rows[name]["layers"] += 1
+      rows[name]["kv_shared_layers"] += not _caches(m, kind, i)
       continue
     head, variant = m.layer_head(i), m.layer_variant(i)
-    rows[name] = {"type": name, "layers": 1, "window": head.window,
+    rows[name] = {"type": name, "layers": 1, "kv_shared_layers": int(not _caches(m, kind, i)),
+                  "window": head.window,
                   "rope_theta": head.rope_theta if head.rope_dim else None,
                   "params_per_layer": param_counts(variant, head)["analytic"],
                   "flops_fwd_per_layer": flops(variant, head, length),
@@ -159,7 +171,7 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
   for row in out:
     n = row["layers"]
     row |= {"params": n * row["params_per_layer"], "flops_fwd": n * row["flops_fwd_per_layer"],
-            "kv_bytes_at_L": n * row["kv_bytes_at_L_per_layer"]}
+            "kv_bytes_at_L": (n - row["kv_shared_layers"]) * row["kv_bytes_at_L_per_layer"]}
   total = {"type": "total", "layers": sum(r["layers"] for r in out)}
   for key in ("params", "flops_fwd", "kv_bytes_at_L"):
     total[key] = sum(r[key] for r in out)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from attn import api, kernel
 from attn.config import HeadConfig, check_head_mask, invalid
+from attn.nn import kv_sharing
 from attn.variants import cache as kv_cache
 from attn.variants.base import Params, Variant
 
@@ -55,8 +56,13 @@ class MultiHeadAttention(nnx.Module):
 
     Per token it holds Variant.kv_cache_width numbers (attn.variants.cache), for
     max_len tokens, or with cfg.window a ring of min(window, max_len);
-    cache_index is the number of tokens already decoded.
+    cache_index is the number of tokens already decoded. A layer reading another's keys and
+    values (kv_source, attn.nn.kv_sharing) holds none: only its index.
     """
+    if getattr(self, "kv_source", None) is not None:
+      self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+      self.cache_max_len = max_len
+      return
     entries = kv_cache.init(self.record, self.params_dict(), self.cfg,
                             batch_size, max_len, dtype)
     self.cache = nnx.Dict({name: nnx.Cache(a) for name, a in entries.items()})
@@ -110,6 +116,8 @@ class MultiHeadAttention(nnx.Module):
                      is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl)
 
   def _decode(self, x_BTD: jax.Array, head_mask) -> jax.Array:
+    if getattr(self, "kv_source", None) is not None and self.cache_index is not None:
+      return kv_sharing.decode(self, x_BTD, head_mask)  # reads its source layer's keys and values
     if self.cache is None:
       raise invalid("decode", True, "decode=False, or call init_cache(batch_size, max_len) first")
     cache = {name: c[...] for name, c in self.cache.items()}

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import layer_types, moe
+from attn.nn import kv_sharing, layer_heads, layer_types, moe
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -89,6 +89,8 @@ class ModelConfig:
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
   linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
+  layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads}} (attn.nn.layer_heads; Gemma 4)
+  kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
   moe_top_k: int = 0  # experts kept per token
@@ -105,6 +107,8 @@ class ModelConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
+    object.__setattr__(self, "layer_heads", layer_heads.normalize(self.layer_heads))
+    object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
       _check_int(name, getattr(self, name), minimum=1)
     for name in ("num_segments", "num_decoder_layers", "num_classes"):
@@ -148,6 +152,7 @@ class ModelConfig:
       object.__setattr__(self, "linear_head", FrozenDict(self.linear_head))
     layer_types.check(self)
     layer_types.check_linear_fields(self)
+    kv_sharing.check(self)
     moe.check(self)
 
   @property

@@ -27,7 +27,10 @@ all sliding); without a window every layer is full_attention.
 
 Each layer keeps its own KV cache (attn.variants.cache): a sliding layer a
 ring of `window` slots, a full one max_len slots, whatever its RoPE; a linear
-layer its fixed-size state (a hybrid decodes with both).
+layer its fixed-size state (a hybrid decodes with both). A layer reading another
+layer's keys and values holds none (ModelConfig.kv_source, attn.nn.kv_sharing). A
+type's own head sizes (d_k, d_v, num_kv_heads) are ModelConfig.layer_heads
+(attn.nn.layer_heads), applied first by head_for.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 from attn import api
 from attn.config import ConfigError, HeadConfig, invalid
+from attn.nn import layer_heads
 from attn.variants import VARIANTS
 
 
@@ -84,7 +88,9 @@ def variant_for(m: Any, kind: str) -> str:
 
 
 def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
-  """head (the model's, for one layer) with the settings of layer type `kind`."""
+  """head (the model's, for one layer) with the settings of layer type `kind` (and its sizes in
+  m.layer_heads, attn.nn.layer_heads)."""
+  head = layer_heads.apply(m, kind, head)
   t = LAYER_TYPES[kind]
   if t.linear:
     kept = {n: getattr(head, n) for n in _LINEAR_KEEPS}
@@ -142,6 +148,7 @@ def check(m: Any) -> None:
     if not any(LAYER_TYPES[k].sliding and LAYER_TYPES[k].rope for k in types):
       raise invalid("sliding_rope_theta", theta, "None: no layer is sliding with RoPE, so none would "
                     "read it")
+  layer_heads.check(m, schedule(m))
   seen = set()
   for i in range(m.num_layers):
     kind = layer_type(m, i)

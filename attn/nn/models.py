@@ -87,7 +87,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, check_ids, invalid
-from attn.nn import decoding, layer_types, moe
+from attn.nn import decoding, kv_sharing, layer_types, moe
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.config import ModelConfig
 
@@ -368,20 +368,25 @@ def record_residuals():
 def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
   """h through each block with its row of gates; (h, [w_BHTS per block] or [])."""
   weights, seen = [], RESIDUALS.get()
-  for block, gate in zip(blocks, gates):
-    h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
-    if return_weights:
-      h_BTD, w_BHTS = h_BTD
-      weights.append(w_BHTS)
-    if seen is not None:
-      seen.append(h_BTD)
+  with kv_sharing.model_call(blocks):  # cross-layer KV sharing (ModelConfig.kv_source)
+    for i, (block, gate) in enumerate(zip(blocks, gates)):
+      with kv_sharing.layer(block.attn, i):
+        h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
+      if return_weights:
+        h_BTD, w_BHTS = h_BTD
+        weights.append(w_BHTS)
+      if seen is not None:
+        seen.append(h_BTD)
   return h_BTD, weights
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
-  return nnx.List([TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
-                                    experts=cfg.is_moe_layer(i), variant=cfg.layer_variant(i))
-                   for i in range(n)])
+  blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
+                             experts=cfg.is_moe_layer(i), variant=cfg.layer_variant(i)) for i in range(n)]
+  for i, block in enumerate(blocks):
+    if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values
+      block.attn.kv_source = kv_sharing.source(cfg, i)
+  return nnx.List(blocks)
 
 
 class Encoder(nnx.Module):

@@ -5,7 +5,8 @@ the rest on the records that own them (below). The README's dimension letters
 where they apply (D model width, H query heads, G key/value heads, K, V), and
 a variant's own for the rest (C mla's latent, Q its query latent, R its RoPE
 key width, J collaborative's shared width, E split_input's D/H input slice,
-P fused's packed Q|K|V columns). With M devices on "heads" (M must divide H):
+P fused's packed Q|K|V columns, grouped_lowrank's output groups, O its rank). With M devices
+on "heads" (M must divide H):
 
   H  split: each device holds H/M query heads (their W^Q columns and biases,
      their W^O rows, their W_h in merged, their m_h in collaborative).
@@ -17,7 +18,10 @@ P fused's packed Q|K|V columns). With M devices on "heads" (M must divide H):
      when M divides its width, else replicated. The blocks are not head
      aligned (the columns are [Q heads | K heads | V heads]), so XLA moves the
      projected q, k, v to their heads' devices after the one packed matmul;
-     per_head's layout, three matrices, needs no such move.
+     per_head's layout, three matrices, needs no such move. grouped_lowrank's
+     A (g, H/g·V, r) and B (g·r, D) split by groups where M divides g: each
+     device then holds whole groups of its own heads (B's g·r rows split wherever
+     M divides g·r, a plain block split where M does not divide g).
   any other letter, and None (the whole array): replicated. Shared arrays
      are: two_stage's D×D first stage, mla's latent projections W^DKV, W^DQ,
      W^KR, collaborative's shared W̃_Q, W̃_K, talking_heads' H×H mixes

@@ -391,8 +391,9 @@ def _check_counts(v: Variant, cfg: HeadConfig) -> None:
 def _check_score_weights(v: Variant, cfg: HeadConfig) -> None:
   if v.score_weights is not None and v.init_state is None:  # a fixed-state head has no weights out
     got = measured.score_weights(v, cfg)
-    if v.score_weights(cfg) != got:
-      raise _fail("score_weights", v, cfg, f"declared {v.score_weights(cfg)}, the weights move with {got}")
+    want = count.score_weight_count(v, cfg)  # the variant's closed form plus its active mechanisms'
+    if want != got:
+      raise _fail("score_weights", v, cfg, f"declared {want}, the weights move with {got}")
 
 
 def _check_flops(v: Variant, thorough: bool, cfg: HeadConfig | None = None, m: Mechanism | None = None) -> None:

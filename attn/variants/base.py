@@ -136,8 +136,10 @@ class Variant:
   so is one whose closed form returns None at a config it does not cover.
   sharding: parameter name -> one letter per axis (attn.nn.sharding's rule) for the names
   beyond the canonical layout's; None means undeclared, and its parameters are replicated over
-  the mesh's heads axis (with a warning saying so). Frozen: dataclasses.replace makes a
-  variation of one; records compare by identity.
+  the mesh's heads axis (with a warning saying so). fields: HeadConfig fields this variant
+  alone reads (k_eq_v's value_norm_eps); attn.api.check_config refuses them away from what
+  HeadConfig gives unset under any other variant, which would ignore them. Frozen:
+  dataclasses.replace makes a variation of one; records compare by identity.
   """
 
   name: str
@@ -158,6 +160,7 @@ class Variant:
   state_size: Callable[[HeadConfig], int] | None = None
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
+  fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
 
 
 # The figures a Variant may give in closed form; attn.count measures the ones it does not.
@@ -309,12 +312,17 @@ def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Arra
 
 # Set by attn.variants.cache while decoding: (k_BSGK, v_BSGV) -> the keys and values to attend to.
 KV_HOOK: contextvars.ContextVar = contextvars.ContextVar("attn_kv_hook", default=None)
+# Set by attn.nn.kv_sharing around a layer of a model with cross-layer KV sharing, after KV_HOOK:
+# records what a source layer attends to, or gives a sharing layer its source's.
+KV_SHARE: contextvars.ContextVar = contextvars.ContextVar("attn_kv_share", default=None)
 
 
 def cached_kv(k_BSGK: Array, v_BSGV: Array) -> tuple[Array, Array]:
-  """The keys and values attention reads: these, or while decoding the cache's, with these written."""
-  hook = KV_HOOK.get()
-  return (k_BSGK, v_BSGV) if hook is None else hook(k_BSGK, v_BSGV)
+  """The keys and values attention reads: these, or while decoding the cache's, with these written
+  (or, in a model sharing keys and values across layers, another layer's: KV_SHARE)."""
+  hook, share = KV_HOOK.get(), KV_SHARE.get()
+  k_BSGK, v_BSGV = (k_BSGK, v_BSGV) if hook is None else hook(k_BSGK, v_BSGV)
+  return (k_BSGK, v_BSGV) if share is None else share(k_BSGK, v_BSGV)
 
 
 def standard_param_count(cfg: HeadConfig) -> int:

@@ -6,7 +6,9 @@ batch. By default (base.Variant's docstring) it holds "k" and "v", the keys
 hands to attend_and_project: `decode_step` runs apply on the new tokens with a
 hook (base.KV_HOOK) that writes their k and v into the cache and returns the
 whole cache to attend to. A variant with `cache_entries` and `attend_cached`
-(mla: the latent and the RoPE key) is called through those instead.
+(mla: the latent and the RoPE key) is called through those instead; attend_cached's
+opts.qk_positions are (the new tokens' positions, the position each cache slot holds),
+so a variant that caches keys unrotated (k_eq_v) rotates them there.
 
 The mask of a decode step is causal against the cache fill: the query at
 position p sees cache slots s ≤ p; slots past the fill are never seen.
@@ -93,6 +95,12 @@ def causal_mask(index, T: int, max_len: int) -> Array:
   return (jnp.arange(max_len)[None, :] <= pos_T[:, None])[None, None]
 
 
+def ring_positions(index, n_slots: int) -> Array:
+  """(n_slots,): the position slot j holds before the step at `index` (negative: none yet)."""
+  j = jnp.arange(n_slots)
+  return j + n_slots * jnp.floor_divide(index - 1 - j, n_slots)
+
+
 def ring_mask(index, T: int, n_slots: int, window: int) -> Array:
   """(1,1,T,n_slots+T): what the queries at index..index+T−1 see of [the ring | the new tokens].
 
@@ -100,8 +108,7 @@ def ring_mask(index, T: int, n_slots: int, window: int) -> Array:
   none when P_j < 0; a query at q sees it when q − P_j < window, and new
   token k when k ≤ its own t and t − k < window.
   """
-  j = jnp.arange(n_slots)
-  held_S = j + n_slots * jnp.floor_divide(index - 1 - j, n_slots)
+  held_S = ring_positions(index, n_slots)
   q_T = index + jnp.arange(T)
   old_TS = (held_S >= 0)[None, :] & (q_T[:, None] - held_S[None, :] < window)
   t = jnp.arange(T)
@@ -129,8 +136,9 @@ def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, 
 
   if variant.cache_entries is not None:
     new = entries(variant, params, x_BTD, cfg=step_cfg, positions=pos_T)
+    held = jnp.concatenate([ring_positions(index, n_slots), pos_T])
     y_BTD = variant.attend_cached(params, x_BTD, {n: seen(n, a) for n, a in new.items()},
-                                  cfg=step_cfg, opts=opts)
+                                  cfg=step_cfg, opts=opts.replace(qk_positions=(pos_T, held)))
     return y_BTD, {name: write(name, a) for name, a in new.items()}
   ring = {}
 
@@ -168,7 +176,8 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
   if variant.cache_entries is not None:
     new = entries(variant, params, x_BTD, cfg=cfg, positions=pos_T)
     full = {name: write(name, a) for name, a in new.items()}
-    y_BTD = variant.attend_cached(params, x_BTD, full, cfg=cfg, opts=opts)
+    y_BTD = variant.attend_cached(params, x_BTD, full, cfg=cfg,
+                                  opts=opts.replace(qk_positions=(pos_T, jnp.arange(max_len))))
     return y_BTD, full
   full = {}
 

@@ -1,0 +1,138 @@
+"""Cross-layer KV sharing: ModelConfig.kv_source, one entry per layer, the layer whose keys and
+values it attends to (Brandon et al. 2024; Gemma 4's num_kv_shared_layers).
+
+  kv_source = [0, 1, 1, 1]   layers 2 and 3 attend to layer 1's keys and values
+
+Entry i is i for a layer with its own keys and values, or an earlier layer j < i that has its
+own (kv_source[j] = j) and the same head (sizes, window, RoPE: ModelConfig.layer_head equal but
+for the layer index). A sharing layer computes its queries from its own input and attends to
+layer j's keys and values as layer j attends to them: rotated at their positions, under the
+same masks. While decoding it holds no cache: it reads what layer j's cache gave layer j in the
+same step, so the cache holds each shared pair once (attn.count.model counts no cache bytes for
+a sharing layer).
+
+How: base.cached_kv's second hook (base.KV_SHARE), set by run_blocks around each layer:
+a source layer records the keys and values it attends to, a sharing layer replaces its own
+with them. Only variants whose keys and values reach base.cached_kv share (not those caching
+through cache_entries: mla, tpa, k_eq_v). A sharing layer's own key and value weights stay in
+its parameters, unused (zero gradient), and are counted as stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attn import api
+from attn.config import invalid
+from attn.variants import cache as kv_cache
+from attn.variants.base import KV_SHARE, Options
+
+# The keys and values each source layer attended to in the current model call: layer -> (k, v).
+SEEN: contextvars.ContextVar = contextvars.ContextVar("attn_kv_seen", default=None)
+
+
+def normalize(value: Any) -> Any:
+  """kv_source as a tuple (TOML and JSON give lists); other values are left for check()."""
+  return tuple(value) if isinstance(value, list) else value
+
+
+def source(m: Any, index: int) -> int:
+  """The layer whose keys and values layer `index` attends to (itself without kv_source)."""
+  return index if m.kv_source is None else m.kv_source[index]
+
+
+def check(m: Any) -> None:
+  """Refuses a schedule that shares with a later layer, a sharing layer, or another head."""
+  src = m.kv_source
+  if src is None:
+    return
+  if not isinstance(src, tuple) or not all(isinstance(s, int) and not isinstance(s, bool) for s in src):
+    raise invalid("kv_source", src, f"None or a list of {m.num_layers} layer indices")
+  if len(src) != m.num_layers:
+    raise invalid("kv_source", f"{len(src)} entries", f"one per layer: num_layers={m.num_layers}")
+  if m.num_decoder_layers:
+    raise invalid("num_decoder_layers", m.num_decoder_layers, "0 with kv_source: a decoder-only stack")
+  for i, s in enumerate(src):
+    if s == i:
+      continue
+    where = f"kv_source[{i}]"
+    name = m.layer_variant(i) if hasattr(m, "layer_variant") else m.variant
+    record = api.get_variant(name)
+    if record.cache_entries is not None or getattr(record, "step", None) is not None:
+      raise invalid("variant", name, "one whose keys and values reach base.cached_kv for kv_source: "
+                    f"{name} caches through its own cache_entries or state, so no layer can read another's")
+    if not 0 <= s < i:
+      raise invalid(where, s, f"{i} (its own keys and values) or an earlier layer in [0, {i}): a layer "
+                    "attends to keys and values already computed")
+    if src[s] != s:
+      raise invalid(where, s, f"a layer with its own keys and values: layer {s} reads layer {src[s]}'s")
+    a, b = m.layer_head(i).replace(layer=1), m.layer_head(s).replace(layer=1)
+    if hasattr(m, "layer_variant") and m.layer_variant(s) != name:
+      raise invalid(where, s, f"a layer of the same variant: layer {s} is {m.layer_variant(s)}, layer {i} {name}")
+    if a != b:
+      diff = [n for n in a.to_dict() if getattr(a, n) != getattr(b, n)]
+      raise invalid(where, s, f"a layer with the same head: layer {s} differs from layer {i} in {diff}")
+
+
+def shared_layers(m: Any, n: int) -> int:
+  """How many of the first n layers read another layer's keys and values."""
+  return 0 if m.kv_source is None else sum(s != i for i, s in enumerate(m.kv_source[:n]))
+
+
+@contextlib.contextmanager
+def layer(module: Any, index: int):
+  """Around layer `index`'s call: records its keys and values if others read them, or gives it
+  its source's. A no-op outside a model call with sharing (SEEN unset)."""
+  seen = SEEN.get()
+  src = getattr(module, "kv_source", index)
+  if seen is None or (src == index and index not in seen.get("sources", ())):
+    yield
+    return
+  if src != index:
+    hook = lambda k, v: seen[src]
+  else:
+    def hook(k, v):
+      seen[index] = (k, v)
+      return k, v
+  token = KV_SHARE.set(hook)
+  try:
+    yield
+  finally:
+    KV_SHARE.reset(token)
+
+
+@contextlib.contextmanager
+def model_call(blocks):
+  """Around one call of a stack of blocks: a fresh record of the source layers' keys and values."""
+  sources = {getattr(b.attn, "kv_source", None) for b in blocks} - {None}
+  if not sources:
+    yield
+    return
+  token = SEEN.set({"sources": sources})
+  try:
+    yield
+  finally:
+    SEEN.reset(token)
+
+
+def decode(module: Any, x_BTD: jax.Array, head_mask) -> jax.Array:
+  """A sharing layer's decode step: its queries against the keys and values its source attended
+  to in this step, under the same mask (attn.variants.cache.decode_step's)."""
+  cfg, T = module.cfg, x_BTD.shape[1]
+  index, max_len = module.cache_index[...], module.cache_max_len
+  pos_T = index + jnp.arange(T)
+  if cfg.window is None:
+    mask, step_cfg = kv_cache.causal_mask(index, T, max_len), cfg
+  else:
+    n_slots = kv_cache.slots(cfg, max_len)
+    mask, step_cfg = kv_cache.ring_mask(index, T, n_slots, cfg.window), cfg.replace(window=None)
+  opts = Options(mask=mask, head_mask=head_mask, qk_positions=(pos_T, pos_T))
+  params, x_BTD, _ = module._compute(x_BTD)
+  y_BTD, _ = module.record.apply(params, x_BTD, cfg=step_cfg, opts=opts)
+  module.cache_index[...] = index + T
+  return y_BTD

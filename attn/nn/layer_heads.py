@@ -1,0 +1,63 @@
+"""Per-layer-type head sizes: ModelConfig.layer_heads, a table from a layer type to the head fields
+its layers set (Gemma 4: its global layers have a wider head, 512, and fewer kv heads than its
+sliding ones; transformers' global_head_dim and num_global_key_value_heads).
+
+  layer_heads = {"full_attention": {"d_k": 32, "d_v": 32, "num_kv_heads": 1}}
+  TOML: [model.layer_heads.full_attention] with d_k = 32, d_v = 32, num_kv_heads = 1
+
+The fields a type may set are FIELDS; a type not in the table keeps the model's head. The
+override is applied first in layer_types.head_for, so a layer's HeadConfig
+(ModelConfig.layer_head) carries it, and with it the layer's parameters, its KV cache and its
+counts (attn.count.model's layer_type_table groups layers by type, each row its own head). A
+head field the model leaves to be derived (collab_width, latent_dim: None) is derived
+again from the layer's own sizes. A type no layer has, a field outside FIELDS or a size the
+variant refuses is refused by name (layer_types.check runs every type's head through the
+variant's check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
+
+FIELDS = ("d_k", "d_v", "num_kv_heads")
+
+
+def normalize(value: Any) -> Any:
+  """A table of tables, frozen (ModelConfig stays hashable); {} is None; other values left for check."""
+  if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+    return FrozenDict({k: FrozenDict(v) for k, v in value.items()}) if value else None
+  return value
+
+
+def apply(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
+  """head with the sizes layer type `kind` sets (m.layer_heads), its derived fields derived again."""
+  table = getattr(m, "layer_heads", None)
+  if not table or kind not in table:
+    return head
+  derived = {f.name: None for f in dataclasses.fields(HeadConfig)
+             if f.name not in PER_LAYER_FIELDS and f.name not in table[kind]
+             and getattr(m, f.name, 0) is None and getattr(head, f.name) is not None}
+  return head.replace(**derived, **dict(table[kind]))
+
+
+def check(m: Any, kinds: tuple[str, ...]) -> None:
+  """Refuses a table that is not {type: {field: positive int}}, or names a type none of `kinds` is."""
+  table = m.layer_heads
+  if table is None:
+    return
+  allowed = f"None or a table {{layer type: {{field: value}}}} with fields among {list(FIELDS)}"
+  if not isinstance(table, dict):
+    raise invalid("layer_heads", table, allowed)
+  for kind, sizes in table.items():
+    if kind not in kinds:
+      raise invalid(f"layer_heads.{kind}", dict(sizes), f"a layer type the model has: one of "
+                    f"{sorted(set(kinds))} (a type no layer has would be ignored)")
+    for name, value in sizes.items():
+      if name not in FIELDS:
+        raise invalid(f"layer_heads.{kind}.{name}", value, f"one of {list(FIELDS)}: the head sizes "
+                      "a layer type sets")
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise invalid(f"layer_heads.{kind}.{name}", value, "a positive integer")
