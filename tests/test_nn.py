@@ -13,7 +13,7 @@ from flax import nnx
 import attn
 from attn.nn import (DecoderLM, Encoder, EncoderDecoder, ModelConfig, MultiHeadAttention,
                      SequenceClassifier)
-from conftest import CONFIGS, tier, variant_params
+from conftest import CONFIGS, for_variant, tier, variant_params
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 TINY = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=2, d_ff=24, max_len=8)
@@ -42,7 +42,13 @@ def run(model, *args):
   return model(*args)
 
 
-apply_jit = jax.jit(attn.apply, static_argnums=0, static_argnames="cfg")
+@nnx.jit(static_argnames="is_causal")
+def run_layer(layer, x, is_causal=False):
+  """An attention layer on x, compiled; is_causal for a fixed-state head, which is causal only."""
+  return layer(x, is_causal=is_causal)
+
+
+apply_jit = jax.jit(attn.apply, static_argnums=0, static_argnames=("cfg", "is_causal"))
 
 
 @nnx.jit
@@ -72,7 +78,7 @@ def test_module_matches_per_head_apply_on_converted_params(cname):
 
 @pytest.mark.parametrize("variant", variant_params())
 def test_module_params_are_exactly_the_variants(variant):
-  cfg = attn.HeadConfig(d_model=12, num_heads=3, d_k=4, d_v=5, num_kv_heads=1)
+  cfg = for_variant(variant, attn.HeadConfig(d_model=12, num_heads=3, d_k=4, d_v=5, num_kv_heads=1))
   m = MultiHeadAttention(cfg, variant, rngs=nnx.Rngs(1))
   tree = param_tree(m)
   want = attn.param_shapes(variant, cfg)
@@ -86,9 +92,10 @@ def test_module_params_are_exactly_the_variants(variant):
     np.testing.assert_array_equal(m.params_dict()[k], other[k])
   m2 = MultiHeadAttention.from_params(cfg, variant, other)
   x = randn(0, (1, 3, cfg.d_model))
-  y = run(m, x)
-  np.testing.assert_allclose(y, apply_jit(variant, other, x, cfg=cfg), **TOL)
-  np.testing.assert_array_equal(run(m2, x), y)
+  causal = attn.get_variant(variant).init_state is not None  # a fixed-state head is causal only
+  y = run_layer(m, x, is_causal=causal)
+  np.testing.assert_allclose(y, apply_jit(variant, other, x, cfg=cfg, is_causal=causal), **TOL)
+  np.testing.assert_array_equal(run_layer(m2, x, is_causal=causal), y)
 
 
 def test_module_refuses_bad_params_and_missing_rngs():
