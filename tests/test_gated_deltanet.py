@@ -55,6 +55,7 @@ def random_params(cfg, seed):
 
 
 @pytest.mark.parametrize("T", [1, 6, 13])
+@pytest.mark.slow
 def test_equals_transformers_qwen3_next_layer(T):
   """Chunked at chunk 4 (13 is not a multiple) against transformers' chunk of 64."""
   torch = pytest.importorskip("torch")
@@ -65,6 +66,7 @@ def test_equals_transformers_qwen3_next_layer(T):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_chunk_does_not_change_the_function():
   p = random_params(CFG, 3)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 11, CFG.d_model)), jnp.float32)

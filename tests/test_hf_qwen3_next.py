@@ -38,6 +38,7 @@ def live():
   return model
 
 
+@pytest.mark.slow
 def test_logits_equal_transformers_under_right_padding(live):
   loaded = hf.from_hf(live)
   assert loaded.family == "qwen3_next"

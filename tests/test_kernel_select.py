@@ -24,6 +24,7 @@ SHAPES = [(2, 37, 45, 4, 2, 5, 7), (2, 45, 37, 3, 1, 6, 4), (1, 50, 50, 2, 2, 8,
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.slow
 def test_moba_blocks_equal_counting_reference(shape, is_causal):
   B, T, S, H, G, K, V = shape
   q, k = _randn(0, (B, T, H, K)), _randn(1, (B, S, G, K))

@@ -47,6 +47,7 @@ def _by_hand(model, tokens):
   return model.head(_norm(model.final_norm, h))
 
 
+@pytest.mark.slow
 def test_a_sharing_layer_is_cross_attention_on_its_sources_keys_and_values():
   cfg = ModelConfig(**(BASE | dict(window=None, global_every=0)), kv_source=[0, 1, 1, 0])
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
@@ -57,6 +58,7 @@ def test_a_sharing_layer_is_cross_attention_on_its_sources_keys_and_values():
   assert float(jnp.abs(got - nnx.jit(lambda m, t: m(t))(unshared, tokens)).max()) > 1e-2
 
 
+@pytest.mark.slow
 def test_decoding_reads_the_sources_cache_and_equals_the_full_pass():
   cfg = ModelConfig(**BASE, kv_source=SHARED)
   model = DecoderLM(cfg, rngs=nnx.Rngs(2))

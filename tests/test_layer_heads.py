@@ -58,7 +58,8 @@ def test_counts_and_cache_bytes_per_type():
   assert count.model_kv_cache_bytes_per_token(keqv, "decoder_lm", "float32") == 4 * (2 * 2 * 4 + 2 * 1 * 6)
 
 
-@pytest.mark.parametrize("variant, d_v", [pytest.param("per_head", 3, marks=pytest.mark.slow), ("k_eq_v", 4)])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, d_v", [("per_head", 3), ("k_eq_v", 4)])
 def test_a_model_with_per_type_heads_trains_a_step_and_decodes_as_its_full_pass(variant, d_v):
   cfg = ModelConfig(**(BASE | dict(variant=variant, d_v=d_v)), layer_heads=GLOBAL)
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))

@@ -82,6 +82,7 @@ def test_chunked_and_recurrent_equal_the_loop(kind, chunk):
 
 
 @pytest.mark.parametrize("kind", ["gated_delta", "kda", "ssd"])
+@pytest.mark.slow
 def test_gradients_agree(kind):
   """∂ of a random projection of (o, S) by q, k, v, g, β and the initial state: all three forms."""
   delta, per_channel, _ = KINDS[kind]

@@ -72,6 +72,7 @@ def kimi_layer(p, cfg):
 
 
 @pytest.mark.parametrize("T", [1, 9])
+@pytest.mark.slow
 def test_kda_equals_transformers_kimi_linear_layer(T):
   torch = pytest.importorskip("torch")
   p = random_params("kda", KDA, T)
@@ -144,6 +145,7 @@ def test_linear_equals_its_quadratic_form():
 
 
 @pytest.mark.parametrize("name", STATE_HEADS)
+@pytest.mark.slow
 def test_prompt_then_tokens_equal_the_full_pass(name):
   """A 6-token prompt in one step (chunked from the empty state), then 1-token steps (recurrent)."""
   cfg = HeadConfig(d_model=20, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, chunk=4)

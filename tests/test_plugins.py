@@ -113,6 +113,7 @@ VARIANT = Variant(name="raises", init=per_head.init, apply=apply)
 """
 
 
+@pytest.mark.slow
 def test_count_keeps_every_builtin_row_when_a_plugin_fails_at_call_time(tmp_path, capsys):
   with installed(_bad(tmp_path, "raisingmod", RAISES, {"raises": "raisingmod:VARIANT"})):
     assert attn.cli.main(["count", "--d-model", "8", "--num-heads", "2", "--format", "csv"]) == 0

@@ -178,6 +178,7 @@ def test_attn_python_runs_a_library_users_script_with_the_commands_allocator():
     assert f"LD_PRELOAD={process.mimalloc_path()}" in printed.stdout.splitlines()
 
 
+@pytest.mark.slow
 def test_attn_sweep_and_python_m_attn_sweep_record_the_same_allocator(tmp_path):
   if shutil.which("attn") is None:
     pytest.skip("the attn console script is not on PATH")

@@ -56,6 +56,7 @@ def test_return_weights_refused_at_long_T():
 
 
 @pytest.mark.parametrize("variant", ["per_head", "fused", "mla"])
+@pytest.mark.slow
 def test_selecting_every_key_is_full_causal_attention_exactly(variant):
   T = 13
   plain = CFG.replace(rope_dim=0) if variant == "mla" else CFG
@@ -103,6 +104,7 @@ def test_sparse_path_equals_dense_path_at_long_T(extra, monkeypatch):
       assert not np.any(g1[0][n])
 
 
+@pytest.mark.slow
 def test_selection_ignores_positions_shift():
   """The indexer reads unrotated dims and MoBA relative scores: shifting every position keeps y."""
   for extra in ({"moba": {"block": 3, "top_k": 2}}, {"indexer": {"heads": 2, "head_dim": 3, "top_k": 4}}):
@@ -115,6 +117,7 @@ def test_selection_ignores_positions_shift():
     np.testing.assert_allclose(y2, y, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_counts_in_closed_form():
   """Keys attended (the core's FLOPs) against the selection's own mask; indexer parameters stored."""
   T = 50
