@@ -76,6 +76,7 @@ def test_chunk_does_not_change_the_function():
   np.testing.assert_allclose(ys[0], ys[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_decoding_a_prompt_then_tokens_equals_the_full_pass_with_padding():
   """A batch of two lengths: the padded full pass's outputs at real tokens equal decoding."""
   v = VARIANTS["gated_deltanet"]

@@ -185,6 +185,7 @@ def test_sparse_kernel_visits_only_selected_blocks():
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.slow
 def test_gathered_kernel_equals_dense_moba(shape):
   """MoBA's pairs gathered per key block (attn.kernel.gathered) against the einsum kernel with the
   same choice as a dense mask: values and gradients, GQA/MQA, d_v ≠ d_k, a batch element seeing nothing,

@@ -77,6 +77,7 @@ def test_selecting_every_key_is_full_causal_attention_exactly(variant):
 
 @pytest.mark.parametrize("extra", [{"moba": {"block": 64, "top_k": 3}},
                                    {"indexer": {"heads": 2, "head_dim": 4, "top_k": 100}}])
+@pytest.mark.slow
 def test_sparse_path_equals_dense_path_at_long_T(extra, monkeypatch):
   """T = 600 (auto takes the kernel computing only the chosen keys) against impl="einsum" (the
   selection's dense mask),

@@ -31,6 +31,7 @@ def _peeking_apply(params, x_BTD, context_BSD=None, *, cfg, opts=attn.api.Option
   return PER_HEAD.apply(params, x_BTD, context_BSD, cfg=cfg, opts=opts.replace(is_causal=False))
 
 
+@pytest.mark.slow
 def test_a_token_that_sees_a_later_one_is_caught():
   bad = dataclasses.replace(PER_HEAD, name="peeks", apply=_peeking_apply)
   with pytest.raises(AssertionError, match=r"causal: variant 'peeks' at .*under is_causal, outputs 0..2 "
