@@ -287,6 +287,7 @@ def test_the_docs_checkpoint_family_is_installed_by_its_entry_point_and_passes_t
   (tmp_path / "my_attn").mkdir()
   (tmp_path / "my_attn" / "__init__.py").write_text("")
   (tmp_path / "my_attn" / "acme.py").write_text(record)
+  (tmp_path / "my_attn" / "test_acme.py").write_text(test)  # the doc's own test, as a module of the package
   entry_points = tomllib.loads(entry)["project"]["entry-points"]
   assert list(entry_points) == ["attn.hf_families"]
   _dist(tmp_path, "my_attn", list(entry_points["attn.hf_families"].items()))
@@ -296,10 +297,9 @@ def test_the_docs_checkpoint_family_is_installed_by_its_entry_point_and_passes_t
   hf.FAMILIES.reload()
   try:
     assert hf.FAMILIES.source("acme_llama") == "my_attn"
-    namespace = {}
-    exec(compile(test, "docs/extending.md (A checkpoint family)", "exec"), namespace)
-    namespace["test_acme_llama_family"]()  # check_family on the installed record, bare config: random weights
-    tiny = namespace["TINY"]
+    doc_test = importlib.import_module("my_attn.test_acme")
+    doc_test.test_acme_llama_family()  # check_family on the installed record, bare config: random weights
+    tiny = doc_test.TINY
     with pytest.raises(ConfigError, match=r"config.acme_experts=8 is not allowed: 0: attn reads acme's dense"):
       hf.from_hf(({**tiny, "acme_experts": 8}, {}))
     cfg = hf.model_config(tiny)
