@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"live curves: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
   if kind != "slurm":  # a Slurm node may have other devices: its tasks check there
-    config_lib.check_devices(sweep.trials, sweep.vmap_seeds, args.processes_per_trial)
+    config_lib.check_devices(sweep.trials, sweep.vmap_seeds, args.processes_per_trial, sweep.pack)
     processes_lib.check_platform(args.processes_per_trial)
   else:
     config_lib.check_processes(sweep.trials, slurm.processes(slurm_params))

@@ -55,16 +55,19 @@ from typing import Any
 
 from attn.config import ConfigError, invalid
 from attn.experiments.data import tasks
-from attn.experiments.training.config import TrainConfig, check_heads, check_train_field
+from attn.experiments.training.config import PACKABLE, TrainConfig, check_heads, check_train_field
 
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
+PACK_ALLOWED = ("an integer >= 1: up to that many trials equal but for train." + ", train.".join(PACKABLE)
+                + " train as one vmapped program (1, the default: one program per trial)")
 SWEEP_KEYS = {"grid": dict, "zip": dict, "cases": list, "seeds": list, "derive": list,
-              "param_budget": (int, str), "vmap_seeds": bool}
+              "param_budget": (int, str), "vmap_seeds": bool, "pack": int}
 SWEEP_KINDS = {"grid": "a table of dotted keys to lists", "zip": "a table of dotted keys to lists",
                "cases": 'a list of tables, each a name = "..." and dotted keys to values',
                "seeds": "a list of integers", "derive": 'a list of "fixed_width", "fixed_params"',
-               "param_budget": '"base" or a positive integer', "vmap_seeds": "true or false"}
+               "param_budget": '"base" or a positive integer', "vmap_seeds": "true or false",
+               "pack": PACK_ALLOWED}
 DERIVED_MODEL_KEYS = ("vocab_size", "num_classes", "max_len")
 DERIVES = ("fixed_width", "fixed_params")
 # The fields each derive computes in every trial, and how.
@@ -97,6 +100,7 @@ class Sweep:
   vmap_seeds: bool
   id: str
   analyze: bool = False
+  pack: int = 1  # sweep.pack: trials per vmapped program (pack_groups)
 
 
 # Resolved keys that change how a trial runs but not its rows or parameters: left out of its
@@ -657,11 +661,12 @@ def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = No
     seen[tid] = label
     trials.append(Trial(tid, combo, resolved))
   vmap_seeds = bool(sweep.get("vmap_seeds", False))
+  pack = check_pack(sweep.get("pack", 1), vmap_seeds)
   check_seed_axis(trials, vmap_seeds)
   meta = {"name": raw.get("meta", {}).get("name", path), "question": raw.get("meta", {}).get("question", "")}
   axes = ([CASE] if cases[0][0] is not None else []) + [k for k, _ in grid] + [k for k, _ in tied]
   return Sweep(path, meta, axes, trials, vmap_seeds,
-               stable_hash(sorted(t.id for t in trials)), raw.get("analysis", {}).get("enabled", False))
+               stable_hash(sorted(t.id for t in trials)), raw.get("analysis", {}).get("enabled", False), pack)
 
 
 def shape_key(trial: Trial) -> str:
@@ -671,12 +676,48 @@ def shape_key(trial: Trial) -> str:
   return trial_id(cfg)
 
 
-def seed_groups(trials: list[Trial], vmap_seeds: bool) -> list[list[Trial]]:
-  """Trials that train as one program, in sweep order: equal but for seed under vmap_seeds, else one each."""
+def pack_key(trial: Trial) -> str:
+  """Trials with equal pack keys differ only in the PACKABLE [train] keys and can be packed (sweep.pack)."""
+  cfg = copy.deepcopy(trial.config)
+  for key in PACKABLE:
+    del cfg["train"][key]
+  return trial_id(cfg)
+
+
+def check_pack(pack: Any, vmap_seeds: bool) -> int:
+  """sweep.pack as an int; refused by name unless an integer >= 1, or when > 1 beside vmap_seeds = true."""
+  if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
+    raise invalid("sweep.pack", pack, PACK_ALLOWED)
+  if pack > 1 and vmap_seeds:
+    raise invalid("sweep.pack", pack, "1 with sweep.vmap_seeds = true (a pack already trains a trial's seeds "
+                  "together, and other trials beside them): set one of the two")
+  return pack
+
+
+def seed_groups(trials: list[Trial], vmap_seeds: bool, pack: int = 1,
+                limits: dict[str, int] | None = None) -> list[list[Trial]]:
+  """Trials that train as one program, in sweep order.
+
+  With pack > 1: trials of one pack key, in sweep order, cut into runs of at most pack (or
+  limits[pack key], where memory allows fewer: sweep.fit_packs); else under vmap_seeds, trials
+  equal but for seed; else one each. A trial is in exactly one group.
+  """
   groups: dict[str, list[Trial]] = {}
   for t in trials:
-    groups.setdefault(shape_key(t) if vmap_seeds else t.id, []).append(t)
-  return list(groups.values())
+    groups.setdefault(pack_key(t) if pack > 1 else shape_key(t) if vmap_seeds else t.id, []).append(t)
+  if pack == 1:
+    return list(groups.values())
+  out = []
+  for key, group in groups.items():
+    n = max(1, min(pack, (limits or {}).get(key, pack)))
+    out.extend(group[i:i + n] for i in range(0, len(group), n))
+  order = {t.id: i for i, t in enumerate(trials)}
+  return sorted(out, key=lambda g: order[g[0].id])
+
+
+def batched(vmap_seeds: bool, pack: int) -> bool:
+  """Whether groups of several trials train as one vmapped program."""
+  return vmap_seeds or pack > 1
 
 
 def check_seed_axis(trials: list[Trial], vmap_seeds: bool) -> None:
@@ -696,7 +737,7 @@ def check_seed_axis(trials: list[Trial], vmap_seeds: bool) -> None:
                     f"e.g. one of {[d for d in range(1, n + 1) if n % d == 0]}")
 
 
-def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1) -> None:
+def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1, pack: int = 1) -> None:
   """Refuses a sweep whose train.mesh cannot run on this machine's devices, before any trial starts.
 
   Also refuses a model.impl that does not run here. processes: per trial; each of them has this
@@ -712,9 +753,10 @@ def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1) -> 
       kernel.check_impl(impl)
     except ConfigError as e:
       raise ConfigError(f"model.{e}") from None
-  for group in seed_groups(trials, vmap_seeds):
+  for group in seed_groups(trials, vmap_seeds, pack):
     n = len(group)
-    parallel.device_count(TrainConfig(**group[0].config["train"]), n, vmap_seeds and n > 1, processes)
+    parallel.device_count(TrainConfig(**group[0].config["train"]), n, batched(vmap_seeds, pack) and n > 1,
+                          processes)
 
 
 def check_processes(trials: list[Trial], processes: int) -> None:

@@ -223,9 +223,10 @@ def _check_cluster(params: dict[str, Any]) -> None:
 
 
 def groups(sweep: Any, pending: list[Any]) -> list[list[str]]:
-  """Trial ids per array task: one trial each, or one seed group each with sweep.vmap_seeds."""
+  """Trial ids per array task: one trial each, one seed group each with sweep.vmap_seeds, one pack with sweep.pack."""
   from attn.experiments.running import config as config_lib
-  return [[t.id for t in group] for group in config_lib.seed_groups(pending, sweep.vmap_seeds)]
+  return [[t.id for t in group] for group in config_lib.seed_groups(pending, sweep.vmap_seeds,
+                                                                     getattr(sweep, "pack", 1))]
 
 
 def _exit(code: int) -> None:
@@ -328,7 +329,7 @@ def submit(sweep: Any, out: str, args: argparse.Namespace, config_text: str = ""
     raise ConfigError(f"sbatch refused the job array ({str(e).strip().splitlines()[-1]}); check the "
                       f"--slurm-* options (submission files in {folder})") from None
   job_id = jobs[0].job_id.split("_")[0]
-  per = "seed group" if sweep.vmap_seeds else "trial"
+  per = "pack" if getattr(sweep, "pack", 1) > 1 else "seed group" if sweep.vmap_seeds else "trial"
   at_once = f", at most {params['array_parallelism']} at once" if "array_parallelism" in params else ""
   P = processes(params)
   each = f" of {P} processes ({params.get('nodes', 1)} node(s) × {params.get('ntasks_per_node', 1)})" if P > 1 else ""

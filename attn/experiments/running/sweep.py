@@ -60,7 +60,7 @@ def header(sweep: config_lib.Sweep, config_text: str, overrides: list[str]) -> d
   """What sweep.json holds: enough to know which sweep a directory belongs to."""
   return {"sweep_id": sweep.id, "name": sweep.meta["name"], "question": sweep.meta["question"],
           "config_path": sweep.path, "config_text": config_text, "overrides": list(overrides),
-          "axes": sweep.axes, "vmap_seeds": sweep.vmap_seeds,
+          "axes": sweep.axes, "vmap_seeds": sweep.vmap_seeds, "pack": sweep.pack,
           "trials": [{"id": t.id, "label": t.label} for t in sweep.trials]}
 
 
@@ -154,6 +154,42 @@ def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
                   f"train.batch_size, raise train.grad_accum, shrink the model{share}")
 
 
+PACK_MEMORY_FRACTION = 0.8  # of the memory device_memory() finds free, that a pack may plan to fill
+
+
+def fit_packs(pending: list[config_lib.Trial], pack: int, stream: TextIO) -> dict[str, int]:
+  """{pack key: the most trials of it one program may hold}, for sweep.pack > 1, before any training.
+
+  A trial's memory is XLA's memory analysis of its train step compiled alone (train.memory_estimate:
+  parameters, optimiser state, gradients, activations at the batch, workspace); a pack of n takes n
+  times that. Where PACK_MEMORY_FRACTION of what device_memory() finds free holds fewer than the pack
+  asks, the pack is reduced, saying so on stream with the memory named; one trial that does not fit
+  alone is left to check_memory, which fails it by name.
+  """
+  if pack == 1:
+    return {}
+  from attn.experiments.training import train  # lazy: jax
+  have, where = device_memory()
+  if have is None:
+    return {}
+  budget, limits = int(PACK_MEMORY_FRACTION * have), {}
+  sizes: dict[str, list[config_lib.Trial]] = {}
+  for t in pending:
+    sizes.setdefault(config_lib.pack_key(t), []).append(t)
+  for key, group in sizes.items():
+    asked = min(pack, len(group))
+    if asked == 1:
+      continue
+    per = train.memory_estimate(group[0].config)
+    fits = max(1, budget // max(per, 1))
+    if fits < asked:
+      limits[key] = fits
+      stream.write(f"sweep.pack={pack}: reduced to {fits} for [{_label(group)}]: one trial's train step needs "
+                   f"{faults.fmt_bytes(per)} (XLA's memory analysis), {where} has {faults.fmt_bytes(have)} "
+                   f"available and packs plan on {PACK_MEMORY_FRACTION:.0%} of it ({faults.fmt_bytes(budget)})\n")
+  return limits
+
+
 def check_lease_timeout(seconds: Any) -> float:
   """seconds as a float; anything but a finite number >= 1 is refused by name."""
   ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
@@ -204,8 +240,8 @@ def _full(out: str, where: str, free: int, why: str = "") -> ConfigError:
                  + (f", and {why}" if why else "") + ": free space or choose another --out")
 
 
-def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
-  """The trials of a claimed store in sweep order (from their config.json), and its sweep.vmap_seeds."""
+def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool, int]:
+  """The trials of a claimed store in sweep order (from their config.json), its sweep.vmap_seeds and sweep.pack."""
   head = load_sweep(out)
   trials = []
   for entry in head["trials"]:
@@ -215,7 +251,7 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool]:
     cfg = read_config(path, config_todo(out, head))
     trials.append(config_lib.Trial(entry["id"], cfg["label"],
                                    {k: v for k, v in cfg.items() if k not in ("id", "label")}))
-  return trials, bool(head.get("vmap_seeds", False))
+  return trials, bool(head.get("vmap_seeds", False)), int(head.get("pack", 1))
 
 
 def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
@@ -232,7 +268,7 @@ def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
   stream = stream or sys.stderr  # at call time: a captured or replaced stderr is the one written to
   prepare(sweep, out, config_text, overrides, stream=stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
-  worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb)
+  worker = _Worker(Store(out), sweep.trials, sweep.vmap_seeds, lease_timeout, stream, None, tb, pack=sweep.pack)
   return preempt.run(worker.run, sweep.trials, True)
 
 
@@ -249,7 +285,7 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
   """
   lease_timeout = check_lease_timeout(lease_timeout)
   stream = stream or sys.stderr  # at call time (run_sweep)
-  trials, vmap_seeds = stored_trials(out)
+  trials, vmap_seeds, pack = stored_trials(out)
   mine = trials
   if trial_ids is not None:
     known = [t.id for t in trials]
@@ -259,16 +295,16 @@ def run_trials(out: str, trial_ids: list[str] | None = None, *, lease_timeout: f
     mine = [t for t in trials if t.id in set(trial_ids)]
   from attn.experiments.training import distributed  # lazy: jax
   processes = distributed.processes()  # > 1 in a trial's group of processes (after distributed.connect)
-  config_lib.check_devices(mine, vmap_seeds, processes)  # this machine's devices, before any trial is leased
+  config_lib.check_devices(mine, vmap_seeds, processes, pack)  # this machine's devices, before any trial is leased
   if not distributed.is_leader():
-    return preempt.run(_follow, Store(out), {t.id: t for t in trials}, vmap_seeds, stream)
+    return preempt.run(_follow, Store(out), {t.id: t for t in trials}, config_lib.batched(vmap_seeds, pack), stream)
   tb = tb_writer.Writer(tensorboard, stream) if tensorboard else None
   orders = distributed.Orders() if processes > 1 else None
-  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker, tb, orders)
+  w = _Worker(Store(out), trials, vmap_seeds, lease_timeout, stream, worker, tb, orders, pack)
   return preempt.run(w.run, mine, wait)
 
 
-def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap_seeds: bool, stream: TextIO) -> dict[str, int]:
+def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap: bool, stream: TextIO) -> dict[str, int]:
   """What the processes of a group but process 0 run: train each group of trials it orders, write nothing."""
   from attn.experiments.training import distributed, train  # lazy: jax
   orders, counts = distributed.Orders(), {"ok": 0, "failed": 0, "skipped": 0}
@@ -280,7 +316,7 @@ def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap_seeds: bool,
     name = f"trial {', '.join(ids)} [{_label(group)}]"
     stream.write(f"{me}: {name}\n")
     try:
-      summaries = train.train_group([t.config for t in group], on_row=lambda j, row: None, vmap=vmap_seeds,
+      summaries = train.train_group([t.config for t in group], on_row=lambda j, row: None, vmap=vmap,
                                     checkpoint_dirs=[store.checkpoint_dir(i) for i in ids], log=lambda line: None)
     except preempt.Preempted as p:
       preempt.record(name, p.step)
@@ -296,8 +332,10 @@ class _Worker:
   """One worker's pass over a store's trials: lease, train, finish, release; wait for the others' trials."""
 
   def __init__(self, store: Store, trials: list[config_lib.Trial], vmap_seeds: bool, lease_timeout: float,
-               stream: TextIO, worker: str | None, tb: tb_writer.Writer | None = None, orders: Any = None):
+               stream: TextIO, worker: str | None, tb: tb_writer.Writer | None = None, orders: Any = None,
+               pack: int = 1):
     self.store, self.vmap_seeds, self.lease_timeout = store, vmap_seeds, lease_timeout
+    self.pack, self.limits = pack, {}  # sweep.pack, and each pack key's limit in memory (fit_packs)
     self.stream, self.worker, self.tb = stream, worker, tb
     self.orders = orders  # distributed.Orders to the group's other processes; None when training alone
     self.index = {t.id: i + 1 for i, t in enumerate(trials)}
@@ -317,6 +355,8 @@ class _Worker:
     cache = train.enable_compilation_cache()
     self.stream.write(f"{len(pending)} trials to run into {store.root} (JAX compilation cache: {cache})\n")
     self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), len(pending), self.stream)
+    if self.orders is None:  # a group of processes trains one trial's batch over them all: packs are not split
+      self.limits = fit_packs(pending, self.pack, self.stream)
     self.started = 0  # trials this worker has started: the progress line's i of len(pending)
     try:
       self._loop(train, pending, counts, wait)
@@ -346,7 +386,8 @@ class _Worker:
     stopped, waiting = False, None
     while not stopped:
       ran = False
-      for group in config_lib.seed_groups([t for t in pending if not store.is_done(t.id)], self.vmap_seeds):
+      todo = [t for t in pending if not store.is_done(t.id)]
+      for group in config_lib.seed_groups(todo, self.vmap_seeds, self.pack, self.limits):
         if preempt.requested():
           stopped = True
           break
@@ -439,7 +480,7 @@ class _Worker:
           self.orders.send(ids)  # the other processes train these with this one
         summaries = train.train_group([t.config for t in group],
                                       on_row=on_row,
-                                      on_step=on_step, vmap=self.vmap_seeds,
+                                      on_step=on_step, vmap=config_lib.batched(self.vmap_seeds, self.pack),
                                       checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
                                       on_start=on_start, log=lambda line: stream.write(line + "\n"),
                                       on_compiled=on_compiled)
@@ -452,7 +493,7 @@ class _Worker:
       statuses = []
       for t, summary in zip(group, summaries):
         try:
-          store.finish(t.id, {"id": t.id, "label": t.label, **summary})
+          store.finish(t.id, {"id": t.id, "label": t.label, **summary, "finished_unix": time.time()})
         except leases.LeaseLost as e:
           stream.write(f"trial {self.name(t)} not recorded: {e}\n")
           continue

@@ -24,6 +24,11 @@ _TRAIN_RANGES = {
     "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
     "grad_accum": (1, True, "an integer >= 1 (micro-batches per batch)"),
 }
+# [train] keys whose values may differ between trials packed into one vmapped program (sweep.pack):
+# the seed (data and init), and what only the learning-rate schedule reads, since the step takes its
+# learning rate as a traced argument. Everything else (the model, the task, the batch, the optimiser's
+# constants, the step count and cadences) shapes the compiled program or its loop and must be equal.
+PACKABLE = ("seed", "lr", "warmup_steps", "end_lr_ratio")
 DATA_PARALLEL_AXES = ("batch", "seed")
 MESH_KEYS = ("data", "heads")
 MESH_ALLOWED = 'a table {data = N, heads = M}: data "auto" or an integer >= 1, heads an integer >= 1'

@@ -1,8 +1,10 @@
 """Training: AdamW with warmup and cosine decay, a jitted step with donated state, held-out eval.
 
-`train_group` trains trials that differ only in seed. With several seeds it
-stacks their parameters and runs one compiled program under jax.vmap over the
-seed axis; each seed keeps its own data, init and optimiser state. Every step
+`train_group` trains trials that differ only in seed, or in the PACKABLE keys
+(seed, lr, warmup_steps, end_lr_ratio: a pack, sweep.pack). With several
+trials it stacks their parameters and runs one compiled program under jax.vmap
+over the trial axis; each keeps its own data, init, optimiser state and
+learning rate (a traced argument of the step, one per trial). Every step
 yields, per seed, loss, accuracy, gradient/parameter/update norms and step
 time. A non-finite loss or gradient stops that seed, which is recorded as
 failed with the reason; the other seeds go on. With train.mesh (or
@@ -51,7 +53,7 @@ from attn.experiments.training import parallel
 from attn.experiments.training import preempt
 from attn.experiments.training import sink_eval
 from attn.experiments.data import tasks as tasks_lib
-from attn.experiments.training.config import TrainConfig
+from attn.experiments.training.config import PACKABLE, TrainConfig
 from attn.nn import models
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
@@ -153,6 +155,42 @@ def optimizer(train: TrainConfig) -> optax.GradientTransformation:
   decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
   return optax.chain(clip, optax.scale_by_adam(train.b1, train.b2),
                      optax.add_decayed_weights(train.weight_decay, decay_mask))
+
+
+def peak_bytes(compiled: Any) -> int:
+  """The device memory a compiled program wants at its peak (XLA's memory analysis; 0 if it gives none)."""
+  ma = compiled.memory_analysis()
+  peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+  if peak or ma is None:
+    return peak
+  return sum(int(getattr(ma, f, 0) or 0) for f in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                   "temp_size_in_bytes")) - int(getattr(ma, "alias_size_in_bytes", 0) or 0)
+
+
+def memory_estimate(config: dict[str, Any]) -> int:
+  """Bytes one trial's train step wants on one device: XLA's memory analysis of the step compiled alone.
+
+  Parameters, Adam's moments, gradients, activations at train.batch_size and workspace, from abstract
+  shapes (nothing is initialised); compiled as it runs, so the persistent cache keeps it.
+  """
+  task = tasks_lib.make_task(config["task"])
+  model_cfg, train = models.ModelConfig(**config["model"]), TrainConfig(**config["train"])
+  tx = optimizer(train)
+  abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  opt_state = jax.eval_shape(tx.init, params)
+  step, _ = _step_fns(graphdef, tx, task.kind, train.grad_accum, task, train)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+           for k, v in tasks_lib.batch_rows(task, 0, tasks_lib.TRAIN, 0, train.batch_size).items()}
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*donated buffers.*")
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, opt_state, rest, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+  return peak_bytes(compiled)
+
+
+def _unpacked(config: dict[str, Any]) -> dict[str, Any]:
+  return {**config, "train": {k: v for k, v in config["train"].items() if k not in PACKABLE}}
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -259,7 +297,7 @@ def train_group(configs: list[dict[str, Any]],
                 on_start: Callable[[int, int], None] | None = None,
                 log: Callable[[str], None] | None = None,
                 on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
-  """Trains trials equal but for train.seed; calls on_row(i, row) per seed and step; returns summaries.
+  """Trains trials equal but for train.seed (or the PACKABLE keys); calls on_row(i, row) per trial and step.
 
   checkpoint_dirs: one directory per trial to save checkpoints in and resume
   from (None: neither). on_start(i, step) is called once per trial, before its
@@ -269,10 +307,19 @@ def train_group(configs: list[dict[str, Any]],
   (jax.stages.Compiled: memory_analysis(), as_text(), input_shardings) before it runs.
   """
   cfg0 = configs[0]
+  for i, c in enumerate(configs[1:], 1):
+    if _unpacked(c) != _unpacked(cfg0):
+      differ = sorted(f"{s}.{k}" for s in c for k in set(c[s]) | set(cfg0[s])
+                      if s in cfg0 and c[s].get(k) != cfg0[s].get(k) and not (s == "train" and k in PACKABLE))
+      raise invalid("configs", i, "trials that differ only in train." + ", train.".join(PACKABLE)
+                    + f" (trial {i} differs from trial 0 in {', '.join(differ) or 'its sections'})")
   task = tasks_lib.make_task(cfg0["task"])
   model_cfg = models.ModelConfig(**cfg0["model"])
   train, kind = TrainConfig(**cfg0["train"]), task.kind
-  seeds = [TrainConfig(**c["train"]).seed for c in configs]
+  trains = [TrainConfig(**c["train"]) for c in configs]
+  seeds = [t.seed for t in trains]
+  lr_steps = jnp.arange(train.steps)  # each trial's learning rate at each step, from its own schedule
+  lrs = np.stack([np.asarray(jax.vmap(schedule(t))(lr_steps)) for t in trains])
   batched = vmap and len(seeds) > 1
   # Refuses a mesh that does not fit, before any model is built.
   layout = parallel.layout(train, len(seeds) if batched else 1, batched, model_cfg.num_heads,
@@ -310,6 +357,7 @@ def train_group(configs: list[dict[str, Any]],
     state = _stack(group_states) if batched else group_states[0]
     with kernel.record_picks() as picks:  # what each attention call ran ("auto" resolved), at trace time
       out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
+                 lrs[group],
                  *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs,
                  layout, on_compiled)
     for i, summary in zip(group, out):
@@ -317,16 +365,18 @@ def train_group(configs: list[dict[str, Any]],
   return summaries
 
 
-def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
+def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, step_fn, eval_fn,
          on_row, on_step, batched: bool, start: int = 0,
          checkpoint_dirs: list[str] | None = None,
          layout: parallel.Layout = parallel.Layout(),
          on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
-  """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries."""
+  """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries.
+
+  lrs: each trial's learning rate at each step, (len(seeds), train.steps).
+  """
   n, B = len(seeds), train.batch_size
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
   at = (lambda v, j: v[j]) if batched else (lambda v, j: v)
-  lrs = np.asarray(jax.vmap(schedule(train))(jnp.arange(train.steps)))
   rows = layout.rows(B)  # this process's share of every batch (all of it in one process)
   eval_data = _stack([pick(_batches(task, seeds, tasks_lib.EVAL, j, B, rows)) for j in range(train.eval_batches)])
   if batched:  # (eval batch, seed, ...) -> (seed, eval batch, ...)
@@ -354,7 +404,7 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
     for t in range(start, train.steps):
       batch = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B, rows)), "train")
       t0 = time.perf_counter()
-      lr = layout.put(np.full(lr0.shape, lrs[t], np.float32), "replicated")
+      lr = layout.put(np.asarray(lrs[:, t], np.float32).reshape(lr0.shape), "replicated")
       params, opt_state, m = jit_step(*state, batch, lr)
       m = layout.fetch(m)
       times.append(time.perf_counter() - t0)
@@ -365,7 +415,7 @@ def _run(task, train: TrainConfig, seeds: list[int], state, step_fn, eval_fn,
       for j in range(n):
         if summaries[j] is not None and summaries[j]["status"] == "failed":
           continue
-        row = {"step": t, **{k: float(at(v, j)) for k, v in m.items()}, "lr": float(lrs[t]),
+        row = {"step": t, **{k: float(at(v, j)) for k, v in m.items()}, "lr": float(lrs[j, t]),
                "step_time_s": times[-1], **{k: float(at(v, j)) for k, v in (ev or {}).items()}}
         bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
         if bad:  # this seed stops here; the others go on
