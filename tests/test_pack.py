@@ -229,3 +229,27 @@ def test_a_killed_pack_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert a.keys() == b.keys()
     for k in a:
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_the_run_records_end_line_gives_trials_per_hour_and_device_busy_time(tmp_path):
+  from attn.experiments.running import run_record
+  root, t0 = str(tmp_path), 1000.0
+  summaries = {  # a pack of 3 (one program: 30 s of steps), one trial alone on a mesh of 2, one from before
+      "a": {"finished_unix": t0 + 50, "train_s": 30.0, "group_size": 3, "mesh": {"data": 1, "heads": 1}},
+      "b": {"finished_unix": t0 + 55, "train_s": 30.0, "group_size": 3, "mesh": {"data": 1, "heads": 1}},
+      "c": {"finished_unix": t0 + 60, "train_s": 30.0, "group_size": 3, "mesh": {"data": 1, "heads": 1}},
+      "d": {"finished_unix": t0 + 90, "train_s": 20.0, "group_size": 1, "mesh": {"data": 2, "heads": 1}},
+      "old": {"finished_unix": t0 - 5, "train_s": 99.0, "group_size": 1},
+  }
+  for name, s in summaries.items():
+    os.makedirs(os.path.join(root, "trials", name))
+    store.write_json(os.path.join(root, "trials", name, store.SUMMARY), {"status": "ok", **s})
+  os.makedirs(os.path.join(root, "trials", "running"))  # unfinished: no summary
+  line = run_record.end_line({"start_unix": t0, "devices": 2}, "finished", root)
+  assert line["trials_finished"] == 4 and line["training_wall_s"] == 90.0
+  assert line["trials_per_hour"] == 160.0  # 4 trials in 90 s
+  assert line["device_busy_s"] == 70.0  # 30 s once for the pack + 20 s on each of 2 devices
+  assert line["device_busy_fraction"] == round(70 / (90 * 2), 4)
+  assert "4 trials in 90.0 s of training wall: 160.0 trials per hour, device busy 70.0 s (39% of it)" in \
+      run_record.describe(line)
+  assert "trials_finished" not in run_record.end_line({"start_unix": t0 + 100}, "finished", root)

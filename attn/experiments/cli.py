@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:
       from attn.experiments.reading import report
       print(f"report: {report.write_report(out)}")
-    run_record.append(out, run_record.end_line(start, "finished"))
+    run_record.append(out, run_record.end_line(start, "finished", out))
   except OSError as e:  # a full disk under the report, its plots or the record: the trials are safe in the store
     return _stopped(e, f"every trial is finished; `attn report {out}` writes the report alone")
   return 0
@@ -205,7 +205,7 @@ def _stopped(e: OSError, note: str) -> int:
 def _end(out: str, start: dict, outcome: str, code: int) -> int:
   """Appends the run record's end line (skipped when the disk does not take it: the outcome was said) -> code."""
   try:
-    run_record.append(out, run_record.end_line(start, outcome))
+    run_record.append(out, run_record.end_line(start, outcome, out))
   except OSError:
     pass
   return code

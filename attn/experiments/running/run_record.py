@@ -9,7 +9,9 @@ glibc mallopt or glibc's default; off on an accelerator run), jax's backend and 
 tries, the implementations of that backend, whether Pallas runs interpreted),
 the start time and the load average. Which implementation each trial's
 attention calls ran ("auto" resolved) is in its summary, attention_impls. An end line holds the end time,
-the wall time since its start, the load average and how the run ended. A
+the wall time since its start, the load average and how the run ended, and
+the run's throughput (throughput): the trials it finished, trials per hour and
+device busy time. A
 resumed sweep appends to the file (rewritten whole, atomically, like every
 file of the store). `attn report` and `attn status` print its first and last
 lines; a store without one (older than this record) or with a damaged one
@@ -101,14 +103,54 @@ def start_line() -> dict[str, Any]:
   import jax  # the sweep has imported it already
   return {"event": "start", "command": shlex.join(["attn", *sys.argv[1:]]), **_commit(), "versions": _versions(),
           **_cpu(), "xla_flags": os.environ.get("XLA_FLAGS"), "allocator": process.in_force(),
-          "device_kind": jax.devices()[0].device_kind, "kernel": kernel_table(), "start": _now(),
+          "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(), "kernel": kernel_table(),
+          "start": _now(),
           "start_unix": time.time(),
           "loadavg": list(os.getloadavg())}
 
 
-def end_line(start: dict[str, Any], outcome: str) -> dict[str, Any]:
-  return {"event": "end", "end": _now(), "wall_s": round(time.time() - start["start_unix"], 3),
+def end_line(start: dict[str, Any], outcome: str, root: str | None = None) -> dict[str, Any]:
+  """The end line; given the store's root, with this run's throughput."""
+  line = {"event": "end", "end": _now(), "wall_s": round(time.time() - start["start_unix"], 3),
           "loadavg": list(os.getloadavg()), "outcome": outcome}
+  return {**line, **throughput(root, start)} if root is not None else line
+
+
+def throughput(root: str, start: dict[str, Any]) -> dict[str, Any]:
+  """Trials finished since the start line, trials per hour and device busy time; {} for none.
+
+  The training wall is from the start line to the last trial's finish (the report and analysis after
+  it are left out). Device busy time is the time during which a trial's compiled train step was
+  executing: each program's train_s (from the dispatch of each step to its metrics on the host,
+  summed over steps: attn.experiments.training.train._run) counted once per program (a pack or seed
+  group of n trials shares one: train_s / group_size each) and once per device of its mesh. Its
+  fraction is busy / (training wall x the devices jax sees). Programs running side by side on one
+  device (--trials-per-device K, several workers) are each counted, so there it is the mean number of
+  steps in flight per device and may pass 1.
+  """
+  t0 = start.get("start_unix")
+  if t0 is None:
+    return {}
+  done, busy, last = 0, 0.0, t0
+  for trial in os.listdir(os.path.join(root, "trials")) if os.path.isdir(os.path.join(root, "trials")) else []:
+    try:
+      s = store_lib.read_json(os.path.join(root, "trials", trial, store_lib.SUMMARY))
+    except (OSError, ValueError, store_lib.StoreDamaged):
+      continue
+    finished = s.get("finished_unix") if isinstance(s, dict) else None
+    if not isinstance(finished, (int, float)) or finished < t0:
+      continue
+    done += 1
+    last = max(last, finished)
+    mesh = s.get("mesh") or {}
+    devices = int(mesh.get("data", 1) or 1) * int(mesh.get("heads", 1) or 1)
+    busy += float(s.get("train_s", 0.0) or 0.0) * devices / max(int(s.get("group_size", 1) or 1), 1)
+  if not done:
+    return {}
+  wall = max(last - t0, 1e-9)
+  return {"trials_finished": done, "training_wall_s": round(wall, 3),
+          "trials_per_hour": round(done * 3600 / wall, 2), "device_busy_s": round(busy, 3),
+          "device_busy_fraction": round(busy / (wall * max(int(start.get("devices") or 1), 1)), 4)}
 
 
 def read(root: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -139,7 +181,10 @@ def append(root: str, line: dict[str, Any]) -> None:
 def describe(line: dict[str, Any]) -> str:
   """One line of the record, short: when, what ran where, on which commit."""
   if line.get("event") == "end":
-    return f"end {line.get('end')}: {line.get('outcome')} after {line.get('wall_s')} s"
+    rate = (f"; {line['trials_finished']} trials in {line.get('training_wall_s')} s of training wall: "
+            f"{line.get('trials_per_hour')} trials per hour, device busy {line.get('device_busy_s')} s "
+            f"({line.get('device_busy_fraction', 0):.0%} of it)" if line.get("trials_finished") else "")
+    return f"end {line.get('end')}: {line.get('outcome')} after {line.get('wall_s')} s{rate}"
   commit = (line.get("commit") or "unknown")[:12] + (" (dirty)" if line.get("dirty") else "")
   v = line.get("versions") or {}
   backend = (line.get("kernel") or {}).get("backend")
