@@ -17,7 +17,7 @@ from flax import nnx
 
 import attn
 from attn.config import ConfigError
-from attn.nn import DecoderLM, ModelConfig
+from attn.nn import DecoderLM, ModelConfig, decoding
 from attn.variants import cache as kv_cache
 
 ALL = sorted(attn.VARIANTS)
@@ -60,6 +60,36 @@ def test_model_decoding_gives_the_full_forward_logits(variant):
       i += T
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5,
                                err_msg=str(chunks))
+
+
+def test_generate_is_one_program_that_keeps_the_cache_on_the_device(monkeypatch):
+  """The token loop runs inside one compiled program (lax.fori_loop, the caches carried on the device):
+  tracing calls the model twice (the prompt, one loop body) whatever the number of steps, a second call
+  traces nothing, and no implicit transfer happens between the prefill and the tokens coming out (the
+  caches' allocation, init_cache, is before it, once per call)."""
+  model = _model("fused", num_layers=2)  # 2 kv heads for 4, RoPE: the cache index offsets positions
+  calls = []
+  original = DecoderLM.__call__
+  monkeypatch.setattr(DecoderLM, "__call__", lambda self, *a, **k: (calls.append(a[0].shape), original(self, *a, **k))[1])
+  run = decoding._generate
+
+  def guarded(*a, **k):  # from the prompt's prefill to the tokens: a host round trip (int(), np.asarray) raises
+    with jax.transfer_guard("disallow"):
+      return run(*a, **k)
+  monkeypatch.setattr(decoding, "_generate", guarded)
+  prompt_BT = np.random.default_rng(3).integers(0, 13, (2, 3)).astype(np.int32)  # on the host
+  key = jax.random.PRNGKey(1)
+  sampled = model.generate(prompt_BT, 7, temperature=0.8, key=key)
+  greedy = model.generate(prompt_BT, 7)
+  assert calls == [(2, 3), (2, 1)] * 2  # prefill + one loop body per program (sampled, greedy): not 7 of them
+  again = model.generate(prompt_BT, 7)
+  assert len(calls) == 4  # same shapes and steps: the compiled program is reused, nothing traced
+  np.testing.assert_array_equal(again, greedy)
+  assert sampled.shape == greedy.shape == (2, 10)
+  np.testing.assert_array_equal(greedy[:, :3], prompt_BT)
+  # greedy = argmax of the full forward pass at every step: test_greedy_generate_is_argmax_of_the_full_forward_pass
+  assert int(jnp.sum(greedy != sampled)) > 0  # sampling at 0.8 chose otherwise somewhere
+  np.testing.assert_array_equal(sampled, model.generate(prompt_BT, 7, temperature=0.8, key=key))  # keyed
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ through its attributes (cfg, blocks) and called.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,7 +57,12 @@ def _step(model: nnx.Module, tokens_BT: Array) -> Array:
 
 def generate(model: nnx.Module, prompt_BT: Array, steps: int, *, temperature: float = 0.0,
              key: Array | None = None) -> Array:
-  """(B, T + steps): the prompt then steps tokens, argmax (temperature 0) or sampled."""
+  """(B, T + steps): the prompt then steps tokens, argmax (temperature 0) or sampled.
+
+  One compiled program: the prompt's prefill, then the token loop under lax.fori_loop with the
+  caches carried on the device; nothing returns to the host until the tokens do (no per-token
+  dispatch or transfer). Compiled once per (model, prompt shape, steps, greedy or sampled).
+  """
   check_ids("prompt", prompt_BT, model.cfg.vocab_size)
   _check_int("steps", steps, 0)
   B, T = prompt_BT.shape
@@ -70,18 +77,38 @@ def generate(model: nnx.Module, prompt_BT: Array, steps: int, *, temperature: fl
     raise invalid("temperature", temperature, "a number >= 0 (0: argmax)")
   if temperature > 0 and key is None:
     raise invalid("key", None, "a jax.random key when temperature > 0")
-  tokens = [jnp.asarray(prompt_BT)]
+  prompt_BT = jax.device_put(prompt_BT)  # explicit: the one transfer in
   if steps == 0:
-    return tokens[0]
+    return prompt_BT
   init_cache(model, B, T + steps)
-  logits_BTN = _step(model, tokens[0])
-  for i in range(steps):
-    last_BN = logits_BTN[:, -1].astype(jnp.float32)
-    if temperature == 0:
-      next_B = jnp.argmax(last_BN, axis=-1)
-    else:
-      next_B = jax.random.categorical(jax.random.fold_in(key, i), last_BN / temperature)
-    tokens.append(next_B[:, None].astype(tokens[0].dtype))
-    if i + 1 < steps:
-      logits_BTN = _step(model, tokens[-1])
-  return jnp.concatenate(tokens, axis=1)
+  sample = temperature > 0
+  temperature_ = jax.device_put(np.float32(temperature if sample else 1.0))
+  key_ = key if sample else jax.device_put(np.zeros(2, np.uint32))  # unused when greedy
+  return _generate(model, prompt_BT, temperature_, key_, steps=steps, sample=sample)
+
+
+@functools.partial(nnx.jit, static_argnames=("steps", "sample"))
+def _generate(model: nnx.Module, prompt_BT: Array, temperature: Array, key: Array, *, steps: int,
+              sample: bool) -> Array:
+  """The prompt's prefill and the token loop, one program; the model's caches are updated in place."""
+  def pick(last_BN: Array, i: Array) -> Array:
+    last_BN = last_BN.astype(jnp.float32)
+    if not sample:
+      return jnp.argmax(last_BN, axis=-1).astype(prompt_BT.dtype)
+    return jax.random.categorical(jax.random.fold_in(key, i), last_BN / temperature).astype(prompt_BT.dtype)
+
+  last_BN = model(prompt_BT, decode=True)[:, -1]
+  graphdef, state = nnx.split(model)
+
+  def token(i, carry):  # token i from the last logits, then the logits after it (the caches grow by one)
+    state, last_BN, new_BS = carry
+    next_B = pick(last_BN, i)
+    m = nnx.merge(graphdef, state)
+    last_BN = m(next_B[:, None], decode=True)[:, -1]
+    return nnx.state(m), last_BN, new_BS.at[:, i].set(next_B)
+
+  new_BS = jnp.zeros((prompt_BT.shape[0], steps), prompt_BT.dtype)
+  state, last_BN, new_BS = jax.lax.fori_loop(0, steps - 1, token, (state, last_BN, new_BS))
+  nnx.update(model, state)
+  new_BS = new_BS.at[:, steps - 1].set(pick(last_BN, steps - 1))
+  return jnp.concatenate([prompt_BT, new_BS], axis=1)
