@@ -529,11 +529,11 @@ def sweep_throughput(config_path: str, seeds: int, steps: int | None, rounds: in
   for r in range(rounds):
     this = {}
     for mode, vmap in modes if r % 2 == 0 else modes[::-1]:
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       summaries = train.train_group(configs, on_row=lambda i, row: None, vmap=vmap)
-      wall = time.perf_counter() - t0
+      wall, cpu = time.perf_counter() - t0, time.process_time() - c0
       per_group = len(summaries) if vmap else 1  # under vmap every summary holds the group's times
-      this[mode] = {"wall_s": wall,
+      this[mode] = {"wall_s": wall, "cpu_s": cpu,  # cpu: user + sys of this process's threads
                     "compile_s": float(sum(s_.get("compile_s", 0.0) for s_ in summaries) / per_group),
                     "train_s": float(sum(s_.get("train_s", 0.0) for s_ in summaries) / per_group),
                     "status": sorted({s_["status"] for s_ in summaries}),
@@ -542,24 +542,26 @@ def sweep_throughput(config_path: str, seeds: int, steps: int | None, rounds: in
   for mode, _ in modes:
     med = lambda key: statistics.median(r_[mode][key] for r_ in out["rounds"])
     wall, train_s = med("wall_s"), med("train_s")
-    out[mode] = {"wall_s": wall, "trials_per_minute": 60 * seeds / wall, "compile_s": med("compile_s"),
+    out[mode] = {"wall_s": wall, "cpu_s": med("cpu_s"), "trials_per_minute": 60 * seeds / wall,
+                 "compile_s": med("compile_s"),
                  "train_s": train_s, "steady_trials_per_minute": 60 * seeds / max(train_s, 1e-9),
                  "walls_s": [r_[mode]["wall_s"] for r_ in out["rounds"]],
+                 "cpus_s": [r_[mode]["cpu_s"] for r_ in out["rounds"]],
                  "status": sorted({x for r_ in out["rounds"] for x in r_[mode]["status"]})}
   out["vmap_speedup"] = out["sequential"]["wall_s"] / out["vmap"]["wall_s"]
   return out
 
 
 def sweep_markdown(r: dict[str, Any]) -> str:
-  rows = "\n".join(f"| {m} | {r[m]['wall_s']:.1f} | {r[m]['compile_s']:.1f} "
+  rows = "\n".join(f"| {m} | {r[m]['wall_s']:.1f} | {r[m].get('cpu_s', float('nan')):.1f} | {r[m]['compile_s']:.1f} "
                    f"| {r[m]['trials_per_minute']:.1f} | {r[m]['steady_trials_per_minute']:.1f} |"
                    for m in ("sequential", "vmap"))
   walls = "; ".join(f"{m}: " + ", ".join(f"{w:.1f}" for w in r[m].get("walls_s", [])) for m in ("sequential", "vmap"))
   return (f"### sweep throughput: {r['config']} [{', '.join(f'{k}={v}' for k, v in r['trial'].items())}], "
           f"{r['seeds']} seeds x {r['steps']} steps, median of {len(r.get('rounds', [])) or 1} "
           f"alternated rounds (wall s per round, in order: {walls})\n\n"
-          f"| mode | wall s | compile s | trials / minute | without compile |\n"
-          f"|---|---:|---:|---:|---:|\n{rows}\n\n"
+          f"| mode | wall s | CPU s (user+sys) | compile s | trials / minute | without compile |\n"
+          f"|---|---:|---:|---:|---:|---:|\n{rows}\n\n"
           f"Seeds under vmap: {r['vmap_speedup']:.2f}x the sequential throughput (wall).")
 
 
