@@ -5,11 +5,12 @@
 #           wide-4096-causal (B 1, T 4096 causal, 16 heads of 128), bfloat16, forward and
 #           forward+backward, attn's cores (auto, cudnn, tokamax, blocked, einsum, xla) side by side
 #           with torch SDPA's flash and cuDNN backends in the same process, and the bf16 matmul rate of
-#           the same chip; the default sweep (configs/quick.toml) and the same sweep packed (its seeds
-#           vmapped: sweep.vmap_seeds=true) with their wall times.
+#           the same chip; the default sweep (configs/quick.toml) and the same sweep packed (sweep.pack=3:
+#           each shape's 3 seeds as one vmapped program), each run record's trials per hour and device busy
+#           time in OUTDIR/sweeps.json.
 # Writes:   OUTDIR/env.json (GPU, driver, jax, jaxlib, cuDNN, torch, commit), OUTDIR/steps.json (each
 #           step: status, seconds, log), OUTDIR/*.log, OUTDIR/bench.json, OUTDIR/bench.md,
-#           OUTDIR/quick/ and OUTDIR/quick_packed/ (the sweeps' stores and reports).
+#           OUTDIR/quick/ and OUTDIR/quick_packed/ (the sweeps' stores and reports), OUTDIR/sweeps.json.
 #
 # Install: attn goes in over the machine's own jax, never replacing it:
 #   pip install --no-deps -e .
@@ -22,7 +23,8 @@
 #
 # Without a GPU (jax's backend is not "gpu") the script says so, runs what means something there
 # (the environment, the gpu-marked tests, which skip saying why; a smoke run of the bench at a tiny
-# shape) and skips the GPU measurements, naming each one. ATTN_COMMIT names the commit where the
+# shape; both sweeps cut to per_head and 5 steps, the packing and its run record exercised) and
+# skips the GPU measurements, naming each one. ATTN_COMMIT names the commit where the
 # checkout has no .git. Exit status: 0 when every step that ran passed.
 set -uo pipefail
 
@@ -159,14 +161,32 @@ else
     --repeats 2 --out '$OUT/bench_smoke.json' > '$OUT/bench_smoke.md'"
 fi
 
-# 5. The default sweep, then the same trials packed (seeds vmapped), each in its own store.
+# 5. The default sweep, then the same trials packed (each shape's 3 seeds one program), each in its own store;
+#    each run record's end line (trials per hour, device busy time) gathered in sweeps.json.
 if [[ "$BACKEND" == "gpu" ]]; then
   step sweep 100 "$PY" -m attn sweep configs/quick.toml --out "$OUT/quick"
-  step sweep_packed 80 "$PY" -m attn sweep configs/quick.toml --set sweep.vmap_seeds=true --out "$OUT/quick_packed"
+  step sweep_packed 80 "$PY" -m attn sweep configs/quick.toml --set sweep.pack=3 --out "$OUT/quick_packed"
 else
-  skip sweep "needs a GPU (on CPU: experiments/performance.md has the sweep's times)"
-  skip sweep_packed "needs a GPU"
+  say "sweeps: no GPU, so both cut to per_head and 5 steps (a smoke run of the runner and the packing, no timing)"
+  SMOKE=(--set 'sweep.grid.model.variant=["per_head"]' --set train.steps=5 --no-report)
+  step sweep_smoke 120 "$PY" -m attn sweep configs/quick.toml "${SMOKE[@]}" --out "$OUT/quick"
+  step sweep_packed_smoke 120 "$PY" -m attn sweep configs/quick.toml "${SMOKE[@]}" --set sweep.pack=3 \
+    --out "$OUT/quick_packed"
 fi
+"$PY" - "$OUT/sweeps.json" "$OUT/quick" "$OUT/quick_packed" <<'EOF2'
+import json, os, sys
+out = {}
+for d in sys.argv[2:]:
+  try:
+    lines = [json.loads(l) for l in open(os.path.join(d, "run.jsonl")) if l.strip()]
+  except (OSError, ValueError) as e:
+    out[os.path.basename(d)] = f"no run record ({e})"
+    continue
+  end = [l for l in lines if l.get("event") == "end"]
+  out[os.path.basename(d)] = end[-1] if end else "no end line (the sweep did not finish)"
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(out, indent=1), file=sys.stderr)
+EOF2
 
 "$PY" - "$STEPS" "$OUT/steps.json" "$SECONDS" <<'EOF'
 import json, sys

@@ -23,6 +23,10 @@ param_budget = "base", [model] d_ff is the base model whose count is the budget
 (with an integer budget, d_ff is left out); --set sweep.param_budget=N changes
 the budget from the command line.
 
+sweep.pack = N (default 1) trains up to N trials equal but for train.seed, train.lr,
+train.warmup_steps and train.end_lr_ratio (PACKABLE) as one vmapped program (seed_groups,
+docs/running.md); it and sweep.vmap_seeds = true are one or the other.
+
 [train] is a TrainConfig (frozen, validated: each error names train.<field>).
 A trial's id is the hash of its resolved config (the dict stored in its
 config.json) without train.checkpoint_every, train.data_parallel,
