@@ -69,7 +69,7 @@ def _params(out, trial_id):
 @pytest.mark.parametrize("sweep_text, match", [
     ("pack = 0", r"sweep\.pack=0 is not allowed: an integer >= 1"),
     ("pack = true", r"sweep\.pack=True is not allowed: an integer >= 1"),
-    ('pack = "auto"', r"sweep\.pack='auto' is not allowed: an integer >= 1.*train\.seed, train\.lr"),
+    ('pack = "all"', r"sweep\.pack='all' is not allowed: an integer >= 1.*train\.seed, train\.lr"),
     ("pack = 2\nvmap_seeds = true", r"sweep\.pack=2 is not allowed: 1 with sweep\.vmap_seeds = true"),
 ])
 def test_pack_is_refused_by_name(sweep_text, match):
@@ -253,3 +253,42 @@ def test_the_run_records_end_line_gives_trials_per_hour_and_device_busy_time(tmp
   assert "4 trials in 90.0 s of training wall: 160.0 trials per hour, device busy 70.0 s (39% of it)" in \
       run_record.describe(line)
   assert "trials_finished" not in run_record.end_line({"start_unix": t0 + 100}, "finished", root)
+
+
+@pytest.mark.parametrize("step_s, sizes, said", [
+    # a step whose time grows slower than the pack: doubling pays until memory (4 here) stops it
+    (lambda n: 1.0 + 0.1 * n, [1, 2, 4, 4, 1], "4 trials per program ran 2.9 trial-steps/s: 4 per program from here"),
+    # a step as slow per trial packed as alone (a busy CPU): one trial per program after one try of 2
+    (lambda n: 1.0 * n, [1, 2] + [1] * 9, "2 trials per program ran 1.0 trial-steps/s, under 1.1x the 1.0 of 1 "
+                                          "per program: 1 per program from here"),
+])
+def test_pack_auto_chooses_the_size_by_measured_throughput(tmp_path, monkeypatch, step_s, sizes, said):
+  """sweep.pack = "auto" on 12 trials of one shape, the step time a given function of the pack's size."""
+  sw = _load(PACKED.replace("pack = 4", 'pack = "auto"').replace("seed = [0, 1]", "seed = [0, 1, 2, 3, 4, 5]"))
+  assert sw.pack == "auto" and len(sw.trials) == 12
+  monkeypatch.setattr(train, "memory_estimate", lambda cfg: 1000)
+  monkeypatch.setattr(sweep, "device_memory", lambda: (int(4000 / sweep.PACK_MEMORY_FRACTION), "the test's memory"))
+  seen = []
+
+  def fake_train_group(configs, on_row, on_step=None, vmap=True, checkpoint_dirs=None, on_start=None, log=None,
+                       on_compiled=None):  # no JAX: the worker's choices only
+    seen.append(len(configs))
+    assert vmap  # "auto" packs: a pack of one runs the unbatched program (train_group: vmap and n > 1)
+    for i in range(len(configs)):
+      on_start(i, 0)
+    return [{"status": "ok", "steps_done": 5, "group_size": len(configs), "step_time_s_median": step_s(len(configs)),
+             "train_s": 5 * step_s(len(configs))} for _ in configs]
+  monkeypatch.setattr(train, "train_group", fake_train_group)
+  log = io.StringIO()
+  counts = sweep.run_sweep(sw, str(tmp_path / "out"), stream=log)
+  assert counts["ok"] == 12 and seen == sizes and sum(seen) == 12
+  assert "sweep.pack=auto: at most 4 for [" in log.getvalue()  # memory: 4 of 1.0 kB in 4.0 kB
+  assert said in log.getvalue()
+
+
+def test_pack_auto_and_packs_beside_processes_per_trial_are_refused():
+  assert _load(PACKED.replace("pack = 4", 'pack = "auto"')).pack == "auto"
+  with pytest.raises(ConfigError, match=r"sweep\.pack='every' is not allowed: an integer >= 1.*or \"auto\""):
+    _load(PACKED.replace("pack = 4", 'pack = "every"'))
+  with pytest.raises(ConfigError, match=r"sweep\.pack=4 is not allowed: 1 with 2 processes per trial"):
+    config_lib.check_devices(_load().trials, False, 2, 4)

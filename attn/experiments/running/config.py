@@ -25,7 +25,8 @@ the budget from the command line.
 
 sweep.pack = N (default 1) trains up to N trials equal but for train.seed, train.lr,
 train.warmup_steps and train.end_lr_ratio (PACKABLE) as one vmapped program (seed_groups,
-docs/running.md); it and sweep.vmap_seeds = true are one or the other.
+docs/running.md); sweep.pack = "auto" lets each worker choose N by measured throughput
+(sweep._Worker.adapt). It and sweep.vmap_seeds = true are one or the other.
 
 [train] is a TrainConfig (frozen, validated: each error names train.<field>).
 A trial's id is the hash of its resolved config (the dict stored in its
@@ -64,9 +65,10 @@ from attn.experiments.training.config import PACKABLE, TrainConfig, check_heads,
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
 PACK_ALLOWED = ("an integer >= 1: up to that many trials equal but for train." + ", train.".join(PACKABLE)
-                + " train as one vmapped program (1, the default: one program per trial)")
+                + ' train as one vmapped program (1, the default: one program per trial), or "auto": as many as '
+                "train fastest, measured, within memory")
 SWEEP_KEYS = {"grid": dict, "zip": dict, "cases": list, "seeds": list, "derive": list,
-              "param_budget": (int, str), "vmap_seeds": bool, "pack": int}
+              "param_budget": (int, str), "vmap_seeds": bool, "pack": (int, str)}
 SWEEP_KINDS = {"grid": "a table of dotted keys to lists", "zip": "a table of dotted keys to lists",
                "cases": 'a list of tables, each a name = "..." and dotted keys to values',
                "seeds": "a list of integers", "derive": 'a list of "fixed_width", "fixed_params"',
@@ -104,7 +106,7 @@ class Sweep:
   vmap_seeds: bool
   id: str
   analyze: bool = False
-  pack: int = 1  # sweep.pack: trials per vmapped program (pack_groups)
+  pack: int | str = 1  # sweep.pack: trials per vmapped program, or "auto" (seed_groups)
 
 
 # Resolved keys that change how a trial runs but not its rows or parameters: left out of its
@@ -688,40 +690,47 @@ def pack_key(trial: Trial) -> str:
   return trial_id(cfg)
 
 
-def check_pack(pack: Any, vmap_seeds: bool) -> int:
-  """sweep.pack as an int; refused by name unless an integer >= 1, or when > 1 beside vmap_seeds = true."""
-  if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
+def check_pack(pack: Any, vmap_seeds: bool) -> int | str:
+  """sweep.pack (an int or "auto"); refused by name otherwise, or when packing beside vmap_seeds = true."""
+  if pack != "auto" and (isinstance(pack, bool) or not isinstance(pack, int) or pack < 1):
     raise invalid("sweep.pack", pack, PACK_ALLOWED)
-  if pack > 1 and vmap_seeds:
+  if packs(pack) and vmap_seeds:
     raise invalid("sweep.pack", pack, "1 with sweep.vmap_seeds = true (a pack already trains a trial's seeds "
                   "together, and other trials beside them): set one of the two")
   return pack
 
 
-def seed_groups(trials: list[Trial], vmap_seeds: bool, pack: int = 1,
+def packs(pack: int | str) -> bool:
+  """Whether sweep.pack puts several trials in one program (an integer > 1, or "auto")."""
+  return pack == "auto" or pack > 1
+
+
+def seed_groups(trials: list[Trial], vmap_seeds: bool, pack: int | str = 1,
                 limits: dict[str, int] | None = None) -> list[list[Trial]]:
   """Trials that train as one program, in sweep order.
 
   With pack > 1: trials of one pack key, in sweep order, cut into runs of at most pack (or
-  limits[pack key], where memory allows fewer: sweep.fit_packs); else under vmap_seeds, trials
+  limits[pack key], where memory allows fewer: sweep.fit_packs); with "auto", of limits[pack key]
+  (what the worker measures best) or, without one, all of them; else under vmap_seeds, trials
   equal but for seed; else one each. A trial is in exactly one group.
   """
   groups: dict[str, list[Trial]] = {}
   for t in trials:
-    groups.setdefault(pack_key(t) if pack > 1 else shape_key(t) if vmap_seeds else t.id, []).append(t)
-  if pack == 1:
+    groups.setdefault(pack_key(t) if packs(pack) else shape_key(t) if vmap_seeds else t.id, []).append(t)
+  if not packs(pack):
     return list(groups.values())
   out = []
   for key, group in groups.items():
-    n = max(1, min(pack, (limits or {}).get(key, pack)))
+    most = len(group) if pack == "auto" else pack
+    n = max(1, min(most, (limits or {}).get(key, most)))
     out.extend(group[i:i + n] for i in range(0, len(group), n))
   order = {t.id: i for i, t in enumerate(trials)}
   return sorted(out, key=lambda g: order[g[0].id])
 
 
-def batched(vmap_seeds: bool, pack: int) -> bool:
+def batched(vmap_seeds: bool, pack: int | str) -> bool:
   """Whether groups of several trials train as one vmapped program."""
-  return vmap_seeds or pack > 1
+  return vmap_seeds or packs(pack)
 
 
 def check_seed_axis(trials: list[Trial], vmap_seeds: bool) -> None:
@@ -741,7 +750,7 @@ def check_seed_axis(trials: list[Trial], vmap_seeds: bool) -> None:
                     f"e.g. one of {[d for d in range(1, n + 1) if n % d == 0]}")
 
 
-def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1, pack: int = 1) -> None:
+def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1, pack: int | str = 1) -> None:
   """Refuses a sweep whose train.mesh cannot run on this machine's devices, before any trial starts.
 
   Also refuses a model.impl that does not run here. processes: per trial; each of them has this
@@ -752,6 +761,9 @@ def check_devices(trials: list[Trial], vmap_seeds: bool, processes: int = 1, pac
   """
   from attn.experiments.training import parallel  # lazy: jax, slow to import for `attn status`
   from attn import kernel
+  if processes > 1 and packs(pack):
+    raise invalid("sweep.pack", pack, f"1 with {processes} processes per trial (each trial's batch is shared "
+                  "over them; packs train in one process)")
   for impl in sorted({t.config.get("model", {}).get("impl", "auto") for t in trials} - {"auto"}):
     try:  # an implementation this machine cannot run (cudnn on a CPU): refused before any training
       kernel.check_impl(impl)

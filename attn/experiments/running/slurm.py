@@ -329,7 +329,8 @@ def submit(sweep: Any, out: str, args: argparse.Namespace, config_text: str = ""
     raise ConfigError(f"sbatch refused the job array ({str(e).strip().splitlines()[-1]}); check the "
                       f"--slurm-* options (submission files in {folder})") from None
   job_id = jobs[0].job_id.split("_")[0]
-  per = "pack" if getattr(sweep, "pack", 1) > 1 else "seed group" if sweep.vmap_seeds else "trial"
+  from attn.experiments.running import config as config_lib
+  per = "pack" if config_lib.packs(getattr(sweep, "pack", 1)) else "seed group" if sweep.vmap_seeds else "trial"
   at_once = f", at most {params['array_parallelism']} at once" if "array_parallelism" in params else ""
   P = processes(params)
   each = f" of {P} processes ({params.get('nodes', 1)} node(s) × {params.get('ntasks_per_node', 1)})" if P > 1 else ""

@@ -157,10 +157,11 @@ def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
 
 
 PACK_MEMORY_FRACTION = 0.8  # of the memory device_memory() finds free, that a pack may plan to fill
+AUTO_GAIN = 1.1  # sweep.pack = "auto" keeps a doubled pack when its throughput is at least this times the best
 
 
-def fit_packs(pending: list[config_lib.Trial], pack: int, stream: TextIO) -> dict[str, int]:
-  """{pack key: the most trials of it one program may hold}, for sweep.pack > 1, before any training.
+def fit_packs(pending: list[config_lib.Trial], pack: int | str, stream: TextIO) -> dict[str, int]:
+  """{pack key: the most trials of it one program may hold}, for sweep.pack > 1 or "auto", before any training.
 
   A trial's memory is XLA's memory analysis of its train step compiled alone (train.memory_estimate:
   parameters, optimiser state, gradients, activations at the batch, workspace); a pack of n takes n
@@ -168,7 +169,7 @@ def fit_packs(pending: list[config_lib.Trial], pack: int, stream: TextIO) -> dic
   asks, the pack is reduced, saying so on stream with the memory named; one trial that does not fit
   alone is left to check_memory, which fails it by name.
   """
-  if pack == 1:
+  if not config_lib.packs(pack):
     return {}
   from attn.experiments.training import train  # lazy: jax
   have, where = device_memory()
@@ -179,14 +180,15 @@ def fit_packs(pending: list[config_lib.Trial], pack: int, stream: TextIO) -> dic
   for t in pending:
     sizes.setdefault(config_lib.pack_key(t), []).append(t)
   for key, group in sizes.items():
-    asked = min(pack, len(group))
+    asked = len(group) if pack == "auto" else min(pack, len(group))
     if asked == 1:
       continue
     per = train.memory_estimate(group[0].config)
     fits = max(1, budget // max(per, 1))
     if fits < asked:
       limits[key] = fits
-      stream.write(f"sweep.pack={pack}: reduced to {fits} for [{_label(group)}]: one trial's train step needs "
+      cut = "reduced to" if pack != "auto" else "at most"
+      stream.write(f"sweep.pack={pack}: {cut} {fits} for [{_label(group)}]: one trial's train step needs "
                    f"{faults.fmt_bytes(per)} (XLA's memory analysis), {where} has {faults.fmt_bytes(have)} "
                    f"available and packs plan on {PACK_MEMORY_FRACTION:.0%} of it ({faults.fmt_bytes(budget)})\n")
   return limits
@@ -242,7 +244,7 @@ def _full(out: str, where: str, free: int, why: str = "") -> ConfigError:
                  + (f", and {why}" if why else "") + ": free space or choose another --out")
 
 
-def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool, int]:
+def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool, int | str]:
   """The trials of a claimed store in sweep order (from their config.json), its sweep.vmap_seeds and sweep.pack."""
   head = load_sweep(out)
   trials = []
@@ -253,7 +255,7 @@ def stored_trials(out: str) -> tuple[list[config_lib.Trial], bool, int]:
     cfg = read_config(path, config_todo(out, head))
     trials.append(config_lib.Trial(entry["id"], cfg["label"],
                                    {k: v for k, v in cfg.items() if k not in ("id", "label")}))
-  return trials, bool(head.get("vmap_seeds", False)), int(head.get("pack", 1))
+  return trials, bool(head.get("vmap_seeds", False)), head.get("pack", 1)
 
 
 def run_sweep(sweep: config_lib.Sweep, out: str, *, config_text: str = "",
@@ -335,9 +337,11 @@ class _Worker:
 
   def __init__(self, store: Store, trials: list[config_lib.Trial], vmap_seeds: bool, lease_timeout: float,
                stream: TextIO, worker: str | None, tb: tb_writer.Writer | None = None, orders: Any = None,
-               pack: int = 1):
+               pack: int | str = 1):
     self.store, self.vmap_seeds, self.lease_timeout = store, vmap_seeds, lease_timeout
-    self.pack, self.limits = pack, {}  # sweep.pack, and each pack key's limit in memory (fit_packs)
+    # sweep.pack; each pack key's most trials per program (memory: fit_packs; "auto": what adapt chose
+    # so far); the memory's alone ("auto"); adapt's state per pack key; the last program's timing
+    self.pack, self.limits, self.caps, self.auto, self.timing = pack, {}, {}, {}, None
     self.stream, self.worker, self.tb = stream, worker, tb
     self.orders = orders  # distributed.Orders to the group's other processes; None when training alone
     self.index = {t.id: i + 1 for i, t in enumerate(trials)}
@@ -357,8 +361,10 @@ class _Worker:
     cache = train.enable_compilation_cache()
     self.stream.write(f"{len(pending)} trials to run into {store.root} (JAX compilation cache: {cache})\n")
     self.progress = Progress(sum(t.config["train"]["steps"] for t in pending), len(pending), self.stream)
-    if self.orders is None:  # a group of processes trains one trial's batch over them all: packs are not split
-      self.limits = fit_packs(pending, self.pack, self.stream)
+    if self.orders is None:  # a group of processes trains no packs (config_lib.check_devices)
+      self.limits = self.caps = fit_packs(pending, self.pack, self.stream)
+    if self.pack == "auto":  # each pack key starts alone, then adapt doubles while throughput grows
+      self.limits = {config_lib.pack_key(t): 1 for t in pending}
     self.started = 0  # trials this worker has started: the progress line's i of len(pending)
     try:
       self._loop(train, pending, counts, wait)
@@ -387,7 +393,7 @@ class _Worker:
     store = self.store
     stopped, waiting = False, None
     while not stopped:
-      ran = False
+      ran, regroup = False, False
       todo = [t for t in pending if not store.is_done(t.id)]
       for group in config_lib.seed_groups(todo, self.vmap_seeds, self.pack, self.limits):
         if preempt.requested():
@@ -405,15 +411,53 @@ class _Worker:
           if self.tb is not None and self.tb.fault is not None:  # events cannot be written: stop after this trial
             self.fault, stopped = self.tb.fault, True
             break
+          if self.pack == "auto" and self.adapt(held):  # another size next: the groups are cut again
+            regroup = True
+            break
       left = [t for t in pending if not store.is_done(t.id)]
-      if not left or not wait or stopped:
+      if not left or stopped or (not wait and not regroup):
         break
+      if regroup:
+        continue
       if not ran:
         if waiting != len(left):
           waiting = len(left)
           self.stream.write(f"waiting for {len(left)} trial{'s' * (len(left) > 1)} other workers hold "
                             f"(one whose heartbeat stops for {self.lease_timeout:g} s is taken over)\n")
         stopped = preempt.sleep(max(0.2, min(self.lease_timeout / 8, 2.0)))
+
+  def adapt(self, group: list[config_lib.Trial]) -> bool:
+    """sweep.pack = "auto": the next program's size for this pack key from the throughput just measured.
+
+    Throughput is trials x steps per second of the compiled step (the program's median step time,
+    compilation left out). From one trial per program the size doubles while each doubling gains at
+    least AUTO_GAIN over the best so far, within memory (fit_packs); at the first that does not, it
+    returns to the best and stays. True when the size changed (the groups are cut again).
+    """
+    timing, self.timing = self.timing, None
+    if not timing or not timing[1]:
+      return False
+    key, (n, step_s) = config_lib.pack_key(group[0]), timing
+    state = self.auto.setdefault(key, {"best": None, "settled": False})
+    if state["settled"]:
+      return False
+    rate, best, size = n / step_s, state["best"], self.limits.get(key, 1)
+    what = f"sweep.pack=auto [{_label(group)}]: {n} trial{'s' * (n > 1)} per program ran {rate:.1f} trial-steps/s"
+    if best is None or rate > AUTO_GAIN * best[1]:
+      state["best"] = (n, rate)
+      grow = min(2 * n, self.caps.get(key, 2 * n))
+      if grow <= n or n < size:  # memory holds no more, or too few trials were left to fill the size
+        state["settled"] = True
+        self.stream.write(f"{what}: {n} per program from here\n")
+        return False
+      self.limits[key] = grow
+      self.stream.write(f"{what}: trying {grow}\n")
+      return True
+    state["settled"] = True
+    self.limits[key] = best[0]
+    self.stream.write(f"{what}, under {AUTO_GAIN:g}x the {best[1]:.1f} of {best[0]} per program: "
+                      f"{best[0]} per program from here\n")
+    return True
 
   def _lease(self, group: list[config_lib.Trial]) -> list[config_lib.Trial]:
     """The members of a group this worker now holds the lease of (and that are still unfinished)."""
@@ -480,12 +524,14 @@ class _Worker:
       try:
         if self.orders is not None:
           self.orders.send(ids)  # the other processes train these with this one
+        self.timing = None
         summaries = train.train_group([t.config for t in group],
                                       on_row=on_row,
                                       on_step=on_step, vmap=config_lib.batched(self.vmap_seeds, self.pack),
                                       checkpoint_dirs=[store.checkpoint_dir(i) for i in ids],
                                       on_start=on_start, log=lambda line: stream.write(line + "\n"),
                                       on_compiled=on_compiled)
+        self.timing = (len(group), summaries[0].get("step_time_s_median")) if summaries else None
       except Exception as e:  # the trial's own error is recorded; the machine's stops the worker (below)
         if not isinstance(e, recorded) or faults.classify(e) is not None:
           raise
