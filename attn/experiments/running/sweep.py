@@ -7,7 +7,8 @@ configs but for train.seed) train together under jax.vmap over seeds when
 sweep.vmap_seeds is true (default false: slower on CPU, experiments/performance.md);
 each seed still saves its own checkpoints. With sweep.pack = N, up to N trials equal but for
 their seed, lr, warmup_steps and end_lr_ratio train as one program the same way, N reduced
-before any training where memory holds fewer (fit_packs). A trial whose training raises is
+before any training where memory holds fewer (fit_packs); with sweep.pack = "auto" each worker
+picks N per shape by measured throughput (_Worker.adapt). A trial whose training raises is
 recorded as failed with the error, and the sweep goes on; so is one whose
 compiled step wants more memory than the machine has available (check_memory).
 A fault of the machine (attn.process.faults: no space, an I/O
