@@ -143,7 +143,8 @@ EOF
 BACKEND=$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)
 if [[ "$BACKEND" != "gpu" ]]; then
   say "NO GPU: jax's default backend is \"${BACKEND:-unknown}\". The GPU measurements below are skipped,"
-  say "each named; what runs is the environment, the gpu-marked tests (they skip, saying why) and a smoke bench."
+  say "each named; what runs is the environment, the gpu-marked tests (they skip, saying why), a smoke bench and"
+  say "both sweeps cut to 5 steps."
 fi
 
 # 3. The gpu-marked tests (-m gpu overrides pyproject's default marker filter).
