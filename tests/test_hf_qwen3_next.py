@@ -13,8 +13,7 @@ from attn.nn.decoding import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "Qwen3NextConfig"):
-  pytest.skip("this transformers has no qwen3_next", allow_module_level=True)
+pytest.importorskip("transformers.models.qwen3_next", reason="this transformers has no qwen3_next")
 
 KINDS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -57,12 +56,44 @@ def test_logits_equal_transformers_under_right_padding(live):
 
 
 def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: cached decoding (states and KV caches) against transformers' generate and
+  against attn's own full pass over the growing sequence (argmax of the last position)."""
   loaded = hf.from_hf(live)
   prompt = np.random.default_rng(1).integers(0, 50, (1, 5))
   with torch.no_grad():
     want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
   got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
   np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_greedy(loaded.model, prompt, 6)(got))
+
+
+def full_pass_greedy(model, prompt, steps):
+  """Greedy decoding with no cache, as one causal pass over `decoded` can check it: token T + i is
+  the argmax of the full pass at position T + i − 1 (by induction on i, the same sequence as
+  passing the whole prefix through the model at every step)."""
+  def check(decoded):
+    T = prompt.shape[1]
+    logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
+    return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
+  return check
+
+
+@pytest.mark.slow
+def test_cached_greedy_decoding_over_many_tokens_and_sizes():
+  """Thirty tokens from two prompts, at a second size (one key head, value heads 3 to 1, conv 3)."""
+  torch.manual_seed(3)
+  model = transformers.Qwen3NextForCausalLM(tiny(
+      num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+      linear_num_value_heads=3, linear_key_head_dim=4, linear_value_head_dim=7, linear_conv_kernel_dim=3,
+      layer_types=["linear_attention", "full_attention", "linear_attention"], num_hidden_layers=3,
+      mlp_only_layers=[0, 1, 2])).eval()
+  loaded = hf.from_hf(model)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_greedy(loaded.model, prompt, 30)(got))
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -83,10 +114,16 @@ def test_a_layer_type_attn_does_not_run_is_refused():
     hf.model_config(config)
 
 
-def test_count_hf_equals_transformers_parameters_and_reports_the_state(live):
+def test_count_hf_equals_transformers_parameters_and_reports_the_state(live, tmp_path, capsys):
+  import json
+  from attn import cli
   from attn.count import hf as count_hf
+  live.save_pretrained(tmp_path / "ckpt")
+  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  assert json.loads(out.out)["total"] == sum(p.numel() for p in live.parameters())
   report = count_hf.hf_report(live.config.to_dict(), "tiny")
-  assert report["total"] == sum(p.numel() for p in live.parameters())
   rows = {r["type"]: r for r in report["layer_types"]}
   # H·K·V float32 + (W − 1)·(2GK + HV) numbers per sequence, 4 bytes each, per linear layer
   assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
@@ -110,8 +147,9 @@ def test_to_hf_and_back_is_exact(live):
   for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model))):
     np.testing.assert_array_equal(a, b)
   tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
-  with torch.no_grad():
-    np.testing.assert_allclose(out(tok).logits.numpy(), live(tok).logits.numpy(), rtol=0, atol=1e-5)
+  out.set_attn_implementation(live.config._attn_implementation)  # to_hf builds eager; the fixture has sdpa
+  with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
+    np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
 
 
 def nnx_state(model):
