@@ -104,8 +104,9 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   H = lin.get("num_heads", hf.get("linear_num_heads", 32))
   linear = {"num_heads": H, "num_kv_heads": H, "d_k": K, "d_v": K,
             "conv_width": lin.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4))}
-  return base.replace(rope_layout="none", rope_scaling=None, layer_types=tuple(kinds), linear_variant="kda",
-                      linear_head=linear if "linear_attention" in kinds else None)
+  hybrid = "linear_attention" in kinds
+  return base.replace(rope_layout="none", rope_scaling=None, layer_types=tuple(kinds),
+                      linear_variant="kda" if hybrid else "gated_deltanet", linear_head=linear if hybrid else None)
 
 
 def _kda_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
@@ -177,7 +178,7 @@ def check_out(cfg: ModelConfig) -> None:
   deepseek_v3.check_out(cfg)
   if cfg.rope_layout != "none":
     raise invalid("rope_layout", cfg.rope_layout, "'none': Kimi Linear's MLA layers carry no positions")
-  if cfg.linear_variant != "kda":
+  if cfg.linear_variant != "kda" and "linear_attention" in (cfg.layer_types or ()):
     raise invalid("linear_variant", cfg.linear_variant, "'kda': Kimi Linear's linear layers")
   if cfg.norm_eps != NORM_EPS:
     raise invalid("norm_eps", cfg.norm_eps, f"{NORM_EPS}: Kimi Linear has one rms_norm_eps, kda's gated norm's")
