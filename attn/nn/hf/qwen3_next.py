@@ -89,12 +89,14 @@ def _linear(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarra
           "w_o": w(f"{a}.out_proj.weight", (D, H * V)).T.reshape(H, V, D)}
 
 
-def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
+def weights_in(w: Weights, cfg: ModelConfig, linear_in=None) -> dict[str, Any]:
+  """The model's arrays; linear_in(w, at, cfg, l) reads a linear layer (default: Qwen3-Next's tensors)."""
+  linear_in = linear_in or _linear
   D, F, N = cfg.d_model, cfg.d_ff, cfg.vocab_size
   norm = lambda name: {"scale": w(f"{name}.weight", (D,))}
   blocks = {}
   for l, kind in enumerate(cfg.layer_types):
-    params = (_linear(w, f"layers.{l}.linear_attn", cfg, l) if kind == "linear_attention"
+    params = (linear_in(w, f"layers.{l}.linear_attn", cfg, l) if kind == "linear_attention"
               else _full(w, f"layers.{l}.self_attn", cfg))
     mlp = {n: {"kernel": w(f"layers.{l}.mlp.{n}_proj.weight", s).T}
            for n, s in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))}
@@ -130,14 +132,16 @@ def _linear_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> d
           f"{a}.norm.weight": p["norm"], f"{a}.out_proj.weight": p["w_o"].reshape(H * V, D).T}
 
 
-def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+def weights_out(pure: dict[str, Any], cfg: ModelConfig, linear_out=None) -> dict[str, Any]:
+  """The state dict; linear_out(p, at, cfg, l) writes a linear layer (default: Qwen3-Next's tensors)."""
+  linear_out = linear_out or _linear_out
   sd = {"model.embed_tokens.weight": pure["embed"]["token"], "model.norm.weight": pure["final_norm"]["scale"]}
   sd["lm_head.weight"] = (pure["embed"]["token"] if cfg.tie_embeddings
                           else np.asarray(pure["head"]["linear"]["kernel"]).T)
   for l, block in pure["blocks"].items():
     l = int(l)
     p = {k: np.asarray(v) for k, v in block["attn"]["params"].items()}
-    sd |= (_linear_out(p, f"model.layers.{l}.linear_attn", cfg, l) if cfg.layer_types[l] == "linear_attention"
+    sd |= (linear_out(p, f"model.layers.{l}.linear_attn", cfg, l) if cfg.layer_types[l] == "linear_attention"
            else _full_out(p, f"model.layers.{l}.self_attn", cfg))
     for n in ("gate", "up", "down"):
       sd[f"model.layers.{l}.mlp.{n}_proj.weight"] = np.asarray(block["mlp"][n]["kernel"]).T
