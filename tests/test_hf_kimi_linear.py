@@ -60,8 +60,9 @@ def full_pass_check(model, prompt, decoded):
   return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
 
 
-def test_cached_greedy_decoding_equals_transformers_and_the_full_pass(live):
-  """The fast test: kda states, the MLA cache and the experts, six tokens."""
+def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: kda states, the MLA cache and the experts, six tokens (attn's own full pass: the slow
+  test below)."""
   loaded = hf.from_hf(live)
   assert loaded.family == "kimi_linear"
   assert [b.attn.variant for b in loaded.model.blocks] == ["kda"] * 3 + ["mla"]
@@ -70,7 +71,6 @@ def test_cached_greedy_decoding_equals_transformers_and_the_full_pass(live):
     want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
   got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
   np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
 
 
 @pytest.mark.slow
@@ -114,6 +114,7 @@ def nnx_state(model):
   return nnx.to_pure_dict(nnx.state(model, (nnx.Param, Buffer)))
 
 
+@pytest.mark.slow
 def test_to_hf_and_back_is_exact(live):
   loaded = hf.from_hf(live)
   out = hf.to_hf(loaded)
@@ -179,6 +180,7 @@ def test_what_a_config_json_may_say_that_attn_does_not_run_is_refused(changes, f
     hf.model_config(config)
 
 
+@pytest.mark.slow
 def test_the_family_kit_passes():
   from attn.testing import check_family
   measured = check_family("kimi_linear", tiny().to_dict())

@@ -55,7 +55,8 @@ def full_pass_check(model, prompt, decoded):
   return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
 
 
-def test_cached_greedy_decoding_equals_transformers_and_the_full_pass(live):
+def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: states and KV caches, six tokens (attn's own full pass: the slow test below)."""
   loaded = hf.from_hf(live)
   assert loaded.family == "qwen3_5_text"
   assert [b.attn.variant for b in loaded.model.blocks] == ["gated_deltanet", "per_head"] * 2
@@ -64,7 +65,6 @@ def test_cached_greedy_decoding_equals_transformers_and_the_full_pass(live):
     want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
   got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
   np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
 
 
 @pytest.mark.slow
@@ -106,6 +106,7 @@ def nnx_state(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 def test_to_hf_and_back_is_exact(live):
   loaded = hf.from_hf(live)
   out = hf.to_hf(loaded)
@@ -164,6 +165,7 @@ def test_the_release_s_multi_token_prediction_weights_are_not_read(live):
   assert loaded.family == "qwen3_5_text"
 
 
+@pytest.mark.slow
 def test_the_family_kit_passes():
   from attn.testing import check_family
   measured = check_family("qwen3_5_text", tiny().to_dict())
