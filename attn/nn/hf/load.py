@@ -46,7 +46,14 @@ FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _bui
 # Model types no family reads, refused with the reason.
 REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
                           "windows do not express, and its feed-forward is a mixture of experts",
-           "mixtral": "no family reads its experts (block_sparse_moe) yet"}
+           "mixtral": "no family reads its experts (block_sparse_moe) yet",
+           "qwen3_5": "it is Qwen3.5's vision-language wrapper (text under text_config and model.language_model.); "
+                      "attn reads the text model, model_type qwen3_5_text",
+           "qwen3_5_moe": "no family reads its experts (a sigmoid-gated shared expert) yet",
+           "nemotron_h": "each of its layers is one mixer (Mamba-2, attention, MLP or experts) with its own "
+                         "residual, where a block of attn's DecoderLM is an attention layer and an MLP",
+           "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "
+                        "block of attn's DecoderLM has one attention layer"}
 
 
 def _by_model_type() -> dict[str, Family]:
