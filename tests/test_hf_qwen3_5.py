@@ -151,6 +151,12 @@ def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
     hf.model_config(config)
 
 
+def test_experts_are_refused_by_name():
+  """Qwen3.5's dense text model has none: a config that says otherwise is refused before any weight."""
+  with pytest.raises(ConfigError, match="config.num_experts=4 is not allowed"):
+    hf.model_config({**tiny().to_dict(), "num_experts": 4})
+
+
 def test_a_layer_type_attn_does_not_run_is_refused():
   config = {**tiny().to_dict(), "layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}
   with pytest.raises(ConfigError, match="config.layer_types=.* is not allowed"):

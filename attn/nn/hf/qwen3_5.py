@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from attn.config import invalid
 from attn.nn.hf import qwen3_next
 from attn.nn.hf.base import Weights
 from attn.nn.config import ModelConfig
@@ -63,13 +64,22 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
   return kw | {"architectures": ["Qwen3_5ForCausalLM"]}
 
 
+def config_in(hf: dict[str, Any]) -> ModelConfig:
+  if hf.get("num_experts"):
+    raise invalid("config.num_experts", hf["num_experts"], "0 or absent: qwen3_5_text is Qwen3.5's dense text "
+                  "model (its experts are qwen3_5_moe's)")
+  return qwen3_next.config_in(hf)
+
+
 def check_out(cfg: ModelConfig) -> None:
   qwen3_next.check_out(cfg)
+  if cfg.mlp != "gated":
+    raise invalid("mlp", cfg.mlp, "'gated': qwen3_5_text has no experts")
 
 
 QWEN3_5 = dataclasses.replace(
-    qwen3_next.QWEN3_NEXT, name="qwen3_5_text", model_types=("qwen3_5_text",),
-    architectures=("Qwen3_5ForCausalLM",),
+    qwen3_next.QWEN3_NEXT, name="qwen3_5_text", fixed=qwen3_next.QWEN3_NEXT.fixed | {"mlp": "gated"}, model_types=("qwen3_5_text",),
+    architectures=("Qwen3_5ForCausalLM",), config_in=config_in,
     weights_in=functools.partial(qwen3_next.weights_in, linear_in=_linear_in),
     weights_out=functools.partial(qwen3_next.weights_out, linear_out=_linear_out),
     config_out=config_out, check_out=check_out, ignored=("mtp.",))  # the release's multi-token-prediction
