@@ -34,7 +34,8 @@ PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.kernel
 QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
 ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
-ROPE_LAYOUTS = ("half", "interleaved")  # which dims pair: i with i + r/2 (rotate_half), or 2i with 2i + 1
+ROPE_LAYOUTS = ("half", "interleaved", "none")  # which dims pair: i with i + r/2 (rotate_half), 2i with 2i + 1;
+# "none": the rope_dim dims are not turned (Kimi Linear's MLA keeps DeepSeek's decoupled key, unrotated)
 # The fields only one or two rope_scaling kinds read; with any other kind they stay at their defaults.
 _SCALING_FIELDS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
                    "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",),
@@ -68,7 +69,8 @@ class HeadConfig:
   i + rope_dim/2 (the half-split convention of GPT-NeoX and Hugging Face),
   frequency ω_i = rope_theta^(-2i/rope_dim); rope_layout "interleaved" pairs
   dims 2i and 2i + 1 instead (DeepSeek's stored layout; the same scores up to a
-  permutation of the rotated dims). rope_dim < d_k is a partial rotary width
+  permutation of the rotated dims); "none" turns nothing (the rope_dim dims stay
+  as they are: Kimi Linear's MLA, DeepSeek's decoupled key without positions). rope_dim < d_k is a partial rotary width
   (Phi-3's partial_rotary_factor). rope_scaling rescales the ω_i
   (attn.variants.rope.frequencies; transformers' rope_type of the same name):
   "linear" divides every ω_i by rope_factor (position interpolation, Chen et
@@ -214,7 +216,10 @@ class HeadConfig:
     _positive_number("rope_theta", self.rope_theta, "the RoPE base, 10000 by default")
     if self.rope_layout not in ROPE_LAYOUTS:
       raise invalid("rope_layout", self.rope_layout, f"one of {list(ROPE_LAYOUTS)}: dim i pairs with "
-                    "i + rope_dim/2 (half, transformers' rotate_half) or 2i with 2i + 1 (interleaved)")
+                    "i + rope_dim/2 (half, transformers' rotate_half) or 2i with 2i + 1 (interleaved), or "
+                    "none turns (none)")
+    if self.rope_layout == "none" and self.rope_scaling is not None:
+      raise invalid("rope_scaling", self.rope_scaling, "None with rope_layout='none': nothing turns to rescale")
     self._check_rope_scaling()
     if self.latent_dim is None:
       object.__setattr__(self, "latent_dim", 4 * self.d_k)

@@ -13,8 +13,7 @@ from attn.nn.decoding import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "Qwen3NextConfig"):
-  pytest.skip("this transformers has no qwen3_next", allow_module_level=True)
+pytest.importorskip("transformers.models.qwen3_next", reason="this transformers has no qwen3_next")
 
 KINDS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -27,15 +26,29 @@ def tiny(**changes):
   return transformers.Qwen3NextConfig(**{**kw, **changes})
 
 
-@pytest.fixture(scope="module")
-def live():
-  torch.manual_seed(0)
-  model = transformers.Qwen3NextForCausalLM(tiny()).eval()
+def build(config, seed=0):
+  torch.manual_seed(seed)
+  model = transformers.Qwen3NextForCausalLM(config).eval()
   with torch.no_grad():  # zero-centred norms start at 0 (a scale of 1): move them so they are read
     for name, p in model.named_parameters():
       if name.endswith("norm.weight") and "linear_attn" not in name:
         p.normal_(0.0, 0.2)
   return model
+
+
+@pytest.fixture(scope="module")
+def live():
+  return build(tiny())
+
+
+# Experts after one dense layer: 4 of 12 wide, 2 kept, and a shared expert of 20 behind its σ gate.
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+               mlp_only_layers=[0])
+
+
+@pytest.fixture(scope="module")
+def live_moe():
+  return build(tiny(**EXPERTS), seed=7)
 
 
 @pytest.mark.slow
@@ -57,6 +70,8 @@ def test_logits_equal_transformers_under_right_padding(live):
 
 
 def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: cached decoding (states and KV caches) against transformers' generate (attn's own
+  full pass: the slow test below)."""
   loaded = hf.from_hf(live)
   prompt = np.random.default_rng(1).integers(0, 50, (1, 5))
   with torch.no_grad():
@@ -65,8 +80,36 @@ def test_cached_greedy_decoding_equals_transformers(live):
   np.testing.assert_array_equal(got, want)
 
 
+def full_pass_check(model, prompt, decoded):
+  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
+  decoding by passing the whole prefix at every step gives `decoded`."""
+  T = prompt.shape[1]
+  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
+  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
+
+
+@pytest.mark.slow
+def test_cached_greedy_decoding_over_many_tokens_and_sizes():
+  """Thirty tokens from two prompts, at a second size (one key head, value heads 3 to 1, conv 3)."""
+  torch.manual_seed(3)
+  model = transformers.Qwen3NextForCausalLM(tiny(
+      num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+      linear_num_value_heads=3, linear_key_head_dim=4, linear_value_head_dim=7, linear_conv_kernel_dim=3,
+      layer_types=["linear_attention", "full_attention", "linear_attention"], num_hidden_layers=3,
+      mlp_only_layers=[0, 1, 2])).eval()
+  loaded = hf.from_hf(model)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+
+
 @pytest.mark.parametrize("changes, field", [
-    (dict(num_experts=4, mlp_only_layers=[0, 1]), "config.num_experts"),
+    (dict(num_experts=4, mlp_only_layers=[1]), "config.mlp_only_layers, decoder_sparse_step"),
+    (dict(num_experts=4, mlp_only_layers=[], decoder_sparse_step=2), "config.mlp_only_layers, decoder_sparse_step"),
+    (dict(num_experts=4, mlp_only_layers=[0], output_router_logits=True), "config.output_router_logits"),
     (dict(attention_bias=True), "config.attention_bias"),
     (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
     (dict(linear_num_key_heads=3), "num_kv_heads"),
@@ -83,10 +126,16 @@ def test_a_layer_type_attn_does_not_run_is_refused():
     hf.model_config(config)
 
 
-def test_count_hf_equals_transformers_parameters_and_reports_the_state(live):
+def test_count_hf_equals_transformers_parameters_and_reports_the_state(live, tmp_path, capsys):
+  import json
+  from attn import cli
   from attn.count import hf as count_hf
+  live.save_pretrained(tmp_path / "ckpt")
+  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  assert json.loads(out.out)["total"] == sum(p.numel() for p in live.parameters())
   report = count_hf.hf_report(live.config.to_dict(), "tiny")
-  assert report["total"] == sum(p.numel() for p in live.parameters())
   rows = {r["type"]: r for r in report["layer_types"]}
   # H·K·V float32 + (W − 1)·(2GK + HV) numbers per sequence, 4 bytes each, per linear layer
   assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
@@ -110,8 +159,9 @@ def test_to_hf_and_back_is_exact(live):
   for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model))):
     np.testing.assert_array_equal(a, b)
   tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
-  with torch.no_grad():
-    np.testing.assert_allclose(out(tok).logits.numpy(), live(tok).logits.numpy(), rtol=0, atol=1e-5)
+  out.set_attn_implementation(live.config._attn_implementation)  # to_hf builds eager; the fixture has sdpa
+  with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
+    np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
 
 
 def nnx_state(model):
@@ -123,4 +173,60 @@ def test_the_family_kit_passes():
   """attn.testing.check_family: read, refusals, the round trip and logits against transformers."""
   from attn.testing import check_family
   measured = check_family("qwen3_next", tiny().to_dict())
+  assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+def test_count_hf_with_experts_equals_transformers_parameters(live_moe, tmp_path, capsys):
+  """Router E·D, experts 3·D·F each, the shared expert 3·D·20 and its gate D, as transformers holds them."""
+  import json
+  from attn import cli
+  live_moe.save_pretrained(tmp_path / "moe")
+  code = cli.main(["count", "--hf", str(tmp_path / "moe"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  assert json.loads(out.out)["total"] == sum(p.numel() for p in live_moe.parameters())
+
+
+@pytest.mark.slow
+def test_experts_logits_decoding_and_to_hf_equal_transformers(live_moe):
+  """The softmax router, the experts and the gated shared expert: logits under right padding, 30 tokens of
+  cached greedy decoding (and attn's own full pass), and to_hf bit for bit, with the logits."""
+  import jax
+  loaded = hf.from_hf(live_moe)
+  cfg = loaded.config
+  assert cfg.mlp == "moe" and cfg.moe_dense_first == 1 and cfg.moe_shared_d_ff == 20 and cfg.moe_shared_gate
+  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
+  mask = np.ones((2, 9), np.int64)
+  mask[1, 6:] = 0
+  with torch.no_grad():
+    want = live_moe(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = live_moe.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+  out = hf.to_hf(loaded)
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in live_moe.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():
+    np.testing.assert_array_equal(ours[name], a, err_msg=name)
+  for a, b in zip(jax.tree.leaves(nnx_state(hf.from_hf(out).model)), jax.tree.leaves(nnx_state(loaded.model)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  out.set_attn_implementation(live_moe.config._attn_implementation)
+  tok = torch.tensor(tok[:1])
+  with torch.no_grad():
+    np.testing.assert_array_equal(out(tok).logits.numpy(), live_moe(tok).logits.numpy())
+
+
+@pytest.mark.slow
+def test_the_family_kit_passes_with_experts():
+  from attn.testing import check_family
+  measured = check_family("qwen3_next", tiny(**EXPERTS).to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4

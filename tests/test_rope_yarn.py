@@ -48,6 +48,16 @@ def test_partial_rotation_in_both_layouts_against_numpy(layout):
   np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
 
 
+def test_layout_none_turns_nothing():
+  """rope_layout "none" (Kimi Linear's MLA): every ω_i is 0, rotate gives x back bit for bit, and
+  R(δ) is the identity at every offset."""
+  cfg = HeadConfig(d_model=12, num_heads=2, d_k=10, rope_dim=6, rope_theta=50.0, rope_layout="none")
+  x = randn(3, (2, 4, 2, 10))
+  np.testing.assert_array_equal(rope.frequencies(cfg), np.zeros(3))
+  np.testing.assert_array_equal(rope.rotate(x, jnp.array([0, 5, 9, 300]), cfg), x)
+  np.testing.assert_array_equal(rope.rotation_matrices([0, 7, -40], cfg), np.tile(np.eye(10), (3, 1, 1)))
+
+
 def test_interleaved_is_half_on_permuted_dims_and_scores_depend_on_offsets():
   """interleaved(x) = P⁻¹ half(P x) with P the de-interleaving permutation; q·k reads only t − s."""
   rotate = jax.jit(rope.rotate, static_argnums=2)  # one compile per layout, not op by op
@@ -110,7 +120,8 @@ def test_yarn_scales_the_rotated_part_of_every_score():
 @pytest.mark.parametrize("changes, match", [
     (dict(rope_dim=5), r"rope_dim=5 is not allowed: an even integer in \[0, d_k=8\]"),
     (dict(rope_dim=10), r"rope_dim=10 is not allowed: an even integer in \[0, d_k=8\]"),
-    (dict(rope_layout="pairs"), r"rope_layout='pairs' is not allowed: one of \['half', 'interleaved'\]"),
+    (dict(rope_layout="pairs"), r"rope_layout='pairs' is not allowed: one of \['half', 'interleaved', 'none'\]"),
+    (dict(YARN, rope_layout="none"), r"rope_scaling='yarn' is not allowed: None with rope_layout='none'"),
     (dict(YARN, rope_factor=0.0), r"rope_factor=0.0 is not allowed: a positive finite number"),
     (dict(YARN, rope_factor=-2.0), r"rope_factor=-2.0 is not allowed: a positive finite number"),
     (dict(YARN, rope_attention_factor=0.0), r"rope_attention_factor=0.0 is not allowed"),

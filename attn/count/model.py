@@ -55,13 +55,14 @@ def expert_params(m: ModelConfig) -> dict[str, int]:
   """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
 
   Each expert 3·D·F + b·(2F + D), F = moe_d_ff; the router D·E + b·E; shared experts
-  one gated MLP of width S·F. Active: the router, k experts and the shared ones.
+  one gated MLP of width S·F (or moe_shared_d_ff), + D with moe_shared_gate. Active: the router,
+  k experts and the shared ones.
   """
   D, F, b = m.d_model, m.moe_d_ff or m.d_ff, m.has_dense_bias
   expert = 3 * D * F + ((2 * F + D) if b else 0)
-  SF = m.moe_shared_experts * F
+  SF = (m.moe_shared_d_ff or m.moe_shared_experts * F) if m.moe_shared_experts else 0
   fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
-      3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0)
+      3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0) + (D if m.moe_shared_gate else 0)
   return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
 
 

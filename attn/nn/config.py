@@ -103,6 +103,8 @@ class ModelConfig:
   moe_shared_experts: int = 0  # a gated MLP of width moe_shared_experts·moe_d_ff on every token
   moe_dense_first: int = 0  # the first layers keep the dense MLP (first_k_dense_replace)
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
+  moe_shared_d_ff: int | None = None  # the shared experts' width (None: moe_shared_experts·moe_d_ff; Qwen3-Next)
+  moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
   impl: str = "auto"  # every attention layer's core (attn.kernel.IMPLS); "auto" picks per call
 
   def __post_init__(self):

@@ -299,7 +299,7 @@ class TransformerBlock(nnx.Module):
     self.cross_norm = layer_norm(cfg, rngs, pre and cross)
     self.mlp = MLP(cfg, rngs=rngs) if not experts else moe.MoE(
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
-        shared=MLP(cfg, rngs=rngs, d_ff=(cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
+        shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
         if cfg.moe_shared_experts else None)
     self.mlp_norm = layer_norm(cfg, rngs, pre)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich)

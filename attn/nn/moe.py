@@ -26,7 +26,9 @@ Each expert is a gated MLP, down(act(gate(x))·up(x)), of width moe_d_ff
 (dense_bias, else use_bias); with moe_swiglu_limit ℓ it is gpt-oss's clamped
 SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)).
 moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
-(DeepSeek's shared experts); the first moe_dense_first layers keep the dense
+(DeepSeek's shared experts), or of width moe_shared_d_ff where set, and with
+moe_shared_gate its output is scaled by σ(x·w_shared_gate), w (D, 1) (Qwen3-Next's
+shared_expert_gate); the first moe_dense_first layers keep the dense
 MLP of width d_ff (DeepSeek's first_k_dense_replace).
 """
 
@@ -52,7 +54,8 @@ class Buffer(nnx.Variable):
 # ModelConfig's MoE fields and their defaults (each must keep it unless mlp = "moe").
 FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "softmax",
           "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
-          "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None}
+          "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
+          "moe_shared_gate": False}
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -98,6 +101,13 @@ def check(m: Any) -> None:
     raise invalid("moe_experts", E, "at least 2 with moe_router='sigmoid' (groups score by their two best)")
   _positive("moe_routed_scaling", m.moe_routed_scaling, "the routed weights' multiplier")
   _int("moe_shared_experts", m.moe_shared_experts, 0)
+  for name, value in (("moe_shared_d_ff", m.moe_shared_d_ff), ("moe_shared_gate", m.moe_shared_gate)):
+    if value not in (None, False) and not m.moe_shared_experts:
+      raise invalid(name, value, f"{FIELDS[name]!r} with moe_shared_experts=0: it sets the shared experts")
+  if m.moe_shared_d_ff is not None:
+    _int("moe_shared_d_ff", m.moe_shared_d_ff, 1)
+  if not isinstance(m.moe_shared_gate, bool):
+    raise invalid("moe_shared_gate", m.moe_shared_gate, "True or False")
   if _int("moe_dense_first", m.moe_dense_first, 0) > m.num_layers:
     raise invalid("moe_dense_first", m.moe_dense_first, f"at most num_layers={m.num_layers}")
   if m.moe_swiglu_limit is not None:
@@ -153,6 +163,7 @@ class MoE(nnx.Module):
     self.b_gate = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_up = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_down = nnx.Param(jnp.zeros((E, D), dt)) if bias else None
+    self.shared_gate = param((D, 1), D) if m.moe_shared_gate else None
 
   def weights(self, x_BTD: Array) -> Array:
     """The routing weights (B,T,E) of x's tokens (zero outside each token's top k)."""
@@ -178,4 +189,9 @@ class MoE(nnx.Module):
     if self.b_down is not None:
       y_BTED = y_BTED + self.b_down[...].astype(c)
     out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD).astype(c), y_BTED)
-    return out_BTD if self.shared is None else out_BTD + self.shared(x_BTD)
+    if self.shared is None:
+      return out_BTD
+    shared_BTD = self.shared(x_BTD)
+    if self.shared_gate is not None:
+      shared_BTD = jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", x, self.shared_gate[...].astype(c))) * shared_BTD
+    return out_BTD + shared_BTD

@@ -33,7 +33,8 @@ and mla's and tpa's through `rotate`, reads them from the HeadConfig.
 
 Layouts (cfg.rope_layout): "half" pairs dim i with i + rope_dim/2
 (rotate_half); "interleaved" pairs 2i with 2i + 1 (the paper's, and how
-DeepSeek stores its RoPE dims). Either way only the first rope_dim dims turn.
+DeepSeek stores its RoPE dims). Either way only the first rope_dim dims turn; "none" turns
+nothing (every ω_i is 0: Kimi Linear's MLA, whose decoupled key carries no position).
 
 Seed question 4 with RoPE: the score x W_Q R(t − s) W_Kᵀ c has no single
 position-free W_h; `position_free_fit` gives the best one in least squares and
@@ -56,6 +57,8 @@ Array = jax.Array
 def frequencies(cfg: HeadConfig) -> np.ndarray:
   """ω_i of the rope_dim/2 pairs, float64: rope_theta^(-2i/rope_dim), scaled by cfg.rope_scaling."""
   r = cfg.rope_dim
+  if cfg.rope_layout == "none":  # nothing turns
+    return np.zeros(r // 2)
   omega = cfg.rope_theta ** (-np.arange(0, r, 2, dtype=np.float64) / r) if r else np.zeros(0)
   if cfg.rope_scaling == "linear":
     return omega / cfg.rope_factor
@@ -109,7 +112,7 @@ def rotate(x_BTNK: Array, positions, cfg: HeadConfig) -> Array:
   `attention_factor(cfg)`, and the result has x's dtype.
   """
   rope_dim = cfg.rope_dim
-  if rope_dim == 0:
+  if rope_dim == 0 or cfg.rope_layout == "none":
     return x_BTNK
   heads = x_BTNK.ndim == 4
   half = rope_dim // 2

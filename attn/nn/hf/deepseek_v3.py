@@ -96,7 +96,7 @@ def _nope_first(a: np.ndarray, r: int) -> np.ndarray:
   return np.concatenate([a[..., r:], a[..., :r]], -1)
 
 
-def _attention_in(w: Weights, a: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def attention_in(w: Weights, a: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
   D, H, K, V, r, C, Q = (cfg.d_model, cfg.num_heads, cfg.head.d_k, cfg.head.d_v, cfg.rope_dim, cfg.latent_dim,
                          cfg.q_latent_dim)
   nope = K - r
@@ -113,19 +113,19 @@ def _attention_in(w: Weights, a: str, cfg: ModelConfig) -> dict[str, np.ndarray]
   return p
 
 
-def _experts_in(w: Weights, m: str, cfg: ModelConfig) -> dict[str, Any]:
+def experts_in(w: Weights, m: str, cfg: ModelConfig) -> dict[str, Any]:
   D, E, F = cfg.d_model, cfg.moe_experts, cfg.moe_d_ff
   out = {"router_w": w(f"{m}.gate.weight", (E, D)).T, "correction": w(f"{m}.gate.e_score_correction_bias", (E,)),
-         "shared": _mlp_in(w, f"{m}.shared_experts", D, F * cfg.moe_shared_experts)}
+         "shared": mlp_in(w, f"{m}.shared_experts", D, F * cfg.moe_shared_experts)}
   if f"{m}.experts.gate_up_proj" in w:  # transformers 5
     gate_up = w(f"{m}.experts.gate_up_proj", (E, 2 * F, D))
     return out | {"w_gate": gate_up[:, :F].transpose(0, 2, 1), "w_up": gate_up[:, F:].transpose(0, 2, 1),
                   "w_down": w(f"{m}.experts.down_proj", (E, D, F)).transpose(0, 2, 1)}
-  each = [_mlp_in(w, f"{m}.experts.{e}", D, F) for e in range(E)]  # transformers 4, the release
+  each = [mlp_in(w, f"{m}.experts.{e}", D, F) for e in range(E)]  # transformers 4, the release
   return out | {f"w_{n}": np.stack([x[n]["kernel"] for x in each]) for n in ("gate", "up", "down")}
 
 
-def _mlp_in(w: Weights, at: str, D: int, F: int) -> dict[str, Any]:
+def mlp_in(w: Weights, at: str, D: int, F: int) -> dict[str, Any]:
   return {n: {"kernel": w(f"{at}.{n}_proj.weight", shape).T}
           for n, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))}
 
@@ -140,8 +140,8 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   blocks = {}
   for l in range(cfg.num_layers):
     at = f"layers.{l}"
-    mlp = _experts_in(w, f"{at}.mlp", cfg) if cfg.is_moe_layer(l) else _mlp_in(w, f"{at}.mlp", D, cfg.d_ff)
-    blocks[l] = {"attn": {"params": _attention_in(w, f"{at}.self_attn", cfg)}, "mlp": mlp,
+    mlp = experts_in(w, f"{at}.mlp", cfg) if cfg.is_moe_layer(l) else mlp_in(w, f"{at}.mlp", D, cfg.d_ff)
+    blocks[l] = {"attn": {"params": attention_in(w, f"{at}.self_attn", cfg)}, "mlp": mlp,
                  "attn_norm": norm(f"{at}.input_layernorm"), "mlp_norm": norm(f"{at}.post_attention_layernorm")}
   out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
   if cfg.tie_embeddings:
@@ -164,39 +164,48 @@ def fused_experts() -> bool:
 
 
 def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-  D, H, K, V, r, Q = cfg.d_model, cfg.num_heads, cfg.head.d_k, cfg.head.d_v, cfg.rope_dim, cfg.q_latent_dim
-  nope, fused = K - r, fused_experts()
   head = pure["embed"]["token"] if cfg.tie_embeddings else np.asarray(pure["head"]["linear"]["kernel"]).T
   sd = {"model.embed_tokens.weight": pure["embed"]["token"], "model.norm.weight": pure["final_norm"]["scale"],
         "lm_head.weight": head}
   for l, block in pure["blocks"].items():
     p = {k: np.asarray(v) for k, v in block["attn"]["params"].items()}
-    at, a, m = f"model.layers.{l}", f"model.layers.{l}.self_attn", f"model.layers.{l}.mlp"
-    kv_b = np.concatenate([p["w_uk"], p["w_uv"]], -1).transpose(1, 2, 0).reshape(H * (nope + V), -1)
-    sd |= {f"{a}.kv_a_proj_with_mqa.weight": np.concatenate([p["w_dkv"], p["w_kr"]], 1).T,
-           f"{a}.kv_a_layernorm.weight": p["latent_norm"], f"{a}.kv_b_proj.weight": kv_b,
-           f"{a}.o_proj.weight": p["w_o"].reshape(H * V, D).T,
-           f"{at}.input_layernorm.weight": block["attn_norm"]["scale"],
+    at = f"model.layers.{l}"
+    sd |= attention_out(p, f"{at}.self_attn", cfg) | mlp_out(block["mlp"], f"{at}.mlp", cfg, int(l))
+    sd |= {f"{at}.input_layernorm.weight": block["attn_norm"]["scale"],
            f"{at}.post_attention_layernorm.weight": block["mlp_norm"]["scale"]}
-    if Q is None:
-      sd[f"{a}.q_proj.weight"] = _nope_first(p["w_q"], r).reshape(D, H * K).T
-    else:
-      sd |= {f"{a}.q_a_proj.weight": p["w_dq"].T, f"{a}.q_a_layernorm.weight": p["q_latent_norm"],
-             f"{a}.q_b_proj.weight": _nope_first(p["w_uq"], r).reshape(Q, H * K).T}
-    e = block["mlp"]
-    if not cfg.is_moe_layer(l):
-      sd |= _mlp_out(e, m)
-      continue
-    sd |= {f"{m}.gate.weight": np.asarray(e["router_w"]).T, f"{m}.gate.e_score_correction_bias": e["correction"],
-           **_mlp_out(e["shared"], f"{m}.shared_experts")}
-    gate, up, down = (np.asarray(e[f"w_{n}"]) for n in ("gate", "up", "down"))
-    if fused:
-      sd |= {f"{m}.experts.gate_up_proj": np.concatenate([gate, up], -1).transpose(0, 2, 1),
-             f"{m}.experts.down_proj": down.transpose(0, 2, 1)}
-    else:
-      for i in range(cfg.moe_experts):
-        sd |= _mlp_out({"gate": {"kernel": gate[i]}, "up": {"kernel": up[i]}, "down": {"kernel": down[i]}},
-                       f"{m}.experts.{i}")
+  return sd
+
+
+def attention_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """One mla layer's tensors under the checkpoint's names (kimi_linear's full-attention layers too)."""
+  D, H, K, V, r, Q = cfg.d_model, cfg.num_heads, cfg.head.d_k, cfg.head.d_v, cfg.rope_dim, cfg.q_latent_dim
+  nope = K - r
+  kv_b = np.concatenate([p["w_uk"], p["w_uv"]], -1).transpose(1, 2, 0).reshape(H * (nope + V), -1)
+  sd = {f"{a}.kv_a_proj_with_mqa.weight": np.concatenate([p["w_dkv"], p["w_kr"]], 1).T,
+        f"{a}.kv_a_layernorm.weight": p["latent_norm"], f"{a}.kv_b_proj.weight": kv_b,
+        f"{a}.o_proj.weight": p["w_o"].reshape(H * V, D).T}
+  if Q is None:
+    sd[f"{a}.q_proj.weight"] = _nope_first(p["w_q"], r).reshape(D, H * K).T
+  else:
+    sd |= {f"{a}.q_a_proj.weight": p["w_dq"].T, f"{a}.q_a_layernorm.weight": p["q_latent_norm"],
+           f"{a}.q_b_proj.weight": _nope_first(p["w_uq"], r).reshape(Q, H * K).T}
+  return sd
+
+
+def mlp_out(e: dict[str, Any], m: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+  """Layer l's dense MLP or experts (router, correction bias, shared experts) under the checkpoint's names,
+  in the installed transformers' layout."""
+  if not cfg.is_moe_layer(l):
+    return _mlp_out(e, m)
+  sd = {f"{m}.gate.weight": np.asarray(e["router_w"]).T, f"{m}.gate.e_score_correction_bias": e["correction"],
+        **_mlp_out(e["shared"], f"{m}.shared_experts")}
+  gate, up, down = (np.asarray(e[f"w_{n}"]) for n in ("gate", "up", "down"))
+  if fused_experts():
+    return sd | {f"{m}.experts.gate_up_proj": np.concatenate([gate, up], -1).transpose(0, 2, 1),
+                 f"{m}.experts.down_proj": down.transpose(0, 2, 1)}
+  for i in range(cfg.moe_experts):
+    sd |= _mlp_out({"gate": {"kernel": gate[i]}, "up": {"kernel": up[i]}, "down": {"kernel": down[i]}},
+                   f"{m}.experts.{i}")
   return sd
 
 

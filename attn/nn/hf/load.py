@@ -21,7 +21,8 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, qwen3_next, smollm3
+from attn.nn.hf import (bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, kimi_linear, llama, olmo2, phi3, qwen3_5,
+                         qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.config import ModelConfig
@@ -37,7 +38,7 @@ def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
-          qwen3_next.QWEN3_NEXT)
+          qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -45,7 +46,14 @@ FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _bui
 # Model types no family reads, refused with the reason.
 REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
                           "windows do not express, and its feed-forward is a mixture of experts",
-           "mixtral": "no family reads its experts (block_sparse_moe) yet"}
+           "mixtral": "no family reads its experts (block_sparse_moe) yet",
+           "qwen3_5": "it is Qwen3.5's vision-language wrapper (text under text_config and model.language_model.); "
+                      "attn reads the text model, model_type qwen3_5_text",
+           "qwen3_5_moe": "no family reads its experts (a sigmoid-gated shared expert) yet",
+           "nemotron_h": "each of its layers is one mixer (Mamba-2, attention, MLP or experts) with its own "
+                         "residual, where a block of attn's DecoderLM is an attention layer and an MLP",
+           "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "
+                        "block of attn's DecoderLM has one attention layer"}
 
 
 def _by_model_type() -> dict[str, Family]:

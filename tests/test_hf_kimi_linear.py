@@ -1,0 +1,187 @@
+"""Kimi Linear in and out: a tiny random KimiLinearForCausalLM built in code (no download), read by
+attn.nn.hf.from_hf into a hybrid DecoderLM (kda layers, mla layers without positions, DeepSeek's
+experts); logits under right padding, cached greedy decoding, to_hf bit for bit, `attn count --hf`
+and the refusals, against transformers."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from attn import ConfigError, cli
+from attn.nn import hf
+from attn.nn.decoding import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.kimi_linear", reason="this transformers has no kimi_linear")
+
+KINDS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def tiny(**changes):
+  """Awkward sizes: 3 MLA heads with d_k = 6 + 4 != d_v = 5, a latent of 10, 2 kda heads of 6, four
+  experts in two groups, the first layer dense."""
+  kw = dict(vocab_size=50, hidden_size=32, intermediate_size=48, moe_intermediate_size=12, num_hidden_layers=4,
+            num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=10, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=6, v_head_dim=5, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, routed_scaling_factor=1.5, linear_num_heads=2, linear_head_dim=6,
+            linear_conv_kernel_dim=4, layer_types=KINDS, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            rms_norm_eps=1e-6, max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+  return transformers.KimiLinearConfig(**{**kw, **changes})
+
+
+def build(config, seed=0):
+  torch.manual_seed(seed)
+  model = transformers.KimiLinearForCausalLM(config).eval()
+  with torch.no_grad():  # norms start at 1 and the correction bias at 0: move them so they are read
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.normal_(1.0, 0.2)
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.normal_(0.0, 0.1)
+  return model
+
+
+@pytest.fixture(scope="module")
+def live():
+  return build(tiny())
+
+
+def full_pass_check(model, prompt, decoded):
+  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
+  decoding by passing the whole prefix at every step gives `decoded`."""
+  T = prompt.shape[1]
+  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
+  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
+
+
+def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: kda states, the MLA cache and the experts, six tokens (attn's own full pass: the slow
+  test below)."""
+  loaded = hf.from_hf(live)
+  assert loaded.family == "kimi_linear"
+  assert [b.attn.variant for b in loaded.model.blocks] == ["kda"] * 3 + ["mla"]
+  prompt = np.random.default_rng(1).integers(0, 50, (1, 5))
+  with torch.no_grad():
+    want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_under_right_padding(live):
+  loaded = hf.from_hf(live)
+  cfg = loaded.config
+  assert cfg.layer_types == tuple(KINDS) and cfg.rope_layout == "none" and cfg.rope_dim == 4
+  assert cfg.mlp == "moe" and cfg.moe_dense_first == 1 and cfg.linear_variant == "kda"
+  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
+  mask = np.ones((2, 9), np.int64)
+  mask[1, 6:] = 0
+  with torch.no_grad():
+    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [
+    dict(),  # the fixture's sizes
+    dict(q_lora_rank=7, linear_num_heads=3, linear_head_dim=4, linear_conv_kernel_dim=3, num_attention_heads=2,
+         num_key_value_heads=2, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                             "full_attention"], mlp_layer_types=["dense", "dense", "sparse", "sparse"]),
+])
+def test_cached_greedy_decoding_over_many_tokens_and_sizes(changes):
+  model = build(tiny(**changes), seed=5)
+  loaded = hf.from_hf(model)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+
+
+def nnx_state(model):
+  from flax import nnx
+  from attn.nn.moe import Buffer
+  return nnx.to_pure_dict(nnx.state(model, (nnx.Param, Buffer)))
+
+
+@pytest.mark.slow
+def test_to_hf_and_back_is_exact(live):
+  loaded = hf.from_hf(live)
+  out = hf.to_hf(loaded)
+  assert type(out).__name__ == "KimiLinearForCausalLM" and out.config.layer_types == KINDS
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():
+    np.testing.assert_array_equal(ours[name], a, err_msg=name)
+  back = hf.from_hf(out)
+  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  out.set_attn_implementation(live.config._attn_implementation)  # to_hf builds eager
+  tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
+  with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
+    np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
+
+
+def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
+  live.save_pretrained(tmp_path / "ckpt")
+  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  report = json.loads(out.out)
+  assert report["total"] == sum(p.numel() for p in live.parameters())
+  rows = {r["type"]: r for r in report["layer_types"]}
+  H, K, W = 2, 6, 4  # a kda layer: H·K·K float32 states + (W − 1)·3HK convolution inputs
+  assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (H * K * K + (W - 1) * 3 * H * K)
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * (10 + 4)  # latent + shared key, bf16
+
+
+def test_the_checkpoints_linear_attn_config_is_read():
+  """A config.json as the release writes it: linear_attn_config (1-based layer lists), no layer_types."""
+  config = tiny().to_dict()
+  del config["layer_types"]
+  config["linear_attn_config"] = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 6, "num_heads": 2,
+                                  "short_conv_kernel_size": 4}
+  cfg = hf.model_config(config)
+  assert cfg.layer_types == tuple(KINDS) and cfg.layer_head(0).d_k == 6 and cfg.layer_head(0).num_heads == 2
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(attention_bias=True), "config.attention_bias"),
+    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
+    (dict(hidden_act="gelu"), "config.hidden_act"),
+    (dict(num_key_value_heads=1), "config.num_key_value_heads"),
+    (dict(mlp_layer_types=["sparse", "dense", "sparse", "sparse"]), "config.mlp_layer_types"),
+    (dict(output_router_logits=True), "config.output_router_logits"),
+])
+def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
+  config = tiny(**changes).to_dict()
+  with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
+    hf.model_config(config)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}, "config.layer_types"),
+    ({"mla_use_nope": False}, "config.mla_use_nope"),
+])
+def test_what_a_config_json_may_say_that_attn_does_not_run_is_refused(changes, field):
+  config = {**tiny().to_dict(), **changes}
+  with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
+    hf.model_config(config)
+
+
+@pytest.mark.slow
+def test_the_family_kit_passes():
+  from attn.testing import check_family
+  measured = check_family("kimi_linear", tiny().to_dict())
+  assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4

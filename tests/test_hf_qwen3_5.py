@@ -1,0 +1,178 @@
+"""Qwen3.5 (text) in and out: a tiny random Qwen3_5ForCausalLM built in code (no download), read by
+attn.nn.hf.from_hf into a hybrid DecoderLM (gated_deltanet and gated softmax layers); logits under
+right padding, cached greedy decoding, to_hf bit for bit, `attn count --hf` and the refusals,
+against transformers."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from attn import ConfigError, cli
+from attn.nn import hf
+from attn.nn.decoding import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen3_5", reason="this transformers has no qwen3_5")
+
+KINDS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def tiny(**changes):
+  """Awkward sizes: 3 query heads over 1 kv head of 16 (4 rotated dims), 2 key heads of 6 and 4
+  value heads of 5 in the linear layers."""
+  kw = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=3,
+            num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=6, linear_value_head_dim=5, linear_conv_kernel_dim=4, layer_types=KINDS,
+            max_position_embeddings=64, tie_word_embeddings=False)
+  return transformers.Qwen3_5TextConfig(**{**kw, **changes})
+
+
+def build(config, seed=0):
+  torch.manual_seed(seed)
+  model = transformers.Qwen3_5ForCausalLM(config).eval()
+  with torch.no_grad():  # zero-centred norms start at 0 (a scale of 1): move them so they are read
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.normal_(0.0, 0.2)
+  return model
+
+
+@pytest.fixture(scope="module")
+def live():
+  return build(tiny())
+
+
+def full_pass_check(model, prompt, decoded):
+  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
+  decoding by passing the whole prefix at every step gives `decoded`."""
+  T = prompt.shape[1]
+  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
+  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
+
+
+def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: states and KV caches, six tokens (attn's own full pass: the slow test below)."""
+  loaded = hf.from_hf(live)
+  assert loaded.family == "qwen3_5_text"
+  assert [b.attn.variant for b in loaded.model.blocks] == ["gated_deltanet", "per_head"] * 2
+  prompt = np.random.default_rng(1).integers(0, 50, (1, 5))
+  with torch.no_grad():
+    want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_under_right_padding(live):
+  loaded = hf.from_hf(live)
+  cfg = loaded.config
+  assert cfg.layer_types == tuple(KINDS) and cfg.rope_dim == 4 and cfg.gate == "elementwise"  # 0.25 of 16
+  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
+  mask = np.ones((2, 9), np.int64)
+  mask[1, 6:] = 0
+  with torch.no_grad():
+    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [
+    dict(),
+    dict(num_attention_heads=2, num_key_value_heads=2, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3,
+         linear_key_head_dim=4, linear_value_head_dim=7, linear_conv_kernel_dim=3, num_hidden_layers=3,
+         layer_types=["linear_attention", "linear_attention", "full_attention"], tie_word_embeddings=True),
+])
+def test_cached_greedy_decoding_over_many_tokens_and_sizes(changes):
+  model = build(tiny(**changes), seed=5)
+  loaded = hf.from_hf(model)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+
+
+def nnx_state(model):
+  from flax import nnx
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.slow
+def test_to_hf_and_back_is_exact(live):
+  loaded = hf.from_hf(live)
+  out = hf.to_hf(loaded)
+  assert type(out).__name__ == "Qwen3_5ForCausalLM" and out.config.layer_types == KINDS
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():
+    np.testing.assert_array_equal(ours[name], a, err_msg=name)
+  back = hf.from_hf(out)
+  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  out.set_attn_implementation(live.config._attn_implementation)  # to_hf builds eager
+  tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
+  with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
+    np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
+
+
+def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
+  live.save_pretrained(tmp_path / "ckpt")
+  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  report = json.loads(out.out)
+  assert report["total"] == sum(p.numel() for p in live.parameters())
+  rows = {r["type"]: r for r in report["layer_types"]}
+  # H·K·V float32 + (W − 1)·(2GK + HV) numbers per sequence, 4 bytes each, per linear layer
+  assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * 1 * 2 * 16  # bf16 k and v, G=1, K=16
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(attention_bias=True), "config.attention_bias"),
+    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
+    (dict(linear_num_key_heads=3), "num_kv_heads"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.25}),
+     "config.rope_parameters.rope_type"),
+])
+def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
+  config = tiny(**changes).to_dict()
+  with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
+    hf.model_config(config)
+
+
+def test_experts_are_refused_by_name():
+  """Qwen3.5's dense text model has none: a config that says otherwise is refused before any weight."""
+  with pytest.raises(ConfigError, match="config.num_experts=4 is not allowed"):
+    hf.model_config({**tiny().to_dict(), "num_experts": 4})
+
+
+def test_a_layer_type_attn_does_not_run_is_refused():
+  config = {**tiny().to_dict(), "layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}
+  with pytest.raises(ConfigError, match="config.layer_types=.* is not allowed"):
+    hf.model_config(config)
+
+
+def test_the_release_s_multi_token_prediction_weights_are_not_read(live):
+  """As transformers: mtp.* tensors beside the model's are skipped, the rest read as they are."""
+  config = live.config.to_dict()
+  state = {k: v.numpy() for k, v in live.state_dict().items()} | {"mtp.fc.weight": np.ones((32, 64), np.float32)}
+  loaded = hf.from_hf((config, state))
+  assert loaded.family == "qwen3_5_text"
+
+
+@pytest.mark.slow
+def test_the_family_kit_passes():
+  from attn.testing import check_family
+  measured = check_family("qwen3_5_text", tiny().to_dict())
+  assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
