@@ -131,12 +131,13 @@ def _inputs(cfg, B, T, S, seed):
           _randn(seed + 5, (B, S, G, cfg.d_k)), _randn(seed + 6, (B, S, G, cfg.d_v)))
 
 
-CASES = [  # (name, T, S, causal, lengths, mask, options)
+CASES = [  # (name, T, S, causal, lengths, mask, options); the first in the fast tier
     ("causal_padded", 11, 11, True, [11, 7], None, {}),
     ("cache_mask", 3, 13, False, [13, 10], "causal_at_end", {"select_count": 2}),
     ("cross_blank_row", 5, 9, False, None, "blank_row", {"compress_stride": 2, "select_block": 2}),
     ("few_blocks", 7, 7, True, None, None, {"select_count": 9, "compress_block": 5, "compress_stride": 5}),
 ]
+SLOW = pytest.mark.slow
 
 
 def _mask(kind, B, T, S):
@@ -150,7 +151,8 @@ def _mask(kind, B, T, S):
   return jnp.asarray(m)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=() if i == 0 else SLOW)
+                                  for i, c in enumerate(CASES)])
 def test_against_the_naive_reference_values_and_gradients(case):
   _, T, S, causal, lengths, kind, extra = case
   cfg = _cfg(**extra)
@@ -169,10 +171,10 @@ def test_against_the_naive_reference_values_and_gradients(case):
   def theirs(params, x, q, k, v):
     return (reference(params, x, q, k, v, cfg, keep)[0] * ct).sum()
 
-  (a, ga), (b, gb) = (jax.value_and_grad(f, argnums=range(5))(params, x, q, k, v) for f in (ours, theirs))
+  (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(f, argnums=range(5)))(params, x, q, k, v) for f in (ours, theirs))
   np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  y, w = core(params, q, k, v, cfg=cfg, opts=opts.replace(return_weights=True), x_BTD=x)
-  y_ref, w_ref = reference(params, x, q, k, v, cfg, keep)
+  y, w = jax.jit(lambda *a: core(*a[:4], cfg=cfg, opts=opts.replace(return_weights=True), x_BTD=a[4]))(params, q, k, v, x)
+  y_ref, w_ref = jax.jit(lambda *a: reference(*a, cfg, keep))(params, x, q, k, v)
   np.testing.assert_allclose(y, y_ref, atol=2e-6)
   np.testing.assert_allclose(w, w_ref, atol=2e-6)
   for got, want in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
@@ -181,7 +183,7 @@ def test_against_the_naive_reference_values_and_gradients(case):
     assert all(np.any(g != 0) for g in jax.tree.leaves(ga[0])), "gates and compression train"
 
 
-@pytest.mark.parametrize("T,lengths", [(29, [29, 18]), (40, None)])
+@pytest.mark.parametrize("T,lengths", [(29, [29, 18]), pytest.param(40, None, marks=SLOW)])
 def test_sparse_path_equals_dense_path(T, lengths, monkeypatch):
   """branches(long=True): the chunked compressed branch (chunks of 8, T not a multiple), the
   gathered kernel and the blocked window, against the dense masks; values and gradients."""
@@ -196,30 +198,31 @@ def test_sparse_path_equals_dense_path(T, lengths, monkeypatch):
                        impl="blocked" if long else "einsum", long=long)[:3]
     return sum((o * c).sum() for o, c in zip(out, ct)), out
 
-  (l1, o1), g1 = jax.value_and_grad(lambda *a: loss(*a, True), argnums=range(4), has_aux=True)(params, q, k, v)
-  (l2, o2), g2 = jax.value_and_grad(lambda *a: loss(*a, False), argnums=range(4), has_aux=True)(params, q, k, v)
+  (l1, o1), g1 = jax.jit(jax.value_and_grad(lambda *a: loss(*a, True), argnums=range(4), has_aux=True))(params, q, k, v)
+  (l2, o2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(*a, False), argnums=range(4), has_aux=True))(params, q, k, v)
   for a, b in zip(o1, o2):
     np.testing.assert_allclose(a, b, atol=2e-6)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(jnp.abs(b).max())))
 
 
-@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("long", [False, pytest.param(True, marks=SLOW)])
 def test_covering_every_block_is_full_causal_attention(long):
   T = 23
   cfg = _cfg(select_count=100, window=T)
   params, x, q, k, v = _inputs(cfg, 2, T, T, seed=5)
   lens = jnp.asarray([23, 9])
-  _, o_s, o_w, _ = nsa.branches(params, q, k, v, cfg=cfg, is_causal=True, kv_lengths=lens, impl="einsum",
-                                long=long)
-  full = kernel.attention(q, k, v, is_causal=True, kv_lengths=lens, scale=cfg.score_scale)
+  run = lambda cfg: jax.jit(lambda *a: nsa.branches(*a, cfg=cfg, is_causal=True, kv_lengths=lens,
+                                                     impl="einsum", long=long))(params, q, k, v)
+  _, o_s, o_w, _ = run(cfg)
+  full = jax.jit(lambda q, k, v: kernel.attention(q, k, v, is_causal=True, kv_lengths=lens,
+                                                  scale=cfg.score_scale))(q, k, v)
   if long:  # the gathered kernel sums blocks in another order
     np.testing.assert_allclose(o_s, full, atol=2e-6)
   else:
     np.testing.assert_array_equal(o_s, full)
     np.testing.assert_array_equal(o_w, full)
-  few = nsa.branches(params, q, k, v, cfg=_cfg(select_count=2, window=T), is_causal=True,
-                     kv_lengths=lens, long=long)[1]
+  few = run(_cfg(select_count=2, window=T))[1]
   assert not np.allclose(few, full, atol=1e-3)
 
 
@@ -228,8 +231,8 @@ def test_causal_through_the_layer_with_gqa():
   cfg = _cfg().replace(d_model=12, rope_dim=2)
   p = api.init("per_head", jax.random.key(1), cfg)
   x = _randn(1, (1, 14, 12))
-  y = api.apply("per_head", p, x, cfg=cfg, is_causal=True)
-  y2 = api.apply("per_head", p, x.at[:, 9:].add(3.0), cfg=cfg, is_causal=True)
+  f = jax.jit(lambda x: api.apply("per_head", p, x, cfg=cfg, is_causal=True))
+  y, y2 = f(x), f(x.at[:, 9:].add(3.0))
   np.testing.assert_array_equal(y2[:, :9], y[:, :9])
   assert not np.allclose(y2[:, 9:], y[:, 9:])
 
@@ -240,10 +243,11 @@ def test_ties_are_broken_by_the_lower_index():
   params, x, q, _, _ = _inputs(cfg, 1, 12, 12, seed=2)
   k = jnp.ones((1, 12, 2, 5))
   v = jnp.broadcast_to(jnp.arange(12.0)[None, :, None, None], (1, 12, 2, 7))
-  _, o_s, _, w = nsa.branches(params, q, k, v, cfg=cfg, is_causal=True, return_weights=True)
+  f = jax.jit(lambda q, k, v: nsa.branches(params, q, k, v, cfg=cfg, is_causal=True, return_weights=True))
+  _, o_s, _, w = f(q, k, v)
   # query 11: own block 5, the one before (4), the initial one (0): keys 0, 1, 8..11 equally weighted
   np.testing.assert_allclose(w[0, 0, 11], np.isin(np.arange(12), [0, 1, 8, 9, 10, 11]) / 6, atol=1e-7)
-  np.testing.assert_array_equal(o_s, nsa.branches(params, q, k, v, cfg=cfg, is_causal=True)[1])
+  np.testing.assert_array_equal(o_s, f(q + 0.0, k, v)[1])
 
 
 @pytest.mark.parametrize("change,field", [
