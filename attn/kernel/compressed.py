@@ -61,13 +61,20 @@ def compress(x_BSGX: Array, w_L: Array, *, block: int, stride: int) -> Array:
   return out
 
 
-def overlaps(S: int, block: int, stride: int, select_block: int) -> np.ndarray:
-  """(N_c, N_s) float32: keys compressed block i shares with selection block j."""
+def overlaps(S: int, block: int, stride: int, select_block: int) -> tuple[np.ndarray, np.ndarray]:
+  """The band of compressed blocks each selection block shares keys with: (idx (W, N_s) int32,
+  keys (W, N_s) float32), keys[r, j] shared by compressed block idx[r, j] and selection block j
+  (0 where none). W = ceil((select_block + block) / stride) + 1 bounds the band: a dense (N_c, N_s)
+  product would cost 2·T·G·N_c·N_s, at T = 16384 more than the attention it prunes."""
   N, Ns = num_compressed(S, block, stride), num_blocks(S, select_block)
-  start = np.arange(N)[:, None] * stride
-  lo = np.maximum(start, np.arange(Ns)[None, :] * select_block)
-  hi = np.minimum(start + block, (np.arange(Ns)[None, :] + 1) * select_block)
-  return np.maximum(hi - lo, 0).astype(np.float32)
+  W = -(-(select_block + block) // stride) + 1
+  j = np.arange(Ns)[None, :]
+  first = np.maximum((j * select_block - block) // stride, 0)  # no earlier block reaches block j
+  idx = first + np.arange(W)[:, None]
+  start = idx * stride
+  shared = np.minimum(start + block, (j + 1) * select_block) - np.maximum(start, j * select_block)
+  keys = np.where(idx < N, np.maximum(shared, 0), 0).astype(np.float32)
+  return np.minimum(idx, max(N - 1, 0)).astype(np.int32), keys
 
 
 def query_positions(t_c: Array, T: int, S: int, is_causal: bool, vis_BHcS: Array | None) -> Array:
@@ -126,12 +133,13 @@ def _cap(logits, softcap):
 
 
 def branch(q_BcHK: Array, kc_BNGK: Array, vc_BNGV: Array, cvis_BHcN: Array, svis_BHcN: Array, *,
-           groups: int, ov_NM: Array, count: int, scale: float, softcap: float | None):
+           groups: int, band: tuple, count: int, scale: float, softcap: float | None):
   """One chunk of queries: the compressed branch's output (B,c,H,V) in float32 and the chosen
   selection blocks per kv group (idx, chosen: (B,groups,c,k)). Rows seeing no compressed block get 0."""
   B, c, H, K = q_BcHK.shape
   Gk, V = kc_BNGK.shape[2], vc_BNGV.shape[3]
-  N, Ns = kc_BNGK.shape[1], ov_NM.shape[1]
+  idx_WM, keys_WM = band
+  N, Ns = kc_BNGK.shape[1], keys_WM.shape[1]
   if N == 0:
     o = jnp.zeros((B, c, H, V), jnp.float32)
     scores = jnp.zeros((B, groups, c, Ns), jnp.float32)
@@ -145,7 +153,7 @@ def branch(q_BcHK: Array, kc_BNGK: Array, vc_BNGV: Array, cvis_BHcN: Array, svis
     p = e / jnp.where(z > 0, z, 1.0)  # 0 on a row that sees no compressed block
     o = jnp.einsum("BGRTN,BNGV->BTGRV", p.reshape(B, Gk, H // Gk, c, N), vc_BNGV).reshape(B, c, H, V)
     ps = lax.stop_gradient(p).reshape(B, groups, H // groups, c, N).sum(2)
-    scores = jnp.einsum("BGTN,NM->BGTM", ps, ov_NM)
+    scores = jnp.einsum("BGTWM,WM->BGTM", ps[..., idx_WM], keys_WM)  # the band only
   cand = svis_BHcN
   if cand.shape[1] not in (1, groups):  # a per-head dense mask: a group's block where any head sees
     cand = cand.reshape(B, groups, H // groups, c, Ns).any(2)

@@ -137,11 +137,11 @@ def branches(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg
   G, sb, w = cfg.num_kv_heads, o["select_block"], o["window"]
   R = H // G
   kc, vc = _compressed_kv(params, k_BSGK, v_BSGV, o)
-  ov = jnp.asarray(cmp.overlaps(S, o["compress_block"], o["compress_stride"], sb))
+  band = tuple(map(jnp.asarray, cmp.overlaps(S, o["compress_block"], o["compress_stride"], sb)))
   limit_B = jnp.full((B,), S) if kv_lengths is None else jnp.minimum(jnp.asarray(kv_lengths), S)
   geo = dict(T=T, S=S, is_causal=is_causal, limit_B=limit_B)
   cgeo = dict(block=o["compress_block"], stride=o["compress_stride"])
-  run = dict(groups=G, ov_NM=ov, count=o["select_count"], scale=cfg.score_scale, softcap=softcap)
+  run = dict(groups=G, band=band, count=o["select_count"], scale=cfg.score_scale, softcap=softcap)
   call = dict(is_causal=is_causal, kv_lengths=kv_lengths, scale=cfg.score_scale, softcap=softcap)
   if long:
     chunk = min(CHUNK, T)
