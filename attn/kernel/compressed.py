@@ -91,7 +91,7 @@ def compressed_visible(t_c: Array, *, T: int, S: int, block: int, stride: int, i
   N = num_compressed(S, block, stride)
   if vis_BHcS is not None:
     ok = jnp.ones((*vis_BHcS.shape[:3], N), bool)
-    for j in range(block):
+    for j in range(block if N else 0):
       ok = ok & lax.slice_in_dim(vis_BHcS, j, j + (N - 1) * stride + 1, stride=stride, axis=3)
     return ok
   end = jnp.arange(N) * stride + block - 1

@@ -97,15 +97,23 @@ def param_count(cfg: HeadConfig) -> int:
 
 
 def flops(cfg: HeadConfig, T: int, S: int) -> int:
-  """What nsa adds to the layer's one dense core on the dense path: gates 2·T·D·3H, pooling
-  2·N_c·l·G·(K + V), the compressed core 2·T·N_c·H·(K + V), block scores 2·T·G·N_c·N_s, and a second
-  dense core (the window's) 2·T·S·H·(K + V); N_c, N_s compressed and selection blocks of S."""
+  """What nsa adds to the layer's one dense core on the dense path: its selector (selector_flops),
+  the compressed core 2·T·N_c·H·(K + V) and a second dense core (the window's) 2·T·S·H·(K + V)."""
+  o = options(cfg)
+  H, KV = cfg.num_heads, cfg.d_k + cfg.d_v
+  N = cmp.num_compressed(S, o["compress_block"], o["compress_stride"])
+  return selector_flops(cfg, T, S) + 2 * T * N * H * KV + 2 * T * S * H * KV
+
+
+def selector_flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Gates 2·T·D·3H, pooling 2·N_c·l·G·(K + V), block scores 2·T·G·W·N_s over the band of W
+  compressed blocks a selection block overlaps (attn.kernel.compressed.overlaps); the compressed
+  branch's own attention is the core's (keys), not counted here."""
   o = options(cfg)
   H, G, D, KV = cfg.num_heads, cfg.num_kv_heads, cfg.d_model, cfg.d_k + cfg.d_v
   N = cmp.num_compressed(S, o["compress_block"], o["compress_stride"])
-  Ns = select.num_blocks(S, o["select_block"])
-  return (2 * T * D * 3 * H + 2 * N * o["compress_block"] * G * KV + 2 * T * N * H * KV
-          + 2 * T * G * N * Ns + 2 * T * S * H * KV)
+  W, Ns = cmp.overlaps(S, o["compress_block"], o["compress_stride"], o["select_block"])[0].shape
+  return 2 * T * D * 3 * H + 2 * N * o["compress_block"] * G * KV + (2 * T * G * W * Ns if N else 0)
 
 
 def gates(params: Params, x_BTD: Array) -> Array:
@@ -210,7 +218,7 @@ NSA = Mechanism(
                {"extra": {"nsa": {"compress_block": 4, "compress_stride": 2, "select_block": 4,
                                   "select_count": 2, "window": 3}}},
                "3·H·(D + 1) + 2·l",
-               "2·T·D·3H + 2·N_c·l·G·(K+V) + 2·T·N_c·H·(K+V) + 2·T·G·N_c·N_s + 2·T·S·H·(K+V) "
+               "2·T·D·3H + 2·N_c·l·G·(K+V) + 2·T·G·W·N_s + 2·T·N_c·H·(K+V) + 2·T·S·H·(K+V) "
                "(dense path; the core: N_c + n·l' + w keys a query)"),),
     help="nsa: {compress_block, compress_stride, select_block, select_count, window}: Native Sparse "
          "Attention's compressed, selected-blocks and sliding-window branches, gated per head")
