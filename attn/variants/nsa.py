@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from attn import kernel
@@ -222,3 +223,17 @@ NSA = Mechanism(
                "(dense path; the core: N_c + n·l' + w keys a query)"),),
     help="nsa: {compress_block, compress_stride, select_block, select_count, window}: Native Sparse "
          "Attention's compressed, selected-blocks and sliding-window branches, gated per head")
+
+
+def keys(cfg: HeadConfig, T: int) -> dict[str, int]:
+  """Keys attended over T causal queries (S = T, no padding), per branch: compressed blocks ended by
+  each query, its selected blocks' keys (its own block up to itself, min(select_count, own + 1) - 1
+  whole earlier ones) and its window min(window, t + 1)."""
+  o = options(cfg)
+  l, d, sb, n, w = (o[k] for k in ("compress_block", "compress_stride", "select_block", "select_count", "window"))
+  t = np.arange(T)
+  compressed = np.where(t >= l - 1, (t - l + 1) // d + 1, 0)
+  own = t // sb
+  selected = (t - own * sb + 1) + (np.minimum(n, own + 1) - 1) * sb
+  return {"compressed": int(compressed.sum()), "selected": int(selected.sum()),
+          "window": int(np.minimum(w, t + 1).sum())}
