@@ -215,7 +215,7 @@ NSA = Mechanism(
     name="nsa", defaults=DEFAULTS, check=check, init=init, select=attend,
     sharding={"w_gate": "DHJ", "b_gate": "HJ", "w_compress_k": None, "w_compress_v": None},
     param_count=param_count, flops=flops, score_weights=lambda cfg: 0,
-    examples=(("nsa blocks 4/2, select 2 of 4, window 3",
+    examples=(("nsa compress 4 every 2, 2 blocks of 4, window 3",
                {"extra": {"nsa": {"compress_block": 4, "compress_stride": 2, "select_block": 4,
                                   "select_count": 2, "window": 3}}},
                "3·H·(D + 1) + 2·l",
