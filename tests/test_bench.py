@@ -146,6 +146,13 @@ def test_long_shapes_time_cores_behind_the_same_projections(monkeypatch):
   assert flops["core_window"] == per_pair * (256 * 257 // 2 + (600 - 256) * 256)
   ratio = bench.window_ratios(pair)[1024]
   assert ratio == rows["core_window"]["fb"]["ms"] / rows["core"]["fb"]["ms"]
+  # each key selection's core (issue 42): its pairs and its selector's FLOPs, its time over full causal
+  from attn.count import selectors
+  on = shape.cfg.replace(extra={"nsa": bench.SELECTIONS["nsa"]})
+  assert flops["core_nsa"] == per_pair * selectors.pairs(on, 600) + selectors.selector_flops(on, 600)
+  sel = bench.selection_ratios(pair)[1024]
+  assert set(sel) == set(bench.SELECTIONS)
+  assert sel["nsa"]["fb"] == rows["core_nsa"]["fb"]["ms"] / rows["core"]["fb"]["ms"]
   json.dumps(result)
 
 

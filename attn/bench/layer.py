@@ -44,6 +44,7 @@ import attn
 from attn import kernel, process
 from attn.kernel import onednn
 from attn.bench import peers as peers_lib
+from attn.count import selectors
 from attn.config import ConfigError, HeadConfig, invalid
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -59,6 +60,9 @@ PEER_LABELS = {"flax": "flax.nnx.MultiHeadAttention",
                "core": "blocked core alone, causal",
                "core_full": "blocked core alone, no mask",
                "core_window": "blocked core alone, causal window 256",
+               "core_moba": "core with MoBA 512×4 (2048 keys), causal",
+               "core_indexer": "core with the indexer, top 2048, causal",
+               "core_nsa": "core with NSA (32/16, 16×64, window 512), causal",
                "fused_onednn": 'fused, impl="onednn"',
                "core_onednn": 'blocked core alone, causal, impl="onednn"',
                "core_full_onednn": 'blocked core alone, no mask, impl="onednn"',
@@ -92,6 +96,13 @@ SHAPES = {
 }
 LONG_LENGTHS = (1024, 4096, 16384)
 LONG_WINDOW = 256  # the sliding window of the long family's core_window row
+# The key selections the long causal shapes time as cores (attn.variants.selection, nsa): ~2048 keys a
+# query, the earlier measurement's MoBA and indexer, and NSA at the paper's sizes. Goal (issue 42):
+# a selection's core at most SELECTION_GOAL × full causal at T = 16384.
+SELECTIONS = {"moba": {"block": 512, "top_k": 4}, "indexer": {"heads": 4, "head_dim": 32, "top_k": 2048},
+              "nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16,
+                      "window": 512}}
+SELECTION_GOAL = 0.2
 for _T in LONG_LENGTHS:
   for _causal in (False, True):
     SHAPES[f"long-{_T}{'-causal' if _causal else ''}"] = Shape(
@@ -282,6 +293,9 @@ def _long_cases(shape: Shape, dtype, dtype_name: str,
       cases["core" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True, impl=impl)
       cases["core_window" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=True,
                                                        window=LONG_WINDOW, impl=impl)
+      if not tag:
+        for sel, o in SELECTIONS.items():
+          cases[f"core_{sel}"] = peers_lib.selection_core_case(cfg.replace(extra={sel: o}), B, T, dtype)
     elif T <= 4096:  # the core alone without a mask, for causal ÷ full of the core (bench_targets.py)
       cases["core_full" + tag] = peers_lib.core_case(cfg, B, T, dtype, is_causal=False, impl=impl)
   if peers:
@@ -326,7 +340,12 @@ def core_flops_of(shape: Shape) -> dict[str, int]:
   cfg, T = shape.cfg, shape.T
   per_pair = 2 * cfg.num_heads * (cfg.d_k + cfg.d_v) * shape.B
   pairs = sum(min(LONG_WINDOW, t + 1) for t in range(T))
-  return {"core": per_pair * T * T, "core_full": per_pair * T * T, "core_window": per_pair * pairs}
+  out = {"core": per_pair * T * T, "core_full": per_pair * T * T, "core_window": per_pair * pairs}
+  for sel, o in SELECTIONS.items():  # the pairs it attends, plus its selector's own work
+    on = cfg.replace(extra={sel: o})
+    out[f"core_{sel}"] = shape.B * (2 * cfg.num_heads * (cfg.d_k + cfg.d_v) * selectors.pairs(on, T)
+                                    + selectors.selector_flops(on, T))
+  return out
 
 
 def _impl_cases(shape: Shape, dtype, dtype_name: str, impls: list[str],
@@ -496,6 +515,23 @@ def window_ratios(results: dict[str, Any]) -> dict[int, float]:
   return out
 
 
+def selection_ratios(results: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
+  """Each key selection's core over the full causal blocked core, per long causal T: forward and
+  forward+backward time and peak memory."""
+  out = {}
+  for T in LONG_LENGTHS:
+    r = results.get(f"long-{T}-causal")
+    if r:
+      rows = {row["name"]: row for row in r["rows"]}
+      full = rows["core"]
+      out[T] = {sel: {"fwd": rows[f"core_{sel}"]["fwd"]["ms"] / full["fwd"]["ms"],
+                      "fb": rows[f"core_{sel}"]["fb"]["ms"] / full["fb"]["ms"],
+                      "cpu_fb": rows[f"core_{sel}"]["fb"]["cpu_ms"] / full["fb"]["cpu_ms"],
+                      "peak": (rows[f"core_{sel}"]["peak_bytes"] or 0) / (full["peak_bytes"] or 1)}
+                for sel in SELECTIONS if f"core_{sel}" in rows}
+  return out
+
+
 def sweep_throughput(config_path: str, seeds: int, steps: int | None, rounds: int = 1) -> dict[str, Any]:
   """Trials per minute of the config's first trial over `seeds` seeds: one by one, and under vmap.
 
@@ -604,7 +640,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
             "shapes": results, "causal_ratio": causal_ratios(results),
-            "window_ratio": window_ratios(results)}
+            "window_ratio": window_ratios(results), "selection_ratio": selection_ratios(results)}
   if report["causal_ratio"]:
     print("Long sequences, fused layer, forward+backward time causal ÷ non-causal: "
           + ", ".join(f"T={T} {x:.2f}" for T, x in report["causal_ratio"].items()) + "\n")
@@ -612,6 +648,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"Long sequences, blocked core alone, forward+backward time with a causal window of "
           f"{LONG_WINDOW} ÷ full causal: "
           + ", ".join(f"T={T} {x:.3f}" for T, x in report["window_ratio"].items()) + "\n")
+  for T, sel in report["selection_ratio"].items():
+    print(f"Long sequences, T={T}: each key selection's core ÷ the full causal blocked core "
+          f"(forward / forward+backward time, forward+backward process CPU time, peak memory; goal at "
+          f"T=16384: forward+backward ≤ {SELECTION_GOAL}×): "
+          + "; ".join(f"{n} {x['fwd']:.2f} / {x['fb']:.2f}, CPU {x['cpu_fb']:.2f}, peak {x['peak']:.2f}"
+                      + ("" if T != 16384 else (" (goal met)" if x["fb"] <= SELECTION_GOAL else " (goal not met)"))
+                      for n, x in sel.items()) + "\n")
   if args.sweep:
     log("[sweep] training ...")
     steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)

@@ -100,6 +100,25 @@ def core_case(cfg: HeadConfig, B: int, T: int, dtype, *, is_causal: bool,
   return jax_pair(apply, kv, q, dtype)
 
 
+def selection_core_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
+  """The attention core with cfg's key selection (extra: moba, indexer or nsa), causal, no projections:
+  the selector and the kernels that compute only the chosen keys (base.core at T·S past the blocked
+  threshold); gradients for q (the input), k, v and the selector's parameters."""
+  from attn.variants import base, mechanisms
+  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  G, K, V = cfg.num_kv_heads, cfg.d_k, cfg.d_v
+  q = jax.random.normal(keys[0], (B, T, cfg.num_heads, K)).astype(dtype)
+  params = {"k": jax.random.normal(keys[1], (B, T, G, K)).astype(dtype),
+            "v": jax.random.normal(keys[2], (B, T, G, V)).astype(dtype)}
+  m = mechanisms.selector(cfg)
+  if m.init is not None:
+    params.update(m.init(keys[3], cfg, dtype))
+  x = jax.random.normal(keys[4], (B, T, cfg.d_model)).astype(dtype)  # nsa's gates read the input
+  opts = base.Options(is_causal=True, impl="blocked")
+  apply = lambda p, q: base.core(p, q, p["k"], p["v"], cfg=cfg, opts=opts, x_BTD=x)[0]
+  return jax_pair(apply, params, q, dtype)
+
+
 def flax_case(cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
   from flax import nnx
   layer = nnx.MultiHeadAttention(

@@ -24,7 +24,7 @@ import tomllib
 from typing import Any
 
 from attn import count
-from attn.count import hf as count_hf, measured, presets
+from attn.count import hf as count_hf, measured, presets, selectors
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 from attn.variants import mechanisms
@@ -45,6 +45,10 @@ _STATE_KEYS = ("state_bytes", "state_crossover_T")
 _MECHANISM_COLUMNS = [
     ("mechanism", "mechanism"), ("params_formula", "adds params"), ("params", "="),
     ("flops_formula", "adds FLOPs fwd"), ("flops_fwd", "="), ("kv_cache_bytes", "KV cache B at T")]
+_SELECTION_COLUMNS = [
+    ("selector", "selector"), ("params", "params"), ("selector_flops", "selector FLOPs fwd"),
+    ("keys_per_query", "keys/query"), ("core_flops", "core FLOPs fwd"),
+    ("full_core_flops", "full causal core"), ("core_vs_full", "× full")]
 _TABLE3_COLUMNS = [
     ("row", "row"), ("num_layers", "N"), ("d_model", "d_model"), ("d_ff", "d_ff"),
     ("num_heads", "h"), ("d_k", "d_k"), ("d_v", "d_v"), ("paper_millions", "paper (×10⁶)"),
@@ -237,6 +241,8 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
   report: dict[str, Any] = {"layer": cfg.to_dict(), "T": args.seq_len, "S": S,
                             "dtype": args.dtype, "rows": rows, "plugin_errors": failed}
   ok = [r["variant"] for r in rows if "error" not in r]
+  if mechanisms.selector(cfg) is not None:  # a key selection: its own cost and the core's at its keys
+    report["selection"] = selectors.selection_row(cfg, args.seq_len)
   if ok and args.mechanisms:
     report["mechanisms_of"] = "per_head" if "per_head" in ok else ok[0]
     report["mechanisms"] = count.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
@@ -285,6 +291,11 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
              + (f", query latent {q}" if q else "") + f"; caches d_c + rope_dim = "
              f"{c['latent_dim'] + c['rope_dim']} elements per token.")
   text = head + "\n\n" + markdown(report["rows"], columns) + _unmeasured(report)
+  if "selection" in report:
+    text += (f"\n\nKey selection at T={report['T']} causal queries (S = T): the selector's parameters and "
+             "forward FLOPs, keys a query attends to, the attention core's FLOPs with it and with full "
+             "causal attention (2·H·(K+V) a pair; attn.count.selectors):\n\n"
+             + markdown([report["selection"]], _SELECTION_COLUMNS))
   if "mechanisms" in report:
     text += (f"\n\nWhat each head mechanism adds to one {report['mechanisms_of']} layer (b = 1 with "
              f"biases; T={report['T']}; a window keeps its last `window` tokens in the cache):\n\n"

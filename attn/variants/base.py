@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.kernel import masks
 from attn.config import HeadConfig, invalid
-from attn.variants import mechanisms, rope, selection
+from attn.variants import mechanisms, nsa, rope, selection
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -236,7 +236,7 @@ def queries_and_keys(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadC
 
 
 def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
-         opts: Options) -> tuple[Array, Array | None]:
+         opts: Options, x_BTD: Array | None = None) -> tuple[Array, Array | None]:
   """kernel.attention under the call's masks: (o (B,T,H,V), weights (B,H,T,S) or None).
 
   The mechanisms' kernel keywords (window, sinks, softcap) go with it; a
@@ -244,9 +244,13 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   on_logits) makes it the explicit path: scores, probabilities, weighted sum.
   impl None or "auto" (kernel.best_impl) is the einsum kernel for short
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
-  without weights out.
+  without weights out. x_BTD: the layer's query-side input (nsa's gates read it).
   """
   chooser = mechanisms.selector(cfg)
+  if chooser is not None and chooser.name == "nsa":  # three branches, gated (attn.variants.nsa)
+    return nsa.attend(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                      kernel_args=mechanisms.kernel_args(params, cfg),
+                      explicit=mechanisms.needs_explicit_logits(cfg))
   if chooser is not None:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
     o_BTHV, opts = selection.attend(chooser, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
                                     kernel_args=mechanisms.kernel_args(params, cfg),
@@ -306,7 +310,7 @@ def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Arra
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
   # A key with one head (shared by all kv heads) stays one head: kernel.attention takes it.
-  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts, x_BTD=x_BTD)
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 

@@ -77,7 +77,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
-  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts, x_BTD=x_BTD)
   o_BTHV = gate_heads(mechanisms.on_output(params, x_BTD, o_BTHV, cfg), opts.head_mask)
   y_BTD = grouped_output(params, o_BTHV, bias(params, "b_o"))
   return y_BTD.astype(x_BTD.dtype), w_BHTS

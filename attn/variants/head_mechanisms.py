@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants import selection
+from attn.variants import nsa, selection
 from attn.variants.mechanism import Mechanism
 
 Array = jax.Array
@@ -202,4 +202,4 @@ PROBABILITY = Mechanism(
 
 # Key selection (attn.variants.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
-MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS)
+MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)

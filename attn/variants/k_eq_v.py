@@ -67,7 +67,7 @@ def _attend(params: Params, x_BTD, kv_BSGK, *, cfg: HeadConfig, opts: Options):
   """x's queries against keys kv (on_qk, then rotated at opts' key positions) and values(kv)."""
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, kv_BSGK, cfg=cfg, opts=opts)
-  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, values(kv_BSGK, cfg), cfg=cfg, opts=opts)
+  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, values(kv_BSGK, cfg), cfg=cfg, opts=opts, x_BTD=x_BTD)
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 

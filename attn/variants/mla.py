@@ -160,7 +160,7 @@ def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, q_positions, *, cfg: 
   v_BS1C = lat_BSC[:, :, None]
   if cfg.use_bias:
     v_BS1C = jnp.concatenate([v_BS1C, jnp.ones((B, S, 1, 1), lat_BSC.dtype)], -1)
-  o_BTHC, w_BHTS = core(params, q_BTHW, k_BS1W, v_BS1C, cfg=cfg, opts=opts)
+  o_BTHC, w_BHTS = core(params, q_BTHW, k_BS1W, v_BS1C, cfg=cfg, opts=opts, x_BTD=x_BTD)
   o_BTHV = jnp.einsum("BTHC,CHV->BTHV", o_BTHC[..., :C], w_uv_CHV)
   if cfg.use_bias:  # b_v times the row's total weight: 1, or 0 for a fully masked row
     o_BTHV = o_BTHV + o_BTHC[..., C:] * jnp.repeat(params["b_v"], R, axis=0)

@@ -48,7 +48,7 @@ from attn.variants.mechanism import Mechanism
 Array = jax.Array
 Params = dict[str, Array]
 
-SELECTORS = ("moba", "indexer")
+SELECTORS = ("moba", "indexer", "nsa")  # nsa: attn.variants.nsa
 INDEX_BLOCK = 128  # the key blocks the sparse kernel visits for the indexer (a multiple of 32)
 INDEX_CHUNK = 256  # queries the indexer scores at a time on the sparse path
 

@@ -47,7 +47,7 @@ from attn.variants.base import (Options, Params, Variant, bias, cached_kv, facto
 def check(cfg: HeadConfig) -> None:
   if cfg.qk_norm == "whole":
     raise invalid("qk_norm", "whole", "False or True for talking_heads: its effective count assumes per-head QK-norm; a norm over the whole projection is not counted")
-  for name in ("moba", "indexer"):
+  for name in ("moba", "indexer", "nsa"):
     if cfg.extra and name in cfg.extra:
       raise invalid(f"extra.{name}", dict(cfg.extra[name]), "absent for talking_heads: it mixes the "
                     "logits across heads before the softmax on its own path, which a key selection "

@@ -99,7 +99,7 @@ def _attend(params: Params, x_BTD, q_positions, kv: dict, *, cfg: HeadConfig, op
   q_BTHK = jnp.einsum("BTRH,BTRK->BTHK", factor(params, x_BTD, "aq"), bq_BTRK) / cfg.q_rank
   k_BSGK = jnp.einsum("BSRG,BSRK->BSGK", kv["k_heads"], kv["k_dims"]) / cfg.kv_rank
   v_BSGV = jnp.einsum("BSRG,BSRV->BSGV", kv["v_heads"], kv["v_dims"]) / cfg.kv_rank
-  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts, x_BTD=x_BTD)
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 
