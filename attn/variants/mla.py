@@ -59,7 +59,7 @@ def check(cfg: HeadConfig) -> None:
                   "q·W_UKᵀ against the cached latent, exact because a key is linear in the "
                   "latent; a normalised key is not, so the cache could not hold it")
   if cfg.extra and "indexer" in cfg.extra and not selection.is_deepseek(cfg):
-    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "form 'deepseek' for mla: the 'heads' form "
+    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for mla, or form 'deepseek': the 'heads' form "
                   "reads per-head unrotated query and key dims (attn.variants.selection), which the absorbed "
                   "(decoding) form does not hand the kernel: it scores against the cached latent")
 
