@@ -1,10 +1,11 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoder families, DeepSeek-V3.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoder families, DeepSeek-V3(.2), GLM-5.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
 llama (Llama, Mistral, Qwen2 and Qwen3, one LlamaLike row each), gemma2, gemma3 (text),
 smollm3, phi3, gpt_oss, olmo2 (QK-norm over the whole projection, norms after each sublayer),
-deepseek_v3 (latent attention in attn's mla layout, DeepSeek's experts), qwen3_next (read-only:
+deepseek_v3 (latent attention in attn's mla layout, DeepSeek's experts), deepseek_v32 and
+glm_moe_dsa (GLM-5) (deepseek_v3 with the lightning indexer in its deepseek form), qwen3_next (read-only:
 gated_deltanet linear layers beside gated softmax ones; attn.nn.hf.qwen3_next).
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed
