@@ -32,7 +32,8 @@ Effective: the key/value inputs live in the latent subspace of R^D, of
   base.rope_score_dof with one key shared by all H query heads, and with
   q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
   q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
-KV cache: d_c + rope_dim per token (+ d_I with the deepseek-form indexer: its keys). Score weights: the query weights + D·d_c +
+KV cache: d_c + rope_dim per token (+ d_I with the deepseek-form indexer: its keys).
+Score weights: the query weights + D·d_c +
   d_c·G·(K − r) + D·r [+ the norm scales, d_c (+ Q')].
 """
 

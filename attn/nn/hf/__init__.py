@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoder families, DeepSeek-V3(.2), GLM-5.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like families, DeepSeek-V3(.2), GLM-5.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
