@@ -41,11 +41,15 @@ would build the (B,H,T,S) array selection exists to avoid.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 
+from attn import kernel
 from attn.config import HeadConfig, invalid
 from attn.kernel import gathered, masks, select, sparse
 from attn.kernel.impls import BLOCKED_MIN_SCORES, is_long
@@ -190,12 +194,13 @@ def _index_rope(cfg: HeadConfig) -> HeadConfig:
 
 def index_keys(params: Params, c_BSD: Array, positions, cfg: HeadConfig) -> Array:
   """The deepseek form's one index key per token (B,S,d_I) float32: LayerNorm(c·w_idk), its first
-  rope_dim dims rotated at `positions` ((S,) or (B,S)). What a decoding cache holds beside k and v."""
-  k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ jax.lax.stop_gradient(params["w_idk"]).astype(jnp.float32)
+  rope_dim dims rotated at `positions` ((S,) or (B,S)). What a decoding cache holds beside k and v.
+  c is detached; the parameters are not (index_inputs says why)."""
+  k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idk"].astype(jnp.float32)
   mean = jnp.mean(k, -1, keepdims=True)
   k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + INDEX_NORM_EPS)
   k = k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
-  return jax.lax.stop_gradient(rope.rotate(k, positions, _index_rope(cfg)))
+  return rope.rotate(k, positions, _index_rope(cfg))
 
 
 def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: HeadConfig):
@@ -203,10 +208,10 @@ def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: 
   d_I^-1/2 (scores) and n_I^-1/2 (weights) folded in: the queries from the query latent, rotated at
   `positions`; the weights from x."""
   o = _opts(cfg, "indexer")
-  f32 = lambda a: jax.lax.stop_gradient(a).astype(jnp.float32)  # noqa: E731
-  qi = jnp.einsum("BTQ,QJI->BTJI", f32(lat_BTQ), f32(params["w_idq"]))
+  f32 = lambda a: jax.lax.stop_gradient(a).astype(jnp.float32)  # noqa: E731  (inputs detached, as index_inputs)
+  qi = jnp.einsum("BTQ,QJI->BTJI", f32(lat_BTQ), params["w_idq"].astype(jnp.float32))
   qi = rope.rotate(qi, positions, _index_rope(cfg)) * o["head_dim"] ** -0.5
-  w = f32(x_BTD) @ f32(params["w_idw"]) * o["heads"] ** -0.5
+  w = f32(x_BTD) @ params["w_idw"].astype(jnp.float32) * o["heads"] ** -0.5
   return qi, w
 
 
@@ -220,7 +225,9 @@ def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
   if k_BSGK.shape[2] != G:
     k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], G, cfg.d_k))
   qn, kn = (jax.lax.stop_gradient(a[..., r:]).astype(jnp.float32) for a in (q_BTHK, k_BSGK))
-  w_iq, w_ik, w_iw = (jax.lax.stop_gradient(params[n]).astype(jnp.float32) for n in ("w_iq", "w_ik", "w_iw"))
+  # The inputs are detached, the parameters not: the choice itself stops every gradient (select), and
+  # the indexer's own loss (record_indexer_kl) reaches only its parameters.
+  w_iq, w_ik, w_iw = (params[n].astype(jnp.float32) for n in ("w_iq", "w_ik", "w_iw"))
   return (jnp.einsum("BTHC,HCJI->BTJI", qn, w_iq), jnp.einsum("BSGC,GCI->BSI", kn, w_ik),
           jnp.einsum("BTHC,HCJ->BTJ", qn, w_iw))
 
@@ -306,6 +313,9 @@ def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: A
   """(o (B,T,H,V), None) from the sparse kernel, or (None, opts with the selection's mask ANDed in)."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   name, fn = m.name, m.select
+  recording = INDEXER_KL.get() if name == "indexer" else None
+  if recording is not None:
+    return None, _record_kl(*recording, params, q_BTHK, k_BSGK, cfg=cfg, opts=opts, kernel_args=kernel_args)
   long = is_long(T, S)
   if opts.return_weights and long:
     raise invalid("return_weights", True, f"False with key selection (extra.{name}) at T·S >= "
@@ -324,3 +334,62 @@ def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: A
   keep = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
             mask=seen, dense=True, index=opts.index)
   return None, opts.replace(mask=masks.combine_masks(opts.mask, keep))
+
+
+# Training the indexer (DeepSeek-V3.2, DeepSeek-AI 2025, §2.1). A trainer opens record_indexer_kl(phase)
+# around the model's forward pass; each indexer layer run inside then attends as the phase says and
+# appends its KL term. The target p_t is the layer's attention weights summed over its heads and
+# L1-normalised over the keys (the dense ones at warm-up, the selected ones in the sparse phase), under
+# stop_gradient; the indexer's distribution is Softmax(I_t) over the same keys. I's inputs are detached,
+# so the term trains only the indexer's parameters, and the selection has no gradient, so the language
+# model's loss never reaches them.
+
+PHASES = ("warmup", "sparse")
+# Parameter names of the indexer (both forms): what the warm-up trains, everything else frozen.
+INDEXER_PARAMS = frozenset({"w_iq", "w_ik", "w_iw", "w_idq", "w_idk", "w_idw", "idk_norm", "idk_bias"})
+INDEXER_KL: contextvars.ContextVar = contextvars.ContextVar("attn_indexer_kl", default=None)
+
+
+@contextlib.contextmanager
+def record_indexer_kl(phase: str) -> Iterator[list]:
+  """Yields a list; each indexer layer run inside appends its KL term, a float32 scalar (the mean over
+  the batch's queries that see a key of D_KL(p_t || Softmax(I_t))), at trace time.
+
+  phase "warmup": the layer attends to every visible key (dense attention, no selection) and p_t is over
+  them; "sparse": the layer attends to its selection (the dense-mask path) and p_t, Softmax(I_t) are over
+  the selected keys.
+  """
+  if phase not in PHASES:
+    raise invalid("phase", phase, f"one of {list(PHASES)}")
+  terms: list = []
+  token = INDEXER_KL.set((phase, terms))
+  try:
+    yield terms
+  finally:
+    INDEXER_KL.reset(token)
+
+
+def _record_kl(phase: str, terms: list, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, opts, kernel_args):
+  """record_indexer_kl's work for one layer: appends its KL term; returns the opts to attend with."""
+  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  qi, ki, w = opts.index if is_deepseek(cfg) else index_inputs(params, q_BTHK, k_BSGK, cfg)
+  seen = masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal, opts.kv_lengths))
+  if phase == "sparse":
+    keep = INDEXER.select(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
+                          mask=opts.mask, dense=True, index=opts.index)
+    opts = opts.replace(mask=masks.combine_masks(opts.mask, keep))
+    seen = masks.combine_masks(seen, keep)
+  logits = kernel.scores(jax.lax.stop_gradient(q_BTHK), jax.lax.stop_gradient(k_BSGK)) * cfg.score_scale
+  if kernel_args["softcap"] is not None:
+    logits = kernel_args["softcap"] * jnp.tanh(logits / kernel_args["softcap"])
+  B, H = logits.shape[:2]
+  seen_BHTS = jnp.broadcast_to(True if seen is None else seen, (B, H, T, S))
+  p_BTS = jax.lax.stop_gradient(kernel.masked_probabilities(logits, seen_BHTS, kernel_args["sinks"]).sum(1))
+  p_BTS = p_BTS / jnp.maximum(p_BTS.sum(-1, keepdims=True), 1e-30)
+  keys_BTS = seen_BHTS.any(1)
+  # A finite floor, not -inf: a row that sees no key stays finite (and has no term), in value and gradient.
+  log_q = jax.nn.log_softmax(jnp.where(keys_BTS, select.index_scores(qi, ki, w), -1e30), axis=-1)
+  kl_BT = jnp.sum(jnp.where(p_BTS > 0, p_BTS * (jnp.log(jnp.where(p_BTS > 0, p_BTS, 1.0)) - log_q), 0.0), -1)
+  rows_BT = keys_BTS.any(-1)
+  terms.append(jnp.sum(jnp.where(rows_BT, kl_BT, 0.0)) / jnp.maximum(rows_BT.sum(), 1))
+  return opts
