@@ -166,3 +166,21 @@ def test_kit_on_mla_with_the_deepseek_indexer():
   check_variant("mla", configs=(
       CFG, CFG.replace(use_bias=True, rope_layout="half", extra={"indexer": IX | {"rope_layout": "interleaved",
                                                                                "top_k": 2, "head_dim": 4}})))
+
+
+@pytest.mark.slow
+def test_sparse_path_at_long_T_equals_the_dense_path(monkeypatch):
+  """T = 600 (T·S past kernel.BLOCKED_MIN_SCORES: "auto" takes attn.kernel.sparse, the chosen keys only) against
+  impl="einsum" (the selection as a dense mask), with padding; and mla's absorbed form (one latent kv head) too."""
+  calls = []
+  monkeypatch.setattr(selection.sparse, "attention",
+                      lambda *a, run=selection.sparse.attention, **kw: calls.append(1) or run(*a, **kw))
+  cfg = CFG.replace(d_model=16, extra={"indexer": IX | {"top_k": 40}})
+  p = _params(cfg, 7)
+  x = jnp.asarray(_randn(8, (2, 600, 16)))
+  opts = Options(is_causal=True, kv_lengths=jnp.array([600, 333]))
+  dense, _ = jax.jit(lambda p, x: mla.apply(p, x, cfg=cfg, opts=opts.replace(impl="einsum")))(p, x)
+  for fn in (mla.apply, mla.decode_apply):
+    got, _ = jax.jit(lambda p, x, fn=fn: fn(p, x, cfg=cfg, opts=opts))(p, x)
+    np.testing.assert_allclose(got, dense, atol=1e-5)
+  assert len(calls) == 2
