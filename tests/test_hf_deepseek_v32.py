@@ -60,6 +60,9 @@ def test_config_reads_the_indexer(family):
 
 @pytest.mark.parametrize("changes,match", [
     ({"model_type": "glm_moe_dsa", "indexer_types": ["full", "shared"]}, r"config.indexer_types\[1\]='shared'"),
+    ({"model_type": "glm_moe_dsa", "index_topk_pattern": "FS"}, r"config.indexer_types\[1\]='shared'"),
+    ({"model_type": "glm_moe_dsa", "index_topk_freq": 2, "index_skip_topk_offset": 0},
+     r"config.indexer_types\[0\]='shared'"),  # transformers' rule: layer 0 shares at offset 0
     ({"mlp_layer_types": ["sparse", "dense"]}, r"config.mlp_layer_types=\['sparse', 'dense'\]"),
     ({"layer_types": ["full_attention"] * 2}, r"config.layer_types=.*'indexed_attention'"),
     ({"q_lora_rank": None}, r"config.q_lora_rank=None.*query latent"),

@@ -62,17 +62,31 @@ def _dense_first(hf: dict[str, Any]) -> int:
   return k
 
 
-def config_in_for(layout: str):
+def indexer_types(hf: dict[str, Any], L: int) -> list[str]:
+  """GLM-5's per-layer "full" / "shared" as transformers' GlmMoeDsaConfig derives them: indexer_types, else
+  index_topk_pattern ("F"/"S" per layer), else index_topk_freq and index_skip_topk_offset."""
+  if hf.get("indexer_types") is not None:
+    return list(hf["indexer_types"])
+  pattern = hf.get("index_topk_pattern")
+  if pattern is not None:
+    return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+  freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+  return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
+
+
+def config_in_for(layout: str, glm: bool):
   def config_in(hf: dict[str, Any]) -> ModelConfig:
     """deepseek_v3's reader (interleaved RoPE, the dense layers from mlp_layer_types), then the indexer."""
     L = get(hf, "num_hidden_layers")
     types = hf.get("layer_types")
     if types is not None and list(types) != ["indexed_attention"] * L:
       raise invalid("config.layer_types", types, f"{L} of 'indexed_attention': every layer runs the indexer")
-    shared = [i for i, t in enumerate(hf.get("indexer_types") or []) if t != "full"]
+    kinds = indexer_types(hf, L) if glm else ["full"] * L
+    shared = [i for i, t in enumerate(kinds) if t != "full"]
     if shared:
-      raise invalid(f"config.indexer_types[{shared[0]}]", hf["indexer_types"][shared[0]],
-                    "'full': attn has no cross-layer sharing of the indexer's choice (GLM-5's 'shared')")
+      raise invalid(f"config.indexer_types[{shared[0]}]", kinds[shared[0]], "'full' (every layer): attn has no "
+                    "cross-layer sharing of the indexer's choice (GLM-5's 'shared', from indexer_types, "
+                    "index_topk_pattern or index_topk_freq)")
     if hf.get("q_lora_rank") is None:
       raise invalid("config.q_lora_rank", None, "an integer >= 1: the indexer reads the query latent")
     ix = _indexer_in(hf, layout)
@@ -139,7 +153,7 @@ def config_out_for(architecture: str, glm: bool):
 def _family(name: str, architecture: str, layout: str, glm: bool) -> Family:
   return dataclasses.replace(
       deepseek_v3.DEEPSEEK_V3, name=name, model_types=(name,), architectures=(architecture,),
-      config_in=config_in_for(layout), weights_in=weights_in, weights_out=weights_out,
+      config_in=config_in_for(layout, glm), weights_in=weights_in, weights_out=weights_out,
       config_out=config_out_for(architecture, glm), check_out=check_out_for(name, layout),
       mapped=deepseek_v3.DEEPSEEK_V3.mapped | {"extra"})
 
