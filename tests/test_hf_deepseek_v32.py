@@ -190,3 +190,15 @@ def test_count_of_a_saved_checkpoint_is_transformers(family, tmp_path, capsys):
   m.save_pretrained(tmp_path)
   assert cli.main(["count", "--hf", str(tmp_path), "--format", "json"]) == 0
   assert json.loads(capsys.readouterr().out)["total"] == m.num_parameters() == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.slow
+def test_glm_indexer_types_are_transformers():
+  """attn's reading of GLM-5's full / shared layers against GlmMoeDsaConfig's own derivation."""
+  pytest.importorskip("transformers.models.glm_moe_dsa.configuration_glm_moe_dsa")
+  import transformers
+  from attn.nn.hf.deepseek_v32 import indexer_types
+  for kw in ({}, {"index_topk_pattern": "FSFFS"}, {"index_topk_freq": 2, "index_skip_topk_offset": 0},
+             {"index_topk_freq": 3}, {"indexer_types": ["full", "shared"] * 2 + ["full"]}):
+    assert indexer_types({"num_hidden_layers": 5, **kw}, 5) == transformers.GlmMoeDsaConfig(
+        num_hidden_layers=5, **kw).indexer_types, kw
