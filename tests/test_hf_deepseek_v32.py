@@ -202,3 +202,13 @@ def test_glm_indexer_types_are_transformers():
              {"index_topk_freq": 3}, {"indexer_types": ["full", "shared"] * 2 + ["full"]}):
     assert indexer_types({"num_hidden_layers": 5, **kw}, 5) == transformers.GlmMoeDsaConfig(
         num_hidden_layers=5, **kw).indexer_types, kw
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_model_made_in_attn_goes_out_and_back(family):
+  """check_family on the bare config: an attn model drawn at random (no checkpoint) through to_hf_state, from_hf
+  and to_hf, its logits against the transformers model to_hf builds."""
+  pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+  from attn.testing import check_family
+  assert check_family(family, _config(family))["logits_relative"] < TOL
