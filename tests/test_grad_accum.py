@@ -73,7 +73,7 @@ def test_k_micro_batches_give_the_whole_batch_gradient_and_metrics(task, k):
   batch = jax.tree.map(jnp.asarray, task_obj.batch(0, tasks_lib.TRAIN, 0, train_cfg.batch_size))
   out = {}
   for n in (1, k):
-    (loss, acc), grads = jax.jit(train._value_and_grad(graphdef, task_obj.kind, n))(params, rest, batch)
+    (loss, acc, _), grads = jax.jit(train._value_and_grad(graphdef, task_obj.kind, n))(params, rest, batch)
     step, _ = train._step_fns(graphdef, tx, task_obj.kind, n)
     _, _, metrics = jax.jit(step)(params, tx.init(params), rest, batch, jnp.float32(1e-2))
     out[n] = (float(loss), float(acc), jax.tree.leaves(grads), metrics)

@@ -94,6 +94,8 @@ class Options:
     (Michel et al. 2019); None means all ones.
   return_weights: also return the attention weights (B,H,T,S).
   impl: kernel.attention's implementation; None means the variant's default ("auto").
+  index: the deepseek-form indexer's (index queries (B,T,n_I,d_I), index keys (B,S,d_I), weights
+    (B,T,n_I)), set by the variant that computes them (mla; attn.variants.selection); None otherwise.
   """
 
   mask: Array | None = None
@@ -103,13 +105,14 @@ class Options:
   head_mask: Array | None = None
   return_weights: bool = False
   impl: str | None = None
+  index: tuple[Array, Array, Array] | None = None
 
   def replace(self, **changes) -> Options:
     return dataclasses.replace(self, **changes)
 
 
 jax.tree_util.register_dataclass(
-    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask"],
+    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask", "index"],
     meta_fields=["is_causal", "return_weights", "impl"])
 
 

@@ -32,7 +32,8 @@ Effective: the key/value inputs live in the latent subspace of R^D, of
   base.rope_score_dof with one key shared by all H query heads, and with
   q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
   q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
-KV cache: d_c + rope_dim per token. Score weights: the query weights + D·d_c +
+KV cache: d_c + rope_dim per token (+ d_I with the deepseek-form indexer: its keys).
+Score weights: the query weights + D·d_c +
   d_c·G·(K − r) + D·r [+ the norm scales, d_c (+ Q')].
 """
 
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.variants import rope
+from attn.variants import rope, selection
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core, dense, lowrank_dof, normal, project_heads, project_out,
                                 rope_score_dof, value_output_dof)
@@ -58,9 +59,9 @@ def check(cfg: HeadConfig) -> None:
     raise invalid("qk_norm", cfg.qk_norm, "False for mla: its absorbed (decoding) form scores "
                   "q·W_UKᵀ against the cached latent, exact because a key is linear in the "
                   "latent; a normalised key is not, so the cache could not hold it")
-  if cfg.extra and "indexer" in cfg.extra:
-    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for mla: the indexer reads "
-                  "per-head unrotated query and key dims (attn.variants.selection), which the absorbed "
+  if cfg.extra and "indexer" in cfg.extra and not selection.is_deepseek(cfg):
+    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for mla, or form 'deepseek': the 'heads' form "
+                  "reads per-head unrotated query and key dims (attn.variants.selection), which the absorbed "
                   "(decoding) form does not hand the kernel: it scores against the cached latent")
 
 
@@ -92,12 +93,32 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 def queries(params: Params, x_BTD, cfg: HeadConfig) -> jax.Array:
   """q (B,T,H,K): x·W_Q + b_q, or x·W_DQ·W_UQ + b_q with the low-rank query path (its latent
   RMS-normalised with cfg.latent_norm_eps)."""
+  return _queries(params, x_BTD, cfg)[0]
+
+
+def _queries(params: Params, x_BTD, cfg: HeadConfig):
+  """(q (B,T,H,K), the query latent (B,T,Q') as q reads it, or None without one)."""
   if "w_q" in params:
-    return project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
+    return project_heads(x_BTD, params["w_q"], bias(params, "b_q")), None
   lat_BTQ = x_BTD @ params["w_dq"]
   if cfg.latent_norm_eps is not None:
     lat_BTQ = rms_norm(lat_BTQ, params["q_latent_norm"], cfg.latent_norm_eps)
-  return project_heads(lat_BTQ, params["w_uq"], bias(params, "b_q"))
+  return project_heads(lat_BTQ, params["w_uq"], bias(params, "b_q")), lat_BTQ
+
+
+def _with_index(params: Params, x_BTD, lat_BTQ, ki_BSI, q_positions, opts: Options, cfg: HeadConfig) -> Options:
+  """opts with the deepseek-form indexer's inputs (attn.variants.selection) when the layer has it: index
+  queries and weights from x and the query latent at q_positions (None: 0..T−1), the given index keys."""
+  if ki_BSI is None:
+    return opts
+  q_pos = jnp.arange(x_BTD.shape[1]) if q_positions is None else q_positions
+  qi_BTJI, w_BTJ = selection.index_queries(params, x_BTD, lat_BTQ, q_pos, cfg)
+  return opts.replace(index=(qi_BTJI, ki_BSI, w_BTJ))
+
+
+def _index_keys(params: Params, c_BSD, k_positions, cfg: HeadConfig):
+  """The deepseek-form indexer's keys at k_positions, or None without it."""
+  return selection.index_keys(params, c_BSD, k_positions, cfg) if selection.is_deepseek(cfg) else None
 
 
 def _latent_and_rope_key(params: Params, c_BSD, cfg: HeadConfig):
@@ -114,7 +135,10 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   c_BSD = x_BTD if context_BSD is None else context_BSD
   B, S, _ = c_BSD.shape
   G, r = cfg.num_kv_heads, cfg.rope_dim
-  q_BTHK = queries(params, x_BTD, cfg)
+  q_BTHK, lat_BTQ = _queries(params, x_BTD, cfg)
+  if selection.is_deepseek(cfg):
+    q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1], S, context_BSD is not None)
+    opts = _with_index(params, x_BTD, lat_BTQ, _index_keys(params, c_BSD, k_pos, cfg), q_pos, opts, cfg)
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
   k_BSGK = jnp.einsum("BSC,CGK->BSGK", lat_BSC, params["w_uk"])
   if r:  # the shared RoPE key fills the first r dims of every kv head; the base rotates them
@@ -135,20 +159,23 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   """
   c_BSD = x_BTD if context_BSD is None else context_BSD
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
-  q_pos = None
-  if cfg.rope_dim:
+  q_pos, ki_BSI = None, None
+  if cfg.rope_dim or selection.is_deepseek(cfg):
     q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1],
                                                           c_BSD.shape[1], True)
-    kr_BSR = rope.rotate(kr_BSR, k_pos, cfg)
-  return _attend_latent(params, x_BTD, lat_BSC, kr_BSR, q_pos, cfg=cfg, opts=opts)
+    kr_BSR = rope.rotate(kr_BSR, k_pos, cfg) if cfg.rope_dim else kr_BSR
+    ki_BSI = _index_keys(params, c_BSD, k_pos, cfg)
+  return _attend_latent(params, x_BTD, lat_BSC, kr_BSR, q_pos, cfg=cfg, opts=opts, ki_BSI=ki_BSI)
 
 
 def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, q_positions, *, cfg: HeadConfig,
-                   opts: Options):
-  """decode_apply's kernel over latents and already rotated RoPE keys; queries at q_positions."""
+                   opts: Options, ki_BSI=None):
+  """decode_apply's kernel over latents and already rotated RoPE keys; queries at q_positions; the
+  deepseek-form indexer's keys ki_BSI (None without it)."""
   B, S, _ = lat_BSC.shape
   R, r, C = cfg.group_size, cfg.rope_dim, cfg.latent_dim
-  q_BTHK = queries(params, x_BTD, cfg)
+  q_BTHK, lat_BTQ = _queries(params, x_BTD, cfg)
+  opts = _with_index(params, x_BTD, lat_BTQ, ki_BSI, q_positions, opts, cfg)
   w_uk_CHK = jnp.repeat(params["w_uk"], R, axis=1)
   w_uv_CHV = jnp.repeat(params["w_uv"], R, axis=1)
   q_BTHC = jnp.einsum("BTHK,CHK->BTHC", q_BTHK[..., r:], w_uk_CHK)
@@ -170,17 +197,20 @@ def _attend_latent(params: Params, x_BTD, lat_BSC, kr_BSR, q_positions, *, cfg: 
 def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, opts: Options) -> dict:
   """Per token: the latent c (d_c) and the RoPE key k^R (rope_dim), rotated at its position."""
   lat_BTC, kr_BTR = _latent_and_rope_key(params, x_BTD, cfg)
-  if not cfg.rope_dim:
-    return {"latent": lat_BTC}
   _, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1], x_BTD.shape[1], False)
-  return {"latent": lat_BTC, "k_rope": rope.rotate(kr_BTR, k_pos, cfg)}
+  out = {"latent": lat_BTC}
+  if cfg.rope_dim:
+    out["k_rope"] = rope.rotate(kr_BTR, k_pos, cfg)
+  if selection.is_deepseek(cfg):  # the indexer's keys, beside the latent (DeepSeek-V3.2's indexer cache)
+    out["index_key"] = _index_keys(params, x_BTD, k_pos, cfg)
+  return out
 
 
 def attend_cached(params: Params, x_BTD, cache: dict, *, cfg: HeadConfig, opts: Options):
   """The absorbed form against a cache of latents and rotated RoPE keys; opts' query positions."""
   q_pos = None if opts.qk_positions is None else opts.qk_positions[0]
   y_BTD, _ = _attend_latent(params, x_BTD, cache["latent"], cache.get("k_rope"), q_pos, cfg=cfg,
-                            opts=opts)
+                            opts=opts, ki_BSI=cache.get("index_key"))
   return y_BTD
 
 
@@ -233,7 +263,9 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 
 def kv_cache_width(cfg: HeadConfig) -> int:
-  return cfg.latent_dim + cfg.rope_dim
+  """d_c + rope_dim, and the deepseek-form indexer's key (d_I) beside them."""
+  index = selection.options_of(cfg)["head_dim"] if selection.is_deepseek(cfg) else 0
+  return cfg.latent_dim + cfg.rope_dim + index
 
 
 def score_weights(cfg: HeadConfig) -> int:

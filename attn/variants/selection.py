@@ -10,16 +10,22 @@ here). Options live in HeadConfig.extra:
 
   moba     {"block": 64, "top_k": 4}: blocks of `block` keys, top_k blocks per query
            head, its own block one of them (Lu et al. 2025). No parameters.
-  indexer  {"heads": 4, "head_dim": 32, "top_k": 2048}: n_I index heads of d_I
-           (DeepSeek-V3.2's lightning indexer), one set of top_k keys per query
-           shared by every head. Parameters: w_iq (H, K - r, n_I, d_I) maps a query's
-           unrotated dims (all heads') to its index queries, w_ik (G, K - r, d_I) a key's
-           to its one index key, w_iw (H, K - r, n_I) to the weights per index head;
-           r = rope_dim. Reading the unrotated dims keeps the choice position-free
-           (RoPE shifts leave it) and the same from the cache's keys. DeepSeek-V3.2
-           reads the layer's input and its query latent instead, with a LayerNorm and
-           partial RoPE on the index key: not done here (that needs the index keys
-           cached beside k and v).
+  indexer  {"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads"}: n_I index heads
+           of d_I (DeepSeek-V3.2's lightning indexer), one set of top_k keys per query
+           shared by every head. Two forms (docs/key_selection.md):
+           "heads" (the default, any variant with per-head queries and keys): w_iq
+           (H, K - r, n_I, d_I) maps a query's unrotated dims (all heads') to its index
+           queries, w_ik (G, K - r, d_I) a key's to its one index key, w_iw (H, K - r, n_I)
+           to the weights per index head; r = rope_dim. Position-free, and the same from
+           the cache's keys.
+           "deepseek" (DeepSeek-V3.2 as transformers' DeepseekV32Indexer; mla with a query
+           latent): index queries from the query latent c_q (after its RMSNorm), w_idq
+           (Q', n_I, d_I); the one index key LayerNorm(x·w_idk) (w_idk (D, d_I), scale
+           idk_norm and bias idk_bias, eps 1e-6); RoPE on the first rope_dim dims of both
+           at their positions, in layout "rope_layout" ("half", DeepSeek-V3.2's, or
+           "interleaved", GLM-5's); the weights x·w_idw (D, n_I) · n_I^-1/2; scores
+           · d_I^-1/2. The variant computes these (index_queries, index_keys) and hands them
+           to the core in Options.index; its decoding cache holds the index keys.
 
 Where the work is saved: at T·S >= kernel.BLOCKED_MIN_SCORES ("auto" or "blocked",
 no dense mask, window, sinks or other probability), MoBA runs attn.kernel.gathered
@@ -35,14 +41,19 @@ would build the (B,H,T,S) array selection exists to avoid.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 
+from attn import kernel
 from attn.config import HeadConfig, invalid
 from attn.kernel import gathered, masks, select, sparse
 from attn.kernel.impls import BLOCKED_MIN_SCORES, is_long
+from attn.variants import rope
 from attn.variants.mechanism import Mechanism
 
 Array = jax.Array
@@ -57,6 +68,22 @@ def _opts(cfg: HeadConfig, name: str) -> dict:
   return {**DEFAULTS[name], **dict((cfg.extra or {}).get(name) or {})}
 
 
+FORMS = ("heads", "deepseek")  # extra.indexer.form (module docstring)
+INDEX_ROPE_LAYOUTS = ("half", "interleaved")  # extra.indexer.rope_layout, the deepseek form's
+INDEX_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(d_I, eps=1e-6)
+_STRINGS = {"form": FORMS, "rope_layout": INDEX_ROPE_LAYOUTS}
+
+
+def options_of(cfg: HeadConfig, name: str = "indexer") -> dict:
+  """A selector's options under cfg, its defaults filled in."""
+  return _opts(cfg, name)
+
+
+def is_deepseek(cfg: HeadConfig) -> bool:
+  """Whether the layer has the indexer in DeepSeek-V3.2's form (reads x and the query latent)."""
+  return "indexer" in (cfg.extra or {}) and _opts(cfg, "indexer")["form"] == "deepseek"
+
+
 def _positive(name: str, key: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
     raise invalid(f"extra.{name}.{key}", value, "a positive integer")
@@ -67,6 +94,10 @@ def _check(name: str, cfg: HeadConfig) -> None:
   unrotated dims."""
   o = _opts(cfg, name)
   for key in DEFAULTS[name]:
+    if key in _STRINGS:
+      if o[key] not in _STRINGS[key]:
+        raise invalid(f"extra.{name}.{key}", o[key], f"one of {list(_STRINGS[key])}")
+      continue
     _positive(name, key, o[key])
   others = [n for n in SELECTORS if n != name and n in (cfg.extra or {})]
   if others:
@@ -79,7 +110,17 @@ def _check(name: str, cfg: HeadConfig) -> None:
     raise invalid("window", cfg.window, f"None with key selection (extra.{name}): a window's decoding "
                   "cache is a ring whose slots are not positions, so MoBA's blocks and the indexer's "
                   "ties would not be the full pass's")
-  if name == "indexer" and cfg.rope_dim >= cfg.d_k:
+  if name == "indexer" and o["form"] == "deepseek":
+    if o["head_dim"] < cfg.rope_dim or o["head_dim"] % 2:
+      raise invalid("extra.indexer.head_dim", o["head_dim"], f"an even number >= rope_dim={cfg.rope_dim}: the "
+                    "deepseek form rotates the first rope_dim dims of each index query and key")
+    if cfg.q_latent_dim is None:
+      raise invalid("extra.indexer.form", "deepseek", "'heads' without q_latent_dim: the deepseek form reads "
+                    "the query latent (mla with q_latent_dim)")
+  elif name == "indexer" and o["rope_layout"] != "half":
+    raise invalid("extra.indexer.rope_layout", o["rope_layout"], "'half' (unset) with form 'heads': that form "
+                  "reads unrotated dims")
+  elif name == "indexer" and cfg.rope_dim >= cfg.d_k:
     raise invalid("rope_dim", cfg.rope_dim, f"below d_k={cfg.d_k} with extra.indexer: the index heads "
                   "read a head's unrotated dims")
 
@@ -87,8 +128,8 @@ def _check(name: str, cfg: HeadConfig) -> None:
 # MoBA
 
 def _moba_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
-                 dense: bool):
-  del params
+                 dense: bool, index=None):
+  del params, index
   o = _opts(cfg, "moba")
   block = min(o["block"], k_BSGK.shape[1])
   if dense:
@@ -139,8 +180,39 @@ def _indexer_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   kq, kk, kw = jax.random.split(key, 3)
   normal = lambda k, shape, fan: (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(fan)).astype(dtype)
+  if o["form"] == "deepseek":
+    D, Q = cfg.d_model, cfg.q_latent_dim
+    return {"w_idq": normal(kq, (Q, J, I), Q), "w_idk": normal(kk, (D, I), D), "w_idw": normal(kw, (D, J), D),
+            "idk_norm": jnp.ones((I,), dtype), "idk_bias": jnp.zeros((I,), dtype)}
   return {"w_iq": normal(kq, (H, C, J, I), H * C), "w_ik": normal(kk, (G, C, I), G * C),
           "w_iw": normal(kw, (H, C, J), H * C)}
+
+
+def _index_rope(cfg: HeadConfig) -> HeadConfig:
+  return cfg.replace(rope_layout=_opts(cfg, "indexer")["rope_layout"])
+
+
+def index_keys(params: Params, c_BSD: Array, positions, cfg: HeadConfig) -> Array:
+  """The deepseek form's one index key per token (B,S,d_I) float32: LayerNorm(c·w_idk), its first
+  rope_dim dims rotated at `positions` ((S,) or (B,S)). What a decoding cache holds beside k and v.
+  c is detached; the parameters are not (index_inputs says why)."""
+  k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idk"].astype(jnp.float32)
+  mean = jnp.mean(k, -1, keepdims=True)
+  k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + INDEX_NORM_EPS)
+  k = k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
+  return rope.rotate(k, positions, _index_rope(cfg))
+
+
+def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: HeadConfig):
+  """The deepseek form's (index queries (B,T,n_I,d_I), weights (B,T,n_I)), float32, the scales
+  d_I^-1/2 (scores) and n_I^-1/2 (weights) folded in: the queries from the query latent, rotated at
+  `positions`; the weights from x."""
+  o = _opts(cfg, "indexer")
+  f32 = lambda a: jax.lax.stop_gradient(a).astype(jnp.float32)  # noqa: E731  (inputs detached, as index_inputs)
+  qi = jnp.einsum("BTQ,QJI->BTJI", f32(lat_BTQ), params["w_idq"].astype(jnp.float32))
+  qi = rope.rotate(qi, positions, _index_rope(cfg)) * o["head_dim"] ** -0.5
+  w = f32(x_BTD) @ params["w_idw"].astype(jnp.float32) * o["heads"] ** -0.5
+  return qi, w
 
 
 def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
@@ -153,15 +225,23 @@ def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
   if k_BSGK.shape[2] != G:
     k_BSGK = jnp.broadcast_to(k_BSGK, (*k_BSGK.shape[:2], G, cfg.d_k))
   qn, kn = (jax.lax.stop_gradient(a[..., r:]).astype(jnp.float32) for a in (q_BTHK, k_BSGK))
-  w_iq, w_ik, w_iw = (jax.lax.stop_gradient(params[n]).astype(jnp.float32) for n in ("w_iq", "w_ik", "w_iw"))
+  # The inputs are detached, the parameters not: the choice itself stops every gradient (select), and
+  # the indexer's own loss (record_indexer_kl) reaches only its parameters.
+  w_iq, w_ik, w_iw = (params[n].astype(jnp.float32) for n in ("w_iq", "w_ik", "w_iw"))
   return (jnp.einsum("BTHC,HCJI->BTJI", qn, w_iq), jnp.einsum("BSGC,GCI->BSI", kn, w_ik),
           jnp.einsum("BTHC,HCJ->BTJ", qn, w_iw))
 
 
 def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
-                    dense: bool):
+                    dense: bool, index=None):
   top_k = _opts(cfg, "indexer")["top_k"]
-  qi, ki, w = index_inputs(params, q_BTHK, k_BSGK, cfg)
+  if is_deepseek(cfg):
+    if index is None:
+      raise invalid("extra.indexer.form", "deepseek", "'heads' here: the deepseek form's index queries and "
+                    "keys come from the variant (Options.index; mla computes them)")
+    qi, ki, w = index
+  else:
+    qi, ki, w = index_inputs(params, q_BTHK, k_BSGK, cfg)
   S = k_BSGK.shape[1]
   if dense:
     return select.indexer_tokens(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
@@ -175,6 +255,8 @@ def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
 def _indexer_params(cfg: HeadConfig) -> int:
   o = _opts(cfg, "indexer")
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
+  if o["form"] == "deepseek":  # w_idq, w_idk, the LayerNorm's scale and bias, w_idw
+    return cfg.q_latent_dim * J * I + cfg.d_model * (I + J) + 2 * I
   return C * (H * J * I + G * I + H * J)
 
 
@@ -183,6 +265,8 @@ def indexer_flops(cfg: HeadConfig, T: int, S: int) -> int:
   scores 2·T·S·J·I and their weighted sum 2·T·S·J (ReLU and top-k not counted)."""
   o = _opts(cfg, "indexer")
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
+  if o["form"] == "deepseek":  # index queries 2·T·Q'·J·I, weights 2·T·D·J, keys 2·S·D·I, the scores
+    return 2 * T * J * (cfg.q_latent_dim * I + cfg.d_model) + 2 * S * cfg.d_model * I + 2 * T * S * J * (I + 1)
   return 2 * T * H * C * J * (I + 1) + 2 * S * G * C * I + 2 * T * S * J * (I + 1)
 
 
@@ -195,15 +279,17 @@ def indexer_keys(cfg: HeadConfig, T: int) -> int:
 
 
 INDEXER = Mechanism(
-    name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048},
+    name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half"},
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
-    sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ"}, param_count=_indexer_params,
+    sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ", "w_idq": "QJI", "w_idk": "DI", "w_idw": "DJ",
+              "idk_norm": "I", "idk_bias": "I"}, param_count=_indexer_params,
     flops=indexer_flops, score_weights=lambda cfg: 0,
     examples=(("indexer 2 heads of 3, top 3", {"extra": {"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}},
                "C·(H·J·I + G·I + H·J), C = K − r",
                "2·T·H·C·J·(I + 1) + 2·S·G·C·I + 2·T·S·J·(I + 1) (the core: top_k keys a query)"),),
-    help="indexer: {heads, head_dim, top_k}: DeepSeek-V3.2's lightning indexer, each query's top_k "
-         "keys by Σ_j w_j·ReLU(q_j·k), shared by every head")
+    help="indexer: {heads, head_dim, top_k, form, rope_layout}: DeepSeek-V3.2's lightning indexer, each "
+         "query's top_k keys by Σ_j w_j·ReLU(q_j·k), shared by every head; form 'heads' reads the heads' "
+         "unrotated dims, 'deepseek' (mla with a query latent) the query latent and x, as DeepSeek-V3.2")
 
 RECORDS = (MOBA, INDEXER)
 DEFAULTS = {m.name: dict(m.defaults) for m in RECORDS}
@@ -227,6 +313,9 @@ def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: A
   """(o (B,T,H,V), None) from the sparse kernel, or (None, opts with the selection's mask ANDed in)."""
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   name, fn = m.name, m.select
+  recording = INDEXER_KL.get() if name == "indexer" else None
+  if recording is not None:
+    return None, _record_kl(*recording, params, q_BTHK, k_BSGK, cfg=cfg, opts=opts, kernel_args=kernel_args)
   long = is_long(T, S)
   if opts.return_weights and long:
     raise invalid("return_weights", True, f"False with key selection (extra.{name}) at T·S >= "
@@ -236,12 +325,71 @@ def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: A
            and kernel_args["probability"] == "softmax" and not explicit)
   if long and plain and impl in ("auto", "blocked"):
     run, chosen = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal,
-                     kv_lengths=opts.kv_lengths, mask=None, dense=False)
+                     kv_lengths=opts.kv_lengths, mask=None, dense=False, index=opts.index)
     o = run(q_BTHK, k_BSGK, v_BSGV, **chosen, scale=cfg.score_scale, is_causal=opts.is_causal,
             kv_lengths=opts.kv_lengths, softcap=kernel_args["softcap"])
     return o, opts
   window = kernel_args["window"]
   seen = masks.combine_masks(opts.mask, None if window is None else masks.window_mask(T, S, window))
   keep = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
-            mask=seen, dense=True)
+            mask=seen, dense=True, index=opts.index)
   return None, opts.replace(mask=masks.combine_masks(opts.mask, keep))
+
+
+# Training the indexer (DeepSeek-V3.2, DeepSeek-AI 2025, §2.1). A trainer opens record_indexer_kl(phase)
+# around the model's forward pass; each indexer layer run inside then attends as the phase says and
+# appends its KL term. The target p_t is the layer's attention weights summed over its heads and
+# L1-normalised over the keys (the dense ones at warm-up, the selected ones in the sparse phase), under
+# stop_gradient; the indexer's distribution is Softmax(I_t) over the same keys. I's inputs are detached,
+# so the term trains only the indexer's parameters, and the selection has no gradient, so the language
+# model's loss never reaches them.
+
+PHASES = ("warmup", "sparse")
+# Parameter names of the indexer (both forms): what the warm-up trains, everything else frozen.
+INDEXER_PARAMS = frozenset({"w_iq", "w_ik", "w_iw", "w_idq", "w_idk", "w_idw", "idk_norm", "idk_bias"})
+INDEXER_KL: contextvars.ContextVar = contextvars.ContextVar("attn_indexer_kl", default=None)
+
+
+@contextlib.contextmanager
+def record_indexer_kl(phase: str) -> Iterator[list]:
+  """Yields a list; each indexer layer run inside appends its KL term, a float32 scalar (the mean over
+  the batch's queries that see a key of D_KL(p_t || Softmax(I_t))), at trace time.
+
+  phase "warmup": the layer attends to every visible key (dense attention, no selection) and p_t is over
+  them; "sparse": the layer attends to its selection (the dense-mask path) and p_t, Softmax(I_t) are over
+  the selected keys.
+  """
+  if phase not in PHASES:
+    raise invalid("phase", phase, f"one of {list(PHASES)}")
+  terms: list = []
+  token = INDEXER_KL.set((phase, terms))
+  try:
+    yield terms
+  finally:
+    INDEXER_KL.reset(token)
+
+
+def _record_kl(phase: str, terms: list, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, opts, kernel_args):
+  """record_indexer_kl's work for one layer: appends its KL term; returns the opts to attend with."""
+  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+  qi, ki, w = opts.index if is_deepseek(cfg) else index_inputs(params, q_BTHK, k_BSGK, cfg)
+  seen = masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal, opts.kv_lengths))
+  if phase == "sparse":
+    keep = INDEXER.select(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
+                          mask=opts.mask, dense=True, index=opts.index)
+    opts = opts.replace(mask=masks.combine_masks(opts.mask, keep))
+    seen = masks.combine_masks(seen, keep)
+  logits = kernel.scores(jax.lax.stop_gradient(q_BTHK), jax.lax.stop_gradient(k_BSGK)) * cfg.score_scale
+  if kernel_args["softcap"] is not None:
+    logits = kernel_args["softcap"] * jnp.tanh(logits / kernel_args["softcap"])
+  B, H = logits.shape[:2]
+  seen_BHTS = jnp.broadcast_to(True if seen is None else seen, (B, H, T, S))
+  p_BTS = jax.lax.stop_gradient(kernel.masked_probabilities(logits, seen_BHTS, kernel_args["sinks"]).sum(1))
+  p_BTS = p_BTS / jnp.maximum(p_BTS.sum(-1, keepdims=True), 1e-30)
+  keys_BTS = seen_BHTS.any(1)
+  # A finite floor, not -inf: a row that sees no key stays finite (and has no term), in value and gradient.
+  log_q = jax.nn.log_softmax(jnp.where(keys_BTS, select.index_scores(qi, ki, w), -1e30), axis=-1)
+  kl_BT = jnp.sum(jnp.where(p_BTS > 0, p_BTS * (jnp.log(jnp.where(p_BTS > 0, p_BTS, 1.0)) - log_q), 0.0), -1)
+  rows_BT = keys_BTS.any(-1)
+  terms.append(jnp.sum(jnp.where(rows_BT, kl_BT, 0.0)) / jnp.maximum(rows_BT.sum(), 1))
+  return opts

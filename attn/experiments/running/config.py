@@ -60,7 +60,7 @@ from typing import Any
 
 from attn.config import ConfigError, invalid
 from attn.experiments.data import tasks
-from attn.experiments.training.config import PACKABLE, TrainConfig, check_heads, check_train_field
+from attn.experiments.training.config import PACKABLE, TrainConfig, check_heads, check_indexer, check_train_field
 
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
@@ -574,6 +574,7 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
   train_cfg = TrainConfig(**cfg["train"])
   check_heads(train_cfg, model_cfg.num_heads)
+  check_indexer(train_cfg, model_cfg)
   if train_cfg.sink_metrics and task.kind != "decoder_lm":
     raise invalid("train.sink_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
                   "the sink metrics read a causal language model's first position")

@@ -23,12 +23,15 @@ _TRAIN_RANGES = {
     "eval_batches": (1, True, "an integer >= 1"), "seed": (0, True, "an integer >= 0"),
     "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
     "grad_accum": (1, True, "an integer >= 1 (micro-batches per batch)"),
+    "indexer_kl_weight": (0.0, False, "a finite number > 0 (the indexer's KL term's weight in the loss)"),
 }
 # [train] keys whose values may differ between trials packed into one vmapped program (sweep.pack):
 # the seed (data and init), and what only the learning-rate schedule reads, since the step takes its
 # learning rate as a traced argument. Everything else (the model, the task, the batch, the optimiser's
 # constants, the step count and cadences) shapes the compiled program or its loop and must be equal.
 PACKABLE = ("seed", "lr", "warmup_steps", "end_lr_ratio")
+# train.indexer: how the lightning indexer trains (DeepSeek-V3.2 §2.1; attn.variants.selection).
+INDEXER_PHASES = ("off", "warmup", "sparse")
 DATA_PARALLEL_AXES = ("batch", "seed")
 MESH_KEYS = ("data", "heads")
 MESH_ALLOWED = 'a table {data = N, heads = M}: data "auto" or an integer >= 1, heads an integer >= 1'
@@ -68,6 +71,12 @@ def check_train_field(name: str, value: Any) -> Any:
     return value
   if name == "mesh":
     return _check_mesh(value)
+  if name == "indexer":
+    if value not in INDEXER_PHASES:
+      raise invalid("train.indexer", value, '"off" (the indexer gets no gradient), "warmup" (only the indexer '
+                    'trains, by its KL to the dense attention) or "sparse" (the model on its selection, the '
+                    "indexer by its KL on the selected keys)")
+    return value
   if name == "data_parallel_axis":
     if value not in DATA_PARALLEL_AXES:
       raise invalid("train.data_parallel_axis", value,
@@ -123,6 +132,16 @@ class TrainConfig:
   batch (attn.experiments.training.sink_eval; language-model tasks only);
   sink_threshold: the first-position mass above which a head counts as a
   sink head, in (0, 1) (Gu et al. 2024: 0.3).
+
+  indexer: how a model with the lightning indexer (model.extra.indexer) trains, DeepSeek-V3.2's two
+  phases (DeepSeek-AI 2025, §2.1; docs/key_selection.md). "off" (the default): the model trains on
+  its selection and the indexer gets no gradient. "warmup": every layer attends densely, the loss
+  adds indexer_kl_weight × Σ_layers KL(p_t || Softmax(I_t)) (p_t the layer's attention summed over
+  heads, L1-normalised), and only the indexer's parameters change (the others stay bit for bit: their
+  gradients are zeroed before clipping and Adam, and their values kept after the update). "sparse": every layer attends to its selection; the loss adds the KL
+  over the selected keys, which reaches only the indexer (its inputs detached), while the language
+  model's loss reaches only the rest (the choice has no gradient). The rows add indexer_kl.
+  Evaluation runs the model as configured (its selection) in every phase.
   """
 
   steps: int = 200
@@ -144,6 +163,8 @@ class TrainConfig:
   mesh: dict[str, Any] | None = None
   sink_metrics: bool = False
   sink_threshold: float = 0.3
+  indexer: str = "off"
+  indexer_kl_weight: float = 1.0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -190,3 +211,13 @@ def check_heads(train: TrainConfig, num_heads: int) -> None:
                   f"a divisor of model.num_heads={num_heads}: each of the {M} devices holds "
                   f"num_heads / {M} whole query heads, and {num_heads} leaves {num_heads % M} over; one of "
                   f"{[d for d in range(1, num_heads + 1) if num_heads % d == 0]}")
+
+
+def check_indexer(train: TrainConfig, model_cfg: Any) -> None:
+  """Refuses train.indexer "warmup" / "sparse" for a model with no lightning indexer in any layer."""
+  if train.indexer == "off":
+    return
+  heads = [model_cfg.layer_head(i) for i in range(model_cfg.num_layers)]
+  if not any("indexer" in (h.extra or {}) for h in heads):
+    raise invalid("train.indexer", train.indexer, '"off" for a model without the lightning indexer: give '
+                  "model.extra.indexer (e.g. {heads = 4, head_dim = 32, top_k = 64}) to train one")

@@ -53,8 +53,9 @@ from attn.experiments.training import parallel
 from attn.experiments.training import preempt
 from attn.experiments.training import sink_eval
 from attn.experiments.data import tasks as tasks_lib
-from attn.experiments.training.config import PACKABLE, TrainConfig
+from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
 from attn.nn import models
+from attn.variants import selection
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
 
@@ -214,18 +215,33 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
 
 
-def _value_and_grad(graphdef, kind: str, grad_accum: int):
-  """(loss, accuracy), grads of the batch's mean loss; with grad_accum > 1, micro-batch by micro-batch.
+def _objective(model, batch: dict[str, jax.Array], kind: str, denom=None, indexer: str = "off",
+               kl_weight: float = 1.0):
+  """(what is differentiated, (loss, accuracy, indexer KL)): _loss, plus with train.indexer "warmup" or
+  "sparse" kl_weight × the layers' indexer KL terms (attn.variants.selection.record_indexer_kl)."""
+  if indexer == "off":
+    loss, acc = _loss(model, batch, kind, denom)
+    return loss, (loss, acc, jnp.zeros((), jnp.float32))
+  with selection.record_indexer_kl(indexer) as terms:
+    loss, acc = _loss(model, batch, kind, denom)
+  kl = sum(terms, jnp.zeros((), jnp.float32))
+  return loss + kl_weight * kl, (loss, acc, kl)
+
+
+def _value_and_grad(graphdef, kind: str, grad_accum: int, indexer: str = "off", kl_weight: float = 1.0):
+  """(loss, accuracy, indexer KL), grads of the batch's mean loss (plus the indexer's term, train.indexer);
+  with grad_accum > 1, micro-batch by micro-batch.
 
   The micro-batches run one after another under lax.scan, so only one holds
   activations at a time; their gradients, each of its weighted sum over the
   whole batch's weight, add up in float32 to the whole batch's gradient (to
-  float32 summation order), then take the parameters' dtype.
+  float32 summation order), then take the parameters' dtype. The indexer's KL,
+  a mean over each micro-batch's queries, is averaged over the micro-batches.
   """
   def whole(params, rest, batch):
     def loss_fn(p):
-      return _loss(nnx.merge(graphdef, p, rest), batch, kind)
-    return jax.value_and_grad(loss_fn, has_aux=True)(params)
+      return _objective(nnx.merge(graphdef, p, rest), batch, kind, None, indexer, kl_weight)
+    return _aux_and_grad(loss_fn, params)
 
   if grad_accum == 1:
     return whole
@@ -235,19 +251,34 @@ def _value_and_grad(graphdef, kind: str, grad_accum: int):
 
     def one(carry, micro):
       def loss_fn(p):
-        return _loss(nnx.merge(graphdef, p, rest), micro, kind, denom)
-      (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        value, aux = _objective(nnx.merge(graphdef, p, rest), micro, kind, denom, indexer, kl_weight / grad_accum)
+        return value, (aux[0], aux[1], aux[2] / grad_accum)
+      aux, grads = _aux_and_grad(loss_fn, params)
       total, g_sum = carry
       g_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), g_sum, grads)
-      return (total + jnp.stack([loss, acc]), g_sum), None
+      return (total + jnp.stack(aux), g_sum), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (total, g_sum), _ = jax.lax.scan(one, (jnp.zeros(2, jnp.float32), zeros),
+    (total, g_sum), _ = jax.lax.scan(one, (jnp.zeros(3, jnp.float32), zeros),
                                      micro_batches(batch, grad_accum))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), g_sum, params)
-    return (total[0], total[1]), grads
+    return (total[0], total[1], total[2]), grads
 
   return accumulated
+
+
+def _aux_and_grad(loss_fn, params):
+  """(loss_fn's aux, the gradient of its value)."""
+  (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return aux, grads
+
+
+def _indexer_only(params) -> Any:
+  """A tree like params: True at the lightning indexer's parameters (selection.INDEXER_PARAMS)."""
+  def name(path) -> str:
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return next((str(k) for k in reversed(keys) if isinstance(k, str) and k != "value"), "")
+  return jax.tree_util.tree_map_with_path(lambda path, _: name(path) in selection.INDEXER_PARAMS, params)
 
 
 def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum: int = 1, task=None,
@@ -258,15 +289,25 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum:
   the positions whose input is a trigger; train.sink_metrics adds the sink metrics (sink_eval).
   """
   domain_fn = getattr(task, "trigger_mask", None)
-  value_and_grad = _value_and_grad(graphdef, kind, grad_accum)
+  indexer = "off" if train is None else train.indexer
+  value_and_grad = _value_and_grad(graphdef, kind, grad_accum, indexer,
+                                   1.0 if train is None else train.indexer_kl_weight)
 
   def step(params, opt_state, rest, batch, lr):
-    (loss, acc), grads = value_and_grad(params, rest, batch)
+    (loss, acc, kl), grads = value_and_grad(params, rest, batch)
+    trained = _indexer_only(params) if indexer == "warmup" else None
+    if trained is not None:  # the warm-up: only the indexer moves; the rest sees no gradient at all
+      grads = jax.tree.map(lambda t, g: g if t else jnp.zeros_like(g), trained, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     updates = jax.tree.map(lambda u: -lr * u, updates)
-    params = optax.apply_updates(params, updates)
+    new = optax.apply_updates(params, updates)
+    if trained is not None:  # bit for bit: not even weight decay or a -0.0 update reaches a frozen parameter
+      new = jax.tree.map(lambda t, a, b: a if t else b, trained, new, params)
+    params = new
     metrics = {"loss": loss, "accuracy": acc, "grad_norm": optax.tree.norm(grads),
                "param_norm": optax.tree.norm(params), "update_norm": optax.tree.norm(updates)}
+    if indexer != "off":
+      metrics["indexer_kl"] = kl
     return params, opt_state, metrics
 
   def evaluate(params, rest, batches):
@@ -318,6 +359,7 @@ def train_group(configs: list[dict[str, Any]],
   train, kind = TrainConfig(**cfg0["train"]), task.kind
   trains = [TrainConfig(**c["train"]) for c in configs]
   seeds = [t.seed for t in trains]
+  check_indexer(train, model_cfg)
   lr_steps = jnp.arange(train.steps)  # each trial's learning rate at each step, from its own schedule
   lrs = np.stack([np.asarray(jax.vmap(schedule(t))(lr_steps)) for t in trains])
   batched = vmap and len(seeds) > 1

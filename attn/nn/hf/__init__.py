@@ -1,10 +1,11 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoders, DeepSeek-V3, three hybrids.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoders, DeepSeek-V3(.2), GLM-5, three hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
 llama (Llama, Mistral, Qwen2 and Qwen3, one LlamaLike row each), gemma2, gemma3 (text),
 smollm3, phi3, gpt_oss, olmo2 (QK-norm over the whole projection, norms after each sublayer),
-deepseek_v3 (latent attention in attn's mla layout, DeepSeek's experts), and the hybrids of
+deepseek_v3 (latent attention in attn's mla layout, DeepSeek's experts), deepseek_v32 and
+glm_moe_dsa (GLM-5) (deepseek_v3 with the lightning indexer in its deepseek form), and the hybrids of
 linear and softmax layers: qwen3_next (gated_deltanet layers beside gated softmax ones),
 kimi_linear (kda layers beside mla ones without positions, DeepSeek's experts) and qwen3_5_text
 (Qwen3.5's text model: Qwen3-Next's layers with the linear projections apart).

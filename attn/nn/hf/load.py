@@ -21,8 +21,8 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, kimi_linear, llama, olmo2, phi3, qwen3_5,
-                         qwen3_next, smollm3)
+from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, gemma2, gemma3, gpt2, gpt_oss, kimi_linear, llama, olmo2, phi3,
+                         qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.config import ModelConfig
@@ -38,7 +38,8 @@ def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
-          qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5)
+          qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, deepseek_v32.DEEPSEEK_V32,
+          deepseek_v32.GLM_MOE_DSA)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
