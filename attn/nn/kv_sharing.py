@@ -9,15 +9,18 @@ for the layer index). A sharing layer computes its queries from its own input an
 layer j's keys and values as layer j attends to them: rotated at their positions, under the
 same masks. While decoding it holds no cache: it reads what layer j's cache gave layer j in the
 same step, so the cache holds each shared pair once (attn.count.model counts no cache bytes for
-a sharing layer).
+a sharing layer). Nor does it hold key-side weights (KEY_SIDE: w_k, w_v, their biases, k_eq_v's w_kv,
+the key norm's scale), as in Gemma 4's checkpoints: its module drops them (attn.nn.models._blocks)
+and passes zeros in their place, which no output depends on (XLA drops their matmuls); counts leave
+them out (dropped). A variant whose key-side weights have other names (fused's packed w_qkv) keeps
+them, unused.
 
 How: base.cached_kv's second hook (base.KV_SHARE), set by run_blocks around each layer:
 a source layer records the keys and values it attends to, a sharing layer replaces its own
 with them. Only variants whose keys and values reach base.cached_kv share in the full pass
 and the cached one (reaches_cached_kv finds out on abstract arrays): per_head, fused, k_eq_v (its
 rotated keys and normed values), ...; not mla or tpa, whose cached pass reads their own entries (the
-absorbed latent, the factors), nor the fixed-state heads. A sharing layer's own key and value weights stay in
-its parameters, unused (zero gradient), and are counted as stored.
+absorbed latent, the factors), nor the fixed-state heads. 
 """
 
 from __future__ import annotations
@@ -79,6 +82,36 @@ def check(m: Any) -> None:
     if a != b:
       diff = [n for n in a.to_dict() if getattr(a, n) != getattr(b, n)]
       raise invalid(where, s, f"a layer with the same head: layer {s} differs from layer {i} in {diff}")
+
+
+# The parameters a sharing layer does not hold, where its variant has them: the key and value side's.
+KEY_SIDE = ("w_k", "w_v", "b_k", "b_v", "w_kv", "b_kv", "k_norm", "k_norm_whole")
+
+
+@functools.lru_cache(maxsize=256)
+def dropped(name: str, head: HeadConfig) -> dict[str, jax.ShapeDtypeStruct]:
+  """The KEY_SIDE parameters of variant `name` at `head` (their shapes): what a sharing layer drops."""
+  shapes = jax.eval_shape(lambda: api.init(name, jax.random.key(0), head))
+  return {n: s for n, s in shapes.items() if n in KEY_SIDE}
+
+
+def dropped_count(name: str, head: HeadConfig) -> int:
+  """How many numbers a sharing layer of variant `name` does not hold (dropped)."""
+  total = 0
+  for s in dropped(name, head).values():
+    n = 1
+    for d in s.shape:
+      n *= d
+    total += n
+  return total
+
+
+def with_dropped(params: dict, name: str, head: HeadConfig) -> dict:
+  """A sharing layer's parameters with zeros in place of those it does not hold (apply reads them;
+  the sharing hook discards what they compute)."""
+  missing = {n: jnp.zeros(s.shape, next(iter(params.values())).dtype)
+             for n, s in dropped(name, head).items() if n not in params}
+  return dict(params) | missing
 
 
 def last_layers(types: tuple[str, ...], n: int, field: str = "num_kv_shared_layers") -> tuple[int, ...] | None:

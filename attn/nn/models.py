@@ -386,6 +386,8 @@ def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nn
   for i, block in enumerate(blocks):
     if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values
       block.attn.kv_source = kv_sharing.source(cfg, i)
+      for name in kv_sharing.dropped(block.attn.variant, block.attn.cfg):  # and holds none of its own
+        del block.attn.params[name]
   return nnx.List(blocks)
 
 
