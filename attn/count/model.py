@@ -44,11 +44,23 @@ def _layer_norm(m: ModelConfig) -> int:
   return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
 
 
-def _mlp(m: ModelConfig, layer: int = 0) -> int:
+def _mlp(m: ModelConfig, layer: int = 0, cross: bool = False) -> int:
   if m.is_moe_layer(layer):
     return expert_params(m)["total"]
   n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
-  return n * m.d_model * m.d_ff + (((n - 1) * m.d_ff + m.d_model) if m.has_dense_bias else 0)
+  F = 2 * m.d_ff if m.double_wide_mlp and not cross and kv_sharing.source(m, layer) != layer else m.d_ff
+  return n * m.d_model * F + (((n - 1) * F + m.d_model) if m.has_dense_bias else 0)
+
+
+def _per_layer_inputs(m: ModelConfig, n: int) -> int:
+  """Gemma 4's per-layer inputs (attn.nn.models.PerLayerInputs): the table, the projection and its
+  norm over P, and in each of the n blocks a gate D·P, an output P·D and a norm over D."""
+  P = m.per_layer_dim
+  if not P:
+    return 0
+  norm_P = (2 * P if m.norm_type == "layernorm" else P) if m.layernorm else 0
+  return (m.per_layer_vocab or m.vocab_size) * n * P + m.d_model * n * P + norm_P + n * (
+      2 * m.d_model * P + _layer_norm(m))
 
 
 def expert_params(m: ModelConfig) -> dict[str, int]:
@@ -100,7 +112,7 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
 def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
   parts["attention"] += sum(_attention(m, i) + (_attention(m, i, cross=True) if cross else 0) for i in range(n))
-  parts["mlp"] += sum(_mlp(m, i) for i in range(n))
+  parts["mlp"] += sum(_mlp(m, i, cross) for i in range(n))
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
   parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
       _layer_norm(m) if m.final_norm else 0)
@@ -115,9 +127,10 @@ def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
   names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
-           "layernorm", "pooler", "classifier", "output", "mlm_head")
+           "layernorm", "pooler", "classifier", "output", "mlm_head", "per_layer_inputs")
   parts = dict.fromkeys(names, 0)
   _embeddings(m, parts, segments=kind != "decoder_lm")
+  parts["per_layer_inputs"] = _per_layer_inputs(m, m.num_layers)
   _blocks(m, parts, m.num_layers)
   if kind in ("encoder", "classifier") and m.pooler:
     parts["pooler"] = m.d_model * m.d_model + m.d_model
