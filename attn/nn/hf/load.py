@@ -21,7 +21,8 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import bert, deepseek_v3, gemma2, gemma3, gpt2, gpt_oss, llama, olmo2, phi3, qwen3_next, smollm3
+from attn.nn.hf import (bert, deepseek_v3, gemma2, gemma3, gemma4, gpt2, gpt_oss, llama, olmo2, phi3, qwen3_next,
+                        smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.config import ModelConfig
@@ -37,7 +38,7 @@ def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
-          qwen3_next.QWEN3_NEXT)
+          qwen3_next.QWEN3_NEXT, gemma4.GEMMA4)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -45,7 +46,9 @@ FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _bui
 # Model types no family reads, refused with the reason.
 REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
                           "windows do not express, and its feed-forward is a mixture of experts",
-           "mixtral": "no family reads its experts (block_sparse_moe) yet"}
+           "mixtral": "no family reads its experts (block_sparse_moe) yet",
+           "gemma4": "its vision and audio towers are not attn's: save its text model (model_type gemma4_text, "
+                     "Gemma4ForCausalLM) and load that"}
 
 
 def _by_model_type() -> dict[str, Family]:
@@ -283,9 +286,10 @@ def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, d
   out_cfg = cfg.replace(variant=family.variant,
                         num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
   pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
+  same = cfg.variant == family.variant and out_cfg.num_kv_heads == cfg.num_kv_heads
   for l, block in _blocks(pure).items():
-    if cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant:
-      continue  # a linear layer (attn.nn.layer_types): its own variant, written as it is
+    if same or (cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant):
+      continue  # nothing to convert, or a layer of its type's own variant (attn.nn.layer_types), written as it is
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
   sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}
