@@ -51,7 +51,8 @@ _TABLE3_COLUMNS = [
     ("ours", "ours"), ("ours_millions", "ours (×10⁶)"), ("match", "match")]
 
 _LAYER_TYPE_COLUMNS = [
-    ("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
+    ("type", "layer type"), ("variant", "variant"), ("layers", "layers"),
+    ("kv_shared_layers", "reading another's KV"), ("window", "window"), ("rope_theta", "RoPE base"),
     ("params", "params"), ("flops_fwd", "FLOPs fwd at L"), ("kv_bytes_per_token_per_layer", "KV B/token/layer"),
     ("kv_bytes_at_L", "KV cache B at L")]
 # Model settings of a preset that a flag changes: the layer schedule (attn.nn.layer_types).
@@ -321,9 +322,10 @@ def _unmeasured(report: dict[str, Any]) -> str:
           + fix)
 
 
-_HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
-               ("params_per_layer", "params/layer"), ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"),
-               ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
+_HF_COLUMNS = [("type", "layer type"), ("variant", "variant"), ("layers", "layers"),
+               ("kv_shared_layers", "reading another's KV"), ("window", "window"), ("rope_theta", "RoPE base"),
+               ("params_per_layer", "params/layer"), ("params", "params"),
+               ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"), ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
 
 
 def _hf_output(report: dict[str, Any], fmt: str) -> str:
@@ -337,7 +339,11 @@ def _hf_output(report: dict[str, Any], fmt: str) -> str:
   layers = [{**r, **{f"kv_{L}": r["kv_bytes_at"][L] for L in lengths}} for r in report["layer_types"]]
   layers.append({"type": "total", "layers": report["num_layers"], **{f"kv_{L}": report["kv_bytes_at"][L]
                                                                       for L in lengths}})
-  cols = _HF_COLUMNS + [(f"kv_{L}", f"KV cache B at {int(L):,}") for L in lengths]
+  first = next(iter(report["layer_types"][0]["flops_fwd_at"])) if report["layer_types"] else None
+  for r in layers[:-1]:
+    r["flops_fwd"] = r["flops_fwd_at"][first]
+  cols = _HF_COLUMNS + ([("flops_fwd", f"FLOPs fwd at {int(first):,}")] if first else []) + [
+      (f"kv_{L}", f"KV cache B at {int(L):,}") for L in lengths]
   return (f"{report['source']} ({report['model_type']}, {report['variant']} attention): {report['total']:,} "
           f"parameters, {report['active_per_token']:,} active per token; attention "
           f"{report['attention_share']:.1%} of the parameters.\n\n"

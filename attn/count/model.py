@@ -191,7 +191,7 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
     head, variant = m.layer_head(i), m.layer_variant(i)
     shared = not _caches(m, kind, i)
     if name not in rows:
-      rows[name] = {"type": name, "layers": 0, "kv_shared_layers": 0, "window": head.window,
+      rows[name] = {"type": name, "variant": variant, "layers": 0, "kv_shared_layers": 0, "window": head.window,
                     "rope_theta": head.rope_theta if head.rope_dim else None,
                     "params_per_layer": param_counts(variant, head)["analytic"],
                     "flops_fwd_per_layer": flops(variant, head, length),
