@@ -8,6 +8,7 @@
   attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
   attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
   attn count --preset gpt2 --window 512 --global-every 4 --seq-len 8192  # per layer type at L
+  attn count --preset gpt2 --kv-source 0,1,2,3,4,5,6,7,8,9,9,9 --seq-len 8192  # the last 3 layers share
   attn count --hf ./my-checkpoint --format json  # a checkpoint's config.json by component (no weights read)
   attn count --hf gpt-oss-20b                    # a stored published config (attn/count/hf_configs)
 """
@@ -57,7 +58,8 @@ _LAYER_TYPE_COLUMNS = [
     ("kv_bytes_at_L", "KV cache B at L")]
 # Model settings of a preset that a flag changes: the layer schedule (attn.nn.layer_types).
 _MODEL_FLAGS = {"positional": str, "global_every": int, "sliding_rope_theta": float,
-                "layer_types": lambda text: tuple(t.strip() for t in text.split(","))}
+                "layer_types": lambda text: tuple(t.strip() for t in text.split(",")),
+                "kv_source": lambda text: tuple(int(t) for t in text.split(","))}
 
 _PUBLISHED_COLUMNS = [
     ("row", "preset"), ("kind", "model"), ("num_layers", "layers"), ("d_model", "d_model"),
@@ -88,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   for name, kind in _MODEL_FLAGS.items():
     parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
                         help="with --preset: the model's " + name + (" (comma-separated, one per layer)"
-                                                                     if name == "layer_types" else ""))
+                                                                     if name in ("layer_types", "kv_source") else ""))
   parser.add_argument("--hf", metavar="DIR", default=None,
                       help="a Hugging Face checkpoint directory (config.json only is enough) or a stored "
                       "published config (" + ", ".join(count_hf.stored_configs()) + "): parameters by "
@@ -253,7 +255,10 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
         "layer_types": count.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
-        row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
+        try:  # a variant the model's settings refuse (mla cannot share keys and values: kv_source) has none
+          row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
+        except ConfigError:
+          row["model_params"] = None
   return report
 
 
