@@ -381,7 +381,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
     ({"model_type": "gpt_oss", "swiglu_alpha": 1.5}, r"config.swiglu_alpha=1.5.*1.702"),
     ({"model_type": "gpt_oss", "output_router_logits": True}, r"config.output_router_logits=True.*router logits"),
     ({"model_type": "mixtral"}, r"mixtral is refused.*block_sparse_moe"),
-    ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gpt2'"),
+    ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gemma4_text', 'gpt2'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 0.0}}, r"rope_factor=0.0 is not allowed"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}},
      r"config.rope_parameters.beta_fast='x'.*a number: yarn RoPE"),
