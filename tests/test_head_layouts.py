@@ -108,6 +108,13 @@ def test_value_norm_converts_exactly_to_per_head_which_equals_a_loop_over_heads(
                                        is_causal=True)).max()) > 1e-2
 
 
+@pytest.mark.slow
+def test_per_head_with_the_value_norm_passes_the_kit():
+  """Gemma 4's sliding layers: per_head with the value norm, QK-norm and a window, d_v ≠ d_k, G < H."""
+  check_variant("per_head", configs=(KEQV.replace(d_v=3, value_norm_eps=1e-6, qk_norm=True, window=3,
+                                                  use_bias=False),))
+
+
 def test_k_eq_v_refusals_name_the_field():
   with pytest.raises(ConfigError, match="d_v=5"):
     attn.init("k_eq_v", jax.random.key(0), KEQV.replace(d_v=5))
