@@ -154,6 +154,12 @@ def test_what_attn_does_not_run_is_refused_by_name_before_any_weight(changes, ma
     hf.model_config({"model_type": "gemma4_text", **KEQV} | changes)
 
 
+def test_bidirectional_vision_is_read_and_ignored_with_a_note_as_transformers_text_model_does():
+  with pytest.warns(UserWarning, match="use_bidirectional_attention='vision' read and ignored"):
+    cfg = hf.model_config({"model_type": "gemma4_text", **KEQV, "use_bidirectional_attention": "vision"})
+  assert cfg == hf.model_config({"model_type": "gemma4_text", **KEQV})
+
+
 def test_to_hf_refuses_a_schedule_gemma4_cannot_hold():
   cfg = hf.model_config({"model_type": "gemma4_text", **KEQV})
   from flax import nnx

@@ -18,7 +18,7 @@ rows and the q/k-norm scales (and, for k_eq_v, whose values are the keys, to o_p
 scores and outputs are unchanged, and to_hf undoes it bit for bit.
 
 Refused by name before any weight is read: the mixture-of-experts block (enable_moe_block), biases,
-bidirectional attention, RoPE types other than default/proportional or a RoPE factor. The vision and
+bidirectional attention ("all"; "vision", which the text model ignores, is read and ignored with a note), RoPE types other than default/proportional or a RoPE factor. The vision and
 audio towers are Gemma4ForConditionalGeneration's (model_type gemma4), not this family's.
 """
 
@@ -97,6 +97,9 @@ def _global_heads(hf: dict[str, Any], types: list[str], G: int, keqv: bool) -> t
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:
+  if hf.get("use_bidirectional_attention") == "vision":
+    warnings.warn("gemma4_text: use_bidirectional_attention='vision' read and ignored, as transformers' text "
+                  "model ignores it (it makes image tokens attend both ways; text stays causal)", stacklevel=3)
   D, H, L = get(hf, "hidden_size"), get(hf, "num_attention_heads"), get(hf, "num_hidden_layers")
   K, G = int(hf.get("head_dim") or 256), int(hf.get("num_key_value_heads") or H)
   keqv = bool(hf.get("attention_k_eq_v", False))
@@ -285,7 +288,8 @@ GEMMA4 = Family(
     prefix="model.",
     refusals={"enable_moe_block": ((False,), "attn does not run Gemma 4's parallel dense and expert MLPs"),
               "attention_bias": ((False,), "attn's Gemma 4 has no attention biases"),
-              "use_bidirectional_attention": ((None,), "attn's DecoderLM is causal")},
+              "use_bidirectional_attention": ((None, "vision"), "attn's DecoderLM is causal (\"vision\" acts on "
+                                              "image tokens only, which the text model never sees)")},
     fixed={"positional": "rope", "norm": "sandwich", "norm_type": "rmsnorm", "mlp": "gated", "final_norm": True,
            "layernorm": True, "num_segments": 0, "embed_norm": False, "embed_scale": True, "qk_norm": True,
            "qk_norm_plus_one": False, "use_bias": False, "scale": 1.0, "layer_scalar": True},
