@@ -121,7 +121,7 @@ class HeadConfig:
   fixed-state heads' (gated_deltanet, kda, mamba2, linear; attn.variants.linear): the width
   of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
   tokens one step of the chunked scan covers (64, MaxText's and fla's). value_norm_eps, if
-  set, gives k_eq_v's values a weightless RMSNorm over each head at that epsilon
+  set, gives per_head's and k_eq_v's values a weightless RMSNorm over each head at that epsilon
   (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
   projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
   groups, each group's H/o_groups·d_v outputs through its own rank-o_rank map
@@ -236,7 +236,7 @@ class HeadConfig:
   def _check_layouts(self) -> None:
     if self.value_norm_eps is not None:
       _positive_number("value_norm_eps", self.value_norm_eps,
-                       "the epsilon of k_eq_v's weightless value norm, or None for none")
+                       "the epsilon of the values' weightless RMSNorm (per_head, k_eq_v), or None for none")
     _positive_int("o_groups", self.o_groups)
     if self.num_heads % self.o_groups:
       raise invalid("o_groups", self.o_groups, f"a divisor of num_heads={self.num_heads}: each output "

@@ -25,7 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from attn.api import check_config, check_params, config_for
+from attn.api import check_config, check_params, config_for, get_variant
 from attn.config import HeadConfig, invalid
 from attn.variants import grouped_lowrank, mechanisms
 from attn.variants.base import Params
@@ -316,17 +316,19 @@ def per_head_to_mla(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
   return out, jnp.sqrt(lost / jnp.maximum(total, 1e-30))
 
 
-def _linear_values(cfg: HeadConfig) -> None:
-  """Refuses k_eq_v's value norm: RMSNorm(x·W_KV) is no linear map of x, so no W_V holds it."""
-  if cfg.value_norm_eps is not None:
-    raise invalid("value_norm_eps", cfg.value_norm_eps, "None to convert k_eq_v to per_head: the "
-                  "weightless value norm makes each value RMSNorm(x·W_KV,g), no linear map of x, so "
-                  "per_head's W_V cannot hold it (the keys can: W_K = W_KV)")
+def _value_norm(src: str, dst: str, cfg: HeadConfig) -> None:
+  """Refuses the values' weightless RMSNorm (value_norm_eps) where dst has none: RMSNorm(x·W_V) is
+  no linear map of x, so no variant without the norm holds it (per_head and k_eq_v carry it)."""
+  if cfg.value_norm_eps is not None and "value_norm_eps" not in get_variant(dst).fields:
+    raise invalid("value_norm_eps", cfg.value_norm_eps, f"None to convert {src} to {dst}: the "
+                  "weightless value norm makes each value RMSNorm(x·W_V,g), no linear map of x, so "
+                  f"{dst} cannot hold it (per_head and k_eq_v can)")
 
 
-@register("k_eq_v", "per_head", exact=True, check=_linear_values)
+@register("k_eq_v", "per_head", exact=True)
 def k_eq_v_to_per_head(p: Params, cfg: HeadConfig) -> tuple[Params, float]:
-  """W_K = W_V = W_KV and b_k = b_v = b_kv: the one projection written twice."""
+  """W_K = W_V = W_KV and b_k = b_v = b_kv: the one projection written twice (the value norm, if
+  any, is per_head's too)."""
   out = {"w_q": p["w_q"], "w_k": p["w_kv"], "w_v": p["w_kv"], "w_o": p["w_o"]}
   if cfg.use_bias:
     out.update(b_q=p["b_q"], b_k=p["b_kv"], b_v=p["b_kv"], b_o=p["b_o"])
@@ -457,6 +459,7 @@ def convert(params: Params, src: str, dst: str, cfg: HeadConfig, *,
   """
   dst_cfg = cfg if dst_cfg is None else dst_cfg
   check_config(src, config_for(src, cfg))  # a field only dst reads (o_groups) is not src's to refuse
+  _value_norm(src, dst, config_for(src, cfg))
   _check_dst_cfg(cfg, dst_cfg)
   check_config(dst, config_for(dst, dst_cfg))
   check_params(src, params, config_for(src, cfg))

@@ -92,11 +92,36 @@ def test_k_eq_v_converts_exactly_with_rope(dst):
     np.testing.assert_array_equal(q["w_v"], p["w_kv"])
 
 
+def test_value_norm_converts_exactly_to_per_head_which_equals_a_loop_over_heads():
+  """Gemma 4's v_norm on every layer: per_head reads value_norm_eps too, so k_eq_v with it converts
+  exactly (W_K = W_V = W_KV), and per_head's normed values equal the numpy loop's."""
+  cfg = KEQV.replace(rope_dim=0, value_norm_eps=1e-3)
+  p, x = _params("k_eq_v", cfg, 7), _x(8, (2, 5, cfg.d_model))
+  q, err = convert(p, "k_eq_v", "per_head", cfg, return_error=True)
+  assert err == 0.0
+  y = attn.apply("per_head", q, x, cfg=cfg, is_causal=True)
+  np.testing.assert_allclose(y, _keqv_numpy(p, x, cfg, True), rtol=1e-4, atol=1e-4)
+  # With W_V apart from W_K the norm acts on per_head's own values (numpy loop with w_kv -> w_v for V).
+  q2 = dict(q, w_v=q["w_v"] * 3.0 + 0.5)
+  y2 = attn.apply("per_head", q2, x, cfg=cfg, is_causal=True)
+  assert float(jnp.abs(y2 - attn.apply("per_head", q2, x, cfg=cfg.replace(value_norm_eps=None),
+                                       is_causal=True)).max()) > 1e-2
+
+
+@pytest.mark.slow
+def test_per_head_with_the_value_norm_passes_the_kit():
+  """Gemma 4's sliding layers: per_head with the value norm, QK-norm and a window, d_v ≠ d_k, G < H."""
+  check_variant("per_head", configs=(KEQV.replace(d_v=3, value_norm_eps=1e-6, qk_norm=True, window=3,
+                                                  use_bias=False),))
+
+
 def test_k_eq_v_refusals_name_the_field():
   with pytest.raises(ConfigError, match="d_v=5"):
     attn.init("k_eq_v", jax.random.key(0), KEQV.replace(d_v=5))
-  with pytest.raises(ConfigError, match="value_norm_eps"):
-    convert(_params("k_eq_v", KEQV, 0), "k_eq_v", "per_head", KEQV.replace(value_norm_eps=1e-6))
+  with pytest.raises(ConfigError, match="value_norm_eps=1e-06 is not allowed: None to convert k_eq_v to fused"):
+    convert(_params("k_eq_v", KEQV, 0), "k_eq_v", "fused", KEQV.replace(value_norm_eps=1e-6))
+  with pytest.raises(ConfigError, match="value_norm_eps=1e-06 is not allowed: None to convert per_head to merged"):
+    convert(_params("per_head", KEQV, 0), "per_head", "merged", KEQV.replace(value_norm_eps=1e-6))
   with pytest.raises(ConfigError, match="value_norm_eps"):
     HeadConfig(d_model=8, num_heads=2, value_norm_eps=-1.0)
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 import attn
 from attn import ConfigError, count
+from attn.count.measured import xla_flops
 from attn.experiments.running import config as config_lib
 from attn.nn.models import DecoderLM, ModelConfig, _norm
 from conftest import TINY_MQAR
@@ -75,15 +76,22 @@ def test_decoding_reads_the_sources_cache_and_equals_the_full_pass():
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=3e-5, rtol=3e-5)
 
 
-def test_a_sharing_layers_own_key_and_value_weights_get_no_gradient():
-  cfg = ModelConfig(**BASE, kv_source=SHARED)
+def test_a_sharing_layer_holds_no_key_and_value_weights_and_the_count_follows():
+  cfg = ModelConfig(**(BASE | dict(use_bias=True, qk_norm=True)), kv_source=SHARED)
   model = DecoderLM(cfg, rngs=nnx.Rngs(4))
+  assert sorted(model.blocks[2].attn.params) == ["b_o", "b_q", "q_norm", "w_o", "w_q"]
+  assert "w_k" in model.blocks[0].attn.params and "k_norm" in model.blocks[1].attn.params
   tokens = _tokens(5, (2, 6))
   grads = nnx.jit(nnx.grad(lambda m: (m(tokens) ** 2).mean()))(model)
   g = [{n: float(jnp.abs(a[...]).max()) for n, a in grads["blocks"][i]["attn"]["params"].items()}
        for i in range(4)]
-  assert g[2]["w_k"] == g[2]["w_v"] == g[3]["w_k"] == 0.0
-  assert min(g[2]["w_q"], g[0]["w_k"], g[1]["w_v"]) > 0
+  assert min(g[2]["w_q"], g[3]["q_norm"], g[0]["w_k"], g[1]["w_v"]) > 0
+  leaves = sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count.model_param_count(cfg, "decoder_lm") == leaves
+  # Two layers without G·K + G·K + G·V weights, G·(K + K + V) biases and a key norm of K.
+  G, K, V = 2, 4, 3
+  assert count.model_param_count(cfg.replace(kv_source=None), "decoder_lm") - leaves == 2 * (
+      14 * G * (K + V) + G * (K + V) + K)
 
 
 def test_cache_bytes_count_each_shared_pair_once():
@@ -127,3 +135,23 @@ def test_kv_source_through_toml():
   assert ModelConfig(**model).kv_source == (0, 0)
   with pytest.raises(ConfigError, match="a list of integers"):
     config_lib.loads(text.replace("[0, 0]", '"0"'), "b.toml", [])
+
+
+def test_a_sharing_layer_saves_its_key_and_value_projections_in_closed_form_and_in_xla():
+  """count.shared_flops_saved, 2·S·D·G·(K + V) per sharing layer, against XLA's cost analysis of the
+  whole model with and without sharing (no RoPE or window: nothing else on the key side to count)."""
+  cfg = ModelConfig(**(BASE | dict(positional="learned", rope_dim=0, window=None, global_every=0)),
+                    kv_source=(0, 1, 1, 0))
+  T, G, K, V, D = 6, 2, 4, 3, 14
+  saved = [count.shared_flops_saved(cfg, i, T) for i in range(4)]
+  assert saved == [0, 0, 2 * T * D * G * (K + V)] * 1 + [2 * T * D * G * (K + V)]
+  tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+  def xla(c):
+    graphdef, state = nnx.split(DecoderLM(c, rngs=nnx.Rngs(0)))
+    return xla_flops(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
+
+  got = xla(cfg.replace(kv_source=None)) - xla(cfg)
+  assert abs(got - sum(saved)) <= 0.05 * sum(saved), (got, sum(saved))
+  rows = count.layer_type_table(cfg, "decoder_lm", T, "float32")
+  assert rows[-1]["flops_fwd"] == 4 * count.flops("per_head", cfg.layer_head(0), T) - sum(saved)

@@ -8,6 +8,7 @@
   attn count --variant mla --latent-dim 128 --rope-dim 32   # MLA's cache: d_c + rope_dim
   attn count --mechanisms --seq-len 4096 --window 512  # what gates, sinks, QK-norm, windows add
   attn count --preset gpt2 --window 512 --global-every 4 --seq-len 8192  # per layer type at L
+  attn count --preset gpt2 --kv-source 0,1,2,3,4,5,6,7,8,9,9,9 --seq-len 8192  # the last 3 layers share
   attn count --hf ./my-checkpoint --format json  # a checkpoint's config.json by component (no weights read)
   attn count --hf gpt-oss-20b                    # a stored published config (attn/count/hf_configs)
 """
@@ -55,12 +56,14 @@ _TABLE3_COLUMNS = [
     ("ours", "ours"), ("ours_millions", "ours (×10⁶)"), ("match", "match")]
 
 _LAYER_TYPE_COLUMNS = [
-    ("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
+    ("type", "layer type"), ("variant", "variant"), ("layers", "layers"),
+    ("kv_shared_layers", "reading another's KV"), ("window", "window"), ("rope_theta", "RoPE base"),
     ("params", "params"), ("flops_fwd", "FLOPs fwd at L"), ("kv_bytes_per_token_per_layer", "KV B/token/layer"),
     ("kv_bytes_at_L", "KV cache B at L")]
 # Model settings of a preset that a flag changes: the layer schedule (attn.nn.layer_types).
 _MODEL_FLAGS = {"positional": str, "global_every": int, "sliding_rope_theta": float,
-                "layer_types": lambda text: tuple(t.strip() for t in text.split(","))}
+                "layer_types": lambda text: tuple(t.strip() for t in text.split(",")),
+                "kv_source": lambda text: tuple(int(t) for t in text.split(","))}
 
 _PUBLISHED_COLUMNS = [
     ("row", "preset"), ("kind", "model"), ("num_layers", "layers"), ("d_model", "d_model"),
@@ -91,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   for name, kind in _MODEL_FLAGS.items():
     parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
                         help="with --preset: the model's " + name + (" (comma-separated, one per layer)"
-                                                                     if name == "layer_types" else ""))
+                                                                     if name in ("layer_types", "kv_source") else ""))
   parser.add_argument("--hf", metavar="DIR", default=None,
                       help="a Hugging Face checkpoint directory (config.json only is enough) or a stored "
                       "published config (" + ", ".join(count_hf.stored_configs()) + "): parameters by "
@@ -258,7 +261,10 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
         "layer_types": count.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
-        row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
+        try:  # a variant the model's settings refuse (mla cannot share keys and values: kv_source) has none
+          row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
+        except ConfigError:
+          row["model_params"] = None
   return report
 
 
@@ -332,9 +338,10 @@ def _unmeasured(report: dict[str, Any]) -> str:
           + fix)
 
 
-_HF_COLUMNS = [("type", "layer type"), ("layers", "layers"), ("window", "window"), ("rope_theta", "RoPE base"),
-               ("params_per_layer", "params/layer"), ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"),
-               ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
+_HF_COLUMNS = [("type", "layer type"), ("variant", "variant"), ("layers", "layers"),
+               ("kv_shared_layers", "reading another's KV"), ("window", "window"), ("rope_theta", "RoPE base"),
+               ("params_per_layer", "params/layer"), ("params", "params"),
+               ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"), ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
 
 
 def _hf_output(report: dict[str, Any], fmt: str) -> str:
@@ -348,7 +355,11 @@ def _hf_output(report: dict[str, Any], fmt: str) -> str:
   layers = [{**r, **{f"kv_{L}": r["kv_bytes_at"][L] for L in lengths}} for r in report["layer_types"]]
   layers.append({"type": "total", "layers": report["num_layers"], **{f"kv_{L}": report["kv_bytes_at"][L]
                                                                       for L in lengths}})
-  cols = _HF_COLUMNS + [(f"kv_{L}", f"KV cache B at {int(L):,}") for L in lengths]
+  first = next(iter(report["layer_types"][0]["flops_fwd_at"])) if report["layer_types"] else None
+  for r in layers[:-1]:
+    r["flops_fwd"] = r["flops_fwd_at"][first]
+  cols = _HF_COLUMNS + ([("flops_fwd", f"FLOPs fwd at {int(first):,}")] if first else []) + [
+      (f"kv_{L}", f"KV cache B at {int(L):,}") for L in lengths]
   return (f"{report['source']} ({report['model_type']}, {report['variant']} attention): {report['total']:,} "
           f"parameters, {report['active_per_token']:,} active per token; attention "
           f"{report['attention_share']:.1%} of the parameters.\n\n"

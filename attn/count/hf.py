@@ -111,15 +111,18 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   active = count.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
                                                                - parts.get("output", 0))
   layers = []
+  flops_at = {r["type"]: r["flops_fwd"] for r in count.layer_type_table(m, "decoder_lm", lengths[0], dtype)[:-1]}
   for row in count.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
     first = next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"])
     head, variant = m.layer_head(first), m.layer_variant(first)
-    layers.append({"type": row["type"], "layers": row["layers"], "window": row["window"],
+    layers.append({"type": row["type"], "variant": variant, "layers": row["layers"],
+                   "kv_shared_layers": row["kv_shared_layers"], "window": row["window"],
                    "rope_theta": row["rope_theta"], "params_per_layer": row["params_per_layer"],
+                   "params": row["params"], "flops_fwd_at": {str(lengths[0]): flops_at[row["type"]]},
                    "score_weights_per_layer": count.score_weight_count(variant, head),
                    "kv_bytes_per_token_per_layer": row["kv_bytes_per_token_per_layer"],
-                   "kv_bytes_at": {str(L): count.kv_cache_bytes(variant, head, L, dtype) * row["layers"]
-                                   for L in lengths},
+                   "kv_bytes_at": {str(L): count.kv_cache_bytes(variant, head, L, dtype)
+                                   * (row["layers"] - row["kv_shared_layers"]) for L in lengths},
                    "state_bytes_per_layer": count.state_bytes(variant, head)})
   return {"source": source, "model_type": hf.get("model_type"), "variant": m.variant, "dtype": dtype,
           "num_layers": m.num_layers, "d_model": m.d_model, "vocab_size": m.vocab_size,

@@ -13,8 +13,8 @@ window's mask does not change it (the kernels skip what it masks, the count
 does not). The rows cover the decoding stack of a decoder (the decoder's
 self-attention of an encoder-decoder), the encoder's otherwise. A layer that reads another
 layer's keys and values (ModelConfig.kv_source) caches nothing: each row counts its
-kv_shared_layers and leaves them out of kv_bytes_at_L (their unused key and value weights
-stay in params, as in the model's tree).
+kv_shared_layers and leaves them out of kv_bytes_at_L, and holds no key-side weights
+(kv_sharing.dropped: params less them, as in the model's tree).
 """
 
 from __future__ import annotations
@@ -44,11 +44,23 @@ def _layer_norm(m: ModelConfig) -> int:
   return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
 
 
-def _mlp(m: ModelConfig, layer: int = 0) -> int:
+def _mlp(m: ModelConfig, layer: int = 0, cross: bool = False) -> int:
   if m.is_moe_layer(layer):
     return expert_params(m)["total"]
   n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
-  return n * m.d_model * m.d_ff + (((n - 1) * m.d_ff + m.d_model) if m.has_dense_bias else 0)
+  F = 2 * m.d_ff if m.double_wide_mlp and not cross and kv_sharing.source(m, layer) != layer else m.d_ff
+  return n * m.d_model * F + (((n - 1) * F + m.d_model) if m.has_dense_bias else 0)
+
+
+def _per_layer_inputs(m: ModelConfig, n: int) -> int:
+  """Gemma 4's per-layer inputs (attn.nn.models.PerLayerInputs): the table, the projection and its
+  norm over P, and in each of the n blocks a gate D·P, an output P·D and a norm over D."""
+  P = m.per_layer_dim
+  if not P:
+    return 0
+  norm_P = (2 * P if m.norm_type == "layernorm" else P) if m.layernorm else 0
+  return (m.per_layer_vocab or m.vocab_size) * n * P + m.d_model * n * P + norm_P + n * (
+      2 * m.d_model * P + _layer_norm(m))
 
 
 def expert_params(m: ModelConfig) -> dict[str, int]:
@@ -66,8 +78,28 @@ def expert_params(m: ModelConfig) -> dict[str, int]:
   return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
 
 
-def _attention(m: ModelConfig, layer: int = 0) -> int:
-  return param_counts(m.layer_variant(layer), m.layer_head(layer))["analytic"]  # its type's (mla without RoPE: no W^KR)
+def _attention(m: ModelConfig, layer: int = 0, cross: bool = False) -> int:
+  """Layer `layer`'s attention: its type's (mla without RoPE: no W^KR), less the key-side weights a
+  layer reading another's keys and values does not hold (kv_sharing.dropped)."""
+  variant, head = m.layer_variant(layer), m.layer_head(layer)
+  shared = not cross and kv_sharing.source(m, layer) != layer
+  return param_counts(variant, head)["analytic"] - (kv_sharing.dropped_count(variant, head) if shared else 0)
+
+
+def shared_flops_saved(m: ModelConfig, layer: int, length: int) -> int:
+  """FLOPs a layer reading another layer's keys and values (kv_source) does not spend on a forward
+  pass over `length` tokens: its key and value projections, 2·length·D·n for each key-side matrix
+  (D, n...) it does not hold (kv_sharing.dropped: per_head 2·S·D·G·(K + V), k_eq_v 2·S·D·G·K)."""
+  if kv_sharing.source(m, layer) == layer:
+    return 0
+  total = 0
+  for name, s in kv_sharing.dropped(m.layer_variant(layer), m.layer_head(layer)).items():
+    if name.startswith("w_"):
+      n = 1
+      for d in s.shape:
+        n *= d
+      total += 2 * length * n
+  return total
 
 
 def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
@@ -80,8 +112,8 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
 
 def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
-  parts["attention"] += (2 if cross else 1) * sum(_attention(m, i) for i in range(n))
-  parts["mlp"] += sum(_mlp(m, i) for i in range(n))
+  parts["attention"] += sum(_attention(m, i) + (_attention(m, i, cross=True) if cross else 0) for i in range(n))
+  parts["mlp"] += sum(_mlp(m, i, cross) for i in range(n))
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
   parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
       _layer_norm(m) if m.final_norm else 0)
@@ -96,9 +128,10 @@ def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
   names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
-           "layernorm", "pooler", "classifier", "output", "mlm_head")
+           "layernorm", "pooler", "classifier", "output", "mlm_head", "per_layer_inputs")
   parts = dict.fromkeys(names, 0)
   _embeddings(m, parts, segments=kind != "decoder_lm")
+  parts["per_layer_inputs"] = _per_layer_inputs(m, m.num_layers)
   _blocks(m, parts, m.num_layers)
   if kind in ("encoder", "classifier") and m.pooler:
     parts["pooler"] = m.d_model * m.d_model + m.d_model
@@ -156,23 +189,24 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
   rows: dict[str, dict[str, Any]] = {}
   for i in range(_stack(m, kind)):
     name = layer_types.layer_type(m, i)
-    if name in rows:
-      rows[name]["layers"] += 1
-      rows[name]["kv_shared_layers"] += not _caches(m, kind, i)
-      continue
     head, variant = m.layer_head(i), m.layer_variant(i)
-    rows[name] = {"type": name, "layers": 1, "kv_shared_layers": int(not _caches(m, kind, i)),
-                  "window": head.window,
-                  "rope_theta": head.rope_theta if head.rope_dim else None,
-                  "params_per_layer": param_counts(variant, head)["analytic"],
-                  "flops_fwd_per_layer": flops(variant, head, length),
-                  "kv_bytes_per_token_per_layer": kv_cache_bytes_per_token(variant, head, dtype),
-                  "kv_bytes_at_L_per_layer": kv_cache_bytes(variant, head, length, dtype)}
+    shared = not _caches(m, kind, i)
+    if name not in rows:
+      rows[name] = {"type": name, "variant": variant, "layers": 0, "kv_shared_layers": 0, "window": head.window,
+                    "rope_theta": head.rope_theta if head.rope_dim else None,
+                    "params_per_layer": param_counts(variant, head)["analytic"],
+                    "flops_fwd_per_layer": flops(variant, head, length),
+                    "kv_bytes_per_token_per_layer": kv_cache_bytes_per_token(variant, head, dtype),
+                    "kv_bytes_at_L_per_layer": kv_cache_bytes(variant, head, length, dtype),
+                    "params": 0, "flops_fwd": 0, "kv_bytes_at_L": 0}
+    row = rows[name]
+    row["layers"] += 1
+    row["kv_shared_layers"] += shared
+    # A sharing layer: no key-side weights, no key and value projections, no cache of its own.
+    row["params"] += _attention(m, i)
+    row["flops_fwd"] += row["flops_fwd_per_layer"] - (shared_flops_saved(m, i, length) if shared else 0)
+    row["kv_bytes_at_L"] += 0 if shared else row["kv_bytes_at_L_per_layer"]
   out = list(rows.values())
-  for row in out:
-    n = row["layers"]
-    row |= {"params": n * row["params_per_layer"], "flops_fwd": n * row["flops_fwd_per_layer"],
-            "kv_bytes_at_L": (n - row["kv_shared_layers"]) * row["kv_bytes_at_L_per_layer"]}
   total = {"type": "total", "layers": sum(r["layers"] for r in out)}
   for key in ("params", "flops_fwd", "kv_bytes_at_L"):
     total[key] = sum(r[key] for r in out)

@@ -81,6 +81,8 @@ class MultiHeadAttention(nnx.Module):
   def _compute(self, x_BTD: jax.Array, context_BSD: jax.Array | None = None):
     """(params, x, context) in the compute dtype: cast when self.dtype is set."""
     params, dtype = self.params_dict(), self.dtype
+    if getattr(self, "kv_source", None) is not None:  # a sharing layer holds no key-side weights
+      params = kv_sharing.with_dropped(params, self.variant, self.cfg)
     if dtype is None:
       return params, x_BTD, context_BSD
     cast = lambda a: a if a is None else a.astype(dtype)

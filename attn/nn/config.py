@@ -27,7 +27,7 @@ _CHOICES = {
     "param_dtype": ("float32", "bfloat16"),
 }
 _BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
-          "share_src_tgt_embeddings", "embed_scale", "mlm_head")
+          "share_src_tgt_embeddings", "embed_scale", "mlm_head", "layer_scalar", "double_wide_mlp")
 def with_head_fields(cls):
   """cls as a frozen dataclass that also has every field of HeadConfig it does not declare.
 
@@ -89,7 +89,7 @@ class ModelConfig:
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
   linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
-  layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads}} (attn.nn.layer_heads; Gemma 4)
+  layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
@@ -105,6 +105,11 @@ class ModelConfig:
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
   moe_shared_d_ff: int | None = None  # the shared experts' width (None: moe_shared_experts·moe_d_ff; Qwen3-Next)
   moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
+  # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
+  per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
+  per_layer_vocab: int = 0  # rows of their token table (0: vocab_size)
+  layer_scalar: bool = False  # each block's output times a stored scalar (a buffer, not trained)
+  double_wide_mlp: bool = False  # layers reading another's keys and values (kv_source) have MLPs 2·d_ff wide
   impl: str = "auto"  # every attention layer's core (attn.kernel.IMPLS); "auto" picks per call
 
   def __post_init__(self):
@@ -113,7 +118,7 @@ class ModelConfig:
     object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
       _check_int(name, getattr(self, name), minimum=1)
-    for name in ("num_segments", "num_decoder_layers", "num_classes"):
+    for name in ("num_segments", "num_decoder_layers", "num_classes", "per_layer_dim", "per_layer_vocab"):
       _check_int(name, getattr(self, name), minimum=0)
     for name in _BOOLS:
       if not isinstance(getattr(self, name), bool):
@@ -156,6 +161,12 @@ class ModelConfig:
     layer_types.check_linear_fields(self)
     kv_sharing.check(self)
     moe.check(self)
+    if self.per_layer_vocab and not self.per_layer_dim:
+      raise invalid("per_layer_vocab", self.per_layer_vocab, "0 when per_layer_dim is 0: there is no "
+                    "per-layer table to size")
+    if self.double_wide_mlp and self.kv_source is None:
+      raise invalid("double_wide_mlp", True, "False without kv_source: it widens the MLPs of the layers "
+                    "reading another layer's keys and values, and there are none")
 
   @property
   def head(self) -> HeadConfig:

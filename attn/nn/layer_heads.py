@@ -1,9 +1,17 @@
-"""Per-layer-type head sizes: ModelConfig.layer_heads, a table from a layer type to the head fields
-its layers set (Gemma 4: its global layers have a wider head, 512, and fewer kv heads than its
-sliding ones; transformers' global_head_dim and num_global_key_value_heads).
+"""Per-layer-type heads: ModelConfig.layer_heads, a table from a layer type to the head fields
+its layers set, and the variant they run (Gemma 4: its global layers have a wider head, 512, fewer
+kv heads than its sliding ones and, with attention_k_eq_v, keys equal to values; transformers'
+global_head_dim and num_global_key_value_heads).
 
   layer_heads = {"full_attention": {"d_k": 32, "d_v": 32, "num_kv_heads": 1}}
   TOML: [model.layer_heads.full_attention] with d_k = 32, d_v = 32, num_kv_heads = 1
+  layer_heads = {"full_attention": {"variant": "k_eq_v", "value_norm_eps": 1e-6, "d_k": 32, "d_v": 32,
+                                    "num_kv_heads": 1, "rope_dim": 8}}   Gemma 4's global layers
+
+"variant" is the layers' variant in place of ModelConfig.variant (layer_types.variant_for; a
+linear_attention type keeps linear_variant); value_norm_eps and rope_dim are the HeadConfig fields
+of the same names (the values' weightless RMSNorm; the rotated width). Each type's head is then
+checked as that variant's (k_eq_v refuses d_v != d_k by name, layer_types.check).
 
 The fields a type may set are FIELDS; a type not in the table keeps the model's head. The
 override is applied first in layer_types.head_for, so a layer's HeadConfig
@@ -21,8 +29,10 @@ import dataclasses
 from typing import Any
 
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
+from attn.variants import VARIANTS
 
-FIELDS = ("d_k", "d_v", "num_kv_heads")
+FIELDS = ("d_k", "d_v", "num_kv_heads", "value_norm_eps", "rope_dim")  # HeadConfig fields
+KEYS = (*FIELDS, "variant")  # what a type may set
 
 
 def normalize(value: Any) -> Any:
@@ -37,10 +47,17 @@ def apply(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
   table = getattr(m, "layer_heads", None)
   if not table or kind not in table:
     return head
+  sizes = {k: v for k, v in table[kind].items() if k in FIELDS}
   derived = {f.name: None for f in dataclasses.fields(HeadConfig)
-             if f.name not in PER_LAYER_FIELDS and f.name not in table[kind]
+             if f.name not in PER_LAYER_FIELDS and f.name not in sizes
              and getattr(m, f.name, 0) is None and getattr(head, f.name) is not None}
-  return head.replace(**derived, **dict(table[kind]))
+  return head.replace(**derived, **sizes)
+
+
+def variant(m: Any, kind: str) -> str | None:
+  """The variant layer type `kind` sets (m.layer_heads[kind]["variant"]), or None: the model's."""
+  table = getattr(m, "layer_heads", None)
+  return table[kind].get("variant") if table and kind in table else None
 
 
 def check(m: Any, kinds: tuple[str, ...]) -> None:
@@ -48,7 +65,7 @@ def check(m: Any, kinds: tuple[str, ...]) -> None:
   table = m.layer_heads
   if table is None:
     return
-  allowed = f"None or a table {{layer type: {{field: value}}}} with fields among {list(FIELDS)}"
+  allowed = f"None or a table {{layer type: {{field: value}}}} with fields among {list(KEYS)}"
   if not isinstance(table, dict):
     raise invalid("layer_heads", table, allowed)
   for kind, sizes in table.items():
@@ -56,8 +73,14 @@ def check(m: Any, kinds: tuple[str, ...]) -> None:
       raise invalid(f"layer_heads.{kind}", dict(sizes), f"a layer type the model has: one of "
                     f"{sorted(set(kinds))} (a type no layer has would be ignored)")
     for name, value in sizes.items():
-      if name not in FIELDS:
-        raise invalid(f"layer_heads.{kind}.{name}", value, f"one of {list(FIELDS)}: the head sizes "
-                      "a layer type sets")
-      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise invalid(f"layer_heads.{kind}.{name}", value, "a positive integer")
+      where = f"layer_heads.{kind}.{name}"
+      if name not in KEYS:
+        raise invalid(where, value, f"one of {list(KEYS)}: the head sizes and variant a layer type sets")
+      if name == "variant":
+        VARIANTS.resolve(value, where)
+      elif name == "value_norm_eps":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+          raise invalid(where, value, "None or a positive finite number (the values' RMSNorm epsilon)")
+      elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "rope_dim" else 1):
+        raise invalid(where, value, "a non-negative integer" if name == "rope_dim" else "a positive integer")

@@ -83,8 +83,11 @@ def layer_type(m: Any, index: int) -> str:
 
 
 def variant_for(m: Any, kind: str) -> str:
-  """The variant of the layers of type `kind`: linear_variant for a linear type, else the model's."""
-  return m.linear_variant if LAYER_TYPES[kind].linear else m.variant
+  """The variant of the layers of type `kind`: linear_variant for a linear type, else the type's own
+  (layer_heads[kind]["variant"]) or the model's."""
+  if LAYER_TYPES[kind].linear:
+    return m.linear_variant
+  return layer_heads.variant(m, kind) or m.variant
 
 
 def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:

@@ -32,6 +32,11 @@ vocab, its decoder tied to the token table); mlp "moe": a mixture of experts
 exact, and E/k times a real MoE's expert cost.
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
+Gemma 4 (attn.nn.hf.gemma4): per_layer_dim P > 0 adds per-layer inputs (PerLayerInputs: a table
+(per_layer_vocab or vocab)·L·P, a projection D·L·P and a norm over P) and, in every block after
+the MLP, x + norm(out(act(gate(x))·p_l)) (2·D·P + a norm over D); layer_scalar multiplies each
+block's output by a stored scalar (a buffer: loaded, not trained, not counted); double_wide_mlp
+gives layers reading another layer's keys and values (kv_source) MLPs of width 2·d_ff.
 positional "rope": no position embedding; every attention layer rotates the
 first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
 parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
@@ -157,9 +162,9 @@ def sinusoidal(T: int, D: int, offset=0) -> Array:
 class RMSNorm(nnx.Module):
   """x / sqrt(mean over D of x² + eps) times scale (Llama), or times 1 + scale (Gemma); float32 inside."""
 
-  def __init__(self, cfg: ModelConfig):
+  def __init__(self, cfg: ModelConfig, dim: int | None = None):
     self.plus_one, self.eps, self.dtype = cfg.norm_type == "rmsnorm_plus_one", cfg.norm_eps, cfg.compute_dtype
-    self.scale = nnx.Param(jnp.full((cfg.d_model,), 0.0 if self.plus_one else 1.0, cfg.weight_dtype))
+    self.scale = nnx.Param(jnp.full((dim or cfg.d_model,), 0.0 if self.plus_one else 1.0, cfg.weight_dtype))
 
   def __call__(self, x_BTD: Array) -> Array:
     x = x_BTD.astype(jnp.float32)
@@ -168,14 +173,14 @@ class RMSNorm(nnx.Module):
     return (y * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
-def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True) -> nnx.Module | None:
-  """The norm over D of cfg.norm_type (statistics in float32), or None when not wanted or
+def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True, dim: int | None = None) -> nnx.Module | None:
+  """The norm over D (or dim) of cfg.norm_type (statistics in float32), or None when not wanted or
   cfg.layernorm is False."""
   if not (wanted and cfg.layernorm):
     return None
   if cfg.norm_type != "layernorm":
-    return RMSNorm(cfg)
-  return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+    return RMSNorm(cfg, dim)
+  return nnx.LayerNorm(dim or cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                        param_dtype=cfg.weight_dtype, rngs=rngs)
 
 
@@ -284,7 +289,8 @@ class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
-               head: HeadConfig | None = None, experts: bool = False, variant: str | None = None):
+               head: HeadConfig | None = None, experts: bool = False, variant: str | None = None,
+               d_ff: int | None = None):
     self.post_norm = cfg.norm == "post"
     sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
     pre = cfg.norm != "after"
@@ -297,7 +303,7 @@ class TransformerBlock(nnx.Module):
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
     self.cross_norm = layer_norm(cfg, rngs, pre and cross)
-    self.mlp = MLP(cfg, rngs=rngs) if not experts else moe.MoE(
+    self.mlp = MLP(cfg, rngs=rngs, d_ff=d_ff) if not experts else moe.MoE(
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
         shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
         if cfg.moe_shared_experts else None)
@@ -305,6 +311,13 @@ class TransformerBlock(nnx.Module):
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich)
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
     self.mlp_post_norm = layer_norm(cfg, rngs, sandwich)
+    # Gemma 4: x + norm(out(act(gate(x))·p_l)), p_l this layer's per-layer input; then x·scalar.
+    P = cfg.per_layer_dim
+    self.activation = cfg.activation
+    self.per_layer_gate = linear(cfg, cfg.d_model, P, rngs, False) if P else None
+    self.per_layer_out = linear(cfg, P, cfg.d_model, rngs, False) if P else None
+    self.per_layer_norm = layer_norm(cfg, rngs, bool(P))
+    self.scalar = moe.Buffer(jnp.ones((1,), cfg.weight_dtype)) if cfg.layer_scalar else None
 
   def _residual(self, norm, f, x_BTD: Array, post=None) -> Array:
     # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x));
@@ -317,8 +330,10 @@ class TransformerBlock(nnx.Module):
                context_mask: Array | None = None, head_mask: Array | None = None,
                return_weights: bool = False, is_causal: bool = False,
                kv_lengths: Array | None = None, context_kv_lengths: Array | None = None,
-               decode: bool = False):
+               decode: bool = False, per_layer_input: Array | None = None):
     """x (B,T,D); with return_weights, (x, self-attention weights (B,H,T,S)).
+
+    per_layer_input (B,T,P): this layer's slice of the per-layer inputs (cfg.per_layer_dim).
 
     decode=True: the self-attention reads and extends its KV cache (MultiHeadAttention).
 
@@ -343,6 +358,11 @@ class TransformerBlock(nnx.Module):
                                                 kv_lengths=context_kv_lengths), x_BTD,
           self.cross_post_norm)
     x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm)
+    if self.per_layer_gate is not None:
+      g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
+      x_BTD = x_BTD + _norm(self.per_layer_norm, self.per_layer_out(g_BTP))
+    if self.scalar is not None:
+      x_BTD = x_BTD * self.scalar[...].astype(x_BTD.dtype)
     return (x_BTD, seen[0]) if return_weights else x_BTD
 
 
@@ -365,11 +385,15 @@ def record_residuals():
     RESIDUALS.reset(token)
 
 
-def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
-  """h through each block with its row of gates; (h, [w_BHTS per block] or [])."""
+def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Array | None = None,
+               **masks_kw):
+  """h through each block with its row of gates (and slice of per_layer (B,T,L,P)); (h, [w_BHTS
+  per block] or [])."""
   weights, seen = [], RESIDUALS.get()
   with kv_sharing.model_call(blocks):  # cross-layer KV sharing (ModelConfig.kv_source)
     for i, (block, gate) in enumerate(zip(blocks, gates)):
+      if per_layer is not None:
+        masks_kw["per_layer_input"] = per_layer[:, :, i]
       with kv_sharing.layer(block.attn, i):
         h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
       if return_weights:
@@ -381,11 +405,14 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, **masks_kw):
 
 
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
-  blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i),
-                             experts=cfg.is_moe_layer(i), variant=cfg.layer_variant(i)) for i in range(n)]
+  wide = lambda i: 2 * cfg.d_ff if cfg.double_wide_mlp and not cross and kv_sharing.source(cfg, i) != i else None
+  blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i), experts=cfg.is_moe_layer(i),
+                             variant=cfg.layer_variant(i), d_ff=wide(i)) for i in range(n)]
   for i, block in enumerate(blocks):
     if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values
       block.attn.kv_source = kv_sharing.source(cfg, i)
+      for name in kv_sharing.dropped(block.attn.variant, block.attn.cfg):  # and holds none of its own
+        del block.attn.params[name]
   return nnx.List(blocks)
 
 
@@ -393,6 +420,7 @@ class Encoder(nnx.Module):
   """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, tanh(W h_0 + b)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    _require(cfg, "Encoder", per_layer_dim=0)
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
@@ -482,6 +510,26 @@ class OutputHead(nnx.Module):
     return logits_BTN
 
 
+class PerLayerInputs(nnx.Module):
+  """Gemma 4's per-layer inputs (B,T,L,P): ((norm(x·W·D^-½) + E_l[token]·√P) / √2, one slice per layer,
+  x the scaled token embeddings, W (D, L·P), E (per_layer_vocab or vocab, L·P), norm over each P."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.L, self.P, self.D, self.dtype = cfg.num_layers, cfg.per_layer_dim, cfg.d_model, cfg.compute_dtype
+    rows = cfg.per_layer_vocab or cfg.vocab_size
+    self.token = embedding(cfg, nnx.initializers.normal(cfg.embed_init_std), rngs.params(),
+                           (rows, self.L * self.P))
+    self.proj = linear(cfg, cfg.d_model, self.L * self.P, rngs, False)
+    self.norm = layer_norm(cfg, rngs, dim=self.P)
+
+  def __call__(self, tokens_BT: Array, x_BTD: Array) -> Array:
+    B, T = tokens_BT.shape
+    t_BTLP = lookup(self.token[...].astype(self.dtype), tokens_BT).reshape(B, T, self.L, self.P)
+    t_BTLP = t_BTLP * jnp.asarray(np.sqrt(self.P), self.dtype)
+    p_BTLP = (self.proj(x_BTD) * jnp.asarray(self.D ** -0.5, self.dtype)).reshape(B, T, self.L, self.P)
+    return (_norm(self.norm, p_BTLP) + t_BTLP) * jnp.asarray(2.0 ** -0.5, self.dtype)
+
+
 class DecoderLM(nnx.Module):
   """Causal language model (GPT-2 style): tokens (B,T) -> logits (B,T,vocab)."""
 
@@ -490,6 +538,7 @@ class DecoderLM(nnx.Module):
              mlm_head=False)
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs, segments=False)
+    self.per_layer = PerLayerInputs(cfg, rngs=rngs) if cfg.per_layer_dim else None
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
@@ -512,7 +561,8 @@ class DecoderLM(nnx.Module):
     if lengths_B is not None:
       check_lengths("lengths", lengths_B, B, T)
     h_BTD = self.embed(tokens_BT)
-    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, is_causal=True,
+    per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
+    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, per_layer, is_causal=True,
                                 kv_lengths=lengths_B)
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
@@ -534,7 +584,8 @@ class DecoderLM(nnx.Module):
                     f"{M - int(index)}: positions beyond the cache")
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     h_BTD = self.embed(tokens_BT, offset=index)
-    h_BTD, _ = run_blocks(self.blocks, h_BTD, gates, False, decode=True)
+    per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
+    h_BTD, _ = run_blocks(self.blocks, h_BTD, gates, False, per_layer, decode=True)
     return self.head(_norm(self.final_norm, h_BTD))
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
@@ -587,7 +638,7 @@ class EncoderDecoder(nnx.Module):
   """Vaswani et al. 2017: an encoder, and decoder blocks of causal self-, cross-attention, MLP."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "EncoderDecoder", num_decoder_layers="> 0", pooler=False, num_segments=0,
+    _require(cfg, "EncoderDecoder", num_decoder_layers="> 0", pooler=False, num_segments=0, per_layer_dim=0,
              num_classes=0, mlm_head=False)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)

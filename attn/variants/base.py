@@ -332,6 +332,16 @@ def cached_kv(k_BSGK: Array, v_BSGV: Array) -> tuple[Array, Array]:
   return (k_BSGK, v_BSGV) if share is None else share(k_BSGK, v_BSGV)
 
 
+def value_norm(v_BSGV: Array, cfg: HeadConfig) -> Array:
+  """The values as attention reads them: v, or with cfg.value_norm_eps v RMS-normalised over each
+  head's dims without a scale (Gemma 4's v_norm; per_head and k_eq_v read it), in float32 inside."""
+  if cfg.value_norm_eps is None:
+    return v_BSGV
+  x = v_BSGV.astype(jnp.float32)
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.value_norm_eps)
+  return y.astype(v_BSGV.dtype)
+
+
 def standard_param_count(cfg: HeadConfig) -> int:
   """D(HK + GK + GV) + HVD weights, plus HK + GK + GV + D biases."""
   D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v

@@ -12,7 +12,9 @@ W_K = W_V (convert: k_eq_v -> per_head is exact); with it the values are no
 linear map of the input, so per_head cannot hold them and that conversion is
 refused.
 
-Decoding caches kv itself, un-rotated and un-normalised: K numbers per token
+In a model sharing keys and values across layers (ModelConfig.kv_source) its keys (rotated) and
+values (normed) pass base.cached_kv, so a k_eq_v layer shares with another k_eq_v layer of the same
+head. Decoding caches kv itself, un-rotated and un-normalised: K numbers per token
 per kv head, not 2·K (cache_entries / attend_cached), rotating the cached keys
 at their slots' positions (attn.variants.cache) when it attends.
 
@@ -33,8 +35,8 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants import mechanisms
-from attn.variants.base import (Options, Params, Variant, add_bias, bias, core, normal,
-                                project_heads, project_out, queries_and_keys)
+from attn.variants.base import (Options, Params, Variant, add_bias, bias, cached_kv, core, normal,
+                                project_heads, project_out, queries_and_keys, value_norm)
 
 
 def check(cfg: HeadConfig) -> None:
@@ -56,18 +58,17 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 def values(kv_BSGK, cfg: HeadConfig):
   """The values of kv: kv itself, or RMS-normalised over each head's K dims without a scale."""
-  if cfg.value_norm_eps is None:
-    return kv_BSGK
-  x = kv_BSGK.astype(jnp.float32)
-  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.value_norm_eps)
-  return y.astype(kv_BSGK.dtype)
+  return value_norm(kv_BSGK, cfg)
 
 
 def _attend(params: Params, x_BTD, kv_BSGK, *, cfg: HeadConfig, opts: Options):
   """x's queries against keys kv (on_qk, then rotated at opts' key positions) and values(kv)."""
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, kv_BSGK, cfg=cfg, opts=opts)
-  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, values(kv_BSGK, cfg), cfg=cfg, opts=opts, x_BTD=x_BTD)
+  # Through cached_kv's sharing hook (attn.nn.kv_sharing): a source layer records its rotated keys
+  # and normed values, a sharing layer attends to its source's. Its own cache is cache_entries'.
+  k_BSGK, v_BSGK = cached_kv(k_BSGK, values(kv_BSGK, cfg))
+  o_BTHV, w_BHTS = core(params, q_BTHK, k_BSGK, v_BSGK, cfg=cfg, opts=opts, x_BTD=x_BTD)
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 

@@ -15,6 +15,9 @@ columns into one (D, H·K + G·K + G·V) matrix instead of three.
 Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G·V + D].
 Effective: fewer; W_Q,i·W_K,iᵀ and W_V,i·W_O,i are low-rank products and the
 key bias drops out of the softmax (base.factored_effective_param_count).
+With cfg.value_norm_eps each value is RMS-normalised over its V dims without a scale (Gemma 4's
+v_norm, base.value_norm): no parameters, and no longer a linear map, so per_head converts to other
+variants only without it (attn.convert).
 KV cache: G·(K + V) per token. Score weights: D·(H + G)·K.
 """
 
@@ -27,7 +30,7 @@ from attn.config import HeadConfig
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 factored_effective_param_count, normal, project_heads,
                                 standard_flops, standard_kv_cache_width, standard_param_count,
-                                standard_score_weights)
+                                standard_score_weights, value_norm)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -42,13 +45,18 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   return add_bias(params, cfg, {"b_q": (H, K), "b_k": (G, K), "b_v": (G, V), "b_o": (D,)}, dtype)
 
 
+def effective_param_count(cfg: HeadConfig) -> int | None:
+  """base.factored_effective_param_count; None (measured) with the value norm, which no W_V·W_O holds."""
+  return None if cfg.value_norm_eps is not None else factored_effective_param_count(cfg)
+
+
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
           opts: Options = Options()):
   """Each head's (D,K), (D,K), (D,V) and (V,D) matrices, all heads in one matmul each."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
-  v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))
+  v_BSGV = value_norm(project_heads(c_BSD, params["w_v"], bias(params, "b_v")), cfg)
   return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
 
 
@@ -58,8 +66,9 @@ VARIANT = Variant(
     init=init,
     apply=apply,
     param_count=standard_param_count,
-    effective_param_count=factored_effective_param_count,
+    effective_param_count=effective_param_count,
     flops=standard_flops,
     kv_cache_width=standard_kv_cache_width,
     score_weights=standard_score_weights,
+    fields=("value_norm_eps",),
 )

@@ -21,8 +21,8 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, gemma2, gemma3, gpt2, gpt_oss, kimi_linear, llama, olmo2, phi3,
-                         qwen3_5, qwen3_next, smollm3)
+from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama, olmo2,
+                         phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.config import ModelConfig
@@ -39,7 +39,7 @@ def _builtins() -> tuple[Family, ...]:
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, deepseek_v32.DEEPSEEK_V32,
-          deepseek_v32.GLM_MOE_DSA)
+          deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -54,7 +54,9 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "nemotron_h": "each of its layers is one mixer (Mamba-2, attention, MLP or experts) with its own "
                          "residual, where a block of attn's DecoderLM is an attention layer and an MLP",
            "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "
-                        "block of attn's DecoderLM has one attention layer"}
+                        "block of attn's DecoderLM has one attention layer",
+           "gemma4": "its vision and audio towers are not attn's: save its text model (model_type gemma4_text, "
+                     "Gemma4ForCausalLM) and load that"}
 
 
 def _by_model_type() -> dict[str, Family]:
@@ -292,9 +294,10 @@ def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, d
   out_cfg = cfg.replace(variant=family.variant,
                         num_kv_heads=cfg.head.num_kv_heads if family.grouped else cfg.num_heads)
   pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
+  same = cfg.variant == family.variant and out_cfg.num_kv_heads == cfg.num_kv_heads
   for l, block in _blocks(pure).items():
-    if cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant:
-      continue  # a linear layer (attn.nn.layer_types): its own variant, written as it is
+    if same or (cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant):
+      continue  # nothing to convert, or a layer of its type's own variant (attn.nn.layer_types), written as it is
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
   sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}
