@@ -93,6 +93,22 @@ def test_generate_is_one_program_that_keeps_the_cache_on_the_device(monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ALL)
+def test_generate_in_one_program_equals_one_jitted_step_per_token(variant):
+  """generate's lax loop against the loop it replaced: a compiled decode step per token, on the host."""
+  model = _model(variant, num_layers=1)
+  prompt_BT = _tokens(5, (2, 3))
+  got = model.generate(prompt_BT, 4)
+  decoding.init_cache(model, 2, 7)
+  logits_BTN, tokens = decoding._step(model, prompt_BT), [prompt_BT]
+  for i in range(4):
+    tokens.append(jnp.argmax(logits_BTN[:, -1].astype(jnp.float32), -1)[:, None].astype(prompt_BT.dtype))
+    if i < 3:
+      logits_BTN = decoding._step(model, tokens[-1])
+  np.testing.assert_array_equal(got, jnp.concatenate(tokens, 1))
+
+
+@pytest.mark.slow
 def test_greedy_generate_is_argmax_of_the_full_forward_pass():
   # Sinusoidal positions: the decode path must offset them by the cache fill.
   model = _model("fused", num_layers=1, positional="sinusoidal", rope=False)
