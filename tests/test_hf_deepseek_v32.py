@@ -212,3 +212,23 @@ def test_a_model_made_in_attn_goes_out_and_back(family):
   pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
   from attn.testing import check_family
   assert check_family(family, _config(family))["logits_relative"] < TOL
+
+
+@pytest.mark.slow
+def test_the_mtp_layer_is_read_and_ignored_with_a_note():
+  """The release's multi-token-prediction layer (layer num_hidden_layers): transformers ignores it; attn too,
+  saying so in one warning line, and the model read is the one without it."""
+  from flax import nnx
+  m = build("deepseek_v32")
+  config, sd = hf.to_hf_state(hf.from_hf(m))
+  extra = {f"model.layers.2.{k.split('.', 3)[3]}": a for k, a in sd.items() if k.startswith("model.layers.1.")}
+  with pytest.warns(UserWarning, match=r"^\d+ tensors of layers\.2\.\* \(the multi-token-prediction module\)"):
+    got = hf.from_hf((config, {**sd, **extra}))
+  want = hf.from_hf((config, sd))
+  a, b = (jax_leaves(nnx.state(x.model)) for x in (got, want))
+  assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def jax_leaves(state):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(state)]

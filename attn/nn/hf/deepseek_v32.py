@@ -14,8 +14,8 @@ w_idw. DeepSeek-V3.2 rotates the index heads' first qk_rope_head_dim dims in the
 (rotate_half), GLM-5 in the interleaved one: the family's rope_layout. GLM-5 can reuse a previous
 layer's choice (indexer_types "shared", cross-layer top-k sharing): refused by name, every layer
 must be "full". The released checkpoints' fp8 weights are refused on their names (deepseek_v3),
-and their multi-token-prediction layer (layer num_hidden_layers) is not read, as transformers
-does not read it. DeepSeek's reference inference code keeps the indexer's key cache in fp8 with a
+and their multi-token-prediction layer (layer num_hidden_layers) is read and ignored with a one-line
+warning, as transformers ignores it. DeepSeek's reference inference code keeps the indexer's key cache in fp8 with a
 Hadamard rotation; transformers (and attn) keep it in the model's dtype and skip the rotation (an
 orthogonal map: it leaves every q·k as it is).
 """
@@ -23,6 +23,7 @@ orthogonal map: it leaves every q·k as it is).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,10 @@ def config_in_for(layout: str, glm: bool):
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
+  mtp = sorted(n for n in w.names if n.startswith(f"layers.{cfg.num_layers}."))
+  if mtp:  # deepseek_v3.weights_in reads them and drops them, as transformers does: say so in one line
+    warnings.warn(f"{len(mtp)} tensors of layers.{cfg.num_layers}.* (the multi-token-prediction module) read "
+                  "and ignored, as transformers ignores them", stacklevel=2)
   out = deepseek_v3.weights_in(w, cfg)
   D, Q = cfg.d_model, cfg.q_latent_dim
   o = selection.options_of(cfg.head)
