@@ -1,0 +1,156 @@
+"""Compressed keys and values (DeepSeek-V4's CSA/HCA layout): the kernel against a naive reference
+written here, the variant's decoding against its full pass, the refusals."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn.config import ConfigError
+from attn.kernel import compressed as ck_kernel
+
+
+def _rand(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+# The naive reference: loops over entries and (query, key) pairs, written apart from the kernel.
+
+def naive_pool(c, z, bias, m):
+  """c, z (B,S,P,G,X), bias (P,m,G,X): entry n = Σ softmax(z + b) c over its slots, by loops."""
+  c, z, bias = (np.asarray(a, np.float64) for a in (c, z, bias))
+  B, S, P, G, X = c.shape
+  out = np.zeros((B, S // m, G, X))
+  for n in range(S // m):
+    slots_c, slots_z = [], []
+    if P == 2 and n > 0:
+      for j in range(m):
+        slots_c.append(c[:, (n - 1) * m + j, 0])
+        slots_z.append(z[:, (n - 1) * m + j, 0] + bias[0, j])
+    for j in range(m):
+      slots_c.append(c[:, n * m + j, P - 1])
+      slots_z.append(z[:, n * m + j, P - 1] + bias[P - 1, j])
+    zz = np.stack(slots_z)
+    w = np.exp(zz - zz.max(0))
+    w /= w.sum(0)
+    out[:, n] = (w * np.stack(slots_c)).sum(0)
+  return out
+
+
+def naive_visible(B, H, T, S, N, m, span, *, causal, lengths, window, mask):
+  """(B,H,T,S+N) booleans by loops: a token by causality, length, window, mask; an entry when every
+  token it pools is visible ignoring the window."""
+  out = np.zeros((B, H, T, S + N), bool)
+  for b, h, t in itertools.product(range(B), range(H), range(T)):
+    p = t + S - T
+
+    def tok(s, win=True):
+      ok = s < (S if lengths is None else lengths[b])
+      ok &= (not causal) or s <= p
+      ok &= (not win) or window is None or abs(p - s) < window
+      ok &= mask is None or bool(mask[b, h, t, s])
+      return ok
+
+    for s in range(S):
+      out[b, h, t, s] = tok(s)
+    for n in range(N):
+      first = max(0, (n + 1) * m - span)
+      out[b, h, t, S + n] = all(tok(s, win=False) for s in range(first, (n + 1) * m))
+  return out
+
+
+def naive_attention(q, k, v, ck, cv, vis, scale, sinks):
+  """jnp, dense: softmax over the visible [tokens | entries] (and sinks), fully hidden rows 0."""
+  H, G = q.shape[2], k.shape[2]
+  kk = jnp.repeat(jnp.concatenate([k, ck], 1), H // G, axis=2)
+  vv = jnp.repeat(jnp.concatenate([v, cv], 1), H // G, axis=2)
+  logits = jnp.einsum("bthk,bshk->bhts", q, kk) * scale
+  logits = jnp.where(vis, logits, -1e30)
+  mx = logits.max(-1, keepdims=True)
+  if sinks is not None:
+    mx = jnp.maximum(mx, sinks[None, :, None, None])
+  e = jnp.where(vis, jnp.exp(logits - mx), 0.0)
+  den = e.sum(-1, keepdims=True)
+  if sinks is not None:
+    den = den + jnp.exp(sinks[None, :, None, None] - mx)
+  p = e / jnp.where(den > 0, den, 1.0)
+  return jnp.einsum("bhts,bshv->bthv", p, vv)
+
+
+CASES = [  # B, T, S, H, G, K, V, m, span, causal, window, lengths, sinks, mask
+    (2, 11, 11, 4, 1, 8, 8, 4, 4, True, 3, (11, 6), True, False),   # one shared wide kv head
+    (2, 13, 13, 6, 2, 5, 7, 3, 6, True, 4, None, False, False),    # overlap, d_v != d_k
+    (1, 7, 10, 3, 3, 4, 4, 4, 4, True, None, None, True, True),    # cache-like S > T, dense mask
+    (2, 9, 9, 2, 1, 6, 3, 2, 2, False, 2, (9, 5), True, False),    # bidirectional, lengths
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_naive_in_values_and_gradients(case):
+  B, T, S, H, G, K, V, m, span, causal, window, lengths, use_sinks, use_mask = case
+  N = S // m
+  q, k, v = _rand(1, (B, T, H, K)), _rand(2, (B, S, G, K)), _rand(3, (B, S, G, V))
+  ck, cv = _rand(4, (B, N, G, K)), _rand(5, (B, N, G, V))
+  sinks = _rand(6, (H,)) if use_sinks else None
+  mask = np.array(jax.random.bernoulli(jax.random.PRNGKey(7), 0.8, (B, H, T, S))) if use_mask else None
+  if mask is not None:
+    mask[0, 0, 2] = False  # a row that sees no token (nor any entry)
+  lens = None if lengths is None else np.asarray(lengths)
+  vis = naive_visible(B, H, T, S, N, m, span, causal=causal, lengths=lens, window=window, mask=mask)
+  scale = K ** -0.5
+  kw = dict(m=m, span=span, mask=None if mask is None else jnp.asarray(mask), is_causal=causal,
+            kv_lengths=None if lens is None else jnp.asarray(lens), scale=scale, window=window,
+            sinks=sinks)
+
+  def ref(q, k, v, ck, cv):
+    return naive_attention(q, k, v, ck, cv, vis, scale, sinks)
+
+  def run(impl):
+    return lambda q, k, v, ck, cv: ck_kernel.attention(q, k, v, ck, cv, impl=impl, block_q=4,
+                                                       block_k=3, **kw)
+
+  want = ref(q, k, v, ck, cv)
+  args = (q, k, v, ck, cv)
+  dout = _rand(8, want.shape)
+  loss = lambda f: (lambda *a: jnp.sum(f(*a) * dout))
+  g_want = jax.grad(loss(ref), argnums=tuple(range(5)))(*args)
+  for impl in ("einsum", "blocked"):
+    got = jax.jit(run(impl))(*args)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=impl)
+    g_got = jax.grad(loss(run(impl)), argnums=tuple(range(5)))(*args)
+    for name, a, b in zip("q k v ck cv".split(), g_got, g_want):
+      np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5, err_msg=f"{impl} d{name}")
+
+
+def test_blocked_visits_only_ended_blocks():
+  """At a long T the blocked path runs without any T×S array: its compiled temporaries stay far
+  below the (T, S + N) float32 scores, and it equals the einsum path."""
+  B, T, H, G, K, m, w = 1, 1024, 2, 1, 16, 16, 64
+  N = T // m
+  q, k, v = _rand(1, (B, T, H, K)), _rand(2, (B, T, G, K)), _rand(3, (B, T, G, K))
+  ck, cv = _rand(4, (B, N, G, K)), _rand(5, (B, N, G, K))
+  kw = dict(m=m, is_causal=True, scale=0.25, window=w)
+  f = jax.jit(lambda *a: ck_kernel.attention(*a, impl="blocked", **kw))
+  mem = f.lower(q, k, v, ck, cv).compile().memory_analysis()
+  if mem is not None:
+    assert mem.temp_size_in_bytes < B * H * T * (T + N) * 4 / 4
+  np.testing.assert_allclose(f(q, k, v, ck, cv),
+                             ck_kernel.attention(q, k, v, ck, cv, impl="einsum", **kw), atol=2e-5)
+
+
+def test_pool_matches_naive():
+  for P, S, m in ((1, 11, 4), (2, 13, 3), (1, 3, 4)):
+    c, z = _rand(1, (2, S, P, 2, 3)), _rand(2, (2, S, P, 2, 3))
+    bias = _rand(3, (P, m, 2, 3))
+    np.testing.assert_allclose(ck_kernel.pool(c, z, bias, m), naive_pool(c, z, bias, m), atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [0, -2, 1.5, True])
+def test_bad_block_refused(m):
+  q = jnp.zeros((1, 4, 1, 2))
+  with pytest.raises(ConfigError, match="compress_block"):
+    ck_kernel.attention(q, q, q, q[:, :1], q[:, :1], m=m, scale=1.0)
