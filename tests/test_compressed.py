@@ -154,3 +154,58 @@ def test_bad_block_refused(m):
   q = jnp.zeros((1, 4, 1, 2))
   with pytest.raises(ConfigError, match="compress_block"):
     ck_kernel.attention(q, q, q, q[:, :1], q[:, :1], m=m, scale=1.0)
+
+
+# The variant
+
+from attn import api  # noqa: E402
+from attn.config import HeadConfig  # noqa: E402
+from attn.testing import check_variant  # noqa: E402
+from attn.variants import VARIANTS, cache  # noqa: E402
+from attn.variants.base import Options  # noqa: E402
+
+
+def _cfg(**kw):
+  base = dict(d_model=24, num_heads=4, d_k=8, d_v=6, num_kv_heads=1, compress_block=3, sinks=True,
+              window=4, rope_dim=4)
+  return HeadConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(compress_overlap=True, window=None, d_v=8),
+                                dict(compress_block=4, compress_overlap=True, rope_dim=0, sinks=False)])
+def test_decoding_equals_full_pass(kw):
+  """Token by token and in uneven chunks (prompt longer than a block, steps across block ends)
+  through the compressed cache equals the causal full pass."""
+  cfg = _cfg(**kw)
+  v = VARIANTS["compressed"]
+  p = jax.tree.map(lambda a: a + 0.3 * _rand(9, a.shape), api.init(v, jax.random.PRNGKey(0), cfg))
+  x = _rand(1, (2, 13, cfg.d_model))
+  full, _ = v.apply(p, x, cfg=cfg, opts=Options(is_causal=True))
+  step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))
+  for chunks in ([1] * 13, [5, 1, 4, 3], [13]):
+    c, i, ys = cache.init(v, p, cfg, 2, 14), 0, []
+    for n in chunks:
+      y, c = step(p, x[:, i:i + n], c, jnp.asarray(i))
+      ys.append(y)
+      i += n
+    np.testing.assert_allclose(jnp.concatenate(ys, 1), full, atol=3e-5, rtol=3e-5, err_msg=str(chunks))
+    assert int((np.abs(c["ck"]).sum((0, 2, 3)) > 0).sum()) == 13 // cfg.compress_block
+
+
+def test_variant_kit():
+  check_variant("compressed")
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(compress_block=0), "compress_block"), (dict(compress_block=-4), "compress_block"),
+    (dict(compress_overlap="yes"), "compress_overlap"),
+    (dict(probability="sigmoid"), "probability"),
+    (dict(extra={"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}, window=None), "extra")])
+def test_bad_config_refused(kw, field):
+  with pytest.raises(ConfigError, match=field):
+    api.check_config("compressed", _cfg(**kw))
+
+
+def test_other_variants_refuse_compress_block():
+  with pytest.raises(ConfigError, match="compress_block"):
+    api.check_config("per_head", HeadConfig(d_model=8, num_heads=2, compress_block=4))

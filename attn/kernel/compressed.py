@@ -100,11 +100,12 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, ck_BNGK: Array, cv_BN
   return_weights the weights (B,H,T,S+N) in float32.
 
   span: the tokens an entry pools (m, or 2m with two series; default m), for reading a dense
-  mask; entry_mask_: a mask over the entries (B,H,T,N)-broadcastable, ANDed (decoding).
+  mask; entry_mask_: the mask over the entries (B,H,T,N)-broadcastable, in its place (decoding,
+  whose token slots are no positions).
   """
   check(m, impl)
   T, S, N = q_BTHK.shape[1], k_BSGK.shape[1], ck_BNGK.shape[1]
-  cmask = masks.combine_masks(entry_mask(mask, S, m, span or m), entry_mask_)
+  cmask = entry_mask(mask, S, m, span or m) if entry_mask_ is None else entry_mask_
   if impl == "auto":
     impl = "blocked" if is_long(T, S + N) and not return_weights else "einsum"
   if impl == "blocked":
