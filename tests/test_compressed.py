@@ -89,7 +89,8 @@ CASES = [  # B, T, S, H, G, K, V, m, span, causal, window, lengths, sinks, mask
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow if i else ())
+                                  for i, c in enumerate(CASES)])
 def test_kernel_matches_naive_in_values_and_gradients(case):
   B, T, S, H, G, K, V, m, span, causal, window, lengths, use_sinks, use_mask = case
   N = S // m
@@ -126,6 +127,21 @@ def test_kernel_matches_naive_in_values_and_gradients(case):
       np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5, err_msg=f"{impl} d{name}")
 
 
+def test_comp_block_ranges():
+  """The blocks the loops visit: a query block sees the compressed blocks that have ended for its
+  last query, and a compressed block is read back by the query blocks from its first ended one."""
+  from attn.kernel.plan import comp_blocks_for, comp_query_blocks_for, plan_for
+  import dataclasses
+  plan = dataclasses.replace(plan_for(40, 40, 8, 8, is_causal=True, window=4), cm=4, N=10, bc=3)
+  assert plan.nc == 4
+  # query block i ends at position 8i + 7: entries n < (8i + 8) // 4 = 2i + 2, in blocks of 3
+  assert [int(comp_blocks_for(plan, i, 40)[1]) for i in range(5)] == [1, 2, 2, 3, 4]
+  assert [int(comp_blocks_for(plan, i, 13)[1]) for i in range(5)] == [1, 1, 1, 1, 1]  # kv length 13
+  # entry 3j ends at position 12j + 3: the query blocks from (12j + 3) // 8
+  assert [int(comp_query_blocks_for(plan, j)[0]) for j in range(4)] == [0, 1, 3, 4]
+
+
+@pytest.mark.slow
 def test_blocked_visits_only_ended_blocks():
   """At a long T the blocked path runs without any T×S array: its compiled temporaries stay far
   below the (T, S + N) float32 scores, and it equals the einsum path."""
@@ -171,8 +187,10 @@ def _cfg(**kw):
   return HeadConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(compress_overlap=True, window=None, d_v=8),
-                                dict(compress_block=4, compress_overlap=True, rope_dim=0, sinks=False)])
+@pytest.mark.parametrize("kw", [dict(), pytest.param(dict(compress_overlap=True, window=None, d_v=8),
+                                                      marks=pytest.mark.slow),
+                                pytest.param(dict(compress_block=4, compress_overlap=True, rope_dim=0,
+                                                  sinks=False), marks=pytest.mark.slow)])
 def test_decoding_equals_full_pass(kw):
   """Token by token and in uneven chunks (prompt longer than a block, steps across block ends)
   through the compressed cache equals the causal full pass."""
@@ -182,7 +200,7 @@ def test_decoding_equals_full_pass(kw):
   x = _rand(1, (2, 13, cfg.d_model))
   full, _ = v.apply(p, x, cfg=cfg, opts=Options(is_causal=True))
   step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))
-  for chunks in ([1] * 13, [5, 1, 4, 3], [13]):
+  for chunks in ([5] + [1] * 8, [4, 3, 6], [13]) if kw else ([5] + [1] * 8,):
     c, i, ys = cache.init(v, p, cfg, 2, 14), 0, []
     for n in chunks:
       y, c = step(p, x[:, i:i + n], c, jnp.asarray(i))
@@ -192,8 +210,15 @@ def test_decoding_equals_full_pass(kw):
     assert int((np.abs(c["ck"]).sum((0, 2, 3)) > 0).sum()) == 13 // cfg.compress_block
 
 
-def test_variant_kit():
-  check_variant("compressed")
+@pytest.mark.slow
+def test_variant_kit_with_overlap_and_small_blocks():
+  """The kit (the contract test runs it at the default block of 4) at blocks of 2 and 3, the
+  overlap, a window, and gate, QK-norm and softcap on."""
+  check_variant("compressed", configs=(
+      HeadConfig(d_model=24, num_heads=6, d_k=5, d_v=7, num_kv_heads=2, compress_block=2,
+                 compress_overlap=True, window=3, rope_dim=4),
+      HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=5, num_kv_heads=1, use_bias=False,
+                 compress_block=3, gate="headwise", qk_norm=True, softcap=5.0)))
 
 
 @pytest.mark.parametrize("kw, field", [

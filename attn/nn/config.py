@@ -104,6 +104,9 @@ class ModelConfig:
   moe_dense_first: int = 0  # the first layers keep the dense MLP (first_k_dense_replace)
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
   impl: str = "auto"  # every attention layer's core (attn.kernel.IMPLS); "auto" picks per call
+  hc_mult: int = 1  # residual streams (attn.nn.hyper: DeepSeek-V4's hyper-connections); 1: plain residual
+  hc_sinkhorn_iters: int = 20  # with hc_mult > 1: Sinkhorn-Knopp passes on each mix
+  hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
@@ -154,6 +157,17 @@ class ModelConfig:
     layer_types.check_linear_fields(self)
     kv_sharing.check(self)
     moe.check(self)
+    self._check_hyper()
+
+  def _check_hyper(self) -> None:
+    _check_int("hc_mult", self.hc_mult, minimum=1)
+    _check_int("hc_sinkhorn_iters", self.hc_sinkhorn_iters, minimum=1)
+    eps = self.hc_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+      raise invalid("hc_eps", eps, "a positive finite number (the hyper-connections' floor)")
+    if self.hc_mult > 1 and self.norm != "pre":
+      raise invalid("norm", self.norm, f'"pre" with hc_mult={self.hc_mult}: the hyper-connections '
+                    "mix the streams around pre-normed sublayers (DeepSeek-V4's layout)")
 
   @property
   def head(self) -> HeadConfig:
