@@ -234,3 +234,37 @@ def test_bad_config_refused(kw, field):
 def test_other_variants_refuse_compress_block():
   with pytest.raises(ConfigError, match="compress_block"):
     api.check_config("per_head", HeadConfig(d_model=8, num_heads=2, compress_block=4))
+
+
+# Counts (attn count)
+
+from attn import count  # noqa: E402
+from attn.count import measured  # noqa: E402
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(window=None, compress_overlap=True), dict(compress_block=5)])
+def test_cache_elements_are_what_the_cache_holds(kw):
+  cfg = _cfg(**kw)
+  v = VARIANTS["compressed"]
+  for L in (1, 3, 7, 12, 31):
+    held = jax.eval_shape(lambda: cache.init(v, {}, cfg, 1, L))
+    assert v.kv_cache_elements(cfg, L) == sum(int(np.prod(s.shape)) for s in held.values()), L
+  G, KV, m = cfg.num_kv_heads, cfg.d_k + cfg.d_v, cfg.compress_block
+  grow = 4 * G * KV * ((1 if cfg.window is None else 0) + 1 / m)  # float32 bytes a token, long run
+  assert 0 <= count.kv_cache_bytes_per_token("compressed", cfg, "float32") - grow < 1
+  assert count.kv_cache_bytes("compressed", cfg, 31, "float32") == 4 * v.kv_cache_elements(cfg, 31)
+  assert "kv_cache" not in count.measured_figures("compressed", cfg)
+
+
+@pytest.mark.slow
+def test_flops_and_params_against_xla_and_the_stored_tree():
+  wide = dict(d_model=48, num_heads=4, d_k=12, d_v=20, num_kv_heads=2, rope_dim=0, sinks=False)
+  for cfg, T, S in ((_cfg(compress_overlap=True, **wide), 6, 14), (_cfg(compress_block=5, **wide), 9, 9)):
+    assert count.param_counts("compressed", cfg)["analytic"] == measured.stored("compressed", cfg)
+    want, got = count.flops("compressed", cfg, T, S), measured.flops("compressed", cfg, T, S)
+    assert abs(got - want) <= 0.1 * want, (cfg, want, got)
+
+
+def test_params_closed_form_is_the_stored_tree():
+  cfg = _cfg(compress_overlap=True, use_bias=False)
+  assert count.param_counts("compressed", cfg)["analytic"] == measured.stored("compressed", cfg)

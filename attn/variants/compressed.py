@@ -34,6 +34,10 @@ variant's: here keys and values have their own projections and d_v may differ fr
 Params: per_head's D·(H·K + G·K + G·V) + H·V·D [+ biases], and the compressor's
 P·G·(2·D + m)·(K + V) + G·(K + V): W_CK, W_CV, W_ZK, W_ZV (D,P,G,·), biases b_K, b_V (P,m,G,·),
 norm scales (G,·).
+FLOPs: per_head's projections, the compressor's 4·S·D·P·G·(K + V), the core 2·T·(S + S//m)·H·(K + V)
+(unmasked, as per_head's counts the full T×S).
+KV cache after L tokens: (min(L, window) + L // m + 2·P²·m)·G·(K + V) numbers (kv_cache_elements); per
+token in the long run G·(K + V)/m with a window, G·(K + V)·(1 + 1/m) without.
 """
 
 from __future__ import annotations
@@ -259,6 +263,15 @@ def decode_cached(params: Params, x_BTD, cache: dict, index, *, cfg: HeadConfig,
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), out
 
 
+def kv_cache_elements(cfg: HeadConfig, length: int) -> int:
+  """Numbers the cache holds for `length` tokens: the window's (or every) token's key and value,
+  length // m entries, and the compressor's inputs of P·m tokens (P series, keys' and values'
+  parts and gates): (min(length, window) + length // m + 2·P²·m)·G·(K + V)."""
+  G, K, V, m, P = cfg.num_kv_heads, cfg.d_k, cfg.d_v, block(cfg), _series(cfg)
+  tokens = length if cfg.window is None else min(cfg.window, length)
+  return (tokens + length // m + 2 * P * P * m) * G * (K + V)
+
+
 def param_count(cfg: HeadConfig) -> int:
   D, G, K, V, m, P = (cfg.d_model, cfg.num_kv_heads, cfg.d_k, cfg.d_v, block(cfg),
                       _series(cfg))
@@ -296,4 +309,5 @@ VARIANT = Variant(
                          "keys pooled by an input-dependent softmax, no fixed bilinear form"),
     init_cache=init_cache,
     decode_cached=decode_cached,
+    kv_cache_elements=kv_cache_elements,
 )
