@@ -302,8 +302,9 @@ VARIANT = Variant(
     flops=flops,
     score_weights=score_weights,
     check=check,
-    sharding={"w_ck": "DPGK", "w_cv": "DPGV", "w_zk": "DPGK", "w_zv": "DPGV", "b_ck": "PmGK",
-              "b_cv": "PmGV", "n_ck": "GK", "n_cv": "GV"},
+    # Y: the series, W: a block's slots (replicated letters; P would be fused's packed split).
+    sharding={"w_ck": "DYGK", "w_cv": "DYGV", "w_zk": "DYGK", "w_zv": "DYGV", "b_ck": "YWGK",
+              "b_cv": "YWGV", "n_ck": "GK", "n_cv": "GV"},
     fields=("compress_block", "compress_overlap"),
     circuits=no_circuits("compressed", "a variant with per-head W_QK: compressed's entries are "
                          "keys pooled by an input-dependent softmax, no fixed bilinear form"),
