@@ -268,3 +268,18 @@ def test_flops_and_params_against_xla_and_the_stored_tree():
 def test_params_closed_form_is_the_stored_tree():
   cfg = _cfg(compress_overlap=True, use_bias=False)
   assert count.param_counts("compressed", cfg)["analytic"] == measured.stored("compressed", cfg)
+
+
+@pytest.mark.slow
+def test_variant_at_long_T_takes_the_blocked_path_and_agrees():
+  """At T·(S+N) past the blocked threshold the layer runs the blocked kernel (no weights), equal to
+  the einsum path its weights-out call takes, with right padding (kv_lengths)."""
+  cfg = _cfg(d_model=16, num_heads=2, d_k=8, d_v=8, compress_block=8, window=32)
+  p = jax.tree.map(lambda a: a + 0.3 * _rand(9, a.shape), api.init("compressed", jax.random.PRNGKey(0), cfg))
+  x = _rand(1, (2, 600, 16))
+  opts = Options(is_causal=True, kv_lengths=jnp.array([600, 451]))
+  y_blocked, _ = jax.jit(lambda p, x: VARIANTS["compressed"].apply(p, x, cfg=cfg, opts=opts))(p, x)
+  y_einsum, w = jax.jit(lambda p, x: VARIANTS["compressed"].apply(
+      p, x, cfg=cfg, opts=opts.replace(return_weights=True)))(p, x)
+  np.testing.assert_allclose(y_blocked, y_einsum, atol=3e-5)
+  assert w.shape == (2, 2, 600, 600) and float(jnp.abs(w[1, :, :, 451:]).max()) == 0.0
