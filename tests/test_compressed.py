@@ -187,20 +187,20 @@ def _cfg(**kw):
   return HeadConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw", [dict(), pytest.param(dict(compress_overlap=True, window=None, d_v=8),
-                                                      marks=pytest.mark.slow),
-                                pytest.param(dict(compress_block=4, compress_overlap=True, rope_dim=0,
-                                                  sinks=False), marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(), dict(compress_overlap=True, window=None, d_v=8),
+                                dict(compress_block=4, compress_overlap=True, rope_dim=0, sinks=False)])
 def test_decoding_equals_full_pass(kw):
   """Token by token and in uneven chunks (prompt longer than a block, steps across block ends)
-  through the compressed cache equals the causal full pass."""
+  through the compressed cache equals the causal full pass (the fast tier: the contract kit's
+  decoding at the default block of 4, tests/test_contract.py)."""
   cfg = _cfg(**kw)
   v = VARIANTS["compressed"]
   p = jax.tree.map(lambda a: a + 0.3 * _rand(9, a.shape), api.init(v, jax.random.PRNGKey(0), cfg))
   x = _rand(1, (2, 13, cfg.d_model))
   full, _ = v.apply(p, x, cfg=cfg, opts=Options(is_causal=True))
   step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))
-  for chunks in ([5] + [1] * 8, [4, 3, 6], [13]) if kw else ([5] + [1] * 8,):
+  for chunks in ([5] + [1] * 8, [4, 3, 6], [13]):
     c, i, ys = cache.init(v, p, cfg, 2, 14), 0, []
     for n in chunks:
       y, c = step(p, x[:, i:i + n], c, jnp.asarray(i))
