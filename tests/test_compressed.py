@@ -283,3 +283,48 @@ def test_variant_at_long_T_takes_the_blocked_path_and_agrees():
       p, x, cfg=cfg, opts=opts.replace(return_weights=True)))(p, x)
   np.testing.assert_allclose(y_blocked, y_einsum, atol=3e-5)
   assert w.shape == (2, 2, 600, 600) and float(jnp.abs(w[1, :, :, 451:]).max()) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["heavily_compressed_attention",
+                                  pytest.param("compressed_sparse_attention", marks=pytest.mark.slow)])
+def test_pooling_and_causality_match_transformers_deepseek_v4(kind):
+  """V4's compressors (HCA: blocks of m; CSA: 2m slots at stride m) give our entries, with the same
+  weights: transformers' output un-rotated (its own RoPE with -sin) equals pool + norm, and its
+  block bias is our causal entry mask. Skipped where transformers lacks deepseek_v4."""
+  mod = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+  torch = pytest.importorskip("torch")
+  from transformers import DeepseekV4Config
+  from attn.variants import compressed as variant
+  hf_cfg = DeepseekV4Config(hidden_size=16, head_dim=8, num_attention_heads=2, q_lora_rank=8,
+                            index_n_heads=2, index_head_dim=4, index_topk=64, num_hidden_layers=2,
+                            vocab_size=10, partial_rotary_factor=0.5,
+                            compress_rates={"compressed_sparse_attention": 3,
+                                            "heavily_compressed_attention": 4})
+  comp = (mod.DeepseekV4HCACompressor if kind.startswith("heavily") else mod.DeepseekV4CSACompressor)(hf_cfg)
+  g = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for p in comp.parameters():
+      p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+  m, hd = comp.compress_rate, 8
+  P = 1 if kind.startswith("heavily") else 2
+  B, T = 2, 11
+  x = torch.randn(B, T, 16, generator=g)
+  pos = torch.arange(T).unsqueeze(0).expand(B, -1)
+  with torch.no_grad():
+    out, block_bias = comp(x, torch.randn(B, T, 8, generator=g), pos, None, 0)
+    N = out.shape[2]
+    cos, sin = comp.rotary_emb(out, position_ids=(torch.arange(N) * m).unsqueeze(0).expand(B, -1),
+                               layer_type="compress")
+    want = mod.apply_rotary_pos_emb(out, cos, -sin)[:, 0].numpy()
+  t = lambda a: jnp.asarray(a.detach().numpy())
+  w = lambda lin: t(lin.weight).T.reshape(16, P, 1, hd)
+  params = {"w_ck": w(comp.kv_proj), "w_zk": w(comp.gate_proj), "n_ck": t(comp.kv_norm.weight)[None],
+            "b_ck": t(comp.position_bias).reshape(m, P, 1, hd).transpose(1, 0, 2, 3)}
+  c_k, z_k = (variant._project(jnp.asarray(x.numpy()), params[n]) for n in ("w_ck", "w_zk"))
+  got = variant._norm(ck_kernel.pool(c_k, z_k, params["b_ck"], m), params["n_ck"])[:, :, 0]
+  assert N == T // m
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  # CSA's bias also carries the indexer's top-k, which keeps every ended entry at index_topk >= N
+  if block_bias is not None:
+    ours = np.broadcast_to(ck_kernel.structured_entries(T, T, N, m, True, None), (B, 1, T, N))
+    np.testing.assert_array_equal(np.isfinite(block_bias.numpy()), ours)
