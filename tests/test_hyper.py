@@ -56,8 +56,10 @@ def naive_weights(x, fn, base, scale, n, iters, eps, norm_eps):
 def test_streams_count():
   """hc_mult=2 adds the closed form's parameters: two mixes per block and the head."""
   model = DecoderLM(ModelConfig(**{**BASE, "num_layers": 1, "hc_mult": 2}), rngs=nnx.Rngs(0))
-  assert hyper.param_count(2, 12, 1) == sum(
-      a.size for p, a in nnx.to_flat_state(nnx.state(model, nnx.Param)) if any("hc" in str(k) for k in p))
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  assert hyper.param_count(2, 12, 1) == sum(a.size for p, a in flat if any("hc" in str(k) for k in p))
+  from attn import count
+  assert count.model_param_count(model.cfg, "decoder_lm") == sum(a.size for _, a in flat)
 
 
 def test_mix_matches_naive_and_is_doubly_stochastic():
