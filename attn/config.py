@@ -125,7 +125,10 @@ class HeadConfig:
   (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
   projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
   groups, each group's H/o_groups·d_v outputs through its own rank-o_rank map
-  (None: H/o_groups·d_v, full rank). layer is the layer's
+  (None: H/o_groups·d_v, full rank). compress_block and compress_overlap are
+  compressed's blocks of m tokens pooled into one key and value, and whether each
+  pools 2m tokens at stride m (DeepSeek-V4's compress rates 4 and 128; its CSA
+  overlap). layer is the layer's
   1-based index in its model, for differential's λ_init; set by the models.
   extra maps an outside head mechanism's name to its options ({"my_gate":
   {"width": 3}}; attn.variants.mechanisms says why one field): the mechanism's
@@ -171,6 +174,8 @@ class HeadConfig:
   value_norm_eps: float | None = None
   o_groups: int = 1
   o_rank: int | None = None
+  compress_block: int | None = None
+  compress_overlap: bool = False
   layer: int = 1
   extra: dict | None = None
 
@@ -243,6 +248,10 @@ class HeadConfig:
                     "group holds num_heads/o_groups whole heads")
     if self.o_rank is not None:
       _positive_int("o_rank", self.o_rank)
+    if self.compress_block is not None:
+      _positive_int("compress_block", self.compress_block)
+    if not isinstance(self.compress_overlap, bool):
+      raise invalid("compress_overlap", self.compress_overlap, "True or False")
 
   def _check_rope_scaling(self) -> None:
     kind = self.rope_scaling

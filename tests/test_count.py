@@ -217,7 +217,12 @@ def test_every_variant_has_cache_and_score_formulas():
         v.check(cfg)
       except ConfigError:
         continue
-      width, score = v.kv_cache_width(cfg), v.score_weights(cfg)
+      score = v.score_weights(cfg)
+      if v.kv_cache_elements is not None:  # a cache of its own (compressed): its size in closed form
+        assert count.kv_cache_bytes(name, cfg, 64, "float32") == 4 * v.kv_cache_elements(cfg, 64) > 0
+        assert isinstance(score, int) and 0 < score <= v.param_count(cfg), name
+        continue
+      width = v.kv_cache_width(cfg)
       if v.init_state is not None:  # a fixed-size state instead of a cache per token
         assert width == 0 and count.state_bytes(name, cfg, "float32") == 4 * v.state_size(cfg) > 0
       else:

@@ -9,7 +9,7 @@ import pytest
 from attn import api
 from attn.config import HeadConfig
 from attn.count import measured, selectors
-from attn.kernel import compressed as cmp
+from attn.kernel import nsa as cmp
 from attn.kernel import select
 from attn.variants import nsa, selection
 

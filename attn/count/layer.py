@@ -51,7 +51,7 @@ def measured_figures(variant: str, cfg: HeadConfig) -> list[str]:
       out.append(figure)
   if v.flops is None or mechanisms.flops(cfg, 1, 1) is None:
     out.append("flops")
-  if v.kv_cache_width is None:
+  if v.kv_cache_width is None and v.kv_cache_elements is None:
     out.append("kv_cache")
   return out
 
@@ -108,6 +108,10 @@ def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat
   """Bytes one layer caches per decoded token (MHA 2·H·K, GQA 2·G·K, MQA 2·K elements); what
   decoding caches where the variant has no closed form."""
   v = api.check_config(variant, cfg)
+  if v.kv_cache_elements is not None:  # a cache of its own: its growth over a long run, rounded up
+    grow = lambda n: v.kv_cache_elements(cfg, n)
+    far = 1 << 40  # past any window; the growth over 2^20 tokens, which a block divides or barely misses
+    return -(-(grow(far + (1 << 20)) - grow(far)) * _itemsize(dtype) // (1 << 20))
   width = measured.kv_cache_width(v, cfg) if v.kv_cache_width is None else v.kv_cache_width(cfg)
   return int(width) * _itemsize(dtype)
 
@@ -187,6 +191,9 @@ def state_crossover(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> i
 def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:
   """Bytes one layer caches after `length` tokens: a window layer keeps only the last `window`
   (each mechanism's kv_tokens)."""
+  v = api.check_config(variant, cfg)
+  if v.kv_cache_elements is not None:  # a cache of its own (compressed), in closed form
+    return v.kv_cache_elements(cfg, check_length("length", length)) * _itemsize(dtype)
   kept = mechanisms.kv_tokens(cfg, check_length("length", length))
   return kept * kv_cache_bytes_per_token(variant, cfg, dtype)
 

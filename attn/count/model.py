@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from attn.config import invalid
 from attn.count.layer import (check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts,
                               state_bytes)
-from attn.nn import kv_sharing, layer_types
+from attn.nn import hyper, kv_sharing, layer_types
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
@@ -148,6 +148,8 @@ def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
     _blocks(m, parts, m.num_decoder_layers, cross=True)
   if kind in ("decoder_lm", "encoder_decoder"):
     parts["output"] = _output(m)
+  if m.hc_mult > 1:  # DecoderLM's hyper-connections (attn.nn.hyper): two mixes a block and the head
+    parts["hyper_connections"] = hyper.param_count(m.hc_mult, m.d_model, m.num_layers)
   return parts
 
 

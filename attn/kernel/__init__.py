@@ -9,7 +9,8 @@ softcap, and attn.kernel.probability the probability functions besides softmax.
 
 The package: call (the checked arguments), impls (the table of
 implementations and "auto"'s order), dense (the einsum kernel), blocked and
-plan (the blocked kernel), xla (jax.nn.dot_product_attention), splash (Pallas's
+plan (the blocked kernel), compressed (blocks of keys pooled into entries beside the tokens:
+DeepSeek-V4's compressed attention, einsum or blocked), xla (jax.nn.dot_product_attention), splash (Pallas's
 TPU splash attention), tokamax_kernel (tokamax's GPU kernels), products (the
 matmul backend: XLA's or oneDNN's), onednn, masks, probability.
 """

@@ -53,8 +53,9 @@ from jax import lax
 from attn.kernel import probability as prob
 from attn.kernel.products import XLA, Products
 from attn.kernel.plan import (BLOCK_K, BLOCK_Q, SLAB_MAX, SLAB_Q, Plan, block_sizes, block_steps,
-                                key_block_ranges, key_blocks_for, plan_for, query_block_ranges,
-                                query_blocks_for, slab_start, work_fraction)
+                                comp_blocks_for, comp_query_blocks_for, key_block_ranges,
+                                key_blocks_for, plan_for, query_block_ranges, query_blocks_for,
+                                slab_start, work_fraction)
 
 Array = jax.Array
 
@@ -118,6 +119,28 @@ def _keep(plan: Plan, t0, s0, width: int, limit_B: Array, mask5, R: int, keys_fi
   return keep
 
 
+def _keep_comp(plan: Plan, t0, n0, width: int, limit_B: Array, cmask5, R: int, keys_first: bool):
+  """Which of compressed entries [n0, n0+width) queries [t0, t0+bq) may see: entry n pools tokens
+  before (n + 1)·cm, so it needs them all within the kv length and (causal) before the query."""
+  n_pos = n0 + jnp.arange(width)
+  end = (n_pos + 1) * plan.cm  # one past the last token entry n pools
+  keep_Bn = (n_pos[None, :] < plan.N) & (end[None, :] <= limit_B[:, None])
+  keep = keep_Bn[:, None, :, None] if keys_first else keep_Bn[:, None, None, :]
+  if plan.is_causal:
+    p = t0 + jnp.tile(jnp.arange(plan.bq), R) + plan.S - plan.T + 1
+    keep = keep & ((p[None, :] >= end[:, None]) if keys_first else (p[:, None] >= end[None, :]))
+  if cmask5 is not None:
+    m = cmask5
+    if m.shape[3] > 1:
+      m = lax.dynamic_slice_in_dim(m, t0, plan.bq, axis=3)
+    if m.shape[4] > 1:
+      m = lax.dynamic_slice_in_dim(m, n0, width, axis=4)
+    Bm, Gm, _, tm, sm = m.shape
+    m = jnp.broadcast_to(m, (Bm, Gm, R, plan.bq, sm)).reshape(Bm, Gm, R * plan.bq, sm)
+    keep = keep & (m.transpose(0, 1, 3, 2) if keys_first else m)
+  return keep
+
+
 def _dot(plan: Plan, spec: str, a: Array, b: Array) -> Array:
   """A block matmul in float32: batch letters first, then "MK,KN->MN" or "MK,NK->MN"."""
   # Half-precision blocks are upcast first: XLA's CPU matmul lacks a bf16 x bf16
@@ -167,10 +190,11 @@ def store_rows(plan: Plan, i, R: int, carry, state):
   return out_BTHV, lse_BTH
 
 
-def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
+def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, comp=None):
   """Output (B,Tp,H,V) and row log-sum-exp (B,Tp,H) in float32 (0 for fully masked rows).
 
-  With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink. With
+  comp: None, or (ck (B,Np,G,K), cv (B,Np,G,V), cmask5): compressed keys and values each query
+  block also sees (_keep_comp), after its token keys, in the same online softmax. With sinks the log-sum-exp includes the sink, and a fully masked row's is the sink. With
   sigmoid or relu (n_BTH the rows' visible keys), the log-sum-exp is all zeros, unused.
   """
   if plan.probability != "softmax":
@@ -203,6 +227,17 @@ def _forward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
     else:
       m, l, acc = lax.fori_loop(*key_blocks_for(plan, i, key_end),
                                 lambda j, st: key_step(j * plan.bk, plan.bk, st), init)
+    if comp is not None:
+      ck_BNGK, cv_BNGV, cmask5 = comp
+
+      def comp_step(j, state):
+        n0 = j * plan.bc
+        s = _dot(plan, "BGMK,BGsK->BGMs", q_BGMK, _keys(ck_BNGK, n0, plan.bc))
+        s, _ = _logits(plan, s, _keep_comp(plan, i * plan.bq, n0, plan.bc, limit_B, cmask5, R,
+                                           keys_first=False))
+        return online_step(plan, state, s, _keys(cv_BNGV, n0, plan.bc))
+
+      m, l, acc = lax.fori_loop(*comp_blocks_for(plan, i, key_end), comp_step, (m, l, acc))
     return store_rows(plan, i, R, (out_BTHV, lse_BTH), (m, l, acc))
 
   init = (jnp.zeros((B, Tp, H, V), q_BTHK.dtype), jnp.zeros((B, Tp, H), jnp.float32))
@@ -267,7 +302,7 @@ def _query_rows(plan: Plan, t0, G: int, q_BTHK, do_BTHV, lse_BTH, delta_BTH, n_B
 
 
 def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV,
-              lse_BTH, do_BTHV):
+              lse_BTH, do_BTHV, comp=None):
   """dq, dk, dv, dsinks, recomputing each block's probabilities from lse (FlashAttention-2, Alg. 2).
 
   Blocks are key-major, (B,G,s,M): then dV = Pᵀ·dO, dK = dSᵀ·Q and dQᵀ = Kᵀ·dSᵀ
@@ -309,8 +344,9 @@ def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH
     init = (jnp.zeros((B, Tp, H, K), jnp.float32), jnp.zeros(k_BSGK.shape, jnp.float32),
             jnp.zeros(v_BSGV.shape, jnp.float32))
     dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nq, slab_block, init)
+    dq_BTHK, dcomp = _comp_backward(plan, comp, rows, limit_B, R, dtype, dq_BTHK)
     return (dq_BTHK.astype(dtype), (dk_BSGK * plan.scale).astype(k_BSGK.dtype),
-            dv_BSGV.astype(v_BSGV.dtype), dsinks_H)
+            dv_BSGV.astype(v_BSGV.dtype), dsinks_H, dcomp)
 
   nk_seen = (jnp.max(limit_B) + plan.bk - 1) // plan.bk  # key blocks before every length ends
 
@@ -343,22 +379,59 @@ def _backward(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH
 
   init = (jnp.zeros((B, Tp, H, K), jnp.float32), k_BSGK, v_BSGV)
   dq_BTHK, dk_BSGK, dv_BSGV = lax.fori_loop(0, plan.nk, key_block, init)
-  return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV, dsinks_H
+  dq_BTHK, dcomp = _comp_backward(plan, comp, rows, limit_B, R, dtype, dq_BTHK)
+  return dq_BTHK.astype(dtype), dk_BSGK, dv_BSGV, dsinks_H, dcomp
+
+
+def _comp_backward(plan: Plan, comp, rows, limit_B, R: int, dtype, dq_BTHK):
+  """dq (float32) with the compressed keys' share added, and (dck, dcv), key-major as the token loop."""
+  if comp is None:
+    return dq_BTHK, None
+  ck_BNGK, cv_BNGV, cmask5 = comp
+
+  def comp_block(j, carry):
+    dq_BTHK, dck_BNGK, dcv_BNGV = carry
+    n0 = j * plan.bc
+    k_BGsK, v_BGsV = _keys(ck_BNGK, n0, plan.bc), _keys(cv_BNGV, n0, plan.bc)
+
+    def query_block(i, state):
+      dq_BTHK, dk_BGsK, dv_BGsV = state
+      t0 = i * plan.bq
+      keep = _keep_comp(plan, t0, n0, plan.bc, limit_B, cmask5, R, keys_first=True)
+      dk, dv, dq_BtHK = _block_grads(plan, *rows(t0), k_BGsK, v_BGsV, keep, R, dtype)
+      dq_old = lax.dynamic_slice_in_dim(dq_BTHK, t0, plan.bq, axis=1)
+      dq_BTHK = lax.dynamic_update_slice_in_dim(dq_BTHK, dq_old + dq_BtHK, t0, axis=1)
+      return dq_BTHK, dk_BGsK + dk, dv_BGsV + dv
+
+    B, G = k_BGsK.shape[:2]
+    init = (dq_BTHK, jnp.zeros((B, G, plan.bc, k_BGsK.shape[3]), jnp.float32),
+            jnp.zeros((B, G, plan.bc, v_BGsV.shape[3]), jnp.float32))
+    dq_BTHK, dk_BGsK, dv_BGsV = lax.fori_loop(*comp_query_blocks_for(plan, j), query_block, init)
+    dck_BNGK = lax.dynamic_update_slice_in_dim(
+        dck_BNGK, (dk_BGsK * plan.scale).transpose(0, 2, 1, 3).astype(dck_BNGK.dtype), n0, axis=1)
+    dcv_BNGV = lax.dynamic_update_slice_in_dim(
+        dcv_BNGV, dv_BGsV.transpose(0, 2, 1, 3).astype(dcv_BNGV.dtype), n0, axis=1)
+    return dq_BTHK, dck_BNGK, dcv_BNGV
+
+  init = (dq_BTHK.astype(jnp.float32), jnp.zeros_like(ck_BNGK), jnp.zeros_like(cv_BNGV))
+  dq_BTHK, dck_BNGK, dcv_BNGV = lax.fori_loop(0, plan.nc, comp_block, init)
+  return dq_BTHK, (dck_BNGK, dcv_BNGV, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
-  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)[0]
+def _core(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, comp):
+  return _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, comp)[0]
 
 
-def _core_fwd(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH):
-  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH)
-  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV, lse_BTH)
+def _core_fwd(plan: Plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, comp):
+  out_BTHV, lse_BTH = _forward(plan, q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, comp)
+  return out_BTHV, (q_BTHK, k_BSGK, v_BSGV, limit_B, mask5, sinks_H, n_BTH, out_BTHV, lse_BTH, comp)
 
 
 def _core_bwd(plan: Plan, res, do_BTHV):
-  dq, dk, dv, dsinks = _backward(plan, *res, do_BTHV)
-  return dq, dk, dv, None, None, dsinks, None
+  *res, comp = res
+  dq, dk, dv, dsinks, dcomp = _backward(plan, *res, do_BTHV, comp=comp)
+  return dq, dk, dv, None, None, dsinks, None, dcomp
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -383,14 +456,29 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
               is_causal: bool = False, kv_lengths: Array | None = None, scale: float,
               block_q: int | None = None, block_k: int | None = None, window: int | None = None,
               sinks: Array | None = None, softcap: float | None = None,
-              probability: str = "softmax", products: Products = XLA) -> Array:
+              probability: str = "softmax", products: Products = XLA,
+              compressed: tuple | None = None) -> Array:
   """softmax(cap(scale · q kᵀ), masked, sinks) v over blocks (or sigmoid, relu: attn.kernel.probability);
-  inputs checked by kernel.attention; the block matmuls on products (attn.kernel.products)."""
+  inputs checked by kernel.attention; the block matmuls on products (attn.kernel.products).
+
+  compressed: None, or (ck (B,N,G,K), cv (B,N,G,V), m, cmask): N compressed keys and values (entry
+  n pooling the tokens before (n + 1)·m, attn.kernel.compressed) that every query also sees in the
+  same softmax where all those tokens are visible (causal, kv_lengths) and cmask (None or
+  broadcastable to (B,H,T,N)) allows; the window and mask act on the token keys only. Softmax only.
+  """
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   plan = plan_for(T, S, block_q, block_k, is_causal=is_causal, window=window, scale=scale,
                   softcap=softcap, has_lengths=kv_lengths is not None, probability=probability)
   plan = dataclasses.replace(plan, products=products)
+  comp = None
+  if compressed is not None and compressed[0].shape[1] > 0:
+    ck_BNGK, cv_BNGV, m, cmask = compressed
+    N = ck_BNGK.shape[1]
+    bc = block_sizes(T, N, None, block_k)[1]
+    plan = dataclasses.replace(plan, cm=int(m), N=N, bc=bc, key_limit=True)
+    Np = plan.nc * bc
+    comp = (_pad(ck_BNGK, 1, Np), _pad(cv_BNGV, 1, Np), _mask5(cmask, H, G, plan.nq * plan.bq, Np))
   Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
   limit_B = jnp.full((B,), S, jnp.int32)
   if kv_lengths is not None:
@@ -401,7 +489,7 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, mask: Array | None = 
     n_BTH = jnp.broadcast_to(n_BHT.transpose(0, 2, 1), (B, T, H))
     n_BTH = _pad(jnp.maximum(n_BTH, 1).astype(jnp.float32), 1, Tp).at[:, T:].set(1.0)
   out_BTHV = _core(plan, _pad(q_BTHK, 1, Tp), _pad(k_BSGK, 1, Sp), _pad(v_BSGV, 1, Sp),
-                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks, n_BTH)
+                   limit_B, _mask5(mask, H, G, Tp, Sp), sinks, n_BTH, comp)
   return out_BTHV[:, :T]
 
 

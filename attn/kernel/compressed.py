@@ -1,161 +1,130 @@
-"""Native Sparse Attention's compressed branch and block choice as pure functions (Yuan et al. 2025,
-"Native Sparse Attention: Hardware-Aligned and Natively Trainable Sparse Attention").
+"""Compressed keys and values (DeepSeek-V4): blocks of m tokens pooled into one entry, attended
+beside the tokens.
 
-Positions as in attn.kernel.select: query t sits at p_t = t + S - T under is_causal;
-without it (a decoding step's dense mask) p_t is the last key the query sees. Key
-s is visible under is_causal (s <= p_t), kv_lengths and any dense mask.
+pool: entry n is Σ_j softmax_j(z_j + b_j) ⊙ c_j over the m tokens of block n (tokens
+[n·m, (n+1)·m)), the softmax per feature over the block's slots, in float32, b (P, m, G, X) a
+learned bias per slot. With two series (P = 2, V4's CSA overlap) entry n pools 2m slots:
+series 0 of block n − 1 and series 1 of block n (block −1's slots weigh 0). Only complete
+blocks are pooled: N = S // m entries.
 
-Compression. Keys and values are cut into blocks of `block` starting every
-`stride` keys (stride <= block: blocks overlap or touch), N_c = floor((S - block)
-/ stride) + 1 of them (none while S < block). Block i is pooled by learned
-weights over its intra-block positions j: k~_i = sum_j a_j k_{i*stride + j},
-v~_i = sum_j b_j v_{i*stride + j} (`compress`). A query uses compressed block i
-only when every key of it is visible (under is_causal: the block has ended,
-i*stride + block - 1 <= p_t), so no query reads a key it could not see.
-
-Block choice. Selection blocks of `select_block` keys (the last may be short).
-A query's compressed-branch probabilities p_i (per head, summed over the heads
-of a kv group: one choice per group, as the paper's GQA rule) score selection
-block j by sum_i p_i * |[i*stride, i*stride + block) ∩ [j*sb, (j+1)*sb)|: each
-compressed block spreads its probability over the keys it pooled, and a
-selection block collects its keys' share. The paper's formula (its eq. 9) is this
-rule when stride divides both block sizes; the overlap form needs no divisibility.
-Candidates are the blocks where the query sees a key; always kept: its own
-block (the last candidate, +inf), the initial block and the block before its own
-(LOCAL = 2 local blocks with its own; a large finite score). The top `count`
-candidates are kept (ties: lower index, lax.top_k's order); with fewer candidates
-than `count`, all of them. Everything on the choice runs under stop_gradient.
+attention: one softmax over a query's visible tokens and compressed entries (and sinks). Entry n
+pools tokens before (n + 1)·m, so it is visible where all of them are: causal (it has ended:
+(n + 1)·m − 1 <= the query's position), within kv_lengths, and, under a dense mask, where the
+mask shows every token it pools. The window acts on the tokens only: V4's layers see the last w
+tokens and every ended block. impl "einsum" builds the (B,H,T,S+N) logits (weights out; the
+definition); "blocked" runs attn.kernel.blocked with the entries as a second run of key blocks
+in the same online softmax (no T×S array: a query block visits its window's token blocks and the
+compressed blocks that have ended); "auto" picks blocked from T·(S+N) >= BLOCKED_MIN_SCORES
+without weights out.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
-from attn.kernel.select import NEG, num_blocks
+from attn import kernel as _kernel
+from attn.config import invalid
+from attn.kernel import blocked, masks
+from attn.kernel.dense import structured_mask
+from attn.kernel.impls import is_long
 
 Array = jax.Array
 
-LOCAL = 2  # local blocks always kept: the query's own and the one before it (with the initial block)
-FORCED = 1e30  # score of an always-kept block below the own block's +inf; above any real score
+IMPLS = ("auto", "einsum", "blocked")
 
 
-def num_compressed(S: int, block: int, stride: int) -> int:
-  """Compressed blocks among S keys: floor((S - block) / stride) + 1, or 0 while S < block."""
-  return 0 if S < block else (S - block) // stride + 1
+def pool(c_BSPGX: Array, z_BSPGX: Array, bias_PmGX: Array, m: int) -> Array:
+  """(B, S // m, G, X): each complete block's entry (module docstring), in c's dtype."""
+  B, S, P, G, X = c_BSPGX.shape
+  N = S // m
+  c = c_BSPGX[:, :N * m].reshape(B, N, m, P, G, X)
+  z = z_BSPGX[:, :N * m].reshape(B, N, m, P, G, X).astype(jnp.float32)
+  z = z + jnp.moveaxis(bias_PmGX, 0, 1).astype(jnp.float32)  # (m, P, G, X) per slot
+  if P == 2:  # slots: series 0 of the previous block, then series 1 of this one
+    prev_c = jnp.pad(c[:, :-1, :, 0], ((0, 0), (1, 0), (0, 0), (0, 0), (0, 0)))
+    prev_z = jnp.pad(z[:, :-1, :, 0], ((0, 0), (1, 0), (0, 0), (0, 0), (0, 0)),
+                     constant_values=-jnp.inf)
+    c = jnp.concatenate([prev_c, c[:, :, :, 1]], axis=2)
+    z = jnp.concatenate([prev_z, z[:, :, :, 1]], axis=2)
+  else:
+    c, z = c[:, :, :, 0], z[:, :, :, 0]
+  w = jax.nn.softmax(z, axis=2)
+  return jnp.einsum("BNjGX,BNjGX->BNGX", w, c.astype(jnp.float32)).astype(c_BSPGX.dtype)
 
 
-def compress(x_BSGX: Array, w_L: Array, *, block: int, stride: int) -> Array:
-  """(B, N_c, G, X) float32: sum_j w_j · x_{i·stride + j} over each block's intra-block positions j."""
-  B, S, G, X = x_BSGX.shape
-  N = num_compressed(S, block, stride)
-  if N == 0:
-    return jnp.zeros((B, 0, G, X), jnp.float32)
-  x = x_BSGX.astype(jnp.float32)
-  w = w_L.astype(jnp.float32)
-  out = jnp.zeros((B, N, G, X), jnp.float32)
-  for j in range(block):  # strided slices: no (N_c, block) gather of the keys
-    out = out + w[j] * lax.slice_in_dim(x, j, j + (N - 1) * stride + 1, stride=stride, axis=1)
+def entry_mask(mask: Array | None, S: int, m: int, span: int) -> Array | None:
+  """A token mask broadcastable to (B,H,T,S) as one over the S // m entries: True where it shows
+  every token an entry pools (the span tokens before its end)."""
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  N = S // m
+  if mask.shape[3] == 1:
+    return mask
+  blocks = mask[..., :N * m].reshape(*mask.shape[:3], N, m).all(-1)
+  if span > m:  # the previous block too (none before block 0)
+    prev = jnp.pad(blocks[..., :-1], ((0, 0),) * 3 + ((1, 0),), constant_values=True)
+    blocks = blocks & prev
+  return blocks
+
+
+def structured_entries(T: int, S: int, N: int, m: int, is_causal: bool,
+                       kv_lengths: Array | None) -> Array | None:
+  """(B|1, 1, T|1, N): the entries causality (bottom-right aligned) and kv_lengths leave visible."""
+  end = (jnp.arange(N) + 1) * m
+  out = None
+  if is_causal:
+    out = (end[None, :] <= (jnp.arange(T) + S - T + 1)[:, None])[None, None]
+  if kv_lengths is not None:
+    out = masks.combine_masks(out, (end[None, :] <= jnp.asarray(kv_lengths)[:, None])[:, None, None])
   return out
 
 
-def overlaps(S: int, block: int, stride: int, select_block: int) -> tuple[np.ndarray, np.ndarray]:
-  """The band of compressed blocks each selection block shares keys with: (idx (W, N_s) int32,
-  keys (W, N_s) float32), keys[r, j] shared by compressed block idx[r, j] and selection block j
-  (0 where none). W = ceil((select_block + block) / stride) + 1 bounds the band: a dense (N_c, N_s)
-  product would cost 2·T·G·N_c·N_s, at T = 16384 more than the attention it prunes."""
-  N, Ns = num_compressed(S, block, stride), num_blocks(S, select_block)
-  W = -(-(select_block + block) // stride) + 1
-  j = np.arange(Ns)[None, :]
-  first = np.maximum((j * select_block - block) // stride, 0)  # no earlier block reaches block j
-  idx = first + np.arange(W)[:, None]
-  start = idx * stride
-  shared = np.minimum(start + block, (j + 1) * select_block) - np.maximum(start, j * select_block)
-  keys = np.where(idx < N, np.maximum(shared, 0), 0).astype(np.float32)
-  return np.minimum(idx, max(N - 1, 0)).astype(np.int32), keys
+def check(m, impl: str) -> None:
+  if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+    raise invalid("compress_block", m, "a positive integer: the tokens each compressed entry pools")
+  if impl not in IMPLS:
+    raise invalid("impl", impl, f"one of {IMPLS} with compressed keys")
 
 
-def query_positions(t_c: Array, T: int, S: int, is_causal: bool, vis_BHcS: Array | None) -> Array:
-  """(B|1, H|1, c) p_t: t + S - T under is_causal; else the last key the row sees (-1: none)."""
-  if is_causal or vis_BHcS is None:
-    p = t_c + (S - T) if is_causal else jnp.full(t_c.shape, S - 1)
-    return p[None, None]
-  return jnp.max(jnp.where(vis_BHcS, jnp.arange(S), -1), axis=-1)
+def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, ck_BNGK: Array, cv_BNGV: Array, *,
+              m: int, span: int | None = None, mask: Array | None = None,
+              entry_mask_: Array | None = None, is_causal: bool = False,
+              kv_lengths: Array | None = None, scale: float, window: int | None = None,
+              sinks: Array | None = None, softcap: float | None = None,
+              return_weights: bool = False, impl: str = "auto", block_q: int | None = None,
+              block_k: int | None = None):
+  """softmax over [tokens | compressed entries] (module docstring): (B,T,H,V), and with
+  return_weights the weights (B,H,T,S+N) in float32.
 
-
-def compressed_visible(t_c: Array, *, T: int, S: int, block: int, stride: int, is_causal: bool,
-                       limit_B: Array, vis_BHcS: Array | None) -> Array:
-  """(B, H|1, c, N_c) bool: compressed block i usable by query t (every key of it visible)."""
-  N = num_compressed(S, block, stride)
-  if vis_BHcS is not None:
-    ok = jnp.ones((*vis_BHcS.shape[:3], N), bool)
-    for j in range(block if N else 0):
-      ok = ok & lax.slice_in_dim(vis_BHcS, j, j + (N - 1) * stride + 1, stride=stride, axis=3)
-    return ok
-  end = jnp.arange(N) * stride + block - 1
-  ok = (end[None, :] < limit_B[:, None])[:, None, None, :]
-  if is_causal:
-    ok = ok & (end[None, :] <= (t_c + S - T)[:, None])[None, None]
-  return jnp.broadcast_to(ok, (limit_B.shape[0], 1, t_c.shape[0], N))
-
-
-def selection_visible(t_c: Array, *, T: int, S: int, select_block: int, is_causal: bool,
-                      limit_B: Array, vis_BHcS: Array | None) -> Array:
-  """(B, H|1, c, N_s) bool: selection blocks in which query t sees at least one key."""
-  Ns = num_blocks(S, select_block)
-  if vis_BHcS is not None:
-    v = jnp.pad(vis_BHcS, ((0, 0),) * 3 + ((0, Ns * select_block - S),))
-    return v.reshape(*v.shape[:3], Ns, select_block).any(-1)
-  start = jnp.arange(Ns) * select_block
-  ok = (start[None, :] < limit_B[:, None])[:, None, None, :]
-  if is_causal:
-    ok = ok & (start[None, :] <= (t_c + S - T)[:, None])[None, None]
-  return jnp.broadcast_to(ok, (limit_B.shape[0], 1, t_c.shape[0], Ns))
-
-
-def choose_blocks(scores_BGcN: Array, cand_BGcN: Array, count: int) -> tuple[Array, Array]:
-  """(idx (B,G,c,k) int32, chosen (B,G,c,k) bool), k = min(count, N_s): the own block (the last
-  candidate), the initial block and the block before the own always; then the best scores."""
-  Ns = scores_BGcN.shape[-1]
-  n = jnp.arange(Ns)
-  own = jnp.max(jnp.where(cand_BGcN, n, -1), axis=-1, keepdims=True)
-  s = jnp.where(cand_BGcN, scores_BGcN, NEG)
-  s = jnp.where(cand_BGcN & ((n == 0) | (n > own - LOCAL)), FORCED, s)
-  s = jnp.where(n == own, jnp.inf, s)
-  vals, idx = lax.top_k(s, min(count, Ns))
-  return idx.astype(jnp.int32), vals > NEG
-
-
-def _cap(logits, softcap):
-  return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
-
-
-def branch(q_BcHK: Array, kc_BNGK: Array, vc_BNGV: Array, cvis_BHcN: Array, svis_BHcN: Array, *,
-           groups: int, band: tuple, count: int, scale: float, softcap: float | None):
-  """One chunk of queries: the compressed branch's output (B,c,H,V) in float32 and the chosen
-  selection blocks per kv group (idx, chosen: (B,groups,c,k)). Rows seeing no compressed block get 0."""
-  B, c, H, K = q_BcHK.shape
-  Gk, V = kc_BNGK.shape[2], vc_BNGV.shape[3]
-  idx_WM, keys_WM = band
-  N, Ns = kc_BNGK.shape[1], keys_WM.shape[1]
-  if N == 0:
-    o = jnp.zeros((B, c, H, V), jnp.float32)
-    scores = jnp.zeros((B, groups, c, Ns), jnp.float32)
-  else:
-    q = q_BcHK.astype(jnp.float32).reshape(B, c, Gk, H // Gk, K)
-    logits = jnp.einsum("BTGRK,BNGK->BGRTN", q, kc_BNGK).reshape(B, H, c, N) * scale
-    logits = jnp.where(cvis_BHcN, _cap(logits, softcap), NEG)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(m == NEG, 0.0, m))
-    z = e.sum(-1, keepdims=True)
-    p = e / jnp.where(z > 0, z, 1.0)  # 0 on a row that sees no compressed block
-    o = jnp.einsum("BGRTN,BNGV->BTGRV", p.reshape(B, Gk, H // Gk, c, N), vc_BNGV).reshape(B, c, H, V)
-    ps = lax.stop_gradient(p).reshape(B, groups, H // groups, c, N).sum(2)
-    scores = jnp.einsum("BGTWM,WM->BGTM", ps[..., idx_WM], keys_WM)  # the band only
-  cand = svis_BHcN
-  if cand.shape[1] not in (1, groups):  # a per-head dense mask: a group's block where any head sees
-    cand = cand.reshape(B, groups, H // groups, c, Ns).any(2)
-  idx, chosen = choose_blocks(scores, jnp.broadcast_to(cand, scores.shape), count)
-  return o, idx, chosen
+  span: the tokens an entry pools (m, or 2m with two series; default m), for reading a dense
+  mask; entry_mask_: the mask over the entries (B,H,T,N)-broadcastable, in its place (decoding,
+  whose token slots are no positions).
+  """
+  check(m, impl)
+  T, S, N = q_BTHK.shape[1], k_BSGK.shape[1], ck_BNGK.shape[1]
+  cmask = entry_mask(mask, S, m, span or m) if entry_mask_ is None else entry_mask_
+  if impl == "auto":
+    impl = "blocked" if is_long(T, S + N) and not return_weights else "einsum"
+  if impl == "blocked":
+    if return_weights:
+      raise invalid("return_weights", True, 'False with impl="blocked": the weights are the '
+                    "(B,H,T,S+N) array it avoids")
+    return blocked.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
+                             kv_lengths=kv_lengths, scale=scale, window=window, sinks=sinks,
+                             softcap=softcap, block_q=block_q, block_k=block_k,
+                             compressed=(ck_BNGK, cv_BNGV, m, cmask))
+  tokens = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths, window))
+  entries = masks.combine_masks(cmask, structured_entries(T, S, N, m, is_causal, kv_lengths))
+  B, H = q_BTHK.shape[0], q_BTHK.shape[2]
+  full = jnp.concatenate([jnp.broadcast_to(True if tokens is None else tokens, (B, H, T, S)),
+                          jnp.broadcast_to(True if entries is None else entries, (B, H, T, N))],
+                         axis=-1)
+  G = max(k_BSGK.shape[2], ck_BNGK.shape[2])
+  grow = lambda a: jnp.broadcast_to(a, (*a.shape[:2], G, a.shape[3]))
+  k = jnp.concatenate([grow(k_BSGK), grow(ck_BNGK).astype(k_BSGK.dtype)], axis=1)
+  v = jnp.concatenate([grow(v_BSGV), grow(cv_BNGV).astype(v_BSGV.dtype)], axis=1)
+  return _kernel.attention(q_BTHK, k, v, full, scale=scale, sinks=sinks, softcap=softcap,
+                          return_weights=return_weights, impl="einsum")

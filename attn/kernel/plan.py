@@ -58,6 +58,13 @@ class Plan:
   slab: int = 0  # > 0: each query block sees this many keys from slab_start, in one step
   probability: str = "softmax"
   products: Products = XLA  # the block matmuls: XLA's dots or oneDNN's (attn.kernel.products)
+  cm: int = 0  # > 0: compressed keys follow, entry n pooling the tokens before (n + 1)·cm
+  N: int = 0  # compressed entries (unpadded)
+  bc: int = 0  # compressed entries a block
+
+  @property
+  def nc(self) -> int:
+    return -(-self.N // self.bc) if self.cm else 0
 
   @property
   def nq(self) -> int:
@@ -101,6 +108,25 @@ def query_blocks_for(plan: Plan, j):
     lo = jnp.maximum(lo, jnp.clip((s0 - plan.window + 1 - shift) // plan.bq, 0, plan.nq))
     hi = jnp.clip((s1 + plan.window - 1 - shift) // plan.bq + 1, 0, plan.nq)
   return lo, jnp.maximum(lo, hi)
+
+
+def comp_blocks_for(plan: Plan, i, key_end):
+  """Compressed blocks [0, hi) that query block i may see: entries ending by its last query (causal)
+  and by the longest kv length."""
+  p1 = jnp.minimum((i + 1) * plan.bq, plan.T) - 1 + plan.S - plan.T
+  n_hi = jnp.minimum(key_end // plan.cm, plan.N)
+  if plan.is_causal:  # entry n ends at (n + 1)·cm - 1 <= p
+    n_hi = jnp.minimum(n_hi, jnp.maximum((p1 + 1) // plan.cm, 0))
+  return 0, (n_hi + plan.bc - 1) // plan.bc
+
+
+def comp_query_blocks_for(plan: Plan, j):
+  """Query blocks [lo, nq) that may see compressed block j (causal: from the first query its first
+  entry has ended for)."""
+  if not plan.is_causal:
+    return 0, plan.nq
+  t = (j * plan.bc + 1) * plan.cm - 1 - (plan.S - plan.T)
+  return jnp.clip(t // plan.bq, 0, plan.nq), plan.nq
 
 
 def plan_for(T: int, S: int, block_q: int | None, block_k: int | None, *, is_causal: bool,
@@ -157,5 +183,5 @@ def work_fraction(T: int, S: int, *, is_causal: bool, window: int | None = None,
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "SLAB_MAX", "SLAB_Q", "Plan", "block_sizes", "block_steps",
-           "key_block_ranges", "key_blocks_for", "plan_for", "query_block_ranges", "query_blocks_for",
+           "comp_blocks_for", "comp_query_blocks_for", "key_block_ranges", "key_blocks_for", "plan_for", "query_block_ranges", "query_blocks_for",
            "slab_start", "work_fraction"]

@@ -111,6 +111,9 @@ class ModelConfig:
   layer_scalar: bool = False  # each block's output times a stored scalar (a buffer, not trained)
   double_wide_mlp: bool = False  # layers reading another's keys and values (kv_source) have MLPs 2·d_ff wide
   impl: str = "auto"  # every attention layer's core (attn.kernel.IMPLS); "auto" picks per call
+  hc_mult: int = 1  # residual streams (attn.nn.hyper: DeepSeek-V4's hyper-connections); 1: plain residual
+  hc_sinkhorn_iters: int = 20  # with hc_mult > 1: Sinkhorn-Knopp passes on each mix
+  hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
@@ -167,6 +170,21 @@ class ModelConfig:
     if self.double_wide_mlp and self.kv_source is None:
       raise invalid("double_wide_mlp", True, "False without kv_source: it widens the MLPs of the layers "
                     "reading another layer's keys and values, and there are none")
+    self._check_hyper()
+
+  def _check_hyper(self) -> None:
+    _check_int("hc_mult", self.hc_mult, minimum=1)
+    _check_int("hc_sinkhorn_iters", self.hc_sinkhorn_iters, minimum=1)
+    eps = self.hc_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+      raise invalid("hc_eps", eps, "a positive finite number (the hyper-connections' floor)")
+    if self.hc_mult > 1 and self.norm != "pre":
+      raise invalid("norm", self.norm, f'"pre" with hc_mult={self.hc_mult}: the hyper-connections '
+                    "mix the streams around pre-normed sublayers (DeepSeek-V4's layout)")
+    if self.hc_mult > 1 and (self.per_layer_dim or self.layer_scalar):
+      raise invalid("hc_mult", self.hc_mult, "1 with per_layer_dim or layer_scalar (Gemma 4's per-layer "
+                    "inputs and block scalars act on one residual stream; no model combines them with "
+                    "hyper-connections)")
 
   @property
   def head(self) -> HeadConfig:

@@ -92,7 +92,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, check_ids, invalid
-from attn.nn import decoding, kv_sharing, layer_types, moe
+from attn.nn import decoding, hyper, kv_sharing, layer_types, moe
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.config import ModelConfig
 
@@ -318,8 +318,14 @@ class TransformerBlock(nnx.Module):
     self.per_layer_out = linear(cfg, P, cfg.d_model, rngs, False) if P else None
     self.per_layer_norm = layer_norm(cfg, rngs, bool(P))
     self.scalar = moe.Buffer(jnp.ones((1,), cfg.weight_dtype)) if cfg.layer_scalar else None
+    n = cfg.hc_mult  # hyper-connections (attn.nn.hyper): one around each sublayer
+    hc = lambda on: hyper.HyperConnection(n, cfg.d_model, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                                          norm_eps=cfg.norm_eps, rngs=rngs) if on and n > 1 else None
+    self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
 
-  def _residual(self, norm, f, x_BTD: Array, post=None) -> Array:
+  def _residual(self, norm, f, x_BTD: Array, post=None, hc=None) -> Array:
+    if hc is not None:  # x (B,T,n,D): n streams mixed around the sublayer (pre-norm only)
+      return hc(lambda h: _norm(post, f(_norm(norm, h))), x_BTD)
     # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x));
     # sandwich (Gemma 2): x + post(f(pre(x))); after (OLMo 2): x + post(f(x)).
     if self.post_norm:
@@ -351,13 +357,13 @@ class TransformerBlock(nnx.Module):
         seen.append(w_BHTS)
       return y
 
-    x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm)
+    x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
                                                 kv_lengths=context_kv_lengths), x_BTD,
-          self.cross_post_norm)
-    x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm)
+          self.cross_post_norm, self.cross_hc)
+    x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm, self.mlp_hc)
     if self.per_layer_gate is not None:
       g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
       x_BTD = x_BTD + _norm(self.per_layer_norm, self.per_layer_out(g_BTP))
@@ -421,6 +427,7 @@ class Encoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     _require(cfg, "Encoder", per_layer_dim=0)
+    _require(cfg, "Encoder (hyper-connections: DecoderLM only)", hc_mult=1)
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
@@ -542,6 +549,15 @@ class DecoderLM(nnx.Module):
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
+    self.hc_head = hyper.HyperHead(cfg.hc_mult, cfg.d_model, eps=cfg.hc_eps, norm_eps=cfg.norm_eps,
+                                   rngs=rngs) if cfg.hc_mult > 1 else None
+
+  def _streams(self, h_BTD: Array, run) -> Array:
+    """run(h) on the residual: one stream, or hc_mult streams expanded and collapsed (attn.nn.hyper)."""
+    if self.hc_head is None:
+      return run(h_BTD)
+    h_BTnD, weights = run(hyper.expand(h_BTD, self.cfg.hc_mult))
+    return self.hc_head(h_BTnD), weights
 
   def __call__(self, tokens_BT: Array, head_mask: Array | None = None,
                return_weights: bool = False, lengths_B: Array | None = None,
@@ -562,8 +578,8 @@ class DecoderLM(nnx.Module):
       check_lengths("lengths", lengths_B, B, T)
     h_BTD = self.embed(tokens_BT)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
-    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, per_layer, is_causal=True,
-                                kv_lengths=lengths_B)
+    h_BTD, weights = self._streams(h_BTD, lambda h: run_blocks(
+        self.blocks, h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B))
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
 
@@ -585,7 +601,7 @@ class DecoderLM(nnx.Module):
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     h_BTD = self.embed(tokens_BT, offset=index)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
-    h_BTD, _ = run_blocks(self.blocks, h_BTD, gates, False, per_layer, decode=True)
+    h_BTD, _ = self._streams(h_BTD, lambda h: run_blocks(self.blocks, h, gates, False, per_layer, decode=True))
     return self.head(_norm(self.final_norm, h_BTD))
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
@@ -602,7 +618,7 @@ class SequenceClassifier(nnx.Module):
   """Encoder + pooling ([CLS] vector or mean over real tokens) (+ pooler) + linear head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "SequenceClassifier", num_classes="> 0", num_decoder_layers=0, mlm_head=False)
+    _require(cfg, "SequenceClassifier", hc_mult=1, num_classes="> 0", num_decoder_layers=0, mlm_head=False)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)
     self.cls = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.d_model,)) \
@@ -638,7 +654,7 @@ class EncoderDecoder(nnx.Module):
   """Vaswani et al. 2017: an encoder, and decoder blocks of causal self-, cross-attention, MLP."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "EncoderDecoder", num_decoder_layers="> 0", pooler=False, num_segments=0, per_layer_dim=0,
+    _require(cfg, "EncoderDecoder", hc_mult=1, num_decoder_layers="> 0", pooler=False, num_segments=0, per_layer_dim=0,
              num_classes=0, mlm_head=False)
     self.cfg = cfg
     self.encoder = Encoder(cfg, rngs=rngs)

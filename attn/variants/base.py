@@ -49,6 +49,12 @@ continued from that state; `state_size(cfg)` is its numbers per sequence (indepe
 length), and its kv_cache_width is 0. Such a head computes causal self-attention only: its apply
 refuses context, mask, return_weights and is_causal=False (the kit checks it that way).
 
+A variant whose cache is no per-token array (compressed: a window ring, pooled entries and the
+open block) sets `init_cache(params, cfg, batch_size, max_len, dtype)` -> dict of (B, ...) arrays
+and `decode_cached(params, x_BTD, cache, index, *, cfg, head_mask)` -> (y_BTD, the cache after
+x's tokens at positions index..), equal to the causal apply; `kv_cache_elements(cfg, length)` is
+the numbers that cache holds for one sequence of `length` tokens (attn.count reads it).
+
 attn.analysis.circuits reads a variant through its exact converter to per_head.
 A variant without one sets `circuits(params, cfg)` -> the same dict of factors
 as attn.analysis.circuits' readers ({"qk": (a, b), "ov": (a, b), biases}),
@@ -161,6 +167,9 @@ class Variant:
   init_state: Callable[..., dict[str, Array]] | None = None
   step: Callable[..., tuple[Array, dict[str, Array]]] | None = None
   state_size: Callable[[HeadConfig], int] | None = None
+  init_cache: Callable[..., dict[str, Array]] | None = None  # a cache of its own (attn.variants.cache)
+  decode_cached: Callable[..., tuple[Array, dict[str, Array]]] | None = None
+  kv_cache_elements: Callable[[HeadConfig, int], int] | None = None  # its own cache's size at a length
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
   fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set

@@ -20,7 +20,8 @@ what each query sees, by position), then writes the new tokens over the
 oldest slots, so a step longer than the ring (a prompt) is exact too. The
 variant then runs with window=None: the mask already holds the window.
 
-A head with a fixed-size state (Variant.init_state and step; attn.variants.linear) has no
+A variant with its own cache (Variant.init_cache and decode_cached: compressed) is called
+through those. A head with a fixed-size state (Variant.init_state and step; attn.variants.linear) has no
 per-token cache: init gives its state, (B, ...) arrays whatever max_len, and decode_step runs
 `step` from it; the index only counts tokens (the model's bound on max_len).
 """
@@ -71,6 +72,8 @@ def init(variant: Variant, params: Params, cfg: HeadConfig, batch_size: int, max
   (a fixed-state head: its state before the first token)."""
   if variant.init_state is not None:
     return variant.init_state(cfg, batch_size, dtype)
+  if variant.init_cache is not None:
+    return variant.init_cache(params, cfg, batch_size, max_len, dtype)
   x_shape = jax.ShapeDtypeStruct((batch_size, 1, cfg.d_model), dtype)
   shapes = jax.eval_shape(lambda x: entries(variant, params, x, cfg=cfg,
                                             positions=jnp.zeros((1,), jnp.int32)), x_shape)
@@ -161,6 +164,8 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
   if variant.step is not None:
     return variant.step(params, x_BTD, cache, cfg=cfg, opts=Options(is_causal=True,
                                                                      head_mask=head_mask))
+  if variant.decode_cached is not None:
+    return variant.decode_cached(params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
   if cfg.window is not None:
     return _ring_step(variant, params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
   T = x_BTD.shape[1]

@@ -6,7 +6,7 @@ query token: o = g_cmp·o_cmp + g_slc·o_slc + g_win·o_win, g = sigmoid(x·W_g 
 x the layer's input at the query (the paper's gate MLP, one linear layer here).
 
   compressed  attention over the keys and values pooled over blocks of compress_block
-              every compress_stride keys (attn.kernel.compressed: a learned weighted
+              every compress_stride keys (attn.kernel.nsa: a learned weighted
               pooling over intra-block positions, k~ = Σ_j a_j k_j, v~ = Σ_j b_j v_j; the
               paper's φ is an MLP with an intra-block position encoding: the pooling is
               chosen linear so that it commutes with mla's latent absorption and the
@@ -14,7 +14,7 @@ x the layer's input at the query (the paper's gate MLP, one linear layer here).
               its keys are visible (it has ended).
   selected    attention over the select_count blocks of select_block keys its kv group's
               compressed probabilities rank highest, the initial block and the two local
-              blocks (its own and the one before) always among them (attn.kernel.compressed
+              blocks (its own and the one before) always among them (attn.kernel.nsa
               defines the choice; no gradient through it).
   window      attention over the last `window` keys up to the query.
 
@@ -40,7 +40,7 @@ from jax import lax
 
 from attn import kernel
 from attn.config import HeadConfig, invalid
-from attn.kernel import compressed as cmp
+from attn.kernel import nsa as cmp
 from attn.kernel import gathered, masks, select
 from attn.kernel.impls import BLOCKED_MIN_SCORES, is_long
 from attn.variants.mechanism import Mechanism
@@ -108,7 +108,7 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 def selector_flops(cfg: HeadConfig, T: int, S: int) -> int:
   """Gates 2·T·D·3H, pooling 2·N_c·l·G·(K + V), block scores 2·T·G·W·N_s over the band of W
-  compressed blocks a selection block overlaps (attn.kernel.compressed.overlaps); the compressed
+  compressed blocks a selection block overlaps (attn.kernel.nsa.overlaps); the compressed
   branch's own attention is the core's (keys), not counted here."""
   o = options(cfg)
   H, G, D, KV = cfg.num_heads, cfg.num_kv_heads, cfg.d_model, cfg.d_k + cfg.d_v

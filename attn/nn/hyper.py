@@ -1,0 +1,104 @@
+"""Hyper-connections (DeepSeek-V4's manifold-constrained mHC): n = ModelConfig.hc_mult residual
+streams in place of one.
+
+The residual is (B,T,n,D). Around each sublayer f (attention, MLP), one HyperConnection reads
+all n streams (flattened, RMS-normalised without a scale, in float32) through one learned map
+to (2 + n)·n numbers per token: pre (n), post (n) and comb (n×n), each times its own learned
+scale plus a learned base:
+
+  pre  = σ(·) + ε            the sublayer's input is Σ_i pre_i·x_i
+  post = 2·σ(·)              its output y goes to stream i as post_i·y
+  comb = Sinkhorn(softmax_rows(·) + ε)   x'_k = post_k·y + Σ_j comb_jk·x_j
+
+Sinkhorn-Knopp (hc_sinkhorn_iters passes, the first a column pass, then row and column)
+makes comb doubly stochastic, so the residual mix is non-expansive. The embedding enters
+every stream; a HyperHead (σ weights, no comb) collapses the n streams before the final
+norm. With hc_mult = 1 none of this exists: the model is the plain residual, bit for bit.
+Pre-norm only (V4's layout): the sublayer's norm acts on the collapsed input.
+
+Parameters per HyperConnection: (2 + n)·n·(n·D + 1) + 3; the head n·(n·D + 1) + 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+def _unit_rms(x, eps: float):
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def sinkhorn(comb_BTnn: Array, iters: int, eps: float) -> Array:
+  """V4's projection: a column pass, then iters − 1 row-and-column passes."""
+  comb = comb_BTnn / (comb_BTnn.sum(-2, keepdims=True) + eps)
+  for _ in range(iters - 1):
+    comb = comb / (comb.sum(-1, keepdims=True) + eps)
+    comb = comb / (comb.sum(-2, keepdims=True) + eps)
+  return comb
+
+
+class HyperConnection(nnx.Module):
+  """The mixing weights around one sublayer (module docstring)."""
+
+  def __init__(self, n: int, d_model: int, *, iters: int, eps: float, norm_eps: float,
+               rngs: nnx.Rngs, std: float = 0.02):
+    self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
+    width = (2 + n) * n
+    self.fn = nnx.Param(std * jax.random.normal(rngs.params(), (width, n * d_model), jnp.float32))
+    self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
+    self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+
+  def weights(self, x_BTnD: Array):
+    """(pre (B,T,n), post (B,T,n), comb (B,T,n,n)) in float32."""
+    n = self.n
+    flat = _unit_rms(x_BTnD.reshape(*x_BTnD.shape[:2], -1), self.norm_eps)
+    mix = flat @ self.fn[...].T
+    base, scale = self.base[...], self.scale[...]
+    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + self.eps
+    post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mix[..., 2 * n:] * scale[2] + base[2 * n:]
+    comb = jax.nn.softmax(comb.reshape(*comb.shape[:-1], n, n), axis=-1) + self.eps
+    return pre, post, sinkhorn(comb, self.iters, self.eps)
+
+  def __call__(self, f, x_BTnD: Array) -> Array:
+    """The streams after sublayer f (on the collapsed input): post·f(Σ pre·x) + combᵀ·x."""
+    pre, post, comb = self.weights(x_BTnD)
+    dtype = x_BTnD.dtype
+    collapsed = jnp.einsum("BTn,BTnD->BTD", pre, x_BTnD.astype(jnp.float32)).astype(dtype)
+    y_BTD = f(collapsed)
+    mixed = jnp.einsum("BTjk,BTjD->BTkD", comb.astype(dtype), x_BTnD)
+    return post.astype(dtype)[..., None] * y_BTD[:, :, None, :] + mixed
+
+
+class HyperHead(nnx.Module):
+  """The final collapse of the n streams to one: Σ_i (σ(·)_i + ε)·x_i."""
+
+  def __init__(self, n: int, d_model: int, *, eps: float, norm_eps: float, rngs: nnx.Rngs,
+               std: float = 0.02):
+    self.eps, self.norm_eps = eps, norm_eps
+    self.fn = nnx.Param(std * jax.random.normal(rngs.params(), (n, n * d_model), jnp.float32))
+    self.base = nnx.Param(jnp.zeros((n,), jnp.float32))
+    self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
+
+  def __call__(self, x_BTnD: Array) -> Array:
+    flat = _unit_rms(x_BTnD.reshape(*x_BTnD.shape[:2], -1), self.norm_eps)
+    pre = jax.nn.sigmoid(flat @ self.fn[...].T * self.scale[...] + self.base[...]) + self.eps
+    return jnp.einsum("BTn,BTnD->BTD", pre, x_BTnD.astype(jnp.float32)).astype(x_BTnD.dtype)
+
+
+def expand(h_BTD: Array, n: int) -> Array:
+  """The embedding in every one of n streams: (B,T,n,D)."""
+  return jnp.broadcast_to(h_BTD[:, :, None, :], (*h_BTD.shape[:2], n, h_BTD.shape[-1]))
+
+
+def param_count(n: int, d_model: int, layers: int, sublayers: int = 2) -> int:
+  """The hyper-connections' parameters in a model of `layers` blocks (0 at n = 1)."""
+  if n == 1:
+    return 0
+  per = (2 + n) * n * (n * d_model + 1) + 3
+  return layers * sublayers * per + n * (n * d_model + 1) + 1
