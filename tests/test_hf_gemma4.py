@@ -167,3 +167,28 @@ def test_to_hf_refuses_a_schedule_gemma4_cannot_hold():
   bad = cfg.replace(kv_source=(0, 1, 2, 3, 0, 1))  # allowed in attn, not Gemma 4's rule
   with pytest.raises(ConfigError, match=r"kv_source=\(0, 1, 2, 3, 0, 1\) is not allowed: \(0, 1, 2, 3, 2, 3\)"):
     hf.to_hf_state(nnx.eval_shape(lambda: DecoderLM(bad, rngs=nnx.Rngs(0))), bad, "gemma4_text")
+
+
+def test_count_hf_by_hand_from_config_json_alone(tmp_path, capsys):
+  """`attn count --hf` on KEQV's config.json (no transformers), against the closed form written here: the
+  sharing layers (4, 5) hold no k_proj, v_proj or k_norm and have MLPs 2·F wide. (The slow test above checks
+  the same total against transformers' own count: 56,159 for this config.)"""
+  (tmp_path / "g4").mkdir()
+  (tmp_path / "g4" / "config.json").write_text(json.dumps({"model_type": "gemma4_text", **KEQV}))
+  code = cli.main(["count", "--hf", str(tmp_path / "g4"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  D, H, L, F, N, K, G, Kg, Gg, P = 32, 4, 6, 40, 53, 8, 2, 12, 1, 5
+  sliding = [2 * D * H * K + 2 * D * G * K + 2 * K] * 2 + [2 * D * H * K + K]  # layer 4 shares
+  full = [2 * D * H * Kg + D * Gg * Kg + 2 * Kg] * 2 + [2 * D * H * Kg + Kg]  # k_eq_v: one kv projection
+  mlp = 4 * 3 * D * F + 2 * 3 * D * 2 * F
+  per_layer = N * L * P + D * L * P + P + L * (2 * D * P + D)
+  norms = L * 4 * D + D
+  report = json.loads(out.out)
+  assert report["breakdown"]["attention (sliding_attention)"] == sum(sliding)
+  assert report["breakdown"]["attention (full_attention)"] == sum(full)
+  assert report["total"] == N * D + sum(sliding) + sum(full) + mlp + per_layer + norms == 56_159
+  rows = {r["type"]: r for r in report["layer_types"]}
+  # KV cache at 32 tokens (bfloat16): two sliding rings of 3 slots of G·2K, two full caches of Gg·Kg.
+  assert report["kv_bytes_at"]["32"] == 2 * (2 * 3 * G * 2 * K + 2 * 32 * Gg * Kg)
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * Gg * Kg
