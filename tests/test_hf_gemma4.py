@@ -156,6 +156,17 @@ def test_what_attn_does_not_run_is_refused_by_name_before_any_weight(changes, ma
     hf.model_config({"model_type": "gemma4_text", **KEQV} | changes)
 
 
+def test_converting_on_load_is_refused_by_name_before_any_weight():
+  """Every layer converts with one head, which a model of two layouts and shared caches does not have."""
+  source = ({"model_type": "gemma4_text", **KEQV}, {})  # no tensors: the refusal comes first
+  with pytest.raises(ConfigError, match=r"variant, num_kv_heads=\('per_head', 1\) is not allowed: the "
+                     r"model's own \('per_head', None\): it has layer_heads"):
+    hf.from_hf(source, num_kv_heads=1)
+  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: None for variant 'fused': only "
+                     r"per_head and k_eq_v read it"):
+    hf.from_hf(source, variant="fused")
+
+
 def test_bidirectional_vision_is_read_and_ignored_with_a_note_as_transformers_text_model_does():
   with pytest.warns(UserWarning, match="use_bidirectional_attention='vision' read and ignored"):
     cfg = hf.model_config({"model_type": "gemma4_text", **KEQV, "use_bidirectional_attention": "vision"})
