@@ -51,8 +51,9 @@ def _check_owned_fields(v: Variant, cfg: HeadConfig) -> None:
       if name in v.fields:
         continue
       if getattr(cfg, name) != _DEFAULTS[name]:
+        owners = " and ".join(o.name for o in VARIANTS.values() if name in o.fields)
         raise invalid(name, getattr(cfg, name), f"{_DEFAULTS[name]!r} for variant {v.name!r}: only "
-                      f"{other.name} reads it, so it would be ignored")
+                      f"{owners} read{'s' if ' and ' not in owners else ''} it, so it would be ignored")
 
 
 def _init(v: Variant, key: jax.Array, cfg: HeadConfig, dtype) -> Params:

@@ -75,7 +75,9 @@ def test_logits_equal_transformers_under_right_padding():
   with torch.no_grad():
     want = m(input_ids=ids, attention_mask=mask).logits.numpy()
   lengths = hf.lengths_from_attention_mask(mask.numpy())
-  got = np.asarray(loaded.model(jnp.asarray(ids.numpy()), lengths_B=jnp.asarray(lengths)))
+  from flax import nnx
+  got = np.asarray(nnx.jit(lambda mm, t, n: mm(t, lengths_B=n))(loaded.model, jnp.asarray(ids.numpy()),
+                                                                jnp.asarray(lengths)))
   assert np.abs(got - want).max() <= TOL * np.abs(want).max()
 
 
@@ -154,6 +156,17 @@ def test_what_attn_does_not_run_is_refused_by_name_before_any_weight(changes, ma
     hf.model_config({"model_type": "gemma4_text", **KEQV} | changes)
 
 
+def test_converting_on_load_is_refused_by_name_before_any_weight():
+  """Every layer converts with one head, which a model of two layouts and shared caches does not have."""
+  source = ({"model_type": "gemma4_text", **KEQV}, {})  # no tensors: the refusal comes first
+  with pytest.raises(ConfigError, match=r"variant, num_kv_heads=\('per_head', 1\) is not allowed: the "
+                     r"model's own \('per_head', None\): it has layer_heads"):
+    hf.from_hf(source, num_kv_heads=1)
+  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: None for variant 'fused': only "
+                     r"per_head and k_eq_v read it"):
+    hf.from_hf(source, variant="fused")
+
+
 def test_bidirectional_vision_is_read_and_ignored_with_a_note_as_transformers_text_model_does():
   with pytest.warns(UserWarning, match="use_bidirectional_attention='vision' read and ignored"):
     cfg = hf.model_config({"model_type": "gemma4_text", **KEQV, "use_bidirectional_attention": "vision"})
@@ -167,3 +180,28 @@ def test_to_hf_refuses_a_schedule_gemma4_cannot_hold():
   bad = cfg.replace(kv_source=(0, 1, 2, 3, 0, 1))  # allowed in attn, not Gemma 4's rule
   with pytest.raises(ConfigError, match=r"kv_source=\(0, 1, 2, 3, 0, 1\) is not allowed: \(0, 1, 2, 3, 2, 3\)"):
     hf.to_hf_state(nnx.eval_shape(lambda: DecoderLM(bad, rngs=nnx.Rngs(0))), bad, "gemma4_text")
+
+
+def test_count_hf_by_hand_from_config_json_alone(tmp_path, capsys):
+  """`attn count --hf` on KEQV's config.json (no transformers), against the closed form written here: the
+  sharing layers (4, 5) hold no k_proj, v_proj or k_norm and have MLPs 2·F wide. (The slow test above checks
+  the same total against transformers' own count: 56,159 for this config.)"""
+  (tmp_path / "g4").mkdir()
+  (tmp_path / "g4" / "config.json").write_text(json.dumps({"model_type": "gemma4_text", **KEQV}))
+  code = cli.main(["count", "--hf", str(tmp_path / "g4"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  D, H, L, F, N, K, G, Kg, Gg, P = 32, 4, 6, 40, 53, 8, 2, 12, 1, 5
+  sliding = [2 * D * H * K + 2 * D * G * K + 2 * K] * 2 + [2 * D * H * K + K]  # layer 4 shares
+  full = [2 * D * H * Kg + D * Gg * Kg + 2 * Kg] * 2 + [2 * D * H * Kg + Kg]  # k_eq_v: one kv projection
+  mlp = 4 * 3 * D * F + 2 * 3 * D * 2 * F
+  per_layer = N * L * P + D * L * P + P + L * (2 * D * P + D)
+  norms = L * 4 * D + D
+  report = json.loads(out.out)
+  assert report["breakdown"]["attention (sliding_attention)"] == sum(sliding)
+  assert report["breakdown"]["attention (full_attention)"] == sum(full)
+  assert report["total"] == N * D + sum(sliding) + sum(full) + mlp + per_layer + norms == 56_159
+  rows = {r["type"]: r for r in report["layer_types"]}
+  # KV cache at 32 tokens (bfloat16): two sliding rings of 3 slots of G·2K, two full caches of Gg·Kg.
+  assert report["kv_bytes_at"]["32"] == 2 * (2 * 3 * G * 2 * K + 2 * 32 * Gg * Kg)
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * Gg * Kg

@@ -126,12 +126,14 @@ def test_cached_decoding_with_shared_caches_equals_the_full_pass():
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(kv_source=(0, 1, 2, 3, 5, 3)), r"kv_source\[4\]=5 is not allowed: 4 \(its own keys and values\) or an earlier"),
+    (dict(kv_source=(0, 1, 2, 3, 5, 3)),
+     r"kv_source\[4\]=5 is not allowed: 4 \(its own keys and values\) or an earlier"),
     (dict(kv_source=(0, 1, 2, 3, 4, 4)), r"kv_source\[5\]=4 is not allowed: a layer of the same variant"),
     (dict(kv_source=(0, 1, 2, 1, 2, 3)), r"kv_source\[5\]=3 is not allowed: a layer with its own keys and values: "
                                          r"layer 3 reads layer 1's"),
     (dict(kv_source=(0, 1, 2, 3, 4, 4), layer_heads={"full_attention": {"d_k": 6, "d_v": 6, "num_kv_heads": 1}}),
-     r"kv_source\[5\]=4 is not allowed: a layer with the same head: layer 4 differs from layer 5 in \['d_k', 'd_v', 'num_kv_heads', .*'window'\]"),
+     r"kv_source\[5\]=4 is not allowed: a layer with the same head: layer 4 differs from layer 5 in "
+     r"\['d_k', 'd_v', 'num_kv_heads', .*'window'\]"),
     (dict(kv_source=(0, 1, 2, 3, 4, 5)), None),
     (dict(kv_source=(0, 1, 2, 3, 2, 3), layer_heads={"full_attention": GLOBAL["full_attention"] | {"d_v": 4}}),
      r"layer_types\[1\]='full_attention': d_v=4 is not allowed: equal to d_k=6 for k_eq_v"),

@@ -341,7 +341,8 @@ def _unmeasured(report: dict[str, Any]) -> str:
 _HF_COLUMNS = [("type", "layer type"), ("variant", "variant"), ("layers", "layers"),
                ("kv_shared_layers", "reading another's KV"), ("window", "window"), ("rope_theta", "RoPE base"),
                ("params_per_layer", "params/layer"), ("params", "params"),
-               ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"), ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
+               ("score_weights_per_layer", "W_Q·W_Kᵀ weights/layer"),
+               ("kv_bytes_per_token_per_layer", "KV B/token/layer")]
 
 
 def _hf_output(report: dict[str, Any], fmt: str) -> str:

@@ -18,8 +18,9 @@ rows and the q/k-norm scales (and, for k_eq_v, whose values are the keys, to o_p
 scores and outputs are unchanged, and to_hf undoes it bit for bit.
 
 Refused by name before any weight is read: the mixture-of-experts block (enable_moe_block), biases,
-bidirectional attention ("all"; "vision", which the text model ignores, is read and ignored with a note), RoPE types other than default/proportional or a RoPE factor. The vision and
-audio towers are Gemma4ForConditionalGeneration's (model_type gemma4), not this family's.
+bidirectional attention ("all"; "vision", which the text model ignores, is read and ignored with a
+note), RoPE types other than default/proportional or a RoPE factor. The vision and audio towers are
+Gemma4ForConditionalGeneration's (model_type gemma4, refused with that reason), not this family's.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
 
 
 def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-  D, H, L, P = cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.per_layer_dim
+  D, H, P = cfg.d_model, cfg.num_heads, cfg.per_layer_dim
   a_ = lambda x: np.asarray(x)  # noqa: E731
   sd = {"model.embed_tokens.weight": pure["embed"]["token"], "model.norm.weight": pure["final_norm"]["scale"]}
   sd["lm_head.weight"] = pure["embed"]["token"] if cfg.tie_embeddings else a_(pure["head"]["linear"]["kernel"]).T

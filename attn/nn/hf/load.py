@@ -144,6 +144,7 @@ def from_hf(source: Any, variant: str | None = None, num_kv_heads: int | None = 
   if latent_dim is not None and variant != "mla":
     raise invalid("latent_dim", latent_dim, 'None unless variant="mla" (the latent width d_c of mla)')
   dst = model_config(hf, variant, num_kv_heads)  # a bad variant or G is refused before any weights are read
+  _convertible(cfg, variant, num_kv_heads, latent_dim)
   if latent_dim is not None:
     dst.replace(latent_dim=latent_dim)  # a bad d_c, or RoPE over the whole head, refused here
   w = Weights(read_weights(source) if is_dir else weights, family.prefix, family.ignored)
@@ -196,6 +197,17 @@ def build(kind: str, cfg: ModelConfig, pure: dict[str, Any]) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
+def _convertible(cfg: ModelConfig, variant: str, num_kv_heads: int | None, latent_dim: int | None) -> None:
+  """Refuses converting a model whose layer types have heads of their own (layer_heads) or whose layers
+  share keys and values (kv_source): convert_model converts every layer with the model's one head."""
+  if variant == cfg.variant and num_kv_heads in (None, cfg.num_kv_heads) and latent_dim is None:
+    return
+  for name in ("layer_heads", "kv_source"):
+    if getattr(cfg, name) is not None:
+      raise invalid("variant, num_kv_heads", (variant, num_kv_heads), f"the model's own ({cfg.variant!r}, "
+                    f"None): it has {name}, and converting converts every layer with one head")
+
+
 def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_heads: int | None = None,
                   latent_dim: int | None = None) -> tuple[nnx.Module, ModelConfig, list[float]]:
   """The same model in another variant and/or with fewer kv heads; (model, cfg, per-layer error).
@@ -206,6 +218,7 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_head
   a model that has decoded converts too; the converted one starts without KV caches
   and keeps the family it was loaded from.
   """
+  _convertible(cfg, variant, num_kv_heads, latent_dim)
   dst_cfg = cfg.replace(variant=variant, num_kv_heads=cfg.num_kv_heads if num_kv_heads is None else num_kv_heads,
                         latent_dim=cfg.latent_dim if latent_dim is None else latent_dim)
   # The KV caches that init_cache or generate leave in a model hold the source's layout (its
