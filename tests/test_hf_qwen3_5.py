@@ -140,7 +140,6 @@ def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
 
 @pytest.mark.parametrize("changes, field", [
     (dict(attention_bias=True), "config.attention_bias"),
-    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
     (dict(linear_num_key_heads=3), "num_kv_heads"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.25}),
      "config.rope_parameters.rope_type"),
@@ -176,3 +175,15 @@ def test_the_family_kit_passes():
   from attn.testing import check_family
   measured = check_family("qwen3_5_text", tiny().to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
+  """rms_norm_eps 1e-5 (transformers' Kimi Linear default): the blocks', the q/k norms' and the linear
+  layers' gated output norms' (HeadConfig.gated_norm_eps), read and written back."""
+  cfg = hf.model_config(tiny(rms_norm_eps=1e-5).to_dict())
+  linear = cfg.layer_types.index("linear_attention")
+  assert cfg.norm_eps == 1e-5 and cfg.layer_head(linear).gated_norm_eps == 1e-5
+  family = hf.FAMILIES["qwen3_5_text"]
+  family.check_out(cfg)
+  out = family.config_out(cfg) | {"model_type": family.model_types[0]}
+  assert out["rms_norm_eps"] == 1e-5 and hf.model_config(out).layer_head(linear).gated_norm_eps == 1e-5

@@ -111,7 +111,6 @@ def test_cached_greedy_decoding_over_many_tokens_and_sizes():
     (dict(num_experts=4, mlp_only_layers=[], decoder_sparse_step=2), "config.mlp_only_layers, decoder_sparse_step"),
     (dict(num_experts=4, mlp_only_layers=[0], output_router_logits=True), "config.output_router_logits"),
     (dict(attention_bias=True), "config.attention_bias"),
-    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
     (dict(linear_num_key_heads=3), "num_kv_heads"),
 ])
 def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
@@ -230,3 +229,15 @@ def test_the_family_kit_passes_with_experts():
   from attn.testing import check_family
   measured = check_family("qwen3_next", tiny(**EXPERTS).to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
+  """rms_norm_eps 1e-5 (transformers' Kimi Linear default): the blocks', the q/k norms' and the linear
+  layers' gated output norms' (HeadConfig.gated_norm_eps), read and written back."""
+  cfg = hf.model_config(tiny(rms_norm_eps=1e-5).to_dict())
+  linear = cfg.layer_types.index("linear_attention")
+  assert cfg.norm_eps == 1e-5 and cfg.layer_head(linear).gated_norm_eps == 1e-5
+  family = hf.FAMILIES["qwen3_next"]
+  family.check_out(cfg)
+  out = family.config_out(cfg) | {"model_type": family.model_types[0]}
+  assert out["rms_norm_eps"] == 1e-5 and hf.model_config(out).layer_head(linear).gated_norm_eps == 1e-5

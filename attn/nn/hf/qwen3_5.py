@@ -11,8 +11,8 @@ three places, each mapped here:
     are one, so every pair turns by the text position, which is attn's RoPE over the first
     int(partial_rotary_factor·head_dim) dims, half-split.
 Attention layers (q_proj holding [query | gate] per head, zero-centred q/k norms), zero-centred
-RMSNorms and the refusals (attention biases, an rms_norm_eps other than 1e-6, a layer type other
-than full_attention or linear_attention) are Qwen3-Next's. The vision-language wrapper
+RMSNorms, one rms_norm_eps for every norm and the refusals (attention biases, a layer type other
+than full_attention or linear_attention) are Qwen3-Next's; experts are refused by name. The vision-language wrapper
 (model_type "qwen3_5", its text under text_config and model.language_model.) is not read here.
 The release's multi-token-prediction weights (mtp.*) are not read, as transformers does not read
 them. to_hf writes the same tensors back, bit for bit.
