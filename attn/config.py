@@ -120,7 +120,9 @@ class HeadConfig:
   values of kv_rank each; default 6 and 2, the paper's). conv_width and chunk are the
   fixed-state heads' (gated_deltanet, kda, mamba2, linear; attn.variants.linear): the width
   of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
-  tokens one step of the chunked scan covers (64, MaxText's and fla's). value_norm_eps, if
+  tokens one step of the chunked scan covers (64, MaxText's and fla's); gated_norm_eps the
+  epsilon of gated_deltanet's and kda's gated output RMSNorm (1e-6, Qwen3-Next's; Kimi
+  Linear's is its rms_norm_eps). value_norm_eps, if
   set, gives per_head's and k_eq_v's values a weightless RMSNorm over each head at that epsilon
   (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
   projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
@@ -171,6 +173,7 @@ class HeadConfig:
   kv_rank: int = 2
   conv_width: int = 4
   chunk: int = 64
+  gated_norm_eps: float = 1e-6
   value_norm_eps: float | None = None
   o_groups: int = 1
   o_rank: int | None = None
@@ -239,6 +242,8 @@ class HeadConfig:
     self._check_layouts()
 
   def _check_layouts(self) -> None:
+    _positive_number("gated_norm_eps", self.gated_norm_eps,
+                     "the epsilon of gated_deltanet's and kda's gated output norm, 1e-6 by default")
     if self.value_norm_eps is not None:
       _positive_number("value_norm_eps", self.value_norm_eps,
                        "the epsilon of the values' weightless RMSNorm (per_head, k_eq_v), or None for none")

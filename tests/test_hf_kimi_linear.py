@@ -30,7 +30,7 @@ def tiny(**changes):
             qk_nope_head_dim=6, v_head_dim=5, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
             n_shared_experts=1, routed_scaling_factor=1.5, linear_num_heads=2, linear_head_dim=6,
             linear_conv_kernel_dim=4, layer_types=KINDS, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-            rms_norm_eps=1e-6, max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+            max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None)
   return transformers.KimiLinearConfig(**{**kw, **changes})
 
 
@@ -158,7 +158,6 @@ def test_the_checkpoints_linear_attn_config_is_read():
 
 @pytest.mark.parametrize("changes, field", [
     (dict(attention_bias=True), "config.attention_bias"),
-    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
     (dict(hidden_act="gelu"), "config.hidden_act"),
     (dict(num_key_value_heads=1), "config.num_key_value_heads"),
     (dict(mlp_layer_types=["sparse", "dense", "sparse", "sparse"]), "config.mlp_layer_types"),
@@ -185,3 +184,15 @@ def test_the_family_kit_passes():
   from attn.testing import check_family
   measured = check_family("kimi_linear", tiny().to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
+  """rms_norm_eps 1e-5 (transformers' Kimi Linear default): the blocks', the q/k norms' and the linear
+  layers' gated output norms' (HeadConfig.gated_norm_eps), read and written back."""
+  cfg = hf.model_config(tiny(rms_norm_eps=1e-5).to_dict())
+  linear = cfg.layer_types.index("linear_attention")
+  assert cfg.norm_eps == 1e-5 and cfg.layer_head(linear).gated_norm_eps == 1e-5
+  family = hf.FAMILIES["kimi_linear"]
+  family.check_out(cfg)
+  out = family.config_out(cfg) | {"model_type": family.model_types[0]}
+  assert out["rms_norm_eps"] == 1e-5 and hf.model_config(out).layer_head(linear).gated_norm_eps == 1e-5

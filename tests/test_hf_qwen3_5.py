@@ -140,7 +140,6 @@ def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
 
 @pytest.mark.parametrize("changes, field", [
     (dict(attention_bias=True), "config.attention_bias"),
-    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
     (dict(linear_num_key_heads=3), "num_kv_heads"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.25}),
      "config.rope_parameters.rope_type"),
@@ -176,3 +175,82 @@ def test_the_family_kit_passes():
   from attn.testing import check_family
   measured = check_family("qwen3_5_text", tiny().to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
+  """rms_norm_eps 1e-5 (transformers' Kimi Linear default): the blocks', the q/k norms' and the linear
+  layers' gated output norms' (HeadConfig.gated_norm_eps), read and written back."""
+  cfg = hf.model_config(tiny(rms_norm_eps=1e-5).to_dict())
+  linear = cfg.layer_types.index("linear_attention")
+  assert cfg.norm_eps == 1e-5 and cfg.layer_head(linear).gated_norm_eps == 1e-5
+  family = hf.FAMILIES["qwen3_5_text"]
+  family.check_out(cfg)
+  out = family.config_out(cfg) | {"model_type": family.model_types[0]}
+  assert out["rms_norm_eps"] == 1e-5 and hf.model_config(out).layer_head(linear).gated_norm_eps == 1e-5
+
+
+def tiny_moe(**changes):
+  """qwen3_5_moe_text: the same layers, 4 experts of 12 (2 kept) and a gated shared expert of 20 in each."""
+  moe = pytest.importorskip("transformers.models.qwen3_5_moe", reason="this transformers has no qwen3_5_moe")
+  kw = {k: v for k, v in tiny().to_dict().items() if k in moe.Qwen3_5MoeTextConfig.__dataclass_fields__}
+  kw |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
+  return moe.Qwen3_5MoeTextConfig(**{**kw, **changes}), moe
+
+
+def test_the_moe_text_model_counts_and_refuses_by_name(tmp_path, capsys):
+  """The fast sibling: `attn count --hf` against transformers' count; a config without experts refused."""
+  config, moe = tiny_moe()
+  torch.manual_seed(0)
+  model = moe.Qwen3_5MoeForCausalLM(config).eval()
+  model.save_pretrained(tmp_path / "moe")
+  code = cli.main(["count", "--hf", str(tmp_path / "moe"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  assert json.loads(out.out)["total"] == sum(p.numel() for p in model.parameters())
+  with pytest.raises(ConfigError, match="config.num_experts=0 is not allowed"):
+    hf.model_config({**config.to_dict(), "num_experts": 0})
+
+
+@pytest.mark.slow
+def test_the_moe_text_model_equals_transformers():
+  """Logits under right padding, 30 tokens of cached greedy decoding (and attn's full pass), to_hf bit for
+  bit with the same logits, and the kit."""
+  config, moe = tiny_moe()
+  torch.manual_seed(3)
+  model = moe.Qwen3_5MoeForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.normal_(0.0, 0.2)
+  loaded = hf.from_hf(model)
+  assert loaded.family == "qwen3_5_moe_text" and loaded.config.mlp == "moe" and loaded.config.moe_dense_first == 0
+  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
+  mask = np.ones((2, 9), np.int64)
+  mask[1, 6:] = 0
+  with torch.no_grad():
+    want = model(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+  out = hf.to_hf(loaded)
+  assert type(out).__name__ == "Qwen3_5MoeForCausalLM"
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():
+    np.testing.assert_array_equal(ours[name], a, err_msg=name)
+  for a, b in zip(jax.tree.leaves(nnx_state(hf.from_hf(out).model)), jax.tree.leaves(nnx_state(loaded.model)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  out.set_attn_implementation(model.config._attn_implementation)
+  with torch.no_grad():
+    np.testing.assert_array_equal(out(torch.tensor(tok[:1])).logits.numpy(), model(torch.tensor(tok[:1])).logits.numpy())
+  from attn.testing import check_family
+  assert check_family("qwen3_5_moe_text", config.to_dict())["logits_relative"] < 1e-4

@@ -111,7 +111,6 @@ def test_cached_greedy_decoding_over_many_tokens_and_sizes():
     (dict(num_experts=4, mlp_only_layers=[], decoder_sparse_step=2), "config.mlp_only_layers, decoder_sparse_step"),
     (dict(num_experts=4, mlp_only_layers=[0], output_router_logits=True), "config.output_router_logits"),
     (dict(attention_bias=True), "config.attention_bias"),
-    (dict(rms_norm_eps=1e-5), "config.rms_norm_eps"),
     (dict(linear_num_key_heads=3), "num_kv_heads"),
 ])
 def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
@@ -230,3 +229,39 @@ def test_the_family_kit_passes_with_experts():
   from attn.testing import check_family
   measured = check_family("qwen3_next", tiny(**EXPERTS).to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
+  """rms_norm_eps 1e-5 (transformers' Kimi Linear default): the blocks', the q/k norms' and the linear
+  layers' gated output norms' (HeadConfig.gated_norm_eps), read and written back."""
+  cfg = hf.model_config(tiny(rms_norm_eps=1e-5).to_dict())
+  linear = cfg.layer_types.index("linear_attention")
+  assert cfg.norm_eps == 1e-5 and cfg.layer_head(linear).gated_norm_eps == 1e-5
+  family = hf.FAMILIES["qwen3_next"]
+  family.check_out(cfg)
+  out = family.config_out(cfg) | {"model_type": family.model_types[0]}
+  assert out["rms_norm_eps"] == 1e-5 and hf.model_config(out).layer_head(linear).gated_norm_eps == 1e-5
+
+
+def test_experts_as_the_release_holds_them_read_the_same(live_moe):
+  """The release's experts.{e}.gate_proj / up_proj / down_proj (transformers 4's layout) read as the fused
+  gate_up_proj / down_proj transformers 5 holds: the same parameters."""
+  import jax
+  config = live_moe.config.to_dict()
+  fused = {k: v.detach().numpy() for k, v in live_moe.state_dict().items()}
+  split = {}
+  for name, a in fused.items():
+    if name.endswith("experts.gate_up_proj"):
+      at, F = name.removesuffix("gate_up_proj"), a.shape[1] // 2
+      for e in range(a.shape[0]):
+        split[f"{at}{e}.gate_proj.weight"], split[f"{at}{e}.up_proj.weight"] = a[e, :F], a[e, F:]
+    elif name.endswith("experts.down_proj"):
+      at = name.removesuffix("down_proj")
+      for e in range(a.shape[0]):
+        split[f"{at}{e}.down_proj.weight"] = a[e]
+    else:
+      split[name] = a
+  assert len(split) > len(fused)
+  want, got = hf.from_hf((config, fused)), hf.from_hf((config, split))
+  for a, b in zip(jax.tree.leaves(nnx_state(got.model)), jax.tree.leaves(nnx_state(want.model)), strict=True):
+    np.testing.assert_array_equal(a, b)

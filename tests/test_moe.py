@@ -126,6 +126,17 @@ def test_moe_model_counts_total_and_active():
   assert count.active_param_count(plain, "decoder_lm") == count.model_param_count(plain, "decoder_lm")
 
 
+def test_a_gated_shared_expert_of_its_own_width_is_counted():
+  """Qwen3-Next's shared expert (moe_shared_d_ff wide, σ(x·w) gate of D): the Param tree is the count."""
+  cfg = ModelConfig(**BASE, moe_experts=4, moe_top_k=2, moe_d_ff=6, moe_shared_experts=1, use_bias=False,
+                    moe_shared_d_ff=7, moe_shared_gate=True)
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  stored = sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert stored == count.model_param_count(cfg, "decoder_lm")
+  D = 10
+  assert count.expert_params(cfg)["total"] == 4 * 3 * D * 6 + D * 4 + 3 * D * 7 + D
+
+
 @pytest.mark.parametrize("changes, match", [
     (dict(moe_experts=4, moe_top_k=5), r"moe_top_k=5 is not allowed: at most moe_experts=4"),
     (dict(moe_experts=4, moe_top_k=0), r"moe_top_k=0 is not allowed: an integer >= 1"),
@@ -138,6 +149,14 @@ def test_moe_model_counts_total_and_active():
     (dict(moe_experts=4, moe_top_k=2, moe_swiglu_limit=0.0), r"moe_swiglu_limit=0.0 is not allowed"),
     (dict(moe_experts=4, moe_top_k=2, moe_dense_first=4), r"moe_dense_first=4 is not allowed: at most num_layers=3"),
     (dict(mlp="gated", moe_experts=4), r"moe_experts=4 is not allowed: 0 when mlp='gated'"),
+    (dict(moe_experts=4, moe_top_k=2, moe_shared_gate=True),
+     r"moe_shared_gate=True is not allowed: False with moe_shared_experts=0"),
+    (dict(moe_experts=4, moe_top_k=2, moe_shared_d_ff=5), r"moe_shared_d_ff=5 is not allowed: None with moe_shared"),
+    (dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_shared_d_ff=0),
+     r"moe_shared_d_ff=0 is not allowed: an integer >= 1"),
+    (dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_shared_gate=1),
+     r"moe_shared_gate=1 is not allowed: True or False"),
+    (dict(mlp="gated", moe_shared_gate=True), r"moe_shared_gate=True is not allowed: False when mlp='gated'"),
 ])
 def test_bad_moe_settings_are_named(changes, match):
   with pytest.raises(ConfigError, match=match):
@@ -234,4 +253,27 @@ def test_against_deepseek_v3_moe():
   for mine, theirs in pairs:
     _set(mine.kernel, theirs.weight.T)
   x = np.random.default_rng(3).standard_normal((2, 4, 10)).astype(np.float32)
+  _compare(hf(torch.from_numpy(x)), layer, x)
+
+
+@pytest.mark.slow
+def test_against_qwen3_next_sparse_moe_block():
+  """The softmax router, experts, and a shared expert of its own width behind σ(x·w) (moe_shared_gate)."""
+  torch, transformers = _torch_setup()
+  block = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
+                              reason="qwen3_next arrived in transformers 4.57").Qwen3NextSparseMoeBlock
+  c = transformers.Qwen3NextConfig(hidden_size=10, moe_intermediate_size=6, shared_expert_intermediate_size=7,
+                                   num_experts=5, num_experts_per_tok=2, norm_topk_prob=True)
+  hf = _randomize(torch, block(c))
+  cfg = ModelConfig(**BASE, moe_experts=5, moe_top_k=2, moe_d_ff=6, moe_shared_experts=1, moe_shared_d_ff=7,
+                    moe_shared_gate=True, use_bias=False)
+  rngs = nnx.Rngs(0)
+  layer = moe.MoE(cfg, rngs=rngs, activation=lambda x: activate("silu", x), shared=MLP(cfg, rngs=rngs, d_ff=7))
+  _set(layer.router_w, hf.gate.weight.T)
+  _gate_up(layer, hf.experts)
+  _set(layer.shared_gate, hf.shared_expert_gate.weight.T)
+  s = hf.shared_expert
+  for mine, theirs in ((layer.shared.gate, s.gate_proj), (layer.shared.up, s.up_proj), (layer.shared.down, s.down_proj)):
+    _set(mine.kernel, theirs.weight.T)
+  x = np.random.default_rng(5).standard_normal((2, 4, 10)).astype(np.float32)
   _compare(hf(torch.from_numpy(x)), layer, x)

@@ -13,7 +13,8 @@ is the model's HeadConfig (ModelConfig.head):
                           the variant ModelConfig.linear_variant (gated_deltanet by
                           default; kda, mamba2, linear) with ModelConfig.linear_head's
                           HeadConfig fields over the model's d_model, num_heads, d_k,
-                          d_v, num_kv_heads, use_bias, conv_width and chunk; none of the
+                          d_v, num_kv_heads, use_bias, conv_width, chunk and
+                          gated_norm_eps; none of the
                           model's RoPE, window or head mechanisms (Qwen3-Next's linear
                           layers: 16 key heads, 32 value heads of 128)
 
@@ -64,7 +65,7 @@ LAYER_TYPES = {
 # The model's HeadConfig fields a linear layer keeps (linear_head overrides any of them); every
 # other field (RoPE, window, mechanisms, mla's and tpa's options) takes HeadConfig's default.
 _LINEAR_KEEPS = ("d_model", "num_heads", "d_k", "d_v", "num_kv_heads", "use_bias", "conv_width",
-                 "chunk", "layer")
+                 "chunk", "gated_norm_eps", "layer")
 
 # RoPE fields a NoPE layer sets to their defaults (rope_dim 0 and no scaling), and those a
 # sliding layer with its own base resets (its scaling) while keeping rope_dim and the layout.

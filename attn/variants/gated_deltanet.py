@@ -11,7 +11,7 @@ as transformers' qwen3_next defines the layer (Qwen3NextGatedDeltaNet):
     convolution of width cfg.conv_width (depthwise, no bias) and SiLU;
   q ← l2norm(q)/sqrt(d_k), k ← l2norm(k); value head h reads key head h // (H/G);
   β = σ(x·W_b) and g = log α = −exp(A_log)·softplus(x·W_a + dt_bias), one each per value head;
-  o ← RMSNorm(o)·norm ⊙ SiLU(x·W_Z), then W^O.
+  o ← RMSNorm(o)·norm ⊙ SiLU(x·W_Z) (the norm's epsilon cfg.gated_norm_eps), then W^O.
 
 How a Qwen3-Next layer maps onto HeadConfig (the decision, kept for every fixed-state head):
 num_heads H is the value heads (linear_num_value_heads: each owns a state, its output goes
@@ -118,7 +118,7 @@ def forward(params: Params, x_BTD, state, *, cfg: HeadConfig, opts: Options, dec
     o_BTHV, ssm = core.recurrent(q, k, v, **kw)
   else:
     o_BTHV, ssm = core.chunked(q, k, v, chunk=cfg.chunk, **kw)
-  o_BTHV = parts.rms(o_BTHV) * params["norm"].astype(jnp.float32) * gate(params, x_in)
+  o_BTHV = parts.rms(o_BTHV, cfg.gated_norm_eps) * params["norm"].astype(jnp.float32) * gate(params, x_in)
   y_BTD = project_out(params, x_in, o_BTHV.astype(x_BTD.dtype), cfg=cfg, opts=opts)
   return y_BTD, {"conv": conv_state, "ssm": ssm}
 

@@ -13,12 +13,12 @@ correction bias, group-limited top-k, routed_scaling_factor and shared experts.
 A kda layer's tensors: q_proj, k_proj, v_proj (H·K, D); conv1d (3·H·K, 1, W) over [q | k | v];
 forget_gate.f_a_proj (K, D), f_b_proj (H·K, K), dt_bias (H·K,) and A_log (1, 1, H, 1) (kda's
 w_fa, w_fb, dt_bias (H, K), a_log (H,)); b_proj (H, D); g_a_proj (K, D), g_b_proj (H·K, K) (the
-low-rank sigmoid gate); o_norm (K,) and o_proj (D, H·K). to_hf writes them back bit for bit.
+low-rank sigmoid gate); o_norm (K,) at rms_norm_eps (linear_head's gated_norm_eps) and o_proj
+(D, H·K). to_hf writes them back bit for bit.
 
 Refused by name before any weight is read: a layer type other than full_attention or
 linear_attention, an MLP schedule other than dense-then-sparse, attention biases, kv heads
-other than the query heads, an rms_norm_eps other than 1e-6 (it is kda's gated norm's too, fixed
-at 1e-6 in attn), an activation other than silu (it is the short convolution's too), and
+other than the query heads, an activation other than silu (it is the short convolution's too), and
 mla_use_nope false (transformers runs the MLA without RoPE whatever it says).
 """
 
@@ -33,7 +33,6 @@ from attn.config import invalid
 from attn.nn.hf import deepseek_v3
 from attn.nn.hf.base import Weights, get
 from attn.nn.config import ModelConfig
-from attn.variants.linear.parts import NORM_EPS
 
 KINDS = ("full_attention", "linear_attention")
 # transformers' attribute_map: the names a saved KimiLinearConfig writes -> DeepSeek-V3's.
@@ -81,9 +80,6 @@ def _check(hf: dict[str, Any]) -> list[str]:
   kinds = layer_kinds(hf)
   if hf.get("attention_bias"):
     raise invalid("config.attention_bias", True, "False: Kimi Linear's attention has no biases in attn")
-  if float(hf.get("rms_norm_eps", 1e-5)) != NORM_EPS:
-    raise invalid("config.rms_norm_eps", hf.get("rms_norm_eps", 1e-5), f"{NORM_EPS}: it is also the eps of "
-                  "kda's gated output norm, which attn fixes at 1e-6")
   if hf.get("hidden_act", "silu") not in ("silu", "swish"):
     raise invalid("config.hidden_act", hf.get("hidden_act"), "'silu': it is also the activation of kda's "
                   "short convolution, which attn fixes at SiLU")
@@ -102,7 +98,7 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   base = deepseek_v3.config_in(ds)
   K = lin.get("head_dim", hf.get("linear_head_dim", 128))
   H = lin.get("num_heads", hf.get("linear_num_heads", 32))
-  linear = {"num_heads": H, "num_kv_heads": H, "d_k": K, "d_v": K,
+  linear = {"num_heads": H, "num_kv_heads": H, "d_k": K, "d_v": K, "gated_norm_eps": base.norm_eps,
             "conv_width": lin.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4))}
   hybrid = "linear_attention" in kinds
   return base.replace(rope_layout="none", rope_scaling=None, layer_types=tuple(kinds),
@@ -180,10 +176,11 @@ def check_out(cfg: ModelConfig) -> None:
     raise invalid("rope_layout", cfg.rope_layout, "'none': Kimi Linear's MLA layers carry no positions")
   if cfg.linear_variant != "kda" and "linear_attention" in (cfg.layer_types or ()):
     raise invalid("linear_variant", cfg.linear_variant, "'kda': Kimi Linear's linear layers")
-  if cfg.norm_eps != NORM_EPS:
-    raise invalid("norm_eps", cfg.norm_eps, f"{NORM_EPS}: Kimi Linear has one rms_norm_eps, kda's gated norm's")
   if "linear_attention" in (cfg.layer_types or ()):
     head = cfg.layer_head(cfg.layer_types.index("linear_attention"))
+    if head.gated_norm_eps != cfg.norm_eps:
+      raise invalid("linear_head.gated_norm_eps", head.gated_norm_eps, f"norm_eps={cfg.norm_eps}: Kimi Linear "
+                    "has one rms_norm_eps, its kda layers' gated norm's too")
     if head.num_kv_heads != head.num_heads or head.d_k != head.d_v or head.use_bias:
       raise invalid("linear_head", cfg.linear_head, "num_kv_heads = num_heads, d_k = d_v, no biases: Kimi "
                     "Linear's kda layers have one linear_num_heads and one linear_head_dim")

@@ -38,8 +38,8 @@ def _builtins() -> tuple[Family, ...]:
   """attn's own families: one line per family module."""
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
-          qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, deepseek_v32.DEEPSEEK_V32,
-          deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4)
+          qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
+          deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -50,7 +50,8 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "mixtral": "no family reads its experts (block_sparse_moe) yet",
            "qwen3_5": "it is Qwen3.5's vision-language wrapper (text under text_config and model.language_model.); "
                       "attn reads the text model, model_type qwen3_5_text",
-           "qwen3_5_moe": "no family reads its experts (a sigmoid-gated shared expert) yet",
+           "qwen3_5_moe": "it is Qwen3.5's vision-language wrapper; attn reads the text model, model_type "
+                          "qwen3_5_moe_text",
            "nemotron_h": "each of its layers is one mixer (Mamba-2, attention, MLP or experts) with its own "
                          "residual, where a block of attn's DecoderLM is an attention layer and an MLP",
            "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "

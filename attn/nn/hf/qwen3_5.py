@@ -11,9 +11,11 @@ three places, each mapped here:
     are one, so every pair turns by the text position, which is attn's RoPE over the first
     int(partial_rotary_factor·head_dim) dims, half-split.
 Attention layers (q_proj holding [query | gate] per head, zero-centred q/k norms), zero-centred
-RMSNorms and the refusals (attention biases, an rms_norm_eps other than 1e-6, a layer type other
-than full_attention or linear_attention) are Qwen3-Next's. The vision-language wrapper
+RMSNorms, one rms_norm_eps for every norm and the refusals (attention biases, a layer type other
+than full_attention or linear_attention) are Qwen3-Next's; experts are refused by name. The vision-language wrapper
 (model_type "qwen3_5", its text under text_config and model.language_model.) is not read here.
+QWEN3_5_MOE (model_type "qwen3_5_moe_text", Qwen3_5MoeForCausalLM) is the same model with
+Qwen3-Next's experts (attn.nn.hf.qwen3_next) in every layer.
 The release's multi-token-prediction weights (mtp.*) are not read, as transformers does not read
 them. to_hf writes the same tensors back, bit for bit.
 """
@@ -84,3 +86,34 @@ QWEN3_5 = dataclasses.replace(
     weights_out=functools.partial(qwen3_next.weights_out, linear_out=_linear_out),
     config_out=config_out, check_out=check_out, ignored=("mtp.",))  # the release's multi-token-prediction
 # layer, which transformers does not read either
+
+
+def config_in_moe(hf: dict[str, Any]) -> ModelConfig:
+  if not hf.get("num_experts"):
+    raise invalid("config.num_experts", hf.get("num_experts"), "at least 1: qwen3_5_moe_text has experts in "
+                  "every layer (the dense text model is qwen3_5_text)")
+  # no layer is dense: d_ff (which only a dense layer reads) is the experts' width
+  return qwen3_next.config_in({"intermediate_size": hf.get("moe_intermediate_size"), **hf})
+
+
+def config_out_moe(cfg: ModelConfig) -> dict[str, Any]:
+  kw = qwen3_next.config_out(cfg)
+  for key in ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"):
+    del kw[key]
+  return kw | {"architectures": ["Qwen3_5MoeForCausalLM"]}
+
+
+def check_out_moe(cfg: ModelConfig) -> None:
+  qwen3_next.check_out(cfg)
+  if (cfg.mlp, cfg.moe_dense_first, cfg.moe_norm_topk) != ("moe", 0, True):
+    raise invalid("mlp, moe_dense_first, moe_norm_topk", (cfg.mlp, cfg.moe_dense_first, cfg.moe_norm_topk),
+                  "('moe', 0, True): qwen3_5_moe_text has experts in every layer, their weights renormalised")
+  if cfg.d_ff != cfg.moe_d_ff:
+    raise invalid("d_ff", cfg.d_ff, f"moe_d_ff={cfg.moe_d_ff}: qwen3_5_moe_text has no dense MLP to hold another")
+
+
+# Qwen3.5's mixture-of-experts text model: these layers with Qwen3-Next's experts (softmax router, a
+# gated shared expert) in every layer, always renormalised.
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5, name="qwen3_5_moe_text", model_types=("qwen3_5_moe_text",), architectures=("Qwen3_5MoeForCausalLM",),
+    config_in=config_in_moe, config_out=config_out_moe, check_out=check_out_moe, fixed=qwen3_next.QWEN3_NEXT.fixed)

@@ -18,9 +18,9 @@ mlp_only_layers keep a dense MLP: they must be the first ones (moe_dense_first),
 decoder_sparse_step 1 after them.
 
 Refused by name before any weight is read: a layer type other than full_attention or
-linear_attention, experts in any other schedule of layers, attention biases, router logits out,
-and an rms_norm_eps other than 1e-6 (the gated norm of attn's gated_deltanet uses 1e-6). to_hf
-writes the same tensors back, bit for bit.
+linear_attention, experts in any other schedule of layers, attention biases and router logits
+out. rms_norm_eps is every norm's, the linear layers' gated norms' too (linear_head's
+gated_norm_eps). to_hf writes the same tensors back, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from attn.nn.hf import deepseek_v3, llama
 from attn.nn.hf.base import Family, Weights, get
 from attn.nn.hf.rope import rope_from_hf, rotary_fraction
 from attn.nn.config import ModelConfig
-from attn.variants.linear.parts import NORM_EPS
 
 KINDS = ("full_attention", "linear_attention")
 
@@ -46,8 +45,6 @@ def _check(hf: dict[str, Any]) -> list[str]:
     raise invalid("config.layer_types", kinds, f"{L} of {list(KINDS)}")
   if hf.get("attention_bias"):
     raise invalid("config.attention_bias", True, "False: attn's reader has no Qwen3-Next attention biases")
-  if float(hf.get("rms_norm_eps", 1e-6)) != NORM_EPS:
-    raise invalid("config.rms_norm_eps", hf.get("rms_norm_eps"), f"{NORM_EPS}: gated_deltanet's gated norm uses it")
   return kinds
 
 
@@ -78,7 +75,7 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   K = base.head.d_k
   linear = {"num_heads": get(hf, "linear_num_value_heads"), "num_kv_heads": get(hf, "linear_num_key_heads"),
             "d_k": get(hf, "linear_key_head_dim"), "d_v": get(hf, "linear_value_head_dim"),
-            "conv_width": get(hf, "linear_conv_kernel_dim")}
+            "conv_width": get(hf, "linear_conv_kernel_dim"), "gated_norm_eps": base.norm_eps}
   return base.replace(rope_dim=int(rotary_fraction(hf) * K), gate="elementwise", layer_types=tuple(kinds),
                       linear_head=linear if "linear_attention" in kinds else None,
                       **(_experts(hf, first) if first < len(kinds) else {}))
@@ -228,8 +225,10 @@ def check_out(cfg: ModelConfig) -> None:
     raise invalid("gate", cfg.gate, "'elementwise': Qwen3-Next gates every full-attention head's output")
   if cfg.linear_variant != "gated_deltanet":
     raise invalid("linear_variant", cfg.linear_variant, "'gated_deltanet': Qwen3-Next's linear layers")
-  if cfg.norm_eps != NORM_EPS or cfg.qk_norm_eps != NORM_EPS:
-    raise invalid("norm_eps", cfg.norm_eps, f"{NORM_EPS}: Qwen3-Next has one rms_norm_eps, its gated norm's")
+  eps = {cfg.layer_head(i).gated_norm_eps for i, kind in enumerate(cfg.layer_types or ()) if kind == "linear_attention"}
+  if cfg.qk_norm_eps != cfg.norm_eps or eps - {cfg.norm_eps}:
+    raise invalid("qk_norm_eps, linear_head.gated_norm_eps", (cfg.qk_norm_eps, sorted(eps)), f"norm_eps="
+                  f"{cfg.norm_eps}: Qwen3-Next has one rms_norm_eps, its q/k norms' and gated norms' too")
   if cfg.mlp not in ("gated", "moe"):
     raise invalid("mlp", cfg.mlp, "'gated' or 'moe': Qwen3-Next's feed-forward is gated")
   moe = (cfg.moe_router, cfg.moe_shared_experts, cfg.moe_shared_gate, cfg.moe_groups, cfg.moe_routed_scaling,

@@ -29,7 +29,7 @@ from attn.variants.base import Options, Params, no_circuits
 
 Array = jax.Array
 
-NORM_EPS = 1e-6  # Qwen3-Next's, Kimi Linear's and Mamba-2's rms_norm_eps (the gated output norm)
+NORM_EPS = 1e-6  # parts.rms's default; the gated output norms read HeadConfig.gated_norm_eps (1e-6)
 
 
 def check(cfg: HeadConfig, name: str) -> None:
