@@ -215,3 +215,20 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
   kept = np.abs(h_np[real])
   np.testing.assert_allclose(float(stats["residual_max"]), kept.max(), rtol=1e-6)
   np.testing.assert_allclose(float(stats["residual_median"]), np.median(kept), rtol=1e-6)
+
+
+def test_a_layer_sharing_keys_and_values_reads_its_sources_key_side_in_its_circuits():
+  """kv_source: layer 2 holds no w_k/w_v; its W_QK is its own W_Q against layer 1's W_K (numpy SVD)."""
+  from flax import nnx
+  from attn.nn import DecoderLM, ModelConfig
+  cfg = ModelConfig(vocab_size=11, d_model=12, num_layers=3, num_heads=3, num_kv_heads=1, d_k=5, d_v=4,
+                    d_ff=16, variant="per_head", kv_source=[0, 1, 1])
+  blocks = analyze._blocks(DecoderLM(cfg, rngs=nnx.Rngs(3)))
+  assert "w_k" not in blocks[2].attn.params_dict()
+  got = jax.device_get(analyze._spectra_fn(blocks[2].attn.variant, blocks[2].attn.cfg)(
+      analyze._circuit_params(cfg, blocks, 2)))
+  w_q = np.asarray(blocks[2].attn.params_dict()["w_q"])   # (D, H, K)
+  w_k = np.asarray(blocks[1].attn.params_dict()["w_k"])   # (D, G, K)
+  for h in range(3):
+    s = np.linalg.svd(w_q[:, h] @ w_k[:, 0].T, compute_uv=False)[:5]
+    np.testing.assert_allclose(np.asarray(got["qk"]["singular_values"][h])[:5], s, rtol=1e-4, atol=1e-6)

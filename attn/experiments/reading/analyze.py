@@ -177,6 +177,18 @@ def _blocks(model) -> list:
   return list(model.blocks if hasattr(model, "blocks") else model.encoder.blocks)
 
 
+def _circuit_params(model_cfg, blocks: list, i: int) -> dict:
+  """Layer i's arrays; a layer reading another's keys and values (kv_source) holds no key side of
+  its own, so its W_QK and W_OV take its source layer's (attn.nn.kv_sharing.KEY_SIDE)."""
+  from attn.nn import kv_sharing
+  params = dict(blocks[i].attn.params_dict())
+  j = kv_sharing.source(model_cfg, i) if getattr(model_cfg, "kv_source", None) is not None else i
+  if j != i:
+    src = blocks[j].attn.params_dict()
+    params.update({n: src[n] for n in kv_sharing.KEY_SIDE if n in src})
+  return params
+
+
 # A pretrained BERT's kinds: scored by the objective it was trained with (reading.losses.OBJECTIVES).
 HF_ENCODER_KINDS = ("masked_lm", "sentence_pairs")
 
@@ -398,12 +410,14 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   blocks = _blocks(model)
   L, H = len(blocks), model_cfg.num_heads
 
-  try:
-    spectra_fn = _spectra_fn(model_cfg.variant, model_cfg.head)
-    spectra = [jax.device_get(spectra_fn(block.attn.params_dict())) for block in blocks]
-  except ConfigError as e:  # no per-head W_QK (differential, tpa): the refusal says why
-    spectra = [{name: {"effective_rank": [], "rank": [], "singular_values": [], "refused": str(e)}
-                for name in ("qk", "ov")}] * L
+  spectra = []
+  for i, block in enumerate(blocks):  # each layer's own variant and head (layer_heads may vary them)
+    try:
+      spectra.append(jax.device_get(_spectra_fn(block.attn.variant, block.attn.cfg)(
+          _circuit_params(model_cfg, blocks, i))))
+    except ConfigError as e:  # no per-head W_QK (differential, tpa): the refusal says why
+      spectra.append({name: {"effective_rank": [], "rank": [], "singular_values": [], "refused": str(e)}
+                      for name in ("qk", "ov")})
 
   per_batch, sink_batches, example = [], [], None
   for j in range(n):
