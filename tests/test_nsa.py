@@ -263,6 +263,7 @@ def test_bad_options_refused_by_name(change, field):
 
 @pytest.mark.parametrize("variant,cfg_change,field", [
     ("linear", {}, "extra"), ("gated_deltanet", {}, "extra"), ("talking_heads", {}, "extra.nsa"),
+    ("merged", {}, "extra.nsa"), ("collaborative", {}, "extra.nsa"), ("differential", {}, "extra.nsa"),
     ("per_head", {"extra": {"nsa": {}, "moba": {}}}, "extra.(nsa|moba)"),
     ("per_head", {"probability": "sigmoid"}, "probability"), ("per_head", {"window": 8}, "window"),
     ("per_head", {"sinks": True}, "sinks"),
