@@ -282,9 +282,12 @@ def test_return_weights_refused_at_long_T():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["per_head", "fused", "mla"])
+@pytest.mark.parametrize("variant", ["per_head", "fused", "mla", "grouped_lowrank", "k_eq_v", "split_input",
+                                     "tpa", "two_stage"])
 def test_kit_passes(variant):
   check_mechanism(nsa.NSA, variants=[variant])
+  if variant not in ("per_head", "fused", "mla"):
+    return
   cfg = HeadConfig(d_model=24, num_heads=6, d_k=6, d_v=7, num_kv_heads=2, rope_dim=4, rope_theta=100.0,
                    extra={"nsa": dict(nsa.NSA.examples[0][1]["extra"]["nsa"])})
   check_variant(variant, configs=(cfg,))
