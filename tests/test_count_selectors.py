@@ -102,3 +102,17 @@ def test_nsa_keys_are_the_pairs_its_masks_keep(opts):
   assert got["compressed"] == int(usable.sum())
   row = selectors.selection_row(cfg, Tn)
   assert row["core_flops"] == 2 * sum(got.values()) * 4 * 112
+
+
+def test_attn_count_prints_the_selection_row(capsys):
+  import attn.cli
+  code = attn.cli.main(["count", "--d-model", "64", "--num-heads", "4", "--d-k", "16", "--d-v", "8",
+                        "--seq-len", "300", "--variant", "per_head", "--extra",
+                        "{nsa = {compress_block = 8, compress_stride = 4, select_block = 16, select_count = 3, window = 20}}"])
+  out = capsys.readouterr().out
+  assert code == 0 and "Key selection at T=300" in out
+  cfg = HeadConfig(d_model=64, num_heads=4, d_k=16, d_v=8, extra={"nsa": {
+      "compress_block": 8, "compress_stride": 4, "select_block": 16, "select_count": 3, "window": 20}})
+  row = selectors.selection_row(cfg, 300)
+  assert f"| nsa | {row['params']:,} | {row['selector_flops']:,} |" in out
+  assert f"{row['core_flops']:,} | {row['full_core_flops']:,} | {row['core_vs_full']} |" in out

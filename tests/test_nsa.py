@@ -263,6 +263,7 @@ def test_bad_options_refused_by_name(change, field):
 
 @pytest.mark.parametrize("variant,cfg_change,field", [
     ("linear", {}, "extra"), ("gated_deltanet", {}, "extra"), ("talking_heads", {}, "extra.nsa"),
+    ("merged", {}, "extra.nsa"), ("collaborative", {}, "extra.nsa"), ("differential", {}, "extra.nsa"),
     ("per_head", {"extra": {"nsa": {}, "moba": {}}}, "extra.(nsa|moba)"),
     ("per_head", {"probability": "sigmoid"}, "probability"), ("per_head", {"window": 8}, "window"),
     ("per_head", {"sinks": True}, "sinks"),
@@ -281,9 +282,12 @@ def test_return_weights_refused_at_long_T():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["per_head", "fused", "mla"])
+@pytest.mark.parametrize("variant", ["per_head", "fused", "mla", "grouped_lowrank", "k_eq_v", "split_input",
+                                     "tpa", "two_stage"])
 def test_kit_passes(variant):
   check_mechanism(nsa.NSA, variants=[variant])
+  if variant not in ("per_head", "fused", "mla"):
+    return
   cfg = HeadConfig(d_model=24, num_heads=6, d_k=6, d_v=7, num_kv_heads=2, rope_dim=4, rope_theta=100.0,
                    extra={"nsa": dict(nsa.NSA.examples[0][1]["extra"]["nsa"])})
   check_variant(variant, configs=(cfg,))

@@ -137,7 +137,7 @@ def branch(q_BcHK: Array, kc_BNGK: Array, vc_BNGV: Array, cvis_BHcN: Array, svis
   """One chunk of queries: the compressed branch's output (B,c,H,V) in float32 and the chosen
   selection blocks per kv group (idx, chosen: (B,groups,c,k)). Rows seeing no compressed block get 0."""
   B, c, H, K = q_BcHK.shape
-  Gk, V = kc_BNGK.shape[2], vc_BNGV.shape[3]
+  Gk, Gv, V = kc_BNGK.shape[2], vc_BNGV.shape[2], vc_BNGV.shape[3]  # a key may have 1 head, values G
   idx_WM, keys_WM = band
   N, Ns = kc_BNGK.shape[1], keys_WM.shape[1]
   if N == 0:
@@ -151,7 +151,7 @@ def branch(q_BcHK: Array, kc_BNGK: Array, vc_BNGV: Array, cvis_BHcN: Array, svis
     e = jnp.exp(logits - jnp.where(m == NEG, 0.0, m))
     z = e.sum(-1, keepdims=True)
     p = e / jnp.where(z > 0, z, 1.0)  # 0 on a row that sees no compressed block
-    o = jnp.einsum("BGRTN,BNGV->BTGRV", p.reshape(B, Gk, H // Gk, c, N), vc_BNGV).reshape(B, c, H, V)
+    o = jnp.einsum("BGRTN,BNGV->BTGRV", p.reshape(B, Gv, H // Gv, c, N), vc_BNGV).reshape(B, c, H, V)
     ps = lax.stop_gradient(p).reshape(B, groups, H // groups, c, N).sum(2)
     scores = jnp.einsum("BGTWM,WM->BGTM", ps[..., idx_WM], keys_WM)  # the band only
   cand = svis_BHcN

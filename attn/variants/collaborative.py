@@ -40,6 +40,8 @@ def check(cfg: HeadConfig) -> None:
     raise invalid("qk_norm", cfg.qk_norm, "False for collaborative: its heads are one shared D̃-wide "
                   "query scaled by m_h against one shared key, so there are no d_k-wide query and "
                   "key heads to normalise")
+  if cfg.extra and "nsa" in cfg.extra:
+    raise invalid("extra.nsa", dict(cfg.extra["nsa"]), "absent for collaborative: NSA's compressed branch pools d_k-wide key heads and its counts read them (attn.variants.nsa), and its heads share one D̃-wide key")
   if cfg.extra and "indexer" in cfg.extra:
     raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for collaborative: the indexer reads a "
                   "head's unrotated query and key dims (attn.variants.selection), and its heads share "

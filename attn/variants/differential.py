@@ -70,6 +70,10 @@ def lambda_init(layer: int) -> float:
 def check(cfg: HeadConfig) -> None:
   if cfg.qk_norm == "whole":
     raise invalid("qk_norm", "whole", "False or True for differential: its pairs of score maps share per-head QK-norm scales (shared_score_dof); a norm over the whole projection is not counted")
+  if cfg.extra and "nsa" in cfg.extra:
+    raise invalid("extra.nsa", dict(cfg.extra["nsa"]), "absent for differential: its two softmax maps "
+                  "per head would each run NSA's three branches and gates, which the paper does not "
+                  "define and nsa's counts do not cover")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:

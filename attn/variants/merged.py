@@ -43,6 +43,8 @@ def check(cfg: HeadConfig) -> None:
   if cfg.qk_norm:
     raise invalid("qk_norm", cfg.qk_norm, "False for merged: merged has no separate queries and keys "
                   "to normalise, only x·W_h against the raw context")
+  if cfg.extra and "nsa" in cfg.extra:
+    raise invalid("extra.nsa", dict(cfg.extra["nsa"]), "absent for merged: NSA's compressed branch pools d_k-wide key heads and its counts read them (attn.variants.nsa), and merged has no d_k-wide keys, only x·W_h against the raw context")
   if cfg.extra and "indexer" in cfg.extra:
     raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for merged: the indexer reads a head's "
                   "unrotated query and key dims (attn.variants.selection), and merged has no d_k-wide "
