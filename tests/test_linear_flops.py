@@ -21,8 +21,8 @@ import pytest
 from attn import HeadConfig, api, count
 from attn.count import measured
 
-HEADS = ("gated_deltanet", "kda", "mamba2", "linear")
-TOLERANCE = {"kda": 0.08}  # a decay per key channel; 0.03 for the others (module docstring)
+HEADS = ("gated_deltanet", "kda", "mamba2", "linear", "gla")
+TOLERANCE = {"kda": 0.08, "gla": 0.08}  # a decay per key channel; 0.03 for the others (module docstring)
 
 # d_v != d_k, fewer query/key heads than value heads, biases, T not a multiple of the chunk.
 AWKWARD = HeadConfig(d_model=40, num_heads=6, d_k=8, d_v=12, num_kv_heads=3, chunk=5,

@@ -25,7 +25,7 @@ those up to T = 4096 without a mask time the core alone too ("core_full"). The
 candidates live in attn.bench.peers.
 
 The linear family (`--shapes linear`: B=1, T = 1024, 2048, 4096, 8192, 16384, causal, the long
-family's D=512, H=8, K=V=64) times each fixed-state head (gated_deltanet, kda, mamba2, linear, or
+family's D=512, H=8, K=V=64) times each fixed-state head (gated_deltanet, kda, mamba2, linear, gla, or
 those --variants names), its chunked form at its default chunk, against the fused layer with the
 blocked softmax kernel, causal ("fused"), and reports the T from which each head is faster
 forward+backward, and from which its XLA buffers are smaller (linear_crossover). Its FLOPs are

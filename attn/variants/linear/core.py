@@ -1,6 +1,6 @@
 """The linear-attention core: one recurrence, a chunked form for training and a recurrent one.
 
-Every head this package serves (gated_deltanet, kda, mamba2, linear) keeps a state S of
+Every head this package serves (gated_deltanet, kda, mamba2, linear, gla) keeps a state S of
 d_k × d_v per value head and updates it token by token:
 
   S_t = diag(α_t)·S_{t−1} + k_t·δ_tᵀ,   o_t = S_tᵀ·q_t,   α_t = exp(g_t) ∈ (0, 1]
