@@ -267,12 +267,16 @@ def test_linear_family_reports_where_each_head_starts_to_win():
           4096: {"fused": 8, "kda": 4, "mamba2": 7, "linear": 9}}
   results = {f"linear-{T}": _linear_result(T, ms[T], peak[T]) for T in ms}
   results["causal"] = {"shape": {"T": 256, "linear": False}, "rows": []}  # other shapes: ignored
+  # CPU ms are twice the wall ms here (_linear_result): the same wins.
   assert bench.linear_crossover(results) == {
-      "kda": {"time": 2048, "memory": 1024}, "mamba2": {"time": None, "memory": 4096},
-      "linear": {"time": None, "memory": None}}
+      "kda": {"time": 2048, "cpu": 2048, "memory": 1024},
+      "mamba2": {"time": None, "cpu": None, "memory": 4096},
+      "linear": {"time": None, "cpu": None, "memory": None}}
+  results["linear-4096"]["rows"][0]["fb"]["cpu_ms"] = 400  # the softmax layer's CPU time, not its wall
+  assert bench.linear_crossover(results)["linear"] == {"time": None, "cpu": 4096, "memory": None}
   table = bench.linear_markdown(results)
   row = next(line for line in table.splitlines() if line.startswith("| kda"))
-  assert row.endswith("| T ≥ 2048 | T ≥ 1024 |") and "| 12 / 24 / 0 |" in row
+  assert row.endswith("| T ≥ 2048; T ≥ 2048 | T ≥ 1024 |") and "| 12 / 24 / 0 |" in row
   assert "| blocked softmax (fused, causal) |" in table
 
 

@@ -473,8 +473,9 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
 
 def linear_crossover(results: dict[str, Any]) -> dict[str, dict[str, int | None]]:
   """Per fixed-state head of the linear family: the least T from which it beats the blocked
-  softmax layer ("fused") at every longer T measured, forward+backward time ("time") and XLA's
-  buffers ("memory"); None where it does not win at the longest T."""
+  softmax layer ("fused") at every longer T measured, forward+backward wall time ("time"), process
+  CPU time ("cpu": what load on a shared machine changes least) and XLA's buffers ("memory"); None
+  where it does not win at the longest T."""
   by_T = {}
   for r in results.values():
     if r["shape"].get("linear"):
@@ -483,6 +484,7 @@ def linear_crossover(results: dict[str, Any]) -> dict[str, dict[str, int | None]
   out = {}
   for head in sorted(heads):
     wins = {"time": lambda h, f: h["fb"]["ms"] < f["fb"]["ms"],
+            "cpu": lambda h, f: h["fb"]["cpu_ms"] < f["fb"]["cpu_ms"],
             "memory": lambda h, f: (h["peak_bytes"] or 0) < (f["peak_bytes"] or 0)}
     out[head] = {}
     for what, win in wins.items():
@@ -509,13 +511,14 @@ def linear_markdown(results: dict[str, Any]) -> str:
   since = lambda T: "never" if T is None else f"T ≥ {T}"
   lines = ["Linear heads against the blocked softmax kernel (causal), forward+backward: wall ms / "
            "process CPU ms / peak MB (XLA's buffers), and the T from which each head is faster "
-           "and smaller at every longer T measured.", "",
-           "| layer | " + " | ".join(f"T={T}" for T in Ts) + " | faster from | smaller from |",
+           "(wall; CPU) and smaller at every longer T measured.", "",
+           "| layer | " + " | ".join(f"T={T}" for T in Ts) + " | faster from (wall; CPU) | smaller from |",
            "|---|" + "---:|" * (len(Ts) + 2)]
   for n in names:
     label = "blocked softmax (fused, causal)" if n == "fused" else n
     wins = cross.get(n)
-    tail = " | – | – |" if wins is None else f" | {since(wins['time'])} | {since(wins['memory'])} |"
+    tail = (" | – | – |" if wins is None
+            else f" | {since(wins['time'])}; {since(wins['cpu'])} | {since(wins['memory'])} |")
     lines.append(f"| {label} | " + " | ".join(cell(by_T[T].get(n)) for T in Ts) + tail)
   return "\n".join(lines)
 
