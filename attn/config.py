@@ -118,7 +118,7 @@ class HeadConfig:
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
   token's queries are a sum of q_rank head-by-dim outer products, its keys and
   values of kv_rank each; default 6 and 2, the paper's). conv_width and chunk are the
-  fixed-state heads' (gated_deltanet, kda, mamba2, linear; attn.variants.linear): the width
+  fixed-state heads' (gated_deltanet, kda, mamba2, linear, gla; attn.variants.linear): the width
   of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
   tokens one step of the chunked scan covers (64, MaxText's and fla's); gated_norm_eps the
   epsilon of gated_deltanet's and kda's gated output RMSNorm (1e-6, Qwen3-Next's; Kimi

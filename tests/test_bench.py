@@ -252,3 +252,50 @@ def test_impls_rows_name_auto_s_pick_and_skip_what_does_not_run_here():
   assert "fused[auto] (einsum)" in bench.markdown("tiny", result)
   with pytest.raises(ConfigError, match="--impls.*'flash'"):
     bench._names("einsum,flash", kernel.IMPLS, "--impls", ())
+
+
+def _linear_result(T, ms, peak):
+  """A linear-family result as bench_shape returns it, with the given fwd+bwd ms and peak bytes."""
+  rows = [{"name": n, "fb": {"ms": ms[n], "cpu_ms": 2 * ms[n]}, "peak_bytes": peak[n]} for n in ms]
+  return {"shape": {"T": T, "linear": True}, "rows": rows}
+
+
+def test_linear_family_reports_where_each_head_starts_to_win():
+  assert bench._names("linear", bench.SHAPES, "--shapes", (), bench.GROUPS) == [
+      f"linear-{T}" for T in (1024, 2048, 4096, 8192, 16384)]
+  assert all(bench.SHAPES[f"linear-{T}"].causal for T in bench.LINEAR_LENGTHS)
+  # kda: slower at 1024, faster from 2048 on; mamba2 faster at 1024 only (not a win from there);
+  # linear never faster. Memory: kda smaller from 1024, mamba2 from 4096, linear only at 1024.
+  ms = {1024: {"fused": 10, "kda": 12, "mamba2": 5, "linear": 30},
+        2048: {"fused": 30, "kda": 20, "mamba2": 40, "linear": 60},
+        4096: {"fused": 100, "kda": 40, "mamba2": 110, "linear": 120}}
+  peak = {1024: {"fused": 8, "kda": 4, "mamba2": 9, "linear": 7},
+          2048: {"fused": 8, "kda": 4, "mamba2": 9, "linear": 9},
+          4096: {"fused": 8, "kda": 4, "mamba2": 7, "linear": 9}}
+  results = {f"linear-{T}": _linear_result(T, ms[T], peak[T]) for T in ms}
+  results["causal"] = {"shape": {"T": 256, "linear": False}, "rows": []}  # other shapes: ignored
+  # CPU ms are twice the wall ms here (_linear_result): the same wins.
+  assert bench.linear_crossover(results) == {
+      "kda": {"time": 2048, "cpu": 2048, "memory": 1024},
+      "mamba2": {"time": None, "cpu": None, "memory": 4096},
+      "linear": {"time": None, "cpu": None, "memory": None}}
+  results["linear-4096"]["rows"][0]["fb"]["cpu_ms"] = 400  # the softmax layer's CPU time, not its wall
+  assert bench.linear_crossover(results)["linear"] == {"time": None, "cpu": 4096, "memory": None}
+  table = bench.linear_markdown(results)
+  row = next(line for line in table.splitlines() if line.startswith("| kda"))
+  assert row.endswith("| T ≥ 2048; T ≥ 2048 | T ≥ 1024 |") and "| 12 / 24 / 0 |" in row
+  assert "| blocked softmax (fused, causal) |" in table
+
+
+@pytest.mark.slow
+def test_linear_family_times_each_fixed_state_head_against_the_blocked_kernel():
+  shape = bench.Shape(B=1, T=24, D=16, H=2, K=8, causal=True, linear=True)
+  result = bench.bench_shape("linear-24", shape, ["per_head", "linear", "mamba2"], "float32",
+                             repeats=1, peers=True, matmul_n=32, log=lambda _: None)
+  rows = {r["name"]: r for r in result["rows"]}
+  assert set(rows) == {"fused", "linear", "mamba2"}  # softmax variants and peers are not timed here
+  for r in rows.values():
+    assert r["fb"]["ms"] > 0 and r["peak_bytes"] > 0
+  assert rows["mamba2"]["fwd_flops"] == attn.count.flops("mamba2", shape.cfg, 24)
+  assert set(bench.linear_crossover({"linear-24": result})) == {"linear", "mamba2"}
+  json.dumps(result)

@@ -414,7 +414,7 @@ def test_cli_markdown_seed_question(capsys):
   cfg = HeadConfig(d_model=512, num_heads=8, d_k=64)
   for name in attn.VARIANTS:
     c = count.param_counts(name, cfg)
-    effective = "n/a (measured)" if c["effective"] is None else f"{c['effective']:,}"  # state heads
+    effective = "—" if c["effective"] is None else f"{c['effective']:,}"  # state heads: not defined
     assert rows[name][1:4] == [f"{c['analytic']:,}", f"{c['stored']:,}", effective]
     measured = " (measured)" if "flops" in count.measured_figures(name, cfg) else ""
     assert rows[name][6] == f"{count.flops(name, cfg, 128):,}" + measured

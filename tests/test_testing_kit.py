@@ -135,15 +135,16 @@ def test_a_pass_says_what_it_checked_when_asked(capsys):
 
 def test_a_mechanism_whose_flops_are_off_is_caught():
   gate = mechanisms.MECHANISMS["gate"]
-  # A copy on the same field: with gate set both act, so the gate's FLOPs are declared twice.
-  bad = dataclasses.replace(gate, name="gate_doubled")
+  # A copy on the same field, declaring twice the FLOPs it computes: with gate set both act (XLA's
+  # count before optimisation has the gate twice), and the copy's declaration is off by its own.
+  bad = dataclasses.replace(gate, name="gate_doubled", flops=lambda cfg, T, S: 2 * gate.flops(cfg, T, S))
   with pytest.raises(AssertionError, match=r"flops: variant 'per_head' at HeadConfig\(d_model=48, .*gate='elementwise'"
                                            r".*declared (\d+) with mechanism 'gate_doubled' \((\d+) of it\) "
                                            r"\(fwd, T=4, S=12\), XLA counts (\d+)") as e:
     testing.check_mechanism_counts(bad)
   found = re.search(r"declared (\d+) .*\((\d+) of it\).*XLA counts (\d+)", str(e.value))
   declared, copy, xla = (int(n) for n in found.groups())
-  assert copy > 0.10 * xla and abs(xla - (declared - copy)) <= 0.10 * xla  # counted once, it agrees
+  assert copy > 0.20 * xla and abs(xla - (declared - copy // 2)) <= 0.10 * xla  # declared once, it agrees
 
 
 def test_a_mechanism_whose_effective_count_is_off_by_one_is_caught():

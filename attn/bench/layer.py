@@ -23,6 +23,14 @@ no projections) against the same core with a sliding window of LONG_WINDOW
 keys ("core_window", whose FLOPs count only the pairs inside the window);
 those up to T = 4096 without a mask time the core alone too ("core_full"). The
 candidates live in attn.bench.peers.
+
+The linear family (`--shapes linear`: B=1, T = 1024, 2048, 4096, 8192, 16384, causal, the long
+family's D=512, H=8, K=V=64) times each fixed-state head (gated_deltanet, kda, mamba2, linear, gla, or
+those --variants names), its chunked form at its default chunk, against the fused layer with the
+blocked softmax kernel, causal ("fused"), and reports the T from which each head is faster
+forward+backward, and from which its XLA buffers are smaller (linear_crossover). Its FLOPs are
+the heads' closed forms (attn.count). A fixed-state head in any other shape runs causal (no
+dense mask), and is skipped at a shape without a causal mask.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ class Shape:
   K: int
   causal: bool = False
   long: bool = False  # attention cores behind the fused projections (module docstring)
+  linear: bool = False  # the fixed-state heads against the blocked softmax kernel (module docstring)
 
   @property
   def cfg(self) -> HeadConfig:
@@ -107,7 +116,11 @@ for _T in LONG_LENGTHS:
   for _causal in (False, True):
     SHAPES[f"long-{_T}{'-causal' if _causal else ''}"] = Shape(
         B=1, T=_T, D=512, H=8, K=64, causal=_causal, long=True)
-GROUPS = {"long": tuple(n for n in SHAPES if n.startswith("long-"))}
+LINEAR_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+for _T in LINEAR_LENGTHS:
+  SHAPES[f"linear-{_T}"] = Shape(B=1, T=_T, D=512, H=8, K=64, causal=True, linear=True)
+GROUPS = {"long": tuple(n for n in SHAPES if n.startswith("long-")),
+          "linear": tuple(n for n in SHAPES if n.startswith("linear-"))}
 # issue 44's accelerator goal: T = 4096, causal, 16 heads of 128 (run in bfloat16 on a GPU).
 SHAPES["wide-4096-causal"] = Shape(B=1, T=4096, D=2048, H=16, K=128, causal=True, long=True)
 DEFAULT_SHAPES = ("reference", "causal", "small")
@@ -146,7 +159,9 @@ NOISY_SPREAD = 0.25  # (max - min) / median of the matmul's times above which a 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--shapes", default=None,
                       help=f"comma-separated, from {','.join([*SHAPES, *GROUPS])} (long: every "
-                           f"long-*; default: {','.join(DEFAULT_SHAPES)}; --quick: "
+                           f"long-*; linear: every linear-*, each fixed-state head's chunked form "
+                           f"against the blocked softmax kernel, causal, and the T from which it "
+                           f"wins; default: {','.join(DEFAULT_SHAPES)}; --quick: "
                            f"{','.join(QUICK_SHAPES)})")
   parser.add_argument("--variants", default=None,
                       help="comma-separated variant names (default: every registered variant)")
@@ -264,7 +279,27 @@ def _timer(fn: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
 
 
 def _variant_case(variant, shape: Shape, dtype, mask) -> dict[str, Any]:
+  if variant.init_state is not None:  # a fixed-state head: causal by construction, no dense mask
+    return peers_lib.variant_case(variant, shape.cfg, shape.B, shape.T, dtype, None, is_causal=True)
   return peers_lib.variant_case(variant, shape.cfg, shape.B, shape.T, dtype, mask)
+
+
+def _linear_cases(shape: Shape, dtype, variants: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+  """The fused layer with the blocked kernel, causal, and each fixed-state head among `variants`."""
+  cases = {"fused": peers_lib.fused_case(shape.cfg, shape.B, shape.T, dtype, impl="blocked",
+                                         is_causal=True)}
+  skipped = {}
+  for v in variants:
+    variant = attn.get_variant(v)
+    if variant.init_state is None:
+      continue
+    try:
+      variant.check(shape.cfg)
+    except ConfigError as e:
+      skipped[v] = str(e)
+      continue
+    cases[v] = _variant_case(variant, shape, dtype, None)
+  return cases, skipped
 
 
 def _long_cases(shape: Shape, dtype, dtype_name: str,
@@ -386,19 +421,24 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
   cases, skipped, picks = {}, {}, {}
   if shape.long:
     cases, skipped = _long_cases(shape, dtype, dtype_name, peers)
+  if shape.linear:
+    cases, skipped = _linear_cases(shape, dtype, variants)
   if impls:
     more, why, picks = _impl_cases(shape, dtype, dtype_name, impls, peers)
     cases.update(more)
     skipped.update(why)
-  for v in [] if shape.long else variants:
+  for v in [] if shape.long or shape.linear else variants:
     variant = attn.get_variant(v)
     try:
       variant.check(shape.cfg)
     except ConfigError as e:
       skipped[v] = str(e)
       continue
+    if variant.init_state is not None and not shape.causal:
+      skipped[v] = "a fixed-state head is causal only: it runs at the causal shapes"
+      continue
     cases[v] = _variant_case(variant, shape, dtype, mask)
-  if "fused" in cases and not shape.long:
+  if "fused" in cases and not (shape.long or shape.linear):
     # The fused layer again with impl="onednn" (attn.kernel.onednn: the core's products on oneDNN's sgemm).
     why = onednn.why_not(dtype)
     if why is None:
@@ -406,7 +446,7 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
                                                    impl="onednn", mask=mask)
     else:
       skipped["fused_onednn"] = f'impl="onednn" does not run here: {why}'
-  if peers and not shape.long:
+  if peers and not (shape.long or shape.linear):
     cfg = shape.cfg
     cases["jax_dpa"] = peers_lib.fused_case(cfg, shape.B, shape.T, dtype, impl="xla", mask=mask)
     cases["flax"] = peers_lib.flax_case(cfg, shape.B, shape.T, dtype, mask)
@@ -448,6 +488,58 @@ def bench_shape(name: str, shape: Shape, variants: list[str], dtype_name: str, r
                    for p in PEERS if p in by_name}
   return {"shape": dataclasses.asdict(shape), "dtype": dtype_name, "repeats": repeats,
           "matmul": matmul, "rows": rows, "skipped": skipped, "picks": picks}
+
+
+def linear_crossover(results: dict[str, Any]) -> dict[str, dict[str, int | None]]:
+  """Per fixed-state head of the linear family: the least T from which it beats the blocked
+  softmax layer ("fused") at every longer T measured, forward+backward wall time ("time"), process
+  CPU time ("cpu": what load on a shared machine changes least) and XLA's buffers ("memory"); None
+  where it does not win at the longest T."""
+  by_T = {}
+  for r in results.values():
+    if r["shape"].get("linear"):
+      by_T[r["shape"]["T"]] = {row["name"]: row for row in r["rows"]}
+  heads = {n for rows in by_T.values() for n in rows if n != "fused"}
+  out = {}
+  for head in sorted(heads):
+    wins = {"time": lambda h, f: h["fb"]["ms"] < f["fb"]["ms"],
+            "cpu": lambda h, f: h["fb"]["cpu_ms"] < f["fb"]["cpu_ms"],
+            "memory": lambda h, f: (h["peak_bytes"] or 0) < (f["peak_bytes"] or 0)}
+    out[head] = {}
+    for what, win in wins.items():
+      since = None
+      for T in sorted(by_T, reverse=True):
+        rows = by_T[T]
+        if head not in rows or "fused" not in rows or not win(rows[head], rows["fused"]):
+          break
+        since = T
+      out[head][what] = since
+  return out
+
+
+def linear_markdown(results: dict[str, Any]) -> str:
+  """The linear family in one table: forward+backward ms and peak MB per T, and where each head wins."""
+  by_T = {r["shape"]["T"]: {row["name"]: row for row in r["rows"]}
+          for r in results.values() if r["shape"].get("linear")}
+  if not by_T:
+    return ""
+  Ts = sorted(by_T)
+  names = list(dict.fromkeys(n for T in Ts for n in by_T[T]))
+  cross = linear_crossover(results)
+  cell = lambda row: "–" if row is None else f"{row['fb']['ms']:.0f} / {row['fb']['cpu_ms']:.0f} / {_mb(row['peak_bytes'])}"
+  since = lambda T: "never" if T is None else f"T ≥ {T}"
+  lines = ["Linear heads against the blocked softmax kernel (causal), forward+backward: wall ms / "
+           "process CPU ms / peak MB (XLA's buffers), and the T from which each head is faster "
+           "(wall; CPU) and smaller at every longer T measured.", "",
+           "| layer | " + " | ".join(f"T={T}" for T in Ts) + " | faster from (wall; CPU) | smaller from |",
+           "|---|" + "---:|" * (len(Ts) + 2)]
+  for n in names:
+    label = "blocked softmax (fused, causal)" if n == "fused" else n
+    wins = cross.get(n)
+    tail = (" | – | – |" if wins is None
+            else f" | {since(wins['time'])}; {since(wins['cpu'])} | {since(wins['memory'])} |")
+    lines.append(f"| {label} | " + " | ".join(cell(by_T[T].get(n)) for T in Ts) + tail)
+  return "\n".join(lines)
 
 
 def _mb(n):
@@ -640,7 +732,8 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(name, results[name]) + "\n", flush=True)
   report = {"machine": info, "dtype": dtype, "repeats": repeats, "quick": args.quick,
             "shapes": results, "causal_ratio": causal_ratios(results),
-            "window_ratio": window_ratios(results), "selection_ratio": selection_ratios(results)}
+            "window_ratio": window_ratios(results), "selection_ratio": selection_ratios(results),
+            "linear_crossover": linear_crossover(results)}
   if report["causal_ratio"]:
     print("Long sequences, fused layer, forward+backward time causal ÷ non-causal: "
           + ", ".join(f"T={T} {x:.2f}" for T, x in report["causal_ratio"].items()) + "\n")
@@ -655,6 +748,8 @@ def run(args: argparse.Namespace) -> int:
           + "; ".join(f"{n} {x['fwd']:.2f} / {x['fb']:.2f}, CPU {x['cpu_fb']:.2f}, peak {x['peak']:.2f}"
                       + ("" if T != 16384 else (" (goal met)" if x["fb"] <= SELECTION_GOAL else " (goal not met)"))
                       for n, x in sel.items()) + "\n")
+  if report["linear_crossover"]:
+    print(linear_markdown(results) + "\n")
   if args.sweep:
     log("[sweep] training ...")
     steps = args.sweep_steps if args.sweep_steps is not None else (20 if args.quick else None)

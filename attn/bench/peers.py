@@ -70,10 +70,11 @@ def _input(B: int, T: int, D: int, dtype):
   return jax.random.normal(jax.random.PRNGKey(1), (B, T, D)).astype(dtype)
 
 
-def variant_case(variant, cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
+def variant_case(variant, cfg: HeadConfig, B: int, T: int, dtype, mask,
+                 is_causal: bool = False) -> Candidate:
   """One registered variant at its default attention core."""
   params = variant.init(jax.random.PRNGKey(0), cfg, dtype)
-  opts = Options(mask=mask)
+  opts = Options(mask=mask, is_causal=is_causal)
   apply = lambda p, x: variant.apply(p, x, None, cfg=cfg, opts=opts)[0]
   return jax_pair(apply, params, _input(B, T, cfg.d_model, dtype), dtype)
 

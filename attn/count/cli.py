@@ -127,9 +127,12 @@ def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
   return {n: getattr(args, n) for n in _MODEL_FLAGS if getattr(args, n, None) is not None}
 
 
+NOT_DEFINED = "—"  # a figure with no value at this layer (an effective count too large to measure)
+
+
 def _fmt(value: Any) -> str:
   if value is None:
-    return "n/a"
+    return NOT_DEFINED
   if isinstance(value, bool):
     return "yes" if value else "**no**"
   if isinstance(value, float):
@@ -141,15 +144,15 @@ def _fmt(value: Any) -> str:
 
 def markdown(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
   """A markdown table; rows with an "error" show it in place of their numbers, and the cells a row
-  lists under "measured" (no closed form; attn.count) say so."""
+  lists under "measured" (no closed form; attn.count) say so; a None cell (nothing measured) is —."""
   lines = ["| " + " | ".join(title for _, title in columns) + " |",
            "|---|" + "---:|" * (len(columns) - 1)]
   for row in rows:
     if "error" in row:
       cells = [row[columns[0][0]], f"n/a: {row['error']}"] + [""] * (len(columns) - 2)
     else:
-      cells = [_fmt(row.get(k, "")) + (" (measured)" if k in row.get("measured", ()) else "")
-               for k, _ in columns]
+      cells = [_fmt(row.get(k, "")) + (" (measured)" if k in row.get("measured", ())
+                                        and row.get(k) is not None else "") for k, _ in columns]
     lines.append("| " + " | ".join(str(c) for c in cells) + " |")
   return "\n".join(lines)
 
@@ -322,7 +325,7 @@ def _layer_output(report: dict[str, Any], fmt: str) -> str:
 
 
 def _unmeasured(report: dict[str, Any]) -> str:
-  """A note for effective counts left n/a: which mechanism lacks a closed form, and what to declare."""
+  """A note for effective counts left out (—): which mechanism lacks a closed form, and what to declare."""
   rows = [r for r in report["rows"] if "error" not in r and r.get("effective") is None]
   if not rows:
     return ""
@@ -333,7 +336,7 @@ def _unmeasured(report: dict[str, Any]) -> str:
     fix = "; a mechanism that adds no degree of freedom declares effective_param_count=lambda cfg: 0 (docs/extending.md)"
   else:
     why, fix = "the variant declares no closed form", ""
-  return (f"\n\nparams (effective) n/a for {', '.join(r['variant'] for r in rows)}: {why}, and a layer of "
+  return (f"\n\nparams (effective) left out (—) for {', '.join(r['variant'] for r in rows)}: {why}, and a layer of "
           f"more than {measured.JACOBIAN_MAX_PARAMS:,} parameters is too large to measure it (the Jacobian's rank)"
           + fix)
 

@@ -11,7 +11,8 @@ FLOPs, KV-cache width and score weights without a closed form are measured too
 (XLA's cost analysis; what decoding caches; gradients); layer_table marks every
 measured figure, and `attn count` prints "(measured)" beside it.
 FLOPs count a multiply-add as 2, per batch element, softmax and elementwise
-ops not counted. The backward pass of a matmul y = a·b is two matmuls of the
+ops not counted (the fixed-state heads count their chunked core's, gates' and
+norms' elementwise work too, as XLA does: attn.variants.linear.core.chunked_flops). The backward pass of a matmul y = a·b is two matmuls of the
 same size (da = dy·bᵀ, db = aᵀ·dy), so forward+backward = 3 × forward.
 """
 

@@ -11,7 +11,7 @@ is the model's HeadConfig (ModelConfig.head):
 
   linear_attention        a head with a fixed-size state instead of softmax attention:
                           the variant ModelConfig.linear_variant (gated_deltanet by
-                          default; kda, mamba2, linear) with ModelConfig.linear_head's
+                          default; kda, mamba2, linear, gla) with ModelConfig.linear_head's
                           HeadConfig fields over the model's d_model, num_heads, d_k,
                           d_v, num_kv_heads, use_bias, conv_width, chunk and
                           gated_norm_eps; none of the

@@ -12,12 +12,13 @@ def _builtins() -> list[Variant]:
   from attn.variants import mla, talking_heads
   from attn.variants import differential, tpa
   from attn.variants import gated_deltanet, kda, linear_attention, mamba2
+  from attn.variants import gla
   from attn.variants import grouped_lowrank, k_eq_v
   from attn.variants import compressed
   return [per_head.VARIANT, fused.VARIANT, merged.VARIANT, two_stage.VARIANT, split_input.VARIANT,
           collaborative.VARIANT, mla.VARIANT, talking_heads.VARIANT, differential.VARIANT,
           tpa.VARIANT, gated_deltanet.VARIANT, kda.VARIANT, mamba2.VARIANT, linear_attention.VARIANT,
-          k_eq_v.VARIANT, grouped_lowrank.VARIANT, compressed.VARIANT]
+          gla.VARIANT, k_eq_v.VARIANT, grouped_lowrank.VARIANT, compressed.VARIANT]
 
 
 VARIANTS: Registry[Variant] = Registry("variant", "attn.variants", Variant, _builtins,

@@ -41,7 +41,7 @@ opts)` -> y_BTD, cache holding the same names over the cache length and
 opts.mask saying which slots each query sees (mla: the latent and the rotated
 RoPE key).
 
-A head with a fixed-size state (attn.variants.linear: gated_deltanet, kda, mamba2, linear)
+A head with a fixed-size state (attn.variants.linear: gated_deltanet, kda, mamba2, linear, gla)
 decodes with that state instead of a KV cache: it sets `init_state(cfg, batch_size, dtype)` ->
 dict of (B, ...) zero arrays, the state of a sequence before its first token, and `step(params,
 x_BTD, state, *, cfg, opts)` -> (y_BTD, the state after x's tokens), equal to the causal `apply`

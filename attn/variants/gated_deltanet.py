@@ -29,10 +29,13 @@ decay per key channel and a low-rank sigmoid gate; its record reuses forward() b
 Params: D·(2GK + 2HV + 2H) + W·(2GK + HV) + 2H + V + HVD [+ 2GK + HV + D].
 State per sequence: H·K·V (float32) + (W − 1)·(2GK + HV) (the convolution's last inputs);
   no KV cache (kv_cache_width 0). Score weights (what the implied mixing of values depends on):
-  D·2GK + W·2GK + 2·D·H + 2H. FLOPs: measured (XLA), the chunked scan's depending on the chunk;
-  XLA's cost analysis counts the body of a scan once, so past one chunk the measured figure
-  undercounts the core (a closed form within the kit's 10% at its small config would have to
-  count the elementwise work too: not written yet).
+  D·2GK + W·2GK + 2·D·H + 2H.
+FLOPs (flops below), per token: the projections 2D·(2GK + 2HV + 2H) + 2HVD, the convolution and
+  SiLU over 2GK + HV channels (parts.conv_flops), l2norm of q and k and q's 1/sqrt(d_k) (7GK),
+  β and the decay (σ, softplus and two more: 11H), the gated norm (rms, scale, SiLU, product:
+  9HV); plus the chunked delta rule at cfg.chunk (core.chunked_flops, per-head decay). The
+  elementwise terms are what XLA's cost analysis counts, so the total is within a few percent of
+  its count of the computation with its loops unrolled (tests/test_linear_flops.py).
 """
 
 from __future__ import annotations
@@ -141,6 +144,16 @@ def score_weights(cfg: HeadConfig) -> int:
   return D * 2 * G * K + W * 2 * G * K + 2 * D * H + 2 * H
 
 
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Forward FLOPs of T tokens (S = T: self-attention only), as the module docstring derives."""
+  del S
+  D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
+  proj = 2 * D * (2 * G * K + 2 * H * V + 2 * H) + 2 * H * V * D
+  per_token = (proj + parts.conv_flops(W, 2 * G * K + H * V) + (2 * parts.NORM + 1) * G * K
+               + (parts.SIGMOID + parts.SOFTPLUS + 2) * H + (parts.NORM + 2 + parts.SILU) * H * V)
+  return T * per_token + core.chunked_flops(T, cfg.chunk, H, K, V, delta=True, decay="head")
+
+
 SHARDING = {"w_q": "DGK", "w_k": "DGK", "b_q": "GK", "b_k": "GK", "conv_q": "WGK", "conv_k": "WGK",
             "conv_v": "WHV", "w_b": "DH", "norm": "V"}
 
@@ -150,6 +163,7 @@ VARIANT = Variant(
     init=init,
     param_count=param_count,
     score_weights=score_weights,
+    flops=flops,
     check=check,
     **parts.state_record(NAME, forward, state_shapes),
 )

@@ -18,7 +18,11 @@ a (C, C, d_k) tensor per head (attn.variants.linear.core): keep chunk small (16 
 
 Params: D·(2GK + HV + H) + W·(2GK + HV) + D·K + K·H·K + H·K + H + D·V + V·H·V + V + HVD
   [+ 2GK + HV + D]. State per sequence: H·K·V + (W − 1)·(2GK + HV), as gated_deltanet.
-Score weights: D·2GK + W·2GK + D·H + D·K + K·H·K + H·K + H. FLOPs: measured.
+Score weights: D·2GK + W·2GK + D·H + D·K + K·H·K + H·K + H.
+FLOPs per token: gated_deltanet's without W_Z, W_A, their SiLU and scalar decay, plus the low-rank
+decay 2·(DK + KHK) with its softplus per channel (8HK) and the low-rank gate 2·(DV + VHV) with
+its sigmoid (the gated norm: 8HV); the chunked delta rule with a decay per key channel, whose
+(C,C,K) decay per chunk and head costs 4C²K per score matrix (core.chunked_flops).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from attn.config import HeadConfig
 from attn.variants import gated_deltanet as gdn
 from attn.variants.base import Params, Variant, dense, normal
-from attn.variants.linear import parts
+from attn.variants.linear import core, parts
 
 NAME = "kda"
 
@@ -83,6 +87,17 @@ def score_weights(cfg: HeadConfig) -> int:
   return D * 2 * G * K + W * 2 * G * K + D * H + D * K + K * H * K + H * K + H
 
 
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Forward FLOPs of T tokens (S = T), as the module docstring derives."""
+  del S
+  D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
+  proj = 2 * D * (2 * G * K + H * V + H) + 2 * (D * K + K * H * K) + 2 * (D * V + V * H * V)
+  per_token = (proj + 2 * H * V * D + parts.conv_flops(W, 2 * G * K + H * V)
+               + (2 * parts.NORM + 1) * G * K + parts.SIGMOID * H + (parts.SOFTPLUS + 2) * H * K
+               + (parts.NORM + 2 + parts.SIGMOID) * H * V)
+  return T * per_token + core.chunked_flops(T, cfg.chunk, H, K, V, delta=True, decay="channel")
+
+
 VARIANT = Variant(
     name=NAME,
     sharding={**gdn.SHARDING, "w_fa": "DF", "w_fb": "FHK", "w_ga": "DF", "w_gb": "FHV",
@@ -90,6 +105,7 @@ VARIANT = Variant(
     init=init,
     param_count=param_count,
     score_weights=score_weights,
+    flops=flops,
     check=check,
     **parts.state_record(NAME, forward, gdn.state_shapes),
 )

@@ -13,7 +13,9 @@ num_kv_heads the query/key heads (attn.variants.gated_deltanet)); no convolution
 is not read. chunk is the scan's step. A fully padded example (kv_lengths 0) outputs 0.
 
 Params: D·(2GK + HV) + HVD [+ 2GK + HV + D]. State per sequence: H·K·(V + 1) (float32).
-Score weights: D·2GK. FLOPs: measured.
+Score weights: D·2GK. FLOPs per token: the projections 2D·(2GK + HV) + 2HVD, φ on q and k (elu
+and the 1: 3 per element, 2GK) and the division by the normaliser (HV); plus the chunked plain
+recurrence without decay over V + 1 value columns (attn.variants.linear.core.chunked_flops).
 """
 
 from __future__ import annotations
@@ -76,12 +78,21 @@ def score_weights(cfg: HeadConfig) -> int:
   return cfg.d_model * 2 * cfg.num_kv_heads * cfg.d_k
 
 
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Forward FLOPs of T tokens (S = T), as the module docstring derives."""
+  del S
+  D, H, G, K, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+  per_token = 2 * D * (2 * G * K + H * V) + 2 * H * V * D + 3 * 2 * G * K + H * V
+  return T * per_token + core.chunked_flops(T, cfg.chunk, H, K, V + 1, delta=False, decay=None)
+
+
 VARIANT = Variant(
     name=NAME,
     sharding={"w_q": "DGK", "w_k": "DGK", "b_q": "GK", "b_k": "GK"},
     init=init,
     param_count=param_count,
     score_weights=score_weights,
+    flops=flops,
     check=check,
     **parts.state_record(NAME, forward, state_shapes),
 )

@@ -25,7 +25,11 @@ b_o (D,).
 
 Params: D·(2HV + 2GK + H) + (W + 1)·(HV + 2GK) + 3H + HV + HVD [+ 2HV + 2GK + H + D].
 State per sequence: H·K·V (float32) + (W − 1)·(HV + 2GK). Score weights (what the implied
-mixing depends on: B, C and Δ): D·(2GK + H) + W·2GK + 2H. FLOPs: measured.
+mixing depends on: B, C and Δ): D·(2GK + H) + W·2GK + 2H.
+FLOPs per token: the projections 2D·(2HV + 2GK + H) + 2HVD, the convolution with its bias and
+SiLU over HV + 2GK channels, Δ and Δ·A (softplus and two more: 8H), the skip D·x (2HV) and the
+gated norm (SiLU(z), product, rms, scale: 9HV); plus the chunked plain recurrence with a
+per-head decay (attn.variants.linear.core.chunked_flops).
 """
 
 from __future__ import annotations
@@ -116,6 +120,16 @@ def score_weights(cfg: HeadConfig) -> int:
   return D * (2 * G * K + H) + W * 2 * G * K + 2 * H
 
 
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Forward FLOPs of T tokens (S = T), as the module docstring derives."""
+  del S
+  D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
+  per_token = (2 * D * (2 * H * V + 2 * G * K + H) + 2 * H * V * D
+               + parts.conv_flops(W, H * V + 2 * G * K, bias=True) + (parts.SOFTPLUS + 2) * H
+               + (2 + parts.SILU + 1 + parts.NORM + 1) * H * V)
+  return T * per_token + core.chunked_flops(T, cfg.chunk, H, K, V, delta=False, decay="head")
+
+
 VARIANT = Variant(
     name=NAME,
     sharding={"w_v": "DHV", "w_z": "DHV", "w_k": "DGK", "w_q": "DGK", "w_dt": "DH",
@@ -126,6 +140,7 @@ VARIANT = Variant(
     init=init,
     param_count=param_count,
     score_weights=score_weights,
+    flops=flops,
     check=check,
     **parts.state_record(NAME, forward, state_shapes),
 )

@@ -1,6 +1,6 @@
 """The linear-attention core: one recurrence, a chunked form for training and a recurrent one.
 
-Every head this package serves (gated_deltanet, kda, mamba2, linear) keeps a state S of
+Every head this package serves (gated_deltanet, kda, mamba2, linear, gla) keeps a state S of
 d_k × d_v per value head and updates it token by token:
 
   S_t = diag(α_t)·S_{t−1} + k_t·δ_tᵀ,   o_t = S_tᵀ·q_t,   α_t = exp(g_t) ∈ (0, 1]
@@ -164,6 +164,31 @@ def chunked(q_BTGK: Array, k_BTGK: Array, v_BTHV: Array, *, g: Array | None = No
                                  tuple(chunks(a) for a in (q, k, v, g, beta)))
   o_BTHV = jnp.moveaxis(o_NBCHV, 0, 1).reshape(B, N * C, H, V)[:, :T]
   return o_BTHV, S_BHKV
+
+
+def chunked_flops(T: int, chunk: int, H: int, K: int, V: int, *, delta: bool,
+                  decay: str | None) -> int:
+  """FLOPs of chunked(...) for one sequence of T tokens (multiply-add 2, other arithmetic 1).
+
+  decay None (no g), "head" ((B,T,H)) or "channel" ((B,T,H,K)). Each of the N = ⌈T/C⌉ chunks
+  (C = min(chunk, T), the last padded) of each of the H value heads computes, as chunked's body:
+    A = (Q·Kᵀ) ⊙ e^{γ_t − γ_s}        2C²K, plus C² for the decay (none: 0) or, per key channel,
+                                     the (C,C,K) decay formed and multiplied in: 4C²K in all;
+    o = (Q⊙e^γ)·S_0 + A·δ             2CKV + 2C²V;
+    S_C = e^{γ_C}·S_0 + (K⊙e^{γ_C−γ})ᵀ·δ   2CKV;
+  and with the delta rule also M = β⊙(K·Kᵀ ⊙ decay) (as A, plus C² for β), the right-hand side
+  β⊙(V − (K⊙e^γ)·S_0) (2CKV + 2CV) and the forward substitution (I + M)·δ = rhs, a full row of M
+  against δ per row (2C²V + CV). The elementwise O(CK + CV + KV) terms (q⊙e^γ, k⊙e^γ, the
+  state's decay and sum, the cumulative log-decay) are counted as 3CK + CV + 2KV + C·(K or 1).
+  """
+  C = max(1, min(chunk, T))
+  N = -(-T // C)
+  pair = 4 * C * C * K if decay == "channel" else 2 * C * C * K + (C * C if decay else 0)
+  per_chunk = pair + 2 * C * C * V + 4 * C * K * V
+  per_chunk += 3 * C * K + C * V + 2 * K * V + C * (K if decay == "channel" else 1)
+  if delta:
+    per_chunk += pair + C * C + 2 * C * K * V + 2 * C * V + 2 * C * C * V + C * V
+  return N * H * per_chunk
 
 
 def recurrent(q_BTGK: Array, k_BTGK: Array, v_BTHV: Array, *, g: Array | None = None,

@@ -86,6 +86,17 @@ def causal_conv(x_BTC: Array, w_WC: Array, b_C=None, state_BWC: Array | None = N
   return y_BTC, xp_BSC[:, xp_BSC.shape[1] - (W - 1):]
 
 
+def conv_flops(W: int, channels: int, bias: bool = False) -> int:
+  """FLOPs per token of causal_conv over `channels` and the SiLU after it: W multiplies and W − 1
+  adds per channel (one more with a bias), SiLU 4 (x·σ(x) as XLA counts it)."""
+  return (2 * W - 1 + int(bias) + 4) * channels
+
+
+# Elementwise FLOPs per element as XLA's cost analysis counts them (exp, rsqrt: transcendentals,
+# not FLOPs): l2norm and rms square, sum and scale (3); σ 3, SiLU 4, softplus 6.
+NORM, SIGMOID, SILU, SOFTPLUS = 3, 3, 4, 6
+
+
 def l2norm(x: Array, eps: float = 1e-6) -> Array:
   """x / sqrt(Σ x² + eps) over the last axis, in float32 (transformers' and fla's l2norm)."""
   x = x.astype(jnp.float32)
