@@ -113,7 +113,7 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   layers = []
   flops_at = {r["type"]: r["flops_fwd"] for r in count.layer_type_table(m, "decoder_lm", lengths[0], dtype)[:-1]}
   for row in count.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
-    first = next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"])
+    first = next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"] and m.has_attention(i))
     head, variant = m.layer_head(first), m.layer_variant(first)
     layers.append({"type": row["type"], "variant": variant, "layers": row["layers"],
                    "kv_shared_layers": row["kv_shared_layers"], "window": row["window"],

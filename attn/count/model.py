@@ -112,11 +112,14 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
 
 def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
   """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
-  parts["attention"] += sum(_attention(m, i) + (_attention(m, i, cross=True) if cross else 0) for i in range(n))
-  parts["mlp"] += sum(_mlp(m, i, cross) for i in range(n))
+  attn = [cross or m.has_attention(i) for i in range(n)]  # block_kinds: single-sublayer blocks
+  mlp = [cross or m.has_mlp(i) for i in range(n)]
+  parts["attention"] += sum(_attention(m, i) + (_attention(m, i, cross=True) if cross else 0)
+                            for i in range(n) if attn[i])
+  parts["mlp"] += sum(_mlp(m, i, cross) for i in range(n) if mlp[i])
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
-  parts["layernorm"] += n * (3 if cross else 2) * per_sublayer * _layer_norm(m) + (
-      _layer_norm(m) if m.final_norm else 0)
+  sublayers = sum(attn) + sum(mlp) + (n if cross else 0)
+  parts["layernorm"] += sublayers * per_sublayer * _layer_norm(m) + (_layer_norm(m) if m.final_norm else 0)
 
 
 def _output(m: ModelConfig) -> int:
@@ -164,7 +167,7 @@ def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bflo
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
   return sum(kv_cache_bytes_per_token(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers)
-             if _caches(m, kind, i))
+             if _caches(m, kind, i) and (kind != "decoder_lm" or m.has_attention(i)))
 
 
 def _caches(m: ModelConfig, kind: str, index: int) -> bool:
@@ -176,7 +179,8 @@ def _caches(m: ModelConfig, kind: str, index: int) -> bool:
 def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = "float32") -> int:
   """The fixed-size decoding state of the stack's linear layers per sequence (all layers)."""
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
-  return sum(state_bytes(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers))
+  return sum(state_bytes(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers)
+             if kind != "decoder_lm" or m.has_attention(i))
 
 
 def _stack(m: ModelConfig, kind: str) -> int:
@@ -190,6 +194,8 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloa
   check_length("length", length)
   rows: dict[str, dict[str, Any]] = {}
   for i in range(_stack(m, kind)):
+    if kind != "encoder_decoder" and not m.has_attention(i):  # an MLP-only block (block_kinds)
+      continue
     name = layer_types.layer_type(m, i)
     head, variant = m.layer_head(i), m.layer_variant(i)
     shared = not _caches(m, kind, i)
@@ -229,5 +235,5 @@ def active_param_count(m: ModelConfig, kind: str) -> int:
     return total
   experts = expert_params(m)
   stacks = [m.num_layers] + ([m.num_decoder_layers] if kind == "encoder_decoder" else [])
-  moe_layers = sum(m.is_moe_layer(i) for n in stacks for i in range(n))
+  moe_layers = sum(m.is_moe_layer(i) and (j > 0 or m.has_mlp(i)) for j, n in enumerate(stacks) for i in range(n))
   return total - moe_layers * (experts["total"] - experts["active"])

@@ -21,11 +21,15 @@ _CHOICES = {
     "norm": ("pre", "post", "sandwich", "after"),
     "norm_type": ("layernorm", "rmsnorm", "rmsnorm_plus_one"),
     "mlp": ("plain", "gated", "moe"),
-    "activation": ("gelu", "gelu_exact", "relu", "silu"),
+    "activation": ("gelu", "gelu_exact", "relu", "silu", "relu2"),
     "pooling": ("cls", "mean"),
     "dtype": ("float32", "bfloat16"),
     "param_dtype": ("float32", "bfloat16"),
 }
+# ModelConfig.block_kinds: what each block holds. "attention_mlp": attention then MLP, each a residual
+# sublayer (every block when block_kinds is None); "attention": the attention sublayer alone; "mlp":
+# the MLP (or experts) sublayer alone (NemotronH's single-mixer layers, attn.nn.hf.nemotron_h).
+BLOCK_KINDS = ("attention_mlp", "attention", "mlp")
 _BOOLS = ("embed_norm", "final_norm", "use_bias", "layernorm", "tie_embeddings", "pooler",
           "share_src_tgt_embeddings", "embed_scale", "mlm_head", "layer_scalar", "double_wide_mlp")
 def with_head_fields(cls):
@@ -91,6 +95,7 @@ class ModelConfig:
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
+  block_kinds: tuple[str, ...] | None = None  # per layer: "attention_mlp" (None: all), "attention" or "mlp" (BLOCK_KINDS)
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
   moe_top_k: int = 0  # experts kept per token
@@ -119,6 +124,8 @@ class ModelConfig:
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
     object.__setattr__(self, "layer_heads", layer_heads.normalize(self.layer_heads))
     object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
+    if isinstance(self.block_kinds, list):
+      object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
       _check_int(name, getattr(self, name), minimum=1)
     for name in ("num_segments", "num_decoder_layers", "num_classes", "per_layer_dim", "per_layer_vocab"):
@@ -171,6 +178,39 @@ class ModelConfig:
       raise invalid("double_wide_mlp", True, "False without kv_source: it widens the MLPs of the layers "
                     "reading another layer's keys and values, and there are none")
     self._check_hyper()
+    self._check_block_kinds()
+
+  def _check_block_kinds(self) -> None:
+    """block_kinds: None, or one of BLOCK_KINDS per layer; single-sublayer blocks only where every block is a
+    plain pre-norm residual around one mixer (no cross-attention, KV sharing, per-layer inputs,
+    hyper-connections)."""
+    kinds = self.block_kinds
+    if kinds is None:
+      return
+    if not isinstance(kinds, tuple) or len(kinds) != self.num_layers:
+      raise invalid("block_kinds", kinds, f"None or a list of {self.num_layers} entries (num_layers), each one "
+                    f"of {list(BLOCK_KINDS)}")
+    for i, k in enumerate(kinds):
+      if k not in BLOCK_KINDS:
+        raise invalid(f"block_kinds[{i}]", k, f"one of {list(BLOCK_KINDS)}")
+    others = {"num_decoder_layers": 0, "kv_source": None, "per_layer_dim": 0, "layer_scalar": False,
+              "hc_mult": 1, "double_wide_mlp": False}
+    for name, want in others.items():
+      if getattr(self, name) != want:
+        raise invalid(name, getattr(self, name), f"{want!r} with block_kinds (single-mixer blocks are a "
+                      "decoder's or encoder's own stack, one residual each)")
+    for i, k in enumerate(kinds):
+      if k == "mlp" and layer_types.layer_type(self, i) != "full_attention":
+        raise invalid(f"layer_types[{i}]", layer_types.layer_type(self, i), f"'full_attention' (unread) where "
+                      f"block_kinds[{i}]='mlp': the block has no attention")
+
+  def has_attention(self, index: int) -> bool:
+    """Whether block `index` of the stack has an attention sublayer (block_kinds)."""
+    return self.block_kinds is None or self.block_kinds[index] != "mlp"
+
+  def has_mlp(self, index: int) -> bool:
+    """Whether block `index` of the stack has an MLP (or experts) sublayer (block_kinds)."""
+    return self.block_kinds is None or self.block_kinds[index] != "attention"
 
   def _check_hyper(self) -> None:
     _check_int("hc_mult", self.hc_mult, minimum=1)

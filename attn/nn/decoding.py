@@ -38,12 +38,13 @@ def init_cache(model: nnx.Module, batch_size: int, max_len: int, dtype=jnp.float
   if max_len > model.cfg.max_len:
     raise invalid("max_len", max_len, f"at most the model's max_len={model.cfg.max_len}")
   for block in model.blocks:
-    block.attn.init_cache(batch_size, max_len, dtype)
+    if block.attn is not None:  # an MLP-only block (ModelConfig.block_kinds) keeps nothing
+      block.attn.init_cache(batch_size, max_len, dtype)
 
 
 def cache_state(model: nnx.Module) -> tuple[Array, int, int]:
   """(cache_index, batch size, max_len) of the model's caches; refuses a model without them."""
-  attn0 = model.blocks[0].attn
+  attn0 = next(b.attn for b in model.blocks if b.attn is not None)
   if getattr(attn0, "cache", None) is None:
     raise invalid("decode", True, "decode=False, or call init_cache(batch_size, max_len) first")
   B = next(iter(attn0.cache.values()))[...].shape[0]

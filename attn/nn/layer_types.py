@@ -134,7 +134,7 @@ def check(m: Any) -> None:
       if LAYER_TYPES[k].sliding and w is None:
         raise invalid(f"layer_types[{i}]", k, "a full_attention type when window=None: set the "
                       "model's window for its sliding layers")
-      if not LAYER_TYPES[k].rope and m.positional != "rope":
+      if not LAYER_TYPES[k].rope and not LAYER_TYPES[k].linear and m.positional != "rope":
         raise invalid(f"layer_types[{i}]", k, f"a type with RoPE when positional={m.positional!r}: "
                       "there are no rotary positions to drop (every layer is position-free already)")
     for i, k in enumerate(kinds):

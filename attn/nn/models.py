@@ -52,6 +52,13 @@ shorthand for every k-th self-attention layer of a stack global (l % k == 0,
 l counted from 1) and the rest local (0: all local; ModelConfig.layer_head);
 decoding keeps a local layer's cache as a ring of `window` slots.
 Cross-attention has no window.
+Single-mixer blocks (block_kinds, NemotronH): one entry per layer, "attention_mlp" (the block
+above; every block when None), "attention" (the attention sublayer alone: its norm, its residual)
+or "mlp" (the MLP or experts sublayer alone); the counts above drop the missing sublayer and its
+norms. An MLP-only block has no attention, no cache and no weights to return; its row of head_mask
+(rows stay one per block) is not read, and its layer_types entry must be full_attention (unread).
+The least invasive form: a block is still one TransformerBlock with the other sublayer None, so
+every stack, the decoding loop and the count keep their one-block-per-layer shape.
 
 Precision (Flax's names and meaning): param_dtype, "float32" or "bfloat16",
 is the dtype parameters are stored, updated and checkpointed in; dtype is the
@@ -258,9 +265,11 @@ class Embeddings(nnx.Module):
 
 
 def activate(name: str, x: Array) -> Array:
-  """cfg.activation: "gelu" (tanh form), "gelu_exact" (erf), "relu" or "silu"."""
+  """cfg.activation: "gelu" (tanh form), "gelu_exact" (erf), "relu", "silu" or "relu2" (relu(x)²: NemotronH)."""
   if name == "relu":
     return jax.nn.relu(x)
+  if name == "relu2":
+    return jnp.square(jax.nn.relu(x))
   if name == "silu":
     return jax.nn.silu(x)
   return jax.nn.gelu(x, approximate=name == "gelu")
@@ -290,27 +299,28 @@ class TransformerBlock(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None, experts: bool = False, variant: str | None = None,
-               d_ff: int | None = None):
+               d_ff: int | None = None, kind: str = "attention_mlp"):
     self.post_norm = cfg.norm == "post"
+    has_attn, has_mlp = kind != "mlp", kind != "attention"  # ModelConfig.block_kinds
     sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
     pre = cfg.norm != "after"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                   impl=None if cfg.impl == "auto" else cfg.impl)
-    self.attn = MultiHeadAttention(head, variant or cfg.variant, rngs=rngs, **dtypes)
-    self.attn_norm = layer_norm(cfg, rngs, pre)
+    self.attn = MultiHeadAttention(head, variant or cfg.variant, rngs=rngs, **dtypes) if has_attn else None
+    self.attn_norm = layer_norm(cfg, rngs, pre and has_attn)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
     self.cross_norm = layer_norm(cfg, rngs, pre and cross)
-    self.mlp = MLP(cfg, rngs=rngs, d_ff=d_ff) if not experts else moe.MoE(
+    self.mlp = None if not has_mlp else MLP(cfg, rngs=rngs, d_ff=d_ff) if not experts else moe.MoE(
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
         shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
         if cfg.moe_shared_experts else None)
-    self.mlp_norm = layer_norm(cfg, rngs, pre)
-    self.attn_post_norm = layer_norm(cfg, rngs, sandwich)
+    self.mlp_norm = layer_norm(cfg, rngs, pre and has_mlp)
+    self.attn_post_norm = layer_norm(cfg, rngs, sandwich and has_attn)
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
-    self.mlp_post_norm = layer_norm(cfg, rngs, sandwich)
+    self.mlp_post_norm = layer_norm(cfg, rngs, sandwich and has_mlp)
     # Gemma 4: x + norm(out(act(gate(x))·p_l)), p_l this layer's per-layer input; then x·scalar.
     P = cfg.per_layer_dim
     self.activation = cfg.activation
@@ -357,19 +367,21 @@ class TransformerBlock(nnx.Module):
         seen.append(w_BHTS)
       return y
 
-    x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc)
+    if self.attn is not None:
+      x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
                                                 kv_lengths=context_kv_lengths), x_BTD,
           self.cross_post_norm, self.cross_hc)
-    x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm, self.mlp_hc)
+    if self.mlp is not None:
+      x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm, self.mlp_hc)
     if self.per_layer_gate is not None:
       g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
       x_BTD = x_BTD + _norm(self.per_layer_norm, self.per_layer_out(g_BTP))
     if self.scalar is not None:
       x_BTD = x_BTD * self.scalar[...].astype(x_BTD.dtype)
-    return (x_BTD, seen[0]) if return_weights else x_BTD
+    return (x_BTD, seen[0] if seen else None) if return_weights else x_BTD
 
 
 # Set by record_residuals: the list run_blocks appends each block's output to.
@@ -404,7 +416,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Arr
         h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
       if return_weights:
         h_BTD, w_BHTS = h_BTD
-        weights.append(w_BHTS)
+        if w_BHTS is not None:  # an MLP-only block (ModelConfig.block_kinds) has none
+          weights.append(w_BHTS)
       if seen is not None:
         seen.append(h_BTD)
   return h_BTD, weights
@@ -413,7 +426,9 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Arr
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
   wide = lambda i: 2 * cfg.d_ff if cfg.double_wide_mlp and not cross and kv_sharing.source(cfg, i) != i else None
   blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i), experts=cfg.is_moe_layer(i),
-                             variant=cfg.layer_variant(i), d_ff=wide(i)) for i in range(n)]
+                             variant=cfg.layer_variant(i), d_ff=wide(i),
+                             kind="attention_mlp" if cross or cfg.block_kinds is None else cfg.block_kinds[i])
+            for i in range(n)]
   for i, block in enumerate(blocks):
     if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values
       block.attn.kv_source = kv_sharing.source(cfg, i)
