@@ -95,7 +95,7 @@ class ModelConfig:
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
-  block_kinds: tuple[str, ...] | None = None  # per layer: "attention_mlp" (None: all), "attention" or "mlp" (BLOCK_KINDS)
+  block_kinds: tuple[str, ...] | None = None  # per layer: one of BLOCK_KINDS; None: all "attention_mlp"
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
   moe_top_k: int = 0  # experts kept per token

@@ -21,8 +21,8 @@ from flax import nnx
 
 from attn.config import invalid
 from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama, olmo2,
-                         phi3, qwen3_5, qwen3_next, smollm3)
+from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama,
+                         nemotron_h, olmo2, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_weights
 from attn.nn.config import ModelConfig
@@ -39,7 +39,7 @@ def _builtins() -> tuple[Family, ...]:
   return (gpt2.GPT2, bert.BERT, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, gemma2.GEMMA2, gemma3.GEMMA3,
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
-          deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4)
+          deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -52,8 +52,6 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
                       "attn reads the text model, model_type qwen3_5_text",
            "qwen3_5_moe": "it is Qwen3.5's vision-language wrapper; attn reads the text model, model_type "
                           "qwen3_5_moe_text",
-           "nemotron_h": "each of its layers is one mixer (Mamba-2, attention, MLP or experts) with its own "
-                         "residual, where a block of attn's DecoderLM is an attention layer and an MLP",
            "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "
                         "block of attn's DecoderLM has one attention layer",
            "gemma4": "its vision and audio towers are not attn's: save its text model (model_type gemma4_text, "

@@ -1,0 +1,175 @@
+"""NemotronH in and out: a tiny random NemotronHForCausalLM built in code (no download), read by
+attn.nn.hf.from_hf into a DecoderLM of single-mixer blocks (ModelConfig.block_kinds: Mamba-2, attention
+and relu² MLP layers, each its own residual); logits under right padding, cached greedy decoding,
+to_hf bit for bit, `attn count --hf` and the refusals, against transformers."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from attn import ConfigError, cli
+from attn.nn import hf
+from attn.nn.decoding import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.nemotron_h", reason="this transformers has no nemotron_h")
+
+KINDS = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention"]
+
+
+def tiny(**changes):
+  """Awkward sizes: 3 query heads over 1 kv head of 8 (d_model 24); 4 Mamba heads of 5 over 2 groups
+  with a state of 6, a convolution of 4; MLPs of 20; chunk_size 4 so transformers' scan runs chunks."""
+  kw = dict(vocab_size=50, hidden_size=24, layers_block_type=KINDS, num_attention_heads=3, num_key_value_heads=1,
+            head_dim=8, intermediate_size=20, mamba_num_heads=4, mamba_head_dim=5, ssm_state_size=6, n_groups=2,
+            conv_kernel=4, chunk_size=4, max_position_embeddings=64, tie_word_embeddings=False,
+            eos_token_id=None)  # transformers' generate would stop at NemotronH's eos 2, attn's runs on
+  return transformers.NemotronHConfig(**{**kw, **changes})
+
+
+def build(config, seed=0):
+  torch.manual_seed(seed)
+  model = transformers.NemotronHForCausalLM(config).eval()
+  with torch.no_grad():  # norms, D and dt_bias start at 1 and conv biases at 0: move them so they are read
+    for name, p in model.named_parameters():
+      if name.endswith(("norm.weight", "norm_f.weight", ".D", "dt_bias")):
+        p.normal_(1.0, 0.2)
+      elif name.endswith("conv1d.bias"):
+        p.normal_(0.0, 0.2)
+  return model
+
+
+@pytest.fixture(scope="module")
+def live():
+  return build(tiny())
+
+
+def full_pass_check(model, prompt, decoded):
+  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
+  decoding by passing the whole prefix at every step gives `decoded`."""
+  T = prompt.shape[1]
+  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
+  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
+
+
+def test_cached_greedy_decoding_equals_transformers(live):
+  """The fast test: Mamba states and KV caches through MLP-only blocks, six tokens."""
+  loaded = hf.from_hf(live)
+  assert loaded.family == "nemotron_h"
+  cfg = loaded.config
+  assert cfg.block_kinds == ("attention", "mlp", "attention", "mlp", "attention")
+  assert [None if b.attn is None else b.attn.variant for b in loaded.model.blocks] == [
+      "mamba2", None, "per_head", None, "mamba2"]
+  prompt = np.random.default_rng(1).integers(0, 50, (1, 5))
+  with torch.no_grad():
+    want = live.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 6))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_under_right_padding(live):
+  loaded = hf.from_hf(live)
+  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
+  mask = np.ones((2, 9), np.int64)
+  mask[1, 6:] = 0
+  with torch.no_grad():
+    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [
+    dict(),
+    dict(layers_block_type=["full_attention", "linear_attention", "linear_attention", "mlp"], num_attention_heads=2,
+         num_key_value_heads=2, head_dim=6, mamba_num_heads=3, mamba_head_dim=7, ssm_state_size=4, n_groups=1,
+         conv_kernel=3, mlp_bias=True, tie_word_embeddings=True),  # never tied by transformers: read apart
+])
+def test_cached_greedy_decoding_over_many_tokens_and_sizes(changes):
+  model = build(tiny(**changes), seed=5)
+  loaded = hf.from_hf(model)
+  prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
+  with torch.no_grad():
+    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+
+
+def nnx_state(model):
+  from flax import nnx
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def test_to_hf_and_back_is_exact(live):
+  loaded = hf.from_hf(live)
+  out = hf.to_hf(loaded)
+  assert type(out).__name__ == "NemotronHForCausalLM" and list(out.config.layers_block_type) == KINDS
+  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
+  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
+  assert set(ours) == set(theirs)
+  for name, a in theirs.items():
+    np.testing.assert_array_equal(ours[name], a, err_msg=name)
+  back = hf.from_hf(out)
+  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model)), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
+  live.save_pretrained(tmp_path / "ckpt")
+  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  report = json.loads(out.out)
+  assert report["total"] == sum(p.numel() for p in live.parameters())
+  rows = {r["type"]: r for r in report["layer_types"]}
+  assert rows["linear_attention"]["layers"] == 2 and rows["full_attention"]["layers"] == 1  # MLP blocks: none
+  # H·K·V float32 + (W − 1)·(HV + 2GK) numbers per sequence, 4 bytes each, per Mamba layer
+  assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (4 * 5 + 2 * 2 * 6))
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * 1 * 2 * 8  # bf16 k and v, G=1, K=8
+
+
+def test_the_old_pattern_reads_as_the_list():
+  config = {k: v for k, v in tiny().to_dict().items() if k not in ("layers_block_type", "layer_types")}
+  cfg = hf.model_config({**config, "hybrid_override_pattern": "M-*-M"})
+  assert cfg.block_kinds == ("attention", "mlp", "attention", "mlp", "attention")
+  assert cfg.layer_types == ("linear_attention", "full_attention", "full_attention", "full_attention",
+                             "linear_attention")
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(layers_block_type=["linear_attention", "moe", "full_attention"]), r"config.layers_block_type\[1\]"),
+    (dict(num_nextn_predict_layers=1), "config.num_nextn_predict_layers"),
+    (dict(attention_bias=True), "config.attention_bias"),
+    (dict(use_bias=True), "config.use_bias"),
+    (dict(use_conv_bias=False), "config.use_conv_bias"),
+    (dict(mamba_hidden_act="gelu"), "config.mamba_hidden_act"),
+    (dict(layer_norm_epsilon=1e-6), "config.layer_norm_epsilon"),
+    (dict(sliding_window=4), "config.sliding_window"),
+])
+def test_what_attn_does_not_run_is_refused_before_any_weight(changes, field):
+  config = {**tiny().to_dict(), **changes}
+  with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
+    hf.model_config(config)
+
+
+def test_another_epsilon_is_read_without_mamba_layers():
+  """layer_norm_epsilon only binds where the mamba2 gated norm reads it."""
+  config = {**tiny().to_dict(), "layers_block_type": ["full_attention", "mlp"], "layer_norm_epsilon": 1e-6}
+  cfg = hf.model_config(config)
+  assert cfg.norm_eps == 1e-6 and cfg.linear_head is None
+
+
+@pytest.mark.slow
+def test_the_family_kit_passes():
+  from attn.testing import check_family
+  measured = check_family("nemotron_h", tiny().to_dict())
+  assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
