@@ -90,3 +90,11 @@ def test_decoding_through_mlp_only_blocks_equals_the_full_pass():
 def test_bad_block_kinds_are_refused_by_name(changes, field):
   with pytest.raises(ConfigError, match="^" + re.escape(field)):
     config(**changes)
+
+
+def test_analyze_refuses_mlp_only_blocks_by_name(tmp_path):
+  """attn analyze reads one attention layer per block: a model with MLP-only blocks is refused first."""
+  from attn.experiments.reading.analyze import analyze_model
+  cfg = config()
+  with pytest.raises(ConfigError, match=r"^block_kinds=.*MLP-only block"):
+    analyze_model(None, cfg, "decoder_lm", {}, {}, str(tmp_path), {})

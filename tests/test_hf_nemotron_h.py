@@ -130,6 +130,10 @@ def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
   assert code == 0, out.err
   report = json.loads(out.out)
   assert report["total"] == sum(p.numel() for p in live.parameters())
+  from_dir = hf.from_hf(str(tmp_path / "ckpt"))  # save_pretrained names the body backbone.*, as the releases do
+  for a, b in zip(jax.tree.leaves(nnx_state(from_dir.model)), jax.tree.leaves(nnx_state(hf.from_hf(live).model)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
   rows = {r["type"]: r for r in report["layer_types"]}
   assert rows["linear_attention"]["layers"] == 2 and rows["full_attention"]["layers"] == 1  # MLP blocks: none
   # H·K·V float32 + (W − 1)·(HV + 2GK) numbers per sequence, 4 bytes each, per Mamba layer

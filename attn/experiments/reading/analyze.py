@@ -395,6 +395,9 @@ def analyze_model(model, model_cfg, kind: str, held_out: dict[str, np.ndarray], 
   A causal LM's layers also get "sinks" (attn.analysis.sinks, threshold sink_threshold,
   domains by domain_fn), and the summary their sink_heads, value_drain, residual_first.
   """
+  if getattr(model_cfg, "block_kinds", None) is not None and "mlp" in model_cfg.block_kinds:
+    raise invalid("block_kinds", model_cfg.block_kinds, "no 'mlp' entry: attn analyze reads one attention layer "
+                  "per block, and an MLP-only block (NemotronH's) has none")
   import jax
   import jax.numpy as jnp
   from flax import nnx

@@ -28,8 +28,9 @@ tie_word_embeddings is not read: transformers never ties NemotronH's lm_head to 
 _tied_weights_keys is empty), so attn's output layer is always its own (with mlp_bias, attn's untied
 output layer has a bias: read as zeros, refused unless zero on the way out). chunk_size is how
 transformers blocks its scan, not a weight: attn keeps its own chunk.
-Release checkpoints name the body backbone.*, which transformers renames on load; attn reads the
-model.* names transformers writes. to_hf writes the same tensors back, bit for bit.
+A live model's state dict names the body model.*; save_pretrained's files and the releases name it
+backbone.* (transformers renames on load): attn reads both, and to_hf builds the live model.
+to_hf writes the same tensors back, bit for bit.
 """
 
 from __future__ import annotations
@@ -128,18 +129,21 @@ def _linear_in(w: Weights, name: str, shape: tuple[int, int], bias: bool) -> dic
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
+  """The model's arrays, from model.* (a live model's state dict) or backbone.* (save_pretrained's and the
+  releases' files) names."""
   D, F, N = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  b = "backbone." if "backbone.embeddings.weight" in w else ""
   blocks = {}
   for l, kind in enumerate(cfg.block_kinds):
-    m, norm = f"layers.{l}.mixer", {"scale": w(f"layers.{l}.norm.weight", (D,))}
+    m, norm = f"{b}layers.{l}.mixer", {"scale": w(f"{b}layers.{l}.norm.weight", (D,))}
     if kind == "mlp":
       blocks[l] = {"mlp": {"up": _linear_in(w, f"{m}.up_proj", (F, D), cfg.has_dense_bias),
                            "down": _linear_in(w, f"{m}.down_proj", (D, F), cfg.has_dense_bias)}, "mlp_norm": norm}
     else:
       params = (_mamba_in(w, m, cfg, l) if cfg.layer_types[l] == "linear_attention" else _attention_in(w, m, cfg))
       blocks[l] = {"attn": {"params": params}, "attn_norm": norm}
-  out = {"embed": {"token": w("embeddings.weight", (N, D))}, "blocks": blocks,
-         "final_norm": {"scale": w("norm_f.weight", (D,))}}
+  out = {"embed": {"token": w(f"{b}embeddings.weight", (N, D))}, "blocks": blocks,
+         "final_norm": {"scale": w(f"{b}norm_f.weight", (D,))}}
   out["head"] = {"linear": {"kernel": w("lm_head.weight", (N, D)).T}}
   if cfg.has_dense_bias:  # mlp_bias gives attn's untied output layer a bias; lm_head has none: zeros
     out["head"]["linear"]["bias"] = np.zeros((N,), np.float32)
