@@ -177,3 +177,17 @@ def test_the_family_kit_passes():
   from attn.testing import check_family
   measured = check_family("nemotron_h", tiny().to_dict())
   assert measured["logits_relative"] is not None and measured["logits_relative"] < 1e-4
+
+
+@pytest.mark.slow
+def test_another_variant_converts_the_attention_layers_only_and_writes_back(live):
+  """variant= converts the attention layers (exactly, to fused); Mamba and MLP blocks are kept as they are."""
+  loaded = hf.from_hf(live, variant="fused")
+  assert [None if b.attn is None else b.attn.variant for b in loaded.model.blocks] == [
+      "mamba2", None, "fused", None, "mamba2"]
+  assert max(loaded.errors) == 0.0
+  out = hf.to_hf(loaded)
+  tok = torch.tensor(np.random.default_rng(6).integers(0, 50, (1, 7)))
+  with torch.no_grad():
+    got, want = out(tok).logits.numpy(), live(tok).logits.numpy()
+  np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())

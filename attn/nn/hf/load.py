@@ -228,6 +228,9 @@ def convert_model(model: nnx.Module, cfg: ModelConfig, variant: str, num_kv_head
   with warnings.catch_warnings():  # one warning for the model below, not one per layer
     warnings.simplefilter("ignore", LossyConversionWarning)
     for l in sorted(blocks):
+      if "attn" not in blocks[l] or cfg.layer_variant(int(l)) != cfg.variant:
+        errors.append(0.0)  # an MLP-only block (block_kinds), or a linear layer of its own variant: kept
+        continue
       # latent_dim is mla's alone: the source carries the target's, as attn.convert wants.
       params, err = convert(blocks[l]["attn"]["params"], cfg.variant, variant,
                             cfg.head.replace(latent_dim=dst_cfg.head.latent_dim),
@@ -308,8 +311,8 @@ def _state(model: nnx.Module, cfg: ModelConfig, family: Family) -> tuple[dict, d
   pure = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
   same = cfg.variant == family.variant and out_cfg.num_kv_heads == cfg.num_kv_heads
   for l, block in _blocks(pure).items():
-    if same or (cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant):
-      continue  # nothing to convert, or a layer of its type's own variant (attn.nn.layer_types), written as it is
+    if same or "attn" not in block or (cfg.layer_types and cfg.layer_variant(int(l)) != cfg.variant):
+      continue  # nothing to convert, an MLP-only block, or a layer of its type's own variant, written as it is
     block["attn"]["params"] = convert(block["attn"]["params"], cfg.variant, family.variant, cfg.head,
                                       dst_cfg=out_cfg.head)
   sd = {k: np.asarray(v) for k, v in family.weights_out(pure, out_cfg).items()}

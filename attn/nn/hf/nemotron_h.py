@@ -236,6 +236,6 @@ NEMOTRON_H = Family(
     fixed={"positional": "none", "norm": "pre", "norm_type": "rmsnorm", "final_norm": True, "layernorm": True,
            "num_segments": 0, "embed_norm": False, "embed_scale": False, "use_bias": False, "mlp": "plain",
            "tie_embeddings": False,
-           "activation": "relu2", "variant": "per_head"},
+           "activation": "relu2"},
     mapped=frozenset({"block_kinds", "layer_types", "linear_variant", "linear_head", "dense_bias"}),
     check_out=check_out)
