@@ -16,7 +16,9 @@ is the model's HeadConfig (ModelConfig.head):
                           d_v, num_kv_heads, use_bias, conv_width, chunk and
                           gated_norm_eps; none of the
                           model's RoPE, window or head mechanisms (Qwen3-Next's linear
-                          layers: 16 key heads, 32 value heads of 128)
+                          layers: 16 key heads, 32 value heads of 128); with no
+                          RoPE to drop it stands beside any positional (NemotronH's
+                          mamba2 layers beside attention without positions)
 
 The first two and linear_attention are transformers' `layer_types` values, so a checkpoint's
 list maps entry for entry. sliding_rope_theta is Gemma 3's rope_local_base_freq:
