@@ -60,12 +60,25 @@ def test_an_attention_block_then_an_mlp_block_is_one_full_block():
   assert len(weights) == 1 and weights[0].shape == (2, 3, 7, 7)  # the attention block's only
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(mlp="gated", activation="silu", norm="sandwich"),
-                                     dict(mlp="moe", moe_experts=3, moe_top_k=2, activation="silu")])
+@pytest.mark.parametrize("changes", [
+    dict(), pytest.param(dict(mlp="gated", activation="silu", norm="sandwich"), marks=pytest.mark.slow),
+    pytest.param(dict(mlp="moe", moe_experts=3, moe_top_k=2, activation="silu"), marks=pytest.mark.slow)])
 def test_the_count_is_the_models_parameters(changes):
   cfg = config(**changes)
-  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))  # shapes only: nothing drawn
   assert model_param_count(cfg, "decoder_lm") == n_params(model)
+
+
+def test_active_parameters_leave_out_the_experts_of_mlp_blocks_only():
+  """Experts live in the MLP-only blocks alone: active = total less (E − k)/E of each such block's experts."""
+  from attn.count import active_param_count
+  cfg = config(mlp="moe", moe_experts=3, moe_top_k=2, activation="silu")
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  experts = [b.mlp for b in model.blocks if b.mlp is not None]
+  assert len(experts) == 2 and all(b.mlp is None for b in model.blocks[::2])
+  arrays = [getattr(e, n) for e in experts for n in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")]
+  idle = sum(int(np.prod(a.shape)) * (3 - 2) // 3 for a in arrays if a is not None)
+  assert active_param_count(cfg, "decoder_lm") == n_params(model) - idle
 
 
 def test_decoding_through_mlp_only_blocks_equals_the_full_pass():
