@@ -147,6 +147,8 @@ def test_the_old_pattern_reads_as_the_list():
   assert cfg.block_kinds == ("attention", "mlp", "attention", "mlp", "attention")
   assert cfg.layer_types == ("linear_attention", "full_attention", "full_attention", "full_attention",
                              "linear_attention")
+  legacy = hf.model_config({**config, "layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba"]})
+  assert (legacy.block_kinds, legacy.layer_types) == (cfg.block_kinds, cfg.layer_types)
 
 
 @pytest.mark.parametrize("changes, field", [

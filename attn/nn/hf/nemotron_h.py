@@ -3,7 +3,7 @@ each with its own pre-norm residual: ModelConfig.block_kinds.
 
 transformers' nemotron_h (NemotronHForCausalLM) holds one mixer per layer, x + mixer(RMSNorm(x)), by
 layers_block_type (hybrid_override_pattern in older configs: "M" Mamba-2, "*" attention, "-" MLP,
-"E" experts). Each maps onto one attn block:
+"E" experts; "mamba" and "attention", earlier names of the first two, read as transformers reads them). Each maps onto one attn block:
   "M" / linear_attention   block_kinds "attention", layer_types "linear_attention", linear_variant
                            mamba2 (attn.variants.mamba2) with linear_head {num_heads: mamba_num_heads,
                            d_v: mamba_head_dim, d_k: ssm_state_size, num_kv_heads: n_groups,
@@ -45,6 +45,7 @@ from attn.nn.hf.base import Family, Weights, get, zero
 from attn.variants import mamba2
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # earlier configs' layer type names
 # NemotronH's layer type -> (block_kinds, layer_types) entries.
 KINDS = {"linear_attention": ("attention", "linear_attention"), "full_attention": ("attention", "full_attention"),
          "mlp": ("mlp", "full_attention")}
@@ -57,7 +58,7 @@ def _types(hf: dict[str, Any]) -> list[str]:
     if not isinstance(pattern, str) or set(pattern) - set(PATTERN):
       raise invalid("config.hybrid_override_pattern", pattern, f"a string of {list(PATTERN)}")
     kinds = [PATTERN[c] for c in pattern]
-  kinds = list(kinds)
+  kinds = [LEGACY.get(k, k) for k in kinds]
   for i, k in enumerate(kinds):
     if k == "moe":
       raise invalid(f"config.layers_block_type[{i}]", k, "linear_attention, full_attention or mlp: NemotronH's "
