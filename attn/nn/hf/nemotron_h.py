@@ -3,7 +3,8 @@ each with its own pre-norm residual: ModelConfig.block_kinds.
 
 transformers' nemotron_h (NemotronHForCausalLM) holds one mixer per layer, x + mixer(RMSNorm(x)), by
 layers_block_type (hybrid_override_pattern in older configs: "M" Mamba-2, "*" attention, "-" MLP,
-"E" experts; "mamba" and "attention", earlier names of the first two, read as transformers reads them). Each maps onto one attn block:
+"E" experts; "mamba" and "attention", earlier names of the first two, read as transformers reads
+them). Each maps onto one attn block:
   "M" / linear_attention   block_kinds "attention", layer_types "linear_attention", linear_variant
                            mamba2 (attn.variants.mamba2) with linear_head {num_heads: mamba_num_heads,
                            d_v: mamba_head_dim, d_k: ssm_state_size, num_kv_heads: n_groups,
