@@ -106,9 +106,13 @@ def test_the_plot_draws_a_panel_per_setting_with_a_tick_at_each_settings_bytes(m
   figures = []
   monkeypatch.setattr(plt, "close", figures.append)
   rows = [_row("MHA", 4, 2048, 0, 0.99), _row("gdn", 4, 0, 1024, 0.5), _row("MHA", 16, 4096, 0, 0.7)]
+  for r in rows[:2]:
+    r["chance"] = 0.27
   memory.plot(plt, rows, os.devnull, "MQAR")
   first, second = figures[0].axes
   assert [t.get_text() for t in first.get_xticklabels()] == ["1", "2"]  # KiB
   assert [t.get_text() for t in second.get_xticklabels()] == ["4"]
-  dots = [l for l in first.get_lines() if l.get_marker() == "o"]
+  dots = [l for l in first.get_lines() if l.get_marker() not in ("_", "None") and l.get_linestyle() == "None"]
   assert sorted(len(l.get_ydata()) for l in dots) == [3, 3]  # every seed a dot
+  assert [list(l.get_ydata()) for l in first.get_lines() if l.get_linestyle() == ":"] == [[0.27, 0.27]]
+  assert not [l for l in second.get_lines() if l.get_linestyle() == ":"]  # no chance given there

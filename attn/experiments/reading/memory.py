@@ -95,44 +95,60 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
   return md
 
 
+def chance(trial: dict[str, Any]) -> float | None:
+  """The task's chance accuracy (MQAR: a listed value guessed), None for a task without one."""
+  from attn.experiments.data import tasks
+  try:
+    return getattr(tasks.make_task(trial["config"]["task"]), "chance", None)
+  except (KeyError, TypeError):
+    return None
+
+
+MARKERS = "os^Dv<>pXh*"
+
+
 def plot(plt, rows: list[dict[str, Any]], path: str, note: str = "") -> None:
   """Held-out accuracy against state + cache bytes per sequence, one panel per task setting: seeds as dots,
-  means as bars, names beside them, the frontier of the means; ticks at every setting's byte count."""
+  means as bars, the frontier of the means, a dotted chance line where rows carry one; ticks at every
+  setting's byte count; one colour and marker per setting, named in the legend."""
   from matplotlib import ticker
   panels = _panels(rows)
-  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 6), squeeze=False)
   names = list(dict.fromkeys(_name(r) for r in rows))
-  cmap = plt.get_cmap("tab20")
-  colour = {n: cmap(i % 20) for i, n in enumerate(names)}
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 2.6, 5.6), squeeze=False)
+  palette = [plt.get_cmap("tab20")(2 * i) for i in range(10)] + [plt.get_cmap("Dark2")(i) for i in range(8)]
+  style = {n: (palette[i % len(palette)], MARKERS[i % len(MARKERS)]) for i, n in enumerate(names)}
   for ax, (task, rs) in zip(axes[0], panels.items()):
     xs = sorted({sum(r["memory"]) for r in rs})
     at = {x: [r for r in rs if sum(r["memory"]) == x] for x in xs}
     pos = []
-    for r in rs:  # settings holding equal bytes sit side by side, 6% apart on the log axis
+    for r in rs:  # settings holding equal bytes sit side by side, 10% apart on the log axis
       same = at[sum(r["memory"])]
-      pos.append(sum(r["memory"]) * 1.06 ** (same.index(r) - (len(same) - 1) / 2))
+      pos.append(sum(r["memory"]) * 1.1 ** (same.index(r) - (len(same) - 1) / 2))
     front = sorted(frontier(rs), key=lambda i: pos[i])
     ax.step([pos[i] for i in front], [rs[i]["eval_accuracy"][0] for i in front], where="post", color="0.6",
-            lw=4, alpha=0.35, zorder=1, label="frontier of the means (none holds as few bytes and recalls more)")
+            lw=5, alpha=0.3, zorder=1, label="frontier of the means")
     for i, r in enumerate(rs):
-      c = colour[_name(r)]
+      c, m = style[_name(r)]
       seeds = r["seed_values"]["eval_accuracy"]
-      ax.plot([pos[i]] * len(seeds), seeds, "o", ms=5, alpha=0.6, color=c, mec="none", zorder=2)
-      ax.plot([pos[i]], [r["eval_accuracy"][0]], "_", ms=14, mew=2.5, color=c, zorder=3)
-      ax.annotate(_name(r), (pos[i], r["eval_accuracy"][0]), xytext=(6, 0), textcoords="offset points",
-                  va="center", fontsize=7, color=c, zorder=4)
+      ax.plot([pos[i]] * len(seeds), seeds, m, ms=5, alpha=0.55, color=c, mec="none", zorder=2)
+      ax.plot([pos[i]], [r["eval_accuracy"][0]], "_", ms=16, mew=2.5, color=c, zorder=3)
+    level = {r.get("chance") for r in rs} - {None}
+    if len(level) == 1:
+      ax.axhline(level.pop(), color="0.4", ls=":", lw=1.2, zorder=0, label="chance: a listed value guessed")
     ax.set_xscale("log")
     ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xticks(xs, [f"{x / 1024:g}" for x in xs], rotation=90, fontsize=7)
-    ax.set_xlim(xs[0] / 1.4, xs[-1] * 2.2)
+    ax.set_xlim(xs[0] / 1.4, xs[-1] * 1.4)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("state + KV cache per sequence, KiB (all layers, float32; a tick at each setting's)")
+    ax.set_xlabel("state + KV cache per sequence, KiB\n(all layers, float32; a tick at each setting's)", fontsize=8)
     ax.set_ylabel("held-out accuracy")
     n = max(len(r["seed_values"]["eval_accuracy"]) for r in rs)
     ax.set_title(f"{task}: each seed a dot ({n} seeds), the mean a bar", fontsize=9)
     ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=7, loc="upper left")
-  fig.tight_layout(rect=(0, 0.05 if note else 0, 1, 1))
+  handles = [plt.Line2D([], [], color=style[n][0], marker=style[n][1], ls="none", ms=6) for n in names]
+  extra, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles + extra, names + labels, loc="center right", fontsize=7, frameon=False)
+  fig.tight_layout(rect=(0, 0.05 if note else 0, 1 - 2.6 / fig.get_figwidth(), 1))
   plots_lib._caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)

@@ -363,7 +363,7 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
   for r in rows:  # the KV cache and a short name of each group, from its first trial's config
     r["kv_bytes"] = kv_cache_bytes(first[r["group"]])
     r["setting"] = setting_name(first[r["group"]]["config"]["model"]) if r["kv_bytes"] else None
-    r["memory"] = memory.sequence_bytes(first[r["group"]])
+    r["memory"], r["chance"] = memory.sequence_bytes(first[r["group"]]), memory.chance(first[r["group"]])
   names = [r["setting"] for r in rows]
   if len(rows) > 1 and len(set(names)) < len(names):  # a name shared by groups: the groups say more
     for r in rows:
