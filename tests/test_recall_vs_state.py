@@ -116,3 +116,18 @@ def test_the_plot_draws_a_panel_per_setting_with_a_tick_at_each_settings_bytes(m
   assert sorted(len(l.get_ydata()) for l in dots) == [3, 3]  # every seed a dot
   assert [list(l.get_ydata()) for l in first.get_lines() if l.get_linestyle() == ":"] == [[0.27, 0.27]]
   assert not [l for l in second.get_lines() if l.get_linestyle() == ":"]  # no chance given there
+
+
+def test_the_curves_draw_a_panel_per_setting_and_a_line_per_trial(monkeypatch):
+  plt = pytest.importorskip("matplotlib.pyplot")
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  trials = [{"label": {"case": case, "task.num_pairs": pairs, "train.seed": seed}, "summary": {"status": "ok"},
+             "rows": [{"step": s, "eval_accuracy": 0.1 * s} for s in (0, 4, 9)]}
+            for case in ("MHA", "gdn", "linear") for pairs in (4, 8) for seed in (0, 1)]
+  trials.append({**trials[0], "summary": {"status": "failed"}})
+  memory.curves(plt, trials, os.devnull)
+  panels = [ax for ax in figures[0].axes if ax.get_title()]
+  assert [ax.get_title() for ax in panels] == ["MHA", "gdn", "linear"]
+  assert [len(ax.get_lines()) for ax in panels] == [4, 4, 4]  # 2 task settings x 2 seeds; the failed one left out
+  assert list(panels[1].get_lines()[0].get_xdata()) == [1, 5, 10]  # steps from 1

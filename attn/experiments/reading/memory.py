@@ -152,3 +152,41 @@ def plot(plt, rows: list[dict[str, Any]], path: str, note: str = "") -> None:
   plots_lib._caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)
+
+
+def curves(plt, trials: list[dict[str, Any]], path: str, note: str = "") -> None:
+  """Held-out accuracy against step, one small panel per setting (every axis but the task's and the seed),
+  one colour per task setting, a line per seed: whether each curve has flattened, for every setting at once."""
+  ok = [t for t in trials if t["summary"] and t["summary"]["status"] == "ok"]
+  name = lambda t: _name({"label": {k: v for k, v in t["label"].items() if k not in plots_lib.SEED_KEYS},
+                          "group": "all"})
+  task = lambda t: ", ".join(f"{plots_lib.short(k)}={show(v)}" for k, v in t["label"].items() if k.startswith("task."))
+  names, tasks = list(dict.fromkeys(map(name, ok))), list(dict.fromkeys(map(task, ok)))
+  cols = min(6, len(names))
+  rows = -(-len(names) // cols)
+  fig, grid = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.1 * rows + 0.6), squeeze=False, sharex=True, sharey=True)
+  cmap = plt.get_cmap("tab10")
+  for t in ok:
+    ax = grid.flat[names.index(name(t))]
+    ev = [r for r in t["rows"] if "eval_accuracy" in r]
+    ax.plot([r["step"] + 1 for r in ev], [r["eval_accuracy"] for r in ev], "-", lw=1, alpha=0.8,
+            color=cmap(tasks.index(task(t)) % 10))
+  for i, ax in enumerate(grid.flat):
+    if i >= len(names):
+      ax.axis("off")
+      continue
+    ax.set_title(names[i], fontsize=8)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.tick_params(labelsize=7)
+  for ax in grid[-1]:
+    ax.set_xlabel("step", fontsize=8)
+  for ax in grid[:, 0]:
+    ax.set_ylabel("held-out accuracy", fontsize=8)
+  handles = [plt.Line2D([], [], color=cmap(i % 10)) for i in range(len(tasks))]
+  fig.legend(handles, tasks, loc="upper center", ncol=len(tasks), fontsize=8, frameon=False,
+             title="a line per seed", title_fontsize=8)
+  fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1 - 0.5 / fig.get_figheight()))
+  plots_lib._caption(fig, note)
+  fig.savefig(path, dpi=80)
+  plt.close(fig)

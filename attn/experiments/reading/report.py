@@ -372,7 +372,8 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
   if memory.applies(rows) and not text and (plt := plots_lib._pyplot()) is not None:
     memory.plot(plt, rows, os.path.join(root, "frontier_state_cache.png"),
                 plots_lib.caption(trials, header["axes"]))
-    plots.append("frontier_state_cache.png")
+    memory.curves(plt, trials, os.path.join(root, "curves_by_setting.png"), plots_lib.caption(trials, header["axes"]))
+    plots += ["frontier_state_cache.png", "curves_by_setting.png"]
   status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else
             "interrupted" if t.get("interrupted") else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
