@@ -49,10 +49,12 @@ def applies(rows: list[dict[str, Any]]) -> bool:
 
 
 def _panels(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-  """Rows by task setting (their task.* axis values), in sweep order."""
+  """Rows by task setting (their task.* axis values), settings in the order of those values."""
   out: dict[str, list[dict[str, Any]]] = {}
-  for r in rows:
-    task = ", ".join(f"{plots_lib.short(k)}={show(v)}" for k, v in r["label"].items() if k.startswith("task."))
+  values = lambda r: tuple((k, v) for k, v in r["label"].items() if k.startswith("task."))
+  for r in sorted(rows, key=lambda r: repr(sorted(values(r), key=repr)) if not all(
+      isinstance(v, (int, float)) for _, v in values(r)) else tuple(v for _, v in values(r))):
+    task = ", ".join(f"{plots_lib.short(k)}={show(v)}" for k, v in values(r))
     out.setdefault(task or "all", []).append(r)
   return out
 
