@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from attn.experiments.reading import analysis_report
+from attn.experiments.reading import memory
 from attn.experiments.reading import plots as plots_lib
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import run_record
@@ -362,11 +363,17 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
   for r in rows:  # the KV cache and a short name of each group, from its first trial's config
     r["kv_bytes"] = kv_cache_bytes(first[r["group"]])
     r["setting"] = setting_name(first[r["group"]]["config"]["model"]) if r["kv_bytes"] else None
+    r["memory"], r["chance"] = memory.sequence_bytes(first[r["group"]]), memory.chance(first[r["group"]])
   names = [r["setting"] for r in rows]
   if len(rows) > 1 and len(set(names)) < len(names):  # a name shared by groups: the groups say more
     for r in rows:
       r["setting"] = None
   plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
+  if memory.applies(rows) and not text and (plt := plots_lib._pyplot()) is not None:
+    memory.plot(plt, rows, os.path.join(root, "frontier_state_cache.png"),
+                plots_lib.caption(trials, header["axes"]))
+    memory.curves(plt, trials, os.path.join(root, "curves_by_setting.png"), plots_lib.caption(trials, header["axes"]))
+    plots += ["frontier_state_cache.png", "curves_by_setting.png"]
   status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else
             "interrupted" if t.get("interrupted") else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
@@ -404,6 +411,8 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
            f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |" for r in rows]
   if len({r["kv_bytes"] for r in rows}) > 1 and all(r["kv_bytes"] for r in rows):
     md += [""] + frontier_section(rows, primary)[:-1]
+  if memory.applies(rows) and not text:
+    md += [""] + memory.section(rows)[:-1]
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run
