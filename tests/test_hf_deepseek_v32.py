@@ -101,6 +101,7 @@ MODELS = {}
 def build(family, seed=0, **changes):
   """The tiny random model (module docstring); one per (family, seed, changes), shared by the module."""
   pytest.importorskip("torch")
+  pytest.importorskip("transformers")
   pytest.importorskip(f"transformers.models.{family}.modeling_{family}",
                       reason=f"{family} needs a transformers that has it")
   key = (family, seed, tuple(sorted(changes.items())))
@@ -195,6 +196,7 @@ def test_count_of_a_saved_checkpoint_is_transformers(family, tmp_path, capsys):
 @pytest.mark.slow
 def test_glm_indexer_types_are_transformers():
   """attn's reading of GLM-5's full / shared layers against GlmMoeDsaConfig's own derivation."""
+  pytest.importorskip("transformers")
   pytest.importorskip("transformers.models.glm_moe_dsa.configuration_glm_moe_dsa")
   import transformers
   from attn.nn.hf.deepseek_v32 import indexer_types
@@ -209,6 +211,7 @@ def test_glm_indexer_types_are_transformers():
 def test_a_model_made_in_attn_goes_out_and_back(family):
   """check_family on the bare config: an attn model drawn at random (no checkpoint) through to_hf_state, from_hf
   and to_hf, its logits against the transformers model to_hf builds."""
+  pytest.importorskip("transformers")
   pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
   from attn.testing import check_family
   assert check_family(family, _config(family))["logits_relative"] < TOL
