@@ -78,7 +78,7 @@ def _numpy_choice(p, x, cfg, lengths):
   return out
 
 
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("layout", ["interleaved", pytest.param("half", marks=pytest.mark.slow)])  # one fast
 def test_choice_equals_a_numpy_deepseek_indexer(layout):
   """The keys each query attends to (weights > 0, the same for every head) are the numpy indexer's, under
   right padding; the same model with every key selected is mla without the indexer, bit for bit."""
