@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from attn import ConfigError, cli
 from attn.nn import hf
 from attn.nn.decoding import generate
+from hf_hybrid import assert_to_hf_and_back_exact, full_pass_check  # tests/hf_hybrid.py
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -51,13 +51,6 @@ def build(config, seed=0):
 def live():
   return build(tiny())
 
-
-def full_pass_check(model, prompt, decoded):
-  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
-  decoding by passing the whole prefix at every step gives `decoded`."""
-  T = prompt.shape[1]
-  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
-  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
 
 
 def test_cached_greedy_decoding_equals_transformers(live):
@@ -108,30 +101,11 @@ def test_cached_greedy_decoding_over_many_tokens_and_sizes(changes):
   np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
 
 
-def nnx_state(model):
-  from flax import nnx
-  from attn.nn.moe import Buffer
-  return nnx.to_pure_dict(nnx.state(model, (nnx.Param, Buffer)))
-
 
 @pytest.mark.slow
 def test_to_hf_and_back_is_exact(live):
-  loaded = hf.from_hf(live)
-  out = hf.to_hf(loaded)
-  assert type(out).__name__ == "KimiLinearForCausalLM" and out.config.layer_types == KINDS
-  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
-  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
-  assert set(ours) == set(theirs)
-  for name, a in theirs.items():
-    np.testing.assert_array_equal(ours[name], a, err_msg=name)
-  back = hf.from_hf(out)
-  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model)), strict=True):
-    np.testing.assert_array_equal(a, b)
-  out.set_attn_implementation(live.config._attn_implementation)  # to_hf builds eager
-  tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
-  with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
-    np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
-
+  out = assert_to_hf_and_back_exact(live, "KimiLinearForCausalLM")
+  assert out.config.layer_types == KINDS
 
 def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
   live.save_pretrained(tmp_path / "ckpt")

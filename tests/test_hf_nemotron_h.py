@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from attn import ConfigError, cli
 from attn.nn import hf
 from attn.nn.decoding import generate
+from hf_hybrid import assert_to_hf_and_back_exact, full_pass_check, nnx_state  # tests/hf_hybrid.py
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,13 +49,6 @@ def build(config, seed=0):
 def live():
   return build(tiny())
 
-
-def full_pass_check(model, prompt, decoded):
-  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
-  decoding by passing the whole prefix at every step gives `decoded`."""
-  T = prompt.shape[1]
-  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
-  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
 
 
 def test_cached_greedy_decoding_equals_transformers(live):
@@ -104,24 +98,10 @@ def test_cached_greedy_decoding_over_many_tokens_and_sizes(changes):
   np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
 
 
-def nnx_state(model):
-  from flax import nnx
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
-
 
 def test_to_hf_and_back_is_exact(live):
-  loaded = hf.from_hf(live)
-  out = hf.to_hf(loaded)
-  assert type(out).__name__ == "NemotronHForCausalLM" and list(out.config.layers_block_type) == KINDS
-  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
-  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
-  assert set(ours) == set(theirs)
-  for name, a in theirs.items():
-    np.testing.assert_array_equal(ours[name], a, err_msg=name)
-  back = hf.from_hf(out)
-  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model)), strict=True):
-    np.testing.assert_array_equal(a, b)
-
+  out = assert_to_hf_and_back_exact(live, "NemotronHForCausalLM", logits=False)
+  assert list(out.config.layers_block_type) == KINDS
 
 def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
   live.save_pretrained(tmp_path / "ckpt")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from attn import ConfigError
 from attn.nn import hf
 from attn.nn.decoding import generate
+from hf_hybrid import assert_to_hf_and_back_exact, full_pass_check, nnx_state  # tests/hf_hybrid.py
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -80,13 +81,6 @@ def test_cached_greedy_decoding_equals_transformers(live):
   np.testing.assert_array_equal(got, want)
 
 
-def full_pass_check(model, prompt, decoded):
-  """Token T + i is the argmax of attn's full (uncached) pass at T + i − 1: by induction, greedy
-  decoding by passing the whole prefix at every step gives `decoded`."""
-  T = prompt.shape[1]
-  logits = np.asarray(model(jnp.asarray(decoded[:, :-1])))
-  return np.concatenate([decoded[:, :T], logits[:, T - 1:].argmax(-1)], 1)
-
 
 @pytest.mark.slow
 def test_cached_greedy_decoding_over_many_tokens_and_sizes():
@@ -143,29 +137,8 @@ def test_count_hf_equals_transformers_parameters_and_reports_the_state(live, tmp
 
 
 def test_to_hf_and_back_is_exact(live):
-  """from_hf(to_hf(m)) holds m's parameters bit for bit; the tensors written equal transformers'
-  (the zero-centred q/k norms to the last bit of 1 + w, attn holding the scale 1 + w)."""
-  import jax
-  loaded = hf.from_hf(live)
-  out = hf.to_hf(loaded)
-  assert type(out).__name__ == "Qwen3NextForCausalLM" and out.config.layer_types == KINDS
-  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
-  theirs = {k: v.detach().numpy() for k, v in live.state_dict().items()}
-  assert set(ours) == set(theirs)
-  for name, a in theirs.items():  # bit for bit, the zero-centred q/k norms too (held as w)
-    np.testing.assert_array_equal(ours[name], a, err_msg=name)
-  back = hf.from_hf(out)
-  for a, b in zip(jax.tree.leaves(nnx_state(back.model)), jax.tree.leaves(nnx_state(loaded.model))):
-    np.testing.assert_array_equal(a, b)
-  tok = torch.tensor(np.random.default_rng(2).integers(0, 50, (1, 7)))
-  out.set_attn_implementation(live.config._attn_implementation)  # to_hf builds eager; the fixture has sdpa
-  with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
-    np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
-
-
-def nnx_state(model):
-  from flax import nnx
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  out = assert_to_hf_and_back_exact(live, "Qwen3NextForCausalLM")
+  assert out.config.layer_types == KINDS
 
 
 def test_the_family_kit_passes():
