@@ -46,3 +46,15 @@ def assert_to_hf_and_back_exact(live, architecture: str, logits: bool = True):
     with torch.no_grad():  # the same tensors in the same modules: the same logits, bit for bit
       np.testing.assert_array_equal(out(tok).logits.numpy(), live(tok).logits.numpy())
   return out
+
+
+def assert_greedy_decoding_equal(live, loaded, prompt, steps: int):
+  """attn's cached greedy decoding of `steps` tokens equals transformers' generate() on `live` and
+  attn's own full pass (full_pass_check)."""
+  import torch
+  from attn.nn.decoding import generate
+  with torch.no_grad():
+    want = live.generate(torch.tensor(prompt), max_new_tokens=steps, do_sample=False).numpy()
+  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), steps))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))

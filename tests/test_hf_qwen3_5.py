@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from attn import ConfigError, cli
 from attn.nn import hf
 from attn.nn.decoding import generate
-from hf_hybrid import assert_to_hf_and_back_exact, full_pass_check, nnx_state  # tests/hf_hybrid.py
+from hf_hybrid import assert_greedy_decoding_equal, assert_to_hf_and_back_exact, nnx_state  # tests/hf_hybrid.py
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,6 @@ def build(config, seed=0):
 @pytest.fixture(scope="module")
 def live():
   return build(tiny())
-
 
 
 def test_cached_greedy_decoding_equals_transformers(live):
@@ -88,18 +87,14 @@ def test_cached_greedy_decoding_over_many_tokens_and_sizes(changes):
   model = build(tiny(**changes), seed=5)
   loaded = hf.from_hf(model)
   prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
-  with torch.no_grad():
-    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
-  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
-  np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
-
+  assert_greedy_decoding_equal(model, loaded, prompt, 30)
 
 
 @pytest.mark.slow
 def test_to_hf_and_back_is_exact(live):
   out = assert_to_hf_and_back_exact(live, "Qwen3_5ForCausalLM")
   assert out.config.layer_types == KINDS
+
 
 def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
   live.save_pretrained(tmp_path / "ckpt")
@@ -210,11 +205,7 @@ def test_the_moe_text_model_equals_transformers():
   np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
   np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
   prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
-  with torch.no_grad():
-    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
-  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
-  np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+  assert_greedy_decoding_equal(model, loaded, prompt, 30)
   out = hf.to_hf(loaded)
   assert type(out).__name__ == "Qwen3_5MoeForCausalLM"
   ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}

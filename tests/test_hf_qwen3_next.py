@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from attn import ConfigError
 from attn.nn import hf
 from attn.nn.decoding import generate
-from hf_hybrid import assert_to_hf_and_back_exact, full_pass_check, nnx_state  # tests/hf_hybrid.py
+from hf_hybrid import assert_greedy_decoding_equal, assert_to_hf_and_back_exact, nnx_state  # tests/hf_hybrid.py
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -81,7 +81,6 @@ def test_cached_greedy_decoding_equals_transformers(live):
   np.testing.assert_array_equal(got, want)
 
 
-
 @pytest.mark.slow
 def test_cached_greedy_decoding_over_many_tokens_and_sizes():
   """Thirty tokens from two prompts, at a second size (one key head, value heads 3 to 1, conv 3)."""
@@ -93,11 +92,7 @@ def test_cached_greedy_decoding_over_many_tokens_and_sizes():
       mlp_only_layers=[0, 1, 2])).eval()
   loaded = hf.from_hf(model)
   prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
-  with torch.no_grad():
-    want = model.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
-  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
-  np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+  assert_greedy_decoding_equal(model, loaded, prompt, 30)
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -177,11 +172,7 @@ def test_experts_logits_decoding_and_to_hf_equal_transformers(live_moe):
   np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
   np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
   prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
-  with torch.no_grad():
-    want = live_moe.generate(torch.tensor(prompt), max_new_tokens=30, do_sample=False).numpy()
-  got = np.asarray(generate(loaded.model, jnp.asarray(prompt), 30))
-  np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
+  assert_greedy_decoding_equal(live_moe, loaded, prompt, 30)
   out = hf.to_hf(loaded)
   ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
   theirs = {k: v.detach().numpy() for k, v in live_moe.state_dict().items()}
