@@ -441,8 +441,7 @@ class Encoder(nnx.Module):
   """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, tanh(W h_0 + b)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "Encoder", per_layer_dim=0)
-    _require(cfg, "Encoder (hyper-connections: DecoderLM only)", hc_mult=1)
+    _require(cfg, "Encoder (per-layer inputs and hyper-connections: DecoderLM only)", per_layer_dim=0, hc_mult=1)
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
