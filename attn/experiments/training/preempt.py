@@ -76,7 +76,9 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   thread.start()
   try:
     while thread.is_alive():
-      thread.join(0.5)  # signal handlers run in this thread meanwhile
+      # Signal handlers run in this thread, at the latest when a wait ends: a signal the kernel
+      # hands to another thread (XLA's) does not cut the wait short, so keep it short.
+      thread.join(0.05)
   except KeyboardInterrupt:
     save_now()
     raise
