@@ -106,7 +106,16 @@ def chance(trial: dict[str, Any]) -> float | None:
     return None
 
 
-MARKERS = "os^Dv<>pXh*"
+def tick_labels(xs: list[float], ax) -> list[str]:
+  """KiB labels of log-axis ticks at `xs` (sorted, bytes): ticks closer than a label's width (2% of the
+  axis) share one label, "a, b", at the first of them, the rest left unlabelled."""
+  lo, hi = np.log(xs[0] / 1.4), np.log(xs[-1] * 1.4)
+  labels, first = [""] * len(xs), 0
+  for i in range(1, len(xs) + 1):
+    if i == len(xs) or (np.log(xs[i]) - np.log(xs[i - 1])) / (hi - lo) > 0.02:
+      labels[first] = ", ".join(f"{x / 1024:g}" for x in xs[first:i])
+      first = i
+  return labels
 
 
 def plot(plt, rows: list[dict[str, Any]], path: str, note: str = "") -> None:
@@ -117,8 +126,7 @@ def plot(plt, rows: list[dict[str, Any]], path: str, note: str = "") -> None:
   panels = _panels(rows)
   names = list(dict.fromkeys(_name(r) for r in rows))
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 2.6, 5.6), squeeze=False)
-  palette = [plt.get_cmap("tab20")(2 * i) for i in range(10)] + [plt.get_cmap("Dark2")(i) for i in range(8)]
-  style = {n: (palette[i % len(palette)], MARKERS[i % len(MARKERS)]) for i, n in enumerate(names)}
+  style = plots_lib.line_styles(plt, names)
   for ax, (task, rs) in zip(axes[0], panels.items()):
     xs = sorted({sum(r["memory"]) for r in rs})
     at = {x: [r for r in rs if sum(r["memory"]) == x] for x in xs}
@@ -139,7 +147,7 @@ def plot(plt, rows: list[dict[str, Any]], path: str, note: str = "") -> None:
       ax.axhline(level.pop(), color="0.4", ls=":", lw=1.2, zorder=0, label="chance: a listed value guessed")
     ax.set_xscale("log")
     ax.xaxis.set_minor_locator(ticker.NullLocator())
-    ax.set_xticks(xs, [f"{x / 1024:g}" for x in xs], rotation=90, fontsize=7)
+    ax.set_xticks(xs, tick_labels(xs, ax), rotation=90, fontsize=7)
     ax.set_xlim(xs[0] / 1.4, xs[-1] * 1.4)
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("state + KV cache per sequence, KiB\n(all layers, float32; a tick at each setting's)", fontsize=8)

@@ -124,12 +124,26 @@ def _tick(r: dict[str, Any], axis: str, tied: list[str]) -> str:
   return text + "".join(f"\n{short(b)}={show(r['label'][b])}" for b in tied)
 
 
+MARKERS = "os^Dv<>pXh*"
+
+
+def line_styles(plt, names: list[str]) -> dict[str, tuple[Any, str]]:
+  """name -> (colour, marker): 18 distinct colours, and a marker that changes with the colour's
+  cycle, so no two of up to 198 names look alike."""
+  palette = [plt.get_cmap("tab20")(2 * i) for i in range(10)] + [plt.get_cmap("Dark2")(i) for i in range(8)]
+  if len(names) <= 10:
+    return {n: (plt.get_cmap("tab10")(i), "o") for i, n in enumerate(names)}
+  return {n: (palette[i % len(palette)], MARKERS[i % len(MARKERS)]) for i, n in enumerate(names)}
+
+
 def slant(ax, labels: list[str], width: int = 48) -> None:
-  """Tick labels at 30° when, written flat, they would run into each other."""
+  """Tick labels at 30° when, written flat, they would run into each other; upright past 8 of them,
+  where even slanted ones would."""
   if sum(len(str(s).split("\n")[0]) + 2 for s in labels) > width:
-    ax.tick_params(axis="x", labelrotation=30)
+    upright = len(labels) > 8
+    ax.tick_params(axis="x", labelrotation=90 if upright else 30, **({"labelsize": 8} if upright else {}))
     for label in ax.get_xticklabels():
-      label.set_horizontalalignment("right")
+      label.set_horizontalalignment("center" if upright else "right")
 
 
 def _log_if_spanning(ax, values: list[float]) -> None:
@@ -148,9 +162,13 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
   values = _order([r["label"][axis] for r in rows])
   lines: dict[str, list[dict[str, Any]]] = {}
   for r in rows:
-    rest = _rest(r["label"], skip)
-    lines.setdefault(rest.split("=", 1)[1] if rest.count("=") == 1 else rest or "mean", []).append(r)
-  fig, panels = plt.subplots(1, 2, figsize=(10, 4.4))
+    rest = {k: v for k, v in r["label"].items() if k not in skip and k not in SEED_KEYS}
+    name = show(next(iter(rest.values()))) if len(rest) == 1 else _rest(r["label"], skip) or "mean"
+    lines.setdefault(name, []).append(r)
+  many = len(lines) > 6  # then the legend goes beside the panels, and colours come with markers
+  tall = len(values) > 8 and any(len(show(v)) > 6 for v in values)  # room for upright tick labels
+  fig, panels = plt.subplots(1, 2, figsize=(12.5 if many else 10, 6.2 if tall else 4.4))
+  style = line_styles(plt, list(lines))
   numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and len(values) > 2
   spread = 0.3 if len(lines) > 1 else 0.0  # side by side, so seeds of different lines do not overlap
   for ax, (metric, title) in zip(panels, metrics):
@@ -159,13 +177,14 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
       xs = np.array([values.index(r["label"][axis]) for r in rs], float)
       xs += (i / max(len(lines) - 1, 1) - 0.5) * spread
       means = [r[metric][0] for r in rs]
+      colour, marker = style[name]
       if numeric:  # a trend over three or more ordered values: join the means
-        line, = ax.plot(xs, means, "-", lw=1.5, marker="_", ms=14, mew=2, label=name)
+        ax.plot(xs, means, "-", lw=1.5, marker="_", ms=14, mew=2, color=colour)
       else:  # categories (names, or two values): a bar per mean, nothing joins them
-        line, = ax.plot(xs, means, "_", ms=18, mew=2, label=name)
+        ax.plot(xs, means, "_", ms=18, mew=2, color=colour)
       for x, r in zip(xs, rs):
         seeds = r["seed_values"][metric]
-        ax.plot([x] * len(seeds), seeds, "o", ms=4, alpha=0.6, color=line.get_color(), mec="none")
+        ax.plot([x] * len(seeds), seeds, marker, ms=4, alpha=0.6, color=colour, mec="none")
     ticks = {values.index(r["label"][axis]): _tick(r, axis, tied) for r in rows}
     ax.set_xticks(sorted(ticks), [ticks[i] for i in sorted(ticks)])
     ax.set_xlim(-0.6, len(values) - 0.4)
@@ -184,8 +203,13 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
       _log_if_spanning(ax, [v for r in rows for v in r["seed_values"][metric]])
     ax.grid(alpha=0.3)
   if len(lines) > 1:
-    panels[0].legend(fontsize=7, title=", ".join(short(a) for a in axes_order if a not in skip), title_fontsize=7)
-  fig.tight_layout(rect=(0, 0.05 if note else 0, 1, 1))
+    handles = [plt.Line2D([], [], color=c, marker=m, ls="-" if numeric else "none", ms=5) for c, m in style.values()]
+    title = ", ".join(short(a) for a in axes_order if a not in skip)
+    if many:  # beside the panels: inside, it hides seeds' dots
+      fig.legend(handles, list(lines), loc="center right", fontsize=7, title=title, title_fontsize=7, frameon=False)
+    else:
+      panels[0].legend(handles, list(lines), fontsize=7, title=title, title_fontsize=7)
+  fig.tight_layout(rect=(0, 0.05 if note else 0, 1 - 2.4 / fig.get_figwidth() if many else 1, 1))
   _caption(fig, note)
   fig.savefig(path, dpi=90)
   plt.close(fig)
