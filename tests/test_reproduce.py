@@ -72,6 +72,16 @@ def test_compare_bit_equal_within_spread_and_different():
   assert reproduce.compare(w, t, {"eval_accuracy": 0.2 + 1e-9})[0] == "within spread"
 
 
+def test_a_group_whose_seeds_agree_is_matched_by_the_same_value_only():
+  # recall_vs_state's MHA h=1 at 8 pairs: every seed 1.0; a re-run at 1.0 whose loss moved is within spread.
+  w = _writeup([1.0, 1.0, 1.0])
+  t = {**w.trials[0], "final": {"eval_accuracy": 1.0, "eval_loss": 2e-5}}
+  assert reproduce.compare(w, t, {"eval_accuracy": 1.0, "eval_loss": 3e-5})[1:] == (1.0, 1.0, 0.0)
+  assert reproduce.compare(w, t, {"eval_accuracy": 1.0, "eval_loss": 3e-5})[0] == "within spread"
+  kind, _, _, z = reproduce.compare(w, t, {"eval_accuracy": 0.999, "eval_loss": 3e-5})
+  assert kind == "different" and z == math.inf
+
+
 def test_run_records_name_unknown_where_missing(tmp_path):
   assert reproduce.describe_run({}) == "commit unknown, CPU unknown, date unknown"
   assert "commit 4c1bb24" in reproduce.describe_run({"train_commit": "4c1bb24", "cpu": "Xeon"})

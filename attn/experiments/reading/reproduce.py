@@ -287,7 +287,7 @@ def compare(w: Writeup, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, 
                          for k, v in old["final"].items()):
     return "equal at the printed digits", a, b, 0.0
   s = spread(w, _group(old["label"]))
-  z = abs(b - a) / s if s > 0 else math.inf
+  z = abs(b - a) / s if s > 0 else (0.0 if b == a else math.inf)  # seeds that all agree: only equal is within
   return ("within spread" if z <= SPREAD else "different"), a, b, z
 
 
