@@ -153,6 +153,14 @@ def test_long_shapes_time_cores_behind_the_same_projections(monkeypatch):
   sel = bench.selection_ratios(pair)[1024]
   assert set(sel) == set(bench.SELECTIONS)
   assert sel["nsa"]["fb"] == rows["core_nsa"]["fb"]["ms"] / rows["core"]["fb"]["ms"]
+  # the selectors timed alone (the goal's core is the attention less them); NSA's choice is in its branches
+  assert {n for n in rows if n.startswith("selector_")} == {"selector_moba", "selector_indexer"}
+  assert "selector_fb" not in sel["nsa"]
+  for n in ("moba", "indexer"):
+    assert sel[n]["selector_fb"] == rows[f"selector_{n}"]["fwd"]["ms"] / rows["core"]["fb"]["ms"]
+    assert sel[n]["fb_less_selector"] == pytest.approx(sel[n]["fb"] - sel[n]["selector_fb"])
+    on = shape.cfg.replace(extra={n: bench.SELECTIONS[n]})
+    assert flops[f"selector_{n}"] == selectors.selector_flops(on, 600) > 0
   json.dumps(result)
 
 

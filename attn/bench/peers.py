@@ -120,6 +120,25 @@ def selection_core_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
   return jax_pair(apply, params, q, dtype)
 
 
+def selector_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
+  """cfg's key selection alone (extra: moba or indexer), causal: what selection_core_case's core spends
+  choosing the keys (MoBA's block means and top-k, the indexer's scores and top-k), inputs as there. A
+  selection has no gradient, so its forward is also its share of the core's forward+backward: "fb"
+  times the forward again."""
+  from attn.variants import mechanisms
+  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  q = jax.random.normal(keys[0], (B, T, cfg.num_heads, cfg.d_k)).astype(dtype)
+  params = {"k": jax.random.normal(keys[1], (B, T, cfg.num_kv_heads, cfg.d_k)).astype(dtype)}
+  m = mechanisms.selector(cfg)
+  if m.init is not None:
+    params.update(m.init(keys[3], cfg, dtype))
+  select = lambda p, q: m.select(p, q, p["k"], cfg=cfg, is_causal=True, kv_lengths=None, mask=None,
+                                 dense=False, index=None)[1]
+  fwd = jax.jit(select).lower(params, q).compile()
+  call = block(fwd, params, q)
+  return {"fwd": call, "fb": call, "peak_bytes": peak_bytes(fwd)}
+
+
 def flax_case(cfg: HeadConfig, B: int, T: int, dtype, mask) -> Candidate:
   from flax import nnx
   layer = nnx.MultiHeadAttention(
