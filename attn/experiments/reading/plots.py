@@ -13,7 +13,9 @@ Learning curves show held-out accuracy and loss (for the `text` task: bits per
 byte and next-byte accuracy) against step, one colour per value of the legend
 axis and one panel per setting of the other axes. When the settings differ in
 KV cache (rows carrying kv_bytes), frontier_kv_cache.png plots bits per byte
-(else held-out loss) against cache bytes per token and draws the frontier.
+(else held-out loss) against cache bytes per token and draws the frontier; when they
+also differ in attention parameters (rows carrying attn_params),
+frontier_attention_params.png does the same against those.
 """
 
 from __future__ import annotations
@@ -255,10 +257,18 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
   return front
 
 
-def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[0]) -> None:
-  """A metric (lower is better) against KV-cache bytes per token: seeds as dots, means as bars, the frontier of the means."""
+X_AXES = {"kv_bytes": ("KV cache", "KV cache, bytes per token (all layers, float32)", "a cache as small"),
+          "attn_params": ("attention parameters", "attention parameters (all layers, attn count)",
+                          "as few attention parameters")}
+
+
+def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[0], x: str = "kv_bytes") -> None:
+  """A metric (lower is better) against KV-cache bytes per token (or x, a key of X_AXES): seeds as dots,
+  means as bars, the frontier of the means."""
   from matplotlib import ticker
   key, title = metric
+  what, xlabel, fewer = X_AXES[x]
+  rows = [{**r, "kv_bytes": r[x]} for r in rows]
   fig, ax = plt.subplots(figsize=(8, 5))
   xs = sorted({r["kv_bytes"] for r in rows})
   log = xs[-1] / xs[0] >= 4
@@ -272,7 +282,7 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
     pos.append(r["kv_bytes"] * (1.12 ** (k - (n - 1) / 2) if log else 1 + 0.04 * (k - (n - 1) / 2)))
   front = pareto_front([(r["kv_bytes"], r[key][0]) for r in rows])
   ax.plot([pos[i] for i in front], [rows[i][key][0] for i in front], "-", color="0.6", lw=4, alpha=0.35,
-          zorder=1, label="frontier of the means (no setting has as small a cache and a lower mean)")
+          zorder=1, label=f"frontier of the means (no setting has {fewer} and a lower mean)")
   for i, r in enumerate(rows):
     same = at_x[r["kv_bytes"]]
     left = len(same) > 1 and same.index(r) == 0
@@ -285,12 +295,17 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   if log:
     ax.set_xscale("log")
     ax.xaxis.set_minor_locator(ticker.NullLocator())
-  ax.set_xticks(xs, [str(x) for x in xs])
-  ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
-  ax.set_xlabel("KV cache, bytes per token (all layers, float32)")
+  if x == "kv_bytes":
+    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
+  else:  # parameters: a tick at each setting's count, the axis around them (from 0 would crowd them)
+    ax.set_xticks(xs, [f"{v:,}" for v in xs], rotation=45, ha="right", fontsize=8)
+    span = xs[-1] - xs[0]
+    ax.set_xlim(xs[0] - 0.12 * span, xs[-1] + 0.3 * span)
+  ax.set_xlabel(xlabel)
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
-  ax.set_title(f"{title} against KV cache: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
+  ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
   # Below the axes: inside, the legend can hide a seed's dot.
   ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
   ax.grid(alpha=0.3)
@@ -327,4 +342,7 @@ def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: l
     lower_better = metrics[0] if metrics[0][0] != "eval_accuracy" else ("eval_loss", "held-out loss")
     kv_frontier(plt, rows, os.path.join(out_dir, "frontier_kv_cache.png"), lower_better)
     made.append("frontier_kv_cache.png")
+    if all(r.get("attn_params") for r in rows) and len({r["attn_params"] for r in rows}) > 1:
+      kv_frontier(plt, rows, os.path.join(out_dir, "frontier_attention_params.png"), lower_better, x="attn_params")
+      made.append("frontier_attention_params.png")
   return made
