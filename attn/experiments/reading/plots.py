@@ -174,8 +174,8 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
     slant(ax, list(ticks.values()))
     ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
-    ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"
-                 + (", bars joined" if numeric else ""), fontsize=9)
+    ax.set_title(textwrap.fill(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"  # a panel is
+                               + (", bars joined" if numeric else ""), 66), fontsize=9)  # ~66 characters wide
     if metric == "eval_accuracy" and guess is not None:
       ax.axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
       ax.annotate(f"chance {guess[0]:.3f}: {guess[1]}", (0.01, guess[0]), xycoords=("axes fraction", "data"),
@@ -205,7 +205,9 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   for t in ok:
     panels.setdefault(_rest(t["label"], {legend} if legend else set()) or "all trials", []).append(t)
   names = list(panels)[:MAX_PANELS]
-  fig, grid = plt.subplots(2, len(names), figsize=(max(3.2 * len(names), 5) + 1.2, 6), squeeze=False,
+  # The legend's strip (inches), wide enough for its longest value at fontsize 8 beside its line.
+  strip = max(1.1, 0.065 * max(len(show(c)) for c in colours) + 0.6) if legend else 0.0
+  fig, grid = plt.subplots(2, len(names), figsize=(max(3.2 * len(names), 5) + 0.1 + strip, 6), squeeze=False,
                            sharey="row")
   # A numeric legend axis with many values reads best as a gradient; categories get distinct hues.
   ramp = len(colours) > 4 and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in colours)
@@ -241,7 +243,7 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
                for i in range(len(colours))]
     fig.legend(handles, [show(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)
-  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
+  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - strip / fig.get_figwidth(), 1))
   _caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)
@@ -269,7 +271,8 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   key, title = metric
   what, xlabel, fewer = X_AXES[x]
   rows = [{**r, "kv_bytes": r[x]} for r in rows]
-  fig, ax = plt.subplots(figsize=(8, 5))
+  counts = x != "kv_bytes"  # parameter counts: a linear axis of close values, labels turned 45°
+  fig, ax = plt.subplots(figsize=(10, 5.5) if counts else (8, 5))
   xs = sorted({r["kv_bytes"] for r in rows})
   log = xs[-1] / xs[0] >= 4
   at_x = {x: [r for r in rows if r["kv_bytes"] == x] for x in xs}
@@ -279,7 +282,7 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
     same = at_x[r["kv_bytes"]]
     k, n = same.index(r), len(same)
     # Settings of equal cache size sit side by side, 12% apart on a log axis.
-    pos.append(r["kv_bytes"] * (1.12 ** (k - (n - 1) / 2) if log else 1 + 0.04 * (k - (n - 1) / 2)))
+    pos.append(r["kv_bytes"] * (1.12 ** (k - (n - 1) / 2) if log else 1 + (0.025 if counts else 0.04) * (k - (n - 1) / 2)))
   front = pareto_front([(r["kv_bytes"], r[key][0]) for r in rows])
   ax.plot([pos[i] for i in front], [rows[i][key][0] for i in front], "-", color="0.6", lw=4, alpha=0.35,
           zorder=1, label=f"frontier of the means (no setting has {fewer} and a lower mean)")
@@ -295,19 +298,19 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   if log:
     ax.set_xscale("log")
     ax.xaxis.set_minor_locator(ticker.NullLocator())
-  if x == "kv_bytes":
+  if not counts:
     ax.set_xticks(xs, [str(v) for v in xs])
     ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
   else:  # parameters: a tick at each setting's count, the axis around them (from 0 would crowd them)
     ax.set_xticks(xs, [f"{v:,}" for v in xs], rotation=45, ha="right", fontsize=8)
     span = xs[-1] - xs[0]
-    ax.set_xlim(xs[0] - 0.12 * span, xs[-1] + 0.3 * span)
+    ax.set_xlim(*((xs[0] / 1.3, xs[-1] * 1.5) if log else (xs[0] - 0.12 * span, xs[-1] + 0.3 * span)))
   ax.set_xlabel(xlabel)
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
   ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
   # Below the axes: inside, the legend can hide a seed's dot.
-  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2 if counts else -0.12), frameon=False)
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
