@@ -45,3 +45,50 @@ def test_frontier_plot_is_drawn_when_caches_differ(tmp_path):
   md = "\n".join(report.frontier_section(rows, "eval_bpb"))
   assert "| mla d_c=16 | mla d_c=16 | 128 | 2.5500 ± 0.0100 | yes |" in md
   assert "| MQA | MQA | 128 | 2.6000 ± 0.0100 | no |" in md and "| MHA | MHA | 1,024 | 2.5000 ± 0.0100 | yes |" in md
+
+
+def test_attention_parameters_from_the_trials_config_leave_out_a_sharing_layers_key_side():
+  # 2 layers of per_head h = 8, d_k = d_v = 8, d_model 64, biases: 4·D·H·K + 3·H·K + D each.
+  layer = 4 * 64 * 64 + 3 * 64 + 64
+  assert report.attention_params(_trial(variant="per_head")) == 2 * layer
+  # layer 1 reads layer 0's keys and values: no w_k, w_v, b_k, b_v of its own
+  assert report.attention_params(_trial(variant="per_head", kv_source=(0, 0))) == 2 * layer - 2 * (64 * 64 + 64)
+  assert report.attention_params(_trial(task="marker_position")) is None  # a classifier: no such row
+  assert report.attention_params({"config": {}}) is None
+
+
+def _rows():
+  return [{"group": f"case={g}", "setting": g, "kv_bytes": kv, "attn_params": p, "eval_bpb": (m, 0.01),
+           "eval_accuracy": (0.5, 0.0), "label": {"case": g}, "seed_values": {"eval_bpb": [m - 0.01, m, m + 0.01]}}
+          for g, kv, p, m in (("MHA", 1024, 66560, 2.5), ("share 2", 512, 49920, 2.52), ("k_eq_v", 512, 49920, 2.51),
+                              ("MQA", 128, 37440, 2.6))]
+
+
+def test_the_frontier_table_gains_attention_parameters_and_their_own_frontier_where_they_differ():
+  md = "\n".join(report.frontier_section(_rows(), "eval_bpb"))
+  # MHA is on the cache frontier (nothing cached as much is better) and on the parameter one;
+  # share 2 is beaten on both by k_eq_v (equal cache, equal parameters, a lower mean).
+  assert "| MHA | case=MHA | 1,024 | 66,560 | 2.5000 ± 0.0100 | yes | yes |" in md
+  assert "| share 2 | case=share 2 | 512 | 49,920 | 2.5200 ± 0.0100 | no | no |" in md
+  assert "| k_eq_v | case=k_eq_v | 512 | 49,920 | 2.5100 ± 0.0100 | yes | yes |" in md
+  equal = [dict(r, attn_params=1000) for r in _rows()]
+  assert "attention params" not in "\n".join(report.frontier_section(equal, "eval_bpb"))
+
+
+def test_the_parameter_frontier_plot_has_a_tick_at_each_settings_count(monkeypatch, tmp_path):
+  plt = pytest.importorskip("matplotlib.pyplot")
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  monkeypatch.setattr(plt.Figure, "savefig", lambda *a, **k: None)  # the axes are what is checked
+  made = plots.make_plots(_rows(), [], [], str(tmp_path), plots.TEXT_METRICS, curves=False)
+  assert made == ["frontier_kv_cache.png", "frontier_attention_params.png"]
+  cache, params = (f.axes[0] for f in figures)
+  assert [t.get_text() for t in params.get_xticklabels()] == ["37,440", "49,920", "66,560"]
+  assert [t.get_text() for t in cache.get_xticklabels()] == ["128", "512", "1024"]
+  dots = [l for l in params.get_lines() if l.get_marker() == "o"]
+  assert sorted(len(l.get_ydata()) for l in dots) == [3, 3, 3, 3]  # every seed a dot
+  xs = sorted(l.get_xdata()[0] for l in dots)
+  assert xs[1] != xs[2] and 49920 * 0.9 < xs[1] < xs[2] < 49920 * 1.1  # equal counts side by side
+  made = plots.make_plots([dict(r, attn_params=1000) for r in _rows()], [], [], str(tmp_path), plots.TEXT_METRICS,
+                          curves=False)
+  assert made == ["frontier_kv_cache.png"]

@@ -155,3 +155,21 @@ def test_a_sharing_layer_saves_its_key_and_value_projections_in_closed_form_and_
   assert abs(got - sum(saved)) <= 0.05 * sum(saved), (got, sum(saved))
   rows = count.layer_type_table(cfg, "decoder_lm", T, "float32")
   assert rows[-1]["flops_fwd"] == 4 * count.flops("per_head", cfg.layer_head(0), T) - sum(saved)
+
+
+def test_a_trials_attention_counts_follow_each_layers_variant_and_its_sharing():
+  """The trial summary's attention figures (train.attention_counts) are attn count's: a sharing layer's
+  key side left out of parameters and FLOPs, and each layer type counted as its own variant."""
+  from attn.experiments.training import train
+  cfg = ModelConfig(**(BASE | dict(use_bias=True, d_v=4, positional="learned", rope_dim=0)), kv_source=SHARED,
+                    layer_heads={"full_attention": {"variant": "k_eq_v"}})
+  assert [cfg.layer_variant(i) for i in range(4)] == ["per_head", "k_eq_v"] * 2
+  got = train.attention_counts(cfg, 7)
+  assert got["attention_params_analytic"] == count.model_param_breakdown(cfg, "decoder_lm")["attention"]
+  rows = count.layer_type_table(cfg, "decoder_lm", 7, "float32")
+  assert got["attention_flops_fwd"] == rows[-1]["flops_fwd"]
+  assert got["attention_params_effective"] is None  # no closed form for a pair of layers sharing keys
+  alone = train.attention_counts(cfg.replace(kv_source=None), 7)
+  G, K, D = 2, 4, 14  # a sharing per_head layer drops w_k, w_v and their biases; a k_eq_v one w_kv, b_kv
+  assert alone["attention_params_analytic"] - got["attention_params_analytic"] == (2 * D * G * K + 2 * G * K) + (
+      D * G * K + G * K)

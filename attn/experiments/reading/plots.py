@@ -13,7 +13,9 @@ Learning curves show held-out accuracy and loss (for the `text` task: bits per
 byte and next-byte accuracy) against step, one colour per value of the legend
 axis and one panel per setting of the other axes. When the settings differ in
 KV cache (rows carrying kv_bytes), frontier_kv_cache.png plots bits per byte
-(else held-out loss) against cache bytes per token and draws the frontier.
+(else held-out loss) against cache bytes per token and draws the frontier; when they
+also differ in attention parameters (rows carrying attn_params),
+frontier_attention_params.png does the same against those.
 """
 
 from __future__ import annotations
@@ -191,8 +193,8 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
     slant(ax, list(ticks.values()))
     ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
-    ax.set_title(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"
-                 + (", bars joined" if numeric else ""), fontsize=9)
+    ax.set_title(textwrap.fill(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"  # a panel is
+                               + (", bars joined" if numeric else ""), 66), fontsize=9)  # ~66 characters wide
     if metric == "eval_accuracy" and guess is not None:
       ax.axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
       ax.annotate(f"chance {guess[0]:.3f}: {guess[1]}", (0.01, guess[0]), xycoords=("axes fraction", "data"),
@@ -227,7 +229,9 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   for t in ok:
     panels.setdefault(_rest(t["label"], {legend} if legend else set()) or "all trials", []).append(t)
   names = list(panels)[:MAX_PANELS]
-  fig, grid = plt.subplots(2, len(names), figsize=(max(3.2 * len(names), 5) + 1.2, 6), squeeze=False,
+  # The legend's strip (inches), wide enough for its longest value at fontsize 8 beside its line.
+  strip = max(1.1, 0.065 * max(len(show(c)) for c in colours) + 0.6) if legend else 0.0
+  fig, grid = plt.subplots(2, len(names), figsize=(max(3.2 * len(names), 5) + 0.1 + strip, 6), squeeze=False,
                            sharey="row")
   # A numeric legend axis with many values reads best as a gradient; categories get distinct hues.
   ramp = len(colours) > 4 and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in colours)
@@ -263,7 +267,7 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
                for i in range(len(colours))]
     fig.legend(handles, [show(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)
-  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
+  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - strip / fig.get_figwidth(), 1))
   _caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)
@@ -279,11 +283,20 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
   return front
 
 
-def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[0]) -> None:
-  """A metric (lower is better) against KV-cache bytes per token: seeds as dots, means as bars, the frontier of the means."""
+X_AXES = {"kv_bytes": ("KV cache", "KV cache, bytes per token (all layers, float32)", "a cache as small"),
+          "attn_params": ("attention parameters", "attention parameters (all layers, attn count)",
+                          "as few attention parameters")}
+
+
+def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[0], x: str = "kv_bytes") -> None:
+  """A metric (lower is better) against KV-cache bytes per token (or x, a key of X_AXES): seeds as dots,
+  means as bars, the frontier of the means."""
   from matplotlib import ticker
   key, title = metric
-  fig, ax = plt.subplots(figsize=(8, 5))
+  what, xlabel, fewer = X_AXES[x]
+  rows = [{**r, "kv_bytes": r[x]} for r in rows]
+  counts = x != "kv_bytes"  # parameter counts: a linear axis of close values, labels turned 45°
+  fig, ax = plt.subplots(figsize=(10, 5.5) if counts else (8, 5))
   xs = sorted({r["kv_bytes"] for r in rows})
   log = xs[-1] / xs[0] >= 4
   at_x = {x: [r for r in rows if r["kv_bytes"] == x] for x in xs}
@@ -293,10 +306,10 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
     same = at_x[r["kv_bytes"]]
     k, n = same.index(r), len(same)
     # Settings of equal cache size sit side by side, 12% apart on a log axis.
-    pos.append(r["kv_bytes"] * (1.12 ** (k - (n - 1) / 2) if log else 1 + 0.04 * (k - (n - 1) / 2)))
+    pos.append(r["kv_bytes"] * (1.12 ** (k - (n - 1) / 2) if log else 1 + (0.025 if counts else 0.04) * (k - (n - 1) / 2)))
   front = pareto_front([(r["kv_bytes"], r[key][0]) for r in rows])
   ax.plot([pos[i] for i in front], [rows[i][key][0] for i in front], "-", color="0.6", lw=4, alpha=0.35,
-          zorder=1, label="frontier of the means (no setting has as small a cache and a lower mean)")
+          zorder=1, label=f"frontier of the means (no setting has {fewer} and a lower mean)")
   for i, r in enumerate(rows):
     same = at_x[r["kv_bytes"]]
     left = len(same) > 1 and same.index(r) == 0
@@ -309,14 +322,19 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   if log:
     ax.set_xscale("log")
     ax.xaxis.set_minor_locator(ticker.NullLocator())
-  ax.set_xticks(xs, [str(x) for x in xs])
-  ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
-  ax.set_xlabel("KV cache, bytes per token (all layers, float32)")
+  if not counts:
+    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
+  else:  # parameters: a tick at each setting's count, the axis around them (from 0 would crowd them)
+    ax.set_xticks(xs, [f"{v:,}" for v in xs], rotation=45, ha="right", fontsize=8)
+    span = xs[-1] - xs[0]
+    ax.set_xlim(*((xs[0] / 1.3, xs[-1] * 1.5) if log else (xs[0] - 0.12 * span, xs[-1] + 0.3 * span)))
+  ax.set_xlabel(xlabel)
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
-  ax.set_title(f"{title} against KV cache: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
+  ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
   # Below the axes: inside, the legend can hide a seed's dot.
-  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2 if counts else -0.12), frameon=False)
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
@@ -351,4 +369,7 @@ def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: l
     lower_better = metrics[0] if metrics[0][0] != "eval_accuracy" else ("eval_loss", "held-out loss")
     kv_frontier(plt, rows, os.path.join(out_dir, "frontier_kv_cache.png"), lower_better)
     made.append("frontier_kv_cache.png")
+    if all(r.get("attn_params") for r in rows) and len({r["attn_params"] for r in rows}) > 1:
+      kv_frontier(plt, rows, os.path.join(out_dir, "frontier_attention_params.png"), lower_better, x="attn_params")
+      made.append("frontier_attention_params.png")
   return made

@@ -298,6 +298,21 @@ def kv_cache_bytes(trial: dict[str, Any]) -> int | None:
     return None
 
 
+def attention_params(trial: dict[str, Any]) -> int | None:
+  """Attention parameters of a decoder trial's model, all layers (`attn count`'s "attention": a layer
+  reading another's keys and values holds no key-side weights); None where there is no such model."""
+  from attn import count  # lazy: imports jax
+  from attn.config import ConfigError
+  from attn.experiments.data import tasks
+  from attn.nn.config import ModelConfig
+  cfg = trial.get("config") or {}
+  try:
+    kind = tasks.TASKS[cfg["task"]["name"]].kind
+    return count.model_param_breakdown(ModelConfig(**cfg["model"]), kind)["attention"] if kind == "decoder_lm" else None
+  except (KeyError, TypeError, ConfigError):
+    return None
+
+
 def setting_name(model: dict[str, Any]) -> str:
   """A short name for a model's attention: MHA, GQA G=2, MQA, mla d_c=16, or the variant's name."""
   H, G = model["num_heads"], model.get("num_kv_heads") or model["num_heads"]
@@ -313,13 +328,26 @@ def frontier_section(rows: list[dict[str, Any]], primary: str) -> list[str]:
   key = primary if primary in LOWER_IS_BETTER else "eval_loss"
   front = set(plots_lib.pareto_front([(r["kv_bytes"], r[key][0]) for r in rows]))
   order = sorted(range(len(rows)), key=lambda i: (rows[i]["kv_bytes"], rows[i][key][0]))
+  params = differ(rows, "attn_params")  # a column, and a frontier of its own, where attention parameters differ
+  by_params = set(plots_lib.pareto_front([(r["attn_params"], r[key][0]) for r in rows])) if params else set()
   md = ["## Quality against KV cache", "",
         f"KV cache per generated token over all layers in float32 (`attn count`), against {TITLES.get(key, key)} "
-        "(mean ± std over seeds). On the frontier: no other setting has a cache as small and a lower mean.", "",
-        "| setting | group | KV cache B/token | " + TITLES.get(key, key) + " | on the frontier |", "|---|---|---|---|---|"]
+        "(mean ± std over seeds). On the frontier: no other setting has a cache as small and a lower mean."
+        + (" Attention parameters: all layers' (`attn count`), with the frontier of the means against them."
+           if params else ""), "",
+        "| setting | group | KV cache B/token | " + ("attention params | " if params else "") + TITLES.get(key, key)
+        + " | on the frontier |" + (" on the parameter frontier |" if params else ""),
+        "|---|---|---|---|---|" + ("---|---|" if params else "")]
   md += [f"| {rows[i].get('setting') or '–'} | {rows[i]['group']} | {rows[i]['kv_bytes']:,} | "
-         f"{rows[i][key][0]:.4f} ± {rows[i][key][1]:.4f} | {'yes' if i in front else 'no'} |" for i in order]
+         + (f"{rows[i]['attn_params']:,} | " if params else "")
+         + f"{rows[i][key][0]:.4f} ± {rows[i][key][1]:.4f} | {'yes' if i in front else 'no'} |"
+         + (f" {'yes' if i in by_params else 'no'} |" if params else "") for i in order]
   return md + [""]
+
+
+def differ(rows: list[dict[str, Any]], key: str) -> bool:
+  """Whether every row has a non-zero `key` and they are not all equal."""
+  return all(r.get(key) for r in rows) and len({r[key] for r in rows}) > 1
 
 
 def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
@@ -362,7 +390,10 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
       first.setdefault(_group_name(t["label"]), t)
   for r in rows:  # the KV cache and a short name of each group, from its first trial's config
     r["kv_bytes"] = kv_cache_bytes(first[r["group"]])
-    r["setting"] = setting_name(first[r["group"]]["config"]["model"]) if r["kv_bytes"] else None
+    r["attn_params"] = attention_params(first[r["group"]])
+    # A case's own name where the config names its cases (two cases can share a setting's name).
+    r["setting"] = (first[r["group"]]["label"].get("case") or setting_name(first[r["group"]]["config"]["model"])
+                    if r["kv_bytes"] else None)
     r["memory"], r["chance"] = memory.sequence_bytes(first[r["group"]]), memory.chance(first[r["group"]])
   names = [r["setting"] for r in rows]
   if len(rows) > 1 and len(set(names)) < len(names):  # a name shared by groups: the groups say more

@@ -54,7 +54,7 @@ from attn.experiments.training import preempt
 from attn.experiments.training import sink_eval
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
-from attn.nn import models
+from attn.nn import kv_sharing, models
 from attn.variants import selection
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
@@ -96,16 +96,22 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
 def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
   """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers.
 
-  Each layer by its layer type. attention_measured names the figures measured for lack of a
-  closed form (count.measured_figures); an effective count too large to measure makes it None.
+  Each layer by its layer type (its head and variant). A layer reading another's keys and values
+  (kv_source) holds no key-side weights and spends no FLOPs on them (attn count's figures); the
+  effective count has no closed form then and is None. attention_measured names the figures
+  measured for lack of a closed form (count.measured_figures); an effective count too large to
+  measure makes it None.
   """
-  heads = [cfg.layer_head(i) for i in range(cfg.num_layers)]  # each by its layer type
-  pcs = [count.param_counts(cfg.variant, head) for head in heads]
+  layers = [(cfg.layer_variant(i), cfg.layer_head(i), kv_sharing.source(cfg, i) != i) for i in range(cfg.num_layers)]
+  pcs = [count.param_counts(variant, head) for variant, head, _ in layers]
   effective = [pc["effective"] for pc in pcs]
-  out = {"attention_params_analytic": sum(int(pc["analytic"]) for pc in pcs),
-         "attention_params_effective": None if None in effective else sum(map(int, effective)),
-         "attention_flops_fwd": sum(int(count.flops(cfg.variant, head, seq_len)) for head in heads)}
-  measured = sorted({f for head in heads for f in count.measured_figures(cfg.variant, head)})
+  shares = any(shared for _, _, shared in layers)
+  out = {"attention_params_analytic": sum(int(pc["analytic"]) - (kv_sharing.dropped_count(v, h) if s else 0)
+                                          for pc, (v, h, s) in zip(pcs, layers)),
+         "attention_params_effective": None if None in effective or shares else sum(map(int, effective)),
+         "attention_flops_fwd": sum(int(count.flops(v, h, seq_len)) - count.shared_flops_saved(cfg, i, seq_len)
+                                    for i, (v, h, _) in enumerate(layers))}
+  measured = sorted({f for v, h, _ in layers for f in count.measured_figures(v, h)})
   return {**out, "attention_measured": measured} if measured else out
 
 
