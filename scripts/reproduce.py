@@ -76,6 +76,11 @@ def reproduce(name: str, runs: str, report_only: bool, workers: int | None = Non
     os.remove(old)
   for path in [os.path.join(ROOT, out, "report.md"), *glob.glob(os.path.join(ROOT, out, "*.png"))]:
     shutil.copy(path, dest)
+  if os.path.normpath(out) != os.path.join("runs", name):  # a store elsewhere (--runs): the write-up names the default
+    with open(os.path.join(dest, "report.md"), encoding="utf-8") as f:
+      text = f.read().replace(f"--out {out}", f"--out runs/{name}")
+    with open(os.path.join(dest, "report.md"), "w", encoding="utf-8") as f:
+      f.write(text)
   example = _example_trial(os.path.join(ROOT, out))
   if example:  # one analysed trial's own plots, as trial_*.png
     for path in glob.glob(os.path.join(example, "*.png")):
