@@ -1,0 +1,282 @@
+"""compressed_shared: DeepSeek-V4's attention layer whole: one projection serving as keys and
+values, a low-rank query, the window, sinks, compressed entries (optional) and the grouped
+low-rank output.
+
+Per layer, with ε = cfg.latent_norm_eps (None: 1e-6, V4's rms_norm_eps):
+  query     c_q = RMSNorm(x·W_DQ)·s_q (Q = cfg.q_latent_dim, learned scale), q = c_q·W_UQ (H,K),
+            then each head RMS-normalised without a scale (V4's q_a_norm, q_b_proj, q_b_norm);
+  key=value k = RMSNorm(x·W_KV)·s_kv per kv head (V4's kv_proj and kv_norm): rotated by RoPE at its
+            position, and the same rotated vector is the value (V4's K = V);
+  entries   with cfg.compress_block = m, the `compressed` variant's pooling of blocks of m tokens
+            (two series with cfg.compress_overlap: V4's CSA, m = 4; one: HCA, m = 128) on the key
+            part only (W_CK, W_ZK, b_CK, its norm scale), rotated at the block's first position and
+            used as key and value; None: no entries (V4's sliding_attention layers);
+  attention one softmax over the window's tokens and the ended entries, with the sinks
+            (attn.kernel.compressed, or attn.kernel without entries), scale 1/√K;
+  output    each head's output turned back by RoPE at the query's position (angle −t: the value
+            part of an entry or token at s then carries R(s − t), a relative rotation), then
+            grouped_lowrank's output (o_groups groups, rank o_rank, then W_OB).
+
+RoPE acts on the first rope_dim dims (attn's convention: the family permutes V4's trailing rope
+slice to the front); transformers' interleaved pairs are rope_layout "interleaved". Keys and values
+being one vector, d_v must equal d_k; no biases (V4 has none).
+
+Refused by name: d_v ≠ d_k, q_latent_dim None, biases, probability other than softmax, a key
+selection (V4's lightning indexer over the entries is not implemented: moba, indexer), mechanisms
+on the logits outside the kernel, qk_norm (the variant's own norms stand in its place), a gate.
+
+Decoding (init_cache / decode_cached): the window's ring of keys (one vector per token and kv
+head: keys are the values), the entries of ended blocks and the compressor's inputs of the last
+P·m tokens, as `compressed` holds them but with the key part only. After L tokens:
+(min(L, window) + L // m + 2·P²·m)·G·K numbers (kv_cache_elements; without entries
+min(L, window)·G·K).
+
+Params: D·Q + Q + Q·H·K + D·G·K + G·K + H·K·r + g·r·D, and with entries P·G·(2·D + m)·K + G·K.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn import kernel
+from attn.config import HeadConfig, invalid
+from attn.kernel import compressed as ckernel
+from attn.variants import cache as kv_cache
+from attn.variants import compressed, grouped_lowrank, mechanisms, rope
+from attn.variants.base import Options, Params, Variant, gate_heads, no_circuits, normal, project_heads
+
+NORM_EPS = 1e-6  # V4's rms_norm_eps
+
+
+def eps(cfg: HeadConfig) -> float:
+  return NORM_EPS if cfg.latent_norm_eps is None else cfg.latent_norm_eps
+
+
+def _series(cfg: HeadConfig) -> int:
+  return 2 if cfg.compress_overlap else 1
+
+
+def check(cfg: HeadConfig) -> None:
+  if cfg.d_v != cfg.d_k:
+    raise invalid("d_v", cfg.d_v, f"d_k={cfg.d_k} for variant compressed_shared: one projection is the "
+                  "keys and the values")
+  if cfg.q_latent_dim is None:
+    raise invalid("q_latent_dim", None, "a positive integer for variant compressed_shared: the query's "
+                  "low-rank latent (DeepSeek-V4's q_lora_rank)")
+  if cfg.use_bias:
+    raise invalid("use_bias", True, "False for variant compressed_shared: DeepSeek-V4's projections have "
+                  "no biases")
+  if cfg.compress_overlap and cfg.compress_block is None:
+    raise invalid("compress_overlap", True, "False without compress_block: there are no entries to overlap")
+  if cfg.qk_norm or cfg.gate is not None:
+    raise invalid("qk_norm, gate", (cfg.qk_norm, cfg.gate), "(False, None) for variant compressed_shared: "
+                  "its queries and keys have their own norms, its output no gate")
+  compressed.check(cfg)
+
+
+def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  D, H, G, K, Q = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim
+  g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
+  ks = jax.random.split(key, 7)
+  params = {
+      "w_dq": normal(ks[0], (D, Q), D, dtype), "q_latent_norm": jnp.ones((Q,), dtype),
+      "w_uq": normal(ks[1], (Q, H, K), Q, dtype), "w_kv": normal(ks[2], (D, G, K), D, dtype),
+      "kv_norm": jnp.ones((G, K), dtype), "w_oa": normal(ks[3], (g, H // g * K, r), H // g * K, dtype),
+      "w_ob": normal(ks[4], (g * r, D), g * r, dtype)}
+  m = cfg.compress_block
+  if m is not None:
+    P = _series(cfg)
+    params |= {"w_ck": normal(ks[5], (D, P, G, K), D, dtype), "w_zk": normal(ks[6], (D, P, G, K), D, dtype),
+               "b_ck": jnp.zeros((P, m, G, K), dtype), "n_ck": jnp.ones((G, K), dtype)}
+  return params
+
+
+def _rms(x, scale, e: float):
+  """RMSNorm over the last axis in float32, times scale (None: no scale), in x's dtype."""
+  y = x.astype(jnp.float32)
+  y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + e)
+  return (y if scale is None else y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def queries(params: Params, x_BTD, cfg: HeadConfig):
+  """(B,T,H,K), unrotated: the latent normalised with its scale, each head without one."""
+  e = eps(cfg)
+  c_BTQ = _rms(x_BTD @ params["w_dq"], params["q_latent_norm"], e)
+  return _rms(jnp.einsum("BTQ,QHK->BTHK", c_BTQ, params["w_uq"]), None, e)
+
+
+def keys(params: Params, x_BTD, cfg: HeadConfig):
+  """(B,S,G,K), unrotated: the shared projection, normalised with its scale."""
+  return _rms(project_heads(x_BTD, params["w_kv"], 0.0), params["kv_norm"], eps(cfg))
+
+
+def compressor_inputs(params: Params, x_BSD) -> tuple:
+  return compressed._project(x_BSD, params["w_ck"]), compressed._project(x_BSD, params["w_zk"])
+
+
+def _finish(params: Params, ck_BNGK, positions_N, cfg: HeadConfig):
+  return rope.rotate(_rms(ck_BNGK, params["n_ck"], eps(cfg)), positions_N, cfg)
+
+
+def entries(params: Params, x_BSD, cfg: HeadConfig, key_positions=None):
+  """(B, S // m, G, K): the entries of the complete blocks, normalised and rotated."""
+  m = cfg.compress_block
+  c, z = compressor_inputs(params, x_BSD)
+  ck = ckernel.pool(c, z, params["b_ck"], m)
+  N = ck.shape[1]
+  pos = jnp.arange(N) * m if key_positions is None else jnp.asarray(key_positions)[..., :N * m:m]
+  return _finish(params, ck, pos, cfg)
+
+
+def _output(params: Params, x_BTD, o_BTHK, pos_T, cfg: HeadConfig, head_mask):
+  o_BTHK = rope.rotate(o_BTHK, -jnp.asarray(pos_T), cfg)  # V4's de-rotation at the query's position
+  o_BTHK = gate_heads(o_BTHK, head_mask)
+  return grouped_lowrank.grouped_output(params, o_BTHK, 0.0).astype(x_BTD.dtype)
+
+
+def _attend(params: Params, q, k, ck, *, cfg: HeadConfig, opts: Options, entry_mask=None, window="layer"):
+  if cfg.compress_block is not None:
+    return compressed._core(params, q, k, k, ck, ck, cfg=cfg, opts=opts, entry_mask=entry_mask, window=window)
+  args = mechanisms.kernel_args(params, cfg)
+  if window != "layer":
+    args = args | {"window": window}
+  out = kernel.attention(q, k, k, opts.mask, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
+                         scale=cfg.score_scale, return_weights=opts.return_weights, impl=opts.impl or "auto",
+                         **args)
+  return out if opts.return_weights else (out, None)
+
+
+def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, opts: Options = Options()):
+  """The layer (module docstring): y (B,T,D) and, with return_weights, weights over the tokens."""
+  c_BSD = x_BTD if context_BSD is None else context_BSD
+  T, S = x_BTD.shape[1], c_BSD.shape[1]
+  pos_q, pos_k = (jnp.arange(T), jnp.arange(S)) if opts.qk_positions is None else opts.qk_positions
+  q = rope.rotate(queries(params, x_BTD, cfg), pos_q, cfg)
+  k = rope.rotate(keys(params, c_BSD, cfg), pos_k, cfg)
+  ck = None if cfg.compress_block is None else entries(params, c_BSD, cfg, None if opts.qk_positions is None else pos_k)
+  o, w = _attend(params, q, k, ck, cfg=cfg, opts=opts)
+  return _output(params, x_BTD, o, pos_q, cfg, opts.head_mask), w
+
+
+# Decoding
+
+def init_cache(params: Params, cfg: HeadConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+  """Empty cache (module docstring): the key ring k; with entries ck and the compressor's last P·m
+  tokens' inputs."""
+  del params
+  G, K, m = cfg.num_kv_heads, cfg.d_k, cfg.compress_block
+  z = lambda *shape: jnp.zeros((batch_size, *shape), dtype)  # noqa: E731
+  out = {"k": z(kv_cache.slots(cfg, max_len), G, K)}
+  if m is not None:
+    P = _series(cfg)
+    out |= {"ck": z(max_len // m, G, K), "buf_c": z(P * m, P, G, K), "buf_z": z(P * m, P, G, K)}
+  return out
+
+
+def _step_entries(params: Params, cache: dict, new: tuple, index, T: int, cfg: HeadConfig):
+  """The entries of the blocks that end inside this step and their slots (past the end where none),
+  pooled from the buffered and the new compressor inputs (compressed._step_entries, key part only)."""
+  m, P = cfg.compress_block, _series(cfg)
+  L = P * m
+  order = (index + jnp.arange(L)) % L
+  pos = index - L + jnp.arange(L + T)
+  c = jnp.concatenate([cache["buf_c"][:, order], new[0].astype(cache["buf_c"].dtype)], axis=1)
+  z = jnp.concatenate([cache["buf_z"][:, order], new[1].astype(cache["buf_z"].dtype)], axis=1)
+  z = jnp.where((pos >= 0)[None, :, None, None, None], z, -jnp.inf)  # slots before position 0 weigh 0
+  J = T // m + 1
+  n_J = index // m + jnp.arange(J)
+  valid_J = (n_J + 1) * m <= index + T
+  start_J = m - index % m + jnp.arange(J) * m
+
+  def one(start):
+    cs, zs = (jax.lax.dynamic_slice_in_dim(a, start, L, axis=1) for a in (c, z))
+    return ckernel.pool(cs, zs, params["b_ck"], m)[:, -1]
+
+  ck = _finish(params, jnp.moveaxis(jax.vmap(one)(start_J), 0, 1), n_J * m, cfg)
+  return ck, jnp.where(valid_J, n_J, cache["ck"].shape[1] + 1)
+
+
+def decode_cached(params: Params, x_BTD, cache: dict, index, *, cfg: HeadConfig, head_mask=None):
+  """y for x's tokens at positions index.. and the cache with them (module docstring)."""
+  T = x_BTD.shape[1]
+  m = cfg.compress_block
+  pos_T = index + jnp.arange(T)
+  q = rope.rotate(queries(params, x_BTD, cfg), pos_T, cfg)
+  k = rope.rotate(keys(params, x_BTD, cfg), pos_T, cfg)
+  out = dict(cache)
+  n_slots = cache["k"].shape[1]
+  if cfg.window is not None:
+    mask = kv_cache.ring_mask(index, T, n_slots, cfg.window)
+    k_all = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)
+    w = min(T, n_slots)
+    slot_W = (index + T - w + jnp.arange(w)) % n_slots
+    out["k"] = cache["k"].at[:, slot_W].set(k[:, T - w:].astype(cache["k"].dtype))
+  else:
+    mask = kv_cache.causal_mask(index, T, n_slots)
+    out["k"] = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), index, 1)
+    k_all = out["k"]
+  opts = Options(mask=mask, head_mask=head_mask)
+  if m is None:
+    o, _ = _attend(params, q, k_all, None, cfg=cfg, opts=opts, window=None)
+    return _output(params, x_BTD, o, pos_T, cfg, head_mask), out
+  new = compressor_inputs(params, x_BTD)
+  ck, slot_J = _step_entries(params, cache, new, index, T, cfg)
+  out["ck"] = cache["ck"].at[:, slot_J].set(ck.astype(cache["ck"].dtype), mode="drop")
+  L = _series(cfg) * m
+  keep = min(T, L)
+  slot_M = (index + T - keep + jnp.arange(keep)) % L
+  for name, a in zip(("buf_c", "buf_z"), new):
+    out[name] = cache[name].at[:, slot_M].set(a[:, T - keep:].astype(cache[name].dtype))
+  N = out["ck"].shape[1]
+  ended = ((jnp.arange(N) + 1) * m <= (pos_T + 1)[:, None])[None, None]
+  o, _ = _attend(params, q, k_all, out["ck"], cfg=cfg, opts=opts, entry_mask=ended, window=None)
+  return _output(params, x_BTD, o, pos_T, cfg, head_mask), out
+
+
+def kv_cache_elements(cfg: HeadConfig, length: int) -> int:
+  """Numbers the cache holds for `length` tokens: one key (= value) per token of the window (or
+  every token), length // m entries and the compressor's inputs of P·m tokens (P series, the
+  inputs and the gates): (min(length, window) + length // m + 2·P²·m)·G·K."""
+  G, K, m = cfg.num_kv_heads, cfg.d_k, cfg.compress_block
+  tokens = length if cfg.window is None else min(cfg.window, length)
+  if m is None:
+    return tokens * G * K
+  P = _series(cfg)
+  return (tokens + length // m + 2 * P * P * m) * G * K
+
+
+def param_count(cfg: HeadConfig) -> int:
+  D, H, G, K, Q, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim, cfg.compress_block
+  g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
+  own = D * Q + Q + Q * H * K + D * G * K + G * K + H * K * r + g * r * D
+  return own + (0 if m is None else _series(cfg) * G * (2 * D + m) * K + G * K)
+
+
+def flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """The projections (query through its latent, the shared key, the compressor's two maps), the core
+  over S + S // m keys (unmasked, as per_head's) and the grouped output."""
+  D, H, G, K, Q, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim, cfg.compress_block
+  g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
+  N = 0 if m is None else S // m
+  proj = 2 * T * (D * Q + Q * H * K) + 2 * S * D * G * K + 2 * T * (H * K * r + g * r * D)
+  comp = 0 if m is None else 4 * S * D * _series(cfg) * G * K
+  return proj + comp + 2 * T * (S + N) * H * 2 * K
+
+
+VARIANT = Variant(
+    name="compressed_shared",
+    init=init,
+    apply=apply,
+    param_count=param_count,
+    flops=flops,
+    check=check,
+    sharding={"w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK", "kv_norm": "GK",
+              "w_oa": "PVO", "w_ob": "PD", "w_ck": "DYGK", "w_zk": "DYGK", "b_ck": "YWGK", "n_ck": "GK"},
+    fields=("compress_block", "compress_overlap", "o_groups", "o_rank"),
+    circuits=no_circuits("compressed_shared", "a variant with per-head W_QK: compressed_shared's queries "
+                         "pass through norms and its entries are pooled by an input-dependent softmax"),
+    init_cache=init_cache,
+    decode_cached=decode_cached,
+    kv_cache_elements=kv_cache_elements,
+)
