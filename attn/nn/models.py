@@ -283,12 +283,17 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
     self.activation = cfg.activation
+    # DeepSeek-V4's shared experts clamp as its routed ones (moe_swiglu_form "clamp")
+    self.limit = cfg.moe_swiglu_limit if cfg.mlp == "moe" and cfg.moe_swiglu_form == "clamp" else None
     bias, F = cfg.has_dense_bias, d_ff or cfg.d_ff
     self.gate = linear(cfg, cfg.d_model, F, rngs, bias) if cfg.mlp in ("gated", "moe") else None
     self.up = linear(cfg, cfg.d_model, F, rngs, bias)
     self.down = linear(cfg, F, cfg.d_model, rngs, bias)
 
   def __call__(self, x_BTD: Array) -> Array:
+    if self.gate is not None and self.limit is not None:
+      g_BTF, u_BTF = jnp.minimum(self.gate(x_BTD), self.limit), jnp.clip(self.up(x_BTD), -self.limit, self.limit)
+      return self.down(activate(self.activation, g_BTF) * u_BTF)
     if self.gate is not None:
       return self.down(activate(self.activation, self.gate(x_BTD)) * self.up(x_BTD))
     return self.down(activate(self.activation, self.up(x_BTD)))

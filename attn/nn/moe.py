@@ -19,12 +19,16 @@ Routing (moe_router):
              moe_topk_groups best groups compete for the top k; the weights
              are the chosen s (without the bias), renormalised with
              moe_norm_topk.
+  "sqrtsoftplus"  DeepSeek-V4: s = √softplus(x·W_r), chosen with the correction bias as
+             "sigmoid" (no groups), the weights the chosen s renormalised with moe_norm_topk.
 Either way the weights are then multiplied by moe_routed_scaling.
 
 Each expert is a gated MLP, down(act(gate(x))·up(x)), of width moe_d_ff
 (default d_ff), with biases when the model's dense layers have them
 (dense_bias, else use_bias); with moe_swiglu_limit ℓ it is gpt-oss's clamped
-SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)).
+SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)); with
+moe_swiglu_form "clamp" (DeepSeek-V4) down(act(g)·u) with the same g and u, the shared experts
+clamped alike.
 moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
 (DeepSeek's shared experts), or of width moe_shared_d_ff where set, and with
 moe_shared_gate its output is scaled by σ(x·w_shared_gate), w (D, 1) (Qwen3-Next's
@@ -43,7 +47,8 @@ from flax import nnx
 from attn.config import invalid
 
 Array = jax.Array
-ROUTERS = ("softmax", "sigmoid")
+ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
+SWIGLU_FORMS = ("gpt_oss", "clamp")
 GPT_OSS_ALPHA = 1.702  # gpt-oss's swiglu_alpha: g·σ(αg), the sigmoid approximation of GELU
 
 
@@ -55,7 +60,7 @@ class Buffer(nnx.Variable):
 FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "softmax",
           "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
           "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
-          "moe_shared_gate": False}
+          "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss"}
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -112,6 +117,9 @@ def check(m: Any) -> None:
     raise invalid("moe_dense_first", m.moe_dense_first, f"at most num_layers={m.num_layers}")
   if m.moe_swiglu_limit is not None:
     _positive("moe_swiglu_limit", m.moe_swiglu_limit, "gpt-oss's swiglu_limit, 7.0")
+  if m.moe_swiglu_form not in SWIGLU_FORMS or (m.moe_swiglu_form != "gpt_oss" and m.moe_swiglu_limit is None):
+    raise invalid("moe_swiglu_form", m.moe_swiglu_form, f"one of {list(SWIGLU_FORMS)}, and \"gpt_oss\" without "
+                  "moe_swiglu_limit (the form of the clamped SwiGLU)")
 
 
 def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array:
@@ -122,7 +130,8 @@ def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array
     scores_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     choice_BTE = scores_BTE
   else:
-    scores_BTE = jax.nn.sigmoid(logits_BTE)
+    scores_BTE = (jax.nn.sigmoid(logits_BTE) if m.moe_router == "sigmoid"
+                  else jnp.sqrt(jax.nn.softplus(logits_BTE)))
     choice_BTE = scores_BTE + correction_E.astype(jnp.float32)
     if m.moe_groups > 1:
       grouped_BTNE = choice_BTE.reshape(*choice_BTE.shape[:-1], m.moe_groups, E // m.moe_groups)
@@ -132,7 +141,7 @@ def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array
   keep_BTE = _top_mask(choice_BTE, k)
   w_BTE = jnp.where(keep_BTE, scores_BTE, 0.0)
   if m.moe_norm_topk:
-    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (1e-20 if m.moe_router == "sigmoid" else 0.0))
+    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (0.0 if m.moe_router == "softmax" else 1e-20))
   return w_BTE * m.moe_routed_scaling
 
 
@@ -158,7 +167,7 @@ class MoE(nnx.Module):
 
     self.router_w = param((D, E), D)
     self.router_b = nnx.Param(jnp.zeros((E,), dt)) if bias else None
-    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router == "sigmoid" else None
+    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" else None
     self.w_gate, self.w_up, self.w_down = param((E, D, F), D), param((E, D, F), D), param((E, F, D), F)
     self.b_gate = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_up = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
@@ -180,7 +189,9 @@ class MoE(nnx.Module):
     if self.b_gate is not None:
       gate_BTEF, up_BTEF = gate_BTEF + self.b_gate[...].astype(c), up_BTEF + self.b_up[...].astype(c)
     limit = self.m.moe_swiglu_limit
-    if limit is not None:  # gpt-oss
+    if limit is not None and self.m.moe_swiglu_form == "clamp":  # DeepSeek-V4
+      h_BTEF = self.activation(jnp.minimum(gate_BTEF, limit)) * jnp.clip(up_BTEF, -limit, limit)
+    elif limit is not None:  # gpt-oss
       gate_BTEF = jnp.minimum(gate_BTEF, limit)
       h_BTEF = gate_BTEF * jax.nn.sigmoid(GPT_OSS_ALPHA * gate_BTEF) * (jnp.clip(up_BTEF, -limit, limit) + 1)
     else:
