@@ -5,6 +5,7 @@ low-rank output.
 Per layer, with ε = cfg.latent_norm_eps (None: 1e-6, V4's rms_norm_eps):
   query     c_q = RMSNorm(x·W_DQ)·s_q (Q = cfg.q_latent_dim, learned scale), q = c_q·W_UQ (H,K),
             then each head RMS-normalised without a scale (V4's q_a_norm, q_b_proj, q_b_norm);
+            q_latent_dim None: q = x·W_Q (H,K), normalised the same way;
   key=value k = RMSNorm(x·W_KV)·s_kv per kv head (V4's kv_proj and kv_norm): rotated by RoPE at its
             position, and the same rotated vector is the value (V4's K = V);
   entries   with cfg.compress_block = m, the `compressed` variant's pooling of blocks of m tokens
@@ -19,9 +20,10 @@ Per layer, with ε = cfg.latent_norm_eps (None: 1e-6, V4's rms_norm_eps):
 
 RoPE acts on the first rope_dim dims (attn's convention: the family permutes V4's trailing rope
 slice to the front); transformers' interleaved pairs are rope_layout "interleaved". Keys and values
-being one vector, d_v must equal d_k; no biases (V4 has none).
+being one vector, d_v must equal d_k. With use_bias: b_q on the query heads (before their norm), b_kv on
+the shared projection (before its norm), b_o on the output (V4 has none).
 
-Refused by name: d_v ≠ d_k, q_latent_dim None, biases, probability other than softmax, a key
+Refused by name: d_v ≠ d_k, probability other than softmax, a key
 selection (V4's lightning indexer over the entries is not implemented: moba, indexer), mechanisms
 on the logits outside the kernel, qk_norm (the variant's own norms stand in its place), a gate.
 
@@ -31,7 +33,7 @@ P·m tokens, as `compressed` holds them but with the key part only. After L toke
 (min(L, window) + L // m + 2·P²·m)·G·K numbers (kv_cache_elements; without entries
 min(L, window)·G·K).
 
-Params: D·Q + Q + Q·H·K + D·G·K + G·K + H·K·r + g·r·D, and with entries P·G·(2·D + m)·K + G·K.
+Params: D·Q + Q + Q·H·K (D·H·K without the latent) + D·G·K + G·K + H·K·r + g·r·D, and with entries P·G·(2·D + m)·K + G·K.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from attn.config import HeadConfig, invalid
 from attn.kernel import compressed as ckernel
 from attn.variants import cache as kv_cache
 from attn.variants import compressed, grouped_lowrank, mechanisms, rope
-from attn.variants.base import Options, Params, Variant, gate_heads, no_circuits, normal, project_heads
+from attn.variants.base import (Options, Params, Variant, add_bias, bias, gate_heads, no_circuits, normal,
+                                project_heads)
 
 NORM_EPS = 1e-6  # V4's rms_norm_eps
 
@@ -61,12 +64,6 @@ def check(cfg: HeadConfig) -> None:
   if cfg.d_v != cfg.d_k:
     raise invalid("d_v", cfg.d_v, f"d_k={cfg.d_k} for variant compressed_shared: one projection is the "
                   "keys and the values")
-  if cfg.q_latent_dim is None:
-    raise invalid("q_latent_dim", None, "a positive integer for variant compressed_shared: the query's "
-                  "low-rank latent (DeepSeek-V4's q_lora_rank)")
-  if cfg.use_bias:
-    raise invalid("use_bias", True, "False for variant compressed_shared: DeepSeek-V4's projections have "
-                  "no biases")
   if cfg.compress_overlap and cfg.compress_block is None:
     raise invalid("compress_overlap", True, "False without compress_block: there are no entries to overlap")
   if cfg.qk_norm or cfg.gate is not None:
@@ -79,11 +76,14 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   D, H, G, K, Q = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim
   g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
   ks = jax.random.split(key, 7)
-  params = {
+  query = {"w_q": normal(ks[0], (D, H, K), D, dtype)} if Q is None else {
       "w_dq": normal(ks[0], (D, Q), D, dtype), "q_latent_norm": jnp.ones((Q,), dtype),
-      "w_uq": normal(ks[1], (Q, H, K), Q, dtype), "w_kv": normal(ks[2], (D, G, K), D, dtype),
+      "w_uq": normal(ks[1], (Q, H, K), Q, dtype)}
+  params = query | {
+      "w_kv": normal(ks[2], (D, G, K), D, dtype),
       "kv_norm": jnp.ones((G, K), dtype), "w_oa": normal(ks[3], (g, H // g * K, r), H // g * K, dtype),
       "w_ob": normal(ks[4], (g * r, D), g * r, dtype)}
+  params = add_bias(params, cfg, {"b_q": (H, K), "b_kv": (G, K), "b_o": (D,)}, dtype)
   m = cfg.compress_block
   if m is not None:
     P = _series(cfg)
@@ -100,15 +100,18 @@ def _rms(x, scale, e: float):
 
 
 def queries(params: Params, x_BTD, cfg: HeadConfig):
-  """(B,T,H,K), unrotated: the latent normalised with its scale, each head without one."""
+  """(B,T,H,K), unrotated: the latent normalised with its scale (q_latent_dim None: one projection
+  W_Q), each head without one."""
   e = eps(cfg)
+  if "w_q" in params:  # no latent (q_latent_dim None)
+    return _rms(project_heads(x_BTD, params["w_q"], bias(params, "b_q")), None, e)
   c_BTQ = _rms(x_BTD @ params["w_dq"], params["q_latent_norm"], e)
-  return _rms(jnp.einsum("BTQ,QHK->BTHK", c_BTQ, params["w_uq"]), None, e)
+  return _rms(jnp.einsum("BTQ,QHK->BTHK", c_BTQ, params["w_uq"]) + bias(params, "b_q"), None, e)
 
 
 def keys(params: Params, x_BTD, cfg: HeadConfig):
   """(B,S,G,K), unrotated: the shared projection, normalised with its scale."""
-  return _rms(project_heads(x_BTD, params["w_kv"], 0.0), params["kv_norm"], eps(cfg))
+  return _rms(project_heads(x_BTD, params["w_kv"], bias(params, "b_kv")), params["kv_norm"], eps(cfg))
 
 
 def compressor_inputs(params: Params, x_BSD) -> tuple:
@@ -132,7 +135,7 @@ def entries(params: Params, x_BSD, cfg: HeadConfig, key_positions=None):
 def _output(params: Params, x_BTD, o_BTHK, pos_T, cfg: HeadConfig, head_mask):
   o_BTHK = rope.rotate(o_BTHK, -jnp.asarray(pos_T), cfg)  # V4's de-rotation at the query's position
   o_BTHK = gate_heads(o_BTHK, head_mask)
-  return grouped_lowrank.grouped_output(params, o_BTHK, 0.0).astype(x_BTD.dtype)
+  return grouped_lowrank.grouped_output(params, o_BTHK, bias(params, "b_o")).astype(x_BTD.dtype)
 
 
 def _attend(params: Params, q, k, ck, *, cfg: HeadConfig, opts: Options, entry_mask=None, window="layer"):
@@ -249,7 +252,8 @@ def kv_cache_elements(cfg: HeadConfig, length: int) -> int:
 def param_count(cfg: HeadConfig) -> int:
   D, H, G, K, Q, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim, cfg.compress_block
   g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
-  own = D * Q + Q + Q * H * K + D * G * K + G * K + H * K * r + g * r * D
+  own = (D * H * K if Q is None else D * Q + Q + Q * H * K) + D * G * K + G * K + H * K * r + g * r * D
+  own += (H * K + G * K + D) if cfg.use_bias else 0
   return own + (0 if m is None else _series(cfg) * G * (2 * D + m) * K + G * K)
 
 
@@ -259,7 +263,7 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   D, H, G, K, Q, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim, cfg.compress_block
   g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
   N = 0 if m is None else S // m
-  proj = 2 * T * (D * Q + Q * H * K) + 2 * S * D * G * K + 2 * T * (H * K * r + g * r * D)
+  proj = 2 * T * (D * H * K if Q is None else D * Q + Q * H * K) + 2 * S * D * G * K + 2 * T * (H * K * r + g * r * D)
   comp = 0 if m is None else 4 * S * D * _series(cfg) * G * K
   return proj + comp + 2 * T * (S + N) * H * 2 * K
 
@@ -271,7 +275,7 @@ VARIANT = Variant(
     param_count=param_count,
     flops=flops,
     check=check,
-    sharding={"w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK", "kv_norm": "GK",
+    sharding={"w_q": "DHK", "b_kv": "GK", "w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK", "kv_norm": "GK",
               "w_oa": "PVO", "w_ob": "PD", "w_ck": "DYGK", "w_zk": "DYGK", "b_ck": "YWGK", "n_ck": "GK"},
     fields=("compress_block", "compress_overlap", "o_groups", "o_rank"),
     circuits=no_circuits("compressed_shared", "a variant with per-head W_QK: compressed_shared's queries "
