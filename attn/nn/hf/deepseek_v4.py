@@ -27,6 +27,7 @@ renormalises), n_shared_experts other than 1 (V4 builds one shared expert of moe
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -155,11 +156,43 @@ def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.n
   return p
 
 
+# DeepSeek's names (the release's, and what transformers' save_pretrained writes back) -> transformers' module
+# names, in order (transformers' conversion_mapping for deepseek_v4, written out).
+_RENAMES = tuple((re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"), (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.w1\.", ".gate_proj."), (r"\.w3\.", ".up_proj."), (r"\.w2\.", ".down_proj.")))
+
+
+def module_name(name: str) -> str:
+  """A checkpoint tensor's name as transformers' DeepseekV4ForCausalLM names it (the same if it is already)."""
+  for pattern, to in _RENAMES:
+    name = pattern.sub(to, name)
+  return name
+
+
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
-  scales = sorted(n for n in w.names if n.endswith(("scale_inv", ".scale")) and "_hc." not in n)
+  """Reads a checkpoint under DeepSeek's names or transformers' (module_name), every tensor marked read in w."""
+  scales = sorted(n for n in w.names if n.endswith(("scale_inv", ".scale")) and "hc_" not in n and "_hc." not in n)
   if scales:  # quantized experts: refused on the names, before a weight is read
     raise invalid("checkpoint", scales[:2], "bf16 or float32 weights: attn does not dequantize DeepSeek-V4's "
                   "fp8 / fp4 blocks; convert them first")
+  back = {module_name(n): n for n in w.names}
+  named = Weights({new: w.arrays[old] for new, old in back.items()})
+  out = _weights_in(named, cfg)
+  w.used |= {back[n] for n in named.used}
+  return out
+
+
+def _weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   mtp = sorted(n for n in w.names if n.startswith("mtp."))
   if mtp:
     warnings.warn(f"deepseek_v4: {len(mtp)} tensors of mtp.* (the multi-token-prediction module) read and "
