@@ -7,7 +7,8 @@ the value, a query latent of 12, RoPE on the last 8 dims of each head (interleav
 layer and 700 in the compressed ones), a window of 5, sinks, entries of 4 tokens (heavily compressed
 attention at a tiny rate, so that 19 tokens give several), the grouped output (2 groups of rank 6),
 3 residual streams, 4 experts (2 kept) with the sqrtsoftplus router, its correction bias and the
-clamped SwiGLU. Tests that build a transformers model skip where the installed release lacks
+clamped SwiGLU; the first layer's experts are hash-routed (a random tid2eid table, repeats included).
+Tests that build a transformers model skip where the installed release lacks
 deepseek_v4 (CI's floor, 4.51.1).
 """
 
@@ -30,7 +31,7 @@ SWA, HCA, CSA = "sliding_attention", "heavily_compressed_attention", "compressed
 KW = dict(vocab_size=61, hidden_size=24, moe_intermediate_size=20, num_hidden_layers=3, num_attention_heads=4,
           num_key_value_heads=1, head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5, num_experts_per_tok=2,
           n_routed_experts=4, n_shared_experts=1, layer_types=[SWA, HCA, HCA],
-          compress_rates={CSA: 4, HCA: 4}, mlp_layer_types=["moe"] * 3, hc_mult=3, hc_sinkhorn_iters=5,
+          compress_rates={CSA: 4, HCA: 4}, mlp_layer_types=["hash_moe", "moe", "moe"], hc_mult=3, hc_sinkhorn_iters=5,
           sliding_window=5, o_groups=2, o_lora_rank=6, index_n_heads=2, index_head_dim=8, index_topk=4,
           max_position_embeddings=64, rope_theta=50.0, compress_rope_theta=700.0, swiglu_limit=1.5,
           pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -55,6 +56,8 @@ def _model(kw=KW, seed=0):
     for name, b in m.named_buffers():
       if name.endswith("e_score_correction_bias"):
         b.add_(0.1 * torch.randn_like(b))
+      if name.endswith("tid2eid"):
+        b.copy_(torch.randint(0, kw["n_routed_experts"], b.shape))
   return m
 
 
@@ -67,7 +70,7 @@ def test_logits_equal_transformers_under_right_padding():
   loaded = hf.from_hf(m)
   cfg = loaded.config
   assert cfg.layer_heads == {HCA: {"compress_block": 4}} and cfg.sliding_rope_theta == 50.0
-  assert cfg.rope_theta == 700.0 and cfg.rope_dim == 8 and cfg.hc_mult == 3
+  assert cfg.rope_theta == 700.0 and cfg.rope_dim == 8 and cfg.hc_mult == 3 and cfg.moe_hash_first == 1
   ids = np.random.default_rng(1).integers(0, 61, (2, 19))
   lengths = np.array([19, 13])
   mask = (np.arange(19)[None] < lengths[:, None]).astype(np.int64)
@@ -119,7 +122,7 @@ def test_count_hf_by_hand_from_config_json_alone(tmp_path, capsys):
   D, H, K, Q, N, E, F, n, g, r, m = 24, 4, 16, 12, 61, 4, 20, 3, 2, 6, 4
   attn_ = D * Q + Q + Q * H * K + D * K + K + H * K * r + g * r * D + H  # ... + sinks
   compressor = 2 * D * K + m * K + K
-  experts = D * E + E * 3 * D * F + 3 * D * F
+  experts = D * E + E * 3 * D * F + 3 * D * F  # router, experts, the shared one (tid2eid and the bias: buffers)
   hc = 2 * ((2 + n) * n * (n * D + 1) + 3)
   report = json.loads(out.out)
   assert report["breakdown"]["attention (sliding_attention)"] == attn_
@@ -130,7 +133,7 @@ def test_count_hf_by_hand_from_config_json_alone(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, field", [
     (dict(layer_types=[SWA, CSA, HCA]), "layer_types\\[1\\]"),
-    (dict(mlp_layer_types=["hash_moe"] + ["moe"] * 2), "mlp_layer_types"),
+    (dict(mlp_layer_types=["moe", "hash_moe", "moe"]), "mlp_layer_types"),
     (dict(num_key_value_heads=2), "num_key_value_heads"),
     (dict(hc_mult=1), "hc_mult"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),

@@ -21,7 +21,10 @@ Routing (moe_router):
              moe_norm_topk.
   "sqrtsoftplus"  DeepSeek-V4: s = √softplus(x·W_r), chosen with the correction bias as
              "sigmoid" (no groups), the weights the chosen s renormalised with moe_norm_topk.
-Either way the weights are then multiplied by moe_routed_scaling.
+Either way the weights are then multiplied by moe_routed_scaling. The first moe_hash_first
+expert layers (DeepSeek-V4's hash_moe) choose no experts: a table tid2eid (vocab, k), a buffer,
+gives each token id its k, weighted by the router's scores s there (a repeated expert counts
+as often as it is listed), renormalised with moe_norm_topk; the model passes the token ids.
 
 Each expert is a gated MLP, down(act(gate(x))·up(x)), of width moe_d_ff
 (default d_ff), with biases when the model's dense layers have them
@@ -60,7 +63,7 @@ class Buffer(nnx.Variable):
 FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "softmax",
           "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
           "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
-          "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss"}
+          "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss", "moe_hash_first": 0}
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -117,6 +120,10 @@ def check(m: Any) -> None:
     raise invalid("moe_dense_first", m.moe_dense_first, f"at most num_layers={m.num_layers}")
   if m.moe_swiglu_limit is not None:
     _positive("moe_swiglu_limit", m.moe_swiglu_limit, "gpt-oss's swiglu_limit, 7.0")
+  if _int("moe_hash_first", m.moe_hash_first, 0) > m.num_layers - m.moe_dense_first or (
+      m.moe_hash_first and m.moe_groups > 1):
+    raise invalid("moe_hash_first", m.moe_hash_first, f"at most num_layers - moe_dense_first = "
+                  f"{m.num_layers - m.moe_dense_first} expert layers, without moe_groups (a table picks the experts)")
   if m.moe_swiglu_form not in SWIGLU_FORMS or (m.moe_swiglu_form != "gpt_oss" and m.moe_swiglu_limit is None):
     raise invalid("moe_swiglu_form", m.moe_swiglu_form, f"one of {list(SWIGLU_FORMS)}, and \"gpt_oss\" without "
                   "moe_swiglu_limit (the form of the clamped SwiGLU)")
@@ -145,6 +152,17 @@ def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array
   return w_BTE * m.moe_routed_scaling
 
 
+def hashed(m: Any, logits_BTE: Array, experts_BTk: Array) -> Array:
+  """The routing weights (B,T,E) of a hash layer: the scores at the table's experts (module docstring)."""
+  logits_BTE = logits_BTE.astype(jnp.float32)
+  scores_BTE = {"softmax": lambda a: jax.nn.softmax(a, axis=-1), "sigmoid": jax.nn.sigmoid,
+                "sqrtsoftplus": lambda a: jnp.sqrt(jax.nn.softplus(a))}[m.moe_router](logits_BTE)
+  w_BTE = jax.nn.one_hot(experts_BTk, logits_BTE.shape[-1], dtype=jnp.float32).sum(-2) * scores_BTE
+  if m.moe_norm_topk:
+    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (0.0 if m.moe_router == "softmax" else 1e-20))
+  return w_BTE * m.moe_routed_scaling
+
+
 def _top_mask(x_BTE: Array, k: int) -> Array:
   """True at the k largest entries of each row (lax.top_k's ties: the lower index first)."""
   _, idx_BTk = jax.lax.top_k(x_BTE, k)
@@ -155,7 +173,7 @@ class MoE(nnx.Module):
   """The expert feed-forward of one layer: router, E gated experts (+ shared ones), computed densely."""
 
   def __init__(self, m: Any, *, rngs: nnx.Rngs, activation: Callable[[Array], Array],
-               shared: nnx.Module | None = None):
+               shared: nnx.Module | None = None, hashed: bool = False):
     self.m, self.activation, self.shared = m, activation, shared
     E, D, F = m.moe_experts, m.d_model, m.moe_d_ff or m.d_ff
     bias = m.use_bias if m.dense_bias is None else m.dense_bias
@@ -167,21 +185,28 @@ class MoE(nnx.Module):
 
     self.router_w = param((D, E), D)
     self.router_b = nnx.Param(jnp.zeros((E,), dt)) if bias else None
-    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" else None
+    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" and not hashed else None
+    self.tid2eid = Buffer(jnp.zeros((m.vocab_size, m.moe_top_k), jnp.int32)) if hashed else None
     self.w_gate, self.w_up, self.w_down = param((E, D, F), D), param((E, D, F), D), param((E, F, D), F)
     self.b_gate = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_up = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_down = nnx.Param(jnp.zeros((E, D), dt)) if bias else None
     self.shared_gate = param((D, 1), D) if m.moe_shared_gate else None
 
-  def weights(self, x_BTD: Array) -> Array:
-    """The routing weights (B,T,E) of x's tokens (zero outside each token's top k)."""
+  def weights(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
+    """The routing weights (B,T,E) of x's tokens (zero outside each token's top k); a hash layer reads
+    the token ids."""
     logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), self.router_w[...].astype(jnp.float32))
     if self.router_b is not None:
       logits_BTE = logits_BTE + self.router_b[...].astype(jnp.float32)
+    if self.tid2eid is not None:
+      if tokens_BT is None:
+        raise invalid("tokens", None, "the token ids: a hash-routed expert layer (moe_hash_first) picks its "
+                      "experts by them (a DecoderLM passes them)")
+      return hashed(self.m, logits_BTE, self.tid2eid[...][tokens_BT])
     return route(self.m, logits_BTE, None if self.correction is None else self.correction[...])
 
-  def __call__(self, x_BTD: Array) -> Array:
+  def __call__(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
     c = self.compute
     x = x_BTD.astype(c)
     gate_BTEF = jnp.einsum("BTD,EDF->BTEF", x, self.w_gate[...].astype(c))
@@ -199,7 +224,7 @@ class MoE(nnx.Module):
     y_BTED = jnp.einsum("BTEF,EFD->BTED", h_BTEF, self.w_down[...].astype(c))
     if self.b_down is not None:
       y_BTED = y_BTED + self.b_down[...].astype(c)
-    out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD).astype(c), y_BTED)
+    out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD, tokens_BT).astype(c), y_BTED)
     if self.shared is None:
       return out_BTD
     shared_BTD = self.shared(x_BTD)

@@ -16,8 +16,8 @@ sqrtsoftplus router with the correction bias, routed_scaling_factor, the clamped
 (swiglu_limit, moe_swiglu_form "clamp") on the routed and the one shared expert.
 
 Refused by name before any weight is read: compressed_sparse_attention layers (their lightning
-indexer over the entries is not implemented), hash-routed MoE layers (mlp_layer_types "hash_moe": the
-expert table tid2eid[token] needs the token ids at the MoE), num_key_value_heads other than 1,
+indexer over the entries is not implemented), mlp_layer_types other than k "hash_moe" then "moe" (the
+hash layers are attn's moe_hash_first: experts from the table tid2eid[token], a buffer), num_key_value_heads other than 1,
 hc_mult 1 (V4 still has weights there; attn's hc_mult 1 is the plain residual), a quantization_config
 (fp8 / fp4 experts: dequantize first), scoring functions other than sqrtsoftplus and sigmoid, RoPE
 types attn does not run. Read and ignored, with a one-line note, as transformers ignores them: the
@@ -87,9 +87,10 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
                   "lightning indexer (its own compressor at index_head_dim, top-k over the entries) that "
                   "compressed_sparse_attention layers choose their entries with")
   mlp_types = list(hf.get("mlp_layer_types") or [])
-  if mlp_types != ["moe"] * L:
-    raise invalid("config.mlp_layer_types", mlp_types, f"{L} of 'moe': attn's experts do not route by the "
-                  "token id (V4's hash_moe, tid2eid)")
+  n_hash = next((i for i, t in enumerate(mlp_types) if t != "hash_moe"), len(mlp_types))
+  if len(mlp_types) != L or mlp_types[n_hash:] != ["moe"] * (L - n_hash):
+    raise invalid("config.mlp_layer_types", mlp_types, f"{L} entries, the first k 'hash_moe' and the rest 'moe': "
+                  "attn's moe_hash_first expresses only that pattern")
   scoring = hf.get("scoring_func", "sqrtsoftplus")
   if scoring not in ("sqrtsoftplus", "sigmoid"):
     raise invalid("config.scoring_func", scoring, "'sqrtsoftplus' or 'sigmoid': the routers attn's MoE has")
@@ -123,8 +124,34 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
       mlp="moe", moe_experts=get(hf, "n_routed_experts"), moe_top_k=get(hf, "num_experts_per_tok"),
       moe_d_ff=get(hf, "moe_intermediate_size"), moe_router=scoring, moe_norm_topk=True,
       moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.5)), moe_shared_experts=1,
-      moe_swiglu_limit=float(get(hf, "swiglu_limit")), moe_swiglu_form="clamp",
+      moe_swiglu_limit=float(get(hf, "swiglu_limit")), moe_swiglu_form="clamp", moe_hash_first=n_hash,
       hc_mult=n, hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)), hc_eps=float(hf.get("hc_eps", 1e-6)))
+
+
+def _experts_in(w: Weights, m: str, cfg: ModelConfig, l: int) -> dict[str, Any]:
+  """deepseek_v3's experts; a hash layer has the table tid2eid (vocab, k) in place of the correction bias."""
+  if not cfg.is_hash_layer(l):
+    return deepseek_v3.experts_in(w, m, cfg)
+  table = w(f"{m}.gate.tid2eid", (cfg.vocab_size, cfg.moe_top_k))
+  if table.min() < 0 or table.max() >= cfg.moe_experts:
+    raise invalid(f"checkpoint {m}.gate.tid2eid", f"[{int(table.min())}, {int(table.max())}]",
+                  f"expert ids in [0, {cfg.moe_experts})")
+  out = deepseek_v3.experts_in(_NoCorrection(w), m, cfg)
+  del out["correction"]
+  return out | {"tid2eid": table.astype(np.int32)}
+
+
+class _NoCorrection:
+  """w, answering the correction bias a hash layer lacks with zeros (dropped by the caller)."""
+
+  def __init__(self, w: Weights):
+    self.w = w
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.w
+
+  def __call__(self, name: str, shape=None):
+    return np.zeros(shape, np.float32) if name.endswith("e_score_correction_bias") else self.w(name, shape)
 
 
 def _hc_in(w: Weights, at: str, n: int, D: int, head: bool = False) -> dict[str, np.ndarray]:
@@ -205,7 +232,7 @@ def _weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   for l in range(cfg.num_layers):
     at = f"layers.{l}"
     blocks[l] = {"attn": {"params": attention_in(w, f"{at}.self_attn", cfg, l)},
-                 "mlp": deepseek_v3.experts_in(w, f"{at}.mlp", cfg),
+                 "mlp": _experts_in(w, f"{at}.mlp", cfg, l),
                  "attn_norm": norm(f"{at}.input_layernorm"), "mlp_norm": norm(f"{at}.post_attention_layernorm"),
                  "attn_hc": _hc_in(w, f"{at}.attn_hc", n, D), "mlp_hc": _hc_in(w, f"{at}.ffn_hc", n, D)}
   out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm"),
@@ -237,6 +264,14 @@ def attention_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) ->
   return sd
 
 
+def _mlp_out(e: dict[str, Any], m: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+  if not cfg.is_hash_layer(l):
+    return deepseek_v3.mlp_out(e, m, cfg, l)
+  sd = deepseek_v3.mlp_out(e | {"correction": None}, m, cfg, l)
+  del sd[f"{m}.gate.e_score_correction_bias"]
+  return sd | {f"{m}.gate.tid2eid": np.asarray(e["tid2eid"]).astype(np.float32)}  # as every tensor of to_hf_state
+
+
 def _hc_out(h: dict[str, Any], at: str, head: bool = False) -> dict[str, np.ndarray]:
   pre = "hc_" if head else ""
   return {f"{at}.{pre}{k}": np.asarray(h[k]) for k in ("fn", "base", "scale")}
@@ -249,7 +284,7 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
   for l, block in pure["blocks"].items():
     p = {k: np.asarray(v) for k, v in block["attn"]["params"].items()}
     at = f"model.layers.{l}"
-    sd |= attention_out(p, f"{at}.self_attn", cfg, int(l)) | deepseek_v3.mlp_out(block["mlp"], f"{at}.mlp", cfg, int(l))
+    sd |= attention_out(p, f"{at}.self_attn", cfg, int(l)) | _mlp_out(block["mlp"], f"{at}.mlp", cfg, int(l))
     sd |= {f"{at}.input_layernorm.weight": block["attn_norm"]["scale"],
            f"{at}.post_attention_layernorm.weight": block["mlp_norm"]["scale"],
            **_hc_out(block["attn_hc"], f"{at}.attn_hc"), **_hc_out(block["mlp_hc"], f"{at}.ffn_hc")}
@@ -307,7 +342,7 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
       max_position_embeddings=cfg.max_len, rope_theta=main_theta, compress_rope_theta=cfg.rope_theta,
       rope_parameters={"main": main, "compress": comp}, layer_types=types, compress_rates=rates,
       hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-      mlp_layer_types=["moe"] * cfg.num_layers, swiglu_limit=cfg.moe_swiglu_limit, sliding_window=cfg.window,
+      mlp_layer_types=["hash_moe"] * cfg.moe_hash_first + ["moe"] * (cfg.num_layers - cfg.moe_hash_first), swiglu_limit=cfg.moe_swiglu_limit, sliding_window=cfg.window,
       o_groups=cfg.o_groups, o_lora_rank=cfg.o_rank, num_nextn_predict_layers=0,
       hidden_act=activation_out(cfg, ("silu", "gelu_pytorch_tanh", "gelu", "relu")), rms_norm_eps=cfg.norm_eps,
       tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, attention_dropout=0.0,
@@ -329,5 +364,5 @@ DEEPSEEK_V4 = Family(
                       "sliding_rope_theta", "layer_types", "layer_heads", "window", "sinks", "latent_norm_eps",
                       "o_groups", "o_rank", "tie_embeddings", "moe_experts", "moe_top_k", "moe_d_ff", "moe_router",
                       "moe_norm_topk", "moe_routed_scaling", "moe_shared_experts", "moe_swiglu_limit",
-                      "moe_swiglu_form", "hc_mult", "hc_sinkhorn_iters", "hc_eps"}),
+                      "moe_swiglu_form", "moe_hash_first", "hc_mult", "hc_sinkhorn_iters", "hc_eps"}),
     check_out=check_out)
