@@ -44,12 +44,18 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.config import HeadConfig, invalid
 from attn.kernel import compressed as ckernel
+from attn.kernel import masks
 from attn.variants import cache as kv_cache
 from attn.variants import compressed, grouped_lowrank, mechanisms, rope
 from attn.variants.base import (Options, Params, Variant, add_bias, bias, gate_heads, no_circuits, normal,
                                 project_heads)
 
 NORM_EPS = 1e-6  # V4's rms_norm_eps
+
+
+def indexed(cfg: HeadConfig) -> bool:
+  """Whether the layer chooses its entries with an indexer (cfg.compress_index_heads > 0)."""
+  return cfg.compress_index_heads > 0
 
 
 def eps(cfg: HeadConfig) -> float:
@@ -66,6 +72,11 @@ def check(cfg: HeadConfig) -> None:
                   "keys and the values")
   if cfg.compress_overlap and cfg.compress_block is None:
     raise invalid("compress_overlap", True, "False without compress_block: there are no entries to overlap")
+  if indexed(cfg) and (cfg.compress_block is None or cfg.q_latent_dim is None
+                       or cfg.compress_index_dim < cfg.rope_dim):
+    raise invalid("compress_index_heads", cfg.compress_index_heads, "0 unless compress_block and q_latent_dim "
+                  f"are set and compress_index_dim >= rope_dim={cfg.rope_dim}: the indexer scores the entries "
+                  "from the query latent, its keys rotated as the layer's")
   if cfg.qk_norm or cfg.gate is not None:
     raise invalid("qk_norm, gate", (cfg.qk_norm, cfg.gate), "(False, None) for variant compressed_shared: "
                   "its queries and keys have their own norms, its output no gate")
@@ -75,7 +86,7 @@ def check(cfg: HeadConfig) -> None:
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   D, H, G, K, Q = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim
   g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
-  ks = jax.random.split(key, 7)
+  ks = jax.random.split(key, 11)
   query = {"w_q": normal(ks[0], (D, H, K), D, dtype)} if Q is None else {
       "w_dq": normal(ks[0], (D, Q), D, dtype), "q_latent_norm": jnp.ones((Q,), dtype),
       "w_uq": normal(ks[1], (Q, H, K), Q, dtype)}
@@ -89,6 +100,11 @@ def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
     P = _series(cfg)
     params |= {"w_ck": normal(ks[5], (D, P, G, K), D, dtype), "w_zk": normal(ks[6], (D, P, G, K), D, dtype),
                "b_ck": jnp.zeros((P, m, G, K), dtype), "n_ck": jnp.ones((G, K), dtype)}
+  if indexed(cfg):
+    n, I = cfg.compress_index_heads, cfg.compress_index_dim
+    params |= {"w_ic": normal(ks[7], (D, P, 1, I), D, dtype), "w_iz": normal(ks[8], (D, P, 1, I), D, dtype),
+               "b_ic": jnp.zeros((P, m, 1, I), dtype), "n_ic": jnp.ones((1, I), dtype),
+               "w_iq": normal(ks[9], (Q, n, I), Q, dtype), "w_iw": normal(ks[10], (D, n), D, dtype)}
   return params
 
 
@@ -105,8 +121,13 @@ def queries(params: Params, x_BTD, cfg: HeadConfig):
   e = eps(cfg)
   if "w_q" in params:  # no latent (q_latent_dim None)
     return _rms(project_heads(x_BTD, params["w_q"], bias(params, "b_q")), None, e)
-  c_BTQ = _rms(x_BTD @ params["w_dq"], params["q_latent_norm"], e)
+  c_BTQ = latent(params, x_BTD, cfg)
   return _rms(jnp.einsum("BTQ,QHK->BTHK", c_BTQ, params["w_uq"]) + bias(params, "b_q"), None, e)
+
+
+def latent(params: Params, x_BTD, cfg: HeadConfig):
+  """(B,T,Q): the query latent, normalised with its scale (the queries' and the indexer's input)."""
+  return _rms(x_BTD @ params["w_dq"], params["q_latent_norm"], eps(cfg))
 
 
 def keys(params: Params, x_BTD, cfg: HeadConfig):
@@ -114,22 +135,45 @@ def keys(params: Params, x_BTD, cfg: HeadConfig):
   return _rms(project_heads(x_BTD, params["w_kv"], bias(params, "b_kv")), params["kv_norm"], eps(cfg))
 
 
-def compressor_inputs(params: Params, x_BSD) -> tuple:
-  return compressed._project(x_BSD, params["w_ck"]), compressed._project(x_BSD, params["w_zk"])
+# The entries' parameters (projections, gate logits, slot biases, norm scale) and the indexer's.
+_MAIN, _INDEX = ("w_ck", "w_zk", "b_ck", "n_ck"), ("w_ic", "w_iz", "b_ic", "n_ic")
 
 
-def _finish(params: Params, ck_BNGK, positions_N, cfg: HeadConfig):
-  return rope.rotate(_rms(ck_BNGK, params["n_ck"], eps(cfg)), positions_N, cfg)
+def _finish(params: Params, ck_BNGK, positions_N, cfg: HeadConfig, names=_MAIN):
+  return rope.rotate(_rms(ck_BNGK, params[names[3]], eps(cfg)), positions_N, cfg)
 
 
-def entries(params: Params, x_BSD, cfg: HeadConfig, key_positions=None):
-  """(B, S // m, G, K): the entries of the complete blocks, normalised and rotated."""
+def entries(params: Params, x_BSD, cfg: HeadConfig, key_positions=None, names=_MAIN):
+  """(B, S // m, G, K): the entries of the complete blocks, normalised and rotated (names=_INDEX: the
+  indexer's keys, (B, S // m, 1, I))."""
   m = cfg.compress_block
-  c, z = compressor_inputs(params, x_BSD)
-  ck = ckernel.pool(c, z, params["b_ck"], m)
+  c, z = (compressed._project(x_BSD, params[n]) for n in names[:2])
+  ck = ckernel.pool(c, z, params[names[2]], m)
   N = ck.shape[1]
   pos = jnp.arange(N) * m if key_positions is None else jnp.asarray(key_positions)[..., :N * m:m]
-  return _finish(params, ck, pos, cfg)
+  return _finish(params, ck, pos, cfg, names)
+
+
+def select(params: Params, x_BTD, c_BTQ, ik_BN1I, ended_BTN, cfg: HeadConfig, pos_T):
+  """(B,1,T,N): the entries the indexer keeps for each query, of those that have ended: the top
+  compress_index_topk by Σ_h w_h·ReLU(q_h·k)/√I, w = x·W_IW/√n, q_h the latent through W_IQ, rotated."""
+  n, I, k = cfg.compress_index_heads, cfg.compress_index_dim, cfg.compress_index_topk
+  N = ik_BN1I.shape[1]
+  iq = rope.rotate(jnp.einsum("BTQ,QhI->BThI", c_BTQ, params["w_iq"]), pos_T, cfg)
+  s = jax.nn.relu(jnp.einsum("BThI,BNI->BThN", iq.astype(jnp.float32), ik_BN1I[:, :, 0].astype(jnp.float32)))
+  w = (x_BTD @ params["w_iw"]).astype(jnp.float32) * n ** -0.5
+  score = jnp.einsum("BThN,BTh->BTN", s * I ** -0.5, w)
+  score = jnp.where(ended_BTN, score, -jnp.inf)
+  _, top = jax.lax.top_k(score, min(k, N))
+  kept = jax.nn.one_hot(top, N, dtype=jnp.bool_).any(-2) & ended_BTN
+  return kept[:, None]
+
+
+def _ended(N: int, m: int, pos):
+  """(1|B, T, N): entry n has ended for the query at pos: (n + 1)·m − 1 <= pos."""
+  pos = jnp.asarray(pos)
+  pos = pos[None] if pos.ndim == 1 else pos
+  return (jnp.arange(N) + 1) * m <= pos[..., None] + 1
 
 
 def _output(params: Params, x_BTD, o_BTHK, pos_T, cfg: HeadConfig, head_mask):
@@ -157,8 +201,16 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, opts: Opt
   pos_q, pos_k = (jnp.arange(T), jnp.arange(S)) if opts.qk_positions is None else opts.qk_positions
   q = rope.rotate(queries(params, x_BTD, cfg), pos_q, cfg)
   k = rope.rotate(keys(params, c_BSD, cfg), pos_k, cfg)
-  ck = None if cfg.compress_block is None else entries(params, c_BSD, cfg, None if opts.qk_positions is None else pos_k)
-  o, w = _attend(params, q, k, ck, cfg=cfg, opts=opts)
+  kpos = None if opts.qk_positions is None else pos_k
+  ck = None if cfg.compress_block is None else entries(params, c_BSD, cfg, kpos)
+  chosen = None
+  if indexed(cfg):
+    ik = entries(params, c_BSD, cfg, kpos, _INDEX)
+    ended = _ended(ik.shape[1], cfg.compress_block, pos_q)
+    chosen = select(params, x_BTD, latent(params, x_BTD, cfg), ik, ended, cfg, pos_q)
+    span = _series(cfg) * cfg.compress_block
+    chosen = masks.combine_masks(ckernel.entry_mask(opts.mask, S, cfg.compress_block, span), chosen)
+  o, w = _attend(params, q, k, ck, cfg=cfg, opts=opts, entry_mask=chosen)
   return _output(params, x_BTD, o, pos_q, cfg, opts.head_mask), w
 
 
@@ -174,18 +226,22 @@ def init_cache(params: Params, cfg: HeadConfig, batch_size: int, max_len: int, d
   if m is not None:
     P = _series(cfg)
     out |= {"ck": z(max_len // m, G, K), "buf_c": z(P * m, P, G, K), "buf_z": z(P * m, P, G, K)}
+    if indexed(cfg):
+      I = cfg.compress_index_dim
+      out |= {"ik": z(max_len // m, 1, I), "buf_ic": z(P * m, P, 1, I), "buf_iz": z(P * m, P, 1, I)}
   return out
 
 
-def _step_entries(params: Params, cache: dict, new: tuple, index, T: int, cfg: HeadConfig):
+def _step_entries(params: Params, cache: dict, new: tuple, index, T: int, cfg: HeadConfig,
+                  names=_MAIN, bufs=("buf_c", "buf_z", "ck")):
   """The entries of the blocks that end inside this step and their slots (past the end where none),
   pooled from the buffered and the new compressor inputs (compressed._step_entries, key part only)."""
   m, P = cfg.compress_block, _series(cfg)
   L = P * m
   order = (index + jnp.arange(L)) % L
   pos = index - L + jnp.arange(L + T)
-  c = jnp.concatenate([cache["buf_c"][:, order], new[0].astype(cache["buf_c"].dtype)], axis=1)
-  z = jnp.concatenate([cache["buf_z"][:, order], new[1].astype(cache["buf_z"].dtype)], axis=1)
+  c = jnp.concatenate([cache[bufs[0]][:, order], new[0].astype(cache[bufs[0]].dtype)], axis=1)
+  z = jnp.concatenate([cache[bufs[1]][:, order], new[1].astype(cache[bufs[1]].dtype)], axis=1)
   z = jnp.where((pos >= 0)[None, :, None, None, None], z, -jnp.inf)  # slots before position 0 weigh 0
   J = T // m + 1
   n_J = index // m + jnp.arange(J)
@@ -194,10 +250,10 @@ def _step_entries(params: Params, cache: dict, new: tuple, index, T: int, cfg: H
 
   def one(start):
     cs, zs = (jax.lax.dynamic_slice_in_dim(a, start, L, axis=1) for a in (c, z))
-    return ckernel.pool(cs, zs, params["b_ck"], m)[:, -1]
+    return ckernel.pool(cs, zs, params[names[2]], m)[:, -1]
 
-  ck = _finish(params, jnp.moveaxis(jax.vmap(one)(start_J), 0, 1), n_J * m, cfg)
-  return ck, jnp.where(valid_J, n_J, cache["ck"].shape[1] + 1)
+  ck = _finish(params, jnp.moveaxis(jax.vmap(one)(start_J), 0, 1), n_J * m, cfg, names)
+  return ck, jnp.where(valid_J, n_J, cache[bufs[2]].shape[1] + 1)
 
 
 def decode_cached(params: Params, x_BTD, cache: dict, index, *, cfg: HeadConfig, head_mask=None):
@@ -223,17 +279,21 @@ def decode_cached(params: Params, x_BTD, cache: dict, index, *, cfg: HeadConfig,
   if m is None:
     o, _ = _attend(params, q, k_all, None, cfg=cfg, opts=opts, window=None)
     return _output(params, x_BTD, o, pos_T, cfg, head_mask), out
-  new = compressor_inputs(params, x_BTD)
-  ck, slot_J = _step_entries(params, cache, new, index, T, cfg)
-  out["ck"] = cache["ck"].at[:, slot_J].set(ck.astype(cache["ck"].dtype), mode="drop")
   L = _series(cfg) * m
   keep = min(T, L)
   slot_M = (index + T - keep + jnp.arange(keep)) % L
-  for name, a in zip(("buf_c", "buf_z"), new):
-    out[name] = cache[name].at[:, slot_M].set(a[:, T - keep:].astype(cache[name].dtype))
-  N = out["ck"].shape[1]
-  ended = ((jnp.arange(N) + 1) * m <= (pos_T + 1)[:, None])[None, None]
-  o, _ = _attend(params, q, k_all, out["ck"], cfg=cfg, opts=opts, entry_mask=ended, window=None)
+  for names, bufs in ((_MAIN, ("buf_c", "buf_z", "ck")), (_INDEX, ("buf_ic", "buf_iz", "ik"))):
+    if bufs[2] not in cache:
+      continue
+    new = tuple(compressed._project(x_BTD, params[n]) for n in names[:2])
+    e, slot_J = _step_entries(params, cache, new, index, T, cfg, names, bufs)
+    out[bufs[2]] = cache[bufs[2]].at[:, slot_J].set(e.astype(cache[bufs[2]].dtype), mode="drop")
+    for name, a in zip(bufs[:2], new):
+      out[name] = cache[name].at[:, slot_M].set(a[:, T - keep:].astype(cache[name].dtype))
+  ended = _ended(out["ck"].shape[1], m, pos_T)
+  chosen = ended[None] if not indexed(cfg) else select(params, x_BTD, latent(params, x_BTD, cfg), out["ik"],
+                                                       ended, cfg, pos_T)
+  o, _ = _attend(params, q, k_all, out["ck"], cfg=cfg, opts=opts, entry_mask=chosen, window=None)
   return _output(params, x_BTD, o, pos_T, cfg, head_mask), out
 
 
@@ -246,7 +306,8 @@ def kv_cache_elements(cfg: HeadConfig, length: int) -> int:
   if m is None:
     return tokens * G * K
   P = _series(cfg)
-  return (tokens + length // m + 2 * P * P * m) * G * K
+  index = (length // m + 2 * P * P * m) * cfg.compress_index_dim if indexed(cfg) else 0
+  return (tokens + length // m + 2 * P * P * m) * G * K + index
 
 
 def param_count(cfg: HeadConfig) -> int:
@@ -254,6 +315,9 @@ def param_count(cfg: HeadConfig) -> int:
   g, r = cfg.o_groups, grouped_lowrank.rank(cfg)
   own = (D * H * K if Q is None else D * Q + Q + Q * H * K) + D * G * K + G * K + H * K * r + g * r * D
   own += (H * K + G * K + D) if cfg.use_bias else 0
+  if indexed(cfg):
+    n, I = cfg.compress_index_heads, cfg.compress_index_dim
+    own += _series(cfg) * (2 * D + m) * I + I + Q * n * I + D * n
   return own + (0 if m is None else _series(cfg) * G * (2 * D + m) * K + G * K)
 
 
@@ -265,6 +329,9 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   N = 0 if m is None else S // m
   proj = 2 * T * (D * H * K if Q is None else D * Q + Q * H * K) + 2 * S * D * G * K + 2 * T * (H * K * r + g * r * D)
   comp = 0 if m is None else 4 * S * D * _series(cfg) * G * K
+  if indexed(cfg):  # its compressor, queries, head weights and scores
+    n, I = cfg.compress_index_heads, cfg.compress_index_dim
+    comp += 4 * S * D * _series(cfg) * I + 2 * T * (Q * n * I + D * n) + 2 * T * N * n * I
   return proj + comp + 2 * T * (S + N) * H * 2 * K
 
 
@@ -276,8 +343,10 @@ VARIANT = Variant(
     flops=flops,
     check=check,
     sharding={"w_q": "DHK", "b_kv": "GK", "w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK", "kv_norm": "GK",
-              "w_oa": "PVO", "w_ob": "PD", "w_ck": "DYGK", "w_zk": "DYGK", "b_ck": "YWGK", "n_ck": "GK"},
-    fields=("compress_block", "compress_overlap", "o_groups", "o_rank"),
+              "w_oa": "PVO", "w_ob": "PD", "w_ck": "DYGK", "w_zk": "DYGK", "b_ck": "YWGK", "n_ck": "GK",
+              "w_ic": "DYZI", "w_iz": "DYZI", "b_ic": "YWZI", "n_ic": "ZI", "w_iq": "QJI", "w_iw": "DJ"},
+    fields=("compress_block", "compress_overlap", "compress_index_heads", "compress_index_dim",
+            "compress_index_topk", "o_groups", "o_rank"),
     circuits=no_circuits("compressed_shared", "a variant with per-head W_QK: compressed_shared's queries "
                          "pass through norms and its entries are pooled by an input-dependent softmax"),
     init_cache=init_cache,

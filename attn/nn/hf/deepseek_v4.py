@@ -7,7 +7,7 @@ the weightless q_b_norm), sinks, the sliding window, the grouped low-rank output
 groups of rank o_lora_rank, o_b_proj). The layer types map one to one: sliding_attention (no entries,
 RoPE at rope_theta: attn's sliding_rope_theta), heavily_compressed_attention (entries of
 compress_rates' m, one series) and compressed_sparse_attention (m with two series, V4's overlap),
-both at compress_rope_theta (with its yarn, if any: the model's RoPE). V4 rotates the last
+both at compress_rope_theta (with its yarn, if any: the model's RoPE), the latter with the indexer. V4 rotates the last
 qk_rope_head_dim dims of a head in interleaved pairs, attn the first: every per-head axis (q_b_proj's
 rows, kv_proj's, the compressor's kv_proj, gate_proj and position_bias, both kv_norms, o_a_proj's
 columns: the values are the keys) is permuted by PERM on the way in and back on the way out, bit for
@@ -15,8 +15,10 @@ bit. Residual streams: hc_mult (attn.nn.hyper; attn_hc, ffn_hc and hc_head). Exp
 sqrtsoftplus router with the correction bias, routed_scaling_factor, the clamped SwiGLU
 (swiglu_limit, moe_swiglu_form "clamp") on the routed and the one shared expert.
 
-Refused by name before any weight is read: compressed_sparse_attention layers (their lightning
-indexer over the entries is not implemented), mlp_layer_types other than k "hash_moe" then "moe" (the
+compressed_sparse_attention layers run their lightning indexer (compressed_shared's
+compress_index_heads, _dim, _topk: index_n_heads, index_head_dim, index_topk; its compressor, q_b_proj
+from the query latent and weights_proj, its dims permuted as the heads'). Refused by name before any
+weight is read: mlp_layer_types other than k "hash_moe" then "moe" (the
 hash layers are attn's moe_hash_first: experts from the table tid2eid[token], a buffer), num_key_value_heads other than 1,
 hc_mult 1 (V4 still has weights there; attn's hc_mult 1 is the plain residual), a quantization_config
 (fp8 / fp4 experts: dequantize first), scoring functions other than sqrtsoftplus and sigmoid, RoPE
@@ -82,10 +84,6 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   types = list(hf.get("layer_types") or [])
   if len(types) != L or set(types) - {CSA, HCA, SWA}:
     raise invalid("config.layer_types", types, f"{L} entries of {[SWA, CSA, HCA]}")
-  if CSA in types:
-    raise invalid(f"config.layer_types[{types.index(CSA)}]", CSA, f"{SWA!r} or {HCA!r}: attn does not run V4's "
-                  "lightning indexer (its own compressor at index_head_dim, top-k over the entries) that "
-                  "compressed_sparse_attention layers choose their entries with")
   mlp_types = list(hf.get("mlp_layer_types") or [])
   n_hash = next((i for i, t in enumerate(mlp_types) if t != "hash_moe"), len(mlp_types))
   if len(mlp_types) != L or mlp_types[n_hash:] != ["moe"] * (L - n_hash):
@@ -111,6 +109,16 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   heads = {}
   if HCA in types:
     heads[HCA] = {"compress_block": int(rates[HCA])}
+  if CSA in types:
+    index = {f"compress_index_{k}": get(hf, name) for k, name in (("heads", "index_n_heads"),
+                                                                  ("dim", "index_head_dim"), ("topk", "index_topk"))}
+    for k, v in index.items():
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise invalid(f"config.index_{k.split('_')[-1]}", v, "an integer >= 1: the CSA layers' indexer reads it")
+    if index["compress_index_dim"] < r:
+      raise invalid("config.index_head_dim", index["compress_index_dim"], f">= the rotated width {r}: the "
+                    "indexer rotates its keys' last qk_rope_head_dim dims")
+    heads[CSA] = {"compress_block": int(rates[CSA]), "compress_overlap": True, **index}
   eps = float(hf.get("rms_norm_eps", 1e-6))
   return ModelConfig(
       vocab_size=get(hf, "vocab_size"), d_model=D, num_layers=L, num_heads=H, d_ff=get(hf, "moe_intermediate_size"),
@@ -180,6 +188,15 @@ def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.n
           "w_zk": w(f"{c}.gate_proj.weight", (P * K, D)).T.reshape(D, P, 1, K)[..., j],
           "b_ck": w(f"{c}.position_bias", (m, P * K)).reshape(m, P, 1, K).transpose(1, 0, 2, 3)[..., j],
           "n_ck": w(f"{c}.kv_norm.weight", (K,))[j][None]}
+  if head.compress_index_heads:
+    n, I, i = head.compress_index_heads, head.compress_index_dim, f"{a}.compressor.indexer"
+    ji = perm(I, r)
+    p |= {"w_ic": w(f"{i}.kv_proj.weight", (P * I, D)).T.reshape(D, P, 1, I)[..., ji],
+          "w_iz": w(f"{i}.gate_proj.weight", (P * I, D)).T.reshape(D, P, 1, I)[..., ji],
+          "b_ic": w(f"{i}.position_bias", (m, P * I)).reshape(m, P, 1, I).transpose(1, 0, 2, 3)[..., ji],
+          "n_ic": w(f"{i}.kv_norm.weight", (I,))[ji][None],
+          "w_iq": w(f"{i}.q_b_proj.weight", (n * I, Q)).T.reshape(Q, n, I)[..., ji],
+          "w_iw": w(f"{i}.scorer.weights_proj.weight", (n, D)).T}
   return p
 
 
@@ -261,6 +278,14 @@ def attention_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) ->
            f"{c}.gate_proj.weight": p["w_zk"][..., inv].reshape(D, P * K).T,
            f"{c}.position_bias": p["b_ck"][..., inv].transpose(1, 0, 2, 3).reshape(m, P * K),
            f"{c}.kv_norm.weight": p["n_ck"][0][inv]}
+  if head.compress_index_heads:
+    n, I, i = head.compress_index_heads, head.compress_index_dim, f"{a}.compressor.indexer"
+    iv = np.argsort(perm(I, r))
+    sd |= {f"{i}.kv_proj.weight": p["w_ic"][..., iv].reshape(D, P * I).T,
+           f"{i}.gate_proj.weight": p["w_iz"][..., iv].reshape(D, P * I).T,
+           f"{i}.position_bias": p["b_ic"][..., iv].transpose(1, 0, 2, 3).reshape(m, P * I),
+           f"{i}.kv_norm.weight": p["n_ic"][0][iv], f"{i}.q_b_proj.weight": p["w_iq"][..., iv].reshape(Q, n * I).T,
+           f"{i}.scorer.weights_proj.weight": p["w_iw"].T}
   return sd
 
 
@@ -293,12 +318,15 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
 def check_out(cfg: ModelConfig) -> None:
   types = tuple(cfg.layer_types or ())
-  if not types or set(types) - {SWA, HCA}:
-    raise invalid("layer_types", cfg.layer_types, f"a list of {[SWA, HCA]}: deepseek_v4's layers attn runs")
+  if not types or set(types) - {SWA, HCA, CSA}:
+    raise invalid("layer_types", cfg.layer_types, f"a list of {[SWA, HCA, CSA]}: deepseek_v4's layer types")
   table = {k: dict(v) for k, v in (cfg.layer_heads or {}).items()}
-  if set(table) - {HCA} or (HCA in types and set(table.get(HCA, {})) != {"compress_block"}):
-    raise invalid("layer_heads", table, f"{{{HCA!r}: {{'compress_block': m}}}}: V4's layer types differ by "
-                  "their compression rate only")
+  csa = {"compress_block", "compress_overlap", "compress_index_heads", "compress_index_dim", "compress_index_topk"}
+  if (set(table) - {HCA, CSA} or (HCA in types and set(table.get(HCA, {})) != {"compress_block"})
+      or (CSA in types and (set(table.get(CSA, {})) != csa or not table[CSA]["compress_overlap"]))):
+    raise invalid("layer_heads", table, f"{{{HCA!r}: {{'compress_block': m}}, {CSA!r}: {{'compress_block': m, "
+                  "'compress_overlap': True, 'compress_index_heads', '_dim', '_topk': ...}}: V4's layer types "
+                  "differ by their compression and the CSA layers' indexer only")
   if cfg.num_kv_heads != 1 or cfg.head.d_v != cfg.head.d_k or not cfg.sinks or cfg.window is None:
     raise invalid("num_kv_heads, d_v, sinks, window", (cfg.num_kv_heads, cfg.head.d_v, cfg.sinks, cfg.window),
                   f"(1, d_k={cfg.head.d_k}, True, a window): V4's one shared kv head, sinks and sliding window")
@@ -331,9 +359,15 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
   main_theta = cfg.rope_theta if cfg.sliding_rope_theta is None else cfg.sliding_rope_theta
   main = {"rope_type": "default", "rope_theta": main_theta, "partial_rotary_factor": _factor(r, K)}
   rates = dict(_RATES)
-  if HCA in types:
-    rates[HCA] = dict(cfg.layer_heads)[HCA]["compress_block"]
-  return dict(
+  index = {"index_n_heads": 1, "index_head_dim": max(r, 2), "index_topk": 1}  # unread without CSA layers
+  for kind in (HCA, CSA):
+    if kind in types:
+      rates[kind] = dict(cfg.layer_heads)[kind]["compress_block"]
+  if CSA in types:
+    row = dict(cfg.layer_heads)[CSA]
+    index = {f"index_{k}": row[f"compress_index_{j}"] for k, j in (("n_heads", "heads"), ("head_dim", "dim"),
+                                                                   ("topk", "topk"))}
+  return dict(**index,
       architectures=["DeepseekV4ForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
       moe_intermediate_size=cfg.moe_d_ff, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
       num_key_value_heads=1, head_dim=K, q_lora_rank=cfg.q_latent_dim, partial_rotary_factor=_factor(r, K),
