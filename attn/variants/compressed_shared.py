@@ -169,11 +169,16 @@ def select(params: Params, x_BTD, c_BTQ, ik_BN1I, ended_BTN, cfg: HeadConfig, po
   return kept[:, None]
 
 
-def _ended(N: int, m: int, pos):
-  """(1|B, T, N): entry n has ended for the query at pos: (n + 1)·m − 1 <= pos."""
+def _ended(N: int, m: int, pos, key_pos=None):
+  """(1|B, T, N): entry n has ended for the query at pos: the position of its last token, (n + 1)·m − 1
+  (or key_pos's entry there), is at most pos."""
   pos = jnp.asarray(pos)
   pos = pos[None] if pos.ndim == 1 else pos
-  return (jnp.arange(N) + 1) * m <= pos[..., None] + 1
+  if key_pos is None:
+    return (jnp.arange(N) + 1) * m <= pos[..., None] + 1
+  ends = jnp.asarray(key_pos)[..., m - 1::m][..., :N]
+  ends = ends[None] if ends.ndim == 1 else ends
+  return ends[:, None, :] <= pos[..., None]
 
 
 def _output(params: Params, x_BTD, o_BTHK, pos_T, cfg: HeadConfig, head_mask):
@@ -206,7 +211,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, opts: Opt
   chosen = None
   if indexed(cfg):
     ik = entries(params, c_BSD, cfg, kpos, _INDEX)
-    ended = _ended(ik.shape[1], cfg.compress_block, pos_q)
+    ended = _ended(ik.shape[1], cfg.compress_block, pos_q, pos_k)
     chosen = select(params, x_BTD, latent(params, x_BTD, cfg), ik, ended, cfg, pos_q)
     span = _series(cfg) * cfg.compress_block
     chosen = masks.combine_masks(ckernel.entry_mask(opts.mask, S, cfg.compress_block, span), chosen)
