@@ -340,12 +340,23 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   return proj + comp + 2 * T * (S + N) * H * 2 * K
 
 
+def score_weights(cfg: HeadConfig) -> int:
+  """The weights the scores read: the query's (latent, its scale, W_UQ; or W_Q), W_KV and its scale, and
+  with entries W_CK, W_ZK and their norm scale (compressed's), with b_q and b_kv under use_bias. The
+  indexer's weights choose entries, no score of the layer reads them: not counted."""
+  D, H, G, K, Q, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim, cfg.compress_block
+  query = D * H * K if Q is None else D * Q + Q + Q * H * K
+  out = query + D * G * K + G * K + ((H * K + G * K) if cfg.use_bias else 0)
+  return out + (0 if m is None else (2 * D * _series(cfg) + 1) * G * K)
+
+
 VARIANT = Variant(
     name="compressed_shared",
     init=init,
     apply=apply,
     param_count=param_count,
     flops=flops,
+    score_weights=score_weights,
     check=check,
     sharding={"w_q": "DHK", "b_kv": "GK", "w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK", "kv_norm": "GK",
               "w_oa": "PVO", "w_ob": "PD", "w_ck": "DYGK", "w_zk": "DYGK", "b_ck": "YWGK", "n_ck": "GK",
