@@ -128,6 +128,25 @@ def test_logits_equal_transformers_under_right_padding():
 
 
 @pytest.mark.slow
+def test_yarn_on_the_compressed_layers():
+  """V4's compress RoPE with yarn (attention_factor forced to 1, as transformers' config does), the sliding
+  layer's plain; 30 tokens, an indexer of 4 heads (where its top-k meets exact ties, ReLU's zeros, torch's
+  topk and lax.top_k may keep different entries: docs/compressed.md; none here)."""
+  torch, _ = _transformers()
+  import jax.numpy as jnp
+  kw = KW | dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                 index_n_heads=4)
+  m = _model(kw)
+  loaded = hf.from_hf(m)
+  assert (loaded.config.rope_scaling, loaded.config.rope_attention_factor) == ("yarn", 1.0)
+  ids = np.random.default_rng(0).integers(0, 61, (2, 30))
+  with torch.no_grad():
+    want = m(input_ids=torch.as_tensor(ids)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(ids)))
+  assert np.abs(got - want).max() <= TOL * np.abs(want).max()
+
+
+@pytest.mark.slow
 def test_to_hf_bit_for_bit_and_family_contract():
   """to_hf writes transformers' tensors back bit for bit (the head dims' permutation undone), and the
   family contract (attn.testing.check_family) holds."""

@@ -156,7 +156,9 @@ def entries(params: Params, x_BSD, cfg: HeadConfig, key_positions=None, names=_M
 
 def select(params: Params, x_BTD, c_BTQ, ik_BN1I, ended_BTN, cfg: HeadConfig, pos_T):
   """(B,1,T,N): the entries the indexer keeps for each query, of those that have ended: the top
-  compress_index_topk by Σ_h w_h·ReLU(q_h·k)/√I, w = x·W_IW/√n, q_h the latent through W_IQ, rotated."""
+  compress_index_topk by Σ_h w_h·ReLU(q_h·k)/√I, w = x·W_IW/√n, q_h the latent through W_IQ, rotated.
+  Exact ties at the k-th score (ReLU's zeros make them possible) keep the lower entries (lax.top_k);
+  torch's topk, which transformers uses, leaves their order unspecified."""
   n, I, k = cfg.compress_index_heads, cfg.compress_index_dim, cfg.compress_index_topk
   N = ik_BN1I.shape[1]
   iq = rope.rotate(jnp.einsum("BTQ,QhI->BThI", c_BTQ, params["w_iq"]), pos_T, cfg)
