@@ -213,10 +213,14 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig, opts: Opt
   chosen = None
   if indexed(cfg):
     ik = entries(params, c_BSD, cfg, kpos, _INDEX)
-    ended = _ended(ik.shape[1], cfg.compress_block, pos_q, pos_k)
+    # The candidates: the entries the call's masks show (every head), and with causality those that have ended.
+    m, N = cfg.compress_block, ik.shape[1]
+    shown = masks.combine_masks(ckernel.entry_mask(opts.mask, S, m, _series(cfg) * m),
+                                ckernel.structured_entries(T, S, N, m, False, opts.kv_lengths))
+    ended = _ended(N, m, pos_q, pos_k) if opts.is_causal else jnp.ones((1, T, N), bool)
+    if shown is not None:
+      ended = ended & jnp.broadcast_to(shown, (*shown.shape[:2], T, N)).all(1)
     chosen = select(params, x_BTD, latent(params, x_BTD, cfg), ik, ended, cfg, pos_q)
-    span = _series(cfg) * cfg.compress_block
-    chosen = masks.combine_masks(ckernel.entry_mask(opts.mask, S, cfg.compress_block, span), chosen)
   o, w = _attend(params, q, k, ck, cfg=cfg, opts=opts, entry_mask=chosen)
   return _output(params, x_BTD, o, pos_q, cfg, opts.head_mask), w
 
@@ -344,11 +348,11 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 def score_weights(cfg: HeadConfig) -> int:
   """The weights the scores read: the query's (latent, its scale, W_UQ; or W_Q), W_KV and its scale, and
-  with entries W_CK, W_ZK and their norm scale (compressed's), with b_q and b_kv under use_bias. The
+  with entries W_CK, W_ZK and their norm scale (compressed's); no biases (attn.count's rule). The
   indexer's weights choose entries, no score of the layer reads them: not counted."""
   D, H, G, K, Q, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.q_latent_dim, cfg.compress_block
   query = D * H * K if Q is None else D * Q + Q + Q * H * K
-  out = query + D * G * K + G * K + ((H * K + G * K) if cfg.use_bias else 0)
+  out = query + D * G * K + G * K
   return out + (0 if m is None else (2 * D * _series(cfg) + 1) * G * K)
 
 
