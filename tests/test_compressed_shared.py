@@ -96,3 +96,20 @@ def test_cache_elements_are_what_the_cache_holds():
   cfg = _cfg()
   c = VARIANTS["compressed_shared"].init_cache(None, cfg, 1, 24)
   assert sum(a.size for a in c.values()) == compressed_shared.kv_cache_elements(cfg, 24)
+
+
+@pytest.mark.slow
+def test_blocked_kernel_honours_the_indexers_choice():
+  """Long sequences take the blocked kernel ("auto"): a per-query choice of entries (B,1,T,N), as the
+  indexer gives it, with the window, sinks and the overlap's span, equals the einsum definition."""
+  from attn.kernel import compressed as ckernel
+  rng = np.random.default_rng(0)
+  B, T, H, K, m = 2, 70, 4, 8, 4
+  q = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((B, T, 1, K)), jnp.float32)
+  c = jnp.asarray(rng.standard_normal((B, T // m, 1, K)), jnp.float32)
+  kw = dict(m=m, span=2 * m, entry_mask_=jnp.asarray(rng.random((B, 1, T, T // m)) < 0.4), is_causal=True,
+            scale=0.3, window=5, sinks=jnp.asarray(rng.standard_normal(H), jnp.float32))
+  want = ckernel.attention(q, k, k, c, c, impl="einsum", **kw)
+  got = ckernel.attention(q, k, k, c, c, impl="blocked", block_q=16, block_k=16, **kw)
+  np.testing.assert_allclose(got, want, atol=2e-6)
