@@ -71,15 +71,17 @@ def test_variant_kit_at_its_own_options():
   """The kit (the contract test runs it at the kit's plain configs) with entries, the overlap, the indexer,
   the latent and the grouped output."""
   check_variant("compressed_shared", configs=(
-      _cfg(compress_block=2, sinks=False), HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=6, num_kv_heads=2, compress_block=2, softcap=5.0,
-                         q_latent_dim=7, o_groups=2)))
+      _cfg(compress_block=2, sinks=False),
+      HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=6, num_kv_heads=2, compress_block=2, softcap=5.0, q_latent_dim=7,
+                 o_groups=2)))
 
 
 @pytest.mark.parametrize("kw, field", [
     (dict(d_v=6), "d_v"), (dict(compress_block=None, compress_overlap=False), "compress_index_heads"),
     (dict(q_latent_dim=None), "compress_index_heads"), (dict(compress_index_dim=2), "compress_index_heads"),
     (dict(compress_index_topk=0), "compress_index"), (dict(qk_norm=True), "qk_norm"),
-    (dict(compress_block=None, compress_index_heads=0, compress_index_dim=0, compress_index_topk=0), "compress_overlap"),
+    (dict(compress_block=None, compress_index_heads=0, compress_index_dim=0, compress_index_topk=0),
+     "compress_overlap"),
     (dict(probability="sigmoid"), "probability")])
 def test_bad_config_refused(kw, field):
   with pytest.raises(ConfigError, match=field):

@@ -33,7 +33,8 @@ P·m tokens, as `compressed` holds them but with the key part only. After L toke
 (min(L, window) + L // m + 2·P²·m)·G·K numbers (kv_cache_elements; without entries
 min(L, window)·G·K).
 
-Params: D·Q + Q + Q·H·K (D·H·K without the latent) + D·G·K + G·K + H·K·r + g·r·D, and with entries P·G·(2·D + m)·K + G·K.
+Params: D·Q + Q + Q·H·K (D·H·K without the latent) + D·G·K + G·K + H·K·r + g·r·D, with entries
+P·G·(2·D + m)·K + G·K, with the indexer P·(2·D + m)·I + I + Q·n·I + D·n.
 """
 
 from __future__ import annotations
@@ -364,7 +365,8 @@ VARIANT = Variant(
     flops=flops,
     score_weights=score_weights,
     check=check,
-    sharding={"w_q": "DHK", "b_kv": "GK", "w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK", "kv_norm": "GK",
+    sharding={"w_q": "DHK", "b_kv": "GK", "w_dq": "DQ", "q_latent_norm": "Q", "w_uq": "QHK", "w_kv": "DGK",
+              "kv_norm": "GK",
               "w_oa": "PVO", "w_ob": "PD", "w_ck": "DYGK", "w_zk": "DYGK", "b_ck": "YWGK", "n_ck": "GK",
               "w_ic": "DYZI", "w_iz": "DYZI", "b_ic": "YWZI", "n_ic": "ZI", "w_iq": "QJI", "w_iw": "DJ"},
     fields=("compress_block", "compress_overlap", "compress_index_heads", "compress_index_dim",

@@ -18,8 +18,8 @@ sqrtsoftplus router with the correction bias, routed_scaling_factor, the clamped
 compressed_sparse_attention layers run their lightning indexer (compressed_shared's
 compress_index_heads, _dim, _topk: index_n_heads, index_head_dim, index_topk; its compressor, q_b_proj
 from the query latent and weights_proj, its dims permuted as the heads'). Refused by name before any
-weight is read: mlp_layer_types other than k "hash_moe" then "moe" (the
-hash layers are attn's moe_hash_first: experts from the table tid2eid[token], a buffer), num_key_value_heads other than 1,
+weight is read: mlp_layer_types other than k "hash_moe" then "moe" (the hash layers are attn's
+moe_hash_first: experts from the table tid2eid[token], a buffer), num_key_value_heads other than 1,
 hc_mult 1 (V4 still has weights there; attn's hc_mult 1 is the plain residual), a quantization_config
 (fp8 / fp4 experts: dequantize first), scoring functions other than sqrtsoftplus and sigmoid, RoPE
 types attn does not run. Read and ignored, with a one-line note, as transformers ignores them: the
@@ -171,7 +171,8 @@ def _hc_in(w: Weights, at: str, n: int, D: int, head: bool = False) -> dict[str,
 
 def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
   head = cfg.layer_head(l)
-  D, H, K, Q, r, g, R = cfg.d_model, cfg.num_heads, head.d_k, head.q_latent_dim, head.rope_dim, head.o_groups, head.o_rank
+  D, H, K, Q, r = cfg.d_model, cfg.num_heads, head.d_k, head.q_latent_dim, head.rope_dim
+  g, R = head.o_groups, head.o_rank
   j = perm(K, r)
   p = {"w_dq": w(f"{a}.q_a_proj.weight", (Q, D)).T, "q_latent_norm": w(f"{a}.q_a_norm.weight", (Q,)),
        "w_uq": w(f"{a}.q_b_proj.weight", (H * K, Q)).T.reshape(Q, H, K)[..., j],
@@ -264,7 +265,8 @@ def _weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
 
 def attention_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
   head = cfg.layer_head(l)
-  D, H, K, Q, r, g, R = cfg.d_model, cfg.num_heads, head.d_k, head.q_latent_dim, head.rope_dim, head.o_groups, head.o_rank
+  D, H, K, Q, r = cfg.d_model, cfg.num_heads, head.d_k, head.q_latent_dim, head.rope_dim
+  g, R = head.o_groups, head.o_rank
   inv = np.argsort(perm(K, r))
   w_oa = p["w_oa"].transpose(0, 2, 1).reshape(g, R, H // g, K)[..., inv].reshape(g * R, H * K // g)
   sd = {f"{a}.q_a_proj.weight": p["w_dq"].T, f"{a}.q_a_norm.weight": p["q_latent_norm"],
@@ -376,7 +378,8 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
       max_position_embeddings=cfg.max_len, rope_theta=main_theta, compress_rope_theta=cfg.rope_theta,
       rope_parameters={"main": main, "compress": comp}, layer_types=types, compress_rates=rates,
       hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-      mlp_layer_types=["hash_moe"] * cfg.moe_hash_first + ["moe"] * (cfg.num_layers - cfg.moe_hash_first), swiglu_limit=cfg.moe_swiglu_limit, sliding_window=cfg.window,
+      mlp_layer_types=["hash_moe"] * cfg.moe_hash_first + ["moe"] * (cfg.num_layers - cfg.moe_hash_first),
+      swiglu_limit=cfg.moe_swiglu_limit, sliding_window=cfg.window,
       o_groups=cfg.o_groups, o_lora_rank=cfg.o_rank, num_nextn_predict_layers=0,
       hidden_act=activation_out(cfg, ("silu", "gelu_pytorch_tanh", "gelu", "relu")), rms_norm_eps=cfg.norm_eps,
       tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, attention_dropout=0.0,
