@@ -155,6 +155,12 @@ def test_to_hf_bit_for_bit_and_family_contract():
   m = _model(seed=2)
   hf_hybrid.assert_to_hf_and_back_exact(m, "DeepseekV4ForCausalLM")
   assert check_family("deepseek_v4", m)["logits_relative"] <= TOL
+  # The multi-token-prediction module is read and ignored with a note; fp8 scales are refused by name.
+  config, state = hf.to_hf_state(hf.from_hf(m))
+  with pytest.warns(UserWarning, match="mtp"):
+    hf.from_hf((config, {**state, "mtp.0.emb.weight": np.zeros((3,), np.float32)}))
+  with pytest.raises(ConfigError, match="scale"):
+    hf.from_hf((config, {**state, "model.layers.0.mlp.experts.0.w1.scale": np.zeros((3,), np.float32)}))
 
 
 @pytest.mark.slow
