@@ -130,7 +130,9 @@ class HeadConfig:
   (None: H/o_groups·d_v, full rank). compress_block and compress_overlap are
   compressed's blocks of m tokens pooled into one key and value, and whether each
   pools 2m tokens at stride m (DeepSeek-V4's compress rates 4 and 128; its CSA
-  overlap). layer is the layer's
+  overlap). compress_index_heads, _dim and _topk (all 0: none) are compressed_shared's
+  indexer over its entries (DeepSeek-V4's CSA lightning indexer: index_n_heads,
+  index_head_dim, index_topk). layer is the layer's
   1-based index in its model, for differential's λ_init; set by the models.
   extra maps an outside head mechanism's name to its options ({"my_gate":
   {"width": 3}}; attn.variants.mechanisms says why one field): the mechanism's
@@ -179,6 +181,9 @@ class HeadConfig:
   o_rank: int | None = None
   compress_block: int | None = None
   compress_overlap: bool = False
+  compress_index_heads: int = 0
+  compress_index_dim: int = 0
+  compress_index_topk: int = 0
   layer: int = 1
   extra: dict | None = None
 
@@ -257,6 +262,13 @@ class HeadConfig:
       _positive_int("compress_block", self.compress_block)
     if not isinstance(self.compress_overlap, bool):
       raise invalid("compress_overlap", self.compress_overlap, "True or False")
+    index = (self.compress_index_heads, self.compress_index_dim, self.compress_index_topk)
+    for name, value in zip(("compress_index_heads", "compress_index_dim", "compress_index_topk"), index):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(name, value, "a non-negative integer (0: no indexer)")
+    if any(index) and not all(index):
+      raise invalid("compress_index_heads, compress_index_dim, compress_index_topk", index,
+                    "all positive (an indexer over the compressed entries) or all 0 (none)")
 
   def _check_rope_scaling(self) -> None:
     kind = self.rope_scaling

@@ -83,8 +83,8 @@ def in_matrix(variant: str, cname: str) -> bool:
 
 
 def for_variant(name: str, cfg: HeadConfig) -> HeadConfig:
-  """cfg, with d_v = d_k for a variant whose values are its keys (k_eq_v refuses d_v ≠ d_k)."""
-  return cfg.replace(d_v=cfg.d_k) if name == "k_eq_v" else cfg
+  """cfg, with d_v = d_k for a variant whose values are its keys (k_eq_v and compressed_shared refuse d_v ≠ d_k)."""
+  return cfg.replace(d_v=cfg.d_k) if name in ("k_eq_v", "compressed_shared") else cfg
 
 
 def variant_params(names=None):

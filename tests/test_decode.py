@@ -30,7 +30,7 @@ ALL = sorted(attn.VARIANTS)
 
 def _model(variant: str, num_layers: int = 2, **kw) -> DecoderLM:
   rope = kw.pop("rope", True)
-  d_v = 4 if variant == "k_eq_v" else 3  # k_eq_v: the value is the key, d_v = d_k
+  d_v = 4 if variant in ("k_eq_v", "compressed_shared") else 3  # the value is the key: d_v = d_k
   cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=num_layers, num_heads=4, d_ff=16, d_k=4, d_v=d_v,
                     num_kv_heads=2, variant=variant, max_len=12, **kw)
   if rope:

@@ -456,7 +456,7 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
     hf.to_hf(model, cfg, "gemma2")
   with pytest.raises(ConfigError, match="use_bias=True.*mistral has no qkv biases"):
     hf.to_hf(model, cfg, "mistral")
-  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'deepseek_v3', 'deepseek_v32', 'gemma2'"):
+  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'gemma2'"):
     hf.to_hf(model, cfg, "falcon")
   # A DecoderLM with RoPE that from_hf did not load: five families fit it alike, so it must be named.
   hand = DecoderLM(cfg, rngs=nnx.Rngs(0))

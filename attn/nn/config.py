@@ -100,7 +100,7 @@ class ModelConfig:
   moe_experts: int = 0  # E
   moe_top_k: int = 0  # experts kept per token
   moe_d_ff: int | None = None  # each expert's width (None: d_ff)
-  moe_router: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a correction bias)
+  moe_router: str = "softmax"  # or "sigmoid" (DeepSeek-V3, with a correction bias), "sqrtsoftplus" (V4)
   moe_norm_topk: bool = True  # renormalise the kept weights to sum 1
   moe_groups: int = 1  # sigmoid: expert groups (n_group)
   moe_topk_groups: int = 1  # sigmoid: groups kept (topk_group)
@@ -110,6 +110,8 @@ class ModelConfig:
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
   moe_shared_d_ff: int | None = None  # the shared experts' width (None: moe_shared_experts·moe_d_ff; Qwen3-Next)
   moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
+  moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss" or "clamp" (DeepSeek-V4's, shared experts too)
+  moe_hash_first: int = 0  # the first expert layers pick experts by the token id (DeepSeek-V4's hash_moe, tid2eid)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
   per_layer_vocab: int = 0  # rows of their token table (0: vocab_size)
@@ -247,6 +249,10 @@ class ModelConfig:
   def is_moe_layer(self, index: int) -> bool:
     """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""
     return self.mlp == "moe" and index >= self.moe_dense_first
+
+  def is_hash_layer(self, index: int) -> bool:
+    """Whether layer `index`'s experts are chosen by the token id (the first moe_hash_first expert layers)."""
+    return self.is_moe_layer(index) and index < self.moe_dense_first + self.moe_hash_first
 
   @property
   def has_dense_bias(self) -> bool:

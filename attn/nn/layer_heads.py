@@ -10,7 +10,8 @@ global_head_dim and num_global_key_value_heads).
 
 "variant" is the layers' variant in place of ModelConfig.variant (layer_types.variant_for; a
 linear_attention type keeps linear_variant); value_norm_eps and rope_dim are the HeadConfig fields
-of the same names (the values' weightless RMSNorm; the rotated width). Each type's head is then
+of the same names (the values' weightless RMSNorm; the rotated width), as are compress_block, compress_overlap and
+compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer). Each type's head is then
 checked as that variant's (k_eq_v refuses d_v != d_k by name, layer_types.check).
 
 The fields a type may set are FIELDS; a type not in the table keeps the model's head. The
@@ -31,7 +32,9 @@ from typing import Any
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
 from attn.variants import VARIANTS
 
-FIELDS = ("d_k", "d_v", "num_kv_heads", "value_norm_eps", "rope_dim")  # HeadConfig fields
+FIELDS = ("d_k", "d_v", "num_kv_heads", "value_norm_eps", "rope_dim", "compress_block",
+          "compress_overlap", "compress_index_heads", "compress_index_dim",
+          "compress_index_topk")  # HeadConfig fields
 KEYS = (*FIELDS, "variant")  # what a type may set
 
 
@@ -78,6 +81,9 @@ def check(m: Any, kinds: tuple[str, ...]) -> None:
         raise invalid(where, value, f"one of {list(KEYS)}: the head sizes and variant a layer type sets")
       if name == "variant":
         VARIANTS.resolve(value, where)
+      elif name == "compress_overlap":
+        if not isinstance(value, bool):
+          raise invalid(where, value, "True or False (two series per token: DeepSeek-V4's CSA)")
       elif name == "value_norm_eps":
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < float("inf")):

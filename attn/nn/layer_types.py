@@ -8,6 +8,11 @@ is the model's HeadConfig (ModelConfig.head):
   full_attention_nope     every earlier key, no rotation (NoPE: SmolLM3's every
                           4th layer; Cohere 2's, EXAONE 4's and Llama 4's global ones)
   sliding_attention_nope  the window, no rotation
+  compressed_sparse_attention, heavily_compressed_attention
+                          DeepSeek-V4's: the window and the model's RoPE (never
+                          sliding_rope_theta, which is then its sliding layers'); the
+                          entries' sizes are the type's layer_heads (compress_block,
+                          compress_overlap) with variant compressed_shared
 
   linear_attention        a head with a fixed-size state instead of softmax attention:
                           the variant ModelConfig.linear_variant (gated_deltanet by
@@ -54,6 +59,7 @@ class LayerType:
   sliding: bool  # the model's window (else window None)
   rope: bool  # the model's rotary positions (else rope_dim 0: NoPE)
   linear: bool = False  # ModelConfig.linear_variant with linear_head, in place of the model's variant
+  compressed: bool = False  # DeepSeek-V4's compressed layers: the window and the model's RoPE (not sliding_rope_theta)
 
 
 LAYER_TYPES = {
@@ -62,6 +68,9 @@ LAYER_TYPES = {
     "full_attention_nope": LayerType(sliding=False, rope=False),
     "sliding_attention_nope": LayerType(sliding=True, rope=False),
     "linear_attention": LayerType(sliding=False, rope=False, linear=True),
+    # DeepSeek-V4: the window beside compressed entries (their sizes: layer_heads' compress_block)
+    "compressed_sparse_attention": LayerType(sliding=True, rope=True, compressed=True),
+    "heavily_compressed_attention": LayerType(sliding=True, rope=True, compressed=True),
 }
 
 # The model's HeadConfig fields a linear layer keeps (linear_head overrides any of them); every
@@ -105,7 +114,7 @@ def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
     head = head.replace(window=None)
   if not t.rope:
     return head.replace(**{n: _DEFAULTS[n] for n in _ROPE_FIELDS})
-  if t.sliding and m.sliding_rope_theta is not None:
+  if t.sliding and m.sliding_rope_theta is not None and not t.compressed:
     reset = {n: _DEFAULTS[n] for n in _ROPE_FIELDS if n not in _KEPT_BY_OWN_BASE}
     return head.replace(**reset, rope_theta=float(m.sliding_rope_theta))
   return head

@@ -283,12 +283,17 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
     self.activation = cfg.activation
+    # DeepSeek-V4's shared experts clamp as its routed ones (moe_swiglu_form "clamp")
+    self.limit = cfg.moe_swiglu_limit if cfg.mlp == "moe" and cfg.moe_swiglu_form == "clamp" else None
     bias, F = cfg.has_dense_bias, d_ff or cfg.d_ff
     self.gate = linear(cfg, cfg.d_model, F, rngs, bias) if cfg.mlp in ("gated", "moe") else None
     self.up = linear(cfg, cfg.d_model, F, rngs, bias)
     self.down = linear(cfg, F, cfg.d_model, rngs, bias)
 
   def __call__(self, x_BTD: Array) -> Array:
+    if self.gate is not None and self.limit is not None:
+      g_BTF, u_BTF = jnp.minimum(self.gate(x_BTD), self.limit), jnp.clip(self.up(x_BTD), -self.limit, self.limit)
+      return self.down(activate(self.activation, g_BTF) * u_BTF)
     if self.gate is not None:
       return self.down(activate(self.activation, self.gate(x_BTD)) * self.up(x_BTD))
     return self.down(activate(self.activation, self.up(x_BTD)))
@@ -299,7 +304,7 @@ class TransformerBlock(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None, experts: bool = False, variant: str | None = None,
-               d_ff: int | None = None, kind: str = "attention_mlp"):
+               d_ff: int | None = None, kind: str = "attention_mlp", hashed: bool = False):
     self.post_norm = cfg.norm == "post"
     has_attn, has_mlp = kind != "mlp", kind != "attention"  # ModelConfig.block_kinds
     sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
@@ -316,7 +321,7 @@ class TransformerBlock(nnx.Module):
     self.mlp = None if not has_mlp else MLP(cfg, rngs=rngs, d_ff=d_ff) if not experts else moe.MoE(
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
         shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
-        if cfg.moe_shared_experts else None)
+        if cfg.moe_shared_experts else None, hashed=hashed)
     self.mlp_norm = layer_norm(cfg, rngs, pre and has_mlp)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich and has_attn)
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
@@ -346,10 +351,11 @@ class TransformerBlock(nnx.Module):
                context_mask: Array | None = None, head_mask: Array | None = None,
                return_weights: bool = False, is_causal: bool = False,
                kv_lengths: Array | None = None, context_kv_lengths: Array | None = None,
-               decode: bool = False, per_layer_input: Array | None = None):
+               decode: bool = False, per_layer_input: Array | None = None, tokens: Array | None = None):
     """x (B,T,D); with return_weights, (x, self-attention weights (B,H,T,S)).
 
     per_layer_input (B,T,P): this layer's slice of the per-layer inputs (cfg.per_layer_dim).
+    tokens (B,T): the token ids, which a hash-routed expert layer reads (cfg.moe_hash_first).
 
     decode=True: the self-attention reads and extends its KV cache (MultiHeadAttention).
 
@@ -374,8 +380,9 @@ class TransformerBlock(nnx.Module):
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
                                                 kv_lengths=context_kv_lengths), x_BTD,
           self.cross_post_norm, self.cross_hc)
-    if self.mlp is not None:
-      x_BTD = self._residual(self.mlp_norm, self.mlp, x_BTD, self.mlp_post_norm, self.mlp_hc)
+    if self.mlp is not None:  # a hash-routed expert layer reads the token ids (moe_hash_first)
+      mlp = self.mlp if getattr(self.mlp, "tid2eid", None) is None else lambda h: self.mlp(h, tokens)
+      x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc)
     if self.per_layer_gate is not None:
       g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
       x_BTD = x_BTD + _norm(self.per_layer_norm, self.per_layer_out(g_BTP))
@@ -426,7 +433,7 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Arr
 def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nnx.List:
   wide = lambda i: 2 * cfg.d_ff if cfg.double_wide_mlp and not cross and kv_sharing.source(cfg, i) != i else None
   blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i), experts=cfg.is_moe_layer(i),
-                             variant=cfg.layer_variant(i), d_ff=wide(i),
+                             variant=cfg.layer_variant(i), d_ff=wide(i), hashed=cfg.is_hash_layer(i),
                              kind="attention_mlp" if cross or cfg.block_kinds is None else cfg.block_kinds[i])
             for i in range(n)]
   for i, block in enumerate(blocks):
@@ -593,7 +600,8 @@ class DecoderLM(nnx.Module):
     h_BTD = self.embed(tokens_BT)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
     h_BTD, weights = self._streams(h_BTD, lambda h: run_blocks(
-        self.blocks, h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B))
+        self.blocks, h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B,
+        **({"tokens": tokens_BT} if self.cfg.moe_hash_first else {})))
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
 
@@ -615,7 +623,8 @@ class DecoderLM(nnx.Module):
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     h_BTD = self.embed(tokens_BT, offset=index)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
-    h_BTD, _ = self._streams(h_BTD, lambda h: run_blocks(self.blocks, h, gates, False, per_layer, decode=True))
+    h_BTD, _ = self._streams(h_BTD, lambda h: run_blocks(self.blocks, h, gates, False, per_layer, decode=True,
+                                                         **({"tokens": tokens_BT} if self.cfg.moe_hash_first else {})))
     return self.head(_norm(self.final_norm, h_BTD))
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:

@@ -19,12 +19,19 @@ Routing (moe_router):
              moe_topk_groups best groups compete for the top k; the weights
              are the chosen s (without the bias), renormalised with
              moe_norm_topk.
-Either way the weights are then multiplied by moe_routed_scaling.
+  "sqrtsoftplus"  DeepSeek-V4: s = √softplus(x·W_r), chosen with the correction bias as
+             "sigmoid" (no groups), the weights the chosen s renormalised with moe_norm_topk.
+Either way the weights are then multiplied by moe_routed_scaling. The first moe_hash_first
+expert layers (DeepSeek-V4's hash_moe) choose no experts: a table tid2eid (vocab, k), a buffer,
+gives each token id its k, weighted by the router's scores s there (a repeated expert counts
+as often as it is listed), renormalised with moe_norm_topk; the model passes the token ids.
 
 Each expert is a gated MLP, down(act(gate(x))·up(x)), of width moe_d_ff
 (default d_ff), with biases when the model's dense layers have them
 (dense_bias, else use_bias); with moe_swiglu_limit ℓ it is gpt-oss's clamped
-SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)).
+SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)); with
+moe_swiglu_form "clamp" (DeepSeek-V4) down(act(g)·u) with the same g and u, the shared experts
+clamped alike.
 moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
 (DeepSeek's shared experts), or of width moe_shared_d_ff where set, and with
 moe_shared_gate its output is scaled by σ(x·w_shared_gate), w (D, 1) (Qwen3-Next's
@@ -43,7 +50,8 @@ from flax import nnx
 from attn.config import invalid
 
 Array = jax.Array
-ROUTERS = ("softmax", "sigmoid")
+ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
+SWIGLU_FORMS = ("gpt_oss", "clamp")
 GPT_OSS_ALPHA = 1.702  # gpt-oss's swiglu_alpha: g·σ(αg), the sigmoid approximation of GELU
 
 
@@ -55,7 +63,7 @@ class Buffer(nnx.Variable):
 FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "softmax",
           "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
           "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
-          "moe_shared_gate": False}
+          "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss", "moe_hash_first": 0}
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -112,6 +120,13 @@ def check(m: Any) -> None:
     raise invalid("moe_dense_first", m.moe_dense_first, f"at most num_layers={m.num_layers}")
   if m.moe_swiglu_limit is not None:
     _positive("moe_swiglu_limit", m.moe_swiglu_limit, "gpt-oss's swiglu_limit, 7.0")
+  if _int("moe_hash_first", m.moe_hash_first, 0) > m.num_layers - m.moe_dense_first or (
+      m.moe_hash_first and m.moe_groups > 1):
+    raise invalid("moe_hash_first", m.moe_hash_first, f"at most num_layers - moe_dense_first = "
+                  f"{m.num_layers - m.moe_dense_first} expert layers, without moe_groups (a table picks the experts)")
+  if m.moe_swiglu_form not in SWIGLU_FORMS or (m.moe_swiglu_form != "gpt_oss" and m.moe_swiglu_limit is None):
+    raise invalid("moe_swiglu_form", m.moe_swiglu_form, f"one of {list(SWIGLU_FORMS)}, and \"gpt_oss\" without "
+                  "moe_swiglu_limit (the form of the clamped SwiGLU)")
 
 
 def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array:
@@ -122,7 +137,8 @@ def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array
     scores_BTE = jax.nn.softmax(logits_BTE, axis=-1)
     choice_BTE = scores_BTE
   else:
-    scores_BTE = jax.nn.sigmoid(logits_BTE)
+    scores_BTE = (jax.nn.sigmoid(logits_BTE) if m.moe_router == "sigmoid"
+                  else jnp.sqrt(jax.nn.softplus(logits_BTE)))
     choice_BTE = scores_BTE + correction_E.astype(jnp.float32)
     if m.moe_groups > 1:
       grouped_BTNE = choice_BTE.reshape(*choice_BTE.shape[:-1], m.moe_groups, E // m.moe_groups)
@@ -132,7 +148,18 @@ def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array
   keep_BTE = _top_mask(choice_BTE, k)
   w_BTE = jnp.where(keep_BTE, scores_BTE, 0.0)
   if m.moe_norm_topk:
-    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (1e-20 if m.moe_router == "sigmoid" else 0.0))
+    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (0.0 if m.moe_router == "softmax" else 1e-20))
+  return w_BTE * m.moe_routed_scaling
+
+
+def hashed(m: Any, logits_BTE: Array, experts_BTk: Array) -> Array:
+  """The routing weights (B,T,E) of a hash layer: the scores at the table's experts (module docstring)."""
+  logits_BTE = logits_BTE.astype(jnp.float32)
+  scores_BTE = {"softmax": lambda a: jax.nn.softmax(a, axis=-1), "sigmoid": jax.nn.sigmoid,
+                "sqrtsoftplus": lambda a: jnp.sqrt(jax.nn.softplus(a))}[m.moe_router](logits_BTE)
+  w_BTE = jax.nn.one_hot(experts_BTk, logits_BTE.shape[-1], dtype=jnp.float32).sum(-2) * scores_BTE
+  if m.moe_norm_topk:
+    w_BTE = w_BTE / (w_BTE.sum(-1, keepdims=True) + (0.0 if m.moe_router == "softmax" else 1e-20))
   return w_BTE * m.moe_routed_scaling
 
 
@@ -146,7 +173,7 @@ class MoE(nnx.Module):
   """The expert feed-forward of one layer: router, E gated experts (+ shared ones), computed densely."""
 
   def __init__(self, m: Any, *, rngs: nnx.Rngs, activation: Callable[[Array], Array],
-               shared: nnx.Module | None = None):
+               shared: nnx.Module | None = None, hashed: bool = False):
     self.m, self.activation, self.shared = m, activation, shared
     E, D, F = m.moe_experts, m.d_model, m.moe_d_ff or m.d_ff
     bias = m.use_bias if m.dense_bias is None else m.dense_bias
@@ -158,21 +185,28 @@ class MoE(nnx.Module):
 
     self.router_w = param((D, E), D)
     self.router_b = nnx.Param(jnp.zeros((E,), dt)) if bias else None
-    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router == "sigmoid" else None
+    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" and not hashed else None
+    self.tid2eid = Buffer(jnp.zeros((m.vocab_size, m.moe_top_k), jnp.int32)) if hashed else None
     self.w_gate, self.w_up, self.w_down = param((E, D, F), D), param((E, D, F), D), param((E, F, D), F)
     self.b_gate = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_up = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_down = nnx.Param(jnp.zeros((E, D), dt)) if bias else None
     self.shared_gate = param((D, 1), D) if m.moe_shared_gate else None
 
-  def weights(self, x_BTD: Array) -> Array:
-    """The routing weights (B,T,E) of x's tokens (zero outside each token's top k)."""
+  def weights(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
+    """The routing weights (B,T,E) of x's tokens (zero outside each token's top k); a hash layer reads
+    the token ids."""
     logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), self.router_w[...].astype(jnp.float32))
     if self.router_b is not None:
       logits_BTE = logits_BTE + self.router_b[...].astype(jnp.float32)
+    if self.tid2eid is not None:
+      if tokens_BT is None:
+        raise invalid("tokens", None, "the token ids: a hash-routed expert layer (moe_hash_first) picks its "
+                      "experts by them (a DecoderLM passes them)")
+      return hashed(self.m, logits_BTE, self.tid2eid[...][tokens_BT])
     return route(self.m, logits_BTE, None if self.correction is None else self.correction[...])
 
-  def __call__(self, x_BTD: Array) -> Array:
+  def __call__(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
     c = self.compute
     x = x_BTD.astype(c)
     gate_BTEF = jnp.einsum("BTD,EDF->BTEF", x, self.w_gate[...].astype(c))
@@ -180,7 +214,9 @@ class MoE(nnx.Module):
     if self.b_gate is not None:
       gate_BTEF, up_BTEF = gate_BTEF + self.b_gate[...].astype(c), up_BTEF + self.b_up[...].astype(c)
     limit = self.m.moe_swiglu_limit
-    if limit is not None:  # gpt-oss
+    if limit is not None and self.m.moe_swiglu_form == "clamp":  # DeepSeek-V4
+      h_BTEF = self.activation(jnp.minimum(gate_BTEF, limit)) * jnp.clip(up_BTEF, -limit, limit)
+    elif limit is not None:  # gpt-oss
       gate_BTEF = jnp.minimum(gate_BTEF, limit)
       h_BTEF = gate_BTEF * jax.nn.sigmoid(GPT_OSS_ALPHA * gate_BTEF) * (jnp.clip(up_BTEF, -limit, limit) + 1)
     else:
@@ -188,7 +224,7 @@ class MoE(nnx.Module):
     y_BTED = jnp.einsum("BTEF,EFD->BTED", h_BTEF, self.w_down[...].astype(c))
     if self.b_down is not None:
       y_BTED = y_BTED + self.b_down[...].astype(c)
-    out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD).astype(c), y_BTED)
+    out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD, tokens_BT).astype(c), y_BTED)
     if self.shared is None:
       return out_BTD
     shared_BTD = self.shared(x_BTD)

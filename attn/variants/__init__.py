@@ -15,10 +15,12 @@ def _builtins() -> list[Variant]:
   from attn.variants import gla
   from attn.variants import grouped_lowrank, k_eq_v
   from attn.variants import compressed
+  from attn.variants import compressed_shared
   return [per_head.VARIANT, fused.VARIANT, merged.VARIANT, two_stage.VARIANT, split_input.VARIANT,
           collaborative.VARIANT, mla.VARIANT, talking_heads.VARIANT, differential.VARIANT,
           tpa.VARIANT, gated_deltanet.VARIANT, kda.VARIANT, mamba2.VARIANT, linear_attention.VARIANT,
-          gla.VARIANT, k_eq_v.VARIANT, grouped_lowrank.VARIANT, compressed.VARIANT]
+          gla.VARIANT, k_eq_v.VARIANT, grouped_lowrank.VARIANT, compressed.VARIANT,
+          compressed_shared.VARIANT]
 
 
 VARIANTS: Registry[Variant] = Registry("variant", "attn.variants", Variant, _builtins,

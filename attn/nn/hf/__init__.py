@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoders, Gemma 4, DeepSeek-V3(.2), GLM-5, five hybrids.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoders, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, five hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -6,7 +6,9 @@ llama (Llama, Mistral, Qwen2 and Qwen3, one LlamaLike row each), gemma2, gemma3 
 per-layer inputs, shared caches, k_eq_v global layers),
 smollm3, phi3, gpt_oss, olmo2 (QK-norm over the whole projection, norms after each sublayer),
 deepseek_v3 (latent attention in attn's mla layout, DeepSeek's experts), deepseek_v32 and
-glm_moe_dsa (GLM-5) (deepseek_v3 with the lightning indexer in its deepseek form), and the hybrids of
+glm_moe_dsa (GLM-5) (deepseek_v3 with the lightning indexer in its deepseek form), deepseek_v4
+(compressed_shared layers: sliding, compressed sparse with its indexer, heavily compressed; hyper-connections,
+V4's experts with hash routing), and the hybrids of
 linear and softmax layers: qwen3_next (gated_deltanet layers beside gated softmax ones),
 kimi_linear (kda layers beside mla ones without positions, DeepSeek's experts), qwen3_5_text
 (Qwen3.5's text model: Qwen3-Next's layers with the linear projections apart) and
