@@ -72,7 +72,7 @@ def _total(r: dict[str, Any]) -> float:
 
 
 def section(rows: list[dict[str, Any]]) -> list[str]:
-  """report.md's section: one row a group, in the sweep's order."""
+  """report.md's section: one row a group, in the report's order (best held-out accuracy first)."""
   lines = ["## Accuracy against attention FLOPs", "",
            "Forward FLOPs per token of the attention cores and the key selectors, summed over the layers "
            "(attn.count.selectors in closed form at the task's length: 2·H·(K + V) a (query, key) pair, "
