@@ -97,16 +97,16 @@ def plot(plt, rows: list[dict[str, Any]], path: str, caption: str = "") -> None:
   the mean a bar, one colour a group, a tick at each distinct FLOPs value; the legend below the panels."""
   fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
   totals = sorted({_total(r) for r in rows})
-  colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(rows), 2)))
+  colours = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20").colors
   for ax, metric, name in ((axes[0], "eval_accuracy", "held-out accuracy"), (axes[1], "eval_loss", "held-out loss")):
     for i, r in enumerate(rows):
       x, values = _total(r), r["seed_values"][metric]
       shift = 1.0 + 0.03 * (i - (len(rows) - 1) / 2) / max(len(rows), 1)  # groups at one FLOPs side by side
-      ax.plot([x * shift] * len(values), values, "o", color=colours[i], alpha=0.75, markersize=5,
-              label=r["group"] if ax is axes[0] else None)
-      ax.plot([x * shift], [float(np.mean(values))], "_", color=colours[i], markersize=16, mew=2.5)
+      ax.plot([x * shift] * len(values), values, "o", color=colours[i % len(colours)], alpha=0.75, markersize=5,
+              label=r["group"].removeprefix("case=") if ax is axes[0] else None)
+      ax.plot([x * shift], [float(np.mean(values))], "_", color=colours[i % len(colours)], markersize=16, mew=2.5)
     if metric == "eval_accuracy" and rows[0].get("chance") is not None:
-      ax.axhline(rows[0]["chance"], color="grey", linestyle=":", linewidth=1)
+      ax.axhline(rows[0]["chance"], color="grey", linestyle=":", linewidth=1, label="chance")
     ax.set_xscale("log")
     ax.set_xticks(totals)
     ax.set_xticklabels([_short(t) for t in totals], rotation=45, ha="right", fontsize=8)
@@ -114,9 +114,9 @@ def plot(plt, rows: list[dict[str, Any]], path: str, caption: str = "") -> None:
     ax.set_xlabel("attention FLOPs per token (forward, cores + selectors, all layers)")
     ax.set_ylabel(name)
     ax.grid(alpha=0.3)
-  fig.legend(loc="lower center", ncol=min(len(rows), 4), fontsize=8, frameon=False)
+  fig.legend(loc="lower center", ncol=min(len(rows) + 1, 6), fontsize=8, frameon=False)
   if caption:
     fig.suptitle(caption, fontsize=9)
-  fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(rows) - 1) // 4), 1, 0.95))
+  fig.tight_layout(rect=(0, 0.06 + 0.035 * (len(rows) // 6), 1, 0.95))
   fig.savefig(path, dpi=110)
   plt.close(fig)
