@@ -105,7 +105,8 @@ def test_the_section_and_plot_draw_every_group_and_seed(monkeypatch):
   monkeypatch.setattr(plt, "close", figures.append)
   selection.plot(plt, rows, os.devnull)
   acc, loss = figures[0].axes
-  assert [t.get_text() for t in acc.get_xticklabels()] == ["11k", "66k"]  # a tick at each group's FLOPs
+  assert [t.get_text() for t in acc.get_xticklabels()] == ["11.2k", "65.6k"]  # a tick at each group's FLOPs
   dots = [l for l in acc.get_lines() if l.get_marker() == "o"]
   assert sorted(len(l.get_ydata()) for l in dots) == [3, 3]  # every seed a dot
   assert len([l for l in loss.get_lines() if l.get_marker() == "o"]) == 2
+  assert selection._labels([1e4, 1.1e4, 1.12e4, 5e4]) == ["10k", "\n11k", "\n\n11.2k", "50k"]  # close ones stacked

@@ -239,7 +239,8 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
                for i in range(len(colours))]
     fig.legend(handles, [show(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)
-  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - 1.1 / fig.get_figwidth() if legend else 1, 1))
+  room = max(1.1, 0.3 + 0.07 * max(len(show(c)) for c in colours)) if legend else 0  # inches: the legend's labels
+  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - room / fig.get_figwidth() if legend else 1, 1))
   _caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)

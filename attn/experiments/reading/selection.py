@@ -89,7 +89,17 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _short(flops: float) -> str:
-  return f"{flops / 1e6:.2f}M" if flops >= 1e6 else f"{flops / 1e3:.0f}k"
+  return f"{flops / 1e6:.3g}M" if flops >= 1e6 else f"{flops / 1e3:.3g}k"
+
+
+def _labels(totals: list[float]) -> list[str]:
+  """Tick labels, each on the first of three lines where it sits 15% clear of that line's last label."""
+  out, last = [], [0.0, 0.0, 0.0]
+  for t in totals:
+    line = next((n for n in range(3) if t >= 1.15 * last[n]), 2)
+    last[line] = t
+    out.append("\n" * line + _short(t))
+  return out
 
 
 def plot(plt, rows: list[dict[str, Any]], path: str, caption: str = "") -> None:
@@ -109,7 +119,7 @@ def plot(plt, rows: list[dict[str, Any]], path: str, caption: str = "") -> None:
       ax.axhline(rows[0]["chance"], color="grey", linestyle=":", linewidth=1, label="chance")
     ax.set_xscale("log")
     ax.set_xticks(totals)
-    ax.set_xticklabels([_short(t) for t in totals], rotation=45, ha="right", fontsize=8)
+    ax.set_xticklabels(_labels(totals), fontsize=8)
     ax.minorticks_off()
     ax.set_xlabel("attention FLOPs per token (forward, cores + selectors, all layers)")
     ax.set_ylabel(name)
