@@ -27,6 +27,7 @@ import numpy as np
 from attn.experiments.reading import analysis_report
 from attn.experiments.reading import memory
 from attn.experiments.reading import plots as plots_lib
+from attn.experiments.reading import selection
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import run_record
 from attn.process import faults
@@ -395,6 +396,7 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
     r["setting"] = (first[r["group"]]["label"].get("case") or setting_name(first[r["group"]]["config"]["model"])
                     if r["kv_bytes"] else None)
     r["memory"], r["chance"] = memory.sequence_bytes(first[r["group"]]), memory.chance(first[r["group"]])
+    r["attention_flops"] = selection.attention_flops(first[r["group"]])
   names = [r["setting"] for r in rows]
   if len(rows) > 1 and len(set(names)) < len(names):  # a name shared by groups: the groups say more
     for r in rows:
@@ -405,6 +407,10 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
                 plots_lib.caption(trials, header["axes"]))
     memory.curves(plt, trials, os.path.join(root, "curves_by_setting.png"), plots_lib.caption(trials, header["axes"]))
     plots += ["frontier_state_cache.png", "curves_by_setting.png"]
+  if selection.applies(rows) and not text and (plt := plots_lib._pyplot()) is not None:
+    selection.plot(plt, rows, os.path.join(root, "accuracy_vs_attention_flops.png"),
+                   plots_lib.caption(trials, header["axes"]))
+    plots += ["accuracy_vs_attention_flops.png"]
   status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else
             "interrupted" if t.get("interrupted") else "unfinished" for t in trials]
   sets = " ".join(f"--set {o}" for o in header.get("overrides", []))
@@ -444,6 +450,8 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
     md += [""] + frontier_section(rows, primary)[:-1]
   if memory.applies(rows) and not text:
     md += [""] + memory.section(rows)[:-1]
+  if selection.applies(rows) and not text:
+    md += [""] + selection.section(rows)[:-1]
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run
