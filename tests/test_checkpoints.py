@@ -106,9 +106,9 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("train, kept_after_each_save", [
     ("", [[2], [2, 4], [4, 6], [6, 7]]),  # default: at each evaluation (eval_every = 2) and the end
-    ("checkpoint_every = 3\n", [[3], [3, 6], [6, 7]]),
-    ("checkpoint_every = 7\n", [[7]]),
-    ("eval_every = 0\n", [[7]]),  # no evaluations before the end: only the final checkpoint
+    pytest.param("checkpoint_every = 3\n", [[3], [3, 6], [6, 7]], marks=pytest.mark.slow),  # the default's fast
+    pytest.param("checkpoint_every = 7\n", [[7]], marks=pytest.mark.slow),
+    pytest.param("eval_every = 0\n", [[7]], marks=pytest.mark.slow),  # no evaluations before the end: the final only
 ])
 def test_checkpoint_cadence_keeps_the_newest_two(tmp_path, monkeypatch, train, kept_after_each_save):
   text = TINY.replace("seeds = [0, 1]", "seeds = [0]").replace("eval_batches = 2\n", "eval_batches = 2\n" + train)

@@ -70,7 +70,7 @@ def test_moba_under_a_dense_causal_mask_is_the_causal_choice():
   np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("is_causal", [True, pytest.param(False, marks=pytest.mark.slow)])  # one fast
 def test_indexer_tokens_equal_counting_reference(is_causal):
   B, T, S, J, I = 2, 37, 45, 3, 4
   qi, ki, w = _randn(6, (B, T, J, I)), _randn(7, (B, S, I)), _randn(8, (B, T, J))
@@ -145,7 +145,7 @@ def test_sparse_kernel_equals_dense_moba(shape):
       assert not np.any(y[1]) and not np.any(g[0][1])
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("shape", [SHAPES[0], pytest.param(SHAPES[1], marks=pytest.mark.slow)])  # one fast
 def test_sparse_kernel_equals_dense_indexer(shape):
   B, T, S, H, G, K, V = shape
   q, k, v = _randn(14, (B, T, H, K)), _randn(15, (B, S, G, K)), _randn(16, (B, S, G, V))

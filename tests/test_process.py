@@ -153,10 +153,10 @@ def test_an_unknown_host_malloc_is_refused_by_name_before_anything_runs(console)
   assert p.stdout == ""
 
 
-@pytest.mark.parametrize("flags, named", [
+@pytest.mark.parametrize("flags, named", [  # one fast, the others slow
     ("bogus", "'bogus' does not start with --"),
-    ("--xla_cpu_enable_fast_math=false 2", "'2' does not start with --"),
-    ("--xla_attn_no_such_flag=1", "--xla_attn_no_such_flag=1 is not a flag")])
+    pytest.param("--xla_cpu_enable_fast_math=false 2", "'2' does not start with --", marks=pytest.mark.slow),
+    pytest.param("--xla_attn_no_such_flag=1", "--xla_attn_no_such_flag=1 is not a flag", marks=pytest.mark.slow)])
 def test_xla_flags_xla_would_abort_on_are_refused_by_name(flags, named):
   p = _attn("count", XLA_FLAGS=flags)
   assert p.returncode == 2 and "Traceback" not in p.stderr and "F0000" not in p.stderr, p.stderr
