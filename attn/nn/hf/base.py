@@ -242,3 +242,15 @@ def zero(a: Any, name: str, family: str) -> None:
   """Refuses a nonzero bias the family has no place for."""
   if np.any(np.asarray(a) != 0):
     raise invalid(name, "nonzero", f"zeros: {family} has no such bias")
+
+
+def decoder_in(w: Callable, blocks: dict, norm: Callable, cfg: ModelConfig, N: int, D: int) -> dict[str, Any]:
+  """A decoder's embedding, blocks, final norm and untied head under transformers' names; a tied
+  head that the source lists anyway (a live model's state_dict) is read, so that it counts as read."""
+  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
+  if cfg.tie_embeddings:
+    if "lm_head.weight" in w:
+      w("lm_head.weight", (N, D))
+  else:
+    out["head"] = {"linear": {"kernel": w("lm_head.weight", (N, D)).T}}
+  return out

@@ -37,7 +37,7 @@ import numpy as np
 
 from attn.config import invalid
 from attn.nn.hf import llama
-from attn.nn.hf.base import Weights, get
+from attn.nn.hf.base import Weights, decoder_in, get
 from attn.nn.hf.rope import rope_to_hf
 from attn.nn.config import ModelConfig
 
@@ -143,12 +143,7 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
     mlp = experts_in(w, f"{at}.mlp", cfg) if cfg.is_moe_layer(l) else mlp_in(w, f"{at}.mlp", D, cfg.d_ff)
     blocks[l] = {"attn": {"params": attention_in(w, f"{at}.self_attn", cfg)}, "mlp": mlp,
                  "attn_norm": norm(f"{at}.input_layernorm"), "mlp_norm": norm(f"{at}.post_attention_layernorm")}
-  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
-  if cfg.tie_embeddings:
-    if "lm_head.weight" in w:
-      w("lm_head.weight", (N, D))
-  else:
-    out["head"] = {"linear": {"kernel": w("lm_head.weight", (N, D)).T}}
+  out = decoder_in(w, blocks, norm, cfg, N, D)
   for name in w.names:  # the release's multi-token-prediction layer, after the last: not read, as transformers
     if name.startswith(f"layers.{cfg.num_layers}."):
       w(name)

@@ -38,7 +38,7 @@ import numpy as np
 from attn.config import invalid
 from attn.nn.config import ModelConfig
 from attn.nn.hf import deepseek_v3
-from attn.nn.hf.base import Family, Weights, activation, activation_out, get
+from attn.nn.hf.base import Family, Weights, activation, activation_out, decoder_in, get
 from attn.nn.hf.rope import rope_from_hf, rope_to_hf
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -253,13 +253,7 @@ def _weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
                  "mlp": _experts_in(w, f"{at}.mlp", cfg, l),
                  "attn_norm": norm(f"{at}.input_layernorm"), "mlp_norm": norm(f"{at}.post_attention_layernorm"),
                  "attn_hc": _hc_in(w, f"{at}.attn_hc", n, D), "mlp_hc": _hc_in(w, f"{at}.ffn_hc", n, D)}
-  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm"),
-         "hc_head": _hc_in(w, "hc_head", n, D, head=True)}
-  if cfg.tie_embeddings:
-    if "lm_head.weight" in w:
-      w("lm_head.weight", (N, D))
-  else:
-    out["head"] = {"linear": {"kernel": w("lm_head.weight", (N, D)).T}}
+  out = {**decoder_in(w, blocks, norm, cfg, N, D), "hc_head": _hc_in(w, "hc_head", n, D, head=True)}
   return out
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from attn.config import invalid
 from attn.nn.hf import deepseek_v3
-from attn.nn.hf.base import Weights, get
+from attn.nn.hf.base import Weights, decoder_in, get
 from attn.nn.config import ModelConfig
 
 KINDS = ("full_attention", "linear_attention")
@@ -132,12 +132,7 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
            else deepseek_v3.mlp_in(w, f"{at}.mlp", D, cfg.d_ff))
     blocks[l] = {"attn": {"params": attn}, "mlp": mlp, "attn_norm": norm(f"{at}.input_layernorm"),
                  "mlp_norm": norm(f"{at}.post_attention_layernorm")}
-  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
-  if cfg.tie_embeddings:
-    if "lm_head.weight" in w:
-      w("lm_head.weight", (N, D))
-  else:
-    out["head"] = {"linear": {"kernel": w("lm_head.weight", (N, D)).T}}
+  out = decoder_in(w, blocks, norm, cfg, N, D)
   return out
 
 

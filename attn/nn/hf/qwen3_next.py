@@ -31,7 +31,7 @@ import numpy as np
 
 from attn.config import invalid
 from attn.nn.hf import deepseek_v3, llama
-from attn.nn.hf.base import Family, Weights, get
+from attn.nn.hf.base import Family, Weights, decoder_in, get
 from attn.nn.hf.rope import rope_from_hf, rotary_fraction
 from attn.nn.config import ModelConfig
 
@@ -123,12 +123,7 @@ def weights_in(w: Weights, cfg: ModelConfig, linear_in=None) -> dict[str, Any]:
            else deepseek_v3.mlp_in(w, f"layers.{l}.mlp", D, F))
     blocks[l] = {"attn": {"params": params}, "mlp": mlp, "attn_norm": norm(f"layers.{l}.input_layernorm"),
                  "mlp_norm": norm(f"layers.{l}.post_attention_layernorm")}
-  out = {"embed": {"token": w("embed_tokens.weight", (N, D))}, "blocks": blocks, "final_norm": norm("norm")}
-  if cfg.tie_embeddings:
-    if "lm_head.weight" in w:
-      w("lm_head.weight", (N, D))
-  else:
-    out["head"] = {"linear": {"kernel": w("lm_head.weight", (N, D)).T}}
+  out = decoder_in(w, blocks, norm, cfg, N, D)
   return out
 
 
