@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from attn import ConfigError, cli
 from attn.nn import hf
 from attn.nn.decoding import generate
-from hf_hybrid import assert_greedy_decoding_equal, assert_to_hf_and_back_exact  # tests/hf_hybrid.py
+from hf_hybrid import (  # tests/hf_hybrid.py
+    assert_greedy_decoding_equal, assert_logits_equal_under_right_padding, assert_to_hf_and_back_exact)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,15 +72,7 @@ def test_logits_equal_transformers_under_right_padding(live):
   cfg = loaded.config
   assert cfg.layer_types == tuple(KINDS) and cfg.rope_layout == "none" and cfg.rope_dim == 4
   assert cfg.mlp == "moe" and cfg.moe_dense_first == 1 and cfg.linear_variant == "kda"
-  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
-  mask = np.ones((2, 9), np.int64)
-  mask[1, 6:] = 0
-  with torch.no_grad():
-    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  assert_logits_equal_under_right_padding(live, loaded)
 
 
 @pytest.mark.slow

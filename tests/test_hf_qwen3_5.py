@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from attn import ConfigError, cli
 from attn.nn import hf
 from attn.nn.decoding import generate
-from hf_hybrid import assert_greedy_decoding_equal, assert_to_hf_and_back_exact, nnx_state  # tests/hf_hybrid.py
+from hf_hybrid import (  # tests/hf_hybrid.py
+    assert_greedy_decoding_equal, assert_logits_equal_under_right_padding, assert_to_hf_and_back_exact)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -65,15 +65,7 @@ def test_logits_equal_transformers_under_right_padding(live):
   loaded = hf.from_hf(live)
   cfg = loaded.config
   assert cfg.layer_types == tuple(KINDS) and cfg.rope_dim == 4 and cfg.gate == "elementwise"  # 0.25 of 16
-  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
-  mask = np.ones((2, 9), np.int64)
-  mask[1, 6:] = 0
-  with torch.no_grad():
-    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  assert_logits_equal_under_right_padding(live, loaded)
 
 
 @pytest.mark.slow
@@ -195,29 +187,9 @@ def test_the_moe_text_model_equals_transformers():
         p.normal_(0.0, 0.2)
   loaded = hf.from_hf(model)
   assert loaded.family == "qwen3_5_moe_text" and loaded.config.mlp == "moe" and loaded.config.moe_dense_first == 0
-  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
-  mask = np.ones((2, 9), np.int64)
-  mask[1, 6:] = 0
-  with torch.no_grad():
-    want = model(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  assert_logits_equal_under_right_padding(model, loaded)
   prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
   assert_greedy_decoding_equal(model, loaded, prompt, 30)
-  out = hf.to_hf(loaded)
-  assert type(out).__name__ == "Qwen3_5MoeForCausalLM"
-  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
-  theirs = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-  assert set(ours) == set(theirs)
-  for name, a in theirs.items():
-    np.testing.assert_array_equal(ours[name], a, err_msg=name)
-  for a, b in zip(jax.tree.leaves(nnx_state(hf.from_hf(out).model)), jax.tree.leaves(nnx_state(loaded.model)),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
-  out.set_attn_implementation(model.config._attn_implementation)
-  with torch.no_grad():
-    np.testing.assert_array_equal(out(torch.tensor(tok[:1])).logits.numpy(), model(torch.tensor(tok[:1])).logits.numpy())
+  assert_to_hf_and_back_exact(model, "Qwen3_5MoeForCausalLM")
   from attn.testing import check_family
   assert check_family("qwen3_5_moe_text", config.to_dict())["logits_relative"] < 1e-4

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from attn import ConfigError
 from attn.nn import hf
 from attn.nn.decoding import generate
-from hf_hybrid import assert_greedy_decoding_equal, assert_to_hf_and_back_exact, nnx_state  # tests/hf_hybrid.py
+from hf_hybrid import (  # tests/hf_hybrid.py
+    assert_greedy_decoding_equal, assert_logits_equal_under_right_padding, assert_to_hf_and_back_exact, nnx_state)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,15 +60,7 @@ def test_logits_equal_transformers_under_right_padding(live):
   cfg = loaded.config
   assert cfg.layer_types == tuple(KINDS) and cfg.rope_dim == 2 and cfg.gate == "elementwise"  # 0.25 of 8
   assert [b.attn.variant for b in loaded.model.blocks] == ["gated_deltanet"] * 3 + ["per_head"]
-  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
-  mask = np.ones((2, 9), np.int64)
-  mask[1, 6:] = 0
-  with torch.no_grad():
-    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  assert_logits_equal_under_right_padding(live, loaded)
 
 
 def test_cached_greedy_decoding_equals_transformers(live):
@@ -158,34 +151,13 @@ def test_count_hf_with_experts_equals_transformers_parameters(live_moe, tmp_path
 def test_experts_logits_decoding_and_to_hf_equal_transformers(live_moe):
   """The softmax router, the experts and the gated shared expert: logits under right padding, 30 tokens of
   cached greedy decoding (and attn's own full pass), and to_hf bit for bit, with the logits."""
-  import jax
   loaded = hf.from_hf(live_moe)
   cfg = loaded.config
   assert cfg.mlp == "moe" and cfg.moe_dense_first == 1 and cfg.moe_shared_d_ff == 20 and cfg.moe_shared_gate
-  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
-  mask = np.ones((2, 9), np.int64)
-  mask[1, 6:] = 0
-  with torch.no_grad():
-    want = live_moe(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  assert_logits_equal_under_right_padding(live_moe, loaded)
   prompt = np.random.default_rng(4).integers(0, 50, (2, 4))
   assert_greedy_decoding_equal(live_moe, loaded, prompt, 30)
-  out = hf.to_hf(loaded)
-  ours = {k: v.detach().numpy() for k, v in out.state_dict().items()}
-  theirs = {k: v.detach().numpy() for k, v in live_moe.state_dict().items()}
-  assert set(ours) == set(theirs)
-  for name, a in theirs.items():
-    np.testing.assert_array_equal(ours[name], a, err_msg=name)
-  for a, b in zip(jax.tree.leaves(nnx_state(hf.from_hf(out).model)), jax.tree.leaves(nnx_state(loaded.model)),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
-  out.set_attn_implementation(live_moe.config._attn_implementation)
-  tok = torch.tensor(tok[:1])
-  with torch.no_grad():
-    np.testing.assert_array_equal(out(tok).logits.numpy(), live_moe(tok).logits.numpy())
+  assert_to_hf_and_back_exact(live_moe, type(live_moe).__name__)
 
 
 @pytest.mark.slow
