@@ -291,12 +291,12 @@ class MLP(nnx.Module):
     self.down = linear(cfg, F, cfg.d_model, rngs, bias)
 
   def __call__(self, x_BTD: Array) -> Array:
-    if self.gate is not None and self.limit is not None:
-      g_BTF, u_BTF = jnp.minimum(self.gate(x_BTD), self.limit), jnp.clip(self.up(x_BTD), -self.limit, self.limit)
-      return self.down(activate(self.activation, g_BTF) * u_BTF)
-    if self.gate is not None:
-      return self.down(activate(self.activation, self.gate(x_BTD)) * self.up(x_BTD))
-    return self.down(activate(self.activation, self.up(x_BTD)))
+    if self.gate is None:
+      return self.down(activate(self.activation, self.up(x_BTD)))
+    g_BTF, u_BTF = self.gate(x_BTD), self.up(x_BTD)
+    if self.limit is not None:
+      g_BTF, u_BTF = jnp.minimum(g_BTF, self.limit), jnp.clip(u_BTF, -self.limit, self.limit)
+    return self.down(activate(self.activation, g_BTF) * u_BTF)
 
 
 class TransformerBlock(nnx.Module):
@@ -600,8 +600,7 @@ class DecoderLM(nnx.Module):
     h_BTD = self.embed(tokens_BT)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
     h_BTD, weights = self._streams(h_BTD, lambda h: run_blocks(
-        self.blocks, h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B,
-        **({"tokens": tokens_BT} if self.cfg.moe_hash_first else {})))
+        self.blocks, h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B, tokens=tokens_BT))
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
 
@@ -624,7 +623,7 @@ class DecoderLM(nnx.Module):
     h_BTD = self.embed(tokens_BT, offset=index)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
     h_BTD, _ = self._streams(h_BTD, lambda h: run_blocks(self.blocks, h, gates, False, per_layer, decode=True,
-                                                         **({"tokens": tokens_BT} if self.cfg.moe_hash_first else {})))
+                                                         tokens=tokens_BT))
     return self.head(_norm(self.final_norm, h_BTD))
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:
