@@ -101,11 +101,9 @@ def core_case(cfg: HeadConfig, B: int, T: int, dtype, *, is_causal: bool,
   return jax_pair(apply, kv, q, dtype)
 
 
-def selection_core_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
-  """The attention core with cfg's key selection (extra: moba, indexer or nsa), causal, no projections:
-  the selector and the kernels that compute only the chosen keys (base.core at T·S past the blocked
-  threshold); gradients for q (the input), k, v and the selector's parameters."""
-  from attn.variants import base, mechanisms
+def _selection_inputs(cfg: HeadConfig, B: int, T: int, dtype):
+  """(q, params with k, v and the selector's own, x, the selecting mechanism) of random inputs."""
+  from attn.variants import mechanisms
   keys = jax.random.split(jax.random.PRNGKey(3), 5)
   G, K, V = cfg.num_kv_heads, cfg.d_k, cfg.d_v
   q = jax.random.normal(keys[0], (B, T, cfg.num_heads, K)).astype(dtype)
@@ -115,6 +113,15 @@ def selection_core_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
   if m.init is not None:
     params.update(m.init(keys[3], cfg, dtype))
   x = jax.random.normal(keys[4], (B, T, cfg.d_model)).astype(dtype)  # nsa's gates read the input
+  return q, params, x, m
+
+
+def selection_core_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
+  """The attention core with cfg's key selection (extra: moba, indexer or nsa), causal, no projections:
+  the selector and the kernels that compute only the chosen keys (base.core at T·S past the blocked
+  threshold); gradients for q (the input), k, v and the selector's parameters."""
+  from attn.variants import base
+  q, params, x, _ = _selection_inputs(cfg, B, T, dtype)
   opts = base.Options(is_causal=True, impl="blocked")
   apply = lambda p, q: base.core(p, q, p["k"], p["v"], cfg=cfg, opts=opts, x_BTD=x)[0]
   return jax_pair(apply, params, q, dtype)
@@ -122,16 +129,10 @@ def selection_core_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
 
 def selector_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
   """cfg's key selection alone (extra: moba or indexer), causal: what selection_core_case's core spends
-  choosing the keys (MoBA's block means and top-k, the indexer's scores and top-k), inputs as there. A
-  selection has no gradient, so its forward is also its share of the core's forward+backward: "fb"
+  choosing the keys (MoBA's block means and top-k, the indexer's scores and top-k), on the same inputs.
+  A selection has no gradient, so its forward is also its share of the core's forward+backward: "fb"
   times the forward again."""
-  from attn.variants import mechanisms
-  keys = jax.random.split(jax.random.PRNGKey(3), 5)
-  q = jax.random.normal(keys[0], (B, T, cfg.num_heads, cfg.d_k)).astype(dtype)
-  params = {"k": jax.random.normal(keys[1], (B, T, cfg.num_kv_heads, cfg.d_k)).astype(dtype)}
-  m = mechanisms.selector(cfg)
-  if m.init is not None:
-    params.update(m.init(keys[3], cfg, dtype))
+  q, params, _, m = _selection_inputs(cfg, B, T, dtype)
   select = lambda p, q: m.select(p, q, p["k"], cfg=cfg, is_causal=True, kv_lengths=None, mask=None,
                                  dense=False, index=None)[1]
   fwd = jax.jit(select).lower(params, q).compile()
