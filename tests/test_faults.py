@@ -137,6 +137,13 @@ def test_errors_are_told_apart():
   assert faults.classify(FloatingPointError("non-finite loss")) is None
   assert faults.classify(OSError(errno.ENOENT, "No such file")) is None  # a bug, not the machine
   assert faults.classify(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes")) is None
+  for errno_ in (errno.ENOSPC, errno.EIO):  # f.write names no file: the write's point (or naming) does
+    with pytest.raises(OSError) as raised, faults.point("row", "/s/t/rows"):
+      raise OSError(errno_, os.strerror(errno_))
+    assert faults.classify(raised.value).reason.endswith(") writing /s/t/rows")
+  with pytest.raises(OSError) as raised, faults.naming("/s/u"):
+    raise OSError(errno.EIO, "I/O error", "/s/named")
+  assert raised.value.filename == "/s/named"  # a named file keeps its name
 
 
 @pytest.fixture
@@ -254,8 +261,9 @@ def test_every_write_of_a_two_trial_sweep_failing_or_killed_then_a_plain_rerun(u
 
 
 @pytest.mark.slow
-def test_a_real_full_disk_stops_with_one_message_and_a_rerun_finishes(undisturbed, tmp_path):
-  """A 1 MB tmpfs, filled but for 150 kB: one message, no traceback, exit 1; freed: the same command finishes."""
+@pytest.mark.parametrize("left_kb", [90, 170])  # this machine: Orbax's metadata file; the store's (neither names it)
+def test_a_real_full_disk_stops_with_one_message_and_a_rerun_finishes(undisturbed, tmp_path, left_kb):
+  """A 1 MB tmpfs, filled but for left_kb: one message naming the file, no traceback, exit 1; freed: a re-run finishes."""
   path, expected, _ = undisturbed
   disk = tmp_path / "disk"
   disk.mkdir()
@@ -264,7 +272,7 @@ def test_a_real_full_disk_stops_with_one_message_and_a_rerun_finishes(undisturbe
     pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
   try:
     filler = disk / "filler"
-    filler.write_bytes(b"\0" * (faults.free_bytes(str(disk))[1] - 150 * 1024))
+    filler.write_bytes(b"\0" * (faults.free_bytes(str(disk))[1] - left_kb * 1024))
     out = str(disk / "out")
     p = _subprocess_sweep(path, out)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr

@@ -179,6 +179,17 @@ def arm_from_env() -> None:
 
 
 @contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+  """An OSError inside that names no file (Python's f.write, Orbax's write_text) re-raised naming path."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror, path) from e
+
+
+@contextlib.contextmanager
 def point(kind: str, path: str) -> Iterator[None]:
   """One write of `kind` to `path`: where an armed fault strikes (no-op when none is armed)."""
   with _lock:
@@ -191,7 +202,8 @@ def point(kind: str, path: str) -> Iterator[None]:
   if fail:
     code = errno.ENOSPC if _armed["full"] else errno.EIO
     raise OSError(code, os.strerror(code), path)
-  yield
+  with naming(path):
+    yield
   if hit and mode == "kill":
     sys.stdout.flush()
     sys.stderr.flush()

@@ -340,8 +340,9 @@ class Store:
     """Makes the rows appended so far durable (flush and fsync)."""
     f = self._files.get(trial_id)
     if f is not None:
-      f.flush()
-      os.fsync(f.fileno())
+      with faults.naming(f.name):
+        f.flush()
+        os.fsync(f.fileno())
 
   def _check(self, trial_id: str) -> None:
     lease = self._leases.get(trial_id)
@@ -381,9 +382,10 @@ class Store:
       self._leases[trial_id].refresh()  # freshly confirmed: no takeover before the summary is written
     f = self._files.pop(trial_id, None)
     if f is not None:
-      f.flush()
-      os.fsync(f.fileno())
-      f.close()
+      with faults.naming(f.name):
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
     if os.path.exists(os.path.join(d, PARTIAL)):
       os.replace(os.path.join(d, PARTIAL), os.path.join(d, METRICS))
     write_json(os.path.join(d, SUMMARY), summary)
