@@ -1,10 +1,12 @@
-"""Training the lightning indexer (train.indexer; DeepSeek-V3.2 §2.1): the warm-up and the sparse phase.
+"""Training the lightning indexer (train.indexer; DeepSeek-V3.2 §2.1): the warm-up, the sparse phase, staged.
 
 warmup: dense attention, the loss adds the indexer's KL to the attention summed over heads, and only the
 indexer's parameters move: the KL falls over a few steps on a tiny MQAR model and every other parameter
 stays bit for bit. sparse: the model attends to its selection; the KL reaches only the indexer and the
 language-model loss only the rest (their gradients equal those of train.indexer "off", whose indexer gets
-none). Refusals by name.
+none). staged: dense steps (the model without its indexer, bit for bit; the indexer frozen), then the
+warm-up's steps, then the sparse phase's, each step's phase by its number (a resume continues in it).
+Refusals by name.
 """
 
 import jax
@@ -16,6 +18,7 @@ from flax import nnx
 from attn.config import ConfigError
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.running import config as config_lib
+from attn.experiments.training import checkpoints
 from attn.experiments.training import train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
@@ -47,6 +50,25 @@ def _load(*sets, text=TEXT):
     (["train.indexer='dense'"], "train.indexer='dense' is not allowed: \"off\""),
     (["train.indexer_kl_weight=0"], "train.indexer_kl_weight=0.0 is not allowed: a finite number > 0"),
     (["model.extra={}"], "train.indexer='warmup' is not allowed: \"off\" for a model without the lightning indexer"),
+    (["train.indexer='staged'", "train.indexer_dense_steps=-1", "train.indexer_warmup_steps=2"],
+     "train.indexer_dense_steps=-1 is not allowed: an integer >= 0"),
+    (["train.indexer='staged'", "train.indexer_dense_steps=1", "train.indexer_warmup_steps=0"],
+     "train.indexer_warmup_steps=0 is not allowed: an integer >= 1"),
+    (["train.indexer='staged'", "train.indexer_dense_steps=1.5", "train.indexer_warmup_steps=1"],
+     "train.indexer_dense_steps=1.5 is not allowed: an integer >= 0"),
+    (["train.indexer='staged'", "train.indexer_dense_steps=4", "train.indexer_warmup_steps=2"],  # steps = 6
+     "train.indexer_warmup_steps=2 is not allowed: a value with train.indexer_dense_steps + "
+     "train.indexer_warmup_steps < train.steps=6, leaving at least one sparse step (4 + 2 leaves none)"),
+    (["train.indexer='staged'", "train.indexer_dense_steps=6", "train.indexer_warmup_steps=1"],
+     "train.indexer_dense_steps=6 is not allowed: a value with"),
+    (["train.indexer='staged'", "train.indexer_warmup_steps=2"],
+     "train.indexer_dense_steps=None is not allowed: an integer >= 0, given with train.indexer = \"staged\""),
+    (["train.indexer_warmup_steps=2"],
+     "train.indexer_warmup_steps=2 is not allowed: unset with train.indexer='warmup'"),
+    (["train.indexer='off'", "train.indexer_dense_steps=0"],
+     "train.indexer_dense_steps=0 is not allowed: unset with train.indexer='off'"),
+    (["model.extra={}", "train.indexer='staged'", "train.indexer_dense_steps=1", "train.indexer_warmup_steps=2"],
+     "train.indexer='staged' is not allowed: \"off\" for a model without the lightning indexer"),
 ])
 def test_bad_values_refused_by_name(sets, message):
   with pytest.raises(ConfigError) as e:
@@ -127,3 +149,131 @@ def test_train_group_warmup_then_sparse_on_mla_with_the_deepseek_indexer():
     assert all(np.isfinite(kl)) and min(kl) > 0
     if phase == "warmup":
       assert np.mean(kl[-3:]) < np.mean(kl[:3]), kl
+
+
+STAGED = ("train.indexer='staged'", "train.indexer_dense_steps=2", "train.indexer_warmup_steps=2")
+
+
+def test_staged_phase_is_a_function_of_the_step_alone():
+  t = TrainConfig(steps=7, indexer="staged", indexer_dense_steps=2, indexer_warmup_steps=3)
+  assert [t.indexer_phase(s) for s in range(7)] == ["dense"] * 2 + ["warmup"] * 3 + ["sparse"] * 2
+  assert t.indexer_phases() == ["dense", "warmup", "sparse"]
+  assert t.indexer_phases(3) == ["warmup", "sparse"] and t.indexer_phases(5) == ["sparse"]  # resumed there
+  assert t.replace(indexer_dense_steps=0).indexer_phases() == ["warmup", "sparse"]
+  assert TrainConfig(indexer="sparse").indexer_phases(7) == ["sparse"]
+  with pytest.raises(ValueError, match="give phase"):
+    train._step_fns(None, None, "decoder_lm", 1, None, t)
+
+
+def test_packed_trials_must_share_the_staged_steps():
+  a = _load(*STAGED).trials[0].config
+  b = _load(*STAGED[:2], "train.indexer_warmup_steps=3").trials[0].config
+  with pytest.raises(ConfigError, match=r"configs=1 is not allowed: .*differs from trial 0 in train\.indexer_warmup_steps"):
+    train.train_group([a, b], on_row=lambda j, r: None)
+
+
+def _is_indexer(name):
+  return any(f"'{k}'" in name for k in selection.INDEXER_PARAMS)
+
+
+def test_dense_phase_is_the_model_without_its_indexer_and_leaves_the_indexer_bit_for_bit():
+  """Two steps of "staged"'s dense phase against train.indexer "off" on the same model without the indexer
+  (the same init for every other parameter): the same loss, accuracy and gradient norm, the same
+  parameters after, bit for bit; the indexer's parameters untouched, weight decay included."""
+  trial, plain = _load(*STAGED).trials[0], _load("model.extra={}", "train.indexer='off'").trials[0]
+  task, train_cfg, graphdef, params, rest, tx, batches = _setup(trial)
+  _, plain_cfg, plain_graph, plain_params, plain_rest, _, _ = _setup(plain)
+  names, before = _names(params)
+  kept = [(n, a) for n, a in zip(names, before) if not _is_indexer(n)]
+  assert len(kept) < len(names) and [n for n, _ in kept] == _names(plain_params)[0]
+  for (_, a), b in zip(kept, _names(plain_params)[1]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  dense = jax.jit(train._step_fns(graphdef, tx, task.kind, 1, task, train_cfg, "dense")[0])
+  off = jax.jit(train._step_fns(plain_graph, tx, task.kind, 1, task, plain_cfg)[0])
+  p, opt, q, opt_q = params, tx.init(params), plain_params, tx.init(plain_params)
+  for t in range(2):
+    p, opt, m = dense(p, opt, rest, batches[t], jnp.float32(train_cfg.lr))
+    q, opt_q, n = off(q, opt_q, plain_rest, batches[t], jnp.float32(train_cfg.lr))
+    assert "indexer_kl" not in m
+    for k in ("loss", "accuracy", "grad_norm"):
+      assert float(m[k]) == float(n[k]), (t, k)
+  after = _names(p)[1]
+  for name, a, b in zip(names, before, after):
+    if _is_indexer(name):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+  moved = [b for n, b in zip(names, after) if not _is_indexer(n)]
+  for a, b in zip(moved, _names(q)[1], strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _rows(config, dirs=None, crash_at=None):
+  """train_group's rows of one trial (step_time_s dropped); crash_at: raise in the row of that step."""
+  rows = []
+
+  def on_row(j, row):
+    if row["step"] == crash_at:
+      raise _Crash()
+    rows.append({k: v for k, v in row.items() if k != "step_time_s"})
+  if crash_at is None:
+    return rows, train.train_group([config], on_row=on_row, checkpoint_dirs=dirs)[0]
+  with pytest.raises(_Crash):
+    train.train_group([config], on_row=on_row, checkpoint_dirs=dirs)
+  return rows, None
+
+
+class _Crash(Exception):
+  """Stands for a kill mid-trial."""
+
+
+@pytest.mark.slow
+def test_staged_is_warmup_then_sparse_row_for_row(tmp_path):
+  """"staged" with no dense step: its rows are train.indexer "warmup"'s for the warm-up steps, then those
+  of train.indexer "sparse" resumed from the warm-up's checkpoint, bit for bit (the same programs), plus
+  indexer_phase; and its dense steps with N1 = 2 are the model without the indexer's (loss, accuracy,
+  gradient norm and the dense evaluation at step 1, exactly)."""
+  staged = _load(*STAGED[:1], "train.indexer_dense_steps=0", "train.indexer_warmup_steps=2").trials[0].config
+  rows, summary = _rows(staged)
+  assert [r.pop("indexer_phase") for r in rows] == ["warmup"] * 2 + ["sparse"] * 4
+  dirs = [str(tmp_path / "ckpt")]
+  warm = _load("train.checkpoint_every=2").trials[0].config
+  warm_rows, _ = _rows(warm, dirs, crash_at=2)  # the checkpoint of step 2 is saved before row 2
+  sparse_rows, sparse_summary = _rows(_load("train.indexer='sparse'", "train.checkpoint_every=2").trials[0].config, dirs)
+  assert sparse_summary["resumed_from"] == 2
+  assert rows == warm_rows + sparse_rows
+  assert summary["final"] == sparse_summary["final"]
+
+  dense = _load(*STAGED, "train.eval_every=2").trials[0].config
+  plain = _load("model.extra={}", "train.indexer='off'", "train.eval_every=2").trials[0].config
+  rows, _ = _rows(dense)
+  plain_rows, _ = _rows(plain)
+  for r, p in zip(rows[:2], plain_rows[:2]):
+    assert r["indexer_phase"] == "dense" and "indexer_kl" not in r
+    assert {k: r[k] for k in ("step", "loss", "accuracy", "grad_norm", "lr")} == \
+        {k: p[k] for k in ("step", "loss", "accuracy", "grad_norm", "lr")}
+  # The dense evaluation: another program than the plain model's (the indexer's unused ops in it), whose
+  # sums XLA may order otherwise: equal to float32 rounding (measured: 1.3e-7 relative).
+  assert rows[1]["eval_accuracy"] == plain_rows[1]["eval_accuracy"]
+  assert rows[1]["eval_loss"] == pytest.approx(plain_rows[1]["eval_loss"], rel=1e-6, abs=0)
+  # Step 2, the first of the warm-up: its language-model loss is dense attention's on the parameters the
+  # dense steps left, the plain model's loss at step 2 exactly; the evaluation now runs on the selection.
+  assert rows[2]["indexer_phase"] == "warmup" and rows[2]["loss"] == plain_rows[2]["loss"]
+
+
+@pytest.mark.slow
+def test_staged_resumed_mid_warmup_gives_the_uninterrupted_rows(tmp_path):
+  """Killed at step 4 of 6 (dense 0-1, warm-up 2-3, sparse 4-5) after the checkpoint of step 3 (mid
+  warm-up), then run again: rows 3-5 and the final parameters equal the uninterrupted trial's."""
+  config = _load(*STAGED, "train.checkpoint_every=3").trials[0].config
+  whole, summary = _rows(config, [str(tmp_path / "whole")])
+  dirs = [str(tmp_path / "cut")]
+  first, _ = _rows(config, dirs, crash_at=4)
+  assert [r["step"] for r in first] == [0, 1, 2, 3]
+  rest, resumed = _rows(config, dirs)
+  assert resumed["resumed_from"] == 3 and rest[0]["indexer_phase"] == "warmup"
+  assert first[:3] + rest == whole
+  assert resumed["final"] == summary["final"]
+  _, _, _, params, rest, tx, _ = _setup(_load(*STAGED).trials[0])
+  like = {"params": params, "opt_state": tx.init(params), "rest": rest}
+  a, b = (checkpoints.restore(d, 6, like) for d in (dirs[0], str(tmp_path / "whole")))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -344,7 +344,7 @@ def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: A
 # so the term trains only the indexer's parameters, and the selection has no gradient, so the language
 # model's loss never reaches them.
 
-PHASES = ("warmup", "sparse")
+PHASES = ("warmup", "sparse", "dense")
 # Parameter names of the indexer (both forms): what the warm-up trains, everything else frozen.
 INDEXER_PARAMS = frozenset({"w_iq", "w_ik", "w_iw", "w_idq", "w_idk", "w_idw", "idk_norm", "idk_bias"})
 INDEXER_KL: contextvars.ContextVar = contextvars.ContextVar("attn_indexer_kl", default=None)
@@ -357,7 +357,8 @@ def record_indexer_kl(phase: str) -> Iterator[list]:
 
   phase "warmup": the layer attends to every visible key (dense attention, no selection) and p_t is over
   them; "sparse": the layer attends to its selection (the dense-mask path) and p_t, Softmax(I_t) are over
-  the selected keys.
+  the selected keys; "dense" (train.indexer "staged"'s first phase): the layer attends to every visible
+  key and appends nothing (the indexer is not run).
   """
   if phase not in PHASES:
     raise invalid("phase", phase, f"one of {list(PHASES)}")
@@ -371,6 +372,8 @@ def record_indexer_kl(phase: str) -> Iterator[list]:
 
 def _record_kl(phase: str, terms: list, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, opts, kernel_args):
   """record_indexer_kl's work for one layer: appends its KL term; returns the opts to attend with."""
+  if phase == "dense":
+    return opts
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   qi, ki, w = opts.index if is_deepseek(cfg) else index_inputs(params, q_BTHK, k_BSGK, cfg)
   seen = masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal, opts.kv_lengths))

@@ -24,6 +24,9 @@ _TRAIN_RANGES = {
     "checkpoint_every": (0, True, "an integer >= 0 (0: at each evaluation, every eval_every steps)"),
     "grad_accum": (1, True, "an integer >= 1 (micro-batches per batch)"),
     "indexer_kl_weight": (0.0, False, "a finite number > 0 (the indexer's KL term's weight in the loss)"),
+    "indexer_dense_steps": (0, True, 'an integer >= 0 (train.indexer = "staged": steps of dense training first)'),
+    "indexer_warmup_steps": (1, True, 'an integer >= 1 (train.indexer = "staged": steps of the indexer\'s '
+                             "warm-up after the dense ones)"),
 }
 # [train] keys whose values may differ between trials packed into one vmapped program (sweep.pack):
 # the seed (data and init), and what only the learning-rate schedule reads, since the step takes its
@@ -31,7 +34,9 @@ _TRAIN_RANGES = {
 # constants, the step count and cadences) shapes the compiled program or its loop and must be equal.
 PACKABLE = ("seed", "lr", "warmup_steps", "end_lr_ratio")
 # train.indexer: how the lightning indexer trains (DeepSeek-V3.2 §2.1; attn.variants.selection).
-INDEXER_PHASES = ("off", "warmup", "sparse")
+INDEXER_PHASES = ("off", "warmup", "sparse", "staged")
+# The options only train.indexer = "staged" reads (None: unset).
+STAGED_KEYS = ("indexer_dense_steps", "indexer_warmup_steps")
 DATA_PARALLEL_AXES = ("batch", "seed")
 MESH_KEYS = ("data", "heads")
 MESH_ALLOWED = 'a table {data = N, heads = M}: data "auto" or an integer >= 1, heads an integer >= 1'
@@ -74,17 +79,20 @@ def check_train_field(name: str, value: Any) -> Any:
   if name == "indexer":
     if value not in INDEXER_PHASES:
       raise invalid("train.indexer", value, '"off" (the indexer gets no gradient), "warmup" (only the indexer '
-                    'trains, by its KL to the dense attention) or "sparse" (the model on its selection, the '
-                    "indexer by its KL on the selected keys)")
+                    'trains, by its KL to the dense attention), "sparse" (the model on its selection, the '
+                    'indexer by its KL on the selected keys) or "staged" (dense, then "warmup", then "sparse": '
+                    "train.indexer_dense_steps, train.indexer_warmup_steps)")
     return value
   if name == "data_parallel_axis":
     if value not in DATA_PARALLEL_AXES:
       raise invalid("train.data_parallel_axis", value,
                     '"batch" (split each batch) or "seed" (one seed per device, with sweep.vmap_seeds)')
     return value
+  if name in STAGED_KEYS and value is None:
+    return value
   low, inclusive, allowed = _TRAIN_RANGES[name]
   number = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if _TRAIN_TYPES[name] == "int" and not (number and isinstance(value, int)):
+  if _TRAIN_TYPES[name] in ("int", "int | None") and not (number and isinstance(value, int)):
     raise invalid(f"train.{name}", value, allowed)
   if _TRAIN_TYPES[name] == "float":
     if not number:
@@ -142,6 +150,23 @@ class TrainConfig:
   over the selected keys, which reaches only the indexer (its inputs detached), while the language
   model's loss reaches only the rest (the choice has no gradient). The rows add indexer_kl.
   Evaluation runs the model as configured (its selection) in every phase.
+
+  indexer = "staged": DeepSeek-V3.2's whole recipe in one trial, each step's phase a function of the
+  step alone (indexer_phase; a resumed trial continues in its phase). With N1 = indexer_dense_steps
+  (>= 0) and N2 = indexer_warmup_steps (>= 1), both required and N1 + N2 < steps: steps [0, N1)
+  "dense": every layer attends densely (the selection skipped), the loss is the language model's
+  alone, and the indexer, unused, stays bit for bit (its gradients zero, its values kept after the
+  update: not even weight decay reaches it); steps [N1, N1 + N2) are "warmup"'s step and steps
+  [N1 + N2, steps) "sparse"'s, the same compiled functions. One optimiser state and one learning-rate
+  schedule (warmup_steps, cosine over all `steps`) run through the phases: Adam's count is global,
+  and the moments of what a phase freezes decay with zero gradients. Rows add indexer_phase ("dense",
+  "warmup", "sparse") and, from the warm-up on, indexer_kl. Evaluation in the dense phase attends
+  densely (as that phase trains; an untrained indexer's selection says nothing of it); from the
+  warm-up on it runs on the selection, as "warmup" and "sparse" do (the warm-up leaves the rest bit
+  for bit, so a dense evaluation would repeat the dense phase's last value, while the selection's
+  shows what the warm-up buys); the final summary, after a sparse step, is the sparse model's.
+  indexer_dense_steps and indexer_warmup_steps are refused with any other mode; they shape the
+  trial's loop, so trials packed together (sweep.pack) share them.
   """
 
   steps: int = 200
@@ -165,10 +190,13 @@ class TrainConfig:
   sink_threshold: float = 0.3
   indexer: str = "off"
   indexer_kl_weight: float = 1.0
+  indexer_dense_steps: int | None = None
+  indexer_warmup_steps: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       object.__setattr__(self, f.name, check_train_field(f.name, getattr(self, f.name)))
+    self._check_staged()
     mesh = self.mesh
     if "data" in mesh and self.data_parallel not in (1, mesh["data"]):
       raise invalid("train.mesh.data", mesh["data"],
@@ -190,6 +218,39 @@ class TrainConfig:
                     f"a divisor of train.batch_size={B} leaving micro-batches that split over "
                     f"train.data_parallel={N} devices: {B} // {k} = {B // k} rows do not; one of "
                     f"{[d for d in range(1, B + 1) if B % (d * N) == 0]}")
+
+  def _check_staged(self) -> None:
+    """train.indexer "staged" needs both phase lengths and a sparse step after them; other modes neither."""
+    if self.indexer != "staged":
+      for key in STAGED_KEYS:
+        if getattr(self, key) is not None:
+          raise invalid(f"train.{key}", getattr(self, key),
+                        f'unset with train.indexer={self.indexer!r}: it is read only by train.indexer = "staged"')
+      return
+    n1, n2 = self.indexer_dense_steps, self.indexer_warmup_steps
+    for key, value, allowed in (("indexer_dense_steps", n1, "an integer >= 0"),
+                                ("indexer_warmup_steps", n2, "an integer >= 1")):
+      if value is None:
+        raise invalid(f"train.{key}", value, f'{allowed}, given with train.indexer = "staged"')
+    if n1 + n2 >= self.steps:  # blames the warm-up unless the dense steps alone leave no room for one
+      key, value = ("indexer_warmup_steps", n2) if n1 + 1 < self.steps else ("indexer_dense_steps", n1)
+      raise invalid(f"train.{key}", value,
+                    f"a value with train.indexer_dense_steps + train.indexer_warmup_steps < train.steps="
+                    f"{self.steps}, leaving at least one sparse step ({n1} + {n2} leaves none)")
+
+  def indexer_phase(self, step: int) -> str:
+    """What step `step` runs: train.indexer itself, or for "staged" "dense", "warmup" or "sparse" by the step."""
+    if self.indexer != "staged":
+      return self.indexer
+    if step < self.indexer_dense_steps:
+      return "dense"
+    return "warmup" if step < self.indexer_dense_steps + self.indexer_warmup_steps else "sparse"
+
+  def indexer_phases(self, start: int = 0) -> list[str]:
+    """The phases steps [start, steps) run, in order (indexer_phase): one, or for "staged" up to three."""
+    cuts = [start] + ([b for b in (self.indexer_dense_steps, self.indexer_dense_steps + self.indexer_warmup_steps)
+                       if start < b < self.steps] if self.indexer == "staged" else [])
+    return list(dict.fromkeys(self.indexer_phase(t) for t in cuts))
 
   @property
   def checkpoint_interval(self) -> int:
@@ -214,7 +275,7 @@ def check_heads(train: TrainConfig, num_heads: int) -> None:
 
 
 def check_indexer(train: TrainConfig, model_cfg: Any) -> None:
-  """Refuses train.indexer "warmup" / "sparse" for a model with no lightning indexer in any layer."""
+  """Refuses train.indexer "warmup" / "sparse" / "staged" for a model with no lightning indexer in any layer."""
   if train.indexer == "off":
     return
   heads = [model_cfg.layer_head(i) for i in range(model_cfg.num_layers)]

@@ -178,7 +178,8 @@ def memory_estimate(config: dict[str, Any]) -> int:
   """Bytes one trial's train step wants on one device: XLA's memory analysis of the step compiled alone.
 
   Parameters, Adam's moments, gradients, activations at train.batch_size and workspace, from abstract
-  shapes (nothing is initialised); compiled as it runs, so the persistent cache keeps it.
+  shapes (nothing is initialised); compiled as it runs, so the persistent cache keeps it. With
+  train.indexer "staged", the largest of its phases' steps.
   """
   task = tasks_lib.make_task(config["task"])
   model_cfg, train = models.ModelConfig(**config["model"]), TrainConfig(**config["train"])
@@ -186,14 +187,17 @@ def memory_estimate(config: dict[str, Any]) -> int:
   abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   opt_state = jax.eval_shape(tx.init, params)
-  step, _ = _step_fns(graphdef, tx, task.kind, train.grad_accum, task, train)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
            for k, v in tasks_lib.batch_rows(task, 0, tasks_lib.TRAIN, 0, train.batch_size).items()}
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*donated buffers.*")
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-        params, opt_state, rest, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
-  return peak_bytes(compiled)
+  peaks = []
+  for phase in train.indexer_phases():
+    step, _ = _step_fns(graphdef, tx, task.kind, train.grad_accum, task, train, phase)
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message=".*donated buffers.*")
+      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+          params, opt_state, rest, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    peaks.append(peak_bytes(compiled))
+  return max(peaks)
 
 
 def _unpacked(config: dict[str, Any]) -> dict[str, Any]:
@@ -224,12 +228,17 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 def _objective(model, batch: dict[str, jax.Array], kind: str, denom=None, indexer: str = "off",
                kl_weight: float = 1.0):
   """(what is differentiated, (loss, accuracy, indexer KL)): _loss, plus with train.indexer "warmup" or
-  "sparse" kl_weight × the layers' indexer KL terms (attn.variants.selection.record_indexer_kl)."""
+  "sparse" kl_weight × the layers' indexer KL terms (attn.variants.selection.record_indexer_kl).
+
+  indexer "dense" ("staged"'s first phase): _loss with every layer attending densely, the KL 0.
+  """
   if indexer == "off":
     loss, acc = _loss(model, batch, kind, denom)
     return loss, (loss, acc, jnp.zeros((), jnp.float32))
   with selection.record_indexer_kl(indexer) as terms:
     loss, acc = _loss(model, batch, kind, denom)
+  if indexer == "dense":
+    return loss, (loss, acc, jnp.zeros((), jnp.float32))
   kl = sum(terms, jnp.zeros((), jnp.float32))
   return loss + kl_weight * kl, (loss, acc, kl)
 
@@ -288,20 +297,26 @@ def _indexer_only(params) -> Any:
 
 
 def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum: int = 1, task=None,
-              train: TrainConfig | None = None):
+              train: TrainConfig | None = None, phase: str | None = None):
   """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted.
 
   A task with a trigger_mask (bigram_backcopy) adds eval_trigger_loss and eval_trigger_accuracy, over
   the positions whose input is a trigger; train.sink_metrics adds the sink metrics (sink_eval).
+  phase: the indexer phase the step runs (train.indexer_phase; None: train.indexer, which is not
+  "staged"). "dense" attends densely in the step and the evaluation, and freezes the indexer.
   """
   domain_fn = getattr(task, "trigger_mask", None)
-  indexer = "off" if train is None else train.indexer
+  indexer = phase or ("off" if train is None else train.indexer)
+  if indexer == "staged":
+    raise ValueError('_step_fns runs one phase: give phase (train.indexer_phase(step)) for train.indexer "staged"')
   value_and_grad = _value_and_grad(graphdef, kind, grad_accum, indexer,
                                    1.0 if train is None else train.indexer_kl_weight)
 
   def step(params, opt_state, rest, batch, lr):
     (loss, acc, kl), grads = value_and_grad(params, rest, batch)
-    trained = _indexer_only(params) if indexer == "warmup" else None
+    trained = _indexer_only(params) if indexer in ("warmup", "dense") else None
+    if indexer == "dense":  # "staged"'s dense phase: everything but the (unused) indexer moves
+      trained = jax.tree.map(lambda t: not t, trained)
     if trained is not None:  # the warm-up: only the indexer moves; the rest sees no gradient at all
       grads = jax.tree.map(lambda t, g: g if t else jnp.zeros_like(g), trained, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -312,11 +327,17 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum:
     params = new
     metrics = {"loss": loss, "accuracy": acc, "grad_norm": optax.tree.norm(grads),
                "param_norm": optax.tree.norm(params), "update_norm": optax.tree.norm(updates)}
-    if indexer != "off":
+    if indexer not in ("off", "dense"):
       metrics["indexer_kl"] = kl
     return params, opt_state, metrics
 
   def evaluate(params, rest, batches):
+    if indexer == "dense":  # the dense phase is evaluated as it trains, attending densely
+      with selection.record_indexer_kl("dense"):
+        return held_out(params, rest, batches)
+    return held_out(params, rest, batches)
+
+  def held_out(params, rest, batches):
     model = nnx.merge(graphdef, params, rest)
 
     def one(batch):
@@ -383,11 +404,19 @@ def train_group(configs: list[dict[str, Any]],
   s0 = states[0]
   layout = layout.with_state(nnx.merge(graphdef, s0["params"], s0["rest"]), s0["params"], s0["opt_state"],
                              s0["rest"], tx)
-  step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum, task, train)
+  # One (step, evaluation) per indexer phase (train.indexer_phase; one phase but with "staged"); the
+  # phases from the warm-up on share one evaluation (on the selection), the dense phase has its own.
+  programs, selected_eval = {}, None
+  for phase in train.indexer_phases():
+    step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum, task, train, phase)
+    if batched:
+      step, evaluate = jax.vmap(step), jax.vmap(evaluate)
+    if phase != "dense":
+      selected_eval = evaluate = selected_eval or evaluate
+    programs[phase] = (step, evaluate)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
   groups = [list(range(len(seeds)))] if batched else [[i] for i in range(len(seeds))]
-  fns = (jax.vmap(step), jax.vmap(evaluate)) if batched else (step, evaluate)
   log = log or (lambda line: print(line, file=sys.stderr))
   for group in groups:
     dirs = [checkpoint_dirs[i] for i in group] if checkpoint_dirs else None
@@ -406,21 +435,23 @@ def train_group(configs: list[dict[str, Any]],
     with kernel.record_picks() as picks:  # what each attention call ran ("auto" resolved), at trace time
       out = _run(task, train, [seeds[i] for i in group], (state["params"], state["opt_state"], state["rest"]),
                  lrs[group],
-                 *fns, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs,
+                 programs, lambda j, row, group=group: on_row(group[j], row), on_step, batched, start, dirs,
                  layout, on_compiled)
     for i, summary in zip(group, out):
       summaries[i] = {**summary, **counts, "attention_impls": dict(sorted(picks.items()))}
   return summaries
 
 
-def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, step_fn, eval_fn,
+def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, programs: dict[str, tuple],
          on_row, on_step, batched: bool, start: int = 0,
          checkpoint_dirs: list[str] | None = None,
          layout: parallel.Layout = parallel.Layout(),
          on_compiled: Callable[[Any, Any], None] | None = None) -> list[dict[str, Any]]:
   """Compiles and runs one (possibly vmapped) program over `seeds` from step `start`; returns their summaries.
 
-  lrs: each trial's learning rate at each step, (len(seeds), train.steps).
+  lrs: each trial's learning rate at each step, (len(seeds), train.steps). programs: (step, evaluation)
+  per indexer phase; step t runs train.indexer_phase(t)'s, and only the phases of steps [start, steps)
+  are compiled (an evaluation shared by phases, once).
   """
   n, B = len(seeds), train.batch_size
   pick = (lambda b: b) if batched else (lambda b: jax.tree.map(lambda x: x[0], b))
@@ -436,13 +467,20 @@ def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, ste
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
     batch0 = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B, rows)), "train")
-    jit_step = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
-                          ("params", "opt_state", "replicated"), donate=(0, 1)).lower(*state, batch0, lr0).compile()
-    jit_eval = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
-        state[0], state[2], eval_data).compile()
+    jit_steps, jit_evals, evals = {}, {}, {}
+    for phase in train.indexer_phases(start):
+      step_fn, eval_fn = programs[phase]
+      jit_steps[phase] = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
+                                    ("params", "opt_state", "replicated"), donate=(0, 1)).lower(
+                                        *state, batch0, lr0).compile()
+      if id(eval_fn) not in evals:
+        evals[id(eval_fn)] = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
+            state[0], state[2], eval_data).compile()
+      jit_evals[phase] = evals[id(eval_fn)]
   compile_s = time.perf_counter() - t0
   if on_compiled:
-    on_compiled(jit_step, jit_eval)
+    for phase in jit_steps:
+      on_compiled(jit_steps[phase], jit_evals[phase])
   if layout.agree(preempt.requested()):  # save_now() during the compile: nothing new to save
     raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
@@ -453,18 +491,21 @@ def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, ste
       batch = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B, rows)), "train")
       t0 = time.perf_counter()
       lr = layout.put(np.asarray(lrs[:, t], np.float32).reshape(lr0.shape), "replicated")
-      params, opt_state, m = jit_step(*state, batch, lr)
+      phase = train.indexer_phase(t)
+      params, opt_state, m = jit_steps[phase](*state, batch, lr)
       m = layout.fetch(m)
       times.append(time.perf_counter() - t0)
       state = (params, opt_state, state[2])
       last = t == train.steps - 1
-      ev = layout.fetch(jit_eval(state[0], state[2], eval_data)) \
+      ev = layout.fetch(jit_evals[phase](state[0], state[2], eval_data)) \
           if last or (train.eval_every > 0 and (t + 1) % train.eval_every == 0) else None
       for j in range(n):
         if summaries[j] is not None and summaries[j]["status"] == "failed":
           continue
         row = {"step": t, **{k: float(at(v, j)) for k, v in m.items()}, "lr": float(lrs[j, t]),
                "step_time_s": times[-1], **{k: float(at(v, j)) for k, v in (ev or {}).items()}}
+        if train.indexer == "staged":
+          row["indexer_phase"] = phase
         bad = [k for k in ("loss", "grad_norm") if not math.isfinite(row[k])]
         if bad:  # this seed stops here; the others go on
           summaries[j] = {"status": "failed", "steps_done": t,
