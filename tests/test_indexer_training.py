@@ -151,6 +151,25 @@ def test_train_group_warmup_then_sparse_on_mla_with_the_deepseek_indexer():
       assert np.mean(kl[-3:]) < np.mean(kl[:3]), kl
 
 
+@pytest.mark.slow
+def test_staged_on_mla_with_the_deepseek_indexer():
+  """"staged" on mla with the deepseek-form indexer (its index queries read the query latent): the dense
+  steps are the model without the indexer's, bit for bit; the warm-up's KL falls; the sparse phase runs."""
+  base = TEXT.replace("[model.extra.indexer]", "[model.extra.indexer]\nform = \"deepseek\"").replace(
+      "[model]\n", "[model]\nvariant = \"mla\"\nlatent_dim = 5\nq_latent_dim = 6\nlatent_norm_eps = 1e-6\n")
+  staged = _load("train.indexer='staged'", "train.indexer_dense_steps=3", "train.indexer_warmup_steps=6",
+                 "train.steps=12", text=base).trials[0]
+  plain = _load("train.indexer='off'", "model.extra={}", "train.steps=12", text=base).trials[0]
+  rows, plain_rows = [], []
+  assert train.train_group([staged.config], on_row=lambda j, r: rows.append(r))[0]["status"] == "ok"
+  train.train_group([plain.config], on_row=lambda j, r: plain_rows.append(r))
+  assert [r["indexer_phase"] for r in rows] == ["dense"] * 3 + ["warmup"] * 6 + ["sparse"] * 3
+  for r, p in zip(rows[:4], plain_rows[:4]):  # step 3, the warm-up's first: dense attention, the same rest
+    assert (r["loss"], r["accuracy"]) == (p["loss"], p["accuracy"]) and ("indexer_kl" in r) == (r["step"] == 3)
+  kl = [r["indexer_kl"] for r in rows[3:]]
+  assert all(np.isfinite(kl)) and min(kl) > 0 and np.mean(kl[3:6]) < np.mean(kl[:3]), kl
+
+
 STAGED = ("train.indexer='staged'", "train.indexer_dense_steps=2", "train.indexer_warmup_steps=2")
 
 
@@ -206,57 +225,73 @@ def test_dense_phase_is_the_model_without_its_indexer_and_leaves_the_indexer_bit
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _rows(config, dirs=None, crash_at=None):
-  """train_group's rows of one trial (step_time_s dropped); crash_at: raise in the row of that step."""
-  rows = []
-
-  def on_row(j, row):
-    if row["step"] == crash_at:
-      raise _Crash()
-    rows.append({k: v for k, v in row.items() if k != "step_time_s"})
-  if crash_at is None:
-    return rows, train.train_group([config], on_row=on_row, checkpoint_dirs=dirs)[0]
-  with pytest.raises(_Crash):
-    train.train_group([config], on_row=on_row, checkpoint_dirs=dirs)
-  return rows, None
-
-
 class _Crash(Exception):
   """Stands for a kill mid-trial."""
 
 
+def _rows(configs, dirs=None, crash_at=None):
+  """train_group's rows of each trial (step_time_s dropped) and summaries; one vmapped program for several
+  trials. crash_at: raise in the first row of that step (the checkpoints before it are in place)."""
+  rows = [[] for _ in configs]
+
+  def on_row(j, row):
+    if row["step"] == crash_at:
+      raise _Crash()
+    rows[j].append({k: v for k, v in row.items() if k != "step_time_s"})
+  if crash_at is None:
+    return rows, train.train_group(configs, on_row=on_row, checkpoint_dirs=dirs)
+  with pytest.raises(_Crash):
+    train.train_group(configs, on_row=on_row, checkpoint_dirs=dirs)
+  return rows, None
+
+
+# Sequential: one trial. Vmapped: two trials packed (seeds 0 and 1, learning rates 0.03 and 0.02, as
+# sweep.pack groups them) with two micro-batches each (train.grad_accum = 2), in one vmapped program.
+PACKS = {False: [()], True: [("train.seed=0", "train.grad_accum=2"),
+                             ("train.seed=1", "train.lr=0.02", "train.grad_accum=2")]}
+
+
+def _configs(vmap, *sets):
+  return [_load(*sets, *pack).trials[0].config for pack in PACKS[vmap]]
+
+
 @pytest.mark.slow
-def test_staged_is_warmup_then_sparse_row_for_row(tmp_path):
+@pytest.mark.parametrize("vmap", [False, True])
+def test_staged_is_warmup_then_sparse_and_its_dense_steps_the_model_without_indexer(tmp_path, vmap):
   """"staged" with no dense step: its rows are train.indexer "warmup"'s for the warm-up steps, then those
   of train.indexer "sparse" resumed from the warm-up's checkpoint, bit for bit (the same programs), plus
-  indexer_phase; and its dense steps with N1 = 2 are the model without the indexer's (loss, accuracy,
-  gradient norm and the dense evaluation at step 1, exactly)."""
-  staged = _load(*STAGED[:1], "train.indexer_dense_steps=0", "train.indexer_warmup_steps=2").trials[0].config
-  rows, summary = _rows(staged)
-  assert [r.pop("indexer_phase") for r in rows] == ["warmup"] * 2 + ["sparse"] * 4
-  dirs = [str(tmp_path / "ckpt")]
-  warm = _load("train.checkpoint_every=2").trials[0].config
-  warm_rows, _ = _rows(warm, dirs, crash_at=2)  # the checkpoint of step 2 is saved before row 2
-  sparse_rows, sparse_summary = _rows(_load("train.indexer='sparse'", "train.checkpoint_every=2").trials[0].config, dirs)
-  assert sparse_summary["resumed_from"] == 2
-  assert rows == warm_rows + sparse_rows
-  assert summary["final"] == sparse_summary["final"]
+  indexer_phase. With N1 = 2 its dense steps are train.indexer "off" on the model without the indexer
+  (the same init for the rest): loss, accuracy and gradient norm bit for bit, the dense evaluation at
+  step 1 to float32 rounding, and the warm-up's first loss (dense attention on the parameters the dense
+  steps left) bit for bit. Sequential, and packed under vmap."""
+  n = len(PACKS[vmap])
+  rows, summaries = _rows(_configs(vmap, *STAGED[:1], "train.indexer_dense_steps=0", "train.indexer_warmup_steps=2"))
+  for r in rows:
+    assert [row.pop("indexer_phase") for row in r] == ["warmup"] * 2 + ["sparse"] * 4
+  dirs = [str(tmp_path / f"ckpt{j}") for j in range(n)]
+  warm, _ = _rows(_configs(vmap, "train.checkpoint_every=2"), dirs, crash_at=2)  # checkpoint 2 saved before row 2
+  sparse, sparse_summaries = _rows(_configs(vmap, "train.indexer='sparse'", "train.checkpoint_every=2"), dirs)
+  for j in range(n):
+    assert sparse_summaries[j]["resumed_from"] == 2
+    assert rows[j] == warm[j] + sparse[j]
+    assert summaries[j]["final"] == sparse_summaries[j]["final"]
 
-  dense = _load(*STAGED, "train.eval_every=2").trials[0].config
-  plain = _load("model.extra={}", "train.indexer='off'", "train.eval_every=2").trials[0].config
-  rows, _ = _rows(dense)
-  plain_rows, _ = _rows(plain)
-  for r, p in zip(rows[:2], plain_rows[:2]):
-    assert r["indexer_phase"] == "dense" and "indexer_kl" not in r
-    assert {k: r[k] for k in ("step", "loss", "accuracy", "grad_norm", "lr")} == \
-        {k: p[k] for k in ("step", "loss", "accuracy", "grad_norm", "lr")}
-  # The dense evaluation: another program than the plain model's (the indexer's unused ops in it), whose
-  # sums XLA may order otherwise: equal to float32 rounding (measured: 1.3e-7 relative).
-  assert rows[1]["eval_accuracy"] == plain_rows[1]["eval_accuracy"]
-  assert rows[1]["eval_loss"] == pytest.approx(plain_rows[1]["eval_loss"], rel=1e-6, abs=0)
-  # Step 2, the first of the warm-up: its language-model loss is dense attention's on the parameters the
-  # dense steps left, the plain model's loss at step 2 exactly; the evaluation now runs on the selection.
-  assert rows[2]["indexer_phase"] == "warmup" and rows[2]["loss"] == plain_rows[2]["loss"]
+  rows, _ = _rows(_configs(vmap, *STAGED, "train.eval_every=2"))
+  plain, _ = _rows(_configs(vmap, "model.extra={}", "train.indexer='off'", "train.eval_every=2"))
+  # Packed, the two programs (the indexer's unused ops in one) may sum the micro-batches' gradients in
+  # another order: equal to float32 rounding there (measured: grad_norm 1 ulp apart at step 1).
+  same = (lambda a, b: a == b) if not vmap else (lambda a, b: a == pytest.approx(b, rel=1e-6, abs=0))
+  for r, p in zip(rows, plain):
+    assert [row["indexer_phase"] for row in r] == ["dense"] * 2 + ["warmup"] * 2 + ["sparse"] * 2
+    for row, plain_row in zip(r[:2], p[:2]):
+      assert "indexer_kl" not in row
+      for k in ("loss", "accuracy", "grad_norm", "lr"):
+        assert same(row[k], plain_row[k]), (row["step"], k)
+    # The dense evaluation: another program than the plain model's, whose sums XLA may order otherwise:
+    # equal to float32 rounding (measured: 1.3e-7 relative).
+    assert r[1]["eval_accuracy"] == p[1]["eval_accuracy"]
+    assert r[1]["eval_loss"] == pytest.approx(p[1]["eval_loss"], rel=1e-6, abs=0)
+    assert same(r[2]["loss"], p[2]["loss"]) and "indexer_kl" in r[2]
 
 
 @pytest.mark.slow
@@ -264,11 +299,11 @@ def test_staged_resumed_mid_warmup_gives_the_uninterrupted_rows(tmp_path):
   """Killed at step 4 of 6 (dense 0-1, warm-up 2-3, sparse 4-5) after the checkpoint of step 3 (mid
   warm-up), then run again: rows 3-5 and the final parameters equal the uninterrupted trial's."""
   config = _load(*STAGED, "train.checkpoint_every=3").trials[0].config
-  whole, summary = _rows(config, [str(tmp_path / "whole")])
+  (whole,), (summary,) = _rows([config], [str(tmp_path / "whole")])
   dirs = [str(tmp_path / "cut")]
-  first, _ = _rows(config, dirs, crash_at=4)
+  (first,), _ = _rows([config], dirs, crash_at=4)
   assert [r["step"] for r in first] == [0, 1, 2, 3]
-  rest, resumed = _rows(config, dirs)
+  (rest,), (resumed,) = _rows([config], dirs)
   assert resumed["resumed_from"] == 3 and rest[0]["indexer_phase"] == "warmup"
   assert first[:3] + rest == whole
   assert resumed["final"] == summary["final"]
