@@ -12,6 +12,8 @@ train.data_parallel) beyond one device the step and the evaluation run as one
 program over a ("data", "heads") mesh of local devices, the batch or the seeds
 split on "data", the attention heads on "heads"
 (attn.experiments.training.parallel); the summary records the mesh.
+With train.indexer "staged" each step runs its phase's program (dense,
+warm-up, sparse: train.indexer_phase(step)), each compiled once.
 
 In a trial of several processes (attn.experiments.training.distributed) every
 process runs train_group on the same configs; the mesh spans them, each
