@@ -154,7 +154,7 @@ class TrainConfig:
   indexer = "staged": DeepSeek-V3.2's whole recipe in one trial, each step's phase a function of the
   step alone (indexer_phase; a resumed trial continues in its phase). With N1 = indexer_dense_steps
   (>= 0) and N2 = indexer_warmup_steps (>= 1), both required and N1 + N2 < steps: steps [0, N1)
-  "dense": every layer attends densely (the selection skipped), the loss is the language model's
+  "dense": every indexer layer attends densely (no selection), the loss is the language model's
   alone, and the indexer, unused, stays bit for bit (its gradients zero, its values kept after the
   update: not even weight decay reaches it); steps [N1, N1 + N2) are "warmup"'s step and steps
   [N1 + N2, steps) "sparse"'s, the same compiled functions. One optimiser state and one learning-rate

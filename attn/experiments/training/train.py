@@ -413,8 +413,9 @@ def train_group(configs: list[dict[str, Any]],
     step, evaluate = _step_fns(graphdef, tx, kind, train.grad_accum, task, train, phase)
     if batched:
       step, evaluate = jax.vmap(step), jax.vmap(evaluate)
-    if phase != "dense":
-      selected_eval = evaluate = selected_eval or evaluate
+    if phase != "dense":  # the warm-up's evaluation is the sparse phase's: one program
+      selected_eval = selected_eval or evaluate
+      evaluate = selected_eval
     programs[phase] = (step, evaluate)
   counts = {"model_params": count.model_param_count(model_cfg, kind), **attention_counts(model_cfg, task.seq_len)}
   summaries: list[dict[str, Any]] = [{} for _ in seeds]
