@@ -20,6 +20,7 @@ frontier_attention_params.png does the same against those.
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from typing import Any
@@ -310,9 +311,20 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   front = pareto_front([(r["kv_bytes"], r[key][0]) for r in rows])
   ax.plot([pos[i] for i in front], [rows[i][key][0] for i in front], "-", color="0.6", lw=4, alpha=0.35,
           zorder=1, label=f"frontier of the means (no setting has {fewer} and a lower mean)")
+  if not counts:
+    lo, hi = (xs[0] / 1.6, xs[-1] * 1.6) if log else (0, xs[-1] * 1.15)
+  else:
+    span = xs[-1] - xs[0]
+    lo, hi = (xs[0] / 1.3, xs[-1] * 1.5) if log else (xs[0] - 0.12 * span, xs[-1] + 0.3 * span)
+  frac = (lambda v: math.log(v / lo) / math.log(hi / lo)) if log else (lambda v: (v - lo) / ((hi - lo) or 1))
+  gaps = {x: (frac(x) - frac(xs[j - 1]) if j else 1.0, frac(xs[j + 1]) - frac(x) if j + 1 < len(xs) else 1.0)
+          for j, x in enumerate(xs)}
   for i, r in enumerate(rows):
     same = at_x[r["kv_bytes"]]
-    left = len(same) > 1 and same.index(r) == 0
+    before, after = gaps[r["kv_bytes"]]
+    # Left of its bar: the first of settings sharing an x, or a lone one whose next x is closer than
+    # a label's room (an eighth of the axis) while its previous x leaves that room.
+    left = same.index(r) == 0 and (len(same) > 1 or after < 0.125 <= before)
     seeds = r["seed_values"][key]
     ax.plot([pos[i]] * len(seeds), seeds, "o", ms=5, alpha=0.6, color=cmap(i % 10), mec="none", zorder=2)
     ax.plot([pos[i]], [r[key][0]], "_", ms=16, mew=2.5, color=cmap(i % 10), zorder=3)
@@ -324,11 +336,9 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
     ax.xaxis.set_minor_locator(ticker.NullLocator())
   if not counts:
     ax.set_xticks(xs, [str(v) for v in xs])
-    ax.set_xlim(xs[0] / 1.6 if log else 0, xs[-1] * 1.6 if log else xs[-1] * 1.15)
   else:  # parameters: a tick at each setting's count, the axis around them (from 0 would crowd them)
     ax.set_xticks(xs, [f"{v:,}" for v in xs], rotation=45, ha="right", fontsize=8)
-    span = xs[-1] - xs[0]
-    ax.set_xlim(*((xs[0] / 1.3, xs[-1] * 1.5) if log else (xs[0] - 0.12 * span, xs[-1] + 0.3 * span)))
+  ax.set_xlim(lo, hi)
   ax.set_xlabel(xlabel)
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
