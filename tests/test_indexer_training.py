@@ -92,14 +92,19 @@ def _names(params):
 
 
 def test_warmup_trains_only_the_indexer_and_its_kl_falls():
-  task, train_cfg, graphdef, params, rest, tx, batches = _setup(_load().trials[0])
+  # Weight decay would move the frozen parameters: it must not, nor count in update_norm.
+  task, train_cfg, graphdef, params, rest, tx, batches = _setup(_load("train.weight_decay=0.1").trials[0])
   step, _ = train._step_fns(graphdef, tx, task.kind, 1, task, train_cfg)
   step = jax.jit(step)
   p, opt = params, tx.init(params)
   kls = []
   for t in range(8):
+    previous = jax.tree.map(np.asarray, p)
     p, opt, m = step(p, opt, rest, batches[0], jnp.float32(train_cfg.lr))
     kls.append(float(m["indexer_kl"]))
+    moved = [np.asarray(a, np.float64) - b for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(previous))]
+    applied = np.sqrt(sum(float((d * d).sum()) for d in moved))  # the frozen parameters' part is 0
+    np.testing.assert_allclose(float(m["update_norm"]), applied, rtol=1e-3)
   assert kls[-1] < 0.8 * kls[0], kls
   names, before = _names(params)
   _, after = _names(p)

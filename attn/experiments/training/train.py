@@ -326,6 +326,7 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum:
     new = optax.apply_updates(params, updates)
     if trained is not None:  # bit for bit: not even weight decay or a -0.0 update reaches a frozen parameter
       new = jax.tree.map(lambda t, a, b: a if t else b, trained, new, params)
+      updates = jax.tree.map(lambda t, u: u if t else jnp.zeros_like(u), trained, updates)  # what was applied
     params = new
     metrics = {"loss": loss, "accuracy": acc, "grad_norm": optax.tree.norm(grads),
                "param_norm": optax.tree.norm(params), "update_norm": optax.tree.norm(updates)}
