@@ -83,3 +83,19 @@ def test_a_checkpoint_is_named_by_family_and_path_and_a_dash_says_why():
   assert analyze._qk_rank({"summary": {"qk_effective_rank": 3.456}}) == "3.46"
   assert analyze._diversity({"head_diversity": None, "attention_entropy": 1.2}) == "– (one head: no pair)"
   assert analyze._diversity({"head_diversity": None, "attention_entropy": None}) == "– (rows are not distributions)"
+
+
+def test_learning_curves_past_the_panel_limit_say_how_many_are_shown(monkeypatch):
+  plt = pytest.importorskip("matplotlib.pyplot")
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
+  rows = [{"step": 9, "eval_accuracy": 0.5, "eval_loss": 1.0}]
+  trials = [{**_trial(h, f"v{i}", 0, 0.5), "rows": rows} for i in range(plots.MAX_PANELS + 3) for h in (1, 4)]
+  axes = ["model.num_heads", "model.variant", "train.seed"]  # the legend: num_heads; a panel per variant
+  plots.learning_curves(plt, trials, axes, os.devnull, note="MQAR, 250 steps")
+  texts = [t.get_text().replace("\n", " ") for t in figures[0].texts]
+  assert len([a for a in figures[0].axes if a.get_title()]) == plots.MAX_PANELS
+  assert any(f"the first {plots.MAX_PANELS} of {plots.MAX_PANELS + 3} panels; MQAR, 250 steps" in t for t in texts), texts
+  figures.clear()
+  plots.learning_curves(plt, trials[:2 * plots.MAX_PANELS], axes, os.devnull, note="MQAR, 250 steps")
+  assert not any("panels" in t.get_text() for t in figures[0].texts)

@@ -230,6 +230,8 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
   for t in ok:
     panels.setdefault(_rest(t["label"], {legend} if legend else set()) or "all trials", []).append(t)
   names = list(panels)[:MAX_PANELS]
+  if len(panels) > len(names):  # said on the figure: the rest are in the report's tables
+    note = f"the first {len(names)} of {len(panels)} panels" + (f"; {note}" if note else "")
   # The legend's strip (inches), wide enough for its longest value at fontsize 8 beside its line.
   strip = max(1.1, 0.065 * max(len(show(c)) for c in colours) + 0.6) if legend else 0.0
   fig, grid = plt.subplots(2, len(names), figsize=(max(3.2 * len(names), 5) + 0.1 + strip, 6), squeeze=False,
