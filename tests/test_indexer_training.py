@@ -203,8 +203,13 @@ def _is_indexer(name):
 def test_dense_phase_is_the_model_without_its_indexer_and_leaves_the_indexer_bit_for_bit():
   """Two steps of "staged"'s dense phase against train.indexer "off" on the same model without the indexer
   (the same init for every other parameter): the same loss, accuracy and gradient norm, the same
-  parameters after, bit for bit; the indexer's parameters untouched, weight decay included."""
-  trial, plain = _load(*STAGED).trials[0], _load("model.extra={}", "train.indexer='off'").trials[0]
+  parameters after, to float32 rounding (two programs: XLA may fuse and order their sums otherwise,
+  and does in a venv without the extras: 2e-7 relative); the indexer's parameters untouched, bit for
+  bit, weight decay included."""
+  # No biases: the key bias's gradient is rounding noise (a softmax ignores it) that Adam scales up to
+  # lr-sized steps, different in two programs.
+  trial = _load(*STAGED, "model.use_bias=false").trials[0]
+  plain = _load("model.extra={}", "train.indexer='off'", "model.use_bias=false").trials[0]
   task, train_cfg, graphdef, params, rest, tx, batches = _setup(trial)
   _, plain_cfg, plain_graph, plain_params, plain_rest, _, _ = _setup(plain)
   names, before = _names(params)
@@ -220,14 +225,14 @@ def test_dense_phase_is_the_model_without_its_indexer_and_leaves_the_indexer_bit
     q, opt_q, n = off(q, opt_q, plain_rest, batches[t], jnp.float32(train_cfg.lr))
     assert "indexer_kl" not in m
     for k in ("loss", "accuracy", "grad_norm"):
-      assert float(m[k]) == float(n[k]), (t, k)
+      assert float(m[k]) == pytest.approx(float(n[k]), rel=1e-6, abs=0), (t, k)
   after = _names(p)[1]
   for name, a, b in zip(names, before, after):
     if _is_indexer(name):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
   moved = [b for n, b in zip(names, after) if not _is_indexer(n)]
   for a, b in zip(moved, _names(q)[1], strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 class _Crash(Exception):
@@ -266,9 +271,9 @@ def test_staged_is_warmup_then_sparse_and_its_dense_steps_the_model_without_inde
   """"staged" with no dense step: its rows are train.indexer "warmup"'s for the warm-up steps, then those
   of train.indexer "sparse" resumed from the warm-up's checkpoint, bit for bit (the same programs), plus
   indexer_phase. With N1 = 2 its dense steps are train.indexer "off" on the model without the indexer
-  (the same init for the rest): loss, accuracy and gradient norm bit for bit, the dense evaluation at
+  (the same init for the rest): loss, accuracy and gradient norm to float32 rounding, the dense evaluation at
   step 1 to float32 rounding, and the warm-up's first loss (dense attention on the parameters the dense
-  steps left) bit for bit. Sequential, and packed under vmap."""
+  steps left) to float32 rounding. Sequential, and packed under vmap."""
   n = len(PACKS[vmap])
   rows, summaries = _rows(_configs(vmap, *STAGED[:1], "train.indexer_dense_steps=0", "train.indexer_warmup_steps=2"))
   for r in rows:
@@ -283,9 +288,10 @@ def test_staged_is_warmup_then_sparse_and_its_dense_steps_the_model_without_inde
 
   rows, _ = _rows(_configs(vmap, *STAGED, "train.eval_every=2"))
   plain, _ = _rows(_configs(vmap, "model.extra={}", "train.indexer='off'", "train.eval_every=2"))
-  # Packed, the two programs (the indexer's unused ops in one) may sum the micro-batches' gradients in
-  # another order: equal to float32 rounding there (measured: grad_norm 1 ulp apart at step 1).
-  same = (lambda a, b: a == b) if not vmap else (lambda a, b: a == pytest.approx(b, rel=1e-6, abs=0))
+  # Two programs (the indexer's unused ops in one) may fuse and order their sums otherwise (packed, the
+  # micro-batches' gradients: grad_norm 1 ulp apart at step 1; alone, in a venv without the extras):
+  # equal to float32 rounding.
+  same = lambda a, b: a == pytest.approx(b, rel=1e-6, abs=0)
   for r, p in zip(rows, plain):
     assert [row["indexer_phase"] for row in r] == ["dense"] * 2 + ["warmup"] * 2 + ["sparse"] * 2
     for row, plain_row in zip(r[:2], p[:2]):
