@@ -1,5 +1,5 @@
-"""configs/selected_keys.toml: every arm the write-up compares is in it, at parameters within 1% of one
-budget, with the key budgets the write-up states; and the report's accuracy-against-FLOPs section counts
+"""configs/selected_keys.toml and its text half, selected_keys_text.toml: every arm the write-up compares is
+in it, at parameters within 1% of one budget, with the key budgets the write-up states; and the report's accuracy-against-FLOPs section counts
 the attention FLOPs a token as attn.count.selectors does."""
 
 import os
@@ -27,8 +27,12 @@ MEAN_KEYS = {"full": 512.5, "window 64": 62.0, "window 256": 224.1, "moba 64": 5
              "nsa 256": 208.5}
 
 
-def _arms():
-  sweep = config_lib.load(CONFIG, ["sweep.seeds=[0]"])
+# The text half adds DeepSeek-V3.2's staged recipe at k = 64.
+TEXT_BUDGETS = {**BUDGETS, "indexer 64 staged": ("indexer", 64)}
+
+
+def _arms(config=CONFIG):
+  sweep = config_lib.load(config, ["sweep.seeds=[0]"])
   return {t.label["case"]: t for t in sweep.trials}
 
 
@@ -47,15 +51,17 @@ def _budget(name: str, h: HeadConfig) -> int:
   return T
 
 
-def test_every_arm_at_equal_parameters_with_the_stated_key_budget():
-  arms = _arms()
-  assert set(arms) == set(BUDGETS)
+@pytest.mark.parametrize("name,budgets", [("selected_keys", BUDGETS), ("selected_keys_text", TEXT_BUDGETS)])
+def test_every_arm_at_equal_parameters_with_the_stated_key_budget(name, budgets):
+  arms = _arms(os.path.join(ROOT, "configs", name + ".toml"))
+  assert set(arms) == set(budgets)
   params = {}
   for case, t in arms.items():
     m = ModelConfig(**t.config["model"])
-    assert t.config["task"]["seq_len"] == T and t.config["task"]["num_pairs"] >= 32
+    task = t.config["task"]
+    assert task["seq_len"] == T and (task["name"] == "text" if name.endswith("text") else task["num_pairs"] >= 32)
     params[case] = count.model_param_count(m, "decoder_lm")
-    kind, k = BUDGETS[case]
+    kind, k = budgets[case]
     for i in range(m.num_layers):
       h = m.layer_head(i)
       chosen = [s for s in selection.SELECTORS if s in (h.extra or {})]
@@ -66,6 +72,9 @@ def test_every_arm_at_equal_parameters_with_the_stated_key_budget():
   assert max(params.values()) / min(params.values()) - 1 < 0.01, params  # equal parameters, within 1%
   assert arms["indexer 64 sparse-trained"].config["train"]["indexer"] == "sparse"
   assert arms["indexer 64"].config["train"].get("indexer", "off") == "off"
+  if "indexer 64 staged" in arms:
+    train = arms["indexer 64 staged"].config["train"]
+    assert train["indexer"] == "staged" and 0 < train["indexer_dense_steps"] + train["indexer_warmup_steps"] < train["steps"]
 
 
 def test_the_report_counts_keys_and_flops_as_count_selectors():
