@@ -307,6 +307,37 @@ def test_a_full_disk_under_tensorboard_stops_the_sweep_after_the_trial_in_progre
   assert _results(out) == expected
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_run_record_calls_a_tree_dirty_for_code_not_for_results(tmp_path):
+  from attn.experiments.running import run_record
+  root = str(tmp_path)
+
+  def git(*args):
+    subprocess.run(["git", "-C", root, "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+  def write(rel, text):
+    os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+    with open(os.path.join(root, rel), "w") as f:
+      f.write(text)
+
+  git("init", "-q")
+  write("attn/core.py", "x = 1\n")
+  write("experiments/q/trials.json", "[]\n")
+  git("add", ".")
+  git("commit", "-q", "-m", "c")
+  assert run_record._commit(root)["dirty"] is False
+  write("experiments/q/trials.json", "[1]\n")  # what a run writes
+  write("experiments/q/new.json", "{}\n")  # untracked
+  assert run_record._commit(root) == {"commit": run_record._git("rev-parse", "HEAD", root=root).strip(),
+                                      "dirty": False, "diff_sha256": None}
+  write("attn/core.py", "x = 2\n")  # code
+  first = run_record._commit(root)
+  assert first["dirty"] is True and len(first["diff_sha256"]) == 16
+  write("experiments/q/trials.json", "[2]\n")  # the results moving again leave the code's hash alone
+  assert run_record._commit(root) == first
+
+
 def test_the_run_record_is_appended_and_read_back_missing_or_damaged(tmp_path):
   from attn.experiments.running import run_record
   d = str(tmp_path)

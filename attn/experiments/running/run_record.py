@@ -1,7 +1,8 @@
 """The run record: DIR/run.jsonl, where and how each `attn sweep` on a store ran, one JSON line per start and end.
 
 A start line holds the command line, attn's commit (whether the tree was
-dirty, and a SHA-256 of `git diff HEAD` when it was), the versions of attn,
+dirty, and a SHA-256 of `git diff HEAD` when it was; experiments/, where runs write their results
+and write-ups, does not count), the versions of attn,
 jax, jaxlib, flax, optax, numpy and Python, the CPU model and its AVX-512 and
 AMX flags, the cores (and those this process may use), XLA_FLAGS, the device
 kind, the host allocator in force (attn.process.in_force: mimalloc preloaded,
@@ -39,8 +40,13 @@ PACKAGES = ("attn", "jax", "jaxlib", "flax", "optax", "numpy")
 CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def _git(*args: str) -> str | None:
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# What a run writes into a checkout (experiments/NAME/: results, reports, write-ups) is not code: a
+# tree whose only changes are there is clean.
+NOT_CODE = ":(exclude)experiments"
+
+
+def _git(*args: str, root: str = ROOT) -> str | None:
   try:
     p = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=20)
   except (OSError, subprocess.TimeoutExpired):
@@ -48,13 +54,15 @@ def _git(*args: str) -> str | None:
   return p.stdout if p.returncode == 0 else None
 
 
-def _commit() -> dict[str, Any]:
-  head = _git("rev-parse", "HEAD")
+def _commit(root: str = ROOT) -> dict[str, Any]:
+  head = _git("rev-parse", "HEAD", root=root)
   if head is None:
     return {"commit": None, "dirty": None}
-  dirty = bool((_git("status", "--porcelain", "--untracked-files=no") or "").strip())
-  diff = hashlib.sha256((_git("diff", "HEAD") or "").encode()).hexdigest()[:16] if dirty else None
-  return {"commit": head.strip(), "dirty": dirty, "diff_sha256": diff}
+  status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", NOT_CODE, root=root)
+  dirty = bool((status or "").strip())
+  diff = _git("diff", "HEAD", "--", ".", NOT_CODE, root=root) if dirty else None
+  return {"commit": head.strip(), "dirty": dirty,
+          "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if dirty else None}
 
 
 def _versions() -> dict[str, str | None]:
