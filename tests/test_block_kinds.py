@@ -111,3 +111,15 @@ def test_analyze_refuses_mlp_only_blocks_by_name(tmp_path):
   cfg = config()
   with pytest.raises(ConfigError, match=r"^block_kinds=.*MLP-only block"):
     analyze_model(None, cfg, "decoder_lm", {}, {}, str(tmp_path), {})
+
+
+def test_a_trials_attention_counts_leave_out_the_mlp_only_blocks():
+  """train.attention_counts over blocks (attention, mlp, attention, mlp) = over the two attention layers alone,
+  and its analytic parameters are the attention sublayers' own."""
+  from attn.experiments.training import train
+  cfg = config()
+  got = train.attention_counts(cfg, 9)
+  alone = train.attention_counts(cfg.replace(num_layers=2, block_kinds=None, layer_types=(LIN, FULL)), 9)
+  assert got == alone
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  assert got["attention_params_analytic"] == sum(n_params(b.attn) for b in model.blocks if b.attn is not None)

@@ -96,7 +96,7 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
 
 
 def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
-  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers.
+  """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers that have attention.
 
   Each layer by its layer type (its head and variant). A layer reading another's keys and values
   (kv_source) holds no key-side weights and spends no FLOPs on them (attn count's figures); the
@@ -104,7 +104,8 @@ def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
   measured for lack of a closed form (count.measured_figures); an effective count too large to
   measure makes it None.
   """
-  layers = [(cfg.layer_variant(i), cfg.layer_head(i), kv_sharing.source(cfg, i) != i) for i in range(cfg.num_layers)]
+  at = [i for i in range(cfg.num_layers) if cfg.has_attention(i)]  # an MLP-only block (block_kinds) has none
+  layers = [(cfg.layer_variant(i), cfg.layer_head(i), kv_sharing.source(cfg, i) != i) for i in at]
   pcs = [count.param_counts(variant, head) for variant, head, _ in layers]
   effective = [pc["effective"] for pc in pcs]
   shares = any(shared for _, _, shared in layers)
@@ -112,7 +113,7 @@ def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
                                           for pc, (v, h, s) in zip(pcs, layers)),
          "attention_params_effective": None if None in effective or shares else sum(map(int, effective)),
          "attention_flops_fwd": sum(int(count.flops(v, h, seq_len)) - count.shared_flops_saved(cfg, i, seq_len)
-                                    for i, (v, h, _) in enumerate(layers))}
+                                    for i, (v, h, _) in zip(at, layers))}
   measured = sorted({f for v, h, _ in layers for f in count.measured_figures(v, h)})
   return {**out, "attention_measured": measured} if measured else out
 
