@@ -60,9 +60,9 @@ def _commit(root: str = ROOT) -> dict[str, Any]:
     return {"commit": None, "dirty": None}
   status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", NOT_CODE, root=root)
   dirty = bool((status or "").strip())
-  diff = _git("diff", "HEAD", "--", ".", NOT_CODE, root=root) if dirty else None
+  diff = (_git("diff", "HEAD", "--", ".", NOT_CODE, root=root) or "") if dirty else None
   return {"commit": head.strip(), "dirty": dirty,
-          "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if dirty else None}
+          "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff is not None else None}
 
 
 def _versions() -> dict[str, str | None]:
