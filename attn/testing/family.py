@@ -7,11 +7,17 @@ and the numbers. The properties:
   refusals     each of the record's config refusals refuses a changed value by
                name, before any weight is read; an unknown model_type, a variant
                the family's layout does not convert to, a checkpoint missing a
-               tensor and one with a tensor too many are refused by name
+               tensor and one with a tensor too many are refused by name (the
+               unknown tensor's and the family's)
   round trip   from_hf(to_hf_state(model)) holds the model's parameters bit for
                bit, writes the same config and state dict again, and reads the
                config back to the same ModelConfig; a given checkpoint comes back
                bit for bit (every tensor it holds)
+  save_pretrained  when torch and transformers import: the transformers model (the live
+               source, or to_hf's) saved by its own save_pretrained (the on-disk names the releases
+               hold, transformers' conversions on saving included) reads back through numpy to the
+               same parameters bit for bit, and to_hf of that, saved again, writes the same tensors;
+               the outputs below are the directory's
   transformers when torch and transformers import: the attn model's outputs
                (logits; an Encoder's hidden states or MLM logits) equal the
                transformers model's within `tolerance` of the largest, at every
@@ -70,13 +76,14 @@ def _registered(family: hf.Family) -> Iterator[None]:
       hf.FAMILIES.unregister(family.name)
 
 
-def _refused(prop: str, family: str, names: str, fn, *args, **kwargs) -> None:
-  """fn(*args) raises ConfigError whose message names `names`."""
+def _refused(prop: str, family: str, names: str | tuple[str, ...], fn, *args, **kwargs) -> None:
+  """fn(*args) raises ConfigError whose message names `names` (each of them)."""
   try:
     fn(*args, **kwargs)
   except ConfigError as e:
-    if names not in str(e):
-      raise _fail(prop, family, f"refused, but the error does not name {names!r}: {e}") from None
+    for n in (names,) if isinstance(names, str) else names:
+      if n not in str(e):
+        raise _fail(prop, family, f"refused, but the error does not name {n!r}: {e}") from None
     return
   raise _fail(prop, family, f"accepted; should be refused naming {names!r}")
 
@@ -153,7 +160,7 @@ def _refusals(family: hf.Family, state: tuple[dict, dict]) -> None:
                                   for j in sd)]
   _refused("refusals", name, read[0].removeprefix(family.prefix), hf.from_hf,
            (config, {k: a for k, a in sd.items() if k != read[0]}))
-  _refused("refusals", name, "attn_check.extra", hf.from_hf, (config, {**sd, "attn_check.extra": np.zeros(1, np.float32)}))
+  _refused("refusals", name, ("attn_check.extra", repr(name)), hf.from_hf, (config, {**sd, "attn_check.extra": np.zeros(1, np.float32)}))
 
 
 def _checkpoint(family: hf.Family, source: Any) -> tuple[dict, dict] | None:
@@ -184,20 +191,35 @@ def _round_trip(family: hf.Family, loaded: hf.Loaded, given: tuple[dict, dict] |
   return state
 
 
+def _saved(family: hf.Family, model: nnx.Module, theirs: Any) -> nnx.Module:
+  """The transformers model as save_pretrained writes it (the names the releases hold, with the
+  conversions transformers applies on saving), read through numpy: the same parameters bit for bit;
+  to_hf of that, saved again, writes the same tensors under the same names. The model read back."""
+  name = family.name
+  with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as again:
+    theirs.save_pretrained(d)
+    read = hf.from_hf(d)
+    _same("save_pretrained", name, _params(model), _params(read.model), "from_hf of its save_pretrained directory")
+    if family.weights_out is not None:
+      hf.to_hf(read).save_pretrained(again)
+      _same("save_pretrained", name, hf.read_weights(d), hf.read_weights(again),
+            "to_hf(from_hf(dir)).save_pretrained's tensors against dir's")
+      _same("save_pretrained", name, _params(model), _params(hf.from_hf(again).model),
+            "from_hf(to_hf(from_hf(dir)).save_pretrained) parameters")
+  return read.model
+
+
 def _against_transformers(family: hf.Family, loaded: hf.Loaded, source: Any, live: bool, tolerance: float,
                           seed: int) -> dict[str, float]:
   """Outputs against the transformers model (the live source, or to_hf's); the live model's weights back."""
   name, (model, cfg) = family.name, loaded
   theirs = source if live else hf.to_hf(loaded)
-  if live:
-    if family.weights_out is not None:
-      _same("round trip", name, {k: t.numpy() for k, t in source.state_dict().items()},
-            {k: t.numpy() for k, t in hf.to_hf(loaded).state_dict().items()}, "to_hf(from_hf(model)).state_dict()")
-    with tempfile.TemporaryDirectory() as d:  # as save_pretrained writes it, read through numpy
-      source.save_pretrained(d)
-      _same("round trip", name, _params(model), _params(hf.from_hf(d).model), "its save_pretrained directory")
-  else:
+  if live and family.weights_out is not None:
+    _same("round trip", name, {k: t.numpy() for k, t in source.state_dict().items()},
+          {k: t.numpy() for k, t in hf.to_hf(loaded).state_dict().items()}, "to_hf(from_hf(model)).state_dict()")
+  if not live:
     _same("round trip", name, _params(model), _params(hf.from_hf(theirs).model), "from_hf(to_hf(model)) parameters")
+  model = _saved(family, model, theirs)
   T = min(9, cfg.max_len)
   ids = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (3, T)).astype(np.int32)
   lengths = np.array([T, T // 2 + 1, 1], np.int32)

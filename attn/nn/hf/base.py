@@ -50,8 +50,10 @@ class Weights:
   """A checkpoint's tensors by name as float32 numpy: the family's prefix dropped, buffers and the
   heads it ignores skipped; every read is marked, so what is left over can be refused."""
 
-  def __init__(self, arrays: Mapping[str, Any], prefix: str = "", ignored: tuple[str, ...] = ()):
-    self.arrays, self.used = {}, set()
+  def __init__(self, arrays: Mapping[str, Any], prefix: str = "", ignored: tuple[str, ...] = (),
+               released: Callable[[dict[str, Any]], dict[str, Any]] | None = None, family: str = ""):
+    self.arrays, self.used, self.family = {}, set(), family
+    arrays = dict(arrays) if released is None else released(dict(arrays))
     for k, a in arrays.items():
       k = k[len(prefix):] if prefix and k.startswith(prefix) else k
       if not k.endswith(BUFFERS) and not k.startswith(ignored):
@@ -67,8 +69,9 @@ class Weights:
   def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """The tensor `name`; with shape, one of another shape is refused with both shapes."""
     if name not in self.arrays:
+      of = f" (family {self.family!r})" if self.family else ""
       raise invalid("checkpoint", f"no tensor {name!r}",
-                    f"a checkpoint of the config's model; it has {sorted(self.arrays)[:8]}...")
+                    f"a checkpoint of the config's model{of}; it has {sorted(self.arrays)[:8]}...")
     self.used.add(name)
     a = np.asarray(self.arrays[name], np.float32)
     if shape is not None and tuple(a.shape) != tuple(shape):
@@ -118,6 +121,9 @@ class Family:
                 fixed must keep its default
   from_names    (ModelConfig, tensor names) -> the ModelConfig completed with what only the
                 tensors tell (BERT's pooler and masked-LM head)
+  released      the checkpoint's tensors by name -> the same under the names weights_in reads: what
+                transformers' conversion mapping does on load (the names save_pretrained writes and the
+                releases hold, renamed, split or stacked); names it does not know pass through unchanged
   check_out     more refusals of to_hf (ModelConfig -> None, ConfigError naming the field)
   model_kwargs  ModelConfig -> keywords of the transformers model's constructor
   """
@@ -138,6 +144,7 @@ class Family:
   fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   mapped: frozenset[str] = frozenset()
   from_names: Callable[[ModelConfig, frozenset[str]], ModelConfig] | None = None
+  released: Callable[[dict[str, Any]], dict[str, Any]] | None = None
   check_out: Callable[[ModelConfig], None] | None = None
   model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None
 
@@ -148,7 +155,7 @@ class Family:
       if not _is_strings(value) or (field == "model_types" and not value):
         raise invalid(f"{where}.{field}", value, "a tuple of non-empty strings" +
                       (" (at least one)" if field == "model_types" else ""))
-    for field in ("config_in", "weights_in", "weights_out", "config_out", "from_names", "check_out",
+    for field in ("config_in", "weights_in", "weights_out", "config_out", "from_names", "released", "check_out",
                   "model_kwargs"):
       value = getattr(self, field)
       if value is not None and not callable(value):

@@ -31,9 +31,8 @@ def read_config(path: str) -> dict[str, Any]:
     raise invalid("source", where, f"a readable JSON config.json ({e})") from None
 
 
-def read_weights(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of model.safetensors (or its shards) as numpy, through safetensors' numpy API."""
-  load_file = require("safetensors.numpy").load_file
+def _weight_files(path: str) -> list[str]:
+  """model.safetensors, or the shards its index names; a directory without them refused."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index):
     with open(index, encoding="utf-8") as f:
@@ -45,8 +44,27 @@ def read_weights(path: str) -> dict[str, np.ndarray]:
     raise invalid("source", str(path), "a directory with model.safetensors (or its index); found "
                   f"{found or 'no weights'}: attn reads safetensors only, never pickle "
                   "(re-save with save_pretrained)")
+  return files
+
+
+def read_shapes(path: str) -> dict[str, tuple[int, ...]]:
+  """Every tensor's name and shape, from the safetensors headers alone: no weight is read."""
+  safe_open = require("safetensors").safe_open
   out = {}
-  for name in files:
+  for name in _weight_files(path):
+    try:
+      with safe_open(os.path.join(path, name), framework="numpy") as f:
+        out |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file
+      raise invalid("source", os.path.join(path, name), f"a safetensors file ({e})") from None
+  return out
+
+
+def read_weights(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of model.safetensors (or its shards) as numpy, through safetensors' numpy API."""
+  load_file = require("safetensors.numpy").load_file
+  out = {}
+  for name in _weight_files(path):
     try:
       out.update(load_file(os.path.join(path, name)))
     except Exception as e:  # a truncated file, or a dtype numpy lacks (bfloat16)

@@ -16,6 +16,12 @@ w_fa, w_fb, dt_bias (H, K), a_log (H,)); b_proj (H, D); g_a_proj (K, D), g_b_pro
 low-rank sigmoid gate); o_norm (K,) at rms_norm_eps (linear_head's gated_norm_eps) and o_proj
 (D, H·K). to_hf writes them back bit for bit.
 
+On disk (Moonshot's releases, and what transformers' save_pretrained writes: its conversion mapping
+for kimi_linear, undone on save) a kda layer holds q_conv1d, k_conv1d and v_conv1d (H·K, 1, W) apart
+and f_a_proj, f_b_proj, dt_bias and A_log directly under self_attn; every feed-forward is
+block_sparse_moe (its dense layers too), the experts experts.{e}.w1 (gate), w3 (up) and w2 (down).
+`released` reads those names as the in-memory ones above; a checkpoint holding either form loads.
+
 Refused by name before any weight is read: a layer type other than full_attention or
 linear_attention, an MLP schedule other than dense-then-sparse, attention biases, kv heads
 other than the query heads, an activation other than silu (it is the short convolution's too), and
@@ -25,6 +31,7 @@ mla_use_nope false (transformers runs the MLA without RoPE whatever it says).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -103,6 +110,31 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   hybrid = "linear_attention" in kinds
   return base.replace(rope_layout="none", rope_scaling=None, layer_types=tuple(kinds),
                       linear_variant="kda" if hybrid else "gated_deltanet", linear_head=linear if hybrid else None)
+
+
+# The release's names -> transformers' in-memory ones (transformers' conversion_mapping["kimi_linear"]).
+_RENAMES = ((re.compile(r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)\b"), r".self_attn.forget_gate.\1"),
+            (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+            (re.compile(r"\.experts\.(\d+)\.w1\.weight$"), r".experts.\1.gate_proj.weight"),
+            (re.compile(r"\.experts\.(\d+)\.w3\.weight$"), r".experts.\1.up_proj.weight"),
+            (re.compile(r"\.experts\.(\d+)\.w2\.weight$"), r".experts.\1.down_proj.weight"))
+_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def released(arrays: dict[str, Any]) -> dict[str, Any]:
+  """A checkpoint under the names Moonshot released (and save_pretrained writes) -> the in-memory ones:
+  the forget gate's tensors under forget_gate., block_sparse_moe as mlp, experts' w1/w3/w2 as
+  gate/up/down, and q/k/v_conv1d stacked into conv1d (q rows, then k, then v)."""
+  out = {}
+  for name, a in arrays.items():
+    for pattern, new in _RENAMES:
+      name = pattern.sub(new, name)
+    out[name] = a
+  for name in [n for n in out if n.endswith(".self_attn.q_conv1d.weight")]:
+    at = name[:-len("q_conv1d.weight")]
+    if all(f"{at}{c}.weight" in out for c in _CONVS) and f"{at}conv1d.weight" not in out:
+      out[f"{at}conv1d.weight"] = np.concatenate([np.asarray(out.pop(f"{at}{c}.weight")) for c in _CONVS], 0)
+  return out
 
 
 def _kda_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
@@ -205,7 +237,7 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
 KIMI_LINEAR = dataclasses.replace(
     deepseek_v3.DEEPSEEK_V3, name="kimi_linear", model_types=("kimi_linear",),
     architectures=("KimiLinearForCausalLM",), config_in=config_in, weights_in=weights_in,
-    weights_out=weights_out, config_out=config_out, check_out=check_out,
+    weights_out=weights_out, config_out=config_out, check_out=check_out, released=released,
     mapped=deepseek_v3.DEEPSEEK_V3.mapped | {"layer_types", "linear_head", "linear_variant"},
     refusals={k: v for k, v in deepseek_v3.DEEPSEEK_V3.refusals.items()
               if k in ("is_encoder_decoder", "use_bidirectional_attention", "output_router_logits")})

@@ -24,7 +24,7 @@ from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama,
                          nemotron_h, olmo2, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
-from attn.nn.hf.files import read_config, read_object, read_weights
+from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
 from attn.nn.models import MODELS
 from attn.nn.moe import Buffer
@@ -147,18 +147,30 @@ def from_hf(source: Any, variant: str | None = None, num_kv_heads: int | None = 
   _convertible(cfg, variant, num_kv_heads, latent_dim)
   if latent_dim is not None:
     dst.replace(latent_dim=latent_dim)  # a bad d_c, or RoPE over the whole head, refused here
-  w = Weights(read_weights(source) if is_dir else weights, family.prefix, family.ignored)
-  if family.from_names is not None:
-    cfg = family.from_names(cfg, w.names)
-  pure = family.weights_in(w, cfg)
-  if w.unused():
-    raise invalid("checkpoint", w.unused()[:4], f"only the tensors of a plain {hf['model_type']} model")
+  shapes = read_shapes(source) if is_dir else {k: np.shape(a) for k, a in weights.items()}
+  _read(family, cfg, {k: np.broadcast_to(np.float32(0), s) for k, s in shapes.items()})  # names, before weights
+  pure, cfg = _read(family, cfg, read_weights(source) if is_dir else weights)
   model = build(family.model, cfg, pure)
   model.hf_family = family.name
   if variant == cfg.variant and num_kv_heads in (None, cfg.num_kv_heads) and latent_dim is None:
     return Loaded(model, cfg, family.name, (0.0,) * len(_blocks(pure)))
   model, cfg, errors = convert_model(model, cfg, variant, num_kv_heads, latent_dim)
   return Loaded(model, cfg, family.name, tuple(errors))
+
+
+def _read(family: Family, cfg: ModelConfig, arrays: dict[str, Any]) -> tuple[dict[str, Any], ModelConfig]:
+  """(the model's arrays, cfg completed from the names) of a checkpoint's tensors; a tensor missing, of
+  another shape, or that the family does not read is refused naming it and the family. Run first on
+  zero-strided placeholders of the header's shapes, so that a checkpoint of unknown names is refused
+  before any weight is read."""
+  w = Weights(arrays, family.prefix, family.ignored, family.released, family.name)
+  if family.from_names is not None:
+    cfg = family.from_names(cfg, w.names)
+  pure = family.weights_in(w, cfg)
+  if w.unused():
+    raise invalid("checkpoint", w.unused()[:4], f"only tensors family {family.name!r} reads (the names "
+                  f"transformers and the releases of {family.model_types[0]} use); it does not know these")
+  return pure, cfg
 
 
 def _blocks(pure: dict[str, Any]) -> dict[Any, Any]:
