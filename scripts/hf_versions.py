@@ -2,6 +2,7 @@
 
   python scripts/hf_versions.py --venv /tmp/hf-venv        # 32 releases, 4.51.3-5.24.0: 54 min on one core
   python scripts/hf_versions.py --venv /tmp/hf-venv --versions 4.51.1 5.24.0 --json out.json
+  python scripts/hf_versions.py --venv /tmp/hf-venv --versions 5.25.0 --constraints constraints-hf.txt
 
 Decisions:
 - The versions are the last patch release of each minor release from the floor of the hf
@@ -14,7 +15,9 @@ Decisions:
 - The tests: every tests/test_*.py that names transformers, both tiers, on one core (-n 0).
   Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
   does a version pip cannot install. `seconds` is the pytest run alone, not the install.
-- Prints a Markdown table, then the failing test ids per version; exits 1 if any failed.
+- Prints a Markdown table (with the tokenizers, safetensors and huggingface-hub pip resolved
+  along: a constraints file's other pins), then the failing test ids per version; exits 1 if
+  any failed. constraints-hf.txt pins what CI installs: move it only with this table's evidence.
 """
 
 from __future__ import annotations
@@ -95,12 +98,14 @@ def installed(python: str, names: list[str]) -> dict[str, str]:
   return dict(line.split(" ", 1) for line in out.splitlines())
 
 
-def run_version(python: str, version: str, files: list[str]) -> dict:
-  """Install one transformers and run the tests; counts, failing ids and timings."""
+def run_version(python: str, version: str, files: list[str], constraints: str | None = None) -> dict:
+  """Install one transformers (within `constraints`, a pip constraints file) and run the tests;
+  counts, failing ids and timings."""
   row = {"version": version, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0,
          "failures": []}
   t0 = time.time()
-  r = pip(python, "-e", f"{REPO}[hf,pretrained]", f"transformers=={version}")
+  r = pip(python, "-e", f"{REPO}[hf,pretrained]", f"transformers=={version}",
+          *(["-c", os.path.abspath(constraints)] if constraints else []))
   row["install_seconds"] = round(time.time() - t0, 1)
   if r.returncode:
     row.update(failed=1, failures=[f"pip install transformers=={version}: {r.stderr.strip()[-500:]}"])
@@ -132,9 +137,12 @@ def run_version(python: str, version: str, files: list[str]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| transformers | passed | failed | skipped | seconds |", "|---|---:|---:|---:|---:|"]
-  lines += [f"| {r['version']} | {r['passed']} | {r['failed']} | {r['skipped']} | {r['seconds']:.0f} |"
-            for r in rows]
+  lines = ["| transformers | passed | failed | skipped | seconds | tokenizers | safetensors | huggingface-hub |",
+           "|---|---:|---:|---:|---:|---|---|---|"]
+  for r in rows:  # what pip resolved along with it: the rest of a constraints file's pins
+    got = r.get("installed", {})
+    lines.append(f"| {r['version']} | {r['passed']} | {r['failed']} | {r['skipped']} | {r['seconds']:.0f} | "
+                 + " | ".join(got.get(n, "-") for n in ("tokenizers", "safetensors", "huggingface-hub")) + " |")
   for r in rows:
     if r["failures"]:
       lines += ["", f"Failures on {r['version']}:"] + [f"- {f}" for f in r["failures"]]
@@ -146,6 +154,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--venv", required=True, help="the one venv to reuse; made if absent")
   parser.add_argument("--versions", nargs="+", help="these transformers versions instead of every minor")
   parser.add_argument("--json", help="also write the rows (with installed versions) here")
+  parser.add_argument("--constraints", help="install within this pip constraints file (constraints-hf.txt, "
+                      "constraints-hf-floor.txt: CI's pins, to check them)")
   args = parser.parse_args(argv)
   python = make_venv(args.venv)
   versions = args.versions or latest_patches(python)
@@ -153,7 +163,7 @@ def main(argv: list[str]) -> int:
   print(f"{len(versions)} versions: {' '.join(versions)}\ntests: {' '.join(files)}", file=sys.stderr)
   rows, t0 = [], time.time()
   for version in versions:
-    rows.append(run_version(python, version, files))
+    rows.append(run_version(python, version, files, args.constraints))
     r = rows[-1]
     print(f"{version}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
           f"{r['seconds']:.0f} s (+{r['install_seconds']:.0f} s install)", file=sys.stderr, flush=True)

@@ -108,6 +108,95 @@ def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
   assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * (10 + 4)  # latent + shared key, bf16
 
 
+def _release_names(sd):
+  """A state dict under transformers' in-memory names -> the names Moonshot's release holds, written here
+  from the model card's layout (not attn's reader): q/k/v_conv1d apart, the forget gate's tensors
+  directly under self_attn, every feed-forward under block_sparse_moe, experts as w1 (gate), w3 (up),
+  w2 (down) one matrix each."""
+  out = {}
+  for name, a in sd.items():
+    name = name.replace(".self_attn.forget_gate.", ".self_attn.").replace(".mlp.", ".block_sparse_moe.")
+    if name.endswith(".self_attn.conv1d.weight"):
+      for part, c in zip(np.split(a, 3), "qkv"):
+        out[name.replace(".conv1d.", f".{c}_conv1d.")] = part
+    elif name.endswith(".experts.gate_up_proj"):  # (E, 2F, D), gate rows first
+      F = a.shape[1] // 2
+      for e in range(a.shape[0]):
+        out[name.replace("gate_up_proj", f"{e}.w1.weight")] = a[e, :F]
+        out[name.replace("gate_up_proj", f"{e}.w3.weight")] = a[e, F:]
+    elif name.endswith(".experts.down_proj"):
+      out |= {name.replace("down_proj", f"{e}.w2.weight"): a[e] for e in range(a.shape[0])}
+    else:
+      out[name] = a
+  return out
+
+
+def _write(path, config, sd):
+  from safetensors.numpy import save_file
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps(config))
+  save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}, str(path / "model.safetensors"))
+  return str(path)
+
+
+def _params(model):
+  from hf_hybrid import nnx_state
+  import jax
+  return jax.tree.leaves(nnx_state(model))
+
+
+def test_a_save_pretrained_directory_loads_and_matches_transformers(live, tmp_path):
+  """What failed before: transformers' own save_pretrained writes the released names (its conversion
+  mapping undone on save); read through numpy, the live model's parameters bit for bit, its logits, and
+  to_hf of it saved again writes the same tensors under the same names."""
+  live.save_pretrained(tmp_path / "ckpt")
+  names = set(hf.read_weights(str(tmp_path / "ckpt")))
+  if "model.layers.0.self_attn.conv1d.weight" not in names:  # transformers 5's conversion mapping: the release's
+    assert {"model.layers.0.self_attn.q_conv1d.weight", "model.layers.0.self_attn.A_log",
+            "model.layers.0.block_sparse_moe.gate_proj.weight",
+            "model.layers.1.block_sparse_moe.experts.3.w2.weight"} <= names
+  loaded = hf.from_hf(str(tmp_path / "ckpt"))
+  for a, b in zip(_params(loaded.model), _params(hf.from_hf(live).model), strict=True):
+    np.testing.assert_array_equal(a, b)
+  ids = np.random.default_rng(3).integers(0, 50, (2, 7))
+  with torch.no_grad():
+    want = live(torch.tensor(ids)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(ids, jnp.int32)))
+  assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+  hf.to_hf(loaded).save_pretrained(tmp_path / "again")
+  first, again = hf.read_weights(str(tmp_path / "ckpt")), hf.read_weights(str(tmp_path / "again"))
+  assert set(first) == set(again)
+  for name, a in first.items():
+    np.testing.assert_array_equal(again[name], a, err_msg=name)
+
+
+def test_the_release_layout_written_without_transformers_loads(live, tmp_path):
+  """The release's names written with safetensors alone (_release_names, whatever this transformers saves):
+  the same parameters as the live model's, bit for bit."""
+  sd = {k: v.numpy() for k, v in live.state_dict().items()}
+  path = _write(tmp_path / "release", live.config.to_dict(), _release_names(sd))
+  for a, b in zip(_params(hf.from_hf(path).model), _params(hf.from_hf(live).model), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_an_unknown_tensor_is_refused_by_name_and_family_before_any_weight_is_read(live, tmp_path, monkeypatch):
+  """A released directory with one tensor no layout of the family holds (a fourth convolution): refused
+  naming it and the family from the safetensors header alone (reading the weights fails the test)."""
+  sd = _release_names({k: v.numpy() for k, v in live.state_dict().items()})
+  sd["model.layers.0.self_attn.o_conv1d.weight"] = sd["model.layers.0.self_attn.q_conv1d.weight"]
+  path = _write(tmp_path / "odd", live.config.to_dict(), sd)
+  from attn.nn.hf import load
+
+  def no_weights(*args):
+    raise AssertionError("a weight was read before the names were checked")
+  monkeypatch.setattr(load, "read_weights", no_weights)
+  with pytest.raises(ConfigError, match=r"checkpoint=\['model.layers.0.self_attn.o_conv1d.weight'\].*'kimi_linear'"):
+    hf.from_hf(path)
+  del sd["model.layers.0.self_attn.o_conv1d.weight"], sd["model.layers.2.self_attn.v_conv1d.weight"]
+  with pytest.raises(ConfigError, match=r"no tensor 'layers.2.self_attn.conv1d.weight'.*'kimi_linear'"):
+    hf.from_hf(_write(tmp_path / "short", live.config.to_dict(), sd))  # two of three: the stack is missing
+
+
 def test_the_checkpoints_linear_attn_config_is_read():
   """A config.json as the release writes it: linear_attn_config (1-based layer lists), no layer_types."""
   config = tiny().to_dict()

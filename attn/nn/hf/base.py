@@ -52,12 +52,13 @@ class Weights:
 
   def __init__(self, arrays: Mapping[str, Any], prefix: str = "", ignored: tuple[str, ...] = (),
                released: Callable[[dict[str, Any]], dict[str, Any]] | None = None, family: str = ""):
-    self.arrays, self.used, self.family = {}, set(), family
+    self.arrays, self.used, self.family, self.stored = {}, set(), family, {}
     arrays = dict(arrays) if released is None else released(dict(arrays))
-    for k, a in arrays.items():
-      k = k[len(prefix):] if prefix and k.startswith(prefix) else k
+    for stored, a in arrays.items():
+      k = stored[len(prefix):] if prefix and stored.startswith(prefix) else stored
       if not k.endswith(BUFFERS) and not k.startswith(ignored):
-        self.arrays[k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = a
+        k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        self.arrays[k], self.stored[k] = a, stored
 
   @property
   def names(self) -> frozenset[str]:
@@ -88,6 +89,10 @@ class Weights:
 
   def unused(self) -> list[str]:
     return sorted(set(self.arrays) - self.used)
+
+  def unknown(self) -> list[str]:
+    """The tensors not read, under the names the checkpoint stores them by."""
+    return sorted(self.stored.get(k, k) for k in self.unused())
 
 
 def _is_strings(value: Any) -> bool:

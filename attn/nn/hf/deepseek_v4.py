@@ -231,7 +231,7 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
     raise invalid("checkpoint", scales[:2], "bf16 or float32 weights: attn does not dequantize DeepSeek-V4's "
                   "fp8 / fp4 blocks; convert them first")
   back = {module_name(n): n for n in w.names}
-  named = Weights({new: w.arrays[old] for new, old in back.items()})
+  named = Weights({new: w.arrays[old] for new, old in back.items()}, family=w.family)
   out = _weights_in(named, cfg)
   w.used |= {back[n] for n in named.used}
   return out

@@ -168,7 +168,7 @@ def _read(family: Family, cfg: ModelConfig, arrays: dict[str, Any]) -> tuple[dic
     cfg = family.from_names(cfg, w.names)
   pure = family.weights_in(w, cfg)
   if w.unused():
-    raise invalid("checkpoint", w.unused()[:4], f"only tensors family {family.name!r} reads (the names "
+    raise invalid("checkpoint", w.unknown()[:4], f"only tensors family {family.name!r} reads (the names "
                   f"transformers and the releases of {family.model_types[0]} use); it does not know these")
   return pure, cfg
 

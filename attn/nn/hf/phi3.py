@@ -49,14 +49,16 @@ def _split(w: Weights, cfg: ModelConfig) -> Weights:
       out |= {f"{at}gate_proj.weight": a[:F], f"{at}up_proj.weight": a[F:]}
     else:
       out[name] = w(name)
-  return Weights(out)
+  return Weights(out, family=w.family)
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   split = _split(w, cfg)
   pure = llama.weights_in(ROW, split, cfg)
   if split.unused():
-    raise invalid("checkpoint", split.unused()[:4], "only the tensors of a plain phi3 model")
+    raise invalid("checkpoint", [w.stored.get(n, n) for n in split.unused()[:4]],
+                  "only tensors family 'phi3' reads (the names transformers and the releases of phi3 use); "
+                  "it does not know these")
   return pure
 
 
