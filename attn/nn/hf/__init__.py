@@ -47,7 +47,7 @@ from the first pad token, which attn's models cannot express.
 
 from attn.convert import LossyConversionWarning
 from attn.nn.hf.base import Family, Weights, require
-from attn.nn.hf.files import lengths_from_attention_mask, read_config, read_weights
+from attn.nn.hf.files import lengths_from_attention_mask, read_config, read_shapes, read_weights
 from attn.nn.hf.load import (FAMILIES, REFUSED, Loaded, build, convert_model, family_for, from_hf, model_config,
                              to_hf, to_hf_state)
 from attn.nn.hf.rope import ROPE_TYPES, rope_from_hf, rope_to_hf
@@ -55,5 +55,5 @@ from attn.nn.hf.rope import ROPE_TYPES, rope_from_hf, rope_to_hf
 __all__ = [
     "FAMILIES", "Family", "Loaded", "LossyConversionWarning", "REFUSED", "ROPE_TYPES", "Weights", "build",
     "convert_model", "family_for", "from_hf", "lengths_from_attention_mask", "model_config", "read_config",
-    "read_weights", "require", "rope_from_hf", "rope_to_hf", "to_hf", "to_hf_state",
+    "read_shapes", "read_weights", "require", "rope_from_hf", "rope_to_hf", "to_hf", "to_hf_state",
 ]
