@@ -542,7 +542,8 @@ class _Worker:
       statuses = []
       for t, summary in zip(group, summaries):
         try:
-          store.finish(t.id, {"id": t.id, "label": t.label, **summary, "finished_unix": time.time()})
+          where = {"worker": self.worker} if self.worker else {}  # where it ran: `attn status` shows it
+          store.finish(t.id, {"id": t.id, "label": t.label, **summary, **where, "finished_unix": time.time()})
         except leases.LeaseLost as e:
           stream.write(f"trial {self.name(t)} not recorded: {e}\n")
           continue
