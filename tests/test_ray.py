@@ -14,6 +14,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from attn import cli
 from attn.config import ConfigError
 from attn.experiments import cli as sweep_cli
 from attn.experiments.running import leases, ray_executor, ray_task, store
+from attn.experiments.training import checkpoints
 from conftest import TINY_MQAR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,7 +202,11 @@ def cluster(tmp_path_factory):
   temp = f"/tmp/attn-ray-test-{os.getpid()}"  # short: Ray's socket paths must stay under 107 characters
   env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
          "ATTN_JAX_CACHE": str(root / "cache"), "RAY_USAGE_STATS_ENABLED": "0",
-         "RAY_AUTH_MODE": "disabled"}  # a loopback-only cluster; with ~/.ray/auth_token the head wants it, the node not
+         # a loopback-only cluster: no token (with ~/.ray/auth_token present the head wants one, the node lacks it)
+         "RAY_AUTH_MODE": "disabled",
+         # a dead node is declared after 5 missed health checks 1 s apart (Ray's default: 3 s apart, each waiting 10 s)
+         "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "3000",
+         "RAY_health_check_failure_threshold": "5"}
   cfg = root / "c.toml"
   cfg.write_text(CONFIG)
   ref = str(root / "ref")
@@ -276,7 +282,8 @@ def _held_on(out: str, sid: int) -> str | None:
       mine = os.getsid(pid) == sid
     except (OSError, ValueError, KeyError):
       continue
-    if mine and CHECKPOINT_EVERY + 3 < rows < STEPS // 2:
+    saved = checkpoints.steps(os.path.join(d, store.CHECKPOINTS))
+    if mine and saved and saved[-1] + 3 < rows < STEPS // 2:
       return os.path.basename(d)
   return None
 
@@ -300,8 +307,8 @@ def test_a_node_killed_mid_sweep_loses_nothing(cluster, tmp_path):
   assert p.returncode == 0, stderr
   _check_equal(out, ref)
   log = open(os.path.join(out, "ray", f"{trial}.log")).read()
-  resumed = [int(s) for s in __import__("re").findall(r"resumes at step (\d+) from", log)]
-  assert len(resumed) == 1 and resumed[0] >= CHECKPOINT_EVERY, log
+  resumed = [int(s) for s in re.findall(r"resumes at step (\d+) from", log)]
+  assert len(resumed) == 1 and resumed[0] >= CHECKPOINT_EVERY and "taken over from" in log, log
   summary = store.read_json(os.path.join(out, "trials", trial, store.SUMMARY))
   assert summary["resumed_from"] == resumed[0]
 

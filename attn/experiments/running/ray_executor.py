@@ -187,7 +187,7 @@ def connect(params: dict[str, Any], stream: TextIO = sys.stderr) -> dict[str, An
       ray.init(include_dashboard=False, **kwargs)
     else:
       ray.init(address=address, **kwargs)
-  except (ConnectionError, RuntimeError, TimeoutError, ValueError) as e:
+  except Exception as e:  # Ray's ConnectionError, RuntimeError, AuthenticationError, ...: the cluster's answer
     last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
     raise invalid("--ray-address", address or "(none: a local cluster)",
                   f"a Ray cluster this machine can join ({last})") from None
@@ -255,8 +255,9 @@ def run(out: str, sweep: Any, plan: dict[str, Any], lease_timeout: float, tensor
     remote = ray.remote(ray_task.run)
     refs = [remote.options(num_cpus=plan["cpus"], num_gpus=plan["gpus"], max_retries=MAX_RETRIES,
                            retry_exceptions=False, name=f"attn trial {ids[0]}").remote(spec, ids) for ids in groups]
-    stream.write(f"{len(refs)} Ray task{'s' * (len(refs) != 1)}, one per "
-                 f"{'pack' if getattr(sweep, 'pack', 1) not in (1, None) else 'seed group' if sweep.vmap_seeds else 'trial'}"
+    from attn.experiments.running import config as config_lib
+    per = "pack" if config_lib.packs(getattr(sweep, "pack", 1)) else "seed group" if sweep.vmap_seeds else "trial"
+    stream.write(f"{len(refs)} Ray task{'s' * (len(refs) != 1)}, one per {per}"
                  f" ({len(sweep.trials) - len(pending)} of {len(sweep.trials)} trials already finished; "
                  f"logs: {os.path.join(out, 'ray')}/)\n")
     results: dict[int, dict[str, Any]] = {}
@@ -275,6 +276,8 @@ def run(out: str, sweep: Any, plan: dict[str, Any], lease_timeout: float, tensor
         results[k] = ray.get(refs[k])
       except Exception as e:  # the task's error after Ray's retries, or cancelled
         errors[k] = _reason(e)
+        if "No module named 'attn" in errors[k]:
+          errors[k] += f" (a worker without attn: install it on every node, or pass --ray-runtime-env)"
         stream.write(f"{which(groups[k])}: Ray task failed: {errors[k]}\n")
         return 1
       r = results[k]
