@@ -275,14 +275,20 @@ def run(out: str, sweep: Any, plan: dict[str, Any], lease_timeout: float, tensor
       try:
         results[k] = ray.get(refs[k])
       except Exception as e:  # the task's error after Ray's retries, or cancelled
+        if type(e).__name__ == "TaskCancelledError":  # stopped (SIGTERM, Ctrl-C) before it started
+          results[k] = {"ids": groups[k], "where": None, "worker": None, "counts": {}, "stopped": True}
+          stream.write(f"{which(groups[k])}: not started (the sweep was stopped)\n")
+          return 0
         errors[k] = _reason(e)
         if "No module named 'attn" in errors[k]:
           errors[k] += f" (a worker without attn: install it on every node, or pass --ray-runtime-env)"
         stream.write(f"{which(groups[k])}: Ray task failed: {errors[k]}\n")
         return 1
       r = results[k]
-      state = "stopped (saved)" if r["stopped"] else ", ".join(f"{v} {k2}" for k2, v in r["counts"].items()
-                                                               if k2 in ("ok", "failed", "skipped") and v)
+      state = ", ".join(f"{v} {c}" for c, v in r["counts"].items() if c in ("ok", "failed", "skipped", "unfinished")
+                        and v)
+      if r["stopped"] and (not r["counts"] or r["counts"].get("unfinished")):
+        state = "stopped, saved at the step it reached for a re-run"
       stream.write(f"{which(groups[k])} on {r['worker']}: {state or 'done'}\n")
       return 0
 
@@ -297,7 +303,7 @@ def run(out: str, sweep: Any, plan: dict[str, Any], lease_timeout: float, tensor
     wall = time.time() - t0
     finished = sum(r["counts"].get("ok", 0) + r["counts"].get("failed", 0) for r in results.values())
     rate = finished * 3600 / wall if wall > 0 else 0.0
-    placements = {i: {**r["where"], "worker": r["worker"]} for r in results.values() for i in r["ids"]}
+    placements = {i: {**r["where"], "worker": r["worker"]} for r in results.values() if r["where"] for i in r["ids"]}
     try:
       run_record.append(out, {"event": "ray", "address": plan["address"], "nodes": plan["nodes"],
                               "task_resources": {"cpus": plan["cpus"], "gpus": plan["gpus"]},

@@ -71,7 +71,8 @@ def run(spec: dict[str, Any], ids: list[str]) -> dict[str, Any]:
                             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     stopped = False
     try:
-      code = proc.wait()
+      while (code := proc.poll()) is None:  # short sleeps, not one blocking wait: ray.cancel's
+        time.sleep(0.1)                       # KeyboardInterrupt arrives between Python bytecodes
     except KeyboardInterrupt:  # ray.cancel: the child saves its trial at the step it is in, then exits
       stopped = True
       proc.send_signal(signal.SIGTERM)
