@@ -135,6 +135,21 @@ def test_a_trial_process_gets_threads_and_gpu_memory_from_its_resources(monkeypa
                      "'my-attn-plugin')"]
 
 
+@pytest.mark.slow  # reads every registry with a plugin installed: seconds; the fast sibling is missing_plugins above
+def test_the_plugins_a_sweep_names_are_what_workers_must_have(tmp_path):
+  from test_plugins import _distribution, _python_block, installed
+  dist = _distribution(tmp_path, "my_attn", {"attn.variants": {"tempered": "my_attn:VARIANT"}},
+                       {"my_attn/__init__.py": _python_block("README.md", "### From your own repository")})
+  trial = argparse.Namespace(config={"model": {"variant": "tempered", "num_heads": 2}, "task": {"name": "mqar"}})
+  builtin = argparse.Namespace(config={"model": {"variant": "per_head"}})
+  with installed(dist):
+    needed = ray_executor.plugins([trial, builtin])
+    assert needed == [{"group": "attn.variants", "name": "tempered", "distribution": "my_attn"}]
+    assert ray_task.missing_plugins(needed) == []  # a worker with the distribution installed
+  assert ray_task.missing_plugins(needed) == [  # one without it
+      "'tempered' (entry point of group 'attn.variants', distribution 'my_attn')"]
+
+
 # ---- a real two-node cluster on this machine ----
 
 def _free_port() -> int:
