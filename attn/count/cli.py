@@ -258,7 +258,8 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
     report["model"] = {
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
-        "modified": bool(_overrides(args) or _model_overrides(args)), "count": count_model.model_param_count(m, kind),
+        "modified": bool(_overrides(args) or _model_overrides(args)),
+        "count": count_model.model_param_count(m, kind),
         "active_per_token": count_model.active_param_count(m, kind),
         "breakdown": count_model.model_param_breakdown(m, kind),
         "layer_types": count_model.layer_type_table(m, kind, args.seq_len, args.dtype)}
