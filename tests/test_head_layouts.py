@@ -15,7 +15,7 @@ import pytest
 import attn
 from attn import api, count
 from attn.config import ConfigError, HeadConfig
-from attn.convert import LossyConversionWarning, convert
+from attn.conversion import LossyConversionWarning, convert
 from attn.count import measured
 from attn.testing import check_variant
 

@@ -93,7 +93,7 @@ def test_fp8_checkpoint_is_refused_on_its_tensor_names(tmp_path):
 
 def test_linear_mla_refuses_the_latent_norms_on_conversion():
   """mla with DeepSeek's latent norms has no per_head form (keys nonlinear in x): refused by name."""
-  from attn.convert import convert
+  from attn.conversion import convert
   from attn.testing.variants import _random_params
   from attn import api
   cfg = hf.model_config(CONFIG).head

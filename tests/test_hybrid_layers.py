@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from attn import ConfigError
-from attn.nn import DecoderLM, ModelConfig
+from attn.nn import DecoderLM
+from attn.nn.config import ModelConfig
 
 LIN, FULL = "linear_attention", "full_attention"
 

@@ -16,7 +16,8 @@ from flax import nnx
 from attn import ConfigError, HeadConfig, count
 from attn.experiments.running import config as config_lib
 from attn.nn import layer_types
-from attn.nn.models import MODELS, DecoderLM, ModelConfig
+from attn.nn.models import MODELS, DecoderLM
+from attn.nn.config import ModelConfig
 from conftest import TINY_MQAR
 
 MIXED = ("sliding_attention", "full_attention_nope", "sliding_attention_nope", "full_attention")

@@ -14,7 +14,8 @@ from flax import nnx
 import attn
 from attn import ConfigError, HeadConfig
 from attn.nn import kv_sharing
-from attn.nn.models import DecoderLM, ModelConfig, _norm
+from attn.nn.models import DecoderLM, _norm
+from attn.nn.config import ModelConfig
 
 TYPES = ("sliding_attention", "full_attention") * 3
 # h = 4 does not divide d_model = 14; sliding: 2 kv heads of 4 (rotated whole); global: 1 kv head of 6,

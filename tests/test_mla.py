@@ -15,7 +15,7 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig, cli, count
-from attn.convert import CONVERTERS, LossyConversionWarning, convert
+from attn.conversion import CONVERTERS, LossyConversionWarning, convert
 from attn.variants import talking_heads
 from attn.variants.base import Options
 from conftest import ROPE_CONFIGS, fresh_params, randn

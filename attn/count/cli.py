@@ -24,8 +24,8 @@ import sys
 import tomllib
 from typing import Any
 
-from attn import count
-from attn.count import hf as count_hf, measured, presets, selectors
+from attn.count import (hf as count_hf, layer as count_layer, measured, model as count_model, presets,
+                        selectors)
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 from attn.variants import mechanisms
@@ -182,8 +182,8 @@ def table3_report() -> dict[str, Any]:
           "consistent_vocab": _common_range(matched),
           "consistent_vocab_separate_tables": _common_range([dataclasses.replace(
               p, config=p.config.replace(share_src_tgt_embeddings=False)) for p in matched]),
-          "base_at_37000": count.model_param_count(base.config.replace(vocab_size=37_000),
-                                                   base.kind),
+          "base_at_37000": count_model.model_param_count(base.config.replace(vocab_size=37_000),
+                                                         base.kind),
           "unmatched": {r["row"]: list(ranges[r["row"]]) for r in rows if not r["match"]}}
 
 
@@ -235,7 +235,7 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
                   preset: presets.Preset | None) -> dict[str, Any]:
   variants = [get_variant(v).name for v in args.variant] if args.variant else None
   mechanisms.check(cfg)  # a mechanism's option refused by name, once, before any row
-  rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
+  rows = count_layer.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
   failed = {r["variant"]: r["plugin_error"] for r in rows if "plugin_error" in r}
   rows = [r for r in rows if "plugin_error" not in r]
   refused = [r for r in rows if "error" in r]
@@ -251,21 +251,22 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
     report["selection"] = selectors.selection_row(cfg, args.seq_len)
   if ok and args.mechanisms:
     report["mechanisms_of"] = "per_head" if "per_head" in ok else ok[0]
-    report["mechanisms"] = count.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
-                                                 args.dtype)
+    report["mechanisms"] = count_layer.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
+                                                       args.dtype)
   if preset is not None:
     m, kind = preset.config, preset.kind
     report["model"] = {
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
-        "modified": bool(_overrides(args) or _model_overrides(args)), "count": count.model_param_count(m, kind),
-        "active_per_token": count.active_param_count(m, kind),
-        "breakdown": count.model_param_breakdown(m, kind),
-        "layer_types": count.layer_type_table(m, kind, args.seq_len, args.dtype)}
+        "modified": bool(_overrides(args) or _model_overrides(args)),
+        "count": count_model.model_param_count(m, kind),
+        "active_per_token": count_model.active_param_count(m, kind),
+        "breakdown": count_model.model_param_breakdown(m, kind),
+        "layer_types": count_model.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
         try:  # a variant the model's settings refuse (mla cannot share keys and values: kv_source) has none
-          row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
+          row["model_params"] = count_model.model_param_count(m.replace(variant=row["variant"]), kind)
         except ConfigError:
           row["model_params"] = None
   return report

@@ -51,6 +51,7 @@ from typing import Any, TextIO
 from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
+from attn.experiments.running import space
 from attn.experiments.running import tb_writer
 from attn.process import faults
 from attn.experiments.training import preempt
@@ -143,7 +144,7 @@ def device_memory() -> tuple[int | None, str]:
       share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
       where = f"{dev.device_kind}'s memory" + (f" (this process's share, {share} of it)" if share else "")
       return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), where
-  return faults.available_memory(), "this machine's memory"
+  return space.available_memory(), "this machine's memory"
 
 
 def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
@@ -153,7 +154,7 @@ def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
   if have is not None and wanted > have:
     share = " or fewer --trials-per-device" if os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") else ""
     raise invalid("trial", _label(group), f"a config whose train step fits {where}: XLA's memory "
-                  f"analysis wants {faults.fmt_bytes(wanted)}, {faults.fmt_bytes(have)} is available; lower "
+                  f"analysis wants {space.fmt_bytes(wanted)}, {space.fmt_bytes(have)} is available; lower "
                   f"train.batch_size, raise train.grad_accum, shrink the model{share}")
 
 
@@ -190,8 +191,8 @@ def fit_packs(pending: list[config_lib.Trial], pack: int | str, stream: TextIO) 
       limits[key] = fits
       cut = "reduced to" if pack != "auto" else "at most"
       stream.write(f"sweep.pack={pack}: {cut} {fits} for [{_label(group)}]: one trial's train step needs "
-                   f"{faults.fmt_bytes(per)} (XLA's memory analysis), {where} has {faults.fmt_bytes(have)} "
-                   f"available and packs plan on {PACK_MEMORY_FRACTION:.0%} of it ({faults.fmt_bytes(budget)})\n")
+                   f"{space.fmt_bytes(per)} (XLA's memory analysis), {where} has {space.fmt_bytes(have)} "
+                   f"available and packs plan on {PACK_MEMORY_FRACTION:.0%} of it ({space.fmt_bytes(budget)})\n")
   return limits
 
 
@@ -213,8 +214,8 @@ def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides:
   its space; retry_failed (`--retry-failed`) makes the failed trials new.
   """
   stream = stream or sys.stderr
-  where, free = faults.free_bytes(out)
-  if free < faults.MIN_FREE:
+  where, free = space.free_bytes(out)
+  if free < space.MIN_FREE:
     raise _full(out, where, free)
   store = Store(out)
   head = header(sweep, config_text, overrides or [])
@@ -226,7 +227,7 @@ def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides:
     fault = faults.classify(e)
     if fault is None:
       raise
-    raise _full(out, *faults.free_bytes(out), fault.reason) from None
+    raise _full(out, *space.free_bytes(out), fault.reason) from None
   if retry_failed:
     failed = [t for t in sweep.trials if store.failed(t.id)]
     for t in failed:
@@ -241,7 +242,7 @@ def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides:
 
 def _full(out: str, where: str, free: int, why: str = "") -> ConfigError:
   return invalid("--out", out, f"a directory on a filesystem with room for the store: {where} has "
-                 f"{faults.fmt_bytes(free)} free ({free} bytes; at least {faults.fmt_bytes(faults.MIN_FREE)} needed)"
+                 f"{space.fmt_bytes(free)} free ({free} bytes; at least {space.fmt_bytes(space.MIN_FREE)} needed)"
                  + (f", and {why}" if why else "") + ": free space or choose another --out")
 
 

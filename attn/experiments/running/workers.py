@@ -112,7 +112,8 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
             tensorboard: str | None = None, mem_fraction: str | None = None) -> dict[str, int]:
   """What worker k of n runs, in its own process: set up as the command's (attn.process), first."""
   from attn import process
-  allocator = process.setup()  # may re-execute this worker (submitit's job starts again, the same pid)
+  # may re-execute this worker (submitit's job starts again, the same pid); preemption's handlers set
+  allocator = process.setup(signals=preempt.handlers())
   print(f"attn: worker {k + 1}/{n}: allocator {allocator}", file=sys.stderr, flush=True)
   os.sched_setaffinity(0, cpus)
   if cuda is None:
@@ -122,7 +123,6 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if mem_fraction is not None:  # its allocator's limit: a trial that does not fit is refused by name
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = mem_fraction
-  preempt.install_handlers()
   from attn.experiments.running import sweep  # lazy: jax
   return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}",
                           tensorboard=tensorboard)

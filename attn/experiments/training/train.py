@@ -57,6 +57,7 @@ from attn.experiments.training import sink_eval
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
 from attn.nn import kv_sharing, models
+from attn.nn.config import ModelConfig
 from attn.variants import selection
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
@@ -72,18 +73,18 @@ def enable_compilation_cache(path: str | None = None) -> str:
   return path
 
 
-def model_config(model: dict[str, Any], task) -> models.ModelConfig:
+def model_config(model: dict[str, Any], task) -> ModelConfig:
   """The ModelConfig of a [model] table, with vocab_size, max_len and num_classes from the task."""
   derived = {"vocab_size": task.vocab_size, "max_len": task.seq_len + 1}
   if task.kind == "classifier":
     derived["num_classes"] = task.num_classes
   try:
-    return models.ModelConfig(**{**model, **derived})
+    return ModelConfig(**{**model, **derived})
   except ConfigError as e:
     raise ConfigError(f"model.{e}") from None
 
 
-def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelConfig:
+def fit_d_ff(cfg: ModelConfig, kind: str, budget: int) -> ModelConfig:
   """cfg with d_ff chosen so the parameter count is nearest `budget` (P is affine in d_ff)."""
   p1, p2 = count.model_param_count(cfg.replace(d_ff=1), kind), count.model_param_count(cfg.replace(d_ff=2), kind)
   per_unit, rest = p2 - p1, p1 - (p2 - p1)
@@ -95,7 +96,7 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
   return cfg.replace(d_ff=d_ff)
 
 
-def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
+def attention_counts(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
   """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers that have attention.
 
   Each layer by its layer type (its head and variant). A layer reading another's keys and values
@@ -185,7 +186,7 @@ def memory_estimate(config: dict[str, Any]) -> int:
   train.indexer "staged", the largest of its phases' steps.
   """
   task = tasks_lib.make_task(config["task"])
-  model_cfg, train = models.ModelConfig(**config["model"]), TrainConfig(**config["train"])
+  model_cfg, train = ModelConfig(**config["model"]), TrainConfig(**config["train"])
   tx = optimizer(train)
   abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -386,7 +387,7 @@ def train_group(configs: list[dict[str, Any]],
       raise invalid("configs", i, "trials that differ only in train." + ", train.".join(PACKABLE)
                     + f" (trial {i} differs from trial 0 in {', '.join(differ) or 'its sections'})")
   task = tasks_lib.make_task(cfg0["task"])
-  model_cfg = models.ModelConfig(**cfg0["model"])
+  model_cfg = ModelConfig(**cfg0["model"])
   train, kind = TrainConfig(**cfg0["train"]), task.kind
   trains = [TrainConfig(**c["train"]) for c in configs]
   seeds = [t.seed for t in trains]

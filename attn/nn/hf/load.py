@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from attn.config import invalid
-from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
+from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama,
                          nemotron_h, olmo2, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
