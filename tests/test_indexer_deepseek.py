@@ -15,7 +15,8 @@ import pytest
 from attn import api
 from attn.config import ConfigError, HeadConfig
 from attn.variants import cache as kv_cache
-from attn.variants import mla, selection
+from attn.variants import mla
+from attn.variants.mechanisms import selection
 from attn.variants.base import Options
 from attn.variants.mechanisms import MECHANISMS
 

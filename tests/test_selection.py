@@ -9,7 +9,7 @@ from attn import api, kernel
 from attn.config import ConfigError, HeadConfig
 from attn.kernel import select
 from attn.testing import check_mechanism
-from attn.variants import selection
+from attn.variants.mechanisms import selection
 from attn.variants.mechanisms import MECHANISMS
 
 

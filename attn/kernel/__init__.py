@@ -24,7 +24,7 @@ import jax
 
 from attn.config import invalid
 from attn.kernel import blocked, dense, masks, onednn, probability
-from attn.kernel.call import Call, Refusal, check_options, make_call
+from attn.kernel.call import Call, KeyChoice, Refusal, check_options, make_call
 from attn.kernel.dense import (masked_probabilities, masked_softmax, reference_attention,
                                structured_mask)
 from attn.kernel.impls import AUTO, BLOCKED_MIN_SCORES, IMPLEMENTATIONS, Impl, is_long
@@ -33,7 +33,8 @@ from attn.kernel.products import scores, weighted_sum
 
 Array = jax.Array
 
-IMPLS = ("auto", *IMPLEMENTATIONS)
+# What impl= may name for a plain call (a model's, attn.apply's): the key-selection rows run choices only.
+IMPLS = ("auto", *(name for name, row in IMPLEMENTATIONS.items() if not row.chooses))
 
 # Set by record_picks: the dict attention counts the implementation of each call in (at trace time).
 _PICKS: contextvars.ContextVar = contextvars.ContextVar("attn_kernel_picks", default=None)
@@ -53,7 +54,7 @@ def record_picks():
 
 def check_impl(impl, *dtypes) -> None:
   """Raises ConfigError naming impl unless it is one of IMPLS that runs here on these dtypes."""
-  if impl not in IMPLS:
+  if impl not in IMPLS and impl not in IMPLEMENTATIONS:
     raise invalid("impl", impl, f"one of {IMPLS}")
   if impl != "auto" and (why := _impls.why_not_here(IMPLEMENTATIONS[impl], dtypes)) is not None:
     raise invalid("impl", impl, f"an implementation that runs here ({why}); available: {available_impls()}")
@@ -93,6 +94,7 @@ def attention(
     sinks: Array | None = None,
     softcap: float | None = None,
     probability: str = "softmax",
+    choice: KeyChoice | None = None,
 ) -> Array | tuple[Array, Array]:
   """softmax(cap(scale · q kᵀ) + logits_bias, masked, sinks) v for already projected heads.
 
@@ -136,14 +138,16 @@ def attention(
   no weights out), or "auto" (the first of impls.AUTO for the backend
   that can run the call: cuDNN, then tokamax on a GPU, splash on a TPU, the
   blocked kernel from T·S >= BLOCKED_MIN_SCORES = 512², the crossover
-  measured on CPU, else einsum). An
+  measured on CPU, else einsum). choice, a KeyChoice (a key-selecting mechanism's), restricts
+  each query to the keys it names and runs on its row ("gathered" or "sparse", attn.kernel.selected;
+  impl "auto" or the row's name); impls.selects is the rule for when a choice goes there. An
   implementation that cannot run the call is a ConfigError naming it, the
   option at fault and the implementations that can, before tracing.
   """
   call = make_call(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal, kv_lengths=kv_lengths,
                    scale=scale, logits_bias=logits_bias, return_weights=return_weights,
                    block_q=block_q, block_k=block_k, window=window, sinks=sinks, softcap=softcap,
-                   probability=probability)
+                   probability=probability, choice=choice)
   check_impl(impl, *call.dtypes)
   name = _impls.pick(call) if impl == "auto" else impl
   chosen = IMPLEMENTATIONS[name]
@@ -156,7 +160,7 @@ def attention(
 
 
 __all__ = [
-    "AUTO", "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "IMPLS", "Call", "Impl", "Refusal", "attention",
+    "AUTO", "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "IMPLS", "Call", "Impl", "KeyChoice", "Refusal", "attention",
     "available_impls", "best_impl", "record_picks", "blocked", "check_impl", "check_options", "dense", "is_long",
     "masked_probabilities", "masked_softmax", "masks", "onednn", "probability",
     "reference_attention", "scores", "structured_mask", "weighted_sum",

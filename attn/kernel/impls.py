@@ -4,7 +4,9 @@ An Impl names the backends it runs on, why it cannot run on this machine at all
 (a missing wheel), why it cannot run a given call (an option, a shape, a dtype),
 whether "auto" should prefer it for a call it can run, and the function that
 runs it. Adding an implementation is one record here and one row of AUTO where
-"auto" should consider it. kernel.attention checks a call, asks the record,
+"auto" should consider it. The key-selection rows (attn.kernel.selected: gathered, sparse) run a
+call that carries a key choice (call.KeyChoice) only; `selects` is the one rule that decides,
+before a mechanism chooses, whether its choice runs on them or becomes a dense mask. kernel.attention checks a call, asks the record,
 and turns a refusal into a ConfigError that names the implementation, the
 option at fault and the implementations that take the call.
 """
@@ -16,7 +18,7 @@ from typing import Callable
 
 import jax
 
-from attn.kernel import blocked, dense, onednn, splash, tokamax_kernel, xla
+from attn.kernel import blocked, dense, onednn, selected, splash, tokamax_kernel, xla
 from attn.kernel.call import Call, Refusal
 from attn.kernel.products import ONEDNN, XLA, Products
 
@@ -48,6 +50,7 @@ class Impl:
   prefers: Callable[[Call], bool] = _always  # "auto" picks it, where it can run, only for these calls
   help: str = ""
   interpreted: Callable[[], bool] = _compiled  # True: runs on any backend now (Pallas interpret mode)
+  chooses: bool = False  # runs a call with a key choice only (attn.kernel.selected), never a plain one
 
 
 # "auto" on CPU: the blocked kernel from T·S >= 512² scores per (batch, head).
@@ -123,6 +126,12 @@ IMPLEMENTATIONS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("tokamax", ("gpu",), lambda call: tokamax_kernel.attention(call), why_not=tokamax_kernel.why_not,
          unavailable=tokamax_kernel.unavailable, prefers=lambda call: call.T >= 128,
          help="tokamax.dot_product_attention's Mosaic/Triton GPU kernels (attn.kernel.tokamax_kernel; extra [tokamax])"),
+    Impl("gathered", ALL_BACKENDS, selected.run_gathered, why_not=lambda call: selected.why_not(call, "gathered"),
+         prefers=_long, chooses=True,
+         help="a key choice of blocks per (query, head): each chosen (query, block) pair once (attn.kernel.gathered)"),
+    Impl("sparse", ALL_BACKENDS, selected.run_sparse, why_not=lambda call: selected.why_not(call, "sparse"),
+         prefers=_long, chooses=True,
+         help="a key choice of tokens: the blocked kernel over the blocks holding one (attn.kernel.sparse)"),
 )}
 
 # The order "auto" tries, per backend: the first that runs here, can run the
@@ -135,6 +144,19 @@ AUTO: dict[str, tuple[str, ...]] = {
     "gpu": ("cudnn", "tokamax", "blocked", "einsum"),
     "tpu": ("splash", "blocked", "einsum"),
 }
+
+
+# Key choices, on every backend: a call whose keys a mechanism chooses runs on the choice's row
+# (gathered, sparse) when impl is "auto" or "blocked" (the rows are blocked kernels; naming another
+# implementation asks for the dense path), the rows take the call and it is long (T·S >=
+# BLOCKED_MIN_SCORES, where the blocked kernel beats einsum on CPU); else the choice is a dense mask
+# ANDed into the call's, on the implementation the call names. Not measured on an accelerator yet.
+CHOICE_IMPLS = ("auto", "blocked")
+
+
+def selects(call: Call, impl: str) -> bool:
+  """Whether a key choice for this call (without it yet) runs on its row: the one sparse-or-dense rule."""
+  return impl in CHOICE_IMPLS and selected.why_not(call) is None and _long(call)
 
 
 def backend() -> str:
@@ -158,11 +180,15 @@ def why_not_here(impl: Impl, dtypes=()) -> str | None:
 
 def available() -> list[str]:
   """"auto" and the implementations that run on this machine's default backend."""
-  return ["auto"] + [name for name, impl in IMPLEMENTATIONS.items() if why_not_here(impl) is None]
+  return ["auto"] + [name for name, impl in IMPLEMENTATIONS.items()
+                     if not impl.chooses and why_not_here(impl) is None]
 
 
 def pick(call: Call) -> str:
-  """"auto"'s choice for a call: the first of AUTO[backend] that can run it and prefers it."""
+  """"auto"'s choice for a call: its key choice's row, or the first of AUTO[backend] that can run it
+  and prefers it."""
+  if call.choice is not None:
+    return call.choice.impl
   for name in AUTO.get(backend(), AUTO["cpu"]):
     impl = IMPLEMENTATIONS[name]
     if why_not_here(impl, call.dtypes) is None and impl.why_not(call) is None and impl.prefers(call):

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.kernel import masks
 from attn.config import HeadConfig, invalid
-from attn.variants import mechanisms, nsa, rope, selection
+from attn.variants import mechanisms, rope
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -256,19 +256,14 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   on_logits) makes it the explicit path: scores, probabilities, weighted sum.
   impl None or "auto" (kernel.best_impl) is the einsum kernel for short
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
-  without weights out. x_BTD: the layer's query-side input (nsa's gates read it).
+  without weights out. A mechanism that chooses keys or replaces the attention does so first,
+  through one hook (mechanisms.attend). x_BTD: the layer's query-side input (a replacing
+  mechanism may read it: nsa's gates).
   """
-  chooser = mechanisms.selector(cfg)
-  if chooser is not None and chooser.name == "nsa":  # three branches, gated (attn.variants.nsa)
-    return nsa.attend(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
-                      kernel_args=mechanisms.kernel_args(params, cfg),
-                      explicit=mechanisms.needs_explicit_logits(cfg))
-  if chooser is not None:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
-    o_BTHV, opts = selection.attend(chooser, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
-                                    kernel_args=mechanisms.kernel_args(params, cfg),
-                                    explicit=mechanisms.needs_explicit_logits(cfg))
-    if o_BTHV is not None:
-      return o_BTHV, None
+  # A mechanism that chooses keys or replaces the attention (attn.variants.mechanisms.choice).
+  done, opts = mechanisms.attend(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  if done is not None:
+    return done
   if mechanisms.needs_explicit_logits(cfg):
     mask = full_mask(q_BTHK.shape[1], k_BSGK.shape[1], cfg=cfg, opts=opts)
     w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg)

@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.variants import rope, selection
+from attn.variants import rope
+from attn.variants.mechanisms import selection
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core, dense, lowrank_dof, normal, project_heads, project_out,
                                 rope_score_dof, value_output_dof)
-from attn.variants.head_mechanisms import rms_norm
+from attn.variants.mechanisms.head_mechanisms import rms_norm
 
 
 def check(cfg: HeadConfig) -> None:

@@ -57,7 +57,7 @@ from attn.experiments.training import sink_eval
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
 from attn.nn import kv_sharing, models
-from attn.variants import selection
+from attn.variants.mechanisms import selection
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
 

@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants import nsa, selection
-from attn.variants.mechanism import Mechanism
+from attn.variants.mechanisms import nsa, selection
+from attn.variants.mechanisms.record import Mechanism
 
 Array = jax.Array
 Params = dict[str, Array]

@@ -41,10 +41,10 @@ from jax import lax
 from attn import kernel
 from attn.config import HeadConfig, invalid
 from attn.kernel import nsa as cmp
-from attn.kernel import gathered, masks, select
+from attn.kernel import impls, masks, select
 from attn.kernel.impls import BLOCKED_MIN_SCORES, is_long
-from attn.variants.mechanism import Mechanism
-from attn.variants.selection import SELECTORS, _positive
+from attn.variants.mechanisms.record import Mechanism
+from attn.variants.mechanisms.selection import SELECTORS, _positive
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -166,8 +166,9 @@ def branches(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg
     o_c, idx, chosen = lax.map(one, jnp.arange(n))
     o_c = jnp.moveaxis(o_c, 0, 1).reshape(B, n * chunk, H, -1)[:, :T]
     idx, chosen = (jnp.moveaxis(a, 0, 2).reshape(B, G, n * chunk, -1)[:, :, :T] for a in (idx, chosen))
-    o_s = gathered.attention(q_BTHK, k_BSGK, v_BSGV, jnp.repeat(idx, R, axis=1),
-                             jnp.repeat(chosen, R, axis=1), block=sb, **call)
+    choice = kernel.KeyChoice("gathered", {"idx_BHTk": jnp.repeat(idx, R, axis=1),
+                                           "valid_BHTk": jnp.repeat(chosen, R, axis=1), "block": sb})
+    o_s = kernel.attention(q_BTHK, k_BSGK, v_BSGV, impl="gathered", choice=choice, **call)
     o_w = kernel.attention(q_BTHK, k_BSGK, v_BSGV, None, impl=impl, window=w, **call)
     return o_c, o_s, o_w, None
   vis = select.visible(T, S, is_causal, kv_lengths, B)[:, None]
@@ -201,7 +202,11 @@ def attend(params: Params, x_BTD: Array | None, q_BTHK: Array, k_BSGK: Array, v_
     raise invalid("return_weights", True, f"False with key selection (extra.nsa) at T·S >= "
                   f"{BLOCKED_MIN_SCORES}: the weights are the (B,H,T,S) array a selection avoids")
   impl = opts.impl or "auto"
-  sparse = long and opts.is_causal and opts.mask is None and impl in ("auto", "blocked")
+  # The table's rule (kernel.impls.selects), and causal: the long branches place queries by is_causal.
+  call = kernel.make_call(q_BTHK, k_BSGK, v_BSGV, opts.mask, is_causal=opts.is_causal,
+                          kv_lengths=opts.kv_lengths, scale=cfg.score_scale, return_weights=opts.return_weights,
+                          softcap=kernel_args["softcap"])
+  sparse = opts.is_causal and impls.selects(call, impl)
   o_c, o_s, o_w, w_s = branches(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, is_causal=opts.is_causal,
                                 kv_lengths=opts.kv_lengths, mask=opts.mask, impl=impl,
                                 softcap=kernel_args["softcap"], return_weights=opts.return_weights,
@@ -212,7 +217,7 @@ def attend(params: Params, x_BTD: Array | None, q_BTHK: Array, k_BSGK: Array, v_
 
 
 NSA = Mechanism(
-    name="nsa", defaults=DEFAULTS, check=check, init=init, select=attend,
+    name="nsa", defaults=DEFAULTS, check=check, init=init, attend=attend,
     sharding={"w_gate": "DHJ", "b_gate": "HJ", "w_compress_k": None, "w_compress_v": None},
     param_count=param_count, flops=flops, score_weights=lambda cfg: 0,
     examples=(("nsa compress 4 every 2, 2 blocks of 4, window 3",

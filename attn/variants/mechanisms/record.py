@@ -1,5 +1,5 @@
 """The Mechanism record: one head mechanism (attn.variants.mechanisms documents the fields and the
-registry; attn.variants.head_mechanisms holds the built-ins)."""
+registry; attn.variants.mechanisms.head_mechanisms holds the built-ins)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class Mechanism:
   on_logits: Callable[..., Array] | None = None
   on_output: Callable[..., Array] | None = None
   kernel: Callable[[Params, HeadConfig], dict[str, Any]] | None = None
-  select: Callable[..., Any] | None = None  # key selection (attn.variants.selection)
+  select: Callable[..., Any] | None = None  # chooses keys: a mask or a kernel.KeyChoice (attn.variants.mechanisms)
+  attend: Callable[..., Any] | None = None  # replaces the attention core (nsa; attn.variants.mechanisms)
   param_count: Callable[[HeadConfig], int] | None = None
   effective_param_count: Callable[[HeadConfig], int] | None = None
   flops: Callable[[HeadConfig, int, int], int] | None = None
@@ -36,3 +37,11 @@ class Mechanism:
   kv_tokens: Callable[[HeadConfig, int], int] | None = None
   examples: tuple[tuple[str, Mapping[str, Any], str, str], ...] = ()
   help: str = ""
+
+
+class HookError(ValueError):
+  """A mechanism's hook returned something the shared path cannot go on with; names the hook."""
+
+  def __init__(self, mechanism: str, hook: str, message: str):
+    super().__init__(f"mechanism {mechanism!r}.{hook}: {message}")
+    self.mechanism, self.hook = mechanism, hook

@@ -27,13 +27,14 @@ here). Options live in HeadConfig.extra:
            · d_I^-1/2. The variant computes these (index_queries, index_keys) and hands them
            to the core in Options.index; its decoding cache holds the index keys.
 
-Where the work is saved: at T·S >= kernel.BLOCKED_MIN_SCORES ("auto" or "blocked",
-no dense mask, window, sinks or other probability), MoBA runs attn.kernel.gathered
-(each chosen (query, block) pair computed once: B·H·T·top_k·block scores) and the
-indexer attn.kernel.sparse (the blocked kernel over the key blocks holding a
-chosen token, masked inside; its queries scored 256 at a time): no T×S float
-array. (Mechanism.select returns, for that path, the kernel and its arguments;
-for the dense path, a boolean mask.) Elsewhere the selection becomes a
+Where the work is saved: where the kernel's table sends a key choice to its rows
+(attn.kernel.impls.selects: T·S >= kernel.BLOCKED_MIN_SCORES, "auto" or "blocked",
+no dense mask, window, sinks or other probability), MoBA runs the "gathered" row
+(attn.kernel.gathered: each chosen (query, block) pair computed once:
+B·H·T·top_k·block scores) and the indexer the "sparse" row (attn.kernel.sparse: the
+blocked kernel over the key blocks holding a chosen token, masked inside; its queries
+scored 256 at a time): no T×S float array. (Mechanism.select returns, for that path,
+a kernel.KeyChoice; for the dense path, a boolean mask: attn.variants.mechanisms.choice.) Elsewhere the selection becomes a
 dense mask ANDed into the call's, and the layer's own path runs (every option;
 the definition the sparse path equals). return_weights at long T is refused: it
 would build the (B,H,T,S) array selection exists to avoid.
@@ -51,10 +52,11 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import HeadConfig, invalid
-from attn.kernel import gathered, masks, select, sparse
-from attn.kernel.impls import BLOCKED_MIN_SCORES, is_long
+from attn.kernel import masks, select
+from attn.kernel.impls import is_long
 from attn.variants import rope
-from attn.variants.mechanism import Mechanism
+from attn.variants.mechanisms import choice
+from attn.variants.mechanisms.record import Mechanism
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -137,7 +139,7 @@ def _moba_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, 
                             kv_lengths=kv_lengths, mask=mask)
   idx, chosen = select.moba_top(q_BTHK, k_BSGK, block=block, top_k=o["top_k"], is_causal=is_causal,
                                 kv_lengths=kv_lengths)
-  return gathered.attention, {"idx_BHTk": idx, "valid_BHTk": chosen, "block": block}
+  return kernel.KeyChoice("gathered", {"idx_BHTk": idx, "valid_BHTk": chosen, "block": block})
 
 
 def _moba_flops(cfg: HeadConfig, T: int, S: int) -> int:
@@ -248,8 +250,8 @@ def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
                                  mask=mask, chunk=None if not is_long(qi.shape[1], S) else INDEX_CHUNK)[:, None]
   bits = select.indexer_bits(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
                              chunk=INDEX_CHUNK)
-  return sparse.attention, {"blocks_BHTN": select.token_blocks(bits, INDEX_BLOCK, S),
-                            "block_k": INDEX_BLOCK, "bits_BTW": bits}
+  return kernel.KeyChoice("sparse", {"blocks_BHTN": select.token_blocks(bits, INDEX_BLOCK, S),
+                                     "block_k": INDEX_BLOCK, "bits_BTW": bits})
 
 
 def _indexer_params(cfg: HeadConfig) -> int:
@@ -281,6 +283,7 @@ def indexer_keys(cfg: HeadConfig, T: int) -> int:
 INDEXER = Mechanism(
     name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half"},
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
+    attend=lambda *a, **kw: _indexer_attend(*a, **kw),
     sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ", "w_idq": "QJI", "w_idk": "DI", "w_idw": "DJ",
               "idk_norm": "I", "idk_bias": "I"}, param_count=_indexer_params,
     flops=indexer_flops, score_weights=lambda cfg: 0,
@@ -306,34 +309,18 @@ def selected_core_flops(cfg: HeadConfig, T: int) -> int:
   return 2 * pairs * cfg.num_heads * (cfg.d_k + cfg.d_v)
 
 
-# The core (base.core calls this when a mechanism with `select` is on)
+# The core: a select's choice goes through attn.variants.mechanisms.choice (the one hook). The indexer's
+# attend only adds the recording of its training (below) around it.
 
-def attend(m: Mechanism, params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
-           opts, kernel_args: dict, explicit: bool):
-  """(o (B,T,H,V), None) from the sparse kernel, or (None, opts with the selection's mask ANDed in)."""
-  T, S = q_BTHK.shape[1], k_BSGK.shape[1]
-  name, fn = m.name, m.select
-  recording = INDEXER_KL.get() if name == "indexer" else None
+def _indexer_attend(params: Params, x_BTD, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
+                    opts, kernel_args: dict, explicit: bool):
+  """The indexer at the core: under record_indexer_kl the phase's mask and KL term, else its select."""
+  del x_BTD
+  recording = INDEXER_KL.get()
   if recording is not None:
-    return None, _record_kl(*recording, params, q_BTHK, k_BSGK, cfg=cfg, opts=opts, kernel_args=kernel_args)
-  long = is_long(T, S)
-  if opts.return_weights and long:
-    raise invalid("return_weights", True, f"False with key selection (extra.{name}) at T·S >= "
-                  f"{BLOCKED_MIN_SCORES}: the weights are the (B,H,T,S) array a selection avoids")
-  impl = opts.impl or "auto"
-  plain = (opts.mask is None and kernel_args["window"] is None and kernel_args["sinks"] is None
-           and kernel_args["probability"] == "softmax" and not explicit)
-  if long and plain and impl in ("auto", "blocked"):
-    run, chosen = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal,
-                     kv_lengths=opts.kv_lengths, mask=None, dense=False, index=opts.index)
-    o = run(q_BTHK, k_BSGK, v_BSGV, **chosen, scale=cfg.score_scale, is_causal=opts.is_causal,
-            kv_lengths=opts.kv_lengths, softcap=kernel_args["softcap"])
-    return o, opts
-  window = kernel_args["window"]
-  seen = masks.combine_masks(opts.mask, None if window is None else masks.window_mask(T, S, window))
-  keep = fn(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
-            mask=seen, dense=True, index=opts.index)
-  return None, opts.replace(mask=masks.combine_masks(opts.mask, keep))
+    return _record_kl(*recording, params, q_BTHK, k_BSGK, cfg=cfg, opts=opts, kernel_args=kernel_args)
+  return choice.selected(INDEXER, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts, kernel_args=kernel_args,
+                         explicit=explicit)
 
 
 # Training the indexer (DeepSeek-V3.2, DeepSeek-AI 2025, §2.1). A trainer opens record_indexer_kl(phase)
