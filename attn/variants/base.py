@@ -173,6 +173,35 @@ class Variant:
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
   fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
+  lacks: Mapping[str, str] | None = None  # what of OFFERS it does not offer -> why (check_offers)
+
+
+# What a variant offers the mechanisms, declared once: every variant offers each of these unless its
+# record's `lacks` names it with the reason; a mechanism's `needs` names what it reads
+# (attn.variants.mechanisms.record), and check_offers refuses the pair once, for every variant.
+OFFERS = {
+    "qk_heads": "d_k-wide query and key heads as the kernel receives them, in apply and in decoding",
+    "key_heads": "d_k-wide key heads for the core to read",
+    "one_map": "one attention map per head",
+}
+
+
+def check_offers(v: Variant, cfg: HeadConfig, variants=()) -> None:
+  """Refuses an active mechanism that needs what v lacks: names the option, v, what the mechanism
+  needs and why v lacks it, and the variants (of `variants`) that would run it."""
+  lacks = v.lacks or {}
+  if not lacks:
+    return
+  for m in mechanisms.active(cfg):
+    needs = m.needs(cfg) if callable(m.needs) else (m.needs or {})
+    for what, why in needs.items():
+      if what in lacks:
+        option = m.fields[0] if m.fields else f"extra.{m.name}"
+        value = getattr(cfg, m.fields[0]) if m.fields else dict(cfg.extra[m.name])
+        off = repr(mechanisms.default_of(m.fields[0])) if m.fields else "absent"
+        without = [o.name for o in variants if what in (o.lacks or {})] or [v.name]
+        raise invalid(option, value, f"{off} for {v.name}: {m.name} needs {OFFERS[what]} ({why}), and "
+                      f"{lacks[what]}; every variant but {', '.join(without)} offers them (per_head runs it)")
 
 
 # The figures a Variant may give in closed form; attn.count measures the ones it does not.

@@ -102,6 +102,11 @@ def is_on(m: Mechanism, cfg: HeadConfig) -> bool:
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
 
 
+def default_of(field: str) -> Any:
+  """HeadConfig's default of a field: a built-in mechanism is off there."""
+  return _DEFAULTS[field]
+
+
 def active(cfg: HeadConfig) -> list[Mechanism]:
   """The mechanisms cfg switches on, in registry order."""
   return [m for m in MECHANISMS.values() if is_on(m, cfg)]
@@ -115,17 +120,34 @@ def options(cfg: HeadConfig, name: str) -> dict[str, Any]:
   return {**(m.defaults or {}), **dict((cfg.extra or {}).get(name) or {})}
 
 
+# The declared-option check of an extra entry (HeadConfig.extra here, [model.extra] and --set
+# model.extra... in attn.experiments.running.config), written once: `where` is the key as its
+# caller names it, `value` what was set there.
+
+def outside(name: str, where: str, value: Any) -> Mechanism:
+  """The installed outside mechanism `name` (an extra entry's key), else ConfigError at where."""
+  m = MECHANISMS.get(name) if isinstance(name, str) else None
+  if m is None or m.fields:
+    names = sorted(n for n, r in MECHANISMS.items() if not r.fields)
+    why = (f"no entry: {name!r} is a built-in mechanism, set by the HeadConfig fields {list(m.fields)}"
+           if m is not None else f"one of {names} (an installed outside head mechanism): no mechanism "
+           f"{name!r} is installed" + (f" ({MECHANISMS.broken()[name]})" if name in MECHANISMS.broken() else ""))
+    raise invalid(where, value, why)
+  return m
+
+
+def declared(m: Mechanism, option: str, where: str, value: Any) -> None:
+  """ConfigError at where unless `option` is one m declares (its defaults' keys)."""
+  if option not in (m.defaults or {}):
+    raise invalid(where, value, f"an option mechanism {m.name!r} declares: one of {sorted(m.defaults or {})}")
+
+
 def check(cfg: HeadConfig) -> None:
   """Every mechanism cfg names is known and its options are valid (its record's check)."""
   for name, opts in (cfg.extra or {}).items():
-    m = MECHANISMS.resolve(name, "extra")
-    if m.fields:
-      raise invalid(f"extra.{name}", dict(opts), f"no entry: {name!r} is a built-in mechanism, set by "
-                    f"the HeadConfig fields {list(m.fields)}")
-    unknown = sorted(set(opts) - set(m.defaults or {}))
-    if unknown:
-      raise invalid(f"extra.{name}.{unknown[0]}", opts[unknown[0]],
-                    f"an option of mechanism {name!r}: one of {sorted(m.defaults or {})}")
+    m = outside(name, f"extra.{name}", dict(opts or {}))
+    for option in sorted(opts or {}):
+      declared(m, option, f"extra.{name}.{option}", opts[option])
   for m in active(cfg):
     if m.check is not None:
       m.check(cfg)

@@ -160,7 +160,7 @@ QK_NORM = Mechanism(
     name="qk_norm", fields=("qk_norm", "qk_norm_eps", "qk_norm_plus_one"), init=_qk_norm_init,
     sharding={"q_norm": None, "k_norm": None, "q_norm_whole": "HK", "k_norm_whole": "GK"},
     on_qk=normalize_qk, param_count=_qk_norm_params, effective_param_count=_zero, flops=_zero,
-    score_weights=_qk_norm_params,
+    score_weights=_qk_norm_params, needs={"qk_heads": "it normalises each query and key head over its d_k dims"},
     examples=(("qk_norm whole", {"qk_norm": "whole"}, "(H + G)·K", "0"),  # before True: the kit's
               ("qk_norm", {"qk_norm": True}, "2·K", "0")),  # all-at-once config keeps per-head
     help="qk_norm: True|whole, RMSNorm of each query and key head (whole: of all heads at once, "

@@ -218,6 +218,8 @@ def attend(params: Params, x_BTD: Array | None, q_BTHK: Array, k_BSGK: Array, v_
 
 NSA = Mechanism(
     name="nsa", defaults=DEFAULTS, check=check, init=init, attend=attend,
+    needs={"key_heads": "its compressed branch pools d_k-wide key heads and its counts read them",
+           "one_map": "its three branches and gates replace one softmax map per head"},
     sharding={"w_gate": "DHJ", "b_gate": "HJ", "w_compress_k": None, "w_compress_v": None},
     param_count=param_count, flops=flops, score_weights=lambda cfg: 0,
     examples=(("nsa compress 4 every 2, 2 blocks of 4, window 3",

@@ -35,6 +35,9 @@ class Mechanism:
   flops: Callable[[HeadConfig, int, int], int] | None = None
   score_weights: Callable[[HeadConfig], int] | None = None
   kv_tokens: Callable[[HeadConfig, int], int] | None = None
+  # What it reads of the variant (attn.variants.base.OFFERS) -> why; or cfg -> that. A variant that
+  # lacks one refuses the mechanism there (base.check_offers), its reason beside the mechanism's.
+  needs: Mapping[str, str] | Callable[[HeadConfig], Mapping[str, str]] | None = None
   examples: tuple[tuple[str, Mapping[str, Any], str, str], ...] = ()
   help: str = ""
 

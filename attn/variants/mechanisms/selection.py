@@ -284,6 +284,9 @@ INDEXER = Mechanism(
     name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half"},
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
     attend=lambda *a, **kw: _indexer_attend(*a, **kw),
+    needs=lambda cfg: {} if is_deepseek(cfg) else {
+        "qk_heads": "its 'heads' form reads each head's unrotated query and key dims; form 'deepseek' reads the "
+                    "query latent instead (mla with q_latent_dim)"},
     sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ", "w_idq": "QJI", "w_idk": "DI", "w_idw": "DJ",
               "idk_norm": "I", "idk_bias": "I"}, param_count=_indexer_params,
     flops=indexer_flops, score_weights=lambda cfg: 0,
