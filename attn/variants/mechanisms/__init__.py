@@ -151,6 +151,11 @@ def check(cfg: HeadConfig) -> None:
   for m in active(cfg):
     if m.check is not None:
       m.check(cfg)
+  chooser = [m for m in active(cfg) if m.select is not None or m.attend is not None]
+  if len(chooser) > 1:  # the core's one hook runs one (the built-ins' checks say so first, in their words)
+    second = chooser[1]
+    raise invalid(second.fields[0] if second.fields else f"extra.{second.name}", options(cfg, second.name),
+                  f"absent with {chooser[0].name}: one mechanism that chooses keys or replaces the attention a layer")
 
 
 def _key(key: Array, m: Mechanism) -> Array:
