@@ -95,6 +95,7 @@ def attention(
     softcap: float | None = None,
     probability: str = "softmax",
     choice: KeyChoice | None = None,
+    entries: tuple | None = None,
 ) -> Array | tuple[Array, Array]:
   """softmax(cap(scale · q kᵀ) + logits_bias, masked, sinks) v for already projected heads.
 
@@ -140,18 +141,21 @@ def attention(
   blocked kernel from T·S >= BLOCKED_MIN_SCORES = 512², the crossover
   measured on CPU, else einsum). choice, a KeyChoice (a key-selecting mechanism's), restricts
   each query to the keys it names and runs on its row ("gathered" or "sparse", attn.kernel.selected;
-  impl "auto" or the row's name); impls.selects is the rule for when a choice goes there. An
+  impl "auto" or the row's name); impls.selects is the rule for when a choice goes there.
+  entries, (ck (B,N,G,K), cv (B,N,G,V), m, their mask or None), are compressed keys and values
+  beside the tokens in the same softmax (attn.kernel.compressed builds them; einsum and blocked
+  take them, "auto" counting them as keys). An
   implementation that cannot run the call is a ConfigError naming it, the
   option at fault and the implementations that can, before tracing.
   """
   call = make_call(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal, kv_lengths=kv_lengths,
                    scale=scale, logits_bias=logits_bias, return_weights=return_weights,
                    block_q=block_q, block_k=block_k, window=window, sinks=sinks, softcap=softcap,
-                   probability=probability, choice=choice)
+                   probability=probability, choice=choice, entries=entries)
   check_impl(impl, *call.dtypes)
   name = _impls.pick(call) if impl == "auto" else impl
   chosen = IMPLEMENTATIONS[name]
-  if (no := chosen.why_not(call)) is not None:
+  if (no := _impls.refuses(chosen, call)) is not None:
     raise invalid(no.option, no.value, f'{no.needs} with impl="{name}" ({no.why}); '
                   f"the implementations that take this call here: {_impls.takers(call)}")
   if (seen := _PICKS.get()) is not None:

@@ -104,6 +104,7 @@ class Call:
   softcap: float | None = None
   probability: str = "softmax"
   choice: KeyChoice | None = None  # the keys a key-selection row attends to (None: every visible key)
+  entries: tuple | None = None  # compressed entries beside the tokens: (ck, cv, m, entry mask) (kernel.entries)
 
   @property
   def T(self) -> int:
@@ -120,6 +121,11 @@ class Call:
   @property
   def K(self) -> int:
     return self.q_BTHK.shape[3]
+
+  @property
+  def N(self) -> int:
+    """Compressed entries beside the S tokens (0 without)."""
+    return 0 if self.entries is None else self.entries[0].shape[1]
 
   @property
   def V(self) -> int:
@@ -144,7 +150,7 @@ class Call:
 
 def make_call(q_BTHK, k_BSGK, v_BSGV, mask=None, *, is_causal=False, kv_lengths=None, scale=None,
               logits_bias=None, return_weights=False, block_q=None, block_k=None, window=None,
-              sinks=None, softcap=None, probability="softmax", choice=None) -> Call:
+              sinks=None, softcap=None, probability="softmax", choice=None, entries=None) -> Call:
   """Checks kernel.attention's arguments (ConfigError naming the first bad one) into a Call."""
   check_qkv(q_BTHK, k_BSGK, v_BSGV)
   B, T, H, K = q_BTHK.shape
@@ -160,4 +166,4 @@ def make_call(q_BTHK, k_BSGK, v_BSGV, mask=None, *, is_causal=False, kv_lengths=
                   "its arguments)")
   return Call(q_BTHK, k_BSGK, v_BSGV, mask, is_causal, kv_lengths,
               1.0 / math.sqrt(K) if scale is None else scale, logits_bias, return_weights,
-              block_q, block_k, window, sinks, softcap, probability, choice)
+              block_q, block_k, window, sinks, softcap, probability, choice, entries)

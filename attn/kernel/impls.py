@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax
 
-from attn.kernel import blocked, dense, onednn, selected, splash, tokamax_kernel, xla
+from attn.kernel import blocked, dense, entries, onednn, selected, splash, tokamax_kernel, xla
 from attn.kernel.call import Call, Refusal
 from attn.kernel.products import ONEDNN, XLA, Products
 
@@ -51,6 +51,7 @@ class Impl:
   help: str = ""
   interpreted: Callable[[], bool] = _compiled  # True: runs on any backend now (Pallas interpret mode)
   chooses: bool = False  # runs a call with a key choice only (attn.kernel.selected), never a plain one
+  entries: bool = False  # takes compressed entries beside the tokens (call.entries; attn.kernel.entries)
 
 
 # "auto" on CPU: the blocked kernel from T·S >= 512² scores per (batch, head).
@@ -67,10 +68,12 @@ def is_long(T: int, S: int) -> bool:
 
 
 def _long(call: Call) -> bool:
-  return is_long(call.T, call.S)
+  return is_long(call.T, call.S + call.N)  # the compressed entries are keys too
 
 
 def _run_dense(call: Call, products: Products = XLA):
+  if call.entries is not None:
+    return entries.run_dense(call, products)
   return dense.attention(call.q_BTHK, call.k_BSGK, call.v_BSGV, call.mask, is_causal=call.is_causal,
                          kv_lengths=call.kv_lengths, scale=call.scale, logits_bias=call.logits_bias,
                          return_weights=call.return_weights, window=call.window, sinks=call.sinks,
@@ -82,7 +85,8 @@ def _run_blocked(call: Call, products: Products = XLA) -> Array:
   return blocked.attention(c.q_BTHK, c.k_BSGK, c.v_BSGV, c.mask, is_causal=c.is_causal,
                            kv_lengths=c.kv_lengths, scale=c.scale, block_q=c.block_q,
                            block_k=c.block_k, window=c.window, sinks=c.sinks, softcap=c.softcap,
-                           probability=c.probability, products=products)
+                           probability=c.probability, products=products,
+                           **({} if c.entries is None else {"compressed": c.entries}))
 
 
 def _why_not_blocked(call: Call) -> Refusal | None:
@@ -107,9 +111,9 @@ def _onednn_unavailable() -> str | None:
 ALL_BACKENDS = ("cpu", "gpu", "tpu")
 
 IMPLEMENTATIONS: dict[str, Impl] = {impl.name: impl for impl in (
-    Impl("einsum", ALL_BACKENDS, _run_dense,
-         help="the (B,H,T,S) logits materialised; every option (attn.kernel.dense)"),
-    Impl("blocked", ALL_BACKENDS, _run_blocked, why_not=_why_not_blocked, prefers=_long,
+    Impl("einsum", ALL_BACKENDS, _run_dense, entries=True,
+         help="the (B,H,T,S) logits materialised; every option (attn.kernel.dense; entries: attn.kernel.entries)"),
+    Impl("blocked", ALL_BACKENDS, _run_blocked, why_not=_why_not_blocked, prefers=_long, entries=True,
          help="online softmax over blocks, masked blocks skipped, no T×S array (attn.kernel.blocked)"),
     Impl("xla", ALL_BACKENDS, lambda call: xla.attention(call, "xla"), why_not=xla.why_not,
          prefers=lambda call: False, help="jax.nn.dot_product_attention's XLA path"),
@@ -159,6 +163,14 @@ def selects(call: Call, impl: str) -> bool:
   return impl in CHOICE_IMPLS and selected.why_not(call) is None and _long(call)
 
 
+def refuses(impl: Impl, call: Call) -> Refusal | None:
+  """What of a call impl cannot run: compressed entries where it takes none, else its own why_not."""
+  if call.entries is not None and not impl.entries:
+    return Refusal("entries", "compressed entries", "None", "it attends to tokens only (einsum and blocked "
+                   "take entries)")
+  return impl.why_not(call)
+
+
 def backend() -> str:
   return jax.default_backend()
 
@@ -191,7 +203,7 @@ def pick(call: Call) -> str:
     return call.choice.impl
   for name in AUTO.get(backend(), AUTO["cpu"]):
     impl = IMPLEMENTATIONS[name]
-    if why_not_here(impl, call.dtypes) is None and impl.why_not(call) is None and impl.prefers(call):
+    if why_not_here(impl, call.dtypes) is None and refuses(impl, call) is None and impl.prefers(call):
       return name
   return "einsum"
 
@@ -199,4 +211,4 @@ def pick(call: Call) -> str:
 def takers(call: Call) -> list[str]:
   """The implementations that run here and can run this call ("auto" always can)."""
   return ["auto"] + [name for name, impl in IMPLEMENTATIONS.items()
-                     if why_not_here(impl, call.dtypes) is None and impl.why_not(call) is None]
+                     if why_not_here(impl, call.dtypes) is None and refuses(impl, call) is None]
