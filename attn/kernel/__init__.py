@@ -11,8 +11,9 @@ The package: call (the checked arguments), impls (the table of
 implementations and "auto"'s order), dense (the einsum kernel), blocked and
 plan (the blocked kernel), compressed (blocks of keys pooled into entries beside the tokens:
 DeepSeek-V4's compressed attention, einsum or blocked), xla (jax.nn.dot_product_attention), splash (Pallas's
-TPU splash attention), tokamax_kernel (tokamax's GPU kernels), products (the
-matmul backend: XLA's or oneDNN's), onednn, masks, probability.
+TPU splash attention), tokamax_kernel (tokamax's GPU kernels), selected (the key-selection
+rows: a mechanism's key choice on gathered or sparse), entries (compressed entries on the einsum
+row), products (the matmul backend: XLA's or oneDNN's), onednn, masks, probability.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Options:
   return_weights: also return the attention weights (B,H,T,S).
   impl: kernel.attention's implementation; None means the variant's default ("auto").
   index: the deepseek-form indexer's (index queries (B,T,n_I,d_I), index keys (B,S,d_I), weights
-    (B,T,n_I)), set by the variant that computes them (mla; attn.variants.selection); None otherwise.
+    (B,T,n_I)), set by the variant that computes them (mla; attn.variants.mechanisms.selection); None otherwise.
   """
 
   mask: Array | None = None
@@ -174,6 +174,17 @@ class Variant:
   sharding: Mapping[str, str | None] | None = None
   fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
   lacks: Mapping[str, str] | None = None  # what of OFFERS it does not offer -> why (check_offers)
+
+  @property
+  def cache_kind(self) -> str:
+    """What it decodes with, read from its hooks in this one place: "state" (init_state, a fixed-size
+    state), "own" (init_cache, a cache of its own), "entries" (cache_entries, per-token arrays of its
+    own) or "kv" (the keys and values attend_and_project sees)."""
+    if self.init_state is not None:
+      return "state"
+    if self.init_cache is not None:
+      return "own"
+    return "entries" if self.cache_entries is not None else "kv"
 
 
 # What a variant offers the mechanisms, declared once: every variant offers each of these unless its

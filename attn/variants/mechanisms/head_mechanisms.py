@@ -200,6 +200,6 @@ PROBABILITY = Mechanism(
     help="probability: softmax|sigmoid|relu, logits -> weights; sigmoid σ(l − log n), relu "
          "max(l, 0)/n, n the keys a row sees")
 
-# Key selection (attn.variants.selection) last: the kit's all-at-once config, with probability
+# Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
 MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)
