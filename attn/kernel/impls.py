@@ -4,11 +4,15 @@ An Impl names the backends it runs on, why it cannot run on this machine at all
 (a missing wheel), why it cannot run a given call (an option, a shape, a dtype),
 whether "auto" should prefer it for a call it can run, and the function that
 runs it. Adding an implementation is one record here and one row of AUTO where
-"auto" should consider it. The key-selection rows (attn.kernel.selected: gathered, sparse) run a
-call that carries a key choice (call.KeyChoice) only; `selects` is the one rule that decides,
-before a mechanism chooses, whether its choice runs on them or becomes a dense mask. kernel.attention checks a call, asks the record,
+"auto" should consider it. kernel.attention checks a call, asks the record,
 and turns a refusal into a ConfigError that names the implementation, the
 option at fault and the implementations that take the call.
+
+Every attention path is a row: the key-selection rows (attn.kernel.selected: gathered, sparse)
+run a call that carries a key choice (call.KeyChoice) only, and `selects` is the one rule that
+decides, before a mechanism chooses, whether its choice runs on them or becomes a dense mask;
+compressed entries beside the tokens (call.entries, attn.kernel.compressed) run on the rows that
+take them (Impl.entries: einsum, blocked), `refuses` turning them away from the others.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ path), choice (the one hook for a mechanism that chooses keys or replaces the at
 built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), selection (moba,
 the lightning indexer), nsa.
 
-The built-ins (gate, sinks, qk_norm, window, softcap, probability, moba, indexer, nsa), plugins of the entry-point group `attn.mechanisms` and records given
+The built-ins (gate, sinks, qk_norm, window, softcap, probability, moba, indexer, nsa), plugins
+of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
 `attn count --mechanisms` table and its help (and so the table in

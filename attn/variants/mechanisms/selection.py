@@ -34,7 +34,8 @@ no dense mask, window, sinks or other probability), MoBA runs the "gathered" row
 B·H·T·top_k·block scores) and the indexer the "sparse" row (attn.kernel.sparse: the
 blocked kernel over the key blocks holding a chosen token, masked inside; its queries
 scored 256 at a time): no T×S float array. (Mechanism.select returns, for that path,
-a kernel.KeyChoice; for the dense path, a boolean mask: attn.variants.mechanisms.choice.) Elsewhere the selection becomes a
+a kernel.KeyChoice; for the dense path, a boolean mask: attn.variants.mechanisms.choice.)
+Elsewhere the selection becomes a
 dense mask ANDed into the call's, and the layer's own path runs (every option;
 the definition the sparse path equals). return_weights at long T is refused: it
 would build the (B,H,T,S) array selection exists to avoid.
