@@ -12,7 +12,7 @@ from attn import kernel
 from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_positions,
                          check_structured, invalid)
 from attn.variants import VARIANTS, mechanisms, rope
-from attn.variants.base import Options, Params, Variant
+from attn.variants.base import Options, Params, Variant, check_offers
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
 
@@ -31,6 +31,7 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
     raise invalid("cfg", type(cfg).__name__, "an attn.HeadConfig")
   mechanisms.check(cfg)
   _check_owned_fields(v, cfg)
+  check_offers(v, cfg, VARIANTS.values())
   v.check(cfg)
   return v
 

@@ -23,7 +23,7 @@ from attn.experiments.training import train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
 from attn.nn.config import ModelConfig
-from attn.variants import selection
+from attn.variants.mechanisms import selection
 from conftest import TINY_MQAR
 
 TEXT = TINY_MQAR.replace("num_heads = 2", "num_heads = 2\npositional = \"rope\"\nrope_dim = 2\nd_k = 6\nd_v = 5") + """

@@ -283,28 +283,17 @@ def _entry(where: str, key: str, value: Any) -> Any:
   section, field, *path = key.split(".")
   if (section, field) != ("model", "extra") or not path:
     return value
-  from attn.variants.mechanisms import MECHANISMS  # lazy: jax, slow to import for `attn status`
+  from attn.variants import mechanisms  # lazy: jax, slow to import for `attn status`
   name = path[0]
-  outside = sorted(n for n, m in MECHANISMS.items() if not m.fields)
-  if name not in MECHANISMS or MECHANISMS[name].fields:
-    why = (f"{name!r} is a built-in, set by its [model] fields {list(MECHANISMS[name].fields)}"
-           if name in MECHANISMS else f"no mechanism {name!r} is installed"
-           + (f" ({MECHANISMS.broken()[name]})" if name in MECHANISMS.broken() else ""))
-    raise invalid(where, value, f"model.extra.NAME[.OPTION] with NAME an installed outside head mechanism, "
-                  f"one of {outside}: {why}")
-  declared = sorted(MECHANISMS[name].defaults or {})
+  m = mechanisms.outside(name, where, value)
   if len(path) == 1:
     if not isinstance(value, dict):
-      raise invalid(where, value, f"a table of options of mechanism {name!r} (keys among {declared}), "
-                    f"or set one: model.extra.{name}.OPTION")
-    unknown = sorted(set(value) - set(declared))
-    if unknown:
-      raise invalid(f"{where}.{unknown[0]}", value[unknown[0]],
-                    f"options mechanism {name!r} declares: {declared}")
+      raise invalid(where, value, f"a table of options of mechanism {name!r} (keys among "
+                    f"{sorted(m.defaults or {})}), or set one: model.extra.{name}.OPTION")
+    for option in sorted(value):
+      mechanisms.declared(m, option, f"{where}.{option}", value[option])
     return value
-  if path[1] not in declared:
-    raise invalid(where, value, f"an option mechanism {name!r} declares: model.extra.{name}.OPTION with "
-                  f"OPTION one of {declared} ({path[1]!r} is not one)")
+  mechanisms.declared(m, path[1], where, value)
   if isinstance(value, (dict, list)):
     raise invalid(where, value, f"a number, a string or a boolean: the value of option {path[1]!r} of "
                   f"mechanism {name!r}")

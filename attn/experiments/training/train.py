@@ -58,7 +58,7 @@ from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
 from attn.nn import kv_sharing, models
 from attn.nn.config import ModelConfig
-from attn.variants import selection
+from attn.variants.mechanisms import selection
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
 
