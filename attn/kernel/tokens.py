@@ -47,24 +47,31 @@ class _Plan:
   softcap: float | None
 
 
-def _logits(plan: _Plan, q_cGRK, k_ckGK, ok_ck):
-  s = jnp.einsum("cgrK,ckgK->cgrk", q_cGRK.astype(jnp.float32), k_ckGK.astype(jnp.float32)) * plan.scale
+def _logits(plan: _Plan, q_GcRK, k_GckK, ok_ck):
+  s = jnp.einsum("gcrK,gckK->gcrk", q_GcRK.astype(jnp.float32), k_GckK.astype(jnp.float32)) * plan.scale
   dcap = None
   if plan.softcap is not None:
     u = jnp.tanh(s / plan.softcap)
     s, dcap = plan.softcap * u, 1.0 - u * u
-  return jnp.where(ok_ck[:, None, None, :], s, -jnp.inf), dcap
+  return jnp.where(ok_ck[None, :, None, :], s, -jnp.inf), dcap
 
 
-def _tiles(plan: _Plan, *xs):
-  """Each (T', ...) array (T' = n_tiles · tile) as (n_tiles, tile, ...)."""
-  return tuple(x.reshape(plan.n_tiles, plan.tile, *x.shape[1:]) for x in xs)
+def _tiles(plan: _Plan, x, axis: int):
+  """x's T' axis (at `axis`) cut into (n_tiles, ..., tile, ...), the tiles leading."""
+  x = x.reshape(*x.shape[:axis], plan.n_tiles, plan.tile, *x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
 
 
-def _forward(plan: _Plan, q_TGRK, k_SGK, v_SGV, idx_Tk, ok_Tk):
+def _untile(x, axis: int):
+  """_tiles' inverse for a stacked (n_tiles, ..., tile, ...) output."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+
+
+def _forward(plan: _Plan, q_GTRK, k_GSK, v_GSV, idx_Tk, ok_Tk):
   def tile(args):
     q, idx, ok = args
-    kg, vg = jnp.take(k_SGK, idx, axis=0), jnp.take(v_SGV, idx, axis=0)  # (c,k,G,K), (c,k,G,V)
+    kg, vg = jnp.take(k_GSK, idx, axis=1), jnp.take(v_GSV, idx, axis=1)  # (G,c,k,K), (G,c,k,V)
     s, _ = _logits(plan, q, kg, ok)
     m = s.max(-1)
     m = jnp.where(m == -jnp.inf, 0.0, m)
@@ -72,41 +79,44 @@ def _forward(plan: _Plan, q_TGRK, k_SGK, v_SGV, idx_Tk, ok_Tk):
     l = p.sum(-1)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    o = jnp.einsum("cgrk,ckgV->cgrV", p, vg.astype(jnp.float32)) / l_safe[..., None]
+    o = jnp.einsum("gcrk,gckV->gcrV", p, vg.astype(jnp.float32)) / l_safe[..., None]
     return o, jnp.where(seen, m + jnp.log(l_safe), 0.0)
 
-  o, lse = lax.map(tile, _tiles(plan, q_TGRK, idx_Tk, ok_Tk))
-  n, c = plan.n_tiles, plan.tile
-  return o.reshape(n * c, *o.shape[2:]), lse.reshape(n * c, *lse.shape[2:])
+  o, lse = lax.map(tile, (_tiles(plan, q_GTRK, 1), _tiles(plan, idx_Tk, 0), _tiles(plan, ok_Tk, 0)))
+  return _untile(o, 1), _untile(lse, 1)
 
 
-def _backward(plan: _Plan, q_TGRK, k_SGK, v_SGV, idx_Tk, ok_Tk, o_TGRV, lse_TGR, do_TGRV):
-  do_TGRV = do_TGRV.astype(jnp.float32)
-  delta_TGR = jnp.einsum("tgrV,tgrV->tgr", do_TGRV, o_TGRV.astype(jnp.float32))
+def _backward(plan: _Plan, q_GTRK, k_GSK, v_GSV, idx_Tk, ok_Tk, o_GTRV, lse_GTR, do_GTRV):
+  do_GTRV = do_GTRV.astype(jnp.float32)
+  delta_GTR = jnp.einsum("gtrV,gtrV->gtr", do_GTRV, o_GTRV.astype(jnp.float32))
+  G = k_GSK.shape[0]
 
   def tile(carry, args):
     dk_SGK, dv_SGV = carry
     q, idx, ok, lse, do, delta = args
-    kg, vg = jnp.take(k_SGK, idx, axis=0), jnp.take(v_SGV, idx, axis=0)
+    kg, vg = jnp.take(k_GSK, idx, axis=1), jnp.take(v_GSV, idx, axis=1)
     s, dcap = _logits(plan, q, kg, ok)
     p = jnp.exp(s - lse[..., None])  # 0 where masked
-    dp = jnp.einsum("cgrV,ckgV->cgrk", do, vg.astype(jnp.float32))
+    dp = jnp.einsum("gcrV,gckV->gcrk", do, vg.astype(jnp.float32))
     ds = p * (dp - delta[..., None])
     if dcap is not None:
       ds = ds * dcap
-    dq = jnp.einsum("cgrk,ckgK->cgrK", ds, kg.astype(jnp.float32)) * plan.scale
-    dkg = jnp.einsum("cgrk,cgrK->ckgK", ds, q.astype(jnp.float32)) * plan.scale
-    dvg = jnp.einsum("cgrk,cgrV->ckgV", p, do)
-    flat = idx.reshape(-1)
-    dk_SGK = dk_SGK.at[flat].add(dkg.reshape(-1, *dkg.shape[2:]), mode="drop")
-    dv_SGV = dv_SGV.at[flat].add(dvg.reshape(-1, *dvg.shape[2:]), mode="drop")
+    dq = jnp.einsum("gcrk,gckK->gcrK", ds, kg.astype(jnp.float32)) * plan.scale
+    dkg = jnp.einsum("gcrk,gcrK->gckK", ds, q.astype(jnp.float32)) * plan.scale
+    dvg = jnp.einsum("gcrk,gcrV->gckV", p, do)
+    flat = idx.reshape(-1)  # added token-major (S, G·X): each chosen row one contiguous slab
+    rows = lambda d: d.reshape(G, -1, d.shape[-1]).swapaxes(0, 1).reshape(flat.shape[0], -1)  # noqa: E731
+    dk_SGK = dk_SGK.at[flat].add(rows(dkg), mode="drop")
+    dv_SGV = dv_SGV.at[flat].add(rows(dvg), mode="drop")
     return (dk_SGK, dv_SGV), dq
 
-  init = (jnp.zeros(k_SGK.shape, jnp.float32), jnp.zeros(v_SGV.shape, jnp.float32))
-  xs = _tiles(plan, q_TGRK, idx_Tk, ok_Tk, lse_TGR, do_TGRV, delta_TGR)
+  S, K, V = k_GSK.shape[1], k_GSK.shape[2], v_GSV.shape[2]
+  init = (jnp.zeros((S, G * K), jnp.float32), jnp.zeros((S, G * V), jnp.float32))
+  xs = (_tiles(plan, q_GTRK, 1), _tiles(plan, idx_Tk, 0), _tiles(plan, ok_Tk, 0), _tiles(plan, lse_GTR, 1),
+        _tiles(plan, do_GTRV, 1), _tiles(plan, delta_GTR, 1))
   (dk, dv), dq = lax.scan(tile, init, xs)
-  dq = dq.reshape(plan.n_tiles * plan.tile, *dq.shape[2:])
-  return dq.astype(q_TGRK.dtype), dk.astype(k_SGK.dtype), dv.astype(v_SGV.dtype)
+  return (_untile(dq, 1).astype(q_GTRK.dtype), dk.reshape(S, G, K).swapaxes(0, 1).astype(k_GSK.dtype),
+          dv.reshape(S, G, V).swapaxes(0, 1).astype(v_GSV.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -172,7 +182,7 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, idx_BGTk: Array, *, s
   R = H // G
   idx, ok = valid(lax.stop_gradient(idx_BGTk), S, T, is_causal=is_causal, kv_lengths=kv_lengths,
                   unique=unique)
-  Gt = G if Gs == 1 else 1  # kv heads one gathered row carries
+  Gt = G if Gs == 1 else 1  # kv heads one gathered token carries
   c = min(tile or tile_rows(k, Gt, K, V), T)
   n = -(-T // c)
   plan = _Plan(c, n, float(scale), None if softcap is None else float(softcap))
@@ -181,11 +191,14 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, idx_BGTk: Array, *, s
   idx = jnp.pad(idx, ((0, 0), (0, 0), (0, pad), (0, 0)))
   ok = jnp.pad(ok, ((0, 0), (0, 0), (0, pad), (0, 0)))
   core = functools.partial(_core, plan)
+  q = q.transpose(0, 2, 1, 3, 4)  # (B,G,T',R,K): the kv heads leading, each gathered row K long
+  k_BGSK, v_BGSV = k_BSGK.transpose(0, 2, 1, 3), v_BSGV.transpose(0, 2, 1, 3)
   if Gs == 1:  # every kv head's row at each chosen token
-    out = jax.vmap(core)(q, k_BSGK, v_BSGV, idx[:, 0], ok[:, 0])  # (B,T',G,R,V)
+    out = jax.vmap(core)(q, k_BGSK, v_BGSV, idx[:, 0], ok[:, 0])  # (B,G,T',R,V)
   else:  # one choice per kv group: the groups apart, one kv head each
-    per = jax.vmap(core, in_axes=(1, 1, 1, 0, 0), out_axes=1)
-    out = jax.vmap(per)(q[:, :, :, None], k_BSGK[:, :, :, None], v_BSGV[:, :, :, None], idx, ok)[:, :, :, 0]
+    per = jax.vmap(core, in_axes=(0, 0, 0, 0, 0))
+    out = jax.vmap(per)(q[:, :, None], k_BGSK[:, :, None], v_BGSV[:, :, None], idx, ok)[:, :, 0]
+  out = out.transpose(0, 2, 1, 3, 4)
   return out.reshape(B, n * c, H, V)[:, :T].astype(q_BTHK.dtype)
 
 
