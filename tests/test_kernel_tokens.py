@@ -46,10 +46,12 @@ def _dense(q, k, v, mask, scale, softcap=None):
 # (B, T, S, H, G, K, V, groups-choose, top): GQA, MQA, d_v != d_k, T not a multiple of the tile, S != T.
 CASES = [(2, 13, 13, 4, 2, 5, 7, "one", 4), (2, 11, 17, 3, 1, 6, 4, "one", 5),
          (1, 9, 9, 6, 3, 4, 4, "groups", 3), (2, 10, 14, 4, 4, 3, 5, "groups", 6)]
+FAST = [(CASES[0], True), (CASES[1], False), (CASES[2], True)]  # the rest in the slow tier
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("case,is_causal", [
+    pytest.param(c, causal, marks=() if (c, causal) in FAST else pytest.mark.slow)
+    for c in CASES for causal in (True, False)])
 def test_tokens_equal_the_dense_masked_reference(case, is_causal):
   B, T, S, H, G, K, V, who, top = case
   rng = np.random.default_rng(hash((case, is_causal)) % 2**32)
@@ -68,12 +70,13 @@ def test_tokens_equal_the_dense_masked_reference(case, is_causal):
   mine = lambda q, k, v: tokens.attention(q, k, v, idx, scale=0.3, is_causal=is_causal,  # noqa: E731
                                           kv_lengths=kv_lengths, tile=4)
   ref = lambda q, k, v: _dense(q, k, v, mask, 0.3)  # noqa: E731
-  np.testing.assert_allclose(mine(q, k, v), ref(q, k, v), rtol=2e-5, atol=2e-5)
-  got = jax.grad(loss(mine), argnums=(0, 1, 2))(q, k, v)
+  out = jax.jit(mine)(q, k, v)
+  np.testing.assert_allclose(out, ref(q, k, v), rtol=2e-5, atol=2e-5)
+  got = jax.jit(jax.grad(loss(mine), argnums=(0, 1, 2)))(q, k, v)
   want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
-  assert np.all(np.asarray(mine(q, k, v))[:, 0] == 0)
+  assert np.all(np.asarray(out)[:, 0] == 0)
 
 
 def test_tokens_unique_indices_softcap_and_broadcast_key_head():
@@ -83,10 +86,37 @@ def test_tokens_unique_indices_softcap_and_broadcast_key_head():
   q, k, v = _randn(rng, (B, T, H, K)), _randn(rng, (B, S, 1, K)), _randn(rng, (B, S, G, V))
   idx = jnp.asarray(np.stack([rng.permutation(S)[:top] for _ in range(T)])[None, None], jnp.int32)
   mask = _mask(idx, B, H, T, S, True, None)
-  got = tokens.attention(q, k, v, idx, scale=0.5, is_causal=True, softcap=2.0, unique=True, tile=5)
+  got = jax.jit(lambda q: tokens.attention(q, k, v, idx, scale=0.5, is_causal=True, softcap=2.0, unique=True,
+                                           tile=5))(q)
   want = _dense(q, jnp.broadcast_to(k, (B, S, G, K)), v, mask, 0.5, softcap=2.0)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-  g = jax.grad(lambda q: jnp.sum(tokens.attention(q, k, v, idx, scale=0.5, is_causal=True, softcap=2.0,
-                                                  unique=True) ** 2))(q)
+  g = jax.jit(jax.grad(lambda q: jnp.sum(tokens.attention(q, k, v, idx, scale=0.5, is_causal=True,
+                                                          softcap=2.0, unique=True) ** 2)))(q)
   w = jax.grad(lambda q: jnp.sum(_dense(q, jnp.broadcast_to(k, (B, S, G, K)), v, mask, 0.5, 2.0) ** 2))(q)
   np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
+def test_indexer_bits_run_on_the_token_kernel(monkeypatch):
+  """The indexer's bits handed to attn.kernel.sparse with 8 query heads a kv head run on the token
+  kernel, and equal the dense attention under indexer_tokens' mask, values and gradients."""
+  from attn.kernel import select, sparse
+  rng = np.random.default_rng(11)
+  B, T, H, G, K, V, top = 1, 21, 8, 1, 4, 6, 5
+  q, k, v = _randn(rng, (B, T, H, K)), _randn(rng, (B, T, G, K)), _randn(rng, (B, T, G, V))
+  qi, ki, w = _randn(rng, (B, T, 2, 3)), _randn(rng, (B, T, 3)), _randn(rng, (B, T, 2))
+  calls = []
+  monkeypatch.setattr(sparse.tokens, "attention", lambda *a, run=tokens.attention, **kw: calls.append(1) or run(*a, **kw))
+
+  def mine(q, k, v):
+    bits = select.indexer_bits(qi, ki, w, top_k=top, is_causal=True)
+    return sparse.attention(q, k, v, select.token_blocks(bits, 32, T), block_k=32, scale=0.4,
+                            is_causal=True, bits_BTW=bits)
+  mask = select.indexer_tokens(qi, ki, w, top_k=top, is_causal=True)[:, None]
+  ref = lambda q, k, v: _dense(q, k, v, mask & jnp.tril(jnp.ones((T, T), bool)), 0.4)  # noqa: E731
+  np.testing.assert_allclose(jax.jit(mine)(q, k, v), ref(q, k, v), rtol=2e-5, atol=2e-5)
+  assert calls
+  cot = _randn(rng, (B, T, H, V))
+  got = jax.jit(jax.grad(lambda *a: jnp.sum(mine(*a) * cot), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)

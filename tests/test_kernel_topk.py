@@ -36,7 +36,8 @@ def _rows(rng):
   return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("k", [1, 7, 16, 53, 60])
+@pytest.mark.parametrize("k", [1, pytest.param(7, marks=pytest.mark.slow), 16,
+                               pytest.param(53, marks=pytest.mark.slow), 60])
 def test_topk_mask_and_indices_equal_lax_top_k(k):
   x = _rows(np.random.default_rng(k))
   want = _top_k_set(x, min(k, x.shape[1]))
@@ -60,8 +61,9 @@ def test_topk_agrees_with_the_counting_reference():
 CASES = [(2, 37, 45, 2, 3, 5), (1, 45, 37, 3, 4, 9), (2, 20, 20, 2, 2, 30)]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("case,is_causal", [
+    pytest.param(c, causal, marks=() if i % 2 == causal else pytest.mark.slow)
+    for i, c in enumerate(CASES) for causal in (True, False)])
 def test_indexer_top_equals_indexer_tokens(case, is_causal):
   B, T, S, J, I, top_k = case
   rng = np.random.default_rng(sum(case) + is_causal)
