@@ -165,3 +165,24 @@ def test_attn_imports_no_optional_module_at_import_time():
             if not any(id(n) in guarded for n in ast.walk(tree)
                        if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == line)]
   assert bad == []
+
+
+# A call of the attn command by name (["attn", ...], shutil.which("attn")) runs whichever attn is first on
+# PATH, maybe another install's: tests call the interpreter running them (sys.executable -m attn) or
+# the console script beside it (pathlib.Path(sys.executable).parent / "attn").
+_ATTN_BY_NAME = re.compile(r"""shutil\.which\(\s*["']attn["']|[(\[]\s*["']attn["']\s*,\s*["'](?:sweep|count|status|report|"""
+                           r"""python|analyze|demo|bench|eval|export|reproduce)["']""")
+
+
+@pytest.mark.parametrize("path", [p for p in TESTS if p.name != "test_suite.py"], ids=lambda p: p.name)
+def test_tests_call_the_attn_of_the_interpreter_running_them(path):
+  hits = [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+          if _ATTN_BY_NAME.search(line)]
+  assert not hits, "calls the attn first on PATH, not sys.executable's:\n" + "\n".join(hits)
+
+
+def test_the_attn_by_name_check_catches_both_forms():
+  assert _ATTN_BY_NAME.search('cmd = [shutil.which("attn")]')
+  assert _ATTN_BY_NAME.search("subprocess.run(['attn', 'sweep', cfg])")
+  assert not _ATTN_BY_NAME.search('subprocess.run([sys.executable, "-m", "attn", "sweep"])')
+  assert not _ATTN_BY_NAME.search('os.path.join(home, ".cache", "attn", "jax-tests")')
