@@ -125,7 +125,7 @@ def _check(args: argparse.Namespace) -> str:
   """Checks the executor's options against each other; the EXECUTORS key (or "slurm")."""
   from attn.config import invalid
   workers = args.workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
-  per_device = args.trials_per_device = workers_lib.check_workers(args.trials_per_device, "--trials-per-device")
+  per_device = args.trials_per_device = workers_lib.check_per_device(args.trials_per_device)
   if per_device > 1:
     if args.workers != 1 or args.executor == "slurm" or args.processes_per_trial != 1:
       raise invalid("--trials-per-device", per_device, "1 with --workers, --executor slurm or "
