@@ -218,6 +218,17 @@ def check_linear_fields(m: Any) -> None:
                   "of layer_types is 'linear_attention', so no layer would read it")
 
 
+def check_bidirectional(m: Any, why: str) -> None:
+  """Refuses a layer whose variant is causal by construction (a fixed-state head: its record has
+  init_state) in a stack that attends both ways (an encoder; `why` says whose)."""
+  for i in range(m.num_layers):
+    if getattr(m, "has_attention", lambda i: True)(i) and VARIANTS[m.layer_variant(i)].init_state is not None:
+      kind = layer_type(m, i)
+      raise invalid(f"layer_types[{i}]", kind, f"a softmax layer type: {why} attends both ways, and layer {i}'s "
+                    f"{m.layer_variant(i)} head is causal by construction (a fixed-size state read in order; "
+                    "it has no bidirectional form)")
+
+
 def schedule(m: Any, n: int | None = None) -> tuple[str, ...]:
   """The type of each of the n (default num_layers) self-attention layers of a stack."""
   return tuple(layer_type(m, i) for i in range(m.num_layers if n is None else n))

@@ -569,6 +569,12 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if "fixed_params" in derive:
     model.setdefault("d_ff", 1)  # a start: fit_d_ff sets it (with an integer budget [model] leaves it out)
   model_cfg = train.model_config(model, task)
+  if task.kind == "classifier":
+    from attn.nn import layer_types  # lazy: flax
+    try:
+      layer_types.check_bidirectional(model_cfg, f"task {cfg['task']['name']!r} trains a classifier whose encoder")
+    except ConfigError as e:
+      raise ConfigError(f"model.{e}") from None
   if "fixed_params" in derive:
     model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
