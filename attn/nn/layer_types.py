@@ -185,7 +185,7 @@ def _check_linear(m: Any, i: int) -> None:
     if m.linear_variant not in ("gated_deltanet", name):
       raise invalid(where, name, f"unset, or {m.linear_variant!r} (linear_variant={m.linear_variant!r} "
                     "already names the linear layers' variant): set one of the two")
-  v = api.get_variant(name)
+  v = VARIANTS.resolve(name, where)
   if v.init_state is None:
     names = sorted(n for n, r in VARIANTS.items() if r.init_state is not None)
     raise invalid(where, name, f"a variant with a fixed-size state for "
