@@ -90,6 +90,18 @@ def _value(text: str):
     return None
 
 
+def _set_group(line: str) -> dict:
+  """{dotted key: value} of the --set items of one command line (placeholders like N, NAME left out)."""
+  group = {}
+  for item in re.findall(r"--set\s+('[^']*'|\"[^\"]*\"|\S+)", line):
+    key, _, value = item.strip("'\"").partition("=")
+    value = _value(value)
+    if value is not None and not re.search(r"[A-Z]", key):
+      section, _, field = key.partition(".")
+      group.update(_leaves(section, {field: value}))
+  return group
+
+
 def documented() -> list[tuple[str, dict]]:
   """(where, {dotted key: value}) for each group of settings the README and docs/ show."""
   out = []
@@ -100,16 +112,9 @@ def documented() -> list[tuple[str, dict]]:
         raw = tomllib.loads(body)
         if set(raw) <= set(SECTIONS):
           out += [(f"{name} TOML", g) for g in _toml_groups(raw)]
-      for line in body.replace("\\\n", " ").splitlines():
-        group = {}
-        for item in re.findall(r"--set\s+('[^']*'|\"[^\"]*\"|\S+)", line):
-          key, _, value = item.strip("'\"").partition("=")
-          value = _value(value)
-          if value is not None and not re.search(r"[A-Z]", key):
-            section, _, field = key.partition(".")
-            group.update(_leaves(section, {field: value}))
-        if group:
-          out.append((f"{name} --set", group))
+      out += [(f"{name} --set", g) for g in map(_set_group, body.replace("\\\n", " ").splitlines()) if g]
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    out += [(f"{name} inline --set", g) for g in map(_set_group, spans) if g]
     for key, value in re.findall(r"`((?:model|task|train|sweep)\.[a-z_.]+) = ([^`]+)`", text):
       if _value(value) is not None:
         out.append((f"{name} inline", {key: _value(value)}))
@@ -202,7 +207,8 @@ def test_the_docs_show_the_settings_a_newcomer_needs():
 def test_each_documented_setting_changes_the_model_it_claims_to(logit_scale, where, group):
   full = _resolve(group)
   if isinstance(full, str):  # refused by name: it needs a setting the example leaves out
-    assert any(k in full for k in group), f"{where}: {group} is refused without naming a key: {full}"
+    named = {".".join(k.split(".")[:i]) for k in group for i in range(2, k.count(".") + 2)}
+    assert any(k in full for k in named), f"{where}: {group} is refused without naming a key: {full}"
     return
   for key in group:
     rest = _resolve({k: v for k, v in group.items() if k != key})

@@ -24,9 +24,10 @@ HEADER = """# Config keys
 Every key of a sweep config's tables, generated from the schema by `python scripts/config_reference.py >
 docs/config.md` (attn.experiments.running.keys; a test checks this file is its output: regenerate, do
 not edit). A key goes in its table (`[model]`, TOML), on the command line (`--set model.num_heads=4`), as
-a sweep axis (`[sweep.grid] "model.num_heads" = [1, 4]`) or in a case (`[[sweep.cases]]`). A dotted key
-reaches into a table: {into}; or set the table whole, e.g. `--set 'model.layer_heads={{linear_attention =
-{{variant = "mamba2"}}}}'`. A misspelt key is refused with the closest keys (did you mean ...?).
+a sweep axis (`[sweep.grid] "model.num_heads" = [1, 4]`) or in a case (`[[sweep.cases]]`). A misspelt key
+is refused with the closest keys (did you mean ...?). A dotted key reaches into a table:
+{into}; or set the table whole:
+`--set 'model.layer_heads={{linear_attention = {{variant = "mamba2"}}}}'`.
 """
 
 
