@@ -36,6 +36,11 @@ def test_a_bidirectional_task_refuses_a_linear_layer_at_validation(sets):
     config_lib.loads(MARKER, "m", sets)
 
 
+def test_a_bidirectional_task_names_the_variant_that_is_causal_only():
+  with pytest.raises(ConfigError, match=r"model.variant='kda' is not allowed: a softmax variant: task 'marker_position'"):
+    config_lib.loads(MARKER, "m", ['model.variant="kda"'])
+
+
 def test_an_encoder_refuses_a_linear_layer_before_tracing():
   from flax import nnx
   from attn.nn.models import ModelConfig, SequenceClassifier

@@ -220,13 +220,20 @@ def check_linear_fields(m: Any) -> None:
 
 def check_bidirectional(m: Any, why: str) -> None:
   """Refuses a layer whose variant is causal by construction (a fixed-state head: its record has
-  init_state) in a stack that attends both ways (an encoder; `why` says whose)."""
+  init_state) in a stack that attends both ways (an encoder; `why` says whose), naming the setting
+  that put it there: its layer type, its type's variant or the model's."""
   for i in range(m.num_layers):
-    if getattr(m, "has_attention", lambda i: True)(i) and VARIANTS[m.layer_variant(i)].init_state is not None:
-      kind = layer_type(m, i)
-      raise invalid(f"layer_types[{i}]", kind, f"a softmax layer type: {why} attends both ways, and layer {i}'s "
-                    f"{m.layer_variant(i)} head is causal by construction (a fixed-size state read in order; "
-                    "it has no bidirectional form)")
+    variant, kind = m.layer_variant(i), layer_type(m, i)
+    if not getattr(m, "has_attention", lambda i: True)(i) or VARIANTS[variant].init_state is None:
+      continue
+    if layer_heads.variant(m, kind):
+      field, value, allowed = f"layer_heads.{kind}.variant", variant, "a softmax variant"
+    elif LAYER_TYPES[kind].linear:
+      field, value, allowed = f"layer_types[{i}]", kind, "a softmax layer type"
+    else:
+      field, value, allowed = "variant", variant, "a softmax variant"
+    raise invalid(field, value, f"{allowed}: {why} attends both ways, and layer {i}'s {variant} head is "
+                  "causal by construction (a fixed-size state read in order; it has no bidirectional form)")
 
 
 def schedule(m: Any, n: int | None = None) -> tuple[str, ...]:
