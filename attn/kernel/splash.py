@@ -46,7 +46,7 @@ def interpret() -> bool:
   """Whether the Pallas kernels run in interpret mode (ATTN_PALLAS_INTERPRET=1): any backend, slowly.
 
   1/true/yes/on turn it on, 0/false/no/off or unset/empty leave it off; anything else is refused
-  by name (a typo must not turn on a mode that is hundreds of times slower, nor silently off)."""
+  by name (a typo must neither turn the slow interpreter on nor leave it silently off)."""
   value = os.environ.get(INTERPRET_ENV, "")
   if value.strip().lower() in TRUE + FALSE:
     return value.strip().lower() in TRUE

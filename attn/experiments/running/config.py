@@ -83,8 +83,9 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
-# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options) and
-# model.extra.NAME.OPTION (one option), in --set, sweep axes and cases alike.
+# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options),
+# model.extra.NAME.OPTION (one option), model.layer_heads.TYPE[.FIELD] and model.linear_head.FIELD, in
+# --set, sweep axes and cases alike.
 TABLE_KEYS = (("train", "mesh"), ("model", "extra"), ("model", "layer_heads"), ("model", "linear_head"))
 TABLE_DEPTH = {("train", "mesh"): 1, ("model", "extra"): 2, ("model", "layer_heads"): 2, ("model", "linear_head"): 1}
 INTO_TABLES = ("train.mesh.AXIS, model.extra.NAME[.OPTION], model.layer_heads.TYPE[.FIELD], "
