@@ -45,6 +45,25 @@ SWEEP_NOTES = {
 }
 
 
+# What each [train] key does, in a line (TrainConfig's docstring has the rest).
+TRAIN_NOTES = {
+    "steps": "optimiser steps", "batch_size": "sequences per step",
+    "lr": "peak learning rate: linear warm-up from 0, then cosine decay to lr·end_lr_ratio at the last step",
+    "warmup_steps": "steps of the linear warm-up", "end_lr_ratio": "the last step's learning rate over lr",
+    "weight_decay": "AdamW's decoupled decay, on matrices only", "b1": "Adam's β1", "b2": "Adam's β2",
+    "grad_clip": "global-norm clipping (0: none)", "eval_every": "steps between held-out evaluations (0: at the end)",
+    "eval_batches": "held-out batches per evaluation", "seed": "the trial's seed (data and initialisation)",
+    "checkpoint_every": "steps between checkpoints (0: at each evaluation)",
+    "data_parallel": 'local devices each step runs on, or "auto"', "data_parallel_axis": '"batch" or "seed"',
+    "grad_accum": "micro-batches per step", "mesh": "{data = N, heads = M}: devices by batch and by heads",
+    "sink_metrics": "attention sinks, value drains and massive activations at each evaluation",
+    "sink_threshold": "the first-position mass above which a head counts as a sink head",
+    "indexer": 'how a lightning indexer trains: "off", "warmup", "sparse" or "staged"',
+    "indexer_kl_weight": "the weight of the indexer's KL term", "indexer_dense_steps": 'with "staged": dense steps',
+    "indexer_warmup_steps": 'with "staged": warm-up steps',
+}
+
+
 def _comments(cls: type) -> dict[str, str]:
   """field -> its trailing comment in cls's source (`name: type = default  # comment`)."""
   try:
@@ -99,7 +118,7 @@ def _model_rows() -> list[tuple[str, str, str]]:
 
 def _train_rows() -> list[tuple[str, str, str]]:
   from attn.experiments.training.config import TrainConfig
-  notes = _comments(TrainConfig)
+  notes = {**TRAIN_NOTES, **_comments(TrainConfig)}
   return [(f.name, _show(f.default), "; ".join(n for n in (notes.get(f.name, ""), "TrainConfig "
                                                             "(attn/experiments/training/config.py)") if n))
           for f in dataclasses.fields(TrainConfig)]
