@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_positions,
-                         check_structured, invalid)
+                         check_structured, invalid, kept_at)
 from attn.variants import VARIANTS, mechanisms, rope
 from attn.variants.base import Options, Params, Variant, check_offers
 
@@ -53,7 +53,7 @@ def _check_owned_fields(v: Variant, cfg: HeadConfig) -> None:
         continue
       if getattr(cfg, name) != _DEFAULTS[name]:
         owners = " and ".join(o.name for o in VARIANTS.values() if name in o.fields)
-        raise invalid(name, getattr(cfg, name), f"{_DEFAULTS[name]!r} for variant {v.name!r}: only "
+        raise invalid(name, getattr(cfg, name), f"{kept_at(_DEFAULTS[name])} for variant {v.name!r}: only "
                       f"{owners} read{'s' if ' and ' not in owners else ''} it, so it would be ignored")
 
 

@@ -162,7 +162,7 @@ def test_converting_on_load_is_refused_by_name_before_any_weight():
   with pytest.raises(ConfigError, match=r"variant, num_kv_heads=\('per_head', 1\) is not allowed: the "
                      r"model's own \('per_head', None\): it has layer_heads"):
     hf.from_hf(source, num_kv_heads=1)
-  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: None for variant 'fused': only "
+  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: it must be unset \(None\) for variant 'fused': only "
                      r"per_head and k_eq_v read it"):
     hf.from_hf(source, variant="fused")
 

@@ -2,8 +2,8 @@
 
 import json
 import os
+import pathlib
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -39,8 +39,12 @@ def _python(code, **env):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# The console script beside the interpreter running the tests, not whichever attn is first on PATH.
+CONSOLE = pathlib.Path(sys.executable).parent / "attn"
+
+
 def _attn(*args, console=False, **env):
-  cmd = [shutil.which("attn")] if console else [sys.executable, "-m", "attn"]
+  cmd = [str(CONSOLE)] if console else [sys.executable, "-m", "attn"]
   return subprocess.run([*cmd, *args], env=_env(**env), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -146,8 +150,8 @@ def test_no_reexec_outside_keep_or_twice(monkeypatch):
 
 @pytest.mark.parametrize("console", [False, True])
 def test_an_unknown_host_malloc_is_refused_by_name_before_anything_runs(console):
-  if console and shutil.which("attn") is None:
-    pytest.skip("the attn console script is not on PATH")
+  if console and not CONSOLE.exists():
+    pytest.skip(f"no attn console script beside {sys.executable}")
   p = _attn("count", console=console, ATTN_HOST_MALLOC="bogus")
   assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
   assert "ATTN_HOST_MALLOC='bogus'" in p.stderr and "['keep', 'mallopt', 'default']" in p.stderr, p.stderr
@@ -181,8 +185,8 @@ def test_attn_python_runs_a_library_users_script_with_the_commands_allocator():
 
 @pytest.mark.slow
 def test_attn_sweep_and_python_m_attn_sweep_record_the_same_allocator(tmp_path):
-  if shutil.which("attn") is None:
-    pytest.skip("the attn console script is not on PATH")
+  if not CONSOLE.exists():
+    pytest.skip(f"no attn console script beside {sys.executable}")
   (tmp_path / "tiny.toml").write_text(TINY_SWEEP)
   allocators = []
   for console in (True, False):

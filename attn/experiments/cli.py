@@ -130,7 +130,7 @@ def _check(args: argparse.Namespace) -> str:
   """Checks the executor's options against each other; the EXECUTORS key (or "slurm")."""
   from attn.config import invalid
   workers = args.workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
-  per_device = args.trials_per_device = workers_lib.check_workers(args.trials_per_device, "--trials-per-device")
+  per_device = args.trials_per_device = workers_lib.check_per_device(args.trials_per_device)
   if args.executor == "ray":  # --trials-per-device maps onto the tasks' resources (ray_executor.resources)
     for flag, n in (("--workers", workers), ("--processes-per-trial", args.processes_per_trial)):
       if n != 1:

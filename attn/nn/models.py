@@ -449,6 +449,7 @@ class Encoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     _require(cfg, "Encoder (per-layer inputs and hyper-connections: DecoderLM only)", per_layer_dim=0, hc_mult=1)
+    layer_types.check_bidirectional(cfg, "an Encoder")
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from attn.config import invalid
+from attn.config import did_you_mean, invalid
 from attn.experiments.data import arrays
 from attn.experiments.data import backcopy
 from attn.experiments.data import corpus as corpus_lib
@@ -312,9 +312,9 @@ def make_task(options: dict[str, Any]):
   options = dict(options)
   name = options.pop("name", None)
   if name not in TASKS:
-    raise invalid("task.name", name, f"one of {sorted(TASKS)}")
+    raise invalid("task.name", name, f"{did_you_mean(name, TASKS)}one of {sorted(TASKS)}")
   known = task_fields(name)
   for key in options:
     if key not in known:
-      raise invalid(f"task.{key}", options[key], f"a key of task {name!r}: {sorted(known)}")
+      raise invalid(f"task.{key}", options[key], f"{did_you_mean(key, known)}a key of task {name!r}: {sorted(known)}")
   return TASKS[name](**options)

@@ -38,7 +38,8 @@ and .train). train.mesh is a table: `mesh = {data = 2, heads = 2}` in the file,
 `--set train.mesh.heads=2` (or `--set "train.mesh={heads = 2}"`) on the command line.
 
 A dotted key may reach into a table: train.mesh.AXIS, model.extra.NAME (an outside head
-mechanism's options) and model.extra.NAME.OPTION (one of them), as a grid or zip axis, a key of a
+mechanism's options) and model.extra.NAME.OPTION (one of them), model.layer_heads.TYPE[.FIELD]
+(a layer type's head, attn.nn.layer_heads) and model.linear_head.FIELD, as a grid or zip axis, a key of a
 case or a --set, like any field; the trial label names it by its path in the table
 (logit_scale.factor=3.0: axis_name, show). An option is refused by name before any trial starts
 when its mechanism is not installed, when the mechanism's record does not declare it (in its
@@ -56,12 +57,14 @@ import hashlib
 import itertools
 import json
 import tomllib
+import warnings
 from typing import Any
 
-from attn.config import ConfigError, invalid
+from attn.config import ConfigError, did_you_mean, invalid
 from attn.experiments.data import tasks
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_heads, check_indexer, check_train_field
 
+SECTIONS = ("meta", "task", "model", "train", "sweep", "analysis")
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
 PACK_ALLOWED = ("an integer >= 1: up to that many trials equal but for train." + ", train.".join(PACKABLE)
@@ -80,10 +83,13 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
-# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options) and
-# model.extra.NAME.OPTION (one option), in --set, sweep axes and cases alike.
-TABLE_KEYS = (("train", "mesh"), ("model", "extra"))
-TABLE_DEPTH = {("train", "mesh"): 1, ("model", "extra"): 2}
+# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options),
+# model.extra.NAME.OPTION (one option), model.layer_heads.TYPE[.FIELD] and model.linear_head.FIELD, in
+# --set, sweep axes and cases alike.
+TABLE_KEYS = (("train", "mesh"), ("model", "extra"), ("model", "layer_heads"), ("model", "linear_head"))
+TABLE_DEPTH = {("train", "mesh"): 1, ("model", "extra"): 2, ("model", "layer_heads"): 2, ("model", "linear_head"): 1}
+INTO_TABLES = ("train.mesh.AXIS, model.extra.NAME[.OPTION], model.layer_heads.TYPE[.FIELD], "
+               "model.linear_head.FIELD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +191,7 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
     return _model_fields()
   name = raw_task.get("name")
   if name not in tasks.TASKS:
-    raise invalid("task.name", name, f"one of {sorted(tasks.TASKS)}")
+    raise invalid("task.name", name, f"{did_you_mean(name, tasks.TASKS)}one of {sorted(tasks.TASKS)}")
   return {"name": name, **tasks.task_fields(name)}
 
 
@@ -351,8 +357,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
       raw.setdefault("sweep", {}).setdefault(parts[1], {})[".".join(parts[2:])] = value
       continue
     if len(parts) != 2 and not (tuple(parts[:2]) in TABLE_KEYS and len(parts) <= 2 + TABLE_DEPTH[tuple(parts[:2])]):
-      raise invalid("--set", item, "SECTION.KEY=VALUE, train.mesh.AXIS=VALUE, model.extra.NAME={...}, "
-                    "model.extra.NAME.OPTION=VALUE, or sweep.grid.SECTION.KEY=[...]")
+      raise invalid("--set", item, f"SECTION.KEY=VALUE (a table whole: --set 'model.layer_heads={{TYPE = {{...}}}}'), "
+                    f"a key into a table ({INTO_TABLES})=VALUE, or sweep.grid.SECTION.KEY=[...]")
     if len(parts) > 2:  # into a table, e.g. train.mesh.heads or model.extra.NAME.OPTION
       value = _entry(key, key, value)
       _put(raw, key, value, where=".".join(parts[:-1]))
@@ -381,9 +387,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
   for section in raw:
-    if section not in ("meta", "task", "model", "train", "sweep", "analysis"):
-      raise invalid(section, raw[section],
-                    "one of the tables [meta] [task] [model] [train] [sweep] [analysis]")
+    if section not in SECTIONS:
+      raise invalid(section, raw[section], f"{did_you_mean(section, SECTIONS)}one of the tables "
+                    "[meta] [task] [model] [train] [sweep] [analysis]")
     if not isinstance(raw[section], dict):
       raise invalid(section, raw[section], "a table")
   for key, value in raw.get("analysis", {}).items():
@@ -396,10 +402,10 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
       raise invalid(f"meta.{key}", raw["meta"][key], "a string")
   for key in raw.get("meta", {}):
     if key not in META_KEYS:
-      raise invalid(f"meta.{key}", raw["meta"][key], f"one of {sorted(META_KEYS)}")
+      raise invalid(f"meta.{key}", raw["meta"][key], f"{did_you_mean(key, META_KEYS)}one of {sorted(META_KEYS)}")
   for key, value in raw.get("sweep", {}).items():
     if key not in SWEEP_KEYS:
-      raise invalid(f"sweep.{key}", value, f"one of {sorted(SWEEP_KEYS)}")
+      raise invalid(f"sweep.{key}", value, f"{did_you_mean(key, SWEEP_KEYS)}one of {sorted(SWEEP_KEYS)}")
     if not isinstance(value, SWEEP_KEYS[key]) or isinstance(value, bool) != (SWEEP_KEYS[key] is bool):
       raise invalid(f"sweep.{key}", value, SWEEP_KINDS[key])
   base = {}
@@ -411,7 +417,7 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         raise invalid(f"model.{key}", value, "not set by hand: it is derived from the task")
       if key not in schema:
         owner = f"task {raw['task']['name']!r}" if section == "task" else f"[{section}]"
-        raise invalid(f"{section}.{key}", value, f"a key of {owner}: {sorted(schema)}")
+        raise invalid(f"{section}.{key}", value, f"{did_you_mean(key, schema)}a key of {owner}: {sorted(schema)}")
       values[key] = _check_value(f"{section}.{key}", section, key, value, schema)
     base[section] = values
   base["model"] = {**MODEL_DEFAULTS, **base["model"]}
@@ -480,8 +486,9 @@ def _key_value(where: str, key: str, value: Any, base: dict[str, dict[str, Any]]
   table = (section, field) in TABLE_KEYS
   if field not in schema or (section == "model" and field in DERIVED_MODEL_KEYS) or (rest and not table) or (
       table and rest and len(rest.split(".")) > TABLE_DEPTH[(section, field)]):
-    raise invalid(where, value, f"a key of [{section}]: {sorted(schema)}"
-                  + ("; into a table: train.mesh.AXIS, model.extra.NAME, model.extra.NAME.OPTION" if rest else ""))
+    hint = "" if field in schema else did_you_mean(field, schema)
+    raise invalid(where, value, f"{hint}a key of [{section}]: {sorted(schema)}"
+                  + (f"; into a table: {INTO_TABLES}" if rest else ""))
   if value is shown:
     return value
   if rest:
@@ -558,8 +565,15 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if "fixed_params" in derive:
     model.setdefault("d_ff", 1)  # a start: fit_d_ff sets it (with an integer budget [model] leaves it out)
   model_cfg = train.model_config(model, task)
+  if task.kind == "classifier":
+    from attn.nn import layer_types  # lazy: flax
+    try:
+      layer_types.check_bidirectional(model_cfg, f"task {cfg['task']['name']!r} trains a classifier whose encoder")
+    except ConfigError as e:
+      raise ConfigError(f"model.{e}") from None
   if "fixed_params" in derive:
     model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
+  note_full_selection(model_cfg, task.seq_len)
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
   train_cfg = TrainConfig(**cfg["train"])
   check_heads(train_cfg, model_cfg.num_heads)
@@ -568,6 +582,25 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
     raise invalid("train.sink_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
                   "the sink metrics read a causal language model's first position")
   return {"task": task_cfg, "model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(train_cfg)}
+
+
+def note_full_selection(model_cfg: Any, T: int) -> None:
+  """Warns (one line) when MoBA's top_k reaches the number of blocks of a trial's T keys: every query then
+  attends to every key it sees, full attention at a selection's cost (docs/key_selection.md)."""
+  if "moba" not in (model_cfg.extra or {}):
+    return
+  from attn.variants.mechanisms import options  # lazy: jax
+  o = options(model_cfg.head, "moba")
+  block = min(o["block"], T)
+  blocks = -(-T // block)
+  if o["top_k"] >= blocks:
+    warnings.warn(f"model.extra.moba.top_k={o['top_k']} is at least the {blocks} blocks of {block} keys in "
+                  f"seq_len={T}: every query attends to every key it sees (full attention, no selection)",
+                  FullSelectionWarning, stacklevel=2)
+
+
+class FullSelectionWarning(UserWarning):
+  """A key selection that keeps every key at the trial's length (note_full_selection)."""
 
 
 def load(path: str, overrides: list[str] | None = None) -> Sweep:

@@ -45,7 +45,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from typing import Any, TextIO
 
 from attn.config import ConfigError, invalid
@@ -334,6 +333,14 @@ def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap: bool, strea
   return counts
 
 
+def error_line(e: BaseException) -> str:
+  """The exception as `module.Name: message`, without the notes added to it (JAX's "For simplicity, JAX has
+  removed its internal frames..." on a ConfigError raised while tracing)."""
+  kind = type(e)
+  name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+  return f"{name}: {e}".strip() if str(e) else name
+
+
 class _Worker:
   """One worker's pass over a store's trials: lease, train, finish, release; wait for the others' trials."""
 
@@ -538,8 +545,7 @@ class _Worker:
         if not isinstance(e, recorded) or faults.classify(e) is not None:
           raise
         stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
-        tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
+        summaries = [{"status": "failed", "reason": f"error: {error_line(e)}"} for _ in group]
       statuses = []
       for t, summary in zip(group, summaries):
         try:

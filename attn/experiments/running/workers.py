@@ -23,7 +23,8 @@ G GPUs K·G workers, each seeing one GPU (CUDA_VISIBLE_DEVICES) and allowed
 MEM_FRACTION / K of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION: its allocator's
 limit, so a trial that does not fit its share is refused by name by
 sweep.check_memory, never an out-of-memory error); a K whose share would be
-under MIN_SHARE_BYTES is reduced, saying so. On CPU it is K workers.
+under MIN_SHARE_BYTES is reduced, saying so. On CPU it is K workers. K is at most the CPU cores
+this process may use (check_per_device: refused by name above that, before the store is touched).
 
 Logs: DIR/local/JOBID_0_log.{out,err}, one pair per worker; submitit's own job
 files (its pickle of the call: the store path, worker number, CPUs, the
@@ -76,6 +77,18 @@ def check_workers(n: Any, field: str = "--workers") -> int:
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise invalid(field, n, "an integer >= 1 (1: train in this process)")
   return n
+
+
+def check_per_device(k: Any) -> int:
+  """--trials-per-device as an int from 1 to this process's CPU cores (each worker process needs one
+  at least; on GPUs per_device_plan reduces it further to what a GPU's memory holds); refused by
+  name otherwise, before the store is touched."""
+  k = check_workers(k, "--trials-per-device")
+  cores = len(os.sched_getaffinity(0))
+  if k > cores:
+    raise invalid("--trials-per-device", k, f"an integer from 1 to {cores}: this process may use {cores} CPU "
+                  "cores, and each trial's worker process needs one at least")
+  return k
 
 
 def per_device_plan(k: int, devices: list[Any], stream: TextIO = sys.stderr) -> tuple[int, list[str | None], str | None]:

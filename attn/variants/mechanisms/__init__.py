@@ -73,7 +73,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig, invalid
+from attn.config import HeadConfig, did_you_mean, invalid
 from attn.registry import Registry
 from attn.variants.mechanisms import choice, head_mechanisms
 from attn.variants.mechanisms.record import HookError, Mechanism
@@ -131,7 +131,7 @@ def outside(name: str, where: str, value: Any) -> Mechanism:
   if m is None or m.fields:
     names = sorted(n for n, r in MECHANISMS.items() if not r.fields)
     why = (f"no entry: {name!r} is a built-in mechanism, set by the HeadConfig fields {list(m.fields)}"
-           if m is not None else f"one of {names} (an installed outside head mechanism): no mechanism "
+           if m is not None else f"one of {names} (an installed outside head mechanism): {did_you_mean(name, MECHANISMS)}no mechanism "
            f"{name!r} is installed" + (f" ({MECHANISMS.broken()[name]})" if name in MECHANISMS.broken() else ""))
     raise invalid(where, value, why)
   return m
