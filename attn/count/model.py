@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from attn.config import invalid
 from attn.count.layer import (check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts,
                               state_bytes)
-from attn.nn import hyper, kv_sharing, layer_types
+from attn.nn import hyper, kv_sharing, layer_types, short_conv
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
@@ -117,6 +117,8 @@ def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = Fals
   parts["attention"] += sum(_attention(m, i) + (_attention(m, i, cross=True) if cross else 0)
                             for i in range(n) if attn[i])
   parts["mlp"] += sum(_mlp(m, i, cross) for i in range(n) if mlp[i])
+  if m.short_conv is not None:  # the convolution before each self-attention (attn.nn.short_conv)
+    parts["short_conv"] = parts.get("short_conv", 0) + sum(attn[:n]) * short_conv.param_count(m.short_conv, m.d_model)
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
   sublayers = sum(attn) + sum(mlp) + (n if cross else 0)
   parts["layernorm"] += sublayers * per_sublayer * _layer_norm(m) + (_layer_norm(m) if m.final_norm else 0)
