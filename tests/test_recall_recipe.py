@@ -73,10 +73,10 @@ def test_the_train_loop_draws_each_stage_and_compiles_once_per_length(monkeypatc
     ({"curriculum": [12, 64]}, "task.curriculum"),  # past the model's positions (seq_len + 1)
     ({"curriculum": [12, 24], "curriculum_steps": [0.5, 0.6]}, "task.curriculum_steps"),
     ({"curriculum": [12, 24], "curriculum_steps": [1.0]}, "task.curriculum_steps"),
-    ({"num_pairs": 24}, "task.num_pairs"),  # 48 tokens of pairs and a query do not fit in 48
+    ({"num_pairs": 24}, "task.seq_len=48 .*task.num_pairs=24"),  # 48 tokens of pairs and a query do not fit
 ])
 def test_bad_recall_tasks_are_refused_naming_the_option(options, key):
-  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+  with pytest.raises(ConfigError, match=key):
     tasks.make_task({"name": "mqar", "vocab_size": 64, "seq_len": 48, "num_pairs": 8, **options})
 
 

@@ -54,8 +54,8 @@ class MQAR:
     _check_int("num_pairs", self.num_pairs, 1)
     _check_int("seq_len", self.seq_len, 3)
     if 2 * self.num_pairs + 1 > self.seq_len:
-      raise invalid("task.num_pairs", self.num_pairs, f"at most (seq_len - 1) // 2 = {(self.seq_len - 1) // 2}: "
-                    f"the pairs ({2 * self.num_pairs} tokens) and one query must fit in seq_len={self.seq_len}")
+      raise invalid("task.seq_len", self.seq_len, f"an integer >= {2 * self.num_pairs + 1}: task.num_pairs="
+                    f"{self.num_pairs} pairs (two tokens each) and one query must fit")
     if (self.vocab_size - 1) // 2 < self.num_pairs:
       raise invalid("task.vocab_size", self.vocab_size,
                     f">= {2 * self.num_pairs + 1} so that num_pairs={self.num_pairs} distinct keys fit")
