@@ -6,6 +6,8 @@ causality through gradients, by cached decoding against the full pass for a
 variant other than per_head, and by its parameter count against the module's.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,8 @@ from attn.experiments.data import curriculum, tasks
 from attn.experiments.training import train as train_lib
 from attn.nn import DecoderLM, ModelConfig
 from attn.nn import short_conv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_mqar_puts_keys_values_and_queries_where_they_belong():
@@ -136,11 +140,22 @@ def test_the_convolution_parameters_are_counted():
   assert stored - model_param_count(cfg.replace(short_conv=None), "decoder_lm") == 3 * (4 + 1) * 12
 
 
+def test_the_recipe_configs_hold_what_their_write_up_says():
+  from attn.experiments.running import config as config_lib
+  for name, lengths in (("recall_recipe", {512}), ("recall_recipe_long", {1024, 2048})):
+    trials = config_lib.load(os.path.join(ROOT, "configs", f"{name}.toml")).trials
+    assert {t.config["task"]["seq_len"] for t in trials} == lengths
+    for t in trials:
+      task, model = t.config["task"], t.config["model"]
+      assert task["num_pairs"] * 8 == task["seq_len"] and task["curriculum"] == (128, 256, 512)
+      assert model["short_conv"] == 3 and model["variant"] == "fused" and model["window"] is None
+
+
 @pytest.mark.slow
 def test_the_recipe_learns_recall_at_a_reduced_size():
   """configs/recall_recipe.toml's model and optimizer at T = 128 with 16 pairs, 400 steps (about 40 CPU-s)."""
   from attn.experiments.running import config as config_lib
-  sweep = config_lib.load("configs/recall_recipe.toml", [
+  sweep = config_lib.load(os.path.join(ROOT, "configs", "recall_recipe.toml"), [
       "task.seq_len=128", "task.num_pairs=16", "task.curriculum=[]", "task.curriculum_steps=[]",
       "train.steps=400", "train.eval_every=0"])
   rows = []
