@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn.config import invalid
 from attn.count.layer import Layer, check_layer, check_length, kv_cache_bytes_per_token, state_bytes
-from attn.nn import hyper, kv_sharing, layer_types
+from attn.nn import hyper, kv_sharing, layer_types, short_conv
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
@@ -156,6 +156,8 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
   mlp = [b for b in stack.blocks if b.mlp]
   parts["attention"] += sum(_attention(b) + (_attention(b, cross=True) if cross else 0) for b in attn)
   parts["mlp"] += sum(_mlp(m, b, stack.dense_bias, cross) for b in mlp)
+  if m.short_conv is not None:  # the convolution before each self-attention (attn.nn.short_conv)
+    parts["short_conv"] = parts.get("short_conv", 0) + len(attn) * short_conv.param_count(m.short_conv, m.d_model)
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
   sublayers = len(attn) + len(mlp) + (len(stack.blocks) if cross else 0)
   parts["layernorm"] += sublayers * per_sublayer * _layer_norm(m) + (_layer_norm(m) if m.final_norm else 0)

@@ -227,6 +227,8 @@ def _check_type(key: str, value: Any, spec: Any) -> Any:
     return value
   if isinstance(spec, float) and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
+  if isinstance(spec, tuple) and isinstance(value, list):  # a list-valued task key (mqar's curriculum)
+    return tuple(value)
   if type(value) is not type(spec):
     raise invalid(key, value, f"a {type(spec).__name__} (like {spec!r})")
   return value

@@ -54,6 +54,7 @@ from attn.experiments.training import distributed
 from attn.experiments.training import parallel
 from attn.experiments.training import preempt
 from attn.experiments.training import sink_eval
+from attn.experiments.data import curriculum
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
 from attn.nn import kv_sharing, models
@@ -472,21 +473,30 @@ def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, pro
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
-    batch0 = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B, rows)), "train")
+    batch0 = layout.put_batch(pick(_batches(curriculum.train_task(task, start, train.steps), seeds, tasks_lib.TRAIN,
+                                            start, B, rows)), "train")
     jit_steps, jit_evals, evals = {}, {}, {}
+
+    def compiled_step(phase: str, batch):
+      """The train step of `phase` compiled for batch's shapes (a length curriculum: once per length)."""
+      key = (phase, batch["tokens"].shape)
+      if key not in jit_steps:
+        jit_steps[key] = layout.jit(programs[phase][0], parallel.STATE_KINDS + ("train", "replicated"),
+                                    ("params", "opt_state", "replicated"), donate=(0, 1)).lower(
+                                        *state, batch, lr0).compile()
+      return jit_steps[key]
+
     for phase in train.indexer_phases(start):
       step_fn, eval_fn = programs[phase]
-      jit_steps[phase] = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
-                                    ("params", "opt_state", "replicated"), donate=(0, 1)).lower(
-                                        *state, batch0, lr0).compile()
+      compiled_step(phase, batch0)
       if id(eval_fn) not in evals:
         evals[id(eval_fn)] = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
             state[0], state[2], eval_data).compile()
       jit_evals[phase] = evals[id(eval_fn)]
   compile_s = time.perf_counter() - t0
   if on_compiled:
-    for phase in jit_steps:
-      on_compiled(jit_steps[phase], jit_evals[phase])
+    for phase, shape in list(jit_steps):
+      on_compiled(jit_steps[phase, shape], jit_evals[phase])
   if layout.agree(preempt.requested()):  # save_now() during the compile: nothing new to save
     raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
@@ -494,11 +504,15 @@ def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, pro
   savers = [checkpoints.Saver(d) for d in checkpoint_dirs or []] if jax.process_index() == 0 else []
   try:
     for t in range(start, train.steps):
-      batch = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B, rows)), "train")
+      batch = layout.put_batch(pick(_batches(curriculum.train_task(task, t, train.steps), seeds, tasks_lib.TRAIN,
+                                             t, B, rows)), "train")
+      phase = train.indexer_phase(t)
+      t0 = time.perf_counter()
+      step_fn = compiled_step(phase, batch)  # a new curriculum stage compiles here
+      compile_s += time.perf_counter() - t0
       t0 = time.perf_counter()
       lr = layout.put(np.asarray(lrs[:, t], np.float32).reshape(lr0.shape), "replicated")
-      phase = train.indexer_phase(t)
-      params, opt_state, m = jit_steps[phase](*state, batch, lr)
+      params, opt_state, m = step_fn(*state, batch, lr)
       m = layout.fetch(m)
       times.append(time.perf_counter() - t0)
       state = (params, opt_state, state[2])
