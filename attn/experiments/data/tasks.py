@@ -46,8 +46,8 @@ class MQAR:
   vocab_size: int = 64
   seq_len: int = 32
   num_pairs: int = 4
-  curriculum: tuple = ()
-  curriculum_steps: tuple = ()
+  curriculum: tuple = ()  # training lengths, growing, each <= seq_len (e.g. [128, 256, 512]); evaluation at seq_len
+  curriculum_steps: tuple = ()  # each stage's share of the steps, summing to 1 (default: equal shares)
 
   def __post_init__(self):
     _check_int("vocab_size", self.vocab_size, 5)
