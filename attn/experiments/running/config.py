@@ -661,7 +661,7 @@ def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = No
     try:
       resolved = resolve(cfg, derive, budget)
     except ConfigError as e:
-      raise ConfigError(f"trial [{label}]: {e}") from None
+      raise ConfigError(f"trial [{label}]: {e}" if label else f"the trial: {e}") from None  # no axes: one trial
     tid = trial_id(resolved)
     if tid in seen:
       raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[tid]}])")
