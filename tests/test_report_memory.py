@@ -115,3 +115,31 @@ def test_a_classifiers_report_says_why_it_shows_no_memory(tmp_path, monkeypatch)
   md = open(report.write_report(root), encoding="utf-8").read()
   memory = md.split("## Memory per group", 1)[1].split("\n## ", 1)[0]
   assert "classifier" in memory and "keeps no cache" in memory
+
+
+def test_two_seeds_a_side_are_never_a_clear_difference_however_many_standard_errors():
+  text = report.verdict([0.90, 0.91], [0.10, 0.11])  # 113 standard errors, but 1 in 6 orders by chance
+  assert "clear difference" not in text and "p = 0.17" in text and "more seeds" in text
+  assert "a clear difference" in report.verdict([0.90, 0.91, 0.92], [0.10, 0.11, 0.12])  # p = 1/20
+
+
+def test_small_report_wordings(tmp_path, monkeypatch):
+  monkeypatch.setattr(plots, "_pyplot", lambda: None)
+  one = {"group": "all", "n": 1, "eval_accuracy": (0.5, 0.0), "eval_loss": (1.0, 0.0), "label": {},
+         "seed_values": {"eval_accuracy": [0.5], "eval_loss": [1.0]}}
+  assert "1 seed)" in report.answer([one]) and "1 seeds" not in report.answer([one])
+  unmeasured = {"id": "x", "label": {}, "summary": {"status": "ok", "final": {}, "attention_params_effective": None,
+                                                    "attention_measured": ["effective"]}}
+  assert "– (measured)" not in "\n".join(report._trial_table([unmeasured]))
+  md = open(report.write_report(_store(str(tmp_path), task="marker_position")), encoding="utf-8").read()
+  assert "– for a seed that never did" in md  # the dashes of 'step reaching 0.99' are explained
+
+
+def test_a_sweep_without_axes_names_its_one_trial_without_empty_brackets():
+  from attn.config import ConfigError
+  from attn.experiments.running import config as config_lib
+  text = ('[task]\nname = "induction"\n[model]\nd_model = 16\nnum_layers = 1\nnum_heads = 2\nd_ff = 16\n'
+          '[train]\nsteps = 1\n')
+  with pytest.raises(ConfigError, match="num_layers") as e:
+    config_lib.loads(text, "c.toml")
+  assert "[]" not in str(e.value)
