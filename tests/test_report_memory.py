@@ -46,7 +46,7 @@ def _store(root, task="text", bpb=(2.9, 2.6)):
       d = os.path.join(root, "trials", tid)
       os.makedirs(d)
       loss = (b + 0.01 * seed) * report.LN2
-      options = {"path": "", "glob": ""} if task == "text" else {}
+      options = {"path": "", "glob": "", "bos": False} if task == "text" else {}
       cfg = {"task": {"name": task, "seq_len": 128, **options}, "model": dataclasses.asdict(m),
              "train": {"steps": 10, "seed": seed}, "label": label}
       store_lib.write_json(os.path.join(d, "config.json"), cfg)
@@ -100,6 +100,7 @@ def test_the_plot_caption_holds_fixed_only_what_the_config_chose_and_names_each_
   held = notes[0].split("held fixed: ", 1)[1].split(";", 1)[0]
   assert "d_model=64" in held and "num_layers=4" in held
   assert "variant=" not in held and "d_k=" not in held  # defaults and derived-by-nobody: not "held fixed"
+  assert notes[0].startswith("text (seq_len=128)")  # the task's options the config set, not bos=False
 
 
 def test_an_outside_mechanisms_option_swept_by_cases_shows_its_values():
@@ -107,6 +108,8 @@ def test_an_outside_mechanisms_option_swept_by_cases_shows_its_values():
   configs = {"case=a": {**base, "model": {"d_model": 64, "extra": {"my_gate": {"width": 3}}}},
              "case=b": {**base, "model": {"d_model": 64, "extra": {"my_gate": {"width": 5}}}}}
   assert settings.differences(configs) == {"case=a": "extra.my_gate.width=3", "case=b": "extra.my_gate.width=5"}
+  labelled = {g: {**c, "label": {"case": g}} for g, c in configs.items()}  # as a store's config.json holds it
+  assert settings.differences(labelled) == settings.differences(configs)
 
 
 def test_a_classifiers_report_says_why_it_shows_no_memory(tmp_path, monkeypatch):

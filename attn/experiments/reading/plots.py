@@ -55,7 +55,8 @@ def caption(trials: list[dict[str, Any]], axes: list[str], chosen: set[str] | No
   swept = {a.split(".", 1)[1] for a in axes if a.startswith("model.")}
   parts = [task["name"].upper() if task["name"] in ("mqar",) else task["name"]]
   opts = [f"{k}={v}" for k, v in task.items() if k != "name" and not isinstance(v, (dict, list))
-          and v not in (None, "") and same("task", k) and f"task.{k}" not in axes]
+          and v not in (None, "") and same("task", k) and f"task.{k}" not in axes
+          and (chosen is None or f"task.{k}" in chosen)]
   head = parts[0] + (f" ({', '.join(opts)})" if opts else "")
   steps = {c["train"]["steps"] for c in configs}
   seeds = len({c["train"]["seed"] for c in configs})
@@ -196,7 +197,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
     slant(ax, list(ticks.values()))
     ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
-    ax.set_title(textwrap.fill(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"  # a panel is
+    ax.set_title(textwrap.fill(f"{title}: each seed a dot ({n_seeds} seed{'s' * (n_seeds != 1)}), their mean a bar"  # a panel is
                                + (", bars joined" if numeric else ""), 66), fontsize=9)  # ~66 characters wide
     if metric == "eval_accuracy" and guess is not None:
       ax.axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
@@ -348,7 +349,7 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   ax.set_xlabel(xlabel)
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
-  ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
+  ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seed{'s' * (n_seeds != 1)}), mean a bar", fontsize=9)
   # Below the axes: inside, the legend can hide a seed's dot.
   ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2 if counts else -0.12), frameon=False)
   ax.grid(alpha=0.3)

@@ -350,8 +350,8 @@ def frontier_section(rows: list[dict[str, Any]], primary: str) -> list[str]:
   order = sorted(range(len(rows)), key=lambda i: (held(rows[i]), rows[i][key][0]))
   params = differ(rows, "attn_params")  # a column, and a frontier of its own, where attention parameters differ
   by_params = set(plots_lib.pareto_front([(r["attn_params"], r[key][0]) for r in rows])) if params else set()
-  what = ("state + KV cache after one sequence of the trial's length T over all layers in float32 (`attn count`; "
-          "the linear layers' fixed state counts, not the cache per token alone)" if state else
+  what = ("state + KV cache after one sequence of the trial's length T over all layers (`attn count`, bytes as in "
+          "Memory per group; the linear layers' fixed state counts, not the cache per token alone)" if state else
           "KV cache per generated token over all layers in float32 (`attn count`)")
   md = ["## Quality against " + ("state and KV cache" if state else "KV cache"), "",
         f"{what[0].upper()}{what[1:]}, against {TITLES.get(key, key)} "

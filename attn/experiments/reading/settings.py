@@ -50,7 +50,8 @@ def _has_linear(model: dict[str, Any]) -> bool:
 def differences(configs: dict[str, dict[str, Any]]) -> dict[str, str]:
   """group -> "key=value, ..." for the resolved keys (task.*, model.*, train.*, the seed left out) whose
   values differ among the groups' configs, plus model.linear_variant for a group with linear layers."""
-  flat = {g: {k: v for k, v in flatten(c).items() if k not in SKIP} for g, c in configs.items()}
+  flat = {g: {k: v for k, v in flatten({s: c.get(s) or {} for s in ("task", "model", "train")}).items()
+              if k not in SKIP} for g, c in configs.items()}  # a store's config.json also holds the label
   keys = list(dict.fromkeys(k for f in flat.values() for k in f))
   moving = [k for k in keys if len({repr(f.get(k)) for f in flat.values()}) > 1]
   out = {}
