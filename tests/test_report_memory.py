@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from attn.experiments.reading import plots, report, settings
+from attn.experiments.reading import plots, report
 from attn.experiments.running import store as store_lib
 from attn.nn.config import ModelConfig
 
@@ -104,6 +104,7 @@ def test_the_plot_caption_holds_fixed_only_what_the_config_chose_and_names_each_
 
 
 def test_an_outside_mechanisms_option_swept_by_cases_shows_its_values():
+  from attn.experiments.reading import settings
   base = {"task": {"name": "mqar"}, "model": {"d_model": 64, "extra": None}, "train": {"seed": 0}}
   configs = {"case=a": {**base, "model": {"d_model": 64, "extra": {"my_gate": {"width": 3}}}},
              "case=b": {**base, "model": {"d_model": 64, "extra": {"my_gate": {"width": 5}}}}}
