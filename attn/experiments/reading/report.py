@@ -509,6 +509,9 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
            "tasks; on text the quality table above ranks bits per byte against state + KV cache at T."]
   if selection.applies(rows) and not text:
     md += [""] + selection.section(rows)[:-1]
+  elif selection.applies(rows):  # said, not dropped
+    md += ["", "The accuracy-against-attention-FLOPs section ranks held-out accuracy, a recall task's measure; on text "
+           "the groups are ranked by bits per byte above (each trial's attention FLOPs are in the Trials table)."]
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run

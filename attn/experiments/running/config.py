@@ -566,8 +566,7 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   """The full trial config: task defaults, derived model keys and constraints applied."""
   from attn.experiments.training import train  # lazy: imports jax and flax
   task = tasks.make_task(cfg["task"])
-  model = dict(cfg["model"])
-  model = model_defaults(model, task.kind)
+  model = model_defaults(cfg["model"], task.kind)
   if "fixed_width" in derive:
     D, H = model["d_model"], model["num_heads"]
     if H < 1:
