@@ -13,13 +13,13 @@ from attn.count.layer import (MEASURED_COLUMNS, Layer, check_layer, check_length
                               kv_cache_bytes, kv_cache_bytes_per_token, layer_table, measured_figures,
                               mechanism_table, param_counts, score_weight_count, state_bytes,
                               state_crossover)
-from attn.count.model import (MODEL_KINDS, active_param_count, expert_params, layer_type_table,
+from attn.count.model import (DTYPE, MODEL_KINDS, active_param_count, expert_params, layer_type_table,
                               model_kv_cache_bytes, model_kv_cache_bytes_per_token,
                               model_param_breakdown, model_param_count, model_state_bytes,
                               shared_flops_saved)
 
 __all__ = [
-    "Layer", "MEASURED_COLUMNS", "MODEL_KINDS", "active_param_count", "check_layer", "check_length",
+    "DTYPE", "Layer", "MEASURED_COLUMNS", "MODEL_KINDS", "active_param_count", "check_layer", "check_length",
     "expert_params", "flops", "kv_cache_bytes", "kv_cache_bytes_per_token", "layer_table", "layer_type_table",
     "measured_figures", "mechanism_table", "model_kv_cache_bytes", "model_kv_cache_bytes_per_token",
     "model_param_breakdown", "model_param_count", "model_state_bytes", "param_counts",

@@ -33,6 +33,10 @@ from attn.nn import hyper, kv_sharing, layer_types, short_conv
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
 
+# The dtype every byte count of a whole model defaults to: float32, what attn's models train and decode in and
+# what reports count in, so that model_kv_cache_bytes + model_state_bytes add up to what a sequence holds.
+DTYPE = "float32"
+
 # Which Flax module in attn.nn.models a count describes.
 MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
 
@@ -167,7 +171,7 @@ def _output(m: ModelConfig, dense_bias: bool) -> int:
   return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if dense_bias else 0)
 
 
-def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
+def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str, int]:
   """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
@@ -198,12 +202,12 @@ def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
   return parts
 
 
-def model_param_count(m: ModelConfig, kind: str) -> int:
+def model_param_count(m: ModelConfig, kind: str = "decoder_lm") -> int:
   """Total parameters of a whole model, each shared array counted once."""
   return sum(model_param_breakdown(m, kind).values())
 
 
-def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bfloat16") -> int:
+def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = DTYPE) -> int:
   """Self-attention KV cache of the decoding stack per generated token (all layers)."""
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
@@ -218,7 +222,7 @@ def _caches(m: ModelConfig, kind: str, index: int) -> bool:
   return kind != "decoder_lm" or kv_sharing.source(m, index) == index
 
 
-def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = "float32") -> int:
+def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = DTYPE) -> int:
   """The fixed-size decoding state of the stack's linear layers per sequence (all layers)."""
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
   return sum(state_bytes(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers)
@@ -231,12 +235,12 @@ def _stack(m: ModelConfig, kind: str) -> int:
   return m.num_decoder_layers if kind == "encoder_decoder" else m.num_layers
 
 
-def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16") -> list[dict[str, Any]]:
+def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE) -> list[dict[str, Any]]:
   """One row per layer type of the stack, in order of first appearance, then a "total" row."""
   return type_table(m, kind, length, dtype)[0]
 
 
-def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16"
+def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
                ) -> tuple[list[dict[str, Any]], dict[str, Layer]]:
   """layer_type_table's rows, and the checked Layer of each type's first layer (what its per-layer
   figures are of), for a caller that derives more figures from the same layers (attn.count.hf)."""
@@ -272,14 +276,14 @@ def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16"
   return out + [total], first
 
 
-def model_kv_cache_bytes(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16") -> int:
+def model_kv_cache_bytes(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE) -> int:
   """Bytes the decoding stack caches after `length` tokens, each layer by its own type."""
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   return layer_type_table(m, kind, length, dtype)[-1]["kv_bytes_at_L"]
 
 
-def active_param_count(m: ModelConfig, kind: str, breakdown: dict[str, int] | None = None) -> int:
+def active_param_count(m: ModelConfig, kind: str = "decoder_lm", breakdown: dict[str, int] | None = None) -> int:
   """Parameters one token uses: the whole model less the experts its router does not keep
   (breakdown: model_param_breakdown(m, kind), where the caller has it)."""
   total = sum((model_param_breakdown(m, kind) if breakdown is None else breakdown).values())

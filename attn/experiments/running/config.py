@@ -171,10 +171,25 @@ def stable_hash(obj: Any, n: int = 12) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
-# Experiment defaults that differ from ModelConfig's. Token embeddings start at N(0, 1):
-# with the GPT-2 scale 0.02 a small model sits on MQAR's plateau for thousands of steps
-# (measured: solved by step 200 at 1.0, still at chance after 3000 at 0.02).
-MODEL_DEFAULTS = {"embed_init_std": 1.0}
+# Experiment defaults that differ from ModelConfig's, set per trial by `model_defaults` (docs/running.md,
+# "Defaults that start at a sane loss"). Token embeddings start at N(0, 1): with the GPT-2 scale 0.02 a small model
+# sits on MQAR's plateau for thousands of steps (measured: solved by step 200 at 1.0, still at chance after 3000 at
+# 0.02). So a language model's output head is untied (LLaMA's choice, Touvron et al. 2023): tied to N(0, 1)
+# embeddings, its logits start at a standard deviation of about sqrt(d_model), step 1's loss at 40 nats on MQAR
+# against ln 64 = 4.2. One that ties them and sets no embed_init_std gets GPT-2's 0.02 (Radford et al. 2019), whose
+# logits start near zero. A classifier has no output head to tie: its tie_embeddings stays true, the old default,
+# so its trial ids do not move; every shipped language-model config sets tie_embeddings = false itself.
+UNTIED_EMBED_INIT_STD = 1.0
+TIED_EMBED_INIT_STD = 0.02
+
+
+def model_defaults(model: dict[str, Any], kind: str) -> dict[str, Any]:
+  """[model] with the experiment defaults of the keys it leaves out (tie_embeddings, embed_init_std) for a task of `kind`."""
+  model = dict(model)
+  model.setdefault("tie_embeddings", kind == "classifier")
+  tied = model["tie_embeddings"] and kind != "classifier"
+  model.setdefault("embed_init_std", TIED_EMBED_INIT_STD if tied else UNTIED_EMBED_INIT_STD)
+  return model
 
 
 def _model_fields() -> dict[str, Any]:
@@ -422,7 +437,6 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         raise invalid(f"{section}.{key}", value, f"{did_you_mean(key, schema)}a key of {owner}: {sorted(schema)}")
       values[key] = _check_value(f"{section}.{key}", section, key, value, schema)
     base[section] = values
-  base["model"] = {**MODEL_DEFAULTS, **base["model"]}
   sweep = raw.get("sweep", {})
   fitted = "fixed_params" in sweep.get("derive", []) and isinstance(sweep.get("param_budget", "base"), int)
   for key in ("d_model", "num_layers", "num_heads") + (() if fitted else ("d_ff",)):
@@ -550,7 +564,7 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   """The full trial config: task defaults, derived model keys and constraints applied."""
   from attn.experiments.training import train  # lazy: imports jax and flax
   task = tasks.make_task(cfg["task"])
-  model = dict(cfg["model"])
+  model = model_defaults(cfg["model"], task.kind)
   if "fixed_width" in derive:
     D, H = model["d_model"], model["num_heads"]
     if H < 1:
@@ -685,7 +699,7 @@ def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = No
     try:
       resolved = resolve(cfg, derive, budget)
     except ConfigError as e:
-      raise ConfigError(f"trial [{label}]: {e}") from None
+      raise ConfigError(f"trial [{label}]: {e}" if label else f"the trial: {e}") from None  # no axes: one trial
     tid = trial_id(resolved)
     if tid in seen:
       raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[tid]}])")

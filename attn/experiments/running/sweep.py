@@ -505,6 +505,11 @@ class _Worker:
     label, steps = _label(group), group[0].config["train"]["steps"]
     first = self.started + 1
     self.started += len(group)
+    if first == 1:  # nothing else is printed until its first step, and the first build in a process is slow
+      stream.write(f"trial {first}/{progress.n} [{label}]: building its model and compiling its step (XLA compiles "
+                   "each initializer once per process: seconds to a minute on a CPU, less when the compilation "
+                   "cache already holds them)\n")
+      stream.flush()
 
     def on_start(j: int, step: int) -> None:
       for problem in store.start(group[j].id, resume_from=step):
