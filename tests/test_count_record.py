@@ -38,7 +38,7 @@ def test_a_layer_row_checks_its_config_once(monkeypatch):
   assert rows == want
   H, G, K, V, D = 3, 1, 5, 7, 12
   assert rows[0]["analytic"] == D * H * K + D * G * K + D * G * V + H * V * D + H * K + G * K + G * V + D
-  assert rows[0]["kv_bytes_per_token"] == 2 * G * (K + V)  # bfloat16
+  assert rows[0]["kv_bytes_per_token"] == 4 * G * (K + V)  # float32, count.DTYPE
 
 
 def test_the_record_gives_the_functions_figures_and_refuses_by_name():
@@ -63,8 +63,8 @@ def test_hf_report_builds_each_table_once(monkeypatch):
   assert (sliding["layers"], full["layers"]) == (5, 1)
   # per_head at D=16, H=4, G=1, K=V=4, no biases; a sliding layer keeps its window of 8 tokens
   assert sliding["params_per_layer"] == 16 * 4 * 4 + 2 * 16 * 1 * 4 + 4 * 4 * 16 + 2 * 4  # + QK-norm scales
-  assert sliding["kv_bytes_at"] == {"16": 5 * 8 * 2 * 4 * 2, "64": 5 * 8 * 2 * 4 * 2}
-  assert full["kv_bytes_at"] == {"16": 16 * 2 * 4 * 2, "64": 64 * 2 * 4 * 2}
+  assert sliding["kv_bytes_at"] == {"16": 5 * 8 * 2 * 4 * 4, "64": 5 * 8 * 2 * 4 * 4}  # float32
+  assert full["kv_bytes_at"] == {"16": 16 * 2 * 4 * 4, "64": 64 * 2 * 4 * 4}
 
 
 def test_the_walk_of_the_config_climbs_back_up_at_most_twice():

@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "(those within the model's max_position_embeddings; past it, at that context)")
   parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
-  parser.add_argument("--dtype", default=count.DTYPE, help=f"dtype of KV-cache and state bytes (default {count.DTYPE})")
+  parser.add_argument("--dtype", default=count_model.DTYPE, help=f"dtype of KV-cache and state bytes (default {count_model.DTYPE})")
   parser.add_argument("--variant", action="append", default=None,
                       help="only this variant (repeatable; default all)")
   parser.add_argument("--mechanisms", action="store_true",
@@ -405,7 +405,7 @@ _CONFIG_COLUMNS = [
 
 
 def config_rows(path: str, overrides: list[str] | None = None, cases: list[str] | None = None,
-                dtype: Any = count.DTYPE) -> list[dict[str, Any]]:
+                dtype: Any = count_model.DTYPE) -> list[dict[str, Any]]:
   """One row per distinct model the trials of sweep config `path` train (seeds share one), in trial order:
   its label (the sweep's axes but the seed), trials, parameters, attention parameters, and, for a decoder,
   KV cache per token, state per sequence and both at the task's length T. The trials are
@@ -433,12 +433,12 @@ def config_rows(path: str, overrides: list[str] | None = None, cases: list[str] 
     m, T = ModelConfig(**t.config["model"]), t.config["task"].get("seq_len")
     name = ", ".join(f"{config_lib.axis_name(k)}={config_lib.show(v)}" for k, v in t.label.items()
                      if k != "train.seed") or "the base config"
-    row = {"model": name, "trials": 1, "kind": kind, "params": count.model_param_count(m, kind),
-           "attention": count.model_param_breakdown(m, kind)["attention"], "T": T, "dtype": str(dtype)}
+    row = {"model": name, "trials": 1, "kind": kind, "params": count_model.model_param_count(m, kind),
+           "attention": count_model.model_param_breakdown(m, kind)["attention"], "T": T, "dtype": str(dtype)}
     if kind in ("decoder_lm", "encoder_decoder"):
-      row["kv_bytes_per_token"] = count.model_kv_cache_bytes_per_token(m, kind, dtype)
-      row["state_bytes"] = count.model_state_bytes(m, kind, dtype)
-      row["kv_bytes_at_T"] = count.model_kv_cache_bytes(m, kind, T, dtype)
+      row["kv_bytes_per_token"] = count_model.model_kv_cache_bytes_per_token(m, kind, dtype)
+      row["state_bytes"] = count_model.model_state_bytes(m, kind, dtype)
+      row["kv_bytes_at_T"] = count_model.model_kv_cache_bytes(m, kind, T, dtype)
       row["held_at_T"] = row["kv_bytes_at_T"] + row["state_bytes"]
     rows[key] = row
   return list(rows.values())

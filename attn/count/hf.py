@@ -113,7 +113,7 @@ def _breakdown(names: tuple[int | None, str], parts: dict[str, int],
 
 
 def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192, 131072),
-              dtype: str = "bfloat16", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+              dtype: str = count_model.DTYPE, changes: dict[str, Any] | None = None) -> dict[str, Any]:
   """Everything `attn count --hf` prints, as a JSON-ready dict; changes: ModelConfig fields set on what
   the family reads (a design undone: DeepSeek-V3's heads as per_head, keys and values cached whole)."""
   m, notes = config_for_count(hf)

@@ -34,6 +34,9 @@ from attn.config import ConfigError, HeadConfig, invalid
 from attn.variants import mechanisms
 from attn.variants.base import Variant
 
+# The one default dtype of every byte count (KV cache, fixed state) in attn.count: reports and the CLI use it too.
+DTYPE = "float32"
+
 
 def _closed(own, mech, cfg: HeadConfig, *args) -> int | None:
   """The variant's closed form plus its active mechanisms', or None where one of them has none
@@ -112,7 +115,7 @@ class Layer:
       return measured.flops(self.variant, self.cfg, T, S, backward)
     return 3 * forward if backward else forward
 
-  def kv_cache_bytes_per_token(self, dtype: Any = "bfloat16") -> int:
+  def kv_cache_bytes_per_token(self, dtype: Any = DTYPE) -> int:
     v, cfg = self.variant, self.cfg
     if v.kv_cache_elements is not None:  # a cache of its own: its growth over a long run, rounded up
       grow = lambda n: v.kv_cache_elements(cfg, n)
@@ -121,7 +124,7 @@ class Layer:
     width = measured.kv_cache_width(v, cfg) if v.kv_cache_width is None else v.kv_cache_width(cfg)
     return int(width) * _itemsize(dtype)
 
-  def kv_cache_bytes(self, length: int, dtype: Any = "bfloat16") -> int:
+  def kv_cache_bytes(self, length: int, dtype: Any = DTYPE) -> int:
     v, cfg = self.variant, self.cfg
     if v.kv_cache_elements is not None:  # a cache of its own (compressed), in closed form
       return v.kv_cache_elements(cfg, check_length("length", length)) * _itemsize(dtype)
@@ -135,7 +138,7 @@ class Layer:
     size = measured.state_size(v, cfg) if v.state_size is None else v.state_size(cfg)
     return int(size) * _itemsize(dtype)
 
-  def state_crossover(self, dtype: Any = "bfloat16") -> int | None:
+  def state_crossover(self, dtype: Any = DTYPE) -> int | None:
     state = self.state_bytes()
     if not state:
       return None
@@ -177,13 +180,13 @@ def flops(variant: str, cfg: HeadConfig, T: int, S: int | None = None,
   return check_layer(variant, cfg).flops(T, S, backward)
 
 
-def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int:
+def kv_cache_bytes_per_token(variant: str, cfg: HeadConfig, dtype: Any = DTYPE) -> int:
   """Bytes one layer caches per decoded token (MHA 2·H·K, GQA 2·G·K, MQA 2·K elements); what
   decoding caches where the variant has no closed form."""
   return check_layer(variant, cfg).kv_cache_bytes_per_token(dtype)
 
 
-def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = "bfloat16") -> int:
+def kv_cache_bytes(variant: str, cfg: HeadConfig, length: int, dtype: Any = DTYPE) -> int:
   """Bytes one layer caches after `length` tokens: a window layer keeps only the last `window`
   (each mechanism's kv_tokens)."""
   return check_layer(variant, cfg).kv_cache_bytes(length, dtype)
@@ -196,13 +199,13 @@ def state_bytes(variant: str, cfg: HeadConfig, dtype: Any = "float32") -> int:
   return check_layer(variant, cfg).state_bytes(dtype)
 
 
-def state_crossover(variant: str, cfg: HeadConfig, dtype: Any = "bfloat16") -> int | None:
+def state_crossover(variant: str, cfg: HeadConfig, dtype: Any = DTYPE) -> int | None:
   """The context length at which a softmax layer of the same HeadConfig (per_head) caches as many
   bytes as this layer's state (the state in float32, the KV cache in dtype); None without a state."""
   return check_layer(variant, cfg).state_crossover(dtype)
 
 
-def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = "bfloat16",
+def layer_table(cfg: HeadConfig, T: int, S: int | None = None, dtype: Any = DTYPE,
                 variants: list[str] | None = None) -> list[dict[str, Any]]:
   """One row per variant: the three counts, score weights, FLOPs and KV-cache bytes.
 
@@ -251,7 +254,7 @@ MEASURED_COLUMNS = {"analytic": ("analytic",), "effective": ("effective",),
                     "kv_cache": ("kv_bytes_per_token", "kv_bytes_at_T")}
 
 
-def mechanism_table(variant: str, cfg: HeadConfig, T: int, dtype: Any = "bfloat16",
+def mechanism_table(variant: str, cfg: HeadConfig, T: int, dtype: Any = DTYPE,
                     window: int | None = None) -> list[dict[str, Any]]:
   """One row per example of each registered head mechanism: what it adds to one layer of `variant`.
 

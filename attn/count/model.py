@@ -27,15 +27,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from attn.config import invalid
-from attn.count.layer import Layer, check_layer, check_length, kv_cache_bytes_per_token, state_bytes
+from attn.count.layer import DTYPE, Layer, check_layer, check_length, kv_cache_bytes_per_token, state_bytes
 from attn.nn import hyper, kv_sharing, layer_types, short_conv
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
 
-# The dtype every byte count of a whole model defaults to: float32, what attn's models train and decode in and
-# what reports count in, so that model_kv_cache_bytes + model_state_bytes add up to what a sequence holds.
-DTYPE = "float32"
 
 # Which Flax module in attn.nn.models a count describes.
 MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
