@@ -7,15 +7,13 @@ process (allocator, hooks, fault injection) is attn.process.
 """
 
 import importlib
-import sys
-import types
 
 # name -> the module it comes from (submodules, attn.kernel, attn.nn, ..., need no entry)
 _FROM = {
     "apply": "attn.api", "get_variant": "attn.api", "init": "attn.api", "param_shapes": "attn.api",
     "HEAD_PRESETS": "attn.config", "ConfigError": "attn.config", "HeadConfig": "attn.config",
     "single_head": "attn.config", "vaswani_base": "attn.config",
-    "LossyConversionWarning": "attn.convert", "convert": "attn.convert",
+    "LossyConversionWarning": "attn.conversion", "convert": "attn.conversion",
     "attention": "attn.kernel",
     "causal_mask": "attn.kernel.masks", "combine_masks": "attn.kernel.masks",
     "padding_mask": "attn.kernel.masks",
@@ -63,12 +61,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
   return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-  def __setattr__(self, name: str, value) -> None:
-    # Loading attn.convert binds the module on this package; attn.convert stays the function, as it was.
-    if not (isinstance(value, types.ModuleType) and name in _FROM):
-      super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

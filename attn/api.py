@@ -10,9 +10,9 @@ import jax.numpy as jnp
 
 from attn import kernel
 from attn.config import (ConfigError, HeadConfig, check_head_mask, check_inputs, check_positions,
-                         check_structured, invalid)
+                         check_structured, invalid, kept_at)
 from attn.variants import VARIANTS, mechanisms, rope
-from attn.variants.base import Options, Params, Variant
+from attn.variants.base import Options, Params, Variant, check_offers
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
 
@@ -31,6 +31,7 @@ def check_config(variant: str, cfg: HeadConfig) -> Variant:
     raise invalid("cfg", type(cfg).__name__, "an attn.HeadConfig")
   mechanisms.check(cfg)
   _check_owned_fields(v, cfg)
+  check_offers(v, cfg, VARIANTS.values())
   v.check(cfg)
   return v
 
@@ -52,7 +53,7 @@ def _check_owned_fields(v: Variant, cfg: HeadConfig) -> None:
         continue
       if getattr(cfg, name) != _DEFAULTS[name]:
         owners = " and ".join(o.name for o in VARIANTS.values() if name in o.fields)
-        raise invalid(name, getattr(cfg, name), f"{_DEFAULTS[name]!r} for variant {v.name!r}: only "
+        raise invalid(name, getattr(cfg, name), f"{kept_at(_DEFAULTS[name])} for variant {v.name!r}: only "
                       f"{owners} read{'s' if ' and ' not in owners else ''} it, so it would be ignored")
 
 

@@ -3,7 +3,9 @@
 Run as a command (`attn ...`, `python -m attn ...`: main() without argv),
 attn.process.setup() sets up the process first (its allocator, hooks, fault
 injection; XLA_FLAGS and ATTN_HOST_MALLOC checked); main(argv) called from
-Python runs the subcommand in the caller's process and leaves it as it is.
+Python runs the subcommand in the caller's process and leaves it as it found
+it: what the command changed (the warnings' format, signal handlers, hooks,
+os.environ, jax's config) is put back on return (attn.process.kept).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def _config_error() -> type[Exception]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """The `attn` command; argv None: this process is the command's (process.setup() first)."""
+  """The `attn` command; argv None: this process is the command's (process.setup() first), else the
+  caller's, left as it was found (process.kept)."""
   own_process = argv is None
   argv = sys.argv[1:] if argv is None else argv
   command = argv[0] if argv and argv[0] in COMMANDS else None
@@ -61,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
   except _config_error() as e:  # evaluated only when an error is on its way
     print(f"attn {command}: error: {e}", file=sys.stderr)
     return 2
+  if own_process:
+    return _run(argv, command)
+  with process.kept():
+    return _run(argv, command)
+
+
+def _run(argv: list[str], command: str | None) -> int:
   warnings.formatwarning = _one_line
   parser = argparse.ArgumentParser(prog="attn", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", metavar="COMMAND")

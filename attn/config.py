@@ -8,6 +8,7 @@ V value width per head.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Any
 
@@ -22,6 +23,19 @@ class ConfigError(ValueError):
 def invalid(field: str, value: Any, allowed: str) -> ConfigError:
   """The error every check raises: names the field, the value and what is allowed."""
   return ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+
+
+def kept_at(default: Any) -> str:
+  """What a refusal allows for a setting that must stay at its default: "unset (None)" for None, else the value."""
+  return "it must be unset (None)" if default is None else repr(default)
+
+
+def did_you_mean(name: Any, choices: Any) -> str:
+  """'did you mean 'x'? ' for the choices closest to a misspelt name (difflib), or '' when none is close."""
+  if not isinstance(name, str):
+    return ""
+  close = difflib.get_close_matches(name, [c for c in choices if isinstance(c, str)], n=2, cutoff=0.75)
+  return f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
 
 
 def _positive_int(field: str, value: Any) -> None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import attn
 from attn import api
 from attn.config import HeadConfig
-from attn.convert import CONVERTERS, REGROUPERS, Converter
+from attn.conversion import CONVERTERS, REGROUPERS, Converter
 from attn.variants.base import Params
 
 B, T, S = 2, 16, 24
@@ -98,7 +98,7 @@ def _claim(c: Converter, cfg: HeadConfig) -> str:
 def identities(cfg: HeadConfig) -> list[tuple[str, float, float]]:
   """(claim, max output error, reported conversion error) for every registered conversion.
 
-  Every converter in attn.convert.CONVERTERS whose variants and check accept
+  Every converter in attn.conversion.CONVERTERS whose variants and check accept
   cfg; after a lossy one, the round trip through its exact inverse; with
   grouped heads, the kv regroupers between cfg and one kv head (MQA).
   """

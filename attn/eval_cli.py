@@ -40,7 +40,7 @@ import time
 import warnings
 
 from attn.config import invalid
-from attn.convert import LossyConversionWarning
+from attn.conversion import LossyConversionWarning
 # The scoring is a library module (attn eval and attn analyze --hf read it); its names stay importable here.
 from attn.experiments.reading.losses import (MLM_RATE, MLM_SEED, OBJECTIVES, PAIR_SEED,  # noqa: F401
                                              check_checkpoint, describe, evaluate, example_losses,

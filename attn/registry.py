@@ -26,7 +26,7 @@ import threading
 import warnings
 from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
-from attn.config import ConfigError
+from attn.config import ConfigError, did_you_mean
 
 R = TypeVar("R")
 
@@ -160,7 +160,7 @@ class Registry(collections.abc.Mapping, Generic[R]):
     field = field or self.kind
     if isinstance(name, str) and name in self._broken:
       raise ConfigError(f"{field}={name!r} is not available: {self._broken[name]}")
-    raise ConfigError(f"{field}={name!r} is not allowed: one of {sorted(records)}")
+    raise ConfigError(f"{field}={name!r} is not allowed: {did_you_mean(name, records)}one of {sorted(records)}")
 
   def source(self, name: str) -> str:
     """Where a record came from: 'attn', a distribution's name, or 'register()'."""

@@ -72,10 +72,10 @@ NO_LATENT = {"variant": "per_head", "latent_dim": None, "q_latent_dim": None, "l
 
 
 def measure(name: str, hf: dict, where: str) -> dict:
-  report = count_hf.hf_report(hf, where, (SHORT, LONG))
+  report = count_hf.hf_report(hf, where, (SHORT, LONG), "bfloat16")
   latent = NO_LATENT if report["variant"] == "mla" else None
-  mha = count_hf.hf_report(undo(hf, True, True), where, (LONG,), changes=latent)
-  gqa_full = count_hf.hf_report(undo(hf, False, True), where, (LONG,))
+  mha = count_hf.hf_report(undo(hf, True, True), where, (LONG,), "bfloat16", changes=latent)
+  gqa_full = count_hf.hf_report(undo(hf, False, True), where, (LONG,), "bfloat16")
   pub_total, pub_active, source = PUBLISHED[name]
   (total, tol), active = parse(pub_total), parse(pub_active)[0] if pub_active else None
   active_note = None

@@ -168,3 +168,6 @@ def logit_scale_check(cfg):
   factor = options(cfg, "logit_scale")["factor"]
   if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
     raise ConfigError(f"extra.logit_scale.factor={factor!r} is not allowed: a positive number")
+
+
+from skips import pytest_terminal_summary  # noqa: E402,F401  (the skips, grouped by reason, after the totals)

@@ -10,7 +10,8 @@ from flax import nnx
 from attn import ConfigError
 from attn.analysis import (gate_gradients, head_importance, prunable_fraction, pruning_curve,
                            pruning_gates, pruning_order, pruning_steps)
-from attn.nn import DecoderLM, ModelConfig
+from attn.nn import DecoderLM
+from attn.nn.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=11, d_model=16, num_layers=2, num_heads=3, d_k=5, d_v=6, d_ff=24, max_len=8,
                   variant="per_head")

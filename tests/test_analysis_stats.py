@@ -11,7 +11,8 @@ from flax import nnx
 import attn
 from attn import ConfigError
 from attn.analysis import attention_stats, head_js, js_divergence
-from attn.nn import DecoderLM, ModelConfig, SequenceClassifier
+from attn.nn import DecoderLM, SequenceClassifier
+from attn.nn.config import ModelConfig
 
 stats = jax.jit(attention_stats)
 

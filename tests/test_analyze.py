@@ -190,7 +190,8 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
   from flax import nnx
   from attn.experiments.reading.analyze import _residual_stats
   from attn.nn import models
-  cfg = models.ModelConfig(vocab_size=11, d_model=12, num_layers=2, num_heads=3, d_ff=8, max_len=9)
+  from attn.nn.config import ModelConfig
+  cfg = ModelConfig(vocab_size=11, d_model=12, num_layers=2, num_heads=3, d_ff=8, max_len=9)
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(1))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)), jnp.int32)
 
@@ -220,7 +221,8 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
 def test_a_layer_sharing_keys_and_values_reads_its_sources_key_side_in_its_circuits():
   """kv_source: layer 2 holds no w_k/w_v; its W_QK is its own W_Q against layer 1's W_K (numpy SVD)."""
   from flax import nnx
-  from attn.nn import DecoderLM, ModelConfig
+  from attn.nn import DecoderLM
+  from attn.nn.config import ModelConfig
   cfg = ModelConfig(vocab_size=11, d_model=12, num_layers=3, num_heads=3, num_kv_heads=1, d_k=5, d_v=4,
                     d_ff=16, variant="per_head", kv_source=[0, 1, 1])
   blocks = analyze._blocks(DecoderLM(cfg, rngs=nnx.Rngs(3)))

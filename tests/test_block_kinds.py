@@ -12,7 +12,8 @@ from flax import nnx
 
 from attn import ConfigError
 from attn.count import model_param_count
-from attn.nn import DecoderLM, ModelConfig
+from attn.nn import DecoderLM
+from attn.nn.config import ModelConfig
 
 LIN, FULL = "linear_attention", "full_attention"
 

@@ -10,7 +10,7 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig, masks
-from attn.convert import CONVERTERS, LossyConversionWarning, convert
+from attn.conversion import CONVERTERS, LossyConversionWarning, convert
 from conftest import CONFIGS, ROPE_CONFIGS, in_matrix, randn, PLAIN_CONFIGS, tier
 from conftest import fresh_params as fresh
 

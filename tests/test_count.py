@@ -19,6 +19,7 @@ import attn
 from attn import ConfigError, HeadConfig, cli, count, kernel
 from attn.count import presets
 from attn.nn import models
+from attn.nn.config import ModelConfig
 from conftest import CONFIGS, for_variant, random_params, tier, variant_params
 
 
@@ -242,7 +243,7 @@ def tree_count(model) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def built_count(cfg: models.ModelConfig, kind: str) -> int:
+def built_count(cfg: ModelConfig, kind: str) -> int:
   return tree_count(nnx.eval_shape(lambda: models.MODELS[kind](cfg, rngs=nnx.Rngs(0))))
 
 
@@ -279,7 +280,7 @@ MODEL_CASES = [
 
 @pytest.mark.parametrize("kind,changes", MODEL_CASES)
 def test_model_formula_equals_the_flax_parameter_tree(kind, changes):
-  cfg = models.ModelConfig(**{**SMALL, **changes})
+  cfg = ModelConfig(**{**SMALL, **changes})
   parts = count.model_param_breakdown(cfg, kind)
   assert all(v >= 0 for v in parts.values())
   assert count.model_param_count(cfg, kind) == built_count(cfg, kind)
@@ -287,7 +288,7 @@ def test_model_formula_equals_the_flax_parameter_tree(kind, changes):
 
 @pytest.mark.parametrize("name", variant_params())
 def test_model_formula_for_every_variant(name):
-  cfg = models.ModelConfig(**{**SMALL, "variant": name, "num_decoder_layers": 1, "num_kv_heads": 1})
+  cfg = ModelConfig(**{**SMALL, "variant": name, "num_decoder_layers": 1, "num_kv_heads": 1})
   assert count.model_param_count(cfg, "encoder_decoder") == built_count(cfg, "encoder_decoder")
 
 

@@ -27,7 +27,8 @@ def write(tmp_path, hf, name="ckpt"):
 
 
 def test_config_only_directory_counts_by_hand(tmp_path, capsys):
-  code, out, err = run_cli(capsys, "--hf", str(write(tmp_path, LLAMA)), "--format", "json", "--seq-len", "40")
+  code, out, err = run_cli(capsys, "--hf", str(write(tmp_path, LLAMA)), "--format", "json", "--seq-len", "40",
+                           "--dtype", "bfloat16")
   assert code == 0, err
   r = json.loads(out)
   D, H, G, K, F, V, L = 64, 4, 2, 16, 96, 97, 4
@@ -44,7 +45,7 @@ def test_config_only_directory_counts_by_hand(tmp_path, capsys):
   assert r["notes"][-1] == ("KV cache at 8,192 and 131,072 tokens left out: past the model's context of 256 "
                             "(max_position_embeddings); shown at 256")
   code, out, err = run_cli(capsys, "--hf", str(write(tmp_path, LLAMA | {"max_position_embeddings": 131072}, "long")),
-                           "--format", "json", "--seq-len", "40")
+                           "--format", "json", "--seq-len", "40", "--dtype", "bfloat16")
   r = json.loads(out)
   assert list(r["kv_bytes_at"]) == ["8192", "131072", "40"] and r["notes"] == []
   assert r["kv_bytes_at"]["131072"] == L * 131072 * 2 * G * K * 2
@@ -62,7 +63,7 @@ def test_windows_and_longrope_count_as_stored(tmp_path, capsys):
   code, out, err = run_cli(capsys, "--hf", str(write(tmp_path, LLAMA | {"model_type": "gpt_oss",
       "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32, "swiglu_limit": 7.0,
       "attention_bias": True, "layer_types": ["sliding_attention", "full_attention"] * 2}, "oss")),
-      "--format", "json")
+      "--format", "json", "--dtype", "bfloat16")
   assert code == 0, err
   r = json.loads(out)
   sliding, full = r["layer_types"]

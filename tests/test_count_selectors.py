@@ -11,7 +11,7 @@ from attn.config import HeadConfig
 from attn.count import measured, selectors
 from attn.kernel import nsa as cmp
 from attn.kernel import select
-from attn.variants import nsa, selection
+from attn.variants.mechanisms import nsa, selection
 
 # XLA also counts the elementwise work the closed forms leave out (masks, exp, max, ReLU, top-k's
 # comparisons: a few operations per score or per key element); with these widths (K = 64, V = 48,

@@ -74,6 +74,9 @@ def test_default_is_one_device_and_the_device_count_leaves_trial_ids_alone():
       assert cfg["model"].pop(key) == getattr(ModelConfig, key)  # a newer key at its default
     for key in [k for k in cfg["train"] if k not in config_lib.FIRST_KEYS["train"]]:
       assert cfg["train"].pop(key) == getattr(TrainConfig, key)  # a newer key (sink_metrics) at its default
+    task_defaults = config_lib.tasks.task_fields(cfg["task"]["name"])
+    for key in [k for k in cfg["task"] if k != "name" and k not in config_lib.FIRST_TASK_KEYS[cfg["task"]["name"]]]:
+      assert cfg["task"].pop(key) == json.loads(json.dumps(task_defaults[key]))  # a newer key (curriculum) at its default
     text = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
     assert t.id == hashlib.sha256(text.encode()).hexdigest()[:12]
     assert (t.config["train"]["data_parallel"], t.config["train"]["data_parallel_axis"]) == (1, "batch")

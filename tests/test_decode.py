@@ -17,7 +17,8 @@ from flax import nnx
 
 import attn
 from attn.config import ConfigError
-from attn.nn import DecoderLM, ModelConfig, decoding
+from attn.nn import DecoderLM, decoding
+from attn.nn.config import ModelConfig
 from attn.variants import cache as kv_cache
 
 ALL = sorted(attn.VARIANTS)

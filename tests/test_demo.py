@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from attn import HeadConfig, cli, demo
-from attn.convert import CONVERTERS, REGROUPERS, Converter
+from attn.conversion import CONVERTERS, REGROUPERS, Converter
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import pytest
 
 from attn import count
 from attn.nn import models
+from attn.nn.config import ModelConfig
 from attn.config import ConfigError
 from attn.experiments.running import config as config_lib
 from attn.experiments.reading import report
@@ -86,7 +87,7 @@ def test_fixed_width_and_fixed_params_constraints(tmp_path):
   for t in sw.trials:
     m = t.config["model"]
     assert m["d_k"] == m["d_v"] == 16 // m["num_heads"]
-    counts.append(count.model_param_count(models.ModelConfig(**m), "decoder_lm"))
+    counts.append(count.model_param_count(ModelConfig(**m), "decoder_lm"))
   per_unit = 2 * 16 * 2 + 2  # one more d_ff unit: a column and row of both MLP matrices, one bias, 2 layers
   assert max(counts) - min(counts) <= per_unit
 
@@ -129,7 +130,7 @@ def test_a_value_a_derive_leaves_alone_is_kept(tmp_path):
   # Under fixed_params an integer budget needs no d_ff in [model]; the file's d_ff with "base" sets the budget.
   fitted = config_lib.load(_derived(tmp_path, ("d_ff = 16\n", "")), ["sweep.param_budget=5000"])
   for t in fitted.trials:
-    cfg = models.ModelConfig(**t.config["model"])
+    cfg = ModelConfig(**t.config["model"])
     per_unit = count.model_param_count(cfg.replace(d_ff=2), "decoder_lm") - count.model_param_count(
         cfg.replace(d_ff=1), "decoder_lm")
     assert abs(count.model_param_count(cfg, "decoder_lm") - 5000) <= per_unit / 2
@@ -319,7 +320,8 @@ def test_one_training_step_of_every_task(tmp_path, task):
 def test_embed_init_std_scales_only_the_token_table(kind):
   from flax import nnx
   from attn.nn import models
-  cfg = models.ModelConfig(vocab_size=200, d_model=32, num_layers=1, num_heads=2, d_ff=8,
+  from attn.nn.config import ModelConfig
+  cfg = ModelConfig(vocab_size=200, d_model=32, num_layers=1, num_heads=2, d_ff=8,
                            num_classes=3 if kind == "classifier" else 0)
   states = [nnx.to_flat_state(nnx.state(
       models.MODELS[kind](cfg.replace(embed_init_std=std), rngs=nnx.Rngs(3)), nnx.Param))

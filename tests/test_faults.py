@@ -23,6 +23,7 @@ import pytest
 from attn import cli
 from attn.config import ConfigError
 from attn.experiments.running import config as config_lib
+from attn.experiments.running import space
 from attn.experiments.running import status
 from attn.experiments.running import store
 from attn.experiments.running import sweep
@@ -156,7 +157,7 @@ def config_path(tmp_path):
 
 def test_a_full_filesystem_is_refused_before_training_naming_its_space(config_path, tmp_path, monkeypatch):
   path = config_path
-  monkeypatch.setattr(faults, "free_bytes", lambda p: (str(tmp_path), 4096))
+  monkeypatch.setattr(space, "free_bytes", lambda p: (str(tmp_path), 4096))
   with pytest.raises(ConfigError, match=r"--out.*4\.1 kB free \(4096 bytes"):
     sweep.prepare(config_lib.load(path), str(tmp_path / "out"))
   assert not os.path.exists(tmp_path / "out")
@@ -187,7 +188,7 @@ def test_retry_failed_runs_failed_trials_again_and_says_when_there_are_none(undi
 def test_a_trial_wanting_more_memory_than_the_machine_has_fails_by_name_alone(undisturbed, tmp_path, monkeypatch):
   path, expected, _ = undisturbed
   asked = []
-  monkeypatch.setattr(faults, "available_memory", lambda: asked.append(1) or (1000 if len(asked) == 1 else None))
+  monkeypatch.setattr(space, "available_memory", lambda: asked.append(1) or (1000 if len(asked) == 1 else None))
   counts, log = _run(path, str(tmp_path / "out"))
   assert counts["failed"] == 1 and counts["ok"] == 1, log
   trials = list(store.iter_trials(str(tmp_path / "out")))
@@ -272,7 +273,7 @@ def test_a_real_full_disk_stops_with_one_message_and_a_rerun_finishes(undisturbe
     pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
   try:
     filler = disk / "filler"
-    filler.write_bytes(b"\0" * (faults.free_bytes(str(disk))[1] - left_kb * 1024))
+    filler.write_bytes(b"\0" * (space.free_bytes(str(disk))[1] - left_kb * 1024))
     out = str(disk / "out")
     p = _subprocess_sweep(path, out)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr

@@ -21,6 +21,7 @@ from attn.experiments.running import config as config_lib
 from attn.experiments.training import train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
+from attn.nn.config import ModelConfig
 from conftest import TINY_MQAR
 
 TINY = TINY_MQAR + """
@@ -66,7 +67,7 @@ def test_k_micro_batches_give_the_whole_batch_gradient_and_metrics(task, k):
   text = TINY if task == "mqar" else TINY.replace(TINY_MQAR.split("[model]")[0].split("[task]")[1].strip(), MARKER)
   trial = _load(text=text).trials[0]
   task_obj = tasks_lib.make_task(trial.config["task"])
-  cfg = models.ModelConfig(**trial.config["model"])
+  cfg = ModelConfig(**trial.config["model"])
   train_cfg = TrainConfig(**trial.config["train"])
   graphdef, params, rest = nnx.split(models.MODELS[task_obj.kind](cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
   tx = train.optimizer(train_cfg)

@@ -15,7 +15,7 @@ import pytest
 import attn
 from attn import api, count
 from attn.config import ConfigError, HeadConfig
-from attn.convert import LossyConversionWarning, convert
+from attn.conversion import LossyConversionWarning, convert
 from attn.count import measured
 from attn.testing import check_variant
 
@@ -221,7 +221,7 @@ def test_grouped_refusals_name_the_field():
   # A field only another variant reads would be ignored: refused by name.
   with pytest.raises(ConfigError, match="o_groups=3 is not allowed: 1 for variant 'per_head'"):
     attn.init("per_head", jax.random.key(0), GROUPED)
-  with pytest.raises(ConfigError, match="value_norm_eps=1e-06 is not allowed: None for variant 'mla'"):
+  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: it must be unset \(None\) for variant 'mla'"):
     attn.init("mla", jax.random.key(0), KEQV.replace(value_norm_eps=1e-6, rope_dim=0))
   with pytest.raises(ConfigError, match="o_rank=0"):
     GROUPED.replace(o_rank=0)

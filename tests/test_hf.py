@@ -141,7 +141,7 @@ def test_refuses_what_is_not_a_supported_checkpoint(tmp_path):
   del w["transformer.h.1.mlp.c_fc.bias"]
   with pytest.raises(ConfigError, match="h.1.mlp.c_fc.bias"):
     hf.from_hf(_write_dir(tmp_path / "short", GPT2 | {"model_type": "gpt2"}, w))
-  from attn.nn import ModelConfig
+  from attn.nn.config import ModelConfig
   with pytest.raises(ConfigError, match=r"norm_eps=0.0 .*positive"):
     ModelConfig(vocab_size=5, d_model=4, num_layers=1, num_heads=1, d_ff=4, norm_eps=0.0)
   with pytest.raises(ConfigError, match=r"activation='gelu_new'.*'gelu_exact'"):
@@ -286,7 +286,8 @@ def test_to_hf_logits_and_exact_round_trip():
   _transformers()
   import jax
   from flax import nnx
-  from attn.nn import DecoderLM, ModelConfig
+  from attn.nn import DecoderLM
+  from attn.nn.config import ModelConfig
   for variant, activation in (("per_head", "gelu"), ("fused", "gelu_exact")):
     cfg = ModelConfig(vocab_size=23, d_model=12, num_layers=2, num_heads=3, d_ff=20, variant=variant,
                       max_len=16, activation=activation, norm_eps=1e-6, embed_init_std=0.5)

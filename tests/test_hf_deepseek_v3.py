@@ -93,7 +93,7 @@ def test_fp8_checkpoint_is_refused_on_its_tensor_names(tmp_path):
 
 def test_linear_mla_refuses_the_latent_norms_on_conversion():
   """mla with DeepSeek's latent norms has no per_head form (keys nonlinear in x): refused by name."""
-  from attn.convert import convert
+  from attn.conversion import convert
   from attn.testing.variants import _random_params
   from attn import api
   cfg = hf.model_config(CONFIG).head
@@ -106,7 +106,7 @@ def test_count_of_the_stored_deepseek_v3_config(capsys):
   """DeepSeek-V3 counted from its published config.json: the cache is the latent, (512 + 64) per token per
   layer, and the total is the model card's 671B without the MTP module (by hand, below)."""
   from attn import cli
-  code = cli.main(["count", "--hf", "deepseek-v3", "--format", "json"])
+  code = cli.main(["count", "--hf", "deepseek-v3", "--format", "json", "--dtype", "bfloat16"])
   out = capsys.readouterr()
   assert code == 0, out.err
   r = json.loads(out.out)

@@ -82,7 +82,7 @@ def test_count_of_a_config_by_hand(tmp_path, capsys):
   bias, weights_proj), and the index key cached beside the latent: (5 + 4 + 8) numbers per token."""
   from attn import cli
   (tmp_path / "config.json").write_text(json.dumps(_config("deepseek_v32")))
-  assert cli.main(["count", "--hf", str(tmp_path), "--format", "json"]) == 0
+  assert cli.main(["count", "--hf", str(tmp_path), "--format", "json", "--dtype", "bfloat16"]) == 0
   r = json.loads(capsys.readouterr().out)
   D, H, Q, C, N, r_, nope, V, J, I = 32, 4, 6, 5, 53, 4, 6, 7, 8, 8
   attention = D * Q + Q + Q * H * (nope + r_) + D * (C + r_) + C + C * H * (nope + V) + H * V * D
@@ -189,7 +189,7 @@ def test_count_of_a_saved_checkpoint_is_transformers(family, tmp_path, capsys):
   from attn import cli
   m = build(family)
   m.save_pretrained(tmp_path)
-  assert cli.main(["count", "--hf", str(tmp_path), "--format", "json"]) == 0
+  assert cli.main(["count", "--hf", str(tmp_path), "--format", "json", "--dtype", "bfloat16"]) == 0
   assert json.loads(capsys.readouterr().out)["total"] == m.num_parameters() == sum(p.numel() for p in m.parameters())
 
 

@@ -292,7 +292,7 @@ def test_qk_norm_plus_one_is_the_same_function_as_a_scale_of_one_plus_w():
   queries and keys; and the init (zeros) is the plain init (ones) as a function."""
   import jax.numpy as jnp
   from attn.config import HeadConfig
-  from attn.variants.head_mechanisms import QK_NORM, normalize_qk
+  from attn.variants.mechanisms.head_mechanisms import QK_NORM, normalize_qk
   rng = np.random.default_rng(0)
   on = HeadConfig(d_model=8, num_heads=2, num_kv_heads=1, d_k=4, qk_norm=True, qk_norm_plus_one=True)
   off = on.replace(qk_norm_plus_one=False)

@@ -115,7 +115,7 @@ def test_cached_greedy_decoding_equals_transformers():
 def test_count_hf_equals_transformers_parameter_count(tmp_path, capsys, kw):
   m = _model(kw)
   m.save_pretrained(tmp_path / "g4")
-  code = cli.main(["count", "--hf", str(tmp_path / "g4"), "--format", "json"])
+  code = cli.main(["count", "--hf", str(tmp_path / "g4"), "--format", "json", "--dtype", "bfloat16"])
   out = capsys.readouterr()
   assert code == 0, out.err
   report = json.loads(out.out)
@@ -162,7 +162,7 @@ def test_converting_on_load_is_refused_by_name_before_any_weight():
   with pytest.raises(ConfigError, match=r"variant, num_kv_heads=\('per_head', 1\) is not allowed: the "
                      r"model's own \('per_head', None\): it has layer_heads"):
     hf.from_hf(source, num_kv_heads=1)
-  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: None for variant 'fused': only "
+  with pytest.raises(ConfigError, match=r"value_norm_eps=1e-06 is not allowed: it must be unset \(None\) for variant 'fused': only "
                      r"per_head and k_eq_v read it"):
     hf.from_hf(source, variant="fused")
 
@@ -188,7 +188,7 @@ def test_count_hf_by_hand_from_config_json_alone(tmp_path, capsys):
   the same total against transformers' own count: 56,159 for this config.)"""
   (tmp_path / "g4").mkdir()
   (tmp_path / "g4" / "config.json").write_text(json.dumps({"model_type": "gemma4_text", **KEQV}))
-  code = cli.main(["count", "--hf", str(tmp_path / "g4"), "--format", "json"])
+  code = cli.main(["count", "--hf", str(tmp_path / "g4"), "--format", "json", "--dtype", "bfloat16"])
   out = capsys.readouterr()
   assert code == 0, out.err
   D, H, L, F, N, K, G, Kg, Gg, P = 32, 4, 6, 40, 53, 8, 2, 12, 1, 5

@@ -90,7 +90,7 @@ def test_to_hf_and_back_is_exact(live):
 
 def test_count_hf_equals_transformers_parameters(live, tmp_path, capsys):
   live.save_pretrained(tmp_path / "ckpt")
-  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json"])
+  code = cli.main(["count", "--hf", str(tmp_path / "ckpt"), "--format", "json", "--dtype", "bfloat16"])
   out = capsys.readouterr()
   assert code == 0, out.err
   report = json.loads(out.out)

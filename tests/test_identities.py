@@ -7,7 +7,7 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig
-from attn.convert import convert
+from attn.conversion import convert
 from attn.variants.base import Options
 from conftest import CONFIGS, tier
 from conftest import fresh_params as fresh

@@ -22,7 +22,8 @@ from attn.experiments.training import checkpoints
 from attn.experiments.training import train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
-from attn.variants import selection
+from attn.nn.config import ModelConfig
+from attn.variants.mechanisms import selection
 from conftest import TINY_MQAR
 
 TEXT = TINY_MQAR.replace("num_heads = 2", "num_heads = 2\npositional = \"rope\"\nrope_dim = 2\nd_k = 6\nd_v = 5") + """
@@ -78,7 +79,7 @@ def test_bad_values_refused_by_name(sets, message):
 
 def _setup(trial):
   task = tasks_lib.make_task(trial.config["task"])
-  cfg = models.ModelConfig(**trial.config["model"])
+  cfg = ModelConfig(**trial.config["model"])
   train_cfg = TrainConfig(**trial.config["train"])
   graphdef, params, rest = nnx.split(models.MODELS[task.kind](cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
   tx = train.optimizer(train_cfg)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import attn
-from attn.convert import CONVERTERS
+from attn.conversion import CONVERTERS
 from attn.nn import interop
 from conftest import randn, tier
 

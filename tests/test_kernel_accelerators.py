@@ -313,3 +313,19 @@ def test_splash_compiled_on_tpu_equals_einsum(shape):
   B, T, S, H, G, K, V, options = shape
   qkv, kw = case(T + S, B, T, S, H, G, K, V, **options)
   assert_equal_to_einsum(by_impl("splash"), qkv, kw, atol=2e-2, what=str(options))
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("Yes", True), ("on", True), ("", False),
+                                       ("0", False), ("false", False), ("no", False), ("NO", False), ("off", False)])
+def test_pallas_interpret_reads_yes_and_no_as_meant(monkeypatch, value, on):
+  monkeypatch.setenv(splash.INTERPRET_ENV, value)
+  monkeypatch.setattr(impls, "backend", lambda: "cpu")
+  assert splash.interpret() is on
+  assert ("splash" in kernel.available_impls()) is on
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "interpret"])
+def test_pallas_interpret_refuses_any_other_value_by_name(monkeypatch, value):
+  monkeypatch.setenv(splash.INTERPRET_ENV, value)
+  with pytest.raises(ConfigError, match=rf"ATTN_PALLAS_INTERPRET='{value}' is not allowed: one of \['1', 'true'"):
+    splash.interpret()

@@ -12,7 +12,8 @@ from attn import ConfigError, kernel
 from attn.kernel import blocked
 from attn.bench.peers import peak_bytes
 from attn.config import HeadConfig
-from attn.nn import DecoderLM, Encoder, EncoderDecoder, ModelConfig
+from attn.nn import DecoderLM, Encoder, EncoderDecoder
+from attn.nn.config import ModelConfig
 from attn.variants import fused
 from conftest import CONFIGS, for_variant, fresh_params, randn, tier
 

@@ -13,7 +13,8 @@ import attn
 from attn import ConfigError, count
 from attn.count.measured import xla_flops
 from attn.experiments.running import config as config_lib
-from attn.nn.models import DecoderLM, ModelConfig, _norm
+from attn.nn.models import DecoderLM, _norm
+from attn.nn.config import ModelConfig
 from conftest import TINY_MQAR
 
 # h = 4 does not divide d_model = 14; G = 2 < H; d_v ≠ d_k; sliding (window 3) and full layers.

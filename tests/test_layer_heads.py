@@ -12,7 +12,8 @@ from flax import nnx
 
 from attn import ConfigError, HeadConfig, count
 from attn.experiments.running import config as config_lib
-from attn.nn.models import MODELS, DecoderLM, ModelConfig
+from attn.nn.models import MODELS, DecoderLM
+from attn.nn.config import ModelConfig
 from attn.variants import grouped_lowrank
 from conftest import TINY_MQAR
 

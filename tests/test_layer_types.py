@@ -16,7 +16,8 @@ from flax import nnx
 from attn import ConfigError, HeadConfig, count
 from attn.experiments.running import config as config_lib
 from attn.nn import layer_types
-from attn.nn.models import MODELS, DecoderLM, ModelConfig
+from attn.nn.models import MODELS, DecoderLM
+from attn.nn.config import ModelConfig
 from conftest import TINY_MQAR
 
 MIXED = ("sliding_attention", "full_attention_nope", "sliding_attention_nope", "full_attention")
@@ -95,7 +96,7 @@ def test_counts_per_type_against_closed_forms():
   cfg = ModelConfig(**(BASE | dict(d_v=4, num_layers=9)), layer_types=MIXED * 2 + ("full_attention",))
   L, G, K = 20, 2, 4
   rows = {r["type"]: r for r in count.layer_type_table(cfg, "decoder_lm", L)}
-  per_token = 2 * G * K * 2
+  per_token = 2 * G * K * 4  # float32, count.DTYPE
   assert rows["sliding_attention"]["kv_bytes_at_L"] == 2 * 3 * per_token
   assert rows["full_attention_nope"]["kv_bytes_at_L"] == 2 * L * per_token
   assert rows["full_attention"]["layers"] == 3 and rows["full_attention"]["kv_bytes_at_L"] == 3 * L * per_token
@@ -105,7 +106,7 @@ def test_counts_per_type_against_closed_forms():
   assert rows["sliding_attention"]["flops_fwd_per_layer"] == count.flops("per_head", cfg.layer_head(0), L)
   mla = cfg.replace(variant="mla", rope_dim=2, latent_dim=6, layer_types=MIXED, num_layers=4)
   # mla caches d_c + rope_dim per token with RoPE, d_c without: 2 layers of each.
-  assert count.model_kv_cache_bytes_per_token(mla, "decoder_lm") == (2 * (6 + 2) + 2 * 6) * 2
+  assert count.model_kv_cache_bytes_per_token(mla, "decoder_lm") == (2 * (6 + 2) + 2 * 6) * 4  # float32
   for m, kind in ((mla, "decoder_lm"), (mla.replace(num_decoder_layers=4), "encoder_decoder")):
     shapes = nnx.eval_shape(lambda: MODELS[kind](m, rngs=nnx.Rngs(0)))  # without RoPE mla has no W^KR
     assert count.model_param_count(m, kind) == sum(a.size for a in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
@@ -117,7 +118,7 @@ def test_count_cli_sums_the_types(capsys):
           "--seq-len", "8192", "--format", "json"]
   assert cli.main(argv) == 0
   rows = {r["type"]: r for r in json.loads(capsys.readouterr().out)["model"]["layer_types"]}
-  per_token = 2 * 12 * 64 * 2  # GPT-2 small: 12 heads of 64, bf16
+  per_token = 2 * 12 * 64 * 4  # GPT-2 small: 12 heads of 64, float32
   assert rows["sliding_attention"]["layers"] == 9 and rows["full_attention"]["layers"] == 3
   assert rows["total"]["kv_bytes_at_L"] == (9 * 512 + 3 * 8192) * per_token
   assert cli.main(["count", "--layer-types", "full_attention"]) == 2

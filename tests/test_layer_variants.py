@@ -14,7 +14,8 @@ from flax import nnx
 import attn
 from attn import ConfigError, HeadConfig
 from attn.nn import kv_sharing
-from attn.nn.models import DecoderLM, ModelConfig, _norm
+from attn.nn.models import DecoderLM, _norm
+from attn.nn.config import ModelConfig
 
 TYPES = ("sliding_attention", "full_attention") * 3
 # h = 4 does not divide d_model = 14; sliding: 2 kv heads of 4 (rotated whole); global: 1 kv head of 6,
@@ -140,7 +141,7 @@ def test_cached_decoding_with_shared_caches_equals_the_full_pass():
     (dict(layer_heads={"full_attention": {"variant": "nope"}}), r"layer_heads.full_attention.variant='nope'"),
     (dict(layer_heads={"full_attention": {"value_norm_eps": -1.0}}), r"layer_heads.full_attention.value_norm_eps=-1.0"),
     (dict(layer_heads={"full_attention": GLOBAL["full_attention"] | {"variant": "merged"}}),
-     r"value_norm_eps=1e-06 is not allowed: None for variant 'merged'"),
+     r"value_norm_eps=1e-06 is not allowed: it must be unset \(None\) for variant 'merged'"),
 ])
 def test_bad_mixes_are_refused_by_name(changes, match):
   if match is None:  # every layer its own keys and values: nothing to refuse

@@ -19,8 +19,9 @@ from jax.flatten_util import ravel_pytree
 
 import attn
 from attn import ConfigError, HeadConfig, count, testing
-from attn.convert import CONVERTERS
-from attn.nn import DecoderLM, ModelConfig
+from attn.conversion import CONVERTERS
+from attn.nn import DecoderLM
+from attn.nn.config import ModelConfig
 from attn.variants import cache as kv_cache
 from attn.variants import mechanisms
 from attn.variants.base import Options

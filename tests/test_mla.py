@@ -15,7 +15,7 @@ import pytest
 
 import attn
 from attn import ConfigError, HeadConfig, cli, count
-from attn.convert import CONVERTERS, LossyConversionWarning, convert
+from attn.conversion import CONVERTERS, LossyConversionWarning, convert
 from attn.variants import talking_heads
 from attn.variants.base import Options
 from conftest import ROPE_CONFIGS, fresh_params, randn
@@ -196,7 +196,7 @@ def test_count_cli_prints_the_mla_cache(capsys):
   assert "caches d_c + rope_dim = 160 elements per token" in out
   assert cli.main(argv + ["--format", "json"]) == 0
   rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-  assert rows["mla"]["kv_bytes_per_token"] == 320 and rows["per_head"]["kv_bytes_per_token"] == 2048
+  assert rows["mla"]["kv_bytes_per_token"] == 640 and rows["per_head"]["kv_bytes_per_token"] == 4096  # float32
   assert rows["mla"]["analytic"] == 706_080
   assert cli.main(["count", "--variant", "mla", "--latent-dim", "0"]) == 2
   assert "latent_dim=0 is not allowed" in capsys.readouterr().err

@@ -15,7 +15,8 @@ from flax import nnx
 
 from attn import ConfigError, count
 from attn.nn import moe
-from attn.nn.models import MLP, DecoderLM, ModelConfig, activate
+from attn.nn.models import MLP, DecoderLM, activate
+from attn.nn.config import ModelConfig
 
 BASE = dict(vocab_size=11, d_model=10, num_layers=3, num_heads=2, d_k=4, d_ff=12, mlp="moe", activation="silu",
             max_len=16)

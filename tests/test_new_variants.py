@@ -18,7 +18,8 @@ from flax import nnx
 import attn
 import test_count
 from attn import ConfigError, HeadConfig
-from attn.nn import DecoderLM, ModelConfig
+from attn.nn import DecoderLM
+from attn.nn.config import ModelConfig
 from attn.variants import cache as kv_cache
 from conftest import fresh_params, jit_apply, randn
 

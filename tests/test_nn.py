@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import attn
-from attn.nn import (DecoderLM, Encoder, EncoderDecoder, ModelConfig, MultiHeadAttention,
-                     SequenceClassifier)
+from attn.nn import DecoderLM, Encoder, EncoderDecoder, MultiHeadAttention, SequenceClassifier
+from attn.nn.config import ModelConfig
 from conftest import CONFIGS, for_variant, tier, variant_params
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 from attn import api, kernel
 from attn.config import ConfigError, HeadConfig
 from attn.testing import check_mechanism, check_variant
-from attn.variants import nsa
+from attn.variants.mechanisms import nsa
 from attn.variants.base import Options, core
 
 OPTS = {"compress_block": 4, "compress_stride": 3, "select_block": 3, "select_count": 3, "window": 4}

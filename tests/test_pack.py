@@ -23,6 +23,7 @@ from attn.experiments.data import tasks
 from attn.experiments.training import train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
+from attn.nn.config import ModelConfig
 from conftest import TINY_MQAR
 
 # Four trials of one shape: two learning rates (one warmup each) by two seeds.
@@ -195,7 +196,7 @@ def test_a_pack_leaves_a_trial_another_worker_holds(tmp_path, monkeypatch):
     rows, cfg = _rows(out, t.id), t.config
     tc = TrainConfig(**cfg["train"])
     np.testing.assert_array_equal([r["lr"] for r in rows], np.asarray(jax.vmap(train.schedule(tc))(np.arange(5))))
-    model = models.MODELS[task.kind](models.ModelConfig(**cfg["model"]), rngs=nnx.Rngs(tc.seed))
+    model = models.MODELS[task.kind](ModelConfig(**cfg["model"]), rngs=nnx.Rngs(tc.seed))
     batch = tasks.batch_rows(task, tc.seed, tasks.TRAIN, 0, tc.batch_size)
     loss, _ = train._loss(model, batch, task.kind)
     np.testing.assert_allclose(rows[0]["loss"], float(loss), rtol=1e-5)

@@ -138,10 +138,10 @@ def test_a_plugin_mechanisms_options_are_validated_and_in_the_trial_id(my_attn):
     cfg = HeadConfig(d_model=8, num_heads=2)
     with pytest.raises(ConfigError, match=r"extra.logit_scale.factor=-1 is not allowed: a positive number"):
       attn.api.check_config("per_head", cfg.replace(extra={"logit_scale": {"factor": -1}}))
-    with pytest.raises(ConfigError, match=r"extra.logit_scale.bogus=1 is not allowed: an option of "
-                                          r"mechanism 'logit_scale': one of \['factor'\]"):
+    with pytest.raises(ConfigError, match=r"extra.logit_scale.bogus=1 is not allowed: an option "
+                                          r"mechanism 'logit_scale' declares: one of \['factor'\]"):
       attn.api.check_config("per_head", cfg.replace(extra={"logit_scale": {"bogus": 1}}))
-    with pytest.raises(ConfigError, match=r"extra='nope' is not allowed: one of \[.*'logit_scale'"):
+    with pytest.raises(ConfigError, match=r"extra.nope=\{\} is not allowed: one of \[.*'logit_scale'"):
       attn.api.check_config("per_head", cfg.replace(extra={"nope": {}}))
     with pytest.raises(ConfigError, match=r"extra.gate=\{\} is not allowed: no entry: 'gate' is a built-in"):
       attn.api.check_config("per_head", cfg.replace(extra={"gate": {}}))

@@ -19,6 +19,7 @@ from attn.experiments.data import corpus
 from attn.experiments.running import config as config_lib
 from attn.experiments.training import checkpoints, train
 from attn.nn import models
+from attn.nn.config import ModelConfig
 from conftest import TINY_MQAR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def _train(trial, dirs=None):
 @pytest.mark.parametrize("value", ["float16", "fp32", 32, None])
 def test_a_dtype_is_float32_or_bfloat16_by_name(field, value):
   with pytest.raises(ConfigError) as e:
-    models.ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8, **{field: value})
+    ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8, **{field: value})
   assert str(e.value) == f"{field}={value!r} is not allowed: one of ['float32', 'bfloat16']"
   with pytest.raises(ConfigError, match=rf"model.{field}='float16' is not allowed: one of \['float32', 'bfloat16'\]"):
     config_lib.loads(MQAR, "p.toml", [f"model.{field}=float16"])

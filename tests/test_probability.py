@@ -12,6 +12,7 @@ import attn
 from attn import ConfigError, HeadConfig, count, kernel
 from attn.kernel import probability
 from attn.variants import cache, mechanisms
+from attn.nn.config import ModelConfig
 from conftest import randn
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k: lengths not multiples of the blocks, G < H, V != K
@@ -193,8 +194,7 @@ def test_refused_by_name_before_tracing():
   with pytest.raises(ConfigError, match='probability=.sigmoid. is not allowed: "softmax" with impl="xla"'):
     kernel.attention(q, k, v, probability="sigmoid", impl="xla")
   with pytest.raises(ConfigError, match="probability='relu' is not allowed: 'softmax' with learned"):
-    attn.nn.models.ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8,
-                               sinks=True, probability="relu")
+    ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8, sinks=True, probability="relu")
 
 
 def test_auto_picks_the_blocked_kernel_for_long_inputs_and_it_equals_einsum():
@@ -274,7 +274,7 @@ def test_exact_conversions_carry_it_and_one_that_drops_the_key_bias_refuses_bias
 def test_a_model_decoded_in_chunks_gives_the_full_forward_logits(prob):
   """DecoderLM (attn.nn.decoding) with RoPE and a window ring: a chunked prefill, then single tokens."""
   from flax import nnx
-  from attn.nn import DecoderLM, ModelConfig
+  from attn.nn import DecoderLM
   cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=4, d_ff=16, d_k=4, d_v=3,
                     num_kv_heads=2, max_len=12, positional="rope", rope_dim=2, rope_theta=100.0,
                     window=3, probability=prob)

@@ -2,14 +2,15 @@
 
 import json
 import os
+import pathlib
 import platform
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from attn import process
+from attn.process import allocator, command
 from conftest import TINY_SWEEP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +39,12 @@ def _python(code, **env):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# The console script beside the interpreter running the tests, not whichever attn is first on PATH.
+CONSOLE = pathlib.Path(sys.executable).parent / "attn"
+
+
 def _attn(*args, console=False, **env):
-  cmd = [shutil.which("attn")] if console else [sys.executable, "-m", "attn"]
+  cmd = [str(CONSOLE)] if console else [sys.executable, "-m", "attn"]
   return subprocess.run([*cmd, *args], env=_env(**env), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -79,7 +84,7 @@ def test_train_group_with_checkpoints_leaves_its_callers_process_alone(tmp_path,
   def refuse(*a):
     raise AssertionError("the library set up its caller's process")
 
-  monkeypatch.setattr(process, "_mallopt", refuse)
+  monkeypatch.setattr(allocator, "_mallopt", refuse)
   monkeypatch.setattr(process, "setup", refuse)
   hooks = (sys.unraisablehook, threading.excepthook)
   cfg = config_lib.resolve({"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
@@ -87,7 +92,7 @@ def test_train_group_with_checkpoints_leaves_its_callers_process_alone(tmp_path,
                             "train": {"steps": 2, "batch_size": 2, "eval_batches": 1}}, [], None)
   (summary,) = train.train_group([cfg], lambda i, r: None, checkpoint_dirs=[str(tmp_path / "ckpt")])
   assert summary["status"] == "ok" and os.listdir(tmp_path / "ckpt")  # a Saver wrote
-  assert (sys.unraisablehook, threading.excepthook) == hooks and "allocator" not in process._state
+  assert (sys.unraisablehook, threading.excepthook) == hooks and "allocator" not in command._state
 
 
 def test_import_attn_starts_no_jax():
@@ -115,13 +120,13 @@ print(json.dumps({**state(), "env": None, "allocator": allocator, "child": child
 
 def test_the_environment_attn_adds_is_taken_back_exactly():
   user = {"LD_PRELOAD": "/other.so", "PATH": "/bin"}
-  saved = process.mimalloc_path, process._glibc_linux
+  saved = allocator.mimalloc_path, allocator._glibc_linux
   try:
-    process.mimalloc_path, process._glibc_linux = (lambda: "/lib/libmimalloc.so"), (lambda: True)
+    allocator.mimalloc_path, allocator._glibc_linux = (lambda: "/lib/libmimalloc.so"), (lambda: True)
     kept = process.allocator_env("keep", user)
     tuned = process.allocator_env("mallopt", user)
   finally:
-    process.mimalloc_path, process._glibc_linux = saved
+    allocator.mimalloc_path, allocator._glibc_linux = saved
   assert kept["LD_PRELOAD"] == "/lib/libmimalloc.so:/other.so" and kept["MIMALLOC_PURGE_DELAY"] == "-1"
   assert process.allocator_env("keep", kept) == kept  # never twice
   assert "glibc.malloc.mmap_max=0" in tuned["GLIBC_TUNABLES"] and "LD_PRELOAD" in tuned
@@ -132,21 +137,21 @@ def test_the_environment_attn_adds_is_taken_back_exactly():
 def test_no_reexec_outside_keep_or_twice(monkeypatch):
   calls = []
   monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
-  monkeypatch.setattr(process, "mimalloc_path", lambda: "/lib/libmimalloc.so")
-  monkeypatch.setattr(process, "_glibc_linux", lambda: True)
+  monkeypatch.setattr(allocator, "mimalloc_path", lambda: "/lib/libmimalloc.so")
+  monkeypatch.setattr(allocator, "_glibc_linux", lambda: True)
   monkeypatch.setenv(process.PRELOADED, "{}")
-  process._reexec_with_mimalloc()
+  allocator._reexec_with_mimalloc()
   assert calls == []
   monkeypatch.delenv(process.PRELOADED)
-  process._reexec_with_mimalloc()
+  allocator._reexec_with_mimalloc()
   (exe, argv, env), = calls
   assert exe == sys.executable and argv == sys.orig_argv and env["LD_PRELOAD"].startswith("/lib/libmimalloc.so")
 
 
 @pytest.mark.parametrize("console", [False, True])
 def test_an_unknown_host_malloc_is_refused_by_name_before_anything_runs(console):
-  if console and shutil.which("attn") is None:
-    pytest.skip("the attn console script is not on PATH")
+  if console and not CONSOLE.exists():
+    pytest.skip(f"no attn console script beside {sys.executable}")
   p = _attn("count", console=console, ATTN_HOST_MALLOC="bogus")
   assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
   assert "ATTN_HOST_MALLOC='bogus'" in p.stderr and "['keep', 'mallopt', 'default']" in p.stderr, p.stderr
@@ -180,8 +185,8 @@ def test_attn_python_runs_a_library_users_script_with_the_commands_allocator():
 
 @pytest.mark.slow
 def test_attn_sweep_and_python_m_attn_sweep_record_the_same_allocator(tmp_path):
-  if shutil.which("attn") is None:
-    pytest.skip("the attn console script is not on PATH")
+  if not CONSOLE.exists():
+    pytest.skip(f"no attn console script beside {sys.executable}")
   (tmp_path / "tiny.toml").write_text(TINY_SWEEP)
   allocators = []
   for console in (True, False):
@@ -230,11 +235,11 @@ def test_an_accelerator_run_leaves_the_allocator_alone(monkeypatch):
   calls = []
   monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
   monkeypatch.delenv(process.PRELOADED, raising=False)
-  monkeypatch.setattr(process, "mimalloc_path", lambda: "/lib/libmimalloc.so")
-  monkeypatch.setattr(process, "mimalloc_loaded", lambda: False)
-  monkeypatch.setattr(process, "_glibc_linux", lambda: True)
-  monkeypatch.setattr(process, "accelerator_plugin", lambda: "jax_cuda12_plugin")
-  assert "accelerator run: jax_cuda12_plugin" in process._allocator("keep")
+  monkeypatch.setattr(allocator, "mimalloc_path", lambda: "/lib/libmimalloc.so")
+  monkeypatch.setattr(allocator, "mimalloc_loaded", lambda: False)
+  monkeypatch.setattr(allocator, "_glibc_linux", lambda: True)
+  monkeypatch.setattr(allocator, "accelerator_plugin", lambda: "jax_cuda12_plugin")
+  assert "accelerator run: jax_cuda12_plugin" in allocator.choose("keep")
   assert calls == []
 
 

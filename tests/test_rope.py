@@ -16,6 +16,7 @@ from flax import nnx
 import attn
 from attn import ConfigError, HeadConfig, count
 from attn.nn import models
+from attn.nn.config import ModelConfig
 from attn.variants import rope
 from conftest import ROPE_CONFIGS, fresh_params, randn, random_params
 
@@ -128,10 +129,10 @@ def test_merging_is_refused_under_rope():
 def test_model_config_rope():
   small = dict(vocab_size=11, d_model=8, num_layers=1, num_heads=2, d_ff=8)
   with pytest.raises(ConfigError, match="rope_dim=0 is not allowed.*positional='rope'"):
-    models.ModelConfig(**small, positional="rope")
+    ModelConfig(**small, positional="rope")
   with pytest.raises(ConfigError, match="positional='learned' is not allowed.*'rope'"):
-    models.ModelConfig(**small, rope_dim=2)
-  cfg = models.ModelConfig(**small, positional="rope", rope_dim=2, rope_theta=500.0)
+    ModelConfig(**small, rope_dim=2)
+  cfg = ModelConfig(**small, positional="rope", rope_dim=2, rope_theta=500.0)
   assert cfg.head.rope_dim == 2 and cfg.head.rope_theta == 500.0
   model = nnx.eval_shape(lambda: models.DecoderLM(cfg, rngs=nnx.Rngs(0)))
   assert model.embed.position is None
@@ -145,7 +146,7 @@ def test_model_config_rope():
 @pytest.mark.parametrize("variant", ["fused", "mla"])
 def test_rope_models_are_causal_and_know_positions(variant):
   """DecoderLM with positional='rope' and no position table: causal, and rotating in its layers."""
-  cfg = models.ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4, d_k=6, d_ff=24,
+  cfg = ModelConfig(vocab_size=13, d_model=16, num_layers=2, num_heads=4, d_k=6, d_ff=24,
                            num_kv_heads=2, variant=variant, positional="rope", rope_dim=4,
                            rope_theta=100.0)
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(0))

@@ -17,7 +17,8 @@ from flax import nnx
 import attn
 from attn import ConfigError, HeadConfig
 from attn.experiments.running import config as config_lib
-from attn.nn.models import DecoderLM, ModelConfig
+from attn.nn.models import DecoderLM
+from attn.nn.config import ModelConfig
 from attn.variants import rope
 from conftest import ROPE_CONFIGS, TINY_MQAR, fresh_params, jit_apply, randn
 

@@ -9,7 +9,9 @@ from attn import api, kernel
 from attn.config import ConfigError, HeadConfig
 from attn.kernel import select
 from attn.testing import check_mechanism
-from attn.variants import selection
+from attn.kernel import gathered as kernel_gathered
+from attn.kernel import sparse as kernel_sparse
+from attn.variants.mechanisms import selection
 from attn.variants.mechanisms import MECHANISMS
 
 
@@ -83,7 +85,7 @@ def test_sparse_path_equals_dense_path_at_long_T(extra, monkeypatch):
   selection's dense mask),
   values and gradients, with GQA, d_v ≠ d_k, RoPE and padding."""
   calls = []
-  for module in (selection.sparse, selection.gathered):  # the indexer's kernel, MoBA's
+  for module in (kernel_sparse, kernel_gathered):  # the indexer's row, MoBA's (attn.kernel.selected calls them)
     monkeypatch.setattr(module, "attention", lambda *a, run=module.attention, **kw: calls.append(1) or run(*a, **kw))
   cfg = HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=5, num_kv_heads=2, rope_dim=2, extra=extra)
   p = api.init("per_head", jax.random.key(2), cfg)

@@ -139,8 +139,9 @@ def test_sink_metrics_match_numpy_on_a_fresh_random_model():
   from flax import nnx
   from attn.experiments.training import sink_eval
   from attn.nn import models
+  from attn.nn.config import ModelConfig
   # d_v != d_k, 3 heads not dividing d_model = 7, one kv head for three query heads, a window on layer 0.
-  cfg = models.ModelConfig(vocab_size=11, d_model=7, num_layers=2, num_heads=3, num_kv_heads=1, d_k=4, d_v=5,
+  cfg = ModelConfig(vocab_size=11, d_model=7, num_layers=2, num_heads=3, num_kv_heads=1, d_k=4, d_v=5,
                            d_ff=9, variant="per_head", max_len=12, window=4, global_every=2, use_bias=True,
                            embed_init_std=1.0)
   graphdef, state = nnx.split(models.DecoderLM(cfg, rngs=nnx.Rngs(7)))

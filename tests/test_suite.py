@@ -165,3 +165,48 @@ def test_attn_imports_no_optional_module_at_import_time():
             if not any(id(n) in guarded for n in ast.walk(tree)
                        if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == line)]
   assert bad == []
+
+
+# A call of the attn command by name (["attn", ...], shutil.which("attn")) runs whichever attn is first on
+# PATH, maybe another install's: tests call the interpreter running them (sys.executable -m attn) or
+# the console script beside it (pathlib.Path(sys.executable).parent / "attn").
+_ATTN_BY_NAME = re.compile(r"""shutil\.which\(\s*["']attn["']|[(\[]\s*["']attn["']\s*,\s*["'](?:sweep|count|status|report|"""
+                           r"""python|analyze|demo|bench|eval|export|reproduce)["']""")
+
+
+@pytest.mark.parametrize("path", [p for p in TESTS if p.name != "test_suite.py"], ids=lambda p: p.name)
+def test_tests_call_the_attn_of_the_interpreter_running_them(path):
+  hits = [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+          if _ATTN_BY_NAME.search(line)]
+  assert not hits, "calls the attn first on PATH, not sys.executable's:\n" + "\n".join(hits)
+
+
+def test_the_attn_by_name_check_catches_both_forms():
+  assert _ATTN_BY_NAME.search('cmd = [shutil.which("attn")]')
+  assert _ATTN_BY_NAME.search("subprocess.run(['attn', 'sweep', cfg])")
+  assert not _ATTN_BY_NAME.search('subprocess.run([sys.executable, "-m", "attn", "sweep"])')
+  assert not _ATTN_BY_NAME.search('os.path.join(home, ".cache", "attn", "jax-tests")')
+
+
+def test_the_skips_are_summarised_by_reason(tmp_path):
+  import os
+  import subprocess
+  import sys
+  (tmp_path / "conftest.py").write_text("from skips import pytest_terminal_summary  # noqa: F401\n")
+  (tmp_path / "test_x.py").write_text("""
+import pytest
+@pytest.mark.parametrize("i", range(3))
+def test_needs_a_gpu(i):
+  pytest.skip("needs a GPU")
+def test_needs_a_module():
+  pytest.importorskip("no_such_module_here")
+def test_ok():
+  pass
+""")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+  p = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path), "-p", "no:xdist", "-p", "no:cacheprovider",
+                      "-o", "addopts=", "--rootdir", str(tmp_path)], env=env, capture_output=True, text=True,
+                     timeout=120, cwd=tmp_path)
+  assert "1 passed, 4 skipped" in p.stdout, p.stdout + p.stderr
+  assert re.search(r"4 skipped, by reason.*\n\s+3  needs a GPU\n\s+1  could not import 'no_such_module_here'",
+                   p.stdout), p.stdout

@@ -56,14 +56,30 @@ def parse(*argv):
     (("--trials-per-device", "0"), r"--trials-per-device=0.*integer >= 1"),
     (("--trials-per-device", "2", "--workers", "3"), r"--trials-per-device=2.*1 with --workers"),
     (("--trials-per-device", "2", "--processes-per-trial", "2"), r"--trials-per-device=2"),
+    (("--trials-per-device", "1000000"), r"--trials-per-device=1000000 is not allowed: an integer from 1 to \d+: "
+                                         r"this process may use \d+ CPU cores"),
 ])
 def test_trials_per_device_refuses_what_it_cannot_combine_with(argv, match):
   with pytest.raises(ConfigError, match=match):
     cli._check(parse(*argv))
 
 
+def test_trials_per_device_beyond_the_cores_is_refused_before_the_store_is_touched(tmp_path, monkeypatch):
+  cores = len(__import__("os").sched_getaffinity(0))
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  assert cli._check(parse("--trials-per-device", str(cores))) in ("workers", "here")
+  args = parse("--trials-per-device", str(cores + 1), "--out", str(tmp_path / "store"), "--no-report")
+  def load(*a, **k):
+    raise AssertionError("the config was read: the store and the workers come next")
+  monkeypatch.setattr(cli.config_lib, "load", load)
+  with pytest.raises(ConfigError, match=rf"--trials-per-device={cores + 1} is not allowed: an integer from 1 to {cores}"):
+    cli.run(args)
+  assert not (tmp_path / "store").exists()
+
+
 def test_trials_per_device_runs_the_workers_executor(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # 2 of 4 cores
   assert cli._check(parse("--trials-per-device", "2")) == "workers"
   assert __import__("os").environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from attn.api import check_config, check_params
 from attn.config import HeadConfig, invalid
-from attn.convert import CONVERTERS
+from attn.conversion import CONVERTERS
 from attn.variants import factors
 from attn.variants.base import Params
 

@@ -134,7 +134,7 @@ def selector_case(cfg: HeadConfig, B: int, T: int, dtype) -> Candidate:
   times the forward again."""
   q, params, _, m = _selection_inputs(cfg, B, T, dtype)
   select = lambda p, q: m.select(p, q, p["k"], cfg=cfg, is_causal=True, kv_lengths=None, mask=None,
-                                 dense=False, index=None)[1]
+                                 dense=False, index=None).args
   fwd = jax.jit(select).lower(params, q).compile()
   call = block(fwd, params, q)
   return {"fwd": call, "fb": call, "peak_bytes": peak_bytes(fwd)}

@@ -11,6 +11,11 @@
   attn count --preset gpt2 --kv-source 0,1,2,3,4,5,6,7,8,9,9,9 --seq-len 8192  # the last 3 layers share
   attn count --hf ./my-checkpoint --format json  # a checkpoint's config.json by component (no weights read)
   attn count --hf gpt-oss-20b                    # a stored published config (attn/count/hf_configs)
+  attn count configs/quick.toml                  # the models a sweep's trials train, as `attn sweep` resolves them
+  attn count CONFIG --case hybrid --set model.d_model=128   # one case of it, with the sweep's --set
+
+Byte counts are in float32 unless --dtype says otherwise (count.model.DTYPE, the whole counting API's default:
+what attn's models train and decode in, and what reports count in).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import sys
 import tomllib
 from typing import Any
 
-from attn import count
-from attn.count import hf as count_hf, measured, presets, selectors
+from attn.count import (hf as count_hf, layer as count_layer, measured, model as count_model, presets,
+                        selectors)
 from attn.api import get_variant
 from attn.config import ConfigError, HeadConfig
 from attn.variants import mechanisms
@@ -72,6 +77,13 @@ _PUBLISHED_COLUMNS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("config", nargs="?", default=None, metavar="CONFIG",
+                      help="a sweep config (TOML): count the model each of its trials trains, resolved as "
+                      "`attn sweep` resolves it (derived d_k, d_v, d_ff and defaults included)")
+  parser.add_argument("--case", action="append", default=None, metavar="NAME",
+                      help="with CONFIG: only this case of its sweep.cases (repeatable)")
+  parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                      help="with CONFIG: override a config key as `attn sweep --set` does (repeatable)")
   parser.add_argument("--preset", help="a whole model: " + ", ".join(
       sorted(presets.PRESETS) + sorted(presets.GROUPS)))
   for name, f in _HEAD_FIELDS.items():
@@ -102,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "(those within the model's max_position_embeddings; past it, at that context)")
   parser.add_argument("--seq-len", type=int, default=128, help="query length T for FLOPs (L for KV caches)")
   parser.add_argument("--kv-len", type=int, default=None, help="key length S (default T)")
-  parser.add_argument("--dtype", default="bfloat16", help="KV-cache dtype")
+  parser.add_argument("--dtype", default=count_model.DTYPE, help=f"dtype of KV-cache and state bytes (default {count_model.DTYPE})")
   parser.add_argument("--variant", action="append", default=None,
                       help="only this variant (repeatable; default all)")
   parser.add_argument("--mechanisms", action="store_true",
@@ -182,8 +194,8 @@ def table3_report() -> dict[str, Any]:
           "consistent_vocab": _common_range(matched),
           "consistent_vocab_separate_tables": _common_range([dataclasses.replace(
               p, config=p.config.replace(share_src_tgt_embeddings=False)) for p in matched]),
-          "base_at_37000": count.model_param_count(base.config.replace(vocab_size=37_000),
-                                                   base.kind),
+          "base_at_37000": count_model.model_param_count(base.config.replace(vocab_size=37_000),
+                                                         base.kind),
           "unmatched": {r["row"]: list(ranges[r["row"]]) for r in rows if not r["match"]}}
 
 
@@ -235,7 +247,7 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
                   preset: presets.Preset | None) -> dict[str, Any]:
   variants = [get_variant(v).name for v in args.variant] if args.variant else None
   mechanisms.check(cfg)  # a mechanism's option refused by name, once, before any row
-  rows = count.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
+  rows = count_layer.layer_table(cfg, args.seq_len, args.kv_len, args.dtype, variants)
   failed = {r["variant"]: r["plugin_error"] for r in rows if "plugin_error" in r}
   rows = [r for r in rows if "plugin_error" not in r]
   refused = [r for r in rows if "error" in r]
@@ -251,21 +263,22 @@ def _layer_report(cfg: HeadConfig, args: argparse.Namespace,
     report["selection"] = selectors.selection_row(cfg, args.seq_len)
   if ok and args.mechanisms:
     report["mechanisms_of"] = "per_head" if "per_head" in ok else ok[0]
-    report["mechanisms"] = count.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
-                                                 args.dtype)
+    report["mechanisms"] = count_layer.mechanism_table(report["mechanisms_of"], cfg, args.seq_len,
+                                                       args.dtype)
   if preset is not None:
     m, kind = preset.config, preset.kind
     report["model"] = {
         "preset": preset.name, "kind": kind, "variant": m.variant, "source": preset.source,
         "published": preset.published, "in_millions": preset.in_millions,
-        "modified": bool(_overrides(args) or _model_overrides(args)), "count": count.model_param_count(m, kind),
-        "active_per_token": count.active_param_count(m, kind),
-        "breakdown": count.model_param_breakdown(m, kind),
-        "layer_types": count.layer_type_table(m, kind, args.seq_len, args.dtype)}
+        "modified": bool(_overrides(args) or _model_overrides(args)),
+        "count": count_model.model_param_count(m, kind),
+        "active_per_token": count_model.active_param_count(m, kind),
+        "breakdown": count_model.model_param_breakdown(m, kind),
+        "layer_types": count_model.layer_type_table(m, kind, args.seq_len, args.dtype)}
     for row in rows:
       if "error" not in row:
         try:  # a variant the model's settings refuse (mla cannot share keys and values: kv_source) has none
-          row["model_params"] = count.model_param_count(m.replace(variant=row["variant"]), kind)
+          row["model_params"] = count_model.model_param_count(m.replace(variant=row["variant"]), kind)
         except ConfigError:
           row["model_params"] = None
   return report
@@ -385,8 +398,77 @@ def _context_lengths(hf: dict[str, Any], wanted: tuple[int, ...]) -> tuple[tuple
   return tuple(dict.fromkeys(kept)), past, context
 
 
+_CONFIG_COLUMNS = [
+    ("model", "model"), ("trials", "trials"), ("params", "params"), ("attention", "attention params"),
+    ("kv_bytes_per_token", "KV cache B/token"), ("state_bytes", "state B/sequence"), ("T", "T"),
+    ("held_at_T", "state + KV cache B at T")]
+
+
+def config_rows(path: str, overrides: list[str] | None = None, cases: list[str] | None = None,
+                dtype: Any = count_model.DTYPE) -> list[dict[str, Any]]:
+  """One row per distinct model the trials of sweep config `path` train (seeds share one), in trial order:
+  its label (the sweep's axes but the seed), trials, parameters, attention parameters, and, for a decoder,
+  KV cache per token, state per sequence and both at the task's length T. The trials are
+  attn.experiments.running.config's, the runner's own resolution, so these are the models that train."""
+  from attn.experiments.data import tasks
+  from attn.experiments.running import config as config_lib
+  from attn.nn.config import ModelConfig
+  sweep = config_lib.load(path, overrides or [])
+  trials = sweep.trials
+  if cases:
+    names = list(dict.fromkeys(t.label.get(config_lib.CASE) for t in trials))
+    if names == [None]:
+      raise ConfigError(f"--case={cases[0]!r} is not allowed: {path} has no sweep.cases")
+    for c in cases:
+      if c not in names:
+        raise ConfigError(f"--case={c!r} is not allowed: one of {names} (the cases of {path})")
+    trials = [t for t in trials if t.label.get(config_lib.CASE) in cases]
+  rows: dict[str, dict[str, Any]] = {}
+  for t in trials:
+    key = json.dumps({k: v for k, v in t.config.items() if k != "train"}, sort_keys=True, default=str)
+    if key in rows:
+      rows[key]["trials"] += 1
+      continue
+    kind = tasks.TASKS[t.config["task"]["name"]].kind
+    m, T = ModelConfig(**t.config["model"]), t.config["task"].get("seq_len")
+    name = ", ".join(f"{config_lib.axis_name(k)}={config_lib.show(v)}" for k, v in t.label.items()
+                     if k != "train.seed") or "the base config"
+    row = {"model": name, "trials": 1, "kind": kind, "params": count_model.model_param_count(m, kind),
+           "attention": count_model.model_param_breakdown(m, kind)["attention"], "T": T, "dtype": str(dtype)}
+    if kind in ("decoder_lm", "encoder_decoder"):
+      row["kv_bytes_per_token"] = count_model.model_kv_cache_bytes_per_token(m, kind, dtype)
+      row["state_bytes"] = count_model.model_state_bytes(m, kind, dtype)
+      row["kv_bytes_at_T"] = count_model.model_kv_cache_bytes(m, kind, T, dtype)
+      row["held_at_T"] = row["kv_bytes_at_T"] + row["state_bytes"]
+    rows[key] = row
+  return list(rows.values())
+
+
+def _config_output(args: argparse.Namespace) -> str:
+  rows = config_rows(args.config, args.overrides, args.case, args.dtype)
+  if args.format == "json":
+    return json.dumps({"config": args.config, "overrides": args.overrides, "dtype": args.dtype, "rows": rows},
+                      indent=2)
+  if args.format == "csv":
+    return _csv(rows, _CONFIG_COLUMNS)
+  n = sum(r["trials"] for r in rows)
+  return (f"The models the {n} trials of {args.config} train ({len(rows)} distinct; seeds share one), as "
+          f"`attn sweep` resolves them; bytes in {args.dtype} over all layers, T the task's length "
+          "(— : a classifier keeps no decoding cache):\n\n" + markdown(rows, _CONFIG_COLUMNS))
+
+
 def run(args: argparse.Namespace) -> int:
   """Prints the table; ConfigError (unknown preset, impossible dims) exits 2 via attn.cli."""
+  if args.config is not None:
+    if args.preset or args.hf or _overrides(args) or _model_overrides(args) or args.variant or args.mechanisms:
+      raise ConfigError(f"CONFIG={args.config!r} is not allowed with --preset, --hf, dimension, variant or "
+                        "mechanism flags: it counts the models the config's trials train (change them with --set)")
+    print(_config_output(args))
+    return 0
+  if args.case or args.overrides:
+    flag = "--case" if args.case else "--set"
+    raise ConfigError(f"{flag}={(args.case or args.overrides)[0]!r} is not allowed without CONFIG: it picks or "
+                      "changes a sweep config's trials (attn count CONFIG --case NAME)")
   if args.hf is not None:
     if args.preset or _overrides(args) or _model_overrides(args) or args.variant or args.mechanisms:
       raise ConfigError(f"--hf={args.hf!r} is not allowed with --preset, dimension, variant or mechanism "

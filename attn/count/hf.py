@@ -16,9 +16,8 @@ import json
 import os
 from typing import Any
 
-from attn import count
 from attn.config import ConfigError, invalid
-from attn.nn import layer_types
+from attn.count import model as count_model
 from attn.nn.config import ModelConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "hf_configs")
@@ -81,19 +80,32 @@ def config_for_count(hf: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
 
 def hf_breakdown(m: ModelConfig) -> dict[str, int]:
   """Parameters by component as transformers holds them: attention split per layer type."""
-  parts = count.model_param_breakdown(m, "decoder_lm")
-  if not m.tie_embeddings:
-    parts["output"] = m.vocab_size * m.d_model  # no Hugging Face decoder's lm_head has a bias
-  out: dict[str, int] = {}
-  for row in count.layer_type_table(m, "decoder_lm", 1)[:-1]:
-    out[f"attention ({row['type']})"] = row["params"]
-  if sum(out.values()) != parts["attention"]:
-    raise AssertionError("per-type attention does not sum to the model's")  # one closed form, two groupings
+  return _breakdown(_as_transformers(m), count_model.model_param_breakdown(m, "decoder_lm"),
+                    count_model.layer_type_table(m, "decoder_lm", 1))
+
+
+def _as_transformers(m: ModelConfig) -> tuple[int | None, str]:
+  """What transformers holds otherwise than attn's breakdown: the output layer's parameters (None: tied),
+  and the name of the MLP component."""
+  output = None if m.tie_embeddings else m.vocab_size * m.d_model  # no Hugging Face lm_head has a bias
   mlp = "mlp"
   if m.mlp == "moe":  # DeepSeek-V3's shared experts and dense first layers are in it too: say so
     extra = (["shared experts"] if m.moe_shared_experts else []) + (
         [f"{m.moe_dense_first} dense layers' mlp"] if m.moe_dense_first else [])
     mlp = f"experts (router, all experts{''.join(', ' + e for e in extra)})"
+  return output, mlp
+
+
+def _breakdown(names: tuple[int | None, str], parts: dict[str, int],
+               table: list[dict[str, Any]]) -> dict[str, int]:
+  """hf_breakdown from _as_transformers, the model's breakdown and its layer type table (any length)."""
+  output, mlp = names
+  parts = dict(parts) if output is None else {**parts, "output": output}
+  out: dict[str, int] = {}
+  for row in table[:-1]:
+    out[f"attention ({row['type']})"] = row["params"]
+  if sum(out.values()) != parts["attention"]:
+    raise AssertionError("per-type attention does not sum to the model's")  # one closed form, two groupings
   for key, value in parts.items():
     if key != "attention" and value:
       out[mlp if key == "mlp" else key] = value
@@ -101,29 +113,32 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
 
 
 def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192, 131072),
-              dtype: str = "bfloat16", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+              dtype: str = count_model.DTYPE, changes: dict[str, Any] | None = None) -> dict[str, Any]:
   """Everything `attn count --hf` prints, as a JSON-ready dict; changes: ModelConfig fields set on what
   the family reads (a design undone: DeepSeek-V3's heads as per_head, keys and values cached whole)."""
   m, notes = config_for_count(hf)
   m = m.replace(**changes) if changes else m
-  parts = hf_breakdown(m)
+  # Each table once: the breakdown, and the layer types at lengths[0] (their per-layer figures
+  # do not depend on the length) with each type's first layer, checked once (attn.count.layer.Layer).
+  names = _as_transformers(m)
+  model_parts = count_model.model_param_breakdown(m, "decoder_lm")
+  table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype)
+  parts = _breakdown(names, model_parts, table)
   total = sum(parts.values())
-  active = count.active_param_count(m, "decoder_lm") - (count.model_param_breakdown(m, "decoder_lm")["output"]
-                                                               - parts.get("output", 0))
+  active = count_model.active_param_count(m, "decoder_lm", model_parts) - (model_parts["output"]
+                                                                          - parts.get("output", 0))
   layers = []
-  flops_at = {r["type"]: r["flops_fwd"] for r in count.layer_type_table(m, "decoder_lm", lengths[0], dtype)[:-1]}
-  for row in count.layer_type_table(m, "decoder_lm", 1, dtype)[:-1]:  # L=1: the per-layer figures
-    first = next(i for i in range(m.num_layers) if layer_types.layer_type(m, i) == row["type"] and m.has_attention(i))
-    head, variant = m.layer_head(first), m.layer_variant(first)
-    layers.append({"type": row["type"], "variant": variant, "layers": row["layers"],
+  for row in table[:-1]:
+    layer = first[row["type"]]
+    layers.append({"type": row["type"], "variant": layer.name, "layers": row["layers"],
                    "kv_shared_layers": row["kv_shared_layers"], "window": row["window"],
                    "rope_theta": row["rope_theta"], "params_per_layer": row["params_per_layer"],
-                   "params": row["params"], "flops_fwd_at": {str(lengths[0]): flops_at[row["type"]]},
-                   "score_weights_per_layer": count.score_weight_count(variant, head),
+                   "params": row["params"], "flops_fwd_at": {str(lengths[0]): row["flops_fwd"]},
+                   "score_weights_per_layer": layer.score_weights(),
                    "kv_bytes_per_token_per_layer": row["kv_bytes_per_token_per_layer"],
-                   "kv_bytes_at": {str(L): count.kv_cache_bytes(variant, head, L, dtype)
+                   "kv_bytes_at": {str(L): layer.kv_cache_bytes(L, dtype)
                                    * (row["layers"] - row["kv_shared_layers"]) for L in lengths},
-                   "state_bytes_per_layer": count.state_bytes(variant, head)})
+                   "state_bytes_per_layer": layer.state_bytes()})
   return {"source": source, "model_type": hf.get("model_type"), "variant": m.variant, "dtype": dtype,
           "num_layers": m.num_layers, "d_model": m.d_model, "vocab_size": m.vocab_size,
           "tie_embeddings": m.tie_embeddings, "notes": notes, "breakdown": parts, "total": total,

@@ -15,19 +15,24 @@ self-attention of an encoder-decoder), the encoder's otherwise. A layer that rea
 layer's keys and values (ModelConfig.kv_source) caches nothing: each row counts its
 kv_shared_layers and leaves them out of kv_bytes_at_L, and holds no key-side weights
 (kv_sharing.dropped: params less them, as in the model's tree).
+
+A stack is read from its ModelConfig once (`_stack_of`: each block's layer type, sublayers,
+experts, key-value source and its attention checked once into an attn.count.layer.Layer); the
+counts are sums over those records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from attn.config import invalid
-from attn.count.layer import (check_length, flops, kv_cache_bytes, kv_cache_bytes_per_token, param_counts,
-                              state_bytes)
-from attn.nn import hyper, kv_sharing, layer_types
+from attn.count.layer import DTYPE, Layer, check_layer, check_length, kv_cache_bytes_per_token, state_bytes
+from attn.nn import hyper, kv_sharing, layer_types, short_conv
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
+
 
 # Which Flax module in attn.nn.models a count describes.
 MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
@@ -44,12 +49,43 @@ def _layer_norm(m: ModelConfig) -> int:
   return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
 
 
-def _mlp(m: ModelConfig, layer: int = 0, cross: bool = False) -> int:
-  if m.is_moe_layer(layer):
-    return expert_params(m)["total"]
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """Block `index` of a stack as counting reads it from its ModelConfig, once (_stack_of)."""
+
+  index: int
+  type: str  # its self-attention's layer type (attn.nn.layer_types)
+  attention: Layer | None  # its self-attention, checked once; None in an MLP-only block (block_kinds)
+  mlp: bool
+  moe: bool
+  reads_other: bool  # its keys and values are another layer's (kv_source)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+  """A stack of blocks as counting reads it from its ModelConfig, once (_stack_of)."""
+
+  blocks: tuple[_Block, ...]
+  dense_bias: bool  # the MLPs (and an untied output layer) have biases: ModelConfig.has_dense_bias
+
+
+def _stack_of(m: ModelConfig, n: int, cross: bool = False) -> _Stack:
+  """Blocks 0..n-1 of a stack (a decoder's with cross-attention: every block has both sublayers)."""
+  dense_bias, blocks = m.has_dense_bias, []
+  for i in range(n):
+    attends, mlp, moe = cross or m.has_attention(i), cross or m.has_mlp(i), m.is_moe_layer(i)
+    attention = check_layer(m.layer_variant(i), m.layer_head(i)) if attends else None
+    blocks.append(_Block(index=i, type=layer_types.layer_type(m, i), attention=attention, mlp=mlp, moe=moe,
+                         reads_other=kv_sharing.source(m, i) != i))
+  return _Stack(tuple(blocks), dense_bias)
+
+
+def _mlp(m: ModelConfig, b: _Block, dense_bias: bool, cross: bool = False) -> int:
+  if b.moe:
+    return expert_params(m, dense_bias)["total"]
   n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
-  F = 2 * m.d_ff if m.double_wide_mlp and not cross and kv_sharing.source(m, layer) != layer else m.d_ff
-  return n * m.d_model * F + (((n - 1) * F + m.d_model) if m.has_dense_bias else 0)
+  F = 2 * m.d_ff if m.double_wide_mlp and not cross and b.reads_other else m.d_ff
+  return n * m.d_model * F + (((n - 1) * F + m.d_model) if dense_bias else 0)
 
 
 def _per_layer_inputs(m: ModelConfig, n: int) -> int:
@@ -63,14 +99,15 @@ def _per_layer_inputs(m: ModelConfig, n: int) -> int:
       2 * m.d_model * P + _layer_norm(m))
 
 
-def expert_params(m: ModelConfig) -> dict[str, int]:
+def expert_params(m: ModelConfig, dense_bias: bool | None = None) -> dict[str, int]:
   """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
 
   Each expert 3·D·F + b·(2F + D), F = moe_d_ff; the router D·E + b·E; shared experts
   one gated MLP of width S·F (or moe_shared_d_ff), + D with moe_shared_gate. Active: the router,
-  k experts and the shared ones.
+  k experts and the shared ones. dense_bias: m.has_dense_bias, where the caller has read it.
   """
-  D, F, b = m.d_model, m.moe_d_ff or m.d_ff, m.has_dense_bias
+  D, F = m.d_model, m.moe_d_ff or m.d_ff
+  b = m.has_dense_bias if dense_bias is None else dense_bias
   expert = 3 * D * F + ((2 * F + D) if b else 0)
   SF = (m.moe_shared_d_ff or m.moe_shared_experts * F) if m.moe_shared_experts else 0
   fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
@@ -78,12 +115,12 @@ def expert_params(m: ModelConfig) -> dict[str, int]:
   return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
 
 
-def _attention(m: ModelConfig, layer: int = 0, cross: bool = False) -> int:
-  """Layer `layer`'s attention: its type's (mla without RoPE: no W^KR), less the key-side weights a
+def _attention(b: _Block, cross: bool = False) -> int:
+  """Block b's attention: its type's (mla without RoPE: no W^KR), less the key-side weights a
   layer reading another's keys and values does not hold (kv_sharing.dropped)."""
-  variant, head = m.layer_variant(layer), m.layer_head(layer)
-  shared = not cross and kv_sharing.source(m, layer) != layer
-  return param_counts(variant, head)["analytic"] - (kv_sharing.dropped_count(variant, head) if shared else 0)
+  layer = b.attention
+  shared = not cross and b.reads_other
+  return layer.param_counts()["analytic"] - (kv_sharing.dropped_count(layer.name, layer.cfg) if shared else 0)
 
 
 def shared_flops_saved(m: ModelConfig, layer: int, length: int) -> int:
@@ -92,8 +129,12 @@ def shared_flops_saved(m: ModelConfig, layer: int, length: int) -> int:
   (D, n...) it does not hold (kv_sharing.dropped: per_head 2·S·D·G·(K + V), k_eq_v 2·S·D·G·K)."""
   if kv_sharing.source(m, layer) == layer:
     return 0
+  return _flops_saved(m.layer_variant(layer), m.layer_head(layer), length)
+
+
+def _flops_saved(variant: str, head, length: int) -> int:
   total = 0
-  for name, s in kv_sharing.dropped(m.layer_variant(layer), m.layer_head(layer)).items():
+  for name, s in kv_sharing.dropped(variant, head).items():
     if name.startswith("w_"):
       n = 1
       for d in s.shape:
@@ -110,32 +151,34 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
   parts["layernorm"] += _layer_norm(m) if m.embed_norm else 0
 
 
-def _blocks(m: ModelConfig, parts: dict[str, int], n: int, *, cross: bool = False) -> None:
-  """A stack of n blocks (decoder blocks: + cross-attention + LN), then its final LN."""
-  attn = [cross or m.has_attention(i) for i in range(n)]  # block_kinds: single-sublayer blocks
-  mlp = [cross or m.has_mlp(i) for i in range(n)]
-  parts["attention"] += sum(_attention(m, i) + (_attention(m, i, cross=True) if cross else 0)
-                            for i in range(n) if attn[i])
-  parts["mlp"] += sum(_mlp(m, i, cross) for i in range(n) if mlp[i])
+def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool = False) -> None:
+  """A stack of blocks (decoder blocks: + cross-attention + LN), then its final LN."""
+  attn = [b for b in stack.blocks if b.attention is not None]  # block_kinds: single-sublayer blocks
+  mlp = [b for b in stack.blocks if b.mlp]
+  parts["attention"] += sum(_attention(b) + (_attention(b, cross=True) if cross else 0) for b in attn)
+  parts["mlp"] += sum(_mlp(m, b, stack.dense_bias, cross) for b in mlp)
+  if m.short_conv is not None:  # the convolution before each self-attention (attn.nn.short_conv)
+    parts["short_conv"] = parts.get("short_conv", 0) + len(attn) * short_conv.param_count(m.short_conv, m.d_model)
   per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
-  sublayers = sum(attn) + sum(mlp) + (n if cross else 0)
+  sublayers = len(attn) + len(mlp) + (len(stack.blocks) if cross else 0)
   parts["layernorm"] += sublayers * per_sublayer * _layer_norm(m) + (_layer_norm(m) if m.final_norm else 0)
 
 
-def _output(m: ModelConfig) -> int:
-  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if m.has_dense_bias else 0)
+def _output(m: ModelConfig, dense_bias: bool) -> int:
+  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if dense_bias else 0)
 
 
-def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
+def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str, int]:
   """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
   names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
            "layernorm", "pooler", "classifier", "output", "mlm_head", "per_layer_inputs")
   parts = dict.fromkeys(names, 0)
+  stack = _stack_of(m, m.num_layers)
   _embeddings(m, parts, segments=kind != "decoder_lm")
   parts["per_layer_inputs"] = _per_layer_inputs(m, m.num_layers)
-  _blocks(m, parts, m.num_layers)
+  _blocks(m, parts, stack)
   if kind in ("encoder", "classifier") and m.pooler:
     parts["pooler"] = m.d_model * m.d_model + m.d_model
   if kind == "encoder" and m.mlm_head:  # transform D² + D, its norm, the decoder's bias (weights tied)
@@ -148,20 +191,20 @@ def model_param_breakdown(m: ModelConfig, kind: str) -> dict[str, int]:
     # The target side: its own positions (and embedding LN); the token table is the
     # source's when share_src_tgt_embeddings; decoder blocks add cross-attention.
     _embeddings(m, parts, token=not m.share_src_tgt_embeddings, segments=False)
-    _blocks(m, parts, m.num_decoder_layers, cross=True)
+    _blocks(m, parts, _stack_of(m, m.num_decoder_layers, cross=True), cross=True)
   if kind in ("decoder_lm", "encoder_decoder"):
-    parts["output"] = _output(m)
+    parts["output"] = _output(m, stack.dense_bias)
   if m.hc_mult > 1:  # DecoderLM's hyper-connections (attn.nn.hyper): two mixes a block and the head
     parts["hyper_connections"] = hyper.param_count(m.hc_mult, m.d_model, m.num_layers)
   return parts
 
 
-def model_param_count(m: ModelConfig, kind: str) -> int:
+def model_param_count(m: ModelConfig, kind: str = "decoder_lm") -> int:
   """Total parameters of a whole model, each shared array counted once."""
   return sum(model_param_breakdown(m, kind).values())
 
 
-def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str, dtype: Any = "bfloat16") -> int:
+def model_kv_cache_bytes_per_token(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = DTYPE) -> int:
   """Self-attention KV cache of the decoding stack per generated token (all layers)."""
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
@@ -176,7 +219,7 @@ def _caches(m: ModelConfig, kind: str, index: int) -> bool:
   return kind != "decoder_lm" or kv_sharing.source(m, index) == index
 
 
-def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = "float32") -> int:
+def model_state_bytes(m: ModelConfig, kind: str = "decoder_lm", dtype: Any = DTYPE) -> int:
   """The fixed-size decoding state of the stack's linear layers per sequence (all layers)."""
   layers = m.num_layers if kind == "decoder_lm" else m.num_decoder_layers
   return sum(state_bytes(m.layer_variant(i), m.layer_head(i), dtype) for i in range(layers)
@@ -189,48 +232,58 @@ def _stack(m: ModelConfig, kind: str) -> int:
   return m.num_decoder_layers if kind == "encoder_decoder" else m.num_layers
 
 
-def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16") -> list[dict[str, Any]]:
+def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE) -> list[dict[str, Any]]:
   """One row per layer type of the stack, in order of first appearance, then a "total" row."""
+  return type_table(m, kind, length, dtype)[0]
+
+
+def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
+               ) -> tuple[list[dict[str, Any]], dict[str, Layer]]:
+  """layer_type_table's rows, and the checked Layer of each type's first layer (what its per-layer
+  figures are of), for a caller that derives more figures from the same layers (attn.count.hf)."""
   check_length("length", length)
   rows: dict[str, dict[str, Any]] = {}
-  for i in range(_stack(m, kind)):
-    if kind != "encoder_decoder" and not m.has_attention(i):  # an MLP-only block (block_kinds)
+  first: dict[str, Layer] = {}
+  encoder_decoder = kind == "encoder_decoder"
+  for b in _stack_of(m, _stack(m, kind), cross=encoder_decoder).blocks:
+    if b.attention is None:  # an MLP-only block (block_kinds)
       continue
-    name = layer_types.layer_type(m, i)
-    head, variant = m.layer_head(i), m.layer_variant(i)
-    shared = not _caches(m, kind, i)
+    layer, name = b.attention, b.type
+    shared = kind == "decoder_lm" and b.reads_other  # not _caches(m, kind, b.index)
     if name not in rows:
-      rows[name] = {"type": name, "variant": variant, "layers": 0, "kv_shared_layers": 0, "window": head.window,
+      first[name], head = layer, layer.cfg
+      rows[name] = {"type": name, "variant": layer.name, "layers": 0, "kv_shared_layers": 0, "window": head.window,
                     "rope_theta": head.rope_theta if head.rope_dim else None,
-                    "params_per_layer": param_counts(variant, head)["analytic"],
-                    "flops_fwd_per_layer": flops(variant, head, length),
-                    "kv_bytes_per_token_per_layer": kv_cache_bytes_per_token(variant, head, dtype),
-                    "kv_bytes_at_L_per_layer": kv_cache_bytes(variant, head, length, dtype),
+                    "params_per_layer": layer.param_counts()["analytic"],
+                    "flops_fwd_per_layer": layer.flops(length),
+                    "kv_bytes_per_token_per_layer": layer.kv_cache_bytes_per_token(dtype),
+                    "kv_bytes_at_L_per_layer": layer.kv_cache_bytes(length, dtype),
                     "params": 0, "flops_fwd": 0, "kv_bytes_at_L": 0}
     row = rows[name]
     row["layers"] += 1
     row["kv_shared_layers"] += shared
     # A sharing layer: no key-side weights, no key and value projections, no cache of its own.
-    row["params"] += _attention(m, i)
-    row["flops_fwd"] += row["flops_fwd_per_layer"] - (shared_flops_saved(m, i, length) if shared else 0)
+    row["params"] += _attention(b)
+    row["flops_fwd"] += row["flops_fwd_per_layer"] - (_flops_saved(layer.name, layer.cfg, length) if shared else 0)
     row["kv_bytes_at_L"] += 0 if shared else row["kv_bytes_at_L_per_layer"]
   out = list(rows.values())
   total = {"type": "total", "layers": sum(r["layers"] for r in out)}
   for key in ("params", "flops_fwd", "kv_bytes_at_L"):
     total[key] = sum(r[key] for r in out)
-  return out + [total]
+  return out + [total], first
 
 
-def model_kv_cache_bytes(m: ModelConfig, kind: str, length: int, dtype: Any = "bfloat16") -> int:
+def model_kv_cache_bytes(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE) -> int:
   """Bytes the decoding stack caches after `length` tokens, each layer by its own type."""
   if kind not in ("decoder_lm", "encoder_decoder"):
     raise invalid("kind", kind, "decoder_lm or encoder_decoder: only decoders keep a KV cache")
   return layer_type_table(m, kind, length, dtype)[-1]["kv_bytes_at_L"]
 
 
-def active_param_count(m: ModelConfig, kind: str) -> int:
-  """Parameters one token uses: the whole model less the experts its router does not keep."""
-  total = model_param_count(m, kind)
+def active_param_count(m: ModelConfig, kind: str = "decoder_lm", breakdown: dict[str, int] | None = None) -> int:
+  """Parameters one token uses: the whole model less the experts its router does not keep
+  (breakdown: model_param_breakdown(m, kind), where the caller has it)."""
+  total = sum((model_param_breakdown(m, kind) if breakdown is None else breakdown).values())
   if m.mlp != "moe":
     return total
   experts = expert_params(m)

@@ -21,7 +21,7 @@ import math
 
 from flax import nnx
 
-from attn import count
+from attn.count.model import model_param_count
 from attn.config import invalid
 from attn.nn.config import ModelConfig
 from attn.nn.models import MODELS
@@ -42,7 +42,7 @@ class Preset:
 
   @property
   def count(self) -> int:
-    return count.model_param_count(self.config, self.kind)
+    return model_param_count(self.config, self.kind)
 
   def matches(self) -> bool:
     """Our count equals the published one (rounded to millions where the paper rounds)."""
@@ -129,7 +129,7 @@ def vocab_range(preset: Preset) -> tuple[int, int]:
   """
   if not preset.in_millions:
     raise invalid("preset", preset.name, "one whose source rounds to millions (Table 3)")
-  at = lambda v: count.model_param_count(preset.config.replace(vocab_size=v), preset.kind)
+  at = lambda v: model_param_count(preset.config.replace(vocab_size=v), preset.kind)
   c0, slope = at(1) - (at(2) - at(1)), at(2) - at(1)
   # round(c / 1e6) == p  <=>  (p - 0.5)·10⁶ < c < (p + 0.5)·10⁶ (ties left out).
   lo = math.floor(((preset.published - 0.5) * 1e6 - c0) / slope) + 1

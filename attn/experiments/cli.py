@@ -1,10 +1,12 @@
-"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm] [--workers N]
+"""`attn sweep CONFIG [--out DIR] [--set KEY=VALUE ...] [--executor local|slurm|ray] [--workers N]
 [--processes-per-trial P] [--coordinator-timeout S] [--analyze] [--tensorboard LOGDIR] [--retry-failed]`.
 
 Runs a sweep config into its store, then writes its report. --executor local
 (the default) trains in this process (--workers 1) or in N local worker
 processes; --executor slurm claims the store, submits one job array
-(attn.experiments.running.slurm), prints the job id and returns. Re-running the same
+(attn.experiments.running.slurm), prints the job id and returns; --executor ray runs one Ray
+task per unfinished trial on a Ray cluster (attn.experiments.running.ray_executor: joined, or
+started here, before the store is touched) and waits for them. Re-running the same
 command resumes; `attn status DIR` shows progress for any executor.
 
 Every executor goes one way (EXECUTORS): `sweep.prepare` claims the store
@@ -47,6 +49,7 @@ import sys
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
 from attn.experiments.running import processes as processes_lib
+from attn.experiments.running import ray_executor
 from attn.experiments.running import run_record
 from attn.experiments.running import tb_writer
 from attn.experiments.running import workers as workers_lib
@@ -69,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--analyze", action="store_true",
                       help="run `attn analyze` on the trained trials before the report "
                            "(also: [analysis] enabled = true in the config)")
-  parser.add_argument("--executor", choices=("local", "slurm"), default="local",
-                      help="local: this machine (default); slurm: submit one job array and return")
+  parser.add_argument("--executor", choices=("local", "slurm", "ray"), default="local",
+                      help="local: this machine (default); slurm: submit one job array and return; "
+                           "ray: one Ray task per trial on a Ray cluster (--ray-address)")
   parser.add_argument("--workers", metavar="N", type=int, default=None,
                       help="local worker processes (default 1: train in this process); logs in DIR/local/")
   parser.add_argument("--trials-per-device", metavar="K", type=int, default=1,
@@ -91,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            'one run per trial (needs: pip install -e ".[tensorboard]")')
   if slurm is not None:
     slurm.add_arguments(parser)
+  ray_executor.add_arguments(parser)
 
 
 def _here(out: str, args: argparse.Namespace, lease_timeout: float) -> tuple[int, str | None]:
@@ -125,7 +130,13 @@ def _check(args: argparse.Namespace) -> str:
   """Checks the executor's options against each other; the EXECUTORS key (or "slurm")."""
   from attn.config import invalid
   workers = args.workers = workers_lib.check_workers(1 if args.workers is None else args.workers)
-  per_device = args.trials_per_device = workers_lib.check_workers(args.trials_per_device, "--trials-per-device")
+  per_device = args.trials_per_device = workers_lib.check_per_device(args.trials_per_device)
+  if args.executor == "ray":  # --trials-per-device maps onto the tasks' resources (ray_executor.resources)
+    for flag, n in (("--workers", workers), ("--processes-per-trial", args.processes_per_trial)):
+      if n != 1:
+        raise invalid(flag, n, "left out with --executor ray (one Ray task per trial; size it with "
+                      "--ray-cpus-per-trial and --ray-gpus-per-trial)")
+    return "ray"
   if per_device > 1:
     if args.workers != 1 or args.executor == "slurm" or args.processes_per_trial != 1:
       raise invalid("--trials-per-device", per_device, "1 with --workers, --executor slurm or "
@@ -154,11 +165,14 @@ def run(args: argparse.Namespace) -> int:
   kind = _check(args)
   lease_timeout = sweep_lib.check_lease_timeout(args.lease_timeout)
   slurm_params = slurm.check_args(args)  # --slurm-* options: refused without --executor slurm, checked before the store
+  ray_params = ray_executor.check_args(args)  # --ray-* options: refused without --executor ray
   if args.tensorboard is not None:  # tensorboardX is there, LOGDIR is no file; absolute for workers and tasks
     args.tensorboard = tb_writer.check(args.tensorboard)
     print(f"live curves: tensorboard --logdir {args.tensorboard}", file=sys.stderr)
   sweep = config_lib.load(args.config, args.overrides)  # every check happens before any training
-  if kind != "slurm":  # a Slurm node may have other devices: its tasks check there
+  if kind == "ray":  # Ray's nodes may have other devices: each task checks there
+    ray_plan = ray_executor.connect(ray_params)  # the cluster answers and can hold a task, before the store
+  elif kind != "slurm":  # a Slurm node may have other devices: its tasks check there
     config_lib.check_devices(sweep.trials, sweep.vmap_seeds, args.processes_per_trial, sweep.pack)
     processes_lib.check_platform(args.processes_per_trial)
   else:
@@ -175,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
   if kind == "slurm":
     code = slurm.submit(sweep, out, args, text)
     return _end(out, start, "submitted to Slurm", code)
-  stopped_by, fault = EXECUTORS[kind](out, args, lease_timeout)
+  if kind == "ray":
+    stopped_by, fault = ray_executor.run(out, sweep, ray_plan, lease_timeout, args.tensorboard)
+  else:
+    stopped_by, fault = EXECUTORS[kind](out, args, lease_timeout)
   if stopped_by:
     return _end(out, start, f"stopped by {signal.Signals(stopped_by).name}", 128 + stopped_by)
   if supervisor.finish(out, lease_timeout, fault=fault):

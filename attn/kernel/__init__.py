@@ -11,8 +11,9 @@ The package: call (the checked arguments), impls (the table of
 implementations and "auto"'s order), dense (the einsum kernel), blocked and
 plan (the blocked kernel), compressed (blocks of keys pooled into entries beside the tokens:
 DeepSeek-V4's compressed attention, einsum or blocked), xla (jax.nn.dot_product_attention), splash (Pallas's
-TPU splash attention), tokamax_kernel (tokamax's GPU kernels), products (the
-matmul backend: XLA's or oneDNN's), onednn, masks, probability.
+TPU splash attention), tokamax_kernel (tokamax's GPU kernels), selected (the key-selection
+rows: a mechanism's key choice on gathered or sparse), entries (compressed entries on the einsum
+row), products (the matmul backend: XLA's or oneDNN's), onednn, masks, probability.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 
 from attn.config import invalid
 from attn.kernel import blocked, dense, masks, onednn, probability
-from attn.kernel.call import Call, Refusal, check_options, make_call
+from attn.kernel.call import Call, KeyChoice, Refusal, check_options, make_call
 from attn.kernel.dense import (masked_probabilities, masked_softmax, reference_attention,
                                structured_mask)
 from attn.kernel.impls import AUTO, BLOCKED_MIN_SCORES, IMPLEMENTATIONS, Impl, is_long
@@ -33,7 +34,8 @@ from attn.kernel.products import scores, weighted_sum
 
 Array = jax.Array
 
-IMPLS = ("auto", *IMPLEMENTATIONS)
+# What impl= may name for a plain call (a model's, attn.apply's): the key-selection rows run choices only.
+IMPLS = ("auto", *(name for name, row in IMPLEMENTATIONS.items() if not row.chooses))
 
 # Set by record_picks: the dict attention counts the implementation of each call in (at trace time).
 _PICKS: contextvars.ContextVar = contextvars.ContextVar("attn_kernel_picks", default=None)
@@ -53,7 +55,7 @@ def record_picks():
 
 def check_impl(impl, *dtypes) -> None:
   """Raises ConfigError naming impl unless it is one of IMPLS that runs here on these dtypes."""
-  if impl not in IMPLS:
+  if impl not in IMPLS and impl not in IMPLEMENTATIONS:
     raise invalid("impl", impl, f"one of {IMPLS}")
   if impl != "auto" and (why := _impls.why_not_here(IMPLEMENTATIONS[impl], dtypes)) is not None:
     raise invalid("impl", impl, f"an implementation that runs here ({why}); available: {available_impls()}")
@@ -93,6 +95,8 @@ def attention(
     sinks: Array | None = None,
     softcap: float | None = None,
     probability: str = "softmax",
+    choice: KeyChoice | None = None,
+    entries: tuple | None = None,
 ) -> Array | tuple[Array, Array]:
   """softmax(cap(scale · q kᵀ) + logits_bias, masked, sinks) v for already projected heads.
 
@@ -136,18 +140,23 @@ def attention(
   no weights out), or "auto" (the first of impls.AUTO for the backend
   that can run the call: cuDNN, then tokamax on a GPU, splash on a TPU, the
   blocked kernel from T·S >= BLOCKED_MIN_SCORES = 512², the crossover
-  measured on CPU, else einsum). An
+  measured on CPU, else einsum). choice, a KeyChoice (a key-selecting mechanism's), restricts
+  each query to the keys it names and runs on its row ("gathered" or "sparse", attn.kernel.selected;
+  impl "auto" or the row's name); impls.selects is the rule for when a choice goes there.
+  entries, (ck (B,N,G,K), cv (B,N,G,V), m, their mask or None), are compressed keys and values
+  beside the tokens in the same softmax (attn.kernel.compressed builds them; einsum and blocked
+  take them, "auto" counting them as keys). An
   implementation that cannot run the call is a ConfigError naming it, the
   option at fault and the implementations that can, before tracing.
   """
   call = make_call(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal, kv_lengths=kv_lengths,
                    scale=scale, logits_bias=logits_bias, return_weights=return_weights,
                    block_q=block_q, block_k=block_k, window=window, sinks=sinks, softcap=softcap,
-                   probability=probability)
+                   probability=probability, choice=choice, entries=entries)
   check_impl(impl, *call.dtypes)
   name = _impls.pick(call) if impl == "auto" else impl
   chosen = IMPLEMENTATIONS[name]
-  if (no := chosen.why_not(call)) is not None:
+  if (no := _impls.refuses(chosen, call)) is not None:
     raise invalid(no.option, no.value, f'{no.needs} with impl="{name}" ({no.why}); '
                   f"the implementations that take this call here: {_impls.takers(call)}")
   if (seen := _PICKS.get()) is not None:
@@ -156,7 +165,7 @@ def attention(
 
 
 __all__ = [
-    "AUTO", "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "IMPLS", "Call", "Impl", "Refusal", "attention",
+    "AUTO", "BLOCKED_MIN_SCORES", "IMPLEMENTATIONS", "IMPLS", "Call", "Impl", "KeyChoice", "Refusal", "attention",
     "available_impls", "best_impl", "record_picks", "blocked", "check_impl", "check_options", "dense", "is_long",
     "masked_probabilities", "masked_softmax", "masks", "onednn", "probability",
     "reference_attention", "scores", "structured_mask", "weighted_sum",

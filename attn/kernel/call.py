@@ -74,6 +74,17 @@ class Refusal:
 
 
 @dataclasses.dataclass(frozen=True)
+class KeyChoice:
+  """The keys each query may attend to, as a key-selection row of the table runs them: the row's name
+  (impls.IMPLEMENTATIONS: "gathered" blocks per (query, head), "sparse" tokens in key blocks) and its
+  arguments (the arrays of the choice, without gradient). A mechanism's select returns one
+  (attn.variants.mechanisms); kernel.attention(..., choice=) runs it."""
+
+  impl: str
+  args: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class Call:
   """kernel.attention's arguments after its checks; scale resolved (1/sqrt(K) by default)."""
 
@@ -92,6 +103,8 @@ class Call:
   sinks: Array | None = None
   softcap: float | None = None
   probability: str = "softmax"
+  choice: KeyChoice | None = None  # the keys a key-selection row attends to (None: every visible key)
+  entries: tuple | None = None  # compressed entries beside the tokens: (ck, cv, m, entry mask) (kernel.entries)
 
   @property
   def T(self) -> int:
@@ -108,6 +121,11 @@ class Call:
   @property
   def K(self) -> int:
     return self.q_BTHK.shape[3]
+
+  @property
+  def N(self) -> int:
+    """Compressed entries beside the S tokens (0 without)."""
+    return 0 if self.entries is None else self.entries[0].shape[1]
 
   @property
   def V(self) -> int:
@@ -132,7 +150,7 @@ class Call:
 
 def make_call(q_BTHK, k_BSGK, v_BSGV, mask=None, *, is_causal=False, kv_lengths=None, scale=None,
               logits_bias=None, return_weights=False, block_q=None, block_k=None, window=None,
-              sinks=None, softcap=None, probability="softmax") -> Call:
+              sinks=None, softcap=None, probability="softmax", choice=None, entries=None) -> Call:
   """Checks kernel.attention's arguments (ConfigError naming the first bad one) into a Call."""
   check_qkv(q_BTHK, k_BSGK, v_BSGV)
   B, T, H, K = q_BTHK.shape
@@ -143,6 +161,9 @@ def make_call(q_BTHK, k_BSGK, v_BSGV, mask=None, *, is_causal=False, kv_lengths=
   check_block("block_q", block_q)
   check_block("block_k", block_k)
   check_options(window, sinks, softcap, H, probability)
+  if choice is not None and not isinstance(choice, KeyChoice):
+    raise invalid("choice", type(choice).__name__, "None or a kernel.KeyChoice (a key-selection row and "
+                  "its arguments)")
   return Call(q_BTHK, k_BSGK, v_BSGV, mask, is_causal, kv_lengths,
               1.0 / math.sqrt(K) if scale is None else scale, logits_bias, return_weights,
-              block_q, block_k, window, sinks, softcap, probability)
+              block_q, block_k, window, sinks, softcap, probability, choice, entries)

@@ -25,9 +25,7 @@ import jax.numpy as jnp
 
 from attn import kernel as _kernel
 from attn.config import invalid
-from attn.kernel import blocked, masks
-from attn.kernel.dense import structured_mask
-from attn.kernel.impls import is_long
+from attn.kernel.entries import structured_entries  # noqa: F401  (its old home; attn.kernel.entries now)
 
 Array = jax.Array
 
@@ -70,18 +68,6 @@ def entry_mask(mask: Array | None, S: int, m: int, span: int) -> Array | None:
   return blocks
 
 
-def structured_entries(T: int, S: int, N: int, m: int, is_causal: bool,
-                       kv_lengths: Array | None) -> Array | None:
-  """(B|1, 1, T|1, N): the entries causality (bottom-right aligned) and kv_lengths leave visible."""
-  end = (jnp.arange(N) + 1) * m
-  out = None
-  if is_causal:
-    out = (end[None, :] <= (jnp.arange(T) + S - T + 1)[:, None])[None, None]
-  if kv_lengths is not None:
-    out = masks.combine_masks(out, (end[None, :] <= jnp.asarray(kv_lengths)[:, None])[:, None, None])
-  return out
-
-
 def check(m, impl: str) -> None:
   if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
     raise invalid("compress_block", m, "a positive integer: the tokens each compressed entry pools")
@@ -104,27 +90,9 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, ck_BNGK: Array, cv_BN
   whose token slots are no positions).
   """
   check(m, impl)
-  T, S, N = q_BTHK.shape[1], k_BSGK.shape[1], ck_BNGK.shape[1]
-  cmask = entry_mask(mask, S, m, span or m) if entry_mask_ is None else entry_mask_
-  if impl == "auto":
-    impl = "blocked" if is_long(T, S + N) and not return_weights else "einsum"
-  if impl == "blocked":
-    if return_weights:
-      raise invalid("return_weights", True, 'False with impl="blocked": the weights are the '
-                    "(B,H,T,S+N) array it avoids")
-    return blocked.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal,
-                             kv_lengths=kv_lengths, scale=scale, window=window, sinks=sinks,
-                             softcap=softcap, block_q=block_q, block_k=block_k,
-                             compressed=(ck_BNGK, cv_BNGV, m, cmask))
-  tokens = masks.combine_masks(mask, structured_mask(T, S, is_causal, kv_lengths, window))
-  entries = masks.combine_masks(cmask, structured_entries(T, S, N, m, is_causal, kv_lengths))
-  B, H = q_BTHK.shape[0], q_BTHK.shape[2]
-  full = jnp.concatenate([jnp.broadcast_to(True if tokens is None else tokens, (B, H, T, S)),
-                          jnp.broadcast_to(True if entries is None else entries, (B, H, T, N))],
-                         axis=-1)
-  G = max(k_BSGK.shape[2], ck_BNGK.shape[2])
-  grow = lambda a: jnp.broadcast_to(a, (*a.shape[:2], G, a.shape[3]))
-  k = jnp.concatenate([grow(k_BSGK), grow(ck_BNGK).astype(k_BSGK.dtype)], axis=1)
-  v = jnp.concatenate([grow(v_BSGV), grow(cv_BNGV).astype(v_BSGV.dtype)], axis=1)
-  return _kernel.attention(q_BTHK, k, v, full, scale=scale, sinks=sinks, softcap=softcap,
-                          return_weights=return_weights, impl="einsum")
+  cmask = entry_mask(mask, k_BSGK.shape[1], m, span or m) if entry_mask_ is None else entry_mask_
+  # A row of the kernel's table: einsum or blocked, "auto" counting the entries as keys (kernel.impls).
+  return _kernel.attention(q_BTHK, k_BSGK, v_BSGV, mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                           scale=scale, window=window, sinks=sinks, softcap=softcap,
+                           return_weights=return_weights, impl=impl, block_q=block_q, block_k=block_k,
+                           entries=(ck_BNGK, cv_BNGV, m, cmask))

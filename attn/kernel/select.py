@@ -35,10 +35,14 @@ selection has no gradient, as in both papers.
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from attn.kernel import topk
 
 Array = jax.Array
 
@@ -249,13 +253,100 @@ def indexer_tokens(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, i
 
 def indexer_bits(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, is_causal: bool,
                  kv_lengths: Array | None = None, chunk: int = 256) -> Array:
-  """indexer_tokens packed (pack_bits), chunk by chunk: (B,T,ceil(S/32)) uint32, no T×S bool."""
+  """indexer_tokens packed (pack_bits): (B,T,ceil(S/32)) uint32, no T×S bool.
+
+  Made from indexer_top's indices (the same set); the indices are kept beside the bits
+  (token_choice) so that attn.kernel.sparse, given these bits, runs the shared token kernel
+  (attn.kernel.tokens) on them instead of the blocked one. `chunk` is kept for the callers;
+  the selector picks its own row tiles.
+  """
+  del chunk
+  idx_BTk = indexer_top(qi_BTJI, ki_BSI, w_BTJ, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths)
+  bits = indices_to_bits(idx_BTk, ki_BSI.shape[1])
+  _CHOICE[0] = (weakref.ref(bits), idx_BTk)
+  return bits
+
+
+_CHOICE: list = [None]  # (weakref to the bits indexer_bits last returned, its indices)
+
+
+def token_choice(bits_BTW: Array) -> Array | None:
+  """The indices (B,T,k) behind bits that indexer_bits returned in this trace, else None."""
+  last = _CHOICE[0]
+  if last is None or last[0]() is not bits_BTW:
+    return None
+  _CHOICE[0] = None
+  return last[1]
+
+
+def indices_to_bits(idx_BTk: Array, S: int) -> Array:
+  """(B,T,ceil(S/32)) uint32 of distinct indices (-1: none), key s at bit s % 32 of word s // 32."""
+  B, T, k = idx_BTk.shape
+  W = -(-S // 32)
+  ok = idx_BTk >= 0
+  word = jnp.where(ok, idx_BTk // 32, W)
+  bit = jnp.where(ok, jnp.uint32(1) << (idx_BTk % 32).astype(jnp.uint32), jnp.uint32(0))
+  b = jnp.arange(B)[:, None, None]
+  t = jnp.arange(T)[None, :, None]
+  return jnp.zeros((B, T, W), jnp.uint32).at[b, t, word].add(bit, mode="drop")
+
+
+INDEX_ROWS = 32  # queries the selector scores and selects at a time (32 × 16384 scores: 2 MiB)
+BUCKETS = 8  # causal: query ranges, each scoring only the keys its last query sees
+
+
+def _top_chunk(qi, ki, w, t0, *, T: int, S: int, k: int, is_causal: bool, kv_lengths) -> Array:
+  """(B,c,k) int32: the top min(k, e) of queries [t0, t0 + c) over the first e keys (ki: (B,e,I))."""
+  B, c = qi.shape[:2]
+  e = ki.shape[1]
+  scores = index_scores(qi, ki, w)  # (B,c,e)
+  s = jnp.arange(e)
+  keep = jnp.ones((B, c, e), bool)
+  if is_causal:
+    keep = keep & (s[None, None, :] <= (t0 + jnp.arange(c) + S - T)[None, :, None])
+  if kv_lengths is not None:
+    keep = keep & (s[None, None, :] < jnp.asarray(kv_lengths)[:, None, None])
+  idx = topk.indices(jnp.where(keep, scores, NEG).reshape(B * c, e), min(k, e)).reshape(B, c, -1)
+  return jnp.pad(idx, ((0, 0), (0, 0), (0, k - idx.shape[2])), constant_values=-1)
+
+
+def indexer_top(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, is_causal: bool,
+                kv_lengths: Array | None = None, rows: int = INDEX_ROWS, buckets: int = BUCKETS) -> Array:
+  """(B,T,k) int32, k = min(top_k, S): each query's top_k visible keys by the index score, ascending,
+  -1 after the last; the same set as indexer_tokens (attn.kernel.topk: exact, ties to the lower index).
+
+  Scored `rows` queries at a time (rows × S scores alive, never T × S); under is_causal the queries
+  are cut into `buckets` ranges, each scoring only the keys its last query sees (about half the
+  scores of the full square).
+  """
   qi, ki, w = (lax.stop_gradient(a) for a in (qi_BTJI, ki_BSI, w_BTJ))
-  T = qi.shape[1]
-  fn = lambda q, ww, t0: pack_bits(_indexer_chunk(q, ki, ww, t0, T=T, top_k=top_k,
-                                                  is_causal=is_causal, kv_lengths=kv_lengths,
-                                                  mask=None))
-  return _by_chunks(fn, qi, w, T, chunk)
+  T, S = qi.shape[1], ki.shape[1]
+  k = min(top_k, S)
+  rows = min(rows, T)
+  n = -(-T // rows)
+  per = -(-n // buckets) if is_causal else n
+  out = []
+  for a in range(0, n, per):
+    t0, t1 = a * rows, min(T, (a + per) * rows)
+    e = max(1, min(S, t1 + S - T)) if is_causal else S
+    fn = lambda q, ww, c0, t0=t0, e=e: _top_chunk(q, ki[:, :e], ww, t0 + c0, T=T, S=S, k=k,  # noqa: E731
+                                                  is_causal=is_causal, kv_lengths=kv_lengths)
+    out.append(_by_chunks(fn, qi[:, t0:t1], w[:, t0:t1], t1 - t0, rows))
+  return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
+
+
+def indexer_top_flops(T: int, S: int, J: int, I: int, *, is_causal: bool, rows: int = INDEX_ROWS,
+                      buckets: int = BUCKETS) -> tuple[int, int]:
+  """(score FLOPs 2·J·(I + 1) a scored pair, compare-and-count operations 32 a pair) of indexer_top."""
+  rows = min(rows, T)
+  n = -(-T // rows)
+  per = -(-n // buckets) if is_causal else n
+  pairs = 0
+  for a in range(0, n, per):
+    t0, t1 = a * rows, min(T, (a + per) * rows)
+    e = max(1, min(S, t1 + S - T)) if is_causal else S
+    pairs += (-(-(t1 - t0) // rows) * rows) * e
+  return 2 * J * (I + 1) * pairs, 32 * pairs
 
 
 def indexer_tokens_reference(qi_BTJI, ki_BSI, w_BTJ, *, top_k: int, is_causal: bool,

@@ -28,6 +28,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from attn.config import invalid
 from attn.kernel.call import Call, Refusal
 from attn.kernel.masks import visible_rows
 
@@ -38,9 +39,19 @@ LANES = 128  # splash's blocks are multiples of the TPU's 128 lanes
 BLOCK_MAX = 512  # the default block when a call names none (MaxText's default)
 
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")  # any case
+
+
 def interpret() -> bool:
-  """Whether the Pallas kernels run in interpret mode (ATTN_PALLAS_INTERPRET=1): any backend, slowly."""
-  return os.environ.get(INTERPRET_ENV, "") not in ("", "0")
+  """Whether the Pallas kernels run in interpret mode (ATTN_PALLAS_INTERPRET=1): any backend, slowly.
+
+  1/true/yes/on turn it on, 0/false/no/off or unset/empty leave it off; anything else is refused
+  by name (a typo must neither turn the slow interpreter on nor leave it silently off)."""
+  value = os.environ.get(INTERPRET_ENV, "")
+  if value.strip().lower() in TRUE + FALSE:
+    return value.strip().lower() in TRUE
+  raise invalid(INTERPRET_ENV, value, f"one of {list(TRUE)} (Pallas interpret mode on) or "
+                f"{list(FALSE[1:])} or unset (off), in any case")
 
 
 def unavailable() -> str | None:

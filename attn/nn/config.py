@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import kv_sharing, layer_heads, layer_types, moe
+from attn.nn import kv_sharing, layer_heads, layer_types, moe, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -121,6 +121,7 @@ class ModelConfig:
   hc_mult: int = 1  # residual streams (attn.nn.hyper: DeepSeek-V4's hyper-connections); 1: plain residual
   hc_sinkhorn_iters: int = 20  # with hc_mult > 1: Sinkhorn-Knopp passes on each mix
   hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
+  short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
@@ -181,6 +182,7 @@ class ModelConfig:
                     "reading another layer's keys and values, and there are none")
     self._check_hyper()
     self._check_block_kinds()
+    short_conv.check_width(self.short_conv)
 
   def _check_block_kinds(self) -> None:
     """block_kinds: None, or one of BLOCK_KINDS per layer; single-sublayer blocks only where every block is a

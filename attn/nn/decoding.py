@@ -40,6 +40,8 @@ def init_cache(model: nnx.Module, batch_size: int, max_len: int, dtype=jnp.float
   for block in model.blocks:
     if block.attn is not None:  # an MLP-only block (ModelConfig.block_kinds) keeps nothing
       block.attn.init_cache(batch_size, max_len, dtype)
+    if getattr(block, "conv", None) is not None:  # short_conv's state: the last inputs (attn.nn.short_conv)
+      block.conv.init_cache(batch_size, dtype)
 
 
 def cache_state(model: nnx.Module) -> tuple[Array, int, int]:

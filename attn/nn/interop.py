@@ -22,7 +22,7 @@ from flax import nnx
 
 from attn.api import check_params
 from attn.config import HeadConfig, invalid
-from attn.convert import convert
+from attn.conversion import convert
 from attn.nn.hf import from_hf, to_hf  # noqa: F401  (Hugging Face checkpoints: attn/nn/hf/)
 from attn.variants.base import Params
 

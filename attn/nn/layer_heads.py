@@ -8,8 +8,9 @@ global_head_dim and num_global_key_value_heads).
   layer_heads = {"full_attention": {"variant": "k_eq_v", "value_norm_eps": 1e-6, "d_k": 32, "d_v": 32,
                                     "num_kv_heads": 1, "rope_dim": 8}}   Gemma 4's global layers
 
-"variant" is the layers' variant in place of ModelConfig.variant (layer_types.variant_for; a
-linear_attention type keeps linear_variant); value_norm_eps and rope_dim are the HeadConfig fields
+"variant" is the layers' variant in place of ModelConfig.variant (layer_types.variant_for; for a
+linear_attention type in place of linear_variant, which it may not contradict, and only d_k, d_v
+and num_kv_heads beside it: layer_types._check_linear); value_norm_eps and rope_dim are the HeadConfig fields
 of the same names (the values' weightless RMSNorm; the rotated width), as are compress_block, compress_overlap and
 compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer). Each type's head is then
 checked as that variant's (k_eq_v refuses d_v != d_k by name, layer_types.check).

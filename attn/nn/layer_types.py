@@ -16,7 +16,8 @@ is the model's HeadConfig (ModelConfig.head):
 
   linear_attention        a head with a fixed-size state instead of softmax attention:
                           the variant ModelConfig.linear_variant (gated_deltanet by
-                          default; kda, mamba2, linear, gla) with ModelConfig.linear_head's
+                          default; kda, mamba2, linear, gla), or layer_heads'
+                          linear_attention.variant (one of the two), with ModelConfig.linear_head's
                           HeadConfig fields over the model's d_model, num_heads, d_k,
                           d_v, num_kv_heads, use_bias, conv_width, chunk and
                           gated_norm_eps; none of the
@@ -95,11 +96,9 @@ def layer_type(m: Any, index: int) -> str:
 
 
 def variant_for(m: Any, kind: str) -> str:
-  """The variant of the layers of type `kind`: linear_variant for a linear type, else the type's own
-  (layer_heads[kind]["variant"]) or the model's."""
-  if LAYER_TYPES[kind].linear:
-    return m.linear_variant
-  return layer_heads.variant(m, kind) or m.variant
+  """The variant of the layers of type `kind`: the type's own (layer_heads[kind]["variant"]), else
+  linear_variant for a linear type and the model's variant for the others."""
+  return layer_heads.variant(m, kind) or (m.linear_variant if LAYER_TYPES[kind].linear else m.variant)
 
 
 def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
@@ -148,10 +147,6 @@ def check(m: Any) -> None:
       if not LAYER_TYPES[k].rope and not LAYER_TYPES[k].linear and m.positional != "rope":
         raise invalid(f"layer_types[{i}]", k, f"a type with RoPE when positional={m.positional!r}: "
                       "there are no rotary positions to drop (every layer is position-free already)")
-    for i, k in enumerate(kinds):
-      if LAYER_TYPES[k].linear:
-        _check_linear(m, i)
-        break
     if w is not None and not any(LAYER_TYPES[k].sliding for k in kinds):
       raise invalid("window", w, "None: no entry of layer_types is a sliding type, so none would read it")
   theta = m.sliding_rope_theta
@@ -164,6 +159,9 @@ def check(m: Any) -> None:
       raise invalid("sliding_rope_theta", theta, "None: no layer is sliding with RoPE, so none would "
                     "read it")
   layer_heads.check(m, schedule(m))
+  linear = [i for i, k in enumerate(kinds or ()) if LAYER_TYPES[k].linear]
+  if linear:
+    _check_linear(m, linear[0])
   seen = set()
   for i in range(m.num_layers):
     kind = layer_type(m, i)
@@ -177,12 +175,30 @@ def check(m: Any) -> None:
 
 
 def _check_linear(m: Any, i: int) -> None:
-  """linear_variant a head with a fixed-size state; linear_head a table of HeadConfig fields."""
-  v = api.get_variant(m.linear_variant)
+  """The linear layers' variant (linear_variant, or layer_heads.linear_attention.variant: one of the
+  two) a head with a fixed-size state; linear_head a table of HeadConfig fields; layer_heads'
+  table for them only the fields a linear layer keeps (others would be dropped unread)."""
+  own = (m.layer_heads or {}).get("linear_attention", {})
+  where, name = "linear_variant", m.linear_variant
+  if "variant" in own:
+    where, name = "layer_heads.linear_attention.variant", own["variant"]
+    if m.linear_variant not in ("gated_deltanet", name):
+      raise invalid(where, name, f"unset, or {m.linear_variant!r} (linear_variant={m.linear_variant!r} "
+                    "already names the linear layers' variant): set one of the two")
+  v = VARIANTS.resolve(name, where)
   if v.init_state is None:
     names = sorted(n for n, r in VARIANTS.items() if r.init_state is not None)
-    raise invalid("linear_variant", m.linear_variant, f"a variant with a fixed-size state for "
+    raise invalid(where, name, f"a variant with a fixed-size state for "
                   f"layer_types[{i}]='linear_attention': one of {names}")
+  for key, value in own.items():
+    if key != "variant" and key not in _LINEAR_KEEPS:
+      raise invalid(f"layer_heads.linear_attention.{key}", value, "left out: a linear_attention layer "
+                    f"keeps only {[k for k in layer_heads.KEYS if k == 'variant' or k in _LINEAR_KEEPS]} of "
+                    "its layer_heads entry (no RoPE, window or value norm); its other HeadConfig fields "
+                    "go in linear_head")
+    if key in (m.linear_head or {}):
+      raise invalid(f"layer_heads.linear_attention.{key}", value, f"unset: linear_head.{key}="
+                    f"{m.linear_head[key]!r} sets it for the linear layers; set one of the two")
   fields = {f.name for f in dataclasses.fields(HeadConfig)}
   for name in m.linear_head or {}:
     if name not in fields or name == "layer":
@@ -200,6 +216,24 @@ def check_linear_fields(m: Any) -> None:
   if m.linear_variant != "gated_deltanet":
     raise invalid("linear_variant", m.linear_variant, "'gated_deltanet' (the default): no entry "
                   "of layer_types is 'linear_attention', so no layer would read it")
+
+
+def check_bidirectional(m: Any, why: str) -> None:
+  """Refuses a layer whose variant is causal by construction (a fixed-state head: its record has
+  init_state) in a stack that attends both ways (an encoder; `why` says whose), naming the setting
+  that put it there: its layer type, its type's variant or the model's."""
+  for i in range(m.num_layers):
+    variant, kind = m.layer_variant(i), layer_type(m, i)
+    if not getattr(m, "has_attention", lambda i: True)(i) or VARIANTS[variant].init_state is None:
+      continue
+    if layer_heads.variant(m, kind):
+      field, value, allowed = f"layer_heads.{kind}.variant", variant, "a softmax variant"
+    elif LAYER_TYPES[kind].linear:
+      field, value, allowed = f"layer_types[{i}]", kind, "a softmax layer type"
+    else:
+      field, value, allowed = "variant", variant, "a softmax variant"
+    raise invalid(field, value, f"{allowed}: {why} attends both ways, and layer {i}'s {variant} head is "
+                  "causal by construction (a fixed-size state read in order; it has no bidirectional form)")
 
 
 def schedule(m: Any, n: int | None = None) -> tuple[str, ...]:

@@ -99,7 +99,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, check_ids, invalid
-from attn.nn import decoding, hyper, kv_sharing, layer_types, moe
+from attn.nn import decoding, hyper, kv_sharing, layer_types, moe, short_conv
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.config import ModelConfig
 
@@ -313,6 +313,8 @@ class TransformerBlock(nnx.Module):
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                   impl=None if cfg.impl == "auto" else cfg.impl)
     self.attn = MultiHeadAttention(head, variant or cfg.variant, rngs=rngs, **dtypes) if has_attn else None
+    self.conv = short_conv.ShortConv(cfg.short_conv, cfg.d_model, rngs=rngs, param_dtype=cfg.weight_dtype) \
+        if has_attn and cfg.short_conv is not None else None  # before the attention (attn.nn.short_conv)
     self.attn_norm = layer_norm(cfg, rngs, pre and has_attn)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
@@ -366,6 +368,8 @@ class TransformerBlock(nnx.Module):
     seen = []
 
     def attend(h_BTD: Array) -> Array:
+      if self.conv is not None:
+        h_BTD = self.conv(h_BTD, decode=decode)
       y = self.attn(h_BTD, mask=mask, head_mask=head_mask, return_weights=return_weights,
                     is_causal=is_causal, kv_lengths=kv_lengths, decode=decode)
       if return_weights:
@@ -449,6 +453,7 @@ class Encoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     _require(cfg, "Encoder (per-layer inputs and hyper-connections: DecoderLM only)", per_layer_dim=0, hc_mult=1)
+    layer_types.check_bidirectional(cfg, "an Encoder")
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)

@@ -10,10 +10,8 @@ writes no summary for it, and stops after it with one message (`Fault.message`).
 The store notes the reason in DIR/trials/ID/interrupted.json when the disk
 still takes it (attn.experiments.running.store); `attn status` and the report read it.
 
-`quiet()` keeps the failure of a background write to that one message:
-Orbax logs the same error with a traceback from each of its threads (absl's
-logger) and leaves an "Event loop is closed" for sys.unraisablehook; those
-records of a fault are dropped, everything else passes.
+attn.process.hooks.quiet() keeps the failure of a background write to that one
+message (Orbax's logged copies of a fault dropped).
 
 Fault injection for the tests (ALICE's and SQLite's recipe: a fault at every
 write boundary): ATTN_FAULT="KIND:N:MODE" (or `arm`) makes the N-th write of
@@ -23,7 +21,7 @@ ENOSPC (that write and every later one of any kind fail: a full disk), EIO
 (that one write fails) or kill (SIGKILL right after that write completes).
 `counts()` tells how many writes of each kind a run made. Importing this
 module arms nothing and installs nothing: a process of the `attn` command
-calls `quiet()` and `arm_from_env()` in attn.process.setup().
+calls `arm_from_env()` in attn.process.setup().
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import logging
 import os
 import re
 import signal
@@ -44,8 +41,7 @@ MACHINE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk q
                   errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                   errno.ESTALE: "stale file handle", errno.EFBIG: "file too large"}
 KINDS = ("store", "row", "checkpoint")
-MIN_FREE = 64 * 1024  # bytes a store's filesystem must have free before a sweep writes to it
-_OS_CODE = re.compile(r"os_error_code='?(\d+)")
+OS_CODE = re.compile(r"os_error_code='?(\d+)")
 _PATH = re.compile(r'(?:Failed writing|local file|Error writing local file): "([^"]+)"')
 
 
@@ -82,63 +78,11 @@ def classify(e: BaseException) -> Fault | None:
   for x in _chain(e):
     if isinstance(x, OSError) and x.errno in MACHINE_ERRNOS:
       return Fault(x.errno, MACHINE_ERRNOS[x.errno], x.filename)
-    m = _OS_CODE.search(str(x))
+    m = OS_CODE.search(str(x))
     if m and int(m.group(1)) in MACHINE_ERRNOS:  # tensorstore (an Orbax save): the path is in its text
       path = _PATH.search(str(x))
       return Fault(int(m.group(1)), MACHINE_ERRNOS[int(m.group(1))], path.group(1) if path else None)
   return None
-
-
-def free_bytes(path: str) -> tuple[str, int]:
-  """(the nearest existing directory at or above path, the bytes free to this user on its filesystem)."""
-  d = os.path.abspath(path)
-  while not os.path.isdir(d) and os.path.dirname(d) != d:
-    d = os.path.dirname(d)
-  st = os.statvfs(d)
-  return d, st.f_bavail * st.f_frsize
-
-
-# --- quiet: one message per fault, no traceback from Orbax's threads -------------------------------------------
-
-class _DropFaults(logging.Filter):
-  def filter(self, rec: logging.LogRecord) -> bool:
-    if rec.exc_info and rec.exc_info[1] is not None and classify(rec.exc_info[1]):
-      return False
-    return not (rec.levelno >= logging.ERROR and _OS_CODE.search(rec.getMessage() or ""))
-
-
-_FILTER = _DropFaults()
-
-
-def quiet() -> None:
-  """Drops Orbax's logged copies of a fault and its leftover unraisable errors; other errors pass (idempotent).
-
-  Process-wide (logging filters, sys.unraisablehook, threading.excepthook):
-  attn.process.setup() calls it for the `attn` command; a library user may.
-  """
-  for name in ("absl", "concurrent.futures", "asyncio"):
-    logger = logging.getLogger(name)
-    if _FILTER not in logger.filters:
-      logger.addFilter(_FILTER)
-  if getattr(sys.unraisablehook, "_attn", False):
-    return
-  previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
-
-  def unraisable(u: Any) -> None:
-    if u.exc_value is not None and (classify(u.exc_value) or str(u.exc_value) == "Event loop is closed"):
-      return  # asyncio's loop of a failed Orbax save, closed under its callbacks
-    previous_unraisable(u)
-
-  def thread_hook(a: Any) -> None:
-    fault = classify(a.exc_value) if a.exc_value is not None else None
-    if fault is None:
-      previous_thread(a)
-    else:
-      sys.stderr.write(f"attn: thread {a.thread.name if a.thread else '?'}: {fault.what}"
-                       f"{f' writing {fault.path}' if fault.path else ''}\n")
-
-  unraisable._attn = True  # type: ignore[attr-defined]
-  sys.unraisablehook, threading.excepthook = unraisable, thread_hook
 
 
 # --- injection --------------------------------------------------------------------------------------------------
@@ -210,22 +154,3 @@ def point(kind: str, path: str) -> Iterator[None]:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-
-def available_memory() -> int | None:
-  """Bytes of memory this machine can give a new allocation now (MemAvailable), or None where unknown."""
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
-
-
-def fmt_bytes(n: float) -> str:
-  """1.5 GB, 300 MB, 12 kB."""
-  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if n >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{int(n)} bytes"

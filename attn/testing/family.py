@@ -50,7 +50,8 @@ from attn.nn import hf
 from attn.nn.hf.base import BUFFERS
 from attn.nn.hf.files import read_object
 from attn.nn.hf.load import WEIGHTS
-from attn.nn.models import MODELS, Encoder, ModelConfig
+from attn.nn.models import MODELS, Encoder
+from attn.nn.config import ModelConfig
 from attn.testing.failures import Checks
 
 _NOT_ALLOWED = "attn-check-family: a value no family allows"

@@ -55,7 +55,7 @@ from attn.kernel.masks import causal_mask, combine_masks, padding_mask
 from attn.testing.failures import Checks
 from attn.variants import VARIANTS, cache, mechanisms
 from attn.variants.base import Options, Variant
-from attn.variants.mechanism import Mechanism
+from attn.variants.mechanisms.record import Mechanism
 from attn.variants.mechanisms import MECHANISMS, examples
 
 __all__ = ["AWKWARD", "check_effective_count", "check_mechanism", "check_mechanism_counts", "check_variant"]

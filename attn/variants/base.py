@@ -78,7 +78,7 @@ import jax.numpy as jnp
 from attn import kernel
 from attn.kernel import masks
 from attn.config import HeadConfig, invalid
-from attn.variants import mechanisms, nsa, rope, selection
+from attn.variants import mechanisms, rope
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -101,7 +101,7 @@ class Options:
   return_weights: also return the attention weights (B,H,T,S).
   impl: kernel.attention's implementation; None means the variant's default ("auto").
   index: the deepseek-form indexer's (index queries (B,T,n_I,d_I), index keys (B,S,d_I), weights
-    (B,T,n_I)), set by the variant that computes them (mla; attn.variants.selection); None otherwise.
+    (B,T,n_I)), set by the variant that computes them (mla; attn.variants.mechanisms.selection); None otherwise.
   """
 
   mask: Array | None = None
@@ -173,6 +173,46 @@ class Variant:
   signed_weights: bool = False
   sharding: Mapping[str, str | None] | None = None
   fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
+  lacks: Mapping[str, str] | None = None  # what of OFFERS it does not offer -> why (check_offers)
+
+  @property
+  def cache_kind(self) -> str:
+    """What it decodes with, read from its hooks in this one place: "state" (init_state, a fixed-size
+    state), "own" (init_cache, a cache of its own), "entries" (cache_entries, per-token arrays of its
+    own) or "kv" (the keys and values attend_and_project sees)."""
+    if self.init_state is not None:
+      return "state"
+    if self.init_cache is not None:
+      return "own"
+    return "entries" if self.cache_entries is not None else "kv"
+
+
+# What a variant offers the mechanisms, declared once: every variant offers each of these unless its
+# record's `lacks` names it with the reason; a mechanism's `needs` names what it reads
+# (attn.variants.mechanisms.record), and check_offers refuses the pair once, for every variant.
+OFFERS = {
+    "qk_heads": "d_k-wide query and key heads as the kernel receives them, in apply and in decoding",
+    "key_heads": "d_k-wide key heads for the core to read",
+    "one_map": "one attention map per head",
+}
+
+
+def check_offers(v: Variant, cfg: HeadConfig, variants=()) -> None:
+  """Refuses an active mechanism that needs what v lacks: names the option, v, what the mechanism
+  needs and why v lacks it, and the variants (of `variants`) that would run it."""
+  lacks = v.lacks or {}
+  if not lacks:
+    return
+  for m in mechanisms.active(cfg):
+    needs = m.needs(cfg) if callable(m.needs) else (m.needs or {})
+    for what, why in needs.items():
+      if what in lacks:
+        option = m.fields[0] if m.fields else f"extra.{m.name}"
+        value = getattr(cfg, m.fields[0]) if m.fields else dict(cfg.extra[m.name])
+        off = repr(mechanisms.default_of(m.fields[0])) if m.fields else "absent"
+        without = [o.name for o in variants if what in (o.lacks or {})] or [v.name]
+        raise invalid(option, value, f"{off} for {v.name}: {m.name} needs {OFFERS[what]} ({why}), and "
+                      f"{lacks[what]}; every variant but {', '.join(without)} offers them (per_head runs it)")
 
 
 # The figures a Variant may give in closed form; attn.count measures the ones it does not.
@@ -256,19 +296,14 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   on_logits) makes it the explicit path: scores, probabilities, weighted sum.
   impl None or "auto" (kernel.best_impl) is the einsum kernel for short
   sequences on CPU and the blocked one for long (T·S >= kernel.BLOCKED_MIN_SCORES)
-  without weights out. x_BTD: the layer's query-side input (nsa's gates read it).
+  without weights out. A mechanism that chooses keys or replaces the attention does so first,
+  through one hook (mechanisms.attend). x_BTD: the layer's query-side input (a replacing
+  mechanism may read it: nsa's gates).
   """
-  chooser = mechanisms.selector(cfg)
-  if chooser is not None and chooser.name == "nsa":  # three branches, gated (attn.variants.nsa)
-    return nsa.attend(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
-                      kernel_args=mechanisms.kernel_args(params, cfg),
-                      explicit=mechanisms.needs_explicit_logits(cfg))
-  if chooser is not None:  # key selection (attn.variants.selection): the sparse kernel, or its mask ANDed in
-    o_BTHV, opts = selection.attend(chooser, params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
-                                    kernel_args=mechanisms.kernel_args(params, cfg),
-                                    explicit=mechanisms.needs_explicit_logits(cfg))
-    if o_BTHV is not None:
-      return o_BTHV, None
+  # A mechanism that chooses keys or replaces the attention (attn.variants.mechanisms.choice).
+  done, opts = mechanisms.attend(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  if done is not None:
+    return done
   if mechanisms.needs_explicit_logits(cfg):
     mask = full_mask(q_BTHK.shape[1], k_BSGK.shape[1], cfg=cfg, opts=opts)
     w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg)

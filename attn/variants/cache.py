@@ -70,9 +70,9 @@ def init(variant: Variant, params: Params, cfg: HeadConfig, batch_size: int, max
          dtype=jnp.float32) -> dict[str, Array]:
   """An empty cache: zeros of (batch_size, slots(cfg, max_len), ...) for each entry it caches
   (a fixed-state head: its state before the first token)."""
-  if variant.init_state is not None:
+  if variant.cache_kind == "state":
     return variant.init_state(cfg, batch_size, dtype)
-  if variant.init_cache is not None:
+  if variant.cache_kind == "own":
     return variant.init_cache(params, cfg, batch_size, max_len, dtype)
   x_shape = jax.ShapeDtypeStruct((batch_size, 1, cfg.d_model), dtype)
   shapes = jax.eval_shape(lambda x: entries(variant, params, x, cfg=cfg,

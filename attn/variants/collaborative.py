@@ -36,16 +36,6 @@ def check(cfg: HeadConfig) -> None:
                   "dimension by m_h, which does not commute with RoPE's pair rotations; rotating "
                   "the shared dims cannot express per_head's per-head rotations, so the variant "
                   "would no longer contain per_head (per_head -> collaborative exact)")
-  if cfg.qk_norm:
-    raise invalid("qk_norm", cfg.qk_norm, "False for collaborative: its heads are one shared D̃-wide "
-                  "query scaled by m_h against one shared key, so there are no d_k-wide query and "
-                  "key heads to normalise")
-  if cfg.extra and "nsa" in cfg.extra:
-    raise invalid("extra.nsa", dict(cfg.extra["nsa"]), "absent for collaborative: NSA's compressed branch pools d_k-wide key heads and its counts read them (attn.variants.nsa), and its heads share one D̃-wide key")
-  if cfg.extra and "indexer" in cfg.extra:
-    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for collaborative: the indexer reads a "
-                  "head's unrotated query and key dims (attn.variants.selection), and its heads share "
-                  "one D̃-wide query/key: no d_k-wide query and key heads to read")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -115,4 +105,7 @@ VARIANT = Variant(
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
     check=check,
+    lacks={"qk_heads": "collaborative's heads are one shared D̃-wide query scaled by m_h against one shared "
+                       "key: no d_k-wide query and key heads",
+           "key_heads": "collaborative's heads share one D̃-wide key"},
 )

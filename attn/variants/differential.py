@@ -70,10 +70,6 @@ def lambda_init(layer: int) -> float:
 def check(cfg: HeadConfig) -> None:
   if cfg.qk_norm == "whole":
     raise invalid("qk_norm", "whole", "False or True for differential: its pairs of score maps share per-head QK-norm scales (shared_score_dof); a norm over the whole projection is not counted")
-  if cfg.extra and "nsa" in cfg.extra:
-    raise invalid("extra.nsa", dict(cfg.extra["nsa"]), "absent for differential: its two softmax maps "
-                  "per head would each run NSA's three branches and gates, which the paper does not "
-                  "define and nsa's counts do not cover")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -168,6 +164,8 @@ def score_weights(cfg: HeadConfig) -> int:
 VARIANT = Variant(
     name="differential",
     check=check,
+    lacks={"one_map": "differential has two softmax maps per head, which would each run the mechanism: "
+                      "the paper does not define that and the counts do not cover it"},
     sharding={"w_q": "DXHK", "w_k": "DXGK", "b_q": "XHK", "b_k": "XGK", "lambda_q1": None,
               "lambda_k1": None, "lambda_q2": None, "lambda_k2": None, "norm": None},  # X: the two query/key pairs
     init=init,

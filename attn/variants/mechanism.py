@@ -1,38 +1,8 @@
-"""The Mechanism record: one head mechanism (attn.variants.mechanisms documents the fields and the
-registry; attn.variants.head_mechanisms holds the built-ins)."""
+"""Moved to attn.variants.mechanisms.record; this old path re-exports it (every name, private ones too)."""
 
-from __future__ import annotations
-
-import dataclasses
-from typing import Any, Callable, Mapping
-
-import jax
-
-from attn.config import HeadConfig
-
-Array = jax.Array
-Params = dict[str, Array]
+from attn.variants.mechanisms import record as _moved
+from attn.variants.mechanisms.record import *  # noqa: F401,F403
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Mechanism:
-  """One head mechanism (module docstring); only name is required."""
-
-  name: str
-  fields: tuple[str, ...] = ()
-  defaults: Mapping[str, Any] | None = None
-  check: Callable[[HeadConfig], None] | None = None
-  init: Callable[[Array, HeadConfig, Any], Params] | None = None
-  sharding: Mapping[str, str | None] | None = None
-  on_qk: Callable[..., tuple[Array, Array]] | None = None
-  on_logits: Callable[..., Array] | None = None
-  on_output: Callable[..., Array] | None = None
-  kernel: Callable[[Params, HeadConfig], dict[str, Any]] | None = None
-  select: Callable[..., Any] | None = None  # key selection (attn.variants.selection)
-  param_count: Callable[[HeadConfig], int] | None = None
-  effective_param_count: Callable[[HeadConfig], int] | None = None
-  flops: Callable[[HeadConfig, int, int], int] | None = None
-  score_weights: Callable[[HeadConfig], int] | None = None
-  kv_tokens: Callable[[HeadConfig, int], int] | None = None
-  examples: tuple[tuple[str, Mapping[str, Any], str, str], ...] = ()
-  help: str = ""
+def __getattr__(name: str):
+  return getattr(_moved, name)

@@ -40,15 +40,6 @@ def check(cfg: HeadConfig) -> None:
                   "0 for merged: with RoPE the score is x W_Q,h R(t − s) W_K,hᵀ c, so no "
                   "position-free W_h exists (attn.variants.rope.position_free_fit gives the "
                   "best one and its error)")
-  if cfg.qk_norm:
-    raise invalid("qk_norm", cfg.qk_norm, "False for merged: merged has no separate queries and keys "
-                  "to normalise, only x·W_h against the raw context")
-  if cfg.extra and "nsa" in cfg.extra:
-    raise invalid("extra.nsa", dict(cfg.extra["nsa"]), "absent for merged: NSA's compressed branch pools d_k-wide key heads and its counts read them (attn.variants.nsa), and merged has no d_k-wide keys, only x·W_h against the raw context")
-  if cfg.extra and "indexer" in cfg.extra:
-    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for merged: the indexer reads a head's "
-                  "unrotated query and key dims (attn.variants.selection), and merged has no d_k-wide "
-                  "queries and keys, only x·W_h against the raw context")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -111,4 +102,6 @@ VARIANT = Variant(
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
     check=check,
+    lacks={"qk_heads": "merged has no separate queries and keys, only x·W_h against the raw context",
+           "key_heads": "merged has no d_k-wide keys, only x·W_h against the raw context"},
 )

@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
-from attn.variants import rope, selection
+from attn.variants import rope
+from attn.variants.mechanisms import selection
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core, dense, lowrank_dof, normal, project_heads, project_out,
                                 rope_score_dof, value_output_dof)
-from attn.variants.head_mechanisms import rms_norm
+from attn.variants.mechanisms.head_mechanisms import rms_norm
 
 
 def check(cfg: HeadConfig) -> None:
@@ -55,14 +56,6 @@ def check(cfg: HeadConfig) -> None:
     raise invalid("rope_dim", cfg.rope_dim,
                   f"less than d_k={cfg.d_k} for mla: the d_k − rope_dim content dims of each key "
                   "head are what the latent gives")
-  if cfg.qk_norm:
-    raise invalid("qk_norm", cfg.qk_norm, "False for mla: its absorbed (decoding) form scores "
-                  "q·W_UKᵀ against the cached latent, exact because a key is linear in the "
-                  "latent; a normalised key is not, so the cache could not hold it")
-  if cfg.extra and "indexer" in cfg.extra and not selection.is_deepseek(cfg):
-    raise invalid("extra.indexer", dict(cfg.extra["indexer"]), "absent for mla, or form 'deepseek': the 'heads' form "
-                  "reads per-head unrotated query and key dims (attn.variants.selection), which the absorbed "
-                  "(decoding) form does not hand the kernel: it scores against the cached latent")
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -285,6 +278,9 @@ VARIANT = Variant(
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
     check=check,
+    lacks={"qk_heads": "mla's absorbed (decoding) form scores q·W_UKᵀ against the cached latent, exact "
+                       "because a key is linear in the latent: a normalised key is not, and the heads' "
+                       "dims never reach the kernel"},
     decode_apply=decode_apply,
     cache_entries=cache_entries,
     attend_cached=attend_cached,

@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from attn.config import invalid
+from attn.config import did_you_mean, invalid
 from attn.experiments.data import arrays
 from attn.experiments.data import backcopy
 from attn.experiments.data import corpus as corpus_lib
+from attn.experiments.data import curriculum
 
 TRAIN, EVAL = arrays.TRAIN, arrays.EVAL
 _rng, _check_int, _lm_arrays = arrays.rng, arrays.check_int, arrays.lm_arrays
@@ -32,20 +33,39 @@ class MQAR:
   A sequence lists num_pairs key-value pairs, then queries keys in random order,
   each followed by its value; the loss counts only the value after each query.
   Keys come from the lower half of the vocabulary, values from the upper half.
+  The queries fill the rest of the sequence, so with more queries than pairs
+  keys are queried again (repeated queries shorten the plateau before recall,
+  Zucchet et al. 2025).
+
+  curriculum (attn.experiments.data.curriculum): the training lengths, growing;
+  a stage of length L trains on num_pairs·L // seq_len pairs (at least 1), the
+  density of the held-out task, which is always seq_len long.
   """
 
   kind: ClassVar[str] = "decoder_lm"
   vocab_size: int = 64
   seq_len: int = 32
   num_pairs: int = 4
+  curriculum: tuple = ()  # training lengths, growing, each <= seq_len (e.g. [128, 256, 512]); evaluation at seq_len
+  curriculum_steps: tuple = ()  # each stage's share of the steps, summing to 1 (default: equal shares)
 
   def __post_init__(self):
     _check_int("vocab_size", self.vocab_size, 5)
     _check_int("num_pairs", self.num_pairs, 1)
-    _check_int("seq_len", self.seq_len, 2 * self.num_pairs + 1)
+    _check_int("seq_len", self.seq_len, 3)
+    if 2 * self.num_pairs + 1 > self.seq_len:
+      raise invalid("task.seq_len", self.seq_len, f"an integer >= {2 * self.num_pairs + 1}: task.num_pairs="
+                    f"{self.num_pairs} pairs (two tokens each) and one query must fit")
     if (self.vocab_size - 1) // 2 < self.num_pairs:
       raise invalid("task.vocab_size", self.vocab_size,
                     f">= {2 * self.num_pairs + 1} so that num_pairs={self.num_pairs} distinct keys fit")
+    lengths, fractions = curriculum.check(self.curriculum, self.curriculum_steps, self.seq_len)
+    object.__setattr__(self, "curriculum", lengths)
+    object.__setattr__(self, "curriculum_steps", fractions)
+
+  def at_length(self, seq_len: int) -> MQAR:
+    """This task at length seq_len with the pairs scaled to keep their density (a curriculum's stage)."""
+    return MQAR(self.vocab_size, seq_len, max(1, self.num_pairs * seq_len // self.seq_len))
 
   chance_means: ClassVar[str] = "one of the listed values guessed"
 
@@ -312,9 +332,9 @@ def make_task(options: dict[str, Any]):
   options = dict(options)
   name = options.pop("name", None)
   if name not in TASKS:
-    raise invalid("task.name", name, f"one of {sorted(TASKS)}")
+    raise invalid("task.name", name, f"{did_you_mean(name, TASKS)}one of {sorted(TASKS)}")
   known = task_fields(name)
   for key in options:
     if key not in known:
-      raise invalid(f"task.{key}", options[key], f"a key of task {name!r}: {sorted(known)}")
+      raise invalid(f"task.{key}", options[key], f"{did_you_mean(key, known)}a key of task {name!r}: {sorted(known)}")
   return TASKS[name](**options)

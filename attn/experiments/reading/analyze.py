@@ -369,7 +369,7 @@ def _sink_summary(layers: list[dict[str, Any]]) -> dict[str, float | None]:
 def analyze_trial(run_dir: str, trial_id: str, batches: int | None = None, plots: bool = True) -> dict[str, Any]:
   """Analyses one trial from its final checkpoint; writes trials/ID/analysis.json (and PNGs); returns it."""
   from attn.experiments.training import checkpoints
-  from attn.experiments import load_trial
+  from attn.experiments.reading.trials import load_trial
   from attn.experiments.data import tasks
   t0 = time.perf_counter()
   trial_dir = os.path.join(run_dir, "trials", trial_id)

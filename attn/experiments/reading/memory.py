@@ -41,6 +41,48 @@ def sequence_bytes(trial: dict[str, Any]) -> tuple[int, int] | None:
     return None
 
 
+DTYPE = "float32"
+"""The one dtype every byte count of a report is in: what the trials trained and decode in (`attn count`'s default)."""
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+  """Markdown: what each group's model holds when decoding, on every task, or why a group holds nothing.
+
+  Per group: the KV cache per generated token, the fixed state per sequence (linear heads), and the two
+  together after one sequence of the trial's length T, all layers, float32 (`attn count`). A group whose
+  model keeps no decoding cache (a classifier reads its whole input at once) is listed with that reason.
+  """
+  md = ["## Memory per group", "",
+        f"What one sequence holds when decoding, all layers, in {DTYPE} (`attn count CONFIG`): the KV cache "
+        "per generated token (a sliding layer's stops growing at its window), the fixed-size state of linear "
+        "heads per sequence (with their convolutions' last inputs), and both together after one sequence of "
+        "the trial's length T.", "",
+        "| group | KV cache B/token | state B/sequence | T | state + KV cache B at T |", "|---|---|---|---|---|"]
+  for r in rows:
+    if r.get("memory") is None:
+      md.append(f"| {r['group']} | – | – | – | – (no decoding cache: {r.get('no_memory') or 'not a decoder'}) |")
+      continue
+    kv_T, state = r["memory"]
+    md.append(f"| {r['group']} | {r.get('kv_bytes') or 0:,} | {state:,} | {r.get('seq_len', '–')} | {kv_T + state:,} |")
+  return md + [""]
+
+
+def holds_state(rows: list[dict[str, Any]]) -> bool:
+  """Whether some group keeps a fixed-size state (a linear head): then a cache per token alone undercounts it."""
+  return any(r.get("memory") and r["memory"][1] for r in rows)
+
+
+def no_memory(trial: dict[str, Any]) -> str:
+  """Why a trial's model has no decoding memory to count (sequence_bytes gave None)."""
+  from attn.experiments.data import tasks
+  name = ((trial.get("config") or {}).get("task") or {}).get("name")
+  if name not in tasks.TASKS:
+    return "the trial's config is missing"
+  if tasks.TASKS[name].kind != "decoder_lm":
+    return f"task {name!r} trains a {tasks.TASKS[name].kind}, which reads its whole input at once and keeps no cache"
+  return "its model config could not be counted"
+
+
 def applies(rows: list[dict[str, Any]]) -> bool:
   """Whether a sweep's groups (report rows carrying "memory") call for this section: every group counted,
   some group keeping a fixed-size state, and the totals not all equal."""
@@ -153,7 +195,7 @@ def plot(plt, rows: list[dict[str, Any]], path: str, note: str = "") -> None:
     ax.set_xlabel("state + KV cache per sequence, KiB\n(all layers, float32; a tick at each setting's)", fontsize=8)
     ax.set_ylabel("held-out accuracy")
     n = max(len(r["seed_values"]["eval_accuracy"]) for r in rs)
-    ax.set_title(f"{task}: each seed a dot ({n} seeds), the mean a bar", fontsize=9)
+    ax.set_title(f"{task}: each seed a dot ({n} seed{'s' * (n != 1)}), the mean a bar", fontsize=9)
     ax.grid(alpha=0.3)
   handles = [plt.Line2D([], [], color=style[n][0], marker=style[n][1], ls="none", ms=6) for n in names]
   extra, labels = axes[0][0].get_legend_handles_labels()

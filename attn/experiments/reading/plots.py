@@ -44,8 +44,9 @@ MAX_PANELS = 8
 short = axis_name  # model.num_heads -> num_heads, model.extra.NAME.OPTION -> NAME.OPTION
 
 
-def caption(trials: list[dict[str, Any]], axes: list[str]) -> str:
-  """One line saying what a sweep's plots show: task, steps, seeds, and what the trials hold fixed."""
+def caption(trials: list[dict[str, Any]], axes: list[str], chosen: set[str] | None = None) -> str:
+  """One line saying what a sweep's plots show: task, steps, seeds, and what the trials hold fixed (of
+  `chosen`'s keys where given: those the config sets or derives, not a default nobody chose)."""
   configs = [t["config"] for t in trials if t.get("config")]
   if not configs:
     return ""
@@ -54,7 +55,8 @@ def caption(trials: list[dict[str, Any]], axes: list[str]) -> str:
   swept = {a.split(".", 1)[1] for a in axes if a.startswith("model.")}
   parts = [task["name"].upper() if task["name"] in ("mqar",) else task["name"]]
   opts = [f"{k}={v}" for k, v in task.items() if k != "name" and not isinstance(v, (dict, list))
-          and v not in (None, "") and same("task", k) and f"task.{k}" not in axes]
+          and v not in (None, "") and same("task", k) and f"task.{k}" not in axes
+          and (chosen is None or f"task.{k}" in chosen)]
   head = parts[0] + (f" ({', '.join(opts)})" if opts else "")
   steps = {c["train"]["steps"] for c in configs}
   seeds = len({c["train"]["seed"] for c in configs})
@@ -62,7 +64,8 @@ def caption(trials: list[dict[str, Any]], axes: list[str]) -> str:
           f"{seeds} seed{'s' * (seeds != 1)}"]
   fixed = [f"{k}={configs[0]['model'][k]}" for k in ("d_model", "num_layers", "num_heads", "d_k", "d_v", "d_ff",
                                                     "num_kv_heads", "variant")
-           if k not in swept and configs[0]["model"].get(k) is not None and same("model", k)]
+           if k not in swept and configs[0]["model"].get(k) is not None and same("model", k)
+           and (chosen is None or f"model.{k}" in chosen)]
   moving = [k for k in ("d_k", "d_v") if k not in swept and not same("model", k)]
   with_h = ""
   if moving and "num_heads" in swept:
@@ -194,7 +197,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
     slant(ax, list(ticks.values()))
     ax.set_xlabel(" / ".join(short(a) for a in [axis, *tied]))
     n_seeds = max(len(r["seed_values"][metric]) for r in rows)
-    ax.set_title(textwrap.fill(f"{title}: each seed a dot ({n_seeds} seeds), their mean a bar"  # a panel is
+    ax.set_title(textwrap.fill(f"{title}: each seed a dot ({n_seeds} seed{'s' * (n_seeds != 1)}), their mean a bar"  # a panel is
                                + (", bars joined" if numeric else ""), 66), fontsize=9)  # ~66 characters wide
     if metric == "eval_accuracy" and guess is not None:
       ax.axhline(guess[0], color="0.4", ls=":", lw=1.2, zorder=0)
@@ -287,6 +290,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 X_AXES = {"kv_bytes": ("KV cache", "KV cache, bytes per token (all layers, float32)", "a cache as small"),
+          "held_bytes": ("state and KV cache", "state + KV cache after one sequence of length T, bytes "
+                         "(all layers, float32)", "as few bytes held"),
           "attn_params": ("attention parameters", "attention parameters (all layers, attn count)",
                           "as few attention parameters")}
 
@@ -298,7 +303,7 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   key, title = metric
   what, xlabel, fewer = X_AXES[x]
   rows = [{**r, "kv_bytes": r[x]} for r in rows]
-  counts = x != "kv_bytes"  # parameter counts: a linear axis of close values, labels turned 45°
+  counts = x == "attn_params"  # parameter counts: a linear axis of close values, labels turned 45°
   fig, ax = plt.subplots(figsize=(10, 5.5) if counts else (8, 5))
   xs = sorted({r["kv_bytes"] for r in rows})
   log = xs[-1] / xs[0] >= 4
@@ -344,7 +349,7 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
   ax.set_xlabel(xlabel)
   ax.set_ylabel(title)
   n_seeds = max(len(r["seed_values"][key]) for r in rows)
-  ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seeds), mean a bar", fontsize=9)
+  ax.set_title(f"{title} against {what}: each seed a dot ({n_seeds} seed{'s' * (n_seeds != 1)}), mean a bar", fontsize=9)
   # Below the axes: inside, the legend can hide a seed's dot.
   ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2 if counts else -0.12), frameon=False)
   ax.grid(alpha=0.3)
@@ -354,15 +359,16 @@ def kv_frontier(plt, rows: list[dict[str, Any]], path: str, metric=TEXT_METRICS[
 
 
 def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: list[str],
-               out_dir: str, metrics=METRICS, curves: bool = True) -> list[str]:
+               out_dir: str, metrics=METRICS, curves: bool = True, note: str | None = None) -> list[str]:
   """Writes the sweep's PNGs into out_dir; returns their file names ([] without matplotlib).
 
-  curves=False leaves out the learning curves (a write-up's committed finals have no rows).
+  curves=False leaves out the learning curves (a write-up's committed finals have no rows); `note`, the
+  caption under each plot (default: `caption`'s).
   """
   plt = _pyplot()
   if plt is None or not rows:
     return []
-  note = caption(trials, axes)
+  note = caption(trials, axes) if note is None else note
   guess = chance(trials) if metrics[0][0] == "eval_accuracy" else None
   made = []
   swept = [a for a in axes if a not in SEED_KEYS and all(a in r["label"] for r in rows)]
@@ -377,9 +383,12 @@ def make_plots(rows: list[dict[str, Any]], trials: list[dict[str, Any]], axes: l
   if curves:
     learning_curves(plt, trials, axes, os.path.join(out_dir, "learning_curves.png"), metrics, note, guess)
     made.append("learning_curves.png")
-  if len({r.get("kv_bytes") for r in rows}) > 1 and all(r.get("kv_bytes") for r in rows):
+  # Where a group keeps a fixed-size state (a hybrid's linear layers), its cache per token undercounts what it
+  # holds: the frontier is drawn against state + KV cache at T (rows carrying held_bytes) instead.
+  x = "held_bytes" if any(r.get("held_bytes") for r in rows) else "kv_bytes"
+  if len({r.get(x) for r in rows}) > 1 and all(r.get(x) for r in rows):
     lower_better = metrics[0] if metrics[0][0] != "eval_accuracy" else ("eval_loss", "held-out loss")
-    kv_frontier(plt, rows, os.path.join(out_dir, "frontier_kv_cache.png"), lower_better)
+    kv_frontier(plt, rows, os.path.join(out_dir, "frontier_kv_cache.png"), lower_better, x=x)
     made.append("frontier_kv_cache.png")
     if all(r.get("attn_params") for r in rows) and len({r["attn_params"] for r in rows}) > 1:
       kv_frontier(plt, rows, os.path.join(out_dir, "frontier_attention_params.png"), lower_better, x="attn_params")

@@ -59,7 +59,7 @@ from attn.analysis import attention_stats, circuit_factors, head_importance, spe
 from attn.analysis.importance import pruning_gates, pruning_order, prunable_fraction
 from attn.analysis.sentence import cosine, key_mass, roc_auc, slice_share, spearman
 from attn.config import invalid
-from attn.convert import LossyConversionWarning, convert
+from attn.conversion import LossyConversionWarning, convert
 from attn.experiments.data import sentences as sentences_lib
 from attn.nn import hf
 from attn.nn.sentence import SentenceEncoder

@@ -28,6 +28,7 @@ from attn.experiments.reading import analysis_report
 from attn.experiments.reading import memory
 from attn.experiments.reading import plots as plots_lib
 from attn.experiments.reading import selection
+from attn.experiments.reading import settings
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import run_record
 from attn.process import faults
@@ -166,22 +167,33 @@ def compare(a: list[float], b: list[float]) -> tuple[float, float, float]:
 def verdict(a: list[float], b: list[float]) -> str:
   """Whether group a beats group b by more than seed noise, from the trials' final values.
 
-  Clear: every trial of a beats every trial of b, and either the gap is at least 3
-  standard errors (Welch) or each side has at least 3 seeds, where a complete
-  separation happens by chance with probability 1/C(n+m, n) <= 1/20 (a one-sided
-  Mann-Whitney test). Suggestive: at least 2 standard errors. Otherwise it is
-  within seed noise; with one seed on either side there is no verdict.
+  Clear: every trial of a beats every trial of b, and a complete separation that
+  large happens by chance with probability 1/C(n+m, n) <= 1/20 (a one-sided
+  Mann-Whitney test: at least 3 seeds a side, or 2 against 5...). A standard error
+  from 2 seeds is itself a guess, so 2 seeds a side are at most suggestive however
+  many standard errors apart. Suggestive: at least 2 standard errors, or a complete
+  separation too small a sample to be clear. Otherwise it is within seed noise; with
+  one seed on either side there is no verdict.
   """
   if min(len(a), len(b)) < 2:
     return "one seed only, so no verdict"
   gap, t, wins = compare(a, b)
-  if wins == 1.0 and (t >= 3 or min(len(a), len(b)) >= 3):
-    p = 1 / math.comb(len(a) + len(b), len(a))
+  p = 1 / math.comb(len(a) + len(b), len(a))
+  if wins == 1.0 and p <= 0.05:
     return (f"a clear difference ({t:.1f} standard errors; every seed of one beats every seed of "
             f"the other, p = {p:.2g} by chance)")
+  if wins == 1.0 and t >= 2:
+    return (f"suggestive, not clear: every seed of one beats every seed of the other ({t:.1f} standard "
+            f"errors), but with {len(a)} and {len(b)} seeds that happens by chance with p = {p:.2g}: "
+            "more seeds would settle it")
   if t >= 2:
     return f"suggestive, not clear ({t:.1f} standard errors, {wins:.0%} of seed pairs ordered so): more seeds would settle it"
   return f"within seed noise ({t:.1f} standard errors)"
+
+
+def seeds(n: int) -> str:
+  """'1 seed', '3 seeds'."""
+  return f"{n} seed{'s' * (n != 1)}"
 
 
 def _is_number(v: Any) -> bool:
@@ -270,10 +282,10 @@ def answer(rows: list[dict[str, Any]], axes: list[str] | None = None, primary: s
   best = rows[0]
   if primary == "eval_bpb":
     text = (f"Best: **{best['group']}**, held-out bits per byte {best['eval_bpb'][0]:.3f} ± "
-            f"{best['eval_bpb'][1]:.3f} (next-byte accuracy {best['eval_accuracy'][0]:.3f}, {best['n']} seeds).")
+            f"{best['eval_bpb'][1]:.3f} (next-byte accuracy {best['eval_accuracy'][0]:.3f}, {seeds(best['n'])}).")
   else:
     text = (f"Best: **{best['group']}**, held-out accuracy {best['eval_accuracy'][0]:.3f} ± "
-            f"{best['eval_accuracy'][1]:.3f} (loss {best['eval_loss'][0]:.3f}, {best['n']} seeds).")
+            f"{best['eval_accuracy'][1]:.3f} (loss {best['eval_loss'][0]:.3f}, {seeds(best['n'])}).")
   per_axis = axis_answers(rows, list(axes or []), primary=primary)
   if per_axis:
     text += " Along each swept axis, the other axes held fixed (mean ± std over seeds):\n\n" + "\n".join(per_axis)
@@ -325,25 +337,46 @@ def setting_name(model: dict[str, Any]) -> str:
 
 
 def frontier_section(rows: list[dict[str, Any]], primary: str) -> list[str]:
-  """Markdown: each group's KV cache and mean `primary`, and whether it sits on the frontier."""
+  """Markdown: each group's memory and mean `primary`, and whether it sits on the frontier.
+
+  Memory is the KV cache per generated token where no group keeps a fixed-size state; where one does (a
+  hybrid's linear layers), a cache per token alone would undercount it, so the frontier is drawn against
+  state + KV cache after one sequence of the trial's length instead, with both parts shown.
+  """
   key = primary if primary in LOWER_IS_BETTER else "eval_loss"
-  front = set(plots_lib.pareto_front([(r["kv_bytes"], r[key][0]) for r in rows]))
-  order = sorted(range(len(rows)), key=lambda i: (rows[i]["kv_bytes"], rows[i][key][0]))
+  state = memory.holds_state(rows)
+  held = (lambda r: sum(r["memory"])) if state else (lambda r: r["kv_bytes"])
+  front = set(plots_lib.pareto_front([(held(r), r[key][0]) for r in rows]))
+  order = sorted(range(len(rows)), key=lambda i: (held(rows[i]), rows[i][key][0]))
   params = differ(rows, "attn_params")  # a column, and a frontier of its own, where attention parameters differ
   by_params = set(plots_lib.pareto_front([(r["attn_params"], r[key][0]) for r in rows])) if params else set()
-  md = ["## Quality against KV cache", "",
-        f"KV cache per generated token over all layers in float32 (`attn count`), against {TITLES.get(key, key)} "
-        "(mean ± std over seeds). On the frontier: no other setting has a cache as small and a lower mean."
+  what = ("state + KV cache after one sequence of the trial's length T over all layers (`attn count`, bytes as in "
+          "Memory per group; the linear layers' fixed state counts, not the cache per token alone)" if state else
+          "KV cache per generated token over all layers in float32 (`attn count`)")
+  md = ["## Quality against " + ("state and KV cache" if state else "KV cache"), "",
+        f"{what[0].upper()}{what[1:]}, against {TITLES.get(key, key)} "
+        "(mean ± std over seeds). On the frontier: no other setting "
+        + ("holds as few bytes" if state else "has a cache as small") + " and a lower mean."
         + (" Attention parameters: all layers' (`attn count`), with the frontier of the means against them."
            if params else ""), "",
-        "| setting | group | KV cache B/token | " + ("attention params | " if params else "") + TITLES.get(key, key)
+        "| setting | group | KV cache B/token | " + ("state B/sequence | state + KV cache B at T | " if state else "")
+        + ("attention params | " if params else "") + TITLES.get(key, key)
         + " | on the frontier |" + (" on the parameter frontier |" if params else ""),
-        "|---|---|---|---|---|" + ("---|---|" if params else "")]
+        "|---|---|---|---|---|" + ("---|---|" if state else "") + ("---|---|" if params else "")]
   md += [f"| {rows[i].get('setting') or '–'} | {rows[i]['group']} | {rows[i]['kv_bytes']:,} | "
+         + (f"{rows[i]['memory'][1]:,} | {sum(rows[i]['memory']):,} | " if state else "")
          + (f"{rows[i]['attn_params']:,} | " if params else "")
          + f"{rows[i][key][0]:.4f} ± {rows[i][key][1]:.4f} | {'yes' if i in front else 'no'} |"
          + (f" {'yes' if i in by_params else 'no'} |" if params else "") for i in order]
   return md + [""]
+
+
+def frontier_applies(rows: list[dict[str, Any]]) -> bool:
+  """Whether the groups differ in what they hold: in KV cache per token (every group caching some), or, where
+  a group keeps a fixed-size state, in state + KV cache at T (every group counted)."""
+  if memory.holds_state(rows):
+    return len(rows) > 1 and all(r.get("memory") for r in rows) and len({sum(r["memory"]) for r in rows}) > 1
+  return len({r["kv_bytes"] for r in rows}) > 1 and all(r["kv_bytes"] for r in rows)
 
 
 def differ(rows: list[dict[str, Any]], key: str) -> bool:
@@ -369,7 +402,7 @@ def _trial_table(trials: list[dict[str, Any]]) -> list[str]:
     text = [_fmt(c, 3) if not isinstance(c, str) else c for c in cells]
     measured = s.get("attention_measured", ())  # no closed form: say so, never pass it as one
     for i, figure in ((4, "analytic"), (5, "effective"), (6, "flops")):
-      if figure in measured:
+      if figure in measured and text[i] != "–":  # a figure left unmeasured is a dash, not "measured"
         text[i] += " (measured)"
     lines.append("| " + " | ".join(text) + " |")
   return lines
@@ -396,20 +429,31 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
     r["setting"] = (first[r["group"]]["label"].get("case") or setting_name(first[r["group"]]["config"]["model"])
                     if r["kv_bytes"] else None)
     r["memory"], r["chance"] = memory.sequence_bytes(first[r["group"]]), memory.chance(first[r["group"]])
+    r["seq_len"] = ((first[r["group"]].get("config") or {}).get("task") or {}).get("seq_len")
+    if r["memory"] is None:
+      r["no_memory"] = memory.no_memory(first[r["group"]])
     r["attention_flops"] = selection.attention_flops(first[r["group"]])
+  if memory.holds_state(rows):  # the frontier plot's x: what a group holds, its linear layers' state included
+    for r in rows:
+      r["held_bytes"] = sum(r["memory"]) if r["memory"] else None
   names = [r["setting"] for r in rows]
   if len(rows) > 1 and len(set(names)) < len(names):  # a name shared by groups: the groups say more
     for r in rows:
       r["setting"] = None
-  plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS)
+  cases = "case" in header["axes"]  # a case's name alone does not say what it trained
+  trained = settings.differences({r["group"]: first[r["group"]]["config"] for r in rows
+                                  if first[r["group"]].get("config")}) if cases else {}
+  for r in rows:
+    r["settings"] = trained.get(r["group"], "")
+  note = plots_lib.caption(trials, header["axes"], settings.chosen(header)) + "".join(
+      f"; {r['group']}: {r['settings']}" for r in rows if r["settings"])
+  plots = plots_lib.make_plots(rows, trials, header["axes"], root, TEXT_METRICS if text else METRICS, note=note)
   if memory.applies(rows) and not text and (plt := plots_lib._pyplot()) is not None:
-    memory.plot(plt, rows, os.path.join(root, "frontier_state_cache.png"),
-                plots_lib.caption(trials, header["axes"]))
-    memory.curves(plt, trials, os.path.join(root, "curves_by_setting.png"), plots_lib.caption(trials, header["axes"]))
+    memory.plot(plt, rows, os.path.join(root, "frontier_state_cache.png"), note)
+    memory.curves(plt, trials, os.path.join(root, "curves_by_setting.png"), note)
     plots += ["frontier_state_cache.png", "curves_by_setting.png"]
   if selection.applies(rows) and not text and (plt := plots_lib._pyplot()) is not None:
-    selection.plot(plt, rows, os.path.join(root, "accuracy_vs_attention_flops.png"),
-                   plots_lib.caption(trials, header["axes"]))
+    selection.plot(plt, rows, os.path.join(root, "accuracy_vs_attention_flops.png"), note)
     plots += ["accuracy_vs_attention_flops.png"]
   status = [t["summary"]["status"] if t["summary"] else "damaged" if t["damaged"] else
             "interrupted" if t.get("interrupted") else "unfinished" for t in trials]
@@ -432,26 +476,42 @@ def write_report(root: str, stream: TextIO = sys.stderr) -> str:
   if text:  # nothing saturates, so no 'step reaching' column; instead how flat the curves end
     spans = {c[1] for r in rows for c in r["late"] if c}
     over = f"last {spans.pop()} steps" if len(spans) == 1 else f"last {LATE:.0%} of steps"
-    md += ["| group | seeds | model params | eval bits/byte | eval accuracy | per seed (bits/byte) "
-           f"| change over the {over} (per seed) |", "|---|---|---|---|---|---|---|"]
-    md += [f"| {r['group']} | {r['n']} | {_fmt(r['model_params'])} | "
+    md += ["| group | " + ("settings | " if cases else "") + "seeds | model params | eval bits/byte | eval accuracy "
+           f"| per seed (bits/byte) | change over the {over} (per seed) |", "|---|---|---|---|---|---|---|"
+           + ("---|" if cases else "")]
+    md += [f"| {r['group']} | " + (f"{r['settings'] or '–'} | " if cases else "") + f"{r['n']} | {_fmt(r['model_params'])} | "
            f"{r['eval_bpb'][0]:.4f} ± {r['eval_bpb'][1]:.4f} | "
            f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
            f"{', '.join(f'{v:.4f}' for v in r['seed_values']['eval_bpb'])} | "
            f"{', '.join('–' if c is None else f'{c[0]:+.4f}' for c in r['late'])} |" for r in rows]
   else:
-    md += [f"| group | seeds | model params | eval accuracy | eval loss | step reaching {SOLVED} (per seed) |",
-           "|---|---|---|---|---|---|"]
-    md += [f"| {r['group']} | {r['n']} | {_fmt(r['model_params'])} | "
+    md += ["| group | " + ("settings | " if cases else "") + "seeds | model params | eval accuracy | eval loss "
+           f"| step reaching {SOLVED} (per seed) |", "|---|---|---|---|---|---|" + ("---|" if cases else "")]
+    md += [f"| {r['group']} | " + (f"{r['settings'] or '–'} | " if cases else "") + f"{r['n']} | {_fmt(r['model_params'])} | "
            f"{r['eval_accuracy'][0]:.4f} ± {r['eval_accuracy'][1]:.4f} | "
            f"{r['eval_loss'][0]:.3g} ± {r['eval_loss'][1]:.2g} | "
            f"{', '.join('–' if s is None else str(s) for s in r['solved_at'])} |" for r in rows]
-  if len({r["kv_bytes"] for r in rows}) > 1 and all(r["kv_bytes"] for r in rows):
+    never = sum(s is None for r in rows for s in r["solved_at"])
+    if never:  # a dash is a seed that never reached it, not a number left out
+      md += ["", f"Step reaching {SOLVED}: the first evaluated step at which a seed's held-out accuracy reached "
+             f"{SOLVED}; – for a seed that never did within its steps"
+             + (" (no seed did)." if never == sum(len(r["solved_at"]) for r in rows) else ".")]
+  if any(r.get("memory") for r in rows):  # what each group holds, on every task with a decoder
+    md += [""] + memory.table(rows)[:-1]
+  elif rows:
+    md += ["", "## Memory per group", "", f"Left out: {rows[0].get('no_memory') or 'no group has a decoding cache'}."]
+  if frontier_applies(rows):
     md += [""] + frontier_section(rows, primary)[:-1]
   if memory.applies(rows) and not text:
     md += [""] + memory.section(rows)[:-1]
+  elif memory.applies(rows):  # said, not dropped: the quality table above already ranks state + cache
+    md += ["", "The recall-against-state section (held-out accuracy against state + KV cache) is for recall "
+           "tasks; on text the quality table above ranks bits per byte against state + KV cache at T."]
   if selection.applies(rows) and not text:
     md += [""] + selection.section(rows)[:-1]
+  elif selection.applies(rows):  # said, not dropped
+    md += ["", "The accuracy-against-attention-FLOPs section ranks held-out accuracy, a recall task's measure; on text "
+           "the groups are ranked by bits per byte above (each trial's attention FLOPs are in the Trials table)."]
   md += ["", "## Plots", ""]
   md += [f"![{p}]({p})" for p in plots] or ["(matplotlib is not installed: `pip install matplotlib`)"]
   md += analysis_report.section(root, trials, header["axes"])  # when `attn analyze` has run

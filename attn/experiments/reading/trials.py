@@ -13,6 +13,7 @@ from attn.experiments.running import store as store_lib
 from attn.experiments.training import checkpoints, train
 from attn.experiments.training.config import TrainConfig
 from attn.nn import models
+from attn.nn.config import ModelConfig
 
 
 def load_trial(run_dir: str, trial_id: str, step: int | None = None):
@@ -43,7 +44,7 @@ def load_trial(run_dir: str, trial_id: str, step: int | None = None):
     raise invalid("step", step, f"one of the checkpointed steps of trial {trial_id}: {have}")
   cfg = store_lib.read_config(os.path.join(trial_dir, store_lib.CONFIG), store_lib.config_todo(run_dir, header))
   task = tasks.make_task(cfg["task"])
-  model_cfg = models.ModelConfig(**cfg["model"])
+  model_cfg = ModelConfig(**cfg["model"])
   abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   tx = train.optimizer(TrainConfig(**cfg["train"]))

@@ -38,7 +38,8 @@ and .train). train.mesh is a table: `mesh = {data = 2, heads = 2}` in the file,
 `--set train.mesh.heads=2` (or `--set "train.mesh={heads = 2}"`) on the command line.
 
 A dotted key may reach into a table: train.mesh.AXIS, model.extra.NAME (an outside head
-mechanism's options) and model.extra.NAME.OPTION (one of them), as a grid or zip axis, a key of a
+mechanism's options) and model.extra.NAME.OPTION (one of them), model.layer_heads.TYPE[.FIELD]
+(a layer type's head, attn.nn.layer_heads) and model.linear_head.FIELD, as a grid or zip axis, a key of a
 case or a --set, like any field; the trial label names it by its path in the table
 (logit_scale.factor=3.0: axis_name, show). An option is refused by name before any trial starts
 when its mechanism is not installed, when the mechanism's record does not declare it (in its
@@ -56,12 +57,14 @@ import hashlib
 import itertools
 import json
 import tomllib
+import warnings
 from typing import Any
 
-from attn.config import ConfigError, invalid
+from attn.config import ConfigError, did_you_mean, invalid
 from attn.experiments.data import tasks
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_heads, check_indexer, check_train_field
 
+SECTIONS = ("meta", "task", "model", "train", "sweep", "analysis")
 META_KEYS = {"name": str, "question": str}
 ANALYSIS_KEYS = {"enabled": bool}  # [analysis]: whether `attn sweep` runs `attn analyze` before its report
 PACK_ALLOWED = ("an integer >= 1: up to that many trials equal but for train." + ", train.".join(PACKABLE)
@@ -80,10 +83,13 @@ DERIVES = ("fixed_width", "fixed_params")
 DERIVED = {"fixed_width": (("model.d_k", "model.d_v"), "d_k = d_v = d_model / num_heads"),
            "fixed_params": (("model.d_ff",), "d_ff fills sweep.param_budget")}
 ALIASES = {"seed": "train.seed"}
-# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options) and
-# model.extra.NAME.OPTION (one option), in --set, sweep axes and cases alike.
-TABLE_KEYS = (("train", "mesh"), ("model", "extra"))
-TABLE_DEPTH = {("train", "mesh"): 1, ("model", "extra"): 2}
+# Tables a dotted key reaches into: train.mesh.AXIS, model.extra.NAME (a mechanism's options),
+# model.extra.NAME.OPTION (one option), model.layer_heads.TYPE[.FIELD] and model.linear_head.FIELD, in
+# --set, sweep axes and cases alike.
+TABLE_KEYS = (("train", "mesh"), ("model", "extra"), ("model", "layer_heads"), ("model", "linear_head"))
+TABLE_DEPTH = {("train", "mesh"): 1, ("model", "extra"): 2, ("model", "layer_heads"): 2, ("model", "linear_head"): 1}
+INTO_TABLES = ("train.mesh.AXIS, model.extra.NAME[.OPTION], model.layer_heads.TYPE[.FIELD], "
+               "model.linear_head.FIELD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +171,25 @@ def stable_hash(obj: Any, n: int = 12) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
-# Experiment defaults that differ from ModelConfig's. Token embeddings start at N(0, 1):
-# with the GPT-2 scale 0.02 a small model sits on MQAR's plateau for thousands of steps
-# (measured: solved by step 200 at 1.0, still at chance after 3000 at 0.02).
-MODEL_DEFAULTS = {"embed_init_std": 1.0}
+# Experiment defaults that differ from ModelConfig's, set per trial by `model_defaults` (docs/running.md,
+# "Defaults that start at a sane loss"). Token embeddings start at N(0, 1): with the GPT-2 scale 0.02 a small model
+# sits on MQAR's plateau for thousands of steps (measured: solved by step 200 at 1.0, still at chance after 3000 at
+# 0.02). So a language model's output head is untied (LLaMA's choice, Touvron et al. 2023): tied to N(0, 1)
+# embeddings, its logits start at a standard deviation of about sqrt(d_model), step 1's loss at 40 nats on MQAR
+# against ln 64 = 4.2. One that ties them and sets no embed_init_std gets GPT-2's 0.02 (Radford et al. 2019), whose
+# logits start near zero. A classifier has no output head to tie: its tie_embeddings stays true, the old default,
+# so its trial ids do not move; every shipped language-model config sets tie_embeddings = false itself.
+UNTIED_EMBED_INIT_STD = 1.0
+TIED_EMBED_INIT_STD = 0.02
+
+
+def model_defaults(model: dict[str, Any], kind: str) -> dict[str, Any]:
+  """[model] with the experiment defaults of the keys it leaves out (tie_embeddings, embed_init_std) for a task of `kind`."""
+  model = dict(model)
+  model.setdefault("tie_embeddings", kind == "classifier")
+  tied = model["tie_embeddings"] and kind != "classifier"
+  model.setdefault("embed_init_std", TIED_EMBED_INIT_STD if tied else UNTIED_EMBED_INIT_STD)
+  return model
 
 
 def _model_fields() -> dict[str, Any]:
@@ -185,7 +206,7 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
     return _model_fields()
   name = raw_task.get("name")
   if name not in tasks.TASKS:
-    raise invalid("task.name", name, f"one of {sorted(tasks.TASKS)}")
+    raise invalid("task.name", name, f"{did_you_mean(name, tasks.TASKS)}one of {sorted(tasks.TASKS)}")
   return {"name": name, **tasks.task_fields(name)}
 
 
@@ -221,6 +242,8 @@ def _check_type(key: str, value: Any, spec: Any) -> Any:
     return value
   if isinstance(spec, float) and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
+  if isinstance(spec, tuple) and isinstance(value, list):  # a list-valued task key (mqar's curriculum)
+    return tuple(value)
   if type(value) is not type(spec):
     raise invalid(key, value, f"a {type(spec).__name__} (like {spec!r})")
   return value
@@ -283,28 +306,17 @@ def _entry(where: str, key: str, value: Any) -> Any:
   section, field, *path = key.split(".")
   if (section, field) != ("model", "extra") or not path:
     return value
-  from attn.variants.mechanisms import MECHANISMS  # lazy: jax, slow to import for `attn status`
+  from attn.variants import mechanisms  # lazy: jax, slow to import for `attn status`
   name = path[0]
-  outside = sorted(n for n, m in MECHANISMS.items() if not m.fields)
-  if name not in MECHANISMS or MECHANISMS[name].fields:
-    why = (f"{name!r} is a built-in, set by its [model] fields {list(MECHANISMS[name].fields)}"
-           if name in MECHANISMS else f"no mechanism {name!r} is installed"
-           + (f" ({MECHANISMS.broken()[name]})" if name in MECHANISMS.broken() else ""))
-    raise invalid(where, value, f"model.extra.NAME[.OPTION] with NAME an installed outside head mechanism, "
-                  f"one of {outside}: {why}")
-  declared = sorted(MECHANISMS[name].defaults or {})
+  m = mechanisms.outside(name, where, value)
   if len(path) == 1:
     if not isinstance(value, dict):
-      raise invalid(where, value, f"a table of options of mechanism {name!r} (keys among {declared}), "
-                    f"or set one: model.extra.{name}.OPTION")
-    unknown = sorted(set(value) - set(declared))
-    if unknown:
-      raise invalid(f"{where}.{unknown[0]}", value[unknown[0]],
-                    f"options mechanism {name!r} declares: {declared}")
+      raise invalid(where, value, f"a table of options of mechanism {name!r} (keys among "
+                    f"{sorted(m.defaults or {})}), or set one: model.extra.{name}.OPTION")
+    for option in sorted(value):
+      mechanisms.declared(m, option, f"{where}.{option}", value[option])
     return value
-  if path[1] not in declared:
-    raise invalid(where, value, f"an option mechanism {name!r} declares: model.extra.{name}.OPTION with "
-                  f"OPTION one of {declared} ({path[1]!r} is not one)")
+  mechanisms.declared(m, path[1], where, value)
   if isinstance(value, (dict, list)):
     raise invalid(where, value, f"a number, a string or a boolean: the value of option {path[1]!r} of "
                   f"mechanism {name!r}")
@@ -362,8 +374,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
       raw.setdefault("sweep", {}).setdefault(parts[1], {})[".".join(parts[2:])] = value
       continue
     if len(parts) != 2 and not (tuple(parts[:2]) in TABLE_KEYS and len(parts) <= 2 + TABLE_DEPTH[tuple(parts[:2])]):
-      raise invalid("--set", item, "SECTION.KEY=VALUE, train.mesh.AXIS=VALUE, model.extra.NAME={...}, "
-                    "model.extra.NAME.OPTION=VALUE, or sweep.grid.SECTION.KEY=[...]")
+      raise invalid("--set", item, f"SECTION.KEY=VALUE (a table whole: --set 'model.layer_heads={{TYPE = {{...}}}}'), "
+                    f"a key into a table ({INTO_TABLES})=VALUE, or sweep.grid.SECTION.KEY=[...]")
     if len(parts) > 2:  # into a table, e.g. train.mesh.heads or model.extra.NAME.OPTION
       value = _entry(key, key, value)
       _put(raw, key, value, where=".".join(parts[:-1]))
@@ -392,9 +404,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
   for section in raw:
-    if section not in ("meta", "task", "model", "train", "sweep", "analysis"):
-      raise invalid(section, raw[section],
-                    "one of the tables [meta] [task] [model] [train] [sweep] [analysis]")
+    if section not in SECTIONS:
+      raise invalid(section, raw[section], f"{did_you_mean(section, SECTIONS)}one of the tables "
+                    "[meta] [task] [model] [train] [sweep] [analysis]")
     if not isinstance(raw[section], dict):
       raise invalid(section, raw[section], "a table")
   for key, value in raw.get("analysis", {}).items():
@@ -407,10 +419,10 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
       raise invalid(f"meta.{key}", raw["meta"][key], "a string")
   for key in raw.get("meta", {}):
     if key not in META_KEYS:
-      raise invalid(f"meta.{key}", raw["meta"][key], f"one of {sorted(META_KEYS)}")
+      raise invalid(f"meta.{key}", raw["meta"][key], f"{did_you_mean(key, META_KEYS)}one of {sorted(META_KEYS)}")
   for key, value in raw.get("sweep", {}).items():
     if key not in SWEEP_KEYS:
-      raise invalid(f"sweep.{key}", value, f"one of {sorted(SWEEP_KEYS)}")
+      raise invalid(f"sweep.{key}", value, f"{did_you_mean(key, SWEEP_KEYS)}one of {sorted(SWEEP_KEYS)}")
     if not isinstance(value, SWEEP_KEYS[key]) or isinstance(value, bool) != (SWEEP_KEYS[key] is bool):
       raise invalid(f"sweep.{key}", value, SWEEP_KINDS[key])
   base = {}
@@ -422,10 +434,9 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         raise invalid(f"model.{key}", value, "not set by hand: it is derived from the task")
       if key not in schema:
         owner = f"task {raw['task']['name']!r}" if section == "task" else f"[{section}]"
-        raise invalid(f"{section}.{key}", value, f"a key of {owner}: {sorted(schema)}")
+        raise invalid(f"{section}.{key}", value, f"{did_you_mean(key, schema)}a key of {owner}: {sorted(schema)}")
       values[key] = _check_value(f"{section}.{key}", section, key, value, schema)
     base[section] = values
-  base["model"] = {**MODEL_DEFAULTS, **base["model"]}
   sweep = raw.get("sweep", {})
   fitted = "fixed_params" in sweep.get("derive", []) and isinstance(sweep.get("param_budget", "base"), int)
   for key in ("d_model", "num_layers", "num_heads") + (() if fitted else ("d_ff",)):
@@ -491,8 +502,9 @@ def _key_value(where: str, key: str, value: Any, base: dict[str, dict[str, Any]]
   table = (section, field) in TABLE_KEYS
   if field not in schema or (section == "model" and field in DERIVED_MODEL_KEYS) or (rest and not table) or (
       table and rest and len(rest.split(".")) > TABLE_DEPTH[(section, field)]):
-    raise invalid(where, value, f"a key of [{section}]: {sorted(schema)}"
-                  + ("; into a table: train.mesh.AXIS, model.extra.NAME, model.extra.NAME.OPTION" if rest else ""))
+    hint = "" if field in schema else did_you_mean(field, schema)
+    raise invalid(where, value, f"{hint}a key of [{section}]: {sorted(schema)}"
+                  + (f"; into a table: {INTO_TABLES}" if rest else ""))
   if value is shown:
     return value
   if rest:
@@ -552,7 +564,7 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   """The full trial config: task defaults, derived model keys and constraints applied."""
   from attn.experiments.training import train  # lazy: imports jax and flax
   task = tasks.make_task(cfg["task"])
-  model = dict(cfg["model"])
+  model = model_defaults(cfg["model"], task.kind)
   if "fixed_width" in derive:
     D, H = model["d_model"], model["num_heads"]
     if H < 1:
@@ -569,8 +581,15 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if "fixed_params" in derive:
     model.setdefault("d_ff", 1)  # a start: fit_d_ff sets it (with an integer budget [model] leaves it out)
   model_cfg = train.model_config(model, task)
+  if task.kind == "classifier":
+    from attn.nn import layer_types  # lazy: flax
+    try:
+      layer_types.check_bidirectional(model_cfg, f"task {cfg['task']['name']!r} trains a classifier whose encoder")
+    except ConfigError as e:
+      raise ConfigError(f"model.{e}") from None
   if "fixed_params" in derive:
     model_cfg = train.fit_d_ff(model_cfg, task.kind, budget)
+  note_full_selection(model_cfg, task.seq_len)
   task_cfg = {"name": cfg["task"]["name"], **{f: getattr(task, f) for f in tasks.task_fields(cfg["task"]["name"])}}
   train_cfg = TrainConfig(**cfg["train"])
   check_heads(train_cfg, model_cfg.num_heads)
@@ -579,6 +598,25 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
     raise invalid("train.sink_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
                   "the sink metrics read a causal language model's first position")
   return {"task": task_cfg, "model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(train_cfg)}
+
+
+def note_full_selection(model_cfg: Any, T: int) -> None:
+  """Warns (one line) when MoBA's top_k reaches the number of blocks of a trial's T keys: every query then
+  attends to every key it sees, full attention at a selection's cost (docs/key_selection.md)."""
+  if "moba" not in (model_cfg.extra or {}):
+    return
+  from attn.variants.mechanisms import options  # lazy: jax
+  o = options(model_cfg.head, "moba")
+  block = min(o["block"], T)
+  blocks = -(-T // block)
+  if o["top_k"] >= blocks:
+    warnings.warn(f"model.extra.moba.top_k={o['top_k']} is at least the {blocks} blocks of {block} keys in "
+                  f"seq_len={T}: every query attends to every key it sees (full attention, no selection)",
+                  FullSelectionWarning, stacklevel=2)
+
+
+class FullSelectionWarning(UserWarning):
+  """A key selection that keeps every key at the trial's length (note_full_selection)."""
 
 
 def load(path: str, overrides: list[str] | None = None) -> Sweep:
@@ -661,7 +699,7 @@ def _expand(path: str, raw: dict[str, Any], set_keys: dict[str, str] | None = No
     try:
       resolved = resolve(cfg, derive, budget)
     except ConfigError as e:
-      raise ConfigError(f"trial [{label}]: {e}") from None
+      raise ConfigError(f"trial [{label}]: {e}" if label else f"the trial: {e}") from None  # no axes: one trial
     tid = trial_id(resolved)
     if tid in seen:
       raise invalid("sweep", label, f"axes giving distinct trials (same resolved config as [{seen[tid]}])")

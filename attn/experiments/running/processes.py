@@ -197,11 +197,11 @@ def run_group(out: str, processes: int, lease_timeout: float, coordinator_timeou
 
 def main(argv: list[str]) -> int:
   """`python -m attn.experiments.running.processes SPEC`: one process of run_group's group (SPEC: JSON)."""
-  process.setup()  # first, as the command's: may re-execute this process (attn.process)
+  from attn.experiments.training import preempt  # stdlib only: no jax
+  process.setup(signals=preempt.handlers())  # first, as the command's: may re-execute this process (attn.process)
   spec = json.loads(argv[0])
   os.sched_setaffinity(0, spec["cpus"])  # before jax sizes its thread pools
-  from attn.experiments.training import distributed, preempt
-  preempt.install_handlers()
+  from attn.experiments.training import distributed
   group = distributed.Group(spec["address"], spec["processes"], spec["index"], spec["timeout"], spec["address"])
   counts = run_member(spec["out"], group, wait=True, lease_timeout=spec["lease_timeout"],
                       tensorboard=spec["tensorboard"], worker=spec["worker"])

@@ -249,13 +249,14 @@ class SlurmTask(Checkpointable):
 
   def __call__(self, trial_ids: list[str]) -> dict[str, int]:
     from attn import process
-    process.setup()  # first, as the command's: may re-execute the task (submitit starts it again, same pid)
     # submitit has installed its handlers: wrap its requeue handler, replace its SIGTERM bypass.
     sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+    handlers = {signal.SIGTERM: self._on_sigterm}
     if callable(signal.getsignal(sig)):
       self._requeue = (sig, signal.getsignal(sig))
-      signal.signal(sig, self._on_requeue_signal)
-    signal.signal(signal.SIGTERM, self._on_sigterm)
+      handlers[sig] = self._on_requeue_signal
+    # first, as the command's: may re-execute the task (submitit starts it again, same pid)
+    process.setup(signals=handlers)
     from attn.experiments.running import processes as processes_lib
     from attn.experiments.running import sweep as sweep_lib  # lazy: jax
     kwargs = {} if self.lease_timeout is None else {"lease_timeout": self.lease_timeout}

@@ -177,7 +177,8 @@ def _detail(t: dict[str, Any], lease_timeout: float) -> str:
     final = s.get("final", {})
     took = s.get("compile_s", 0.0) + s.get("train_s", 0.0) + s.get("checkpoint_s", 0.0)
     return (f"eval_accuracy {final.get('eval_accuracy', float('nan')):.4f}  "
-            f"eval_loss {final.get('eval_loss', float('nan')):.4f}  ({took:.0f} s)")
+            f"eval_loss {final.get('eval_loss', float('nan')):.4f}  ({took:.0f} s"
+            + (f" on {s['worker']})" if s.get("worker") else ")"))
   if t["state"] == "failed":
     return s.get("reason", "?")
   if t["state"] == "damaged":
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
   for t in trials:
     for warning in t["warnings"]:
       print(f"warning: trial {t['index']}/{len(trials)}: {warning}", file=sys.stderr)
-  for sub in ("local", "slurm"):
+  for sub in ("local", "slurm", "ray"):
     if os.path.isdir(os.path.join(args.dir, sub)):
       print(f"logs: {os.path.join(args.dir, sub)}/")
   for line in run_record.summary(args.dir):  # on stderr: stdout stays one line per trial and the totals

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, TextIO
 
 from attn.experiments.running import status as status_lib
+from attn.process import signals as process_signals
 
 
 @dataclasses.dataclass
@@ -46,10 +47,9 @@ def supervise(children: list[Child], out: str, prefix: str, lease_timeout: float
       if child.poll() is None:
         child.signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
-  previous = {s: signal.signal(s, forward) for s in signals}
   tty = hasattr(stream, "isatty") and stream.isatty()
   last, broken = 0.0, None
-  try:
+  with process_signals.handling(dict.fromkeys(signals, forward)):
     while any(child.poll() is None for child in children):
       bad = [c for c in children if c.poll() not in (None, 0)]
       if grace is not None and bad and broken is None and not stopping:
@@ -61,9 +61,6 @@ def supervise(children: list[Child], out: str, prefix: str, lease_timeout: float
             child.kill()
       last = status_lib.print_progress(stream, prefix, out, lease_timeout, last)
       time.sleep(0.2)
-  finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
   if tty:
     stream.write("\n")
   return stopping[0] if stopping else 0

@@ -45,12 +45,12 @@ import math
 import os
 import sys
 import time
-import traceback
 from typing import Any, TextIO
 
 from attn.config import ConfigError, invalid
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
+from attn.experiments.running import space
 from attn.experiments.running import tb_writer
 from attn.process import faults
 from attn.experiments.training import preempt
@@ -143,7 +143,7 @@ def device_memory() -> tuple[int | None, str]:
       share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
       where = f"{dev.device_kind}'s memory" + (f" (this process's share, {share} of it)" if share else "")
       return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), where
-  return faults.available_memory(), "this machine's memory"
+  return space.available_memory(), "this machine's memory"
 
 
 def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
@@ -153,7 +153,7 @@ def check_memory(group: list[config_lib.Trial], compiled: list[Any]) -> None:
   if have is not None and wanted > have:
     share = " or fewer --trials-per-device" if os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") else ""
     raise invalid("trial", _label(group), f"a config whose train step fits {where}: XLA's memory "
-                  f"analysis wants {faults.fmt_bytes(wanted)}, {faults.fmt_bytes(have)} is available; lower "
+                  f"analysis wants {space.fmt_bytes(wanted)}, {space.fmt_bytes(have)} is available; lower "
                   f"train.batch_size, raise train.grad_accum, shrink the model{share}")
 
 
@@ -190,8 +190,8 @@ def fit_packs(pending: list[config_lib.Trial], pack: int | str, stream: TextIO) 
       limits[key] = fits
       cut = "reduced to" if pack != "auto" else "at most"
       stream.write(f"sweep.pack={pack}: {cut} {fits} for [{_label(group)}]: one trial's train step needs "
-                   f"{faults.fmt_bytes(per)} (XLA's memory analysis), {where} has {faults.fmt_bytes(have)} "
-                   f"available and packs plan on {PACK_MEMORY_FRACTION:.0%} of it ({faults.fmt_bytes(budget)})\n")
+                   f"{space.fmt_bytes(per)} (XLA's memory analysis), {where} has {space.fmt_bytes(have)} "
+                   f"available and packs plan on {PACK_MEMORY_FRACTION:.0%} of it ({space.fmt_bytes(budget)})\n")
   return limits
 
 
@@ -213,8 +213,8 @@ def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides:
   its space; retry_failed (`--retry-failed`) makes the failed trials new.
   """
   stream = stream or sys.stderr
-  where, free = faults.free_bytes(out)
-  if free < faults.MIN_FREE:
+  where, free = space.free_bytes(out)
+  if free < space.MIN_FREE:
     raise _full(out, where, free)
   store = Store(out)
   head = header(sweep, config_text, overrides or [])
@@ -226,7 +226,7 @@ def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides:
     fault = faults.classify(e)
     if fault is None:
       raise
-    raise _full(out, *faults.free_bytes(out), fault.reason) from None
+    raise _full(out, *space.free_bytes(out), fault.reason) from None
   if retry_failed:
     failed = [t for t in sweep.trials if store.failed(t.id)]
     for t in failed:
@@ -241,7 +241,7 @@ def prepare(sweep: config_lib.Sweep, out: str, config_text: str = "", overrides:
 
 def _full(out: str, where: str, free: int, why: str = "") -> ConfigError:
   return invalid("--out", out, f"a directory on a filesystem with room for the store: {where} has "
-                 f"{faults.fmt_bytes(free)} free ({free} bytes; at least {faults.fmt_bytes(faults.MIN_FREE)} needed)"
+                 f"{space.fmt_bytes(free)} free ({free} bytes; at least {space.fmt_bytes(space.MIN_FREE)} needed)"
                  + (f", and {why}" if why else "") + ": free space or choose another --out")
 
 
@@ -331,6 +331,14 @@ def _follow(store: Store, trials: dict[str, config_lib.Trial], vmap: bool, strea
       counts[summary["status"]] += 1
   stream.write(f"{me}: done: process 0 has no more trials\n")
   return counts
+
+
+def error_line(e: BaseException) -> str:
+  """The exception as `module.Name: message`, without the notes added to it (JAX's "For simplicity, JAX has
+  removed its internal frames..." on a ConfigError raised while tracing)."""
+  kind = type(e)
+  name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+  return f"{name}: {e}".strip() if str(e) else name
 
 
 class _Worker:
@@ -497,6 +505,11 @@ class _Worker:
     label, steps = _label(group), group[0].config["train"]["steps"]
     first = self.started + 1
     self.started += len(group)
+    if first == 1:  # nothing else is printed until its first step, and the first build in a process is slow
+      stream.write(f"trial {first}/{progress.n} [{label}]: building its model and compiling its step (XLA compiles "
+                   "each initializer once per process: seconds to a minute on a CPU, less when the compilation "
+                   "cache already holds them)\n")
+      stream.flush()
 
     def on_start(j: int, step: int) -> None:
       for problem in store.start(group[j].id, resume_from=step):
@@ -537,12 +550,12 @@ class _Worker:
         if not isinstance(e, recorded) or faults.classify(e) is not None:
           raise
         stream.write(f"\ntrial [{label}] failed: {type(e).__name__}: {e}\n")
-        tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        summaries = [{"status": "failed", "reason": f"error: {tb}"} for _ in group]
+        summaries = [{"status": "failed", "reason": f"error: {error_line(e)}"} for _ in group]
       statuses = []
       for t, summary in zip(group, summaries):
         try:
-          store.finish(t.id, {"id": t.id, "label": t.label, **summary, "finished_unix": time.time()})
+          where = {"worker": self.worker} if self.worker else {}  # where it ran: `attn status` shows it
+          store.finish(t.id, {"id": t.id, "label": t.label, **summary, **where, "finished_unix": time.time()})
         except leases.LeaseLost as e:
           stream.write(f"trial {self.name(t)} not recorded: {e}\n")
           continue

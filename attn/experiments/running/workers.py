@@ -23,7 +23,8 @@ G GPUs K·G workers, each seeing one GPU (CUDA_VISIBLE_DEVICES) and allowed
 MEM_FRACTION / K of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION: its allocator's
 limit, so a trial that does not fit its share is refused by name by
 sweep.check_memory, never an out-of-memory error); a K whose share would be
-under MIN_SHARE_BYTES is reduced, saying so. On CPU it is K workers.
+under MIN_SHARE_BYTES is reduced, saying so. On CPU it is K workers. K is at most the CPU cores
+this process may use (check_per_device: refused by name above that, before the store is touched).
 
 Logs: DIR/local/JOBID_0_log.{out,err}, one pair per worker; submitit's own job
 files (its pickle of the call: the store path, worker number, CPUs, the
@@ -78,6 +79,18 @@ def check_workers(n: Any, field: str = "--workers") -> int:
   return n
 
 
+def check_per_device(k: Any) -> int:
+  """--trials-per-device as an int from 1 to this process's CPU cores (each worker process needs one
+  at least; on GPUs per_device_plan reduces it further to what a GPU's memory holds); refused by
+  name otherwise, before the store is touched."""
+  k = check_workers(k, "--trials-per-device")
+  cores = len(os.sched_getaffinity(0))
+  if k > cores:
+    raise invalid("--trials-per-device", k, f"an integer from 1 to {cores}: this process may use {cores} CPU "
+                  "cores, and each trial's worker process needs one at least")
+  return k
+
+
 def per_device_plan(k: int, devices: list[Any], stream: TextIO = sys.stderr) -> tuple[int, list[str | None], str | None]:
   """(trials per device, each worker's CUDA_VISIBLE_DEVICES or None, its memory fraction or None).
 
@@ -112,7 +125,8 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
             tensorboard: str | None = None, mem_fraction: str | None = None) -> dict[str, int]:
   """What worker k of n runs, in its own process: set up as the command's (attn.process), first."""
   from attn import process
-  allocator = process.setup()  # may re-execute this worker (submitit's job starts again, the same pid)
+  # may re-execute this worker (submitit's job starts again, the same pid); preemption's handlers set
+  allocator = process.setup(signals=preempt.handlers())
   print(f"attn: worker {k + 1}/{n}: allocator {allocator}", file=sys.stderr, flush=True)
   os.sched_setaffinity(0, cpus)
   if cuda is None:
@@ -122,7 +136,6 @@ def _worker(out: str, k: int, n: int, cpus: list[int], lease_timeout: float, cud
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if mem_fraction is not None:  # its allocator's limit: a trial that does not fit is refused by name
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = mem_fraction
-  preempt.install_handlers()
   from attn.experiments.running import sweep  # lazy: jax
   return sweep.run_trials(out, lease_timeout=lease_timeout, wait=True, worker=f"local {k + 1}/{n}",
                           tensorboard=tensorboard)

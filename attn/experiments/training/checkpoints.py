@@ -105,7 +105,7 @@ class Saver:
   The thread runs Orbax's synchronous save, so its error (a full disk, an I/O
   error) is caught there and raised by the next wait() in the training thread,
   where the sweep tells a fault of the machine from the trial's own; nothing
-  reaches threading.excepthook. Orbax's logged copies are dropped by faults.quiet,
+  reaches threading.excepthook. Orbax's logged copies are dropped by attn.process.hooks.quiet,
   which the `attn` command installs for its process (attn.process.setup);
   a Saver touches no process-wide hook.
   """

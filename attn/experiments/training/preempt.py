@@ -15,8 +15,10 @@ waits at most one compile or one step. In a trial of several processes
 whether any of them was asked to stop, so all save and stop at the same step
 (process 0 writing the checkpoint); Orbax's own preemption sync is not used.
 
-`attn sweep` and its local workers call install_handlers(); a Slurm task
-leaves submitit's handler in place, whose checkpoint() calls save_now().
+`attn sweep` calls install_handlers(); its local workers and a trial's
+processes pass handlers() to attn.process.setup(), which sets them (through
+attn.process.signals, the one place handlers are set and put back); a Slurm
+task leaves submitit's handler in place, whose checkpoint() calls save_now().
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import signal
 import sys
 import threading
 from typing import Any, Callable, TextIO
+
+from attn.process import signals
 
 _requested = threading.Event()
 _threads: list[threading.Thread] = []
@@ -112,7 +116,12 @@ def message(reason: str) -> str:
 
 
 def install_handlers(stream: TextIO = sys.stderr) -> None:
-  """SIGTERM and SIGUSR1 -> save_now(), a one-line message, exit 128 + the signal's number."""
+  """SIGTERM and SIGUSR1 -> save_now(), a one-line message, exit 128 + the signal's number (handlers())."""
+  signals.on(handlers(stream))
+
+
+def handlers(stream: TextIO = sys.stderr) -> dict[int, Callable[[int, Any], None]]:
+  """The handlers install_handlers sets, for attn.process.setup(signals=...)."""
   handling = threading.Lock()
 
   def handler(signum: int, frame: Any) -> None:
@@ -123,5 +132,4 @@ def install_handlers(stream: TextIO = sys.stderr) -> None:
     stream.flush()
     sys.exit(128 + signum)
 
-  for sig in (signal.SIGTERM, signal.SIGUSR1):
-    signal.signal(sig, handler)
+  return {signal.SIGTERM: handler, signal.SIGUSR1: handler}

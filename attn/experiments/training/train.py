@@ -54,10 +54,12 @@ from attn.experiments.training import distributed
 from attn.experiments.training import parallel
 from attn.experiments.training import preempt
 from attn.experiments.training import sink_eval
+from attn.experiments.data import curriculum
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
 from attn.nn import kv_sharing, models
-from attn.variants import selection
+from attn.nn.config import ModelConfig
+from attn.variants.mechanisms import selection
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "attn", "jax")
 
@@ -72,18 +74,18 @@ def enable_compilation_cache(path: str | None = None) -> str:
   return path
 
 
-def model_config(model: dict[str, Any], task) -> models.ModelConfig:
+def model_config(model: dict[str, Any], task) -> ModelConfig:
   """The ModelConfig of a [model] table, with vocab_size, max_len and num_classes from the task."""
   derived = {"vocab_size": task.vocab_size, "max_len": task.seq_len + 1}
   if task.kind == "classifier":
     derived["num_classes"] = task.num_classes
   try:
-    return models.ModelConfig(**{**model, **derived})
+    return ModelConfig(**{**model, **derived})
   except ConfigError as e:
     raise ConfigError(f"model.{e}") from None
 
 
-def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelConfig:
+def fit_d_ff(cfg: ModelConfig, kind: str, budget: int) -> ModelConfig:
   """cfg with d_ff chosen so the parameter count is nearest `budget` (P is affine in d_ff)."""
   p1, p2 = count.model_param_count(cfg.replace(d_ff=1), kind), count.model_param_count(cfg.replace(d_ff=2), kind)
   per_unit, rest = p2 - p1, p1 - (p2 - p1)
@@ -95,7 +97,7 @@ def fit_d_ff(cfg: models.ModelConfig, kind: str, budget: int) -> models.ModelCon
   return cfg.replace(d_ff=d_ff)
 
 
-def attention_counts(cfg: models.ModelConfig, seq_len: int) -> dict[str, Any]:
+def attention_counts(cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
   """Attention parameters (analytic, effective) and forward FLOPs per sequence, all layers that have attention.
 
   Each layer by its layer type (its head and variant). A layer reading another's keys and values
@@ -185,7 +187,7 @@ def memory_estimate(config: dict[str, Any]) -> int:
   train.indexer "staged", the largest of its phases' steps.
   """
   task = tasks_lib.make_task(config["task"])
-  model_cfg, train = models.ModelConfig(**config["model"]), TrainConfig(**config["train"])
+  model_cfg, train = ModelConfig(**config["model"]), TrainConfig(**config["train"])
   tx = optimizer(train)
   abstract = nnx.eval_shape(lambda: models.MODELS[task.kind](model_cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -386,7 +388,7 @@ def train_group(configs: list[dict[str, Any]],
       raise invalid("configs", i, "trials that differ only in train." + ", train.".join(PACKABLE)
                     + f" (trial {i} differs from trial 0 in {', '.join(differ) or 'its sections'})")
   task = tasks_lib.make_task(cfg0["task"])
-  model_cfg = models.ModelConfig(**cfg0["model"])
+  model_cfg = ModelConfig(**cfg0["model"])
   train, kind = TrainConfig(**cfg0["train"]), task.kind
   trains = [TrainConfig(**c["train"]) for c in configs]
   seeds = [t.seed for t in trains]
@@ -471,21 +473,30 @@ def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, pro
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*donated buffers.*")
     lr0 = jnp.zeros((n,) if batched else (), jnp.float32)
-    batch0 = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, 0, B, rows)), "train")
+    batch0 = layout.put_batch(pick(_batches(curriculum.train_task(task, start, train.steps), seeds, tasks_lib.TRAIN,
+                                            start, B, rows)), "train")
     jit_steps, jit_evals, evals = {}, {}, {}
+
+    def compiled_step(phase: str, batch):
+      """The train step of `phase` compiled for batch's shapes (a length curriculum: once per length)."""
+      key = (phase, batch["tokens"].shape)
+      if key not in jit_steps:
+        jit_steps[key] = layout.jit(programs[phase][0], parallel.STATE_KINDS + ("train", "replicated"),
+                                    ("params", "opt_state", "replicated"), donate=(0, 1)).lower(
+                                        *state, batch, lr0).compile()
+      return jit_steps[key]
+
     for phase in train.indexer_phases(start):
       step_fn, eval_fn = programs[phase]
-      jit_steps[phase] = layout.jit(step_fn, parallel.STATE_KINDS + ("train", "replicated"),
-                                    ("params", "opt_state", "replicated"), donate=(0, 1)).lower(
-                                        *state, batch0, lr0).compile()
+      compiled_step(phase, batch0)
       if id(eval_fn) not in evals:
         evals[id(eval_fn)] = layout.jit(eval_fn, ("params", "rest", "eval"), "replicated").lower(
             state[0], state[2], eval_data).compile()
       jit_evals[phase] = evals[id(eval_fn)]
   compile_s = time.perf_counter() - t0
   if on_compiled:
-    for phase in jit_steps:
-      on_compiled(jit_steps[phase], jit_evals[phase])
+    for phase, shape in list(jit_steps):
+      on_compiled(jit_steps[phase, shape], jit_evals[phase])
   if layout.agree(preempt.requested()):  # save_now() during the compile: nothing new to save
     raise preempt.Preempted(start)
   summaries: list[dict[str, Any] | None] = [None] * n
@@ -493,11 +504,15 @@ def _run(task, train: TrainConfig, seeds: list[int], state, lrs: np.ndarray, pro
   savers = [checkpoints.Saver(d) for d in checkpoint_dirs or []] if jax.process_index() == 0 else []
   try:
     for t in range(start, train.steps):
-      batch = layout.put_batch(pick(_batches(task, seeds, tasks_lib.TRAIN, t, B, rows)), "train")
+      batch = layout.put_batch(pick(_batches(curriculum.train_task(task, t, train.steps), seeds, tasks_lib.TRAIN,
+                                             t, B, rows)), "train")
+      phase = train.indexer_phase(t)
+      t0 = time.perf_counter()
+      step_fn = compiled_step(phase, batch)  # a new curriculum stage compiles here
+      compile_s += time.perf_counter() - t0
       t0 = time.perf_counter()
       lr = layout.put(np.asarray(lrs[:, t], np.float32).reshape(lr0.shape), "replicated")
-      phase = train.indexer_phase(t)
-      params, opt_state, m = jit_steps[phase](*state, batch, lr)
+      params, opt_state, m = step_fn(*state, batch, lr)
       m = layout.fetch(m)
       times.append(time.perf_counter() - t0)
       state = (params, opt_state, state[2])

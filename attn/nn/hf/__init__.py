@@ -45,7 +45,7 @@ position, padded ones included. Left padding is refused: HF numbers positions
 from the first pad token, which attn's models cannot express.
 """
 
-from attn.convert import LossyConversionWarning
+from attn.conversion import LossyConversionWarning
 from attn.nn.hf.base import Family, Weights, require
 from attn.nn.hf.files import lengths_from_attention_mask, read_config, read_shapes, read_weights
 from attn.nn.hf.load import (FAMILIES, REFUSED, Loaded, build, convert_model, family_for, from_hf, model_config,

@@ -32,7 +32,7 @@ from attn.config import invalid
 from attn.nn.config import ModelConfig
 from attn.nn.hf import deepseek_v3
 from attn.nn.hf.base import Family, Weights, get
-from attn.variants import selection
+from attn.variants.mechanisms import selection
 
 
 def _indexer_in(hf: dict[str, Any], layout: str) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn.config import invalid
-from attn.convert import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
+from attn.config import did_you_mean, invalid
+from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama,
                          nemotron_h, olmo2, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
@@ -79,7 +79,7 @@ def family_for(hf: dict[str, Any]) -> Family:
   why = f": {kind} is refused, {REFUSED[kind]}" if kind in REFUSED else ""
   broken = FAMILIES.broken()  # a plugin family that failed to import may be the one meant
   why += f" (not loaded: {'; '.join(broken.values())})" if broken else ""
-  raise invalid("config.model_type", kind, f"one of {sorted(known)}{why}")
+  raise invalid("config.model_type", kind, f"{did_you_mean(kind, known)}one of {sorted(known)}{why}")
 
 
 def model_config(hf: dict[str, Any], variant: str | None = None, num_kv_heads: int | None = None) -> ModelConfig:

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig, invalid
+from attn.config import HeadConfig, invalid, kept_at
 from attn.variants import mechanisms
 from attn.variants.base import Options, Params, no_circuits
 
@@ -40,11 +40,11 @@ def check(cfg: HeadConfig, name: str) -> None:
   for field, off in (("sinks", False), ("softcap", None), ("window", None),
                      ("probability", "softmax"), ("qk_norm", False)):
     if getattr(cfg, field) != off:
-      raise invalid(field, getattr(cfg, field), f"{off!r} for {name}: a linear head has no "
+      raise invalid(field, getattr(cfg, field), f"{kept_at(off)} for {name}: a linear head has no "
                     "attention logits or weights for it to act on")
   others = [m.name for m in mechanisms.active(cfg) if m.name != "gate"]
   if others:
-    raise invalid("extra", dict(cfg.extra or {}), f"None for {name}: of the head mechanisms only "
+    raise invalid("extra", dict(cfg.extra or {}), f"{kept_at(None)} for {name}: of the head mechanisms only "
                   f"the output gate acts on a linear head (not {others})")
 
 

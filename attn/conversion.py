@@ -1,5 +1,8 @@
 """Conversions between variants through the canonical per_head layout.
 
+The function is `attn.convert` (README); the module is attn.conversion, named apart so that
+importing it never rebinds `attn.convert`.
+
 Each converter maps params of one variant to params of another for the same
 HeadConfig, or, for regrouping kv heads, to a dst_cfg that differs only in
 num_kv_heads. Exact ones give the same function (tests hold them to 1e-5);

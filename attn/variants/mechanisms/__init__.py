@@ -1,7 +1,12 @@
 """Head mechanisms: features any variant carries, each one `Mechanism` record in one Registry.
 
-The built-ins (attn.variants.head_mechanisms: gate, sinks, qk_norm, window,
-softcap, probability), plugins of the entry-point group `attn.mechanisms` and records given
+The package: record (the Mechanism record), this module (the registry and the points of the shared
+path), choice (the one hook for a mechanism that chooses keys or replaces the attention), the
+built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), selection (moba,
+the lightning indexer), nsa.
+
+The built-ins (gate, sinks, qk_norm, window, softcap, probability, moba, indexer, nsa), plugins
+of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
 `attn count --mechanisms` table and its help (and so the table in
@@ -19,10 +24,13 @@ through (attn.variants.base):
                                                      (window, sinks, softcap, probability:
                                                      built-ins only)
   select(params, q, k, *, cfg, is_causal,           the keys each query may attend to (key
-         kv_lengths, mask, dense)                    selection: moba, indexer; one a layer):
-                                                     a dense mask, or (a kernel, its arguments)
-                                                     that computes only the chosen keys
-                                                     (attn.variants.selection)
+         kv_lengths, mask, dense, index)             selection: moba, indexer; one a layer):
+                                                     a dense mask, or a kernel.KeyChoice that a
+                                                     row of the kernel's table computes alone
+  attend(params, x, q, k, v, *, cfg, opts,          replaces the attention core (nsa's three
+         kernel_args, explicit)                      branches): (o, weights), or the opts to go on
+                                                     with. select and attend reach the core through
+                                                     one hook (choice.py documents both contracts)
 
 A mechanism with on_logits and no kernel keywords makes the layer take the
 einsum path (explicit logits, base.probabilities), since the fused kernels do
@@ -65,10 +73,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig, invalid
+from attn.config import HeadConfig, did_you_mean, invalid
 from attn.registry import Registry
-from attn.variants import head_mechanisms
-from attn.variants.mechanism import Mechanism
+from attn.variants.mechanisms import choice, head_mechanisms
+from attn.variants.mechanisms.record import HookError, Mechanism
 
 __all__ = ["MECHANISMS", "HookError", "Mechanism", "active", "options", "split"]
 
@@ -95,6 +103,11 @@ def is_on(m: Mechanism, cfg: HeadConfig) -> bool:
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
 
 
+def default_of(field: str) -> Any:
+  """HeadConfig's default of a field: a built-in mechanism is off there."""
+  return _DEFAULTS[field]
+
+
 def active(cfg: HeadConfig) -> list[Mechanism]:
   """The mechanisms cfg switches on, in registry order."""
   return [m for m in MECHANISMS.values() if is_on(m, cfg)]
@@ -108,20 +121,42 @@ def options(cfg: HeadConfig, name: str) -> dict[str, Any]:
   return {**(m.defaults or {}), **dict((cfg.extra or {}).get(name) or {})}
 
 
+# The declared-option check of an extra entry (HeadConfig.extra here, [model.extra] and --set
+# model.extra... in attn.experiments.running.config), written once: `where` is the key as its
+# caller names it, `value` what was set there.
+
+def outside(name: str, where: str, value: Any) -> Mechanism:
+  """The installed outside mechanism `name` (an extra entry's key), else ConfigError at where."""
+  m = MECHANISMS.get(name) if isinstance(name, str) else None
+  if m is None or m.fields:
+    names = sorted(n for n, r in MECHANISMS.items() if not r.fields)
+    why = (f"no entry: {name!r} is a built-in mechanism, set by the HeadConfig fields {list(m.fields)}"
+           if m is not None else f"one of {names} (an installed outside head mechanism): {did_you_mean(name, MECHANISMS)}no mechanism "
+           f"{name!r} is installed" + (f" ({MECHANISMS.broken()[name]})" if name in MECHANISMS.broken() else ""))
+    raise invalid(where, value, why)
+  return m
+
+
+def declared(m: Mechanism, option: str, where: str, value: Any) -> None:
+  """ConfigError at where unless `option` is one m declares (its defaults' keys)."""
+  if option not in (m.defaults or {}):
+    raise invalid(where, value, f"an option mechanism {m.name!r} declares: one of {sorted(m.defaults or {})}")
+
+
 def check(cfg: HeadConfig) -> None:
   """Every mechanism cfg names is known and its options are valid (its record's check)."""
   for name, opts in (cfg.extra or {}).items():
-    m = MECHANISMS.resolve(name, "extra")
-    if m.fields:
-      raise invalid(f"extra.{name}", dict(opts), f"no entry: {name!r} is a built-in mechanism, set by "
-                    f"the HeadConfig fields {list(m.fields)}")
-    unknown = sorted(set(opts) - set(m.defaults or {}))
-    if unknown:
-      raise invalid(f"extra.{name}.{unknown[0]}", opts[unknown[0]],
-                    f"an option of mechanism {name!r}: one of {sorted(m.defaults or {})}")
+    m = outside(name, f"extra.{name}", dict(opts or {}))
+    for option in sorted(opts or {}):
+      declared(m, option, f"extra.{name}.{option}", opts[option])
   for m in active(cfg):
     if m.check is not None:
       m.check(cfg)
+  chooser = [m for m in active(cfg) if m.select is not None or m.attend is not None]
+  if len(chooser) > 1:  # the core's one hook runs one (the built-ins' checks say so first, in their words)
+    second = chooser[1]
+    raise invalid(second.fields[0] if second.fields else f"extra.{second.name}", options(cfg, second.name),
+                  f"absent with {chooser[0].name}: one mechanism that chooses keys or replaces the attention a layer")
 
 
 def _key(key: Array, m: Mechanism) -> Array:
@@ -156,14 +191,6 @@ def split(params: Params) -> tuple[Params, Params]:
 
 
 # The points of the shared path (attn.variants.base calls these).
-
-class HookError(ValueError):
-  """A mechanism's hook returned something the shared path cannot go on with; names the hook."""
-
-  def __init__(self, mechanism: str, hook: str, message: str):
-    super().__init__(f"mechanism {mechanism!r}.{hook}: {message}")
-    self.mechanism, self.hook = mechanism, hook
-
 
 def _same_shape(m: Mechanism, hook: str, what: str, got: Any, want: Array) -> Array:
   """got, refused by name unless an array of want's shape (checked while tracing: costs nothing)."""
@@ -208,8 +235,20 @@ def kernel_args(params: Params, cfg: HeadConfig) -> dict[str, Any]:
 
 
 def selector(cfg: HeadConfig) -> Mechanism | None:
-  """The active mechanism that selects keys (Mechanism.select), or None."""
-  return next((m for m in active(cfg) if m.select is not None), None)
+  """The active mechanism that chooses keys or replaces the attention (select or attend), or None."""
+  return next((m for m in active(cfg) if m.select is not None or m.attend is not None), None)
+
+
+def attend(params: Params, x_BTD: Array | None, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *,
+           cfg: HeadConfig, opts) -> tuple[tuple[Array, Array | None] | None, Any]:
+  """The one hook of the attention core (base.core): the layer's selector (select or attend; choice.py)
+  does its work. Returns ((o (B,T,H,V), weights or None), opts) when it attended, else (None, the
+  opts to attend with: the call's, or with its choice's mask ANDed in)."""
+  m = selector(cfg)
+  if m is None:
+    return None, opts
+  return choice.attend(m, params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                       kernel_args=kernel_args(params, cfg), explicit=needs_explicit_logits(cfg))
 
 
 def needs_explicit_logits(cfg: HeadConfig) -> bool:
