@@ -132,7 +132,7 @@ def _release_names(sd):
 
 
 def _write(path, config, sd):
-  from safetensors.numpy import save_file
+  save_file = pytest.importorskip("safetensors.numpy").save_file
   path.mkdir()
   (path / "config.json").write_text(json.dumps(config))
   save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}, str(path / "model.safetensors"))

@@ -121,7 +121,7 @@ def test_count_hf_equals_transformers_parameters_and_reports_the_state(live, tmp
   # H·K·V float32 + (W − 1)·(2GK + HV) numbers per sequence, 4 bytes each, per linear layer
   assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (4 * 6 * 5 + 3 * (2 * 2 * 6 + 4 * 5))
   assert rows["linear_attention"]["kv_bytes_per_token_per_layer"] == 0
-  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 2 * 2 * 2 * 8  # bf16 k and v, G=2, K=8
+  assert rows["full_attention"]["kv_bytes_per_token_per_layer"] == 4 * 2 * 2 * 8  # float32 k and v, G=2, K=8
 
 
 def test_to_hf_and_back_is_exact(live):

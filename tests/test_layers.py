@@ -56,11 +56,33 @@ def test_no_import_runs_up_the_layers():
       rel = os.path.relpath(path, ATTN)
       if rel == "__init__.py":  # the package's face imports from every layer
         continue
+      if f == "cli.py":  # a command imports the library at any layer (DESIGN.md), never the reverse: below
+        continue
       here = rel.split(os.sep)[0].removesuffix(".py")
       for line, name in _imports(path):
         if name in RANK and RANK[name] > RANK[here]:
           upward.append(f"attn/{rel}:{line} imports attn.{name}")
   assert upward == []
+
+
+def test_no_library_module_imports_a_command():
+  """Commands (the cli.py modules) import the library; the library never imports a command."""
+  reverse = []
+  for root, _, files in os.walk(ATTN):
+    for f in files:
+      path = os.path.join(root, f)
+      if not f.endswith(".py") or f in ("cli.py", "__main__.py") or os.path.relpath(path, ATTN) == "__init__.py":
+        continue
+      for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attn"):
+          names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+          names = [a.name for a in node.names]
+        else:
+          continue
+        if any(n.startswith("attn") and n.split(".")[-1] == "cli" for n in names):
+          reverse.append(f"attn/{os.path.relpath(path, ATTN)}:{node.lineno}")
+  assert reverse == []
 
 
 # Faces imported from inside their own package, fixed on another branch of issue 50: each must still

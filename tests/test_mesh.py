@@ -151,7 +151,7 @@ def test_the_mesh_is_a_table_or_a_dotted_set_and_leaves_trial_ids_alone():
 
 
 @pytest.mark.parametrize("sets,message", [
-    (["train.mesh.heads=3"], "trial []: train.mesh.heads=3 is not allowed: a divisor of model.num_heads=4: "
+    (["train.mesh.heads=3"], "the trial: train.mesh.heads=3 is not allowed: a divisor of model.num_heads=4: "
                              "each of the 3 devices holds num_heads / 3 whole query heads, and 4 leaves 1 over; "
                              "one of [1, 2, 4]"),
     (["train.mesh.data=3"], "train.batch_size=8 is not allowed: a multiple of train.data_parallel=3"),

@@ -98,14 +98,17 @@ def _model_rows() -> list[tuple[str, str, str]]:
   own, heads = _comments(ModelConfig), _comments(HeadConfig)
   choices = {**model_config._CHOICES, "variant": builtin, "linear_variant": fixed_state,
              "block_kinds": model_config.BLOCK_KINDS}
+  sweep_defaults = config_lib.model_defaults({}, "decoder_lm")  # what a sweep sets where [model] is silent
+  classifier = config_lib.model_defaults({}, "classifier")
   rows = []
   for f in dataclasses.fields(ModelConfig):
     if f.name in config_lib.DERIVED_MODEL_KEYS:
       continue
-    default = config_lib.MODEL_DEFAULTS.get(f.name, f.default)
+    default = sweep_defaults.get(f.name, f.default)
     notes = [own.get(f.name) or heads.get(f.name) or ""]
-    if f.name in config_lib.MODEL_DEFAULTS:
-      notes.append(f"a sweep's default (ModelConfig's: {_show(f.default)})")
+    if f.name in sweep_defaults:
+      notes.append(f"a sweep's default for a language model (ModelConfig's: {_show(f.default)}; a classifier's: "
+                   f"{_show(classifier[f.name])}; docs/running.md)")
     if f.name in choices:
       notes.append("one of " + ", ".join(_show(c) for c in choices[f.name]))
     if f.name in ("layer_heads", "linear_head", "extra"):
