@@ -97,7 +97,7 @@ def test_tokens_unique_indices_softcap_and_broadcast_key_head():
 
 
 def test_indexer_bits_run_on_the_token_kernel(monkeypatch):
-  """The indexer's bits handed to attn.kernel.sparse with 8 query heads a kv head run on the token
+  """The indexer's bits and indices handed to attn.kernel.sparse with 8 query heads a kv head run on the token
   kernel, and equal the dense attention under indexer_tokens' mask, values and gradients."""
   from attn.kernel import select, sparse
   rng = np.random.default_rng(11)
@@ -108,9 +108,10 @@ def test_indexer_bits_run_on_the_token_kernel(monkeypatch):
   monkeypatch.setattr(sparse.tokens, "attention", lambda *a, run=tokens.attention, **kw: calls.append(1) or run(*a, **kw))
 
   def mine(q, k, v):
-    bits = select.indexer_bits(qi, ki, w, top_k=top, is_causal=True)
+    idx = select.indexer_top(qi, ki, w, top_k=top, is_causal=True)
+    bits = select.indices_to_bits(idx, T)
     return sparse.attention(q, k, v, select.token_blocks(bits, 32, T), block_k=32, scale=0.4,
-                            is_causal=True, bits_BTW=bits)
+                            is_causal=True, bits_BTW=bits, idx_BTk=idx)
   mask = select.indexer_tokens(qi, ki, w, top_k=top, is_causal=True)[:, None]
   ref = lambda q, k, v: _dense(q, k, v, mask & jnp.tril(jnp.ones((T, T), bool)), 0.4)  # noqa: E731
   np.testing.assert_allclose(jax.jit(mine)(q, k, v), ref(q, k, v), rtol=2e-5, atol=2e-5)

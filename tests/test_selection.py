@@ -77,6 +77,26 @@ def test_selecting_every_key_is_full_causal_attention_exactly(variant):
       assert not np.allclose(api.apply(variant, p, x, cfg=few, is_causal=True), want, atol=1e-3)
 
 
+@pytest.mark.slow
+def test_the_indexer_shared_by_8_query_heads_runs_the_token_kernel_at_long_T(monkeypatch):
+  """H = 8 query heads over one kv head, T = 600: the indexer's choice (its indices beside the bits,
+  attn.kernel.sparse's idx_BTk) runs on attn.kernel.tokens, equal to impl="einsum" in values and gradients."""
+  from attn.kernel import tokens as kernel_tokens
+  calls = []
+  monkeypatch.setattr(kernel_tokens, "attention", lambda *a, run=kernel_tokens.attention, **kw: calls.append(1) or run(*a, **kw))
+  cfg = HeadConfig(d_model=16, num_heads=8, d_k=6, d_v=5, num_kv_heads=1, rope_dim=2,
+                   extra={"indexer": {"heads": 2, "head_dim": 4, "top_k": 100}})
+  p = api.init("per_head", jax.random.key(5), cfg)
+  x, kv = _randn(6, (2, 600, 16)), jnp.array([600, 301])
+  cot = _randn(7, (2, 600, 16))
+  f = lambda impl: jax.jit(jax.value_and_grad(lambda x: (api.apply(  # noqa: E731
+      "per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=kv, impl=impl) * cot).sum()))(x)
+  (l1, g1), (l2, g2) = f("auto"), f("einsum")
+  assert calls, "the token kernel was not called"
+  np.testing.assert_allclose(l1, l2, rtol=1e-5)
+  np.testing.assert_allclose(g1, g2, atol=1e-4 * max(1.0, float(jnp.abs(g2).max())))
+
+
 @pytest.mark.parametrize("extra", [{"moba": {"block": 64, "top_k": 3}},
                                    {"indexer": {"heads": 2, "head_dim": 4, "top_k": 100}}])
 @pytest.mark.slow

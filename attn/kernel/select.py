@@ -35,7 +35,6 @@ selection has no gradient, as in both papers.
 
 from __future__ import annotations
 
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -253,30 +252,13 @@ def indexer_tokens(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, i
 
 def indexer_bits(qi_BTJI: Array, ki_BSI: Array, w_BTJ: Array, *, top_k: int, is_causal: bool,
                  kv_lengths: Array | None = None, chunk: int = 256) -> Array:
-  """indexer_tokens packed (pack_bits): (B,T,ceil(S/32)) uint32, no T×S bool.
-
-  Made from indexer_top's indices (the same set); the indices are kept beside the bits
-  (token_choice) so that attn.kernel.sparse, given these bits, runs the shared token kernel
-  (attn.kernel.tokens) on them instead of the blocked one. `chunk` is kept for the callers;
-  the selector picks its own row tiles.
-  """
+  """indexer_tokens packed (pack_bits): (B,T,ceil(S/32)) uint32, no T×S bool; made from indexer_top's
+  indices (the same set). A caller that also wants the token kernel keeps those indices itself
+  (indexer_top, then indices_to_bits) and hands them to attn.kernel.sparse as idx_BTk. `chunk` is kept
+  for the callers; the selector picks its own row tiles."""
   del chunk
   idx_BTk = indexer_top(qi_BTJI, ki_BSI, w_BTJ, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths)
-  bits = indices_to_bits(idx_BTk, ki_BSI.shape[1])
-  _CHOICE[0] = (weakref.ref(bits), idx_BTk)
-  return bits
-
-
-_CHOICE: list = [None]  # (weakref to the bits indexer_bits last returned, its indices)
-
-
-def token_choice(bits_BTW: Array) -> Array | None:
-  """The indices (B,T,k) behind bits that indexer_bits returned in this trace, else None."""
-  last = _CHOICE[0]
-  if last is None or last[0]() is not bits_BTW:
-    return None
-  _CHOICE[0] = None
-  return last[1]
+  return indices_to_bits(idx_BTk, ki_BSI.shape[1])
 
 
 def indices_to_bits(idx_BTk: Array, S: int) -> Array:

@@ -24,8 +24,8 @@ are added at the gathered blocks. Softmax only, with softcap; a call with sinks,
 another probability function, a window or a dense mask takes the dense path
 (attn.variants.selection). Fully masked rows give 0, in value and gradient.
 
-Bits that attn.kernel.select.indexer_bits returned (one choice for every head), with at
-least TOKENS_MIN_SHARE query heads a kv head, do not come here: their indices run on
+A choice given as token indices too (idx_BTk: one choice for every head, the indexer's), with at
+least TOKENS_MIN_SHARE query heads a kv head, does not come here: its indices run on
 attn.kernel.tokens, each gathered key row serving every query head of its token, without
 visiting the key blocks.
 """
@@ -43,7 +43,7 @@ from attn.kernel.blocked import _block_grads, _dot, _logits, _pad, _rows, online
 from attn.kernel.plan import BLOCK_Q, Plan, block_sizes
 from attn.kernel.products import XLA, Products
 from attn.kernel import tokens
-from attn.kernel.select import bits_at, token_choice
+from attn.kernel.select import bits_at
 
 Array = jax.Array
 
@@ -197,7 +197,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, blocks_BHTN: Array, *, block_k: int,
               scale: float, is_causal: bool = False, kv_lengths: Array | None = None,
               bits_BTW: Array | None = None, block_q: int | None = None,
-              softcap: float | None = None, products: Products = XLA) -> Array:
+              softcap: float | None = None, products: Products = XLA, idx_BTk: Array | None = None) -> Array:
   """softmax(cap(scale · q kᵀ)) v over the selected key blocks only (module docstring).
 
   q (B,T,H,K), k (B,S,G,K) (one head is broadcast), v (B,S,G,V); blocks_BHTN at
@@ -205,8 +205,7 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, blocks_BHTN: Array, *
   """
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], v_BSGV.shape[2]
-  idx_BTk = None if bits_BTW is None or blocks_BHTN.shape[1] != 1 else token_choice(bits_BTW)
-  if idx_BTk is not None and H // G >= TOKENS_MIN_SHARE:  # the indexer's own bits, on the token kernel
+  if idx_BTk is not None and blocks_BHTN.shape[1] == 1 and H // G >= TOKENS_MIN_SHARE:  # the indexer's own bits, on the token kernel
     return tokens.attention(q_BTHK, k_BSGK, v_BSGV, idx_BTk[:, None], scale=scale, is_causal=is_causal,
                             kv_lengths=kv_lengths, softcap=softcap, unique=True)
   if k_BSGK.shape[2] != G:

@@ -249,10 +249,10 @@ def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
   if dense:
     return select.indexer_tokens(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
                                  mask=mask, chunk=None if not is_long(qi.shape[1], S) else INDEX_CHUNK)[:, None]
-  bits = select.indexer_bits(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
-                             chunk=INDEX_CHUNK)
+  idx = select.indexer_top(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths)
+  bits = select.indices_to_bits(idx, S)  # the same set as indexer_bits; idx lets heads that share keys gather
   return kernel.KeyChoice("sparse", {"blocks_BHTN": select.token_blocks(bits, INDEX_BLOCK, S),
-                                     "block_k": INDEX_BLOCK, "bits_BTW": bits})
+                                     "block_k": INDEX_BLOCK, "bits_BTW": bits, "idx_BTk": idx})
 
 
 def _indexer_params(cfg: HeadConfig) -> int:
