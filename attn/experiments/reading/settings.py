@@ -13,20 +13,9 @@ from __future__ import annotations
 import tomllib
 from typing import Any
 
-from attn.experiments.running.config import show
+from attn.experiments.running.config import flatten_keys, show
 
 SKIP = {"train.seed"}  # a group is its seeds' trials
-
-
-def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  """{"model": {"extra": {"g": {"w": 3}}}} -> {"model.extra.g.w": 3}."""
-  out = {}
-  for k, v in table.items():
-    if isinstance(v, dict) and v:
-      out.update(flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
 
 
 def _value(v: Any) -> str:
@@ -50,7 +39,7 @@ def _has_linear(model: dict[str, Any]) -> bool:
 def differences(configs: dict[str, dict[str, Any]]) -> dict[str, str]:
   """group -> "key=value, ..." for the resolved keys (task.*, model.*, train.*, the seed left out) whose
   values differ among the groups' configs, plus model.linear_variant for a group with linear layers."""
-  flat = {g: {k: v for k, v in flatten({s: c.get(s) or {} for s in ("task", "model", "train")}).items()
+  flat = {g: {k: v for k, v in flatten_keys({s: c.get(s) or {} for s in ("task", "model", "train")}).items()
               if k not in SKIP} for g, c in configs.items()}  # a store's config.json also holds the label
   keys = list(dict.fromkeys(k for f in flat.values() for k in f))
   moving = [k for k in keys if len({repr(f.get(k)) for f in flat.values()}) > 1]
@@ -76,7 +65,7 @@ def chosen(header: dict[str, Any]) -> set[str] | None:
     return None
   keys = {f"{s}.{k}" for s in ("task", "model", "train") for k in raw.get(s, {})}
   for case in raw.get("sweep", {}).get("cases", []):
-    keys |= {k for k in flatten({kk: vv for kk, vv in case.items() if kk != "name"})}
+    keys |= {k for k in flatten_keys({kk: vv for kk, vv in case.items() if kk != "name"})}
   for d in raw.get("sweep", {}).get("derive", []):
     keys |= set(DERIVED.get(d, ((), ""))[0])
   keys |= {o.split("=", 1)[0].strip() for o in header.get("overrides", [])}

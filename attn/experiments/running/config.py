@@ -258,12 +258,12 @@ def _check_value(where: str, section: str, name: str, value: Any, schema: dict[s
   return _check_type(where, value, schema[name])
 
 
-def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_keys(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   """{"model": {"num_heads": [..]}} and {"model.num_heads": [..]} both -> dotted keys; {} stays a value."""
   out = {}
   for k, v in table.items():
     if isinstance(v, dict) and v:
-      out.update(_flatten(v, f"{prefix}{k}."))
+      out.update(flatten_keys(v, f"{prefix}{k}."))
     else:
       out[f"{prefix}{k}"] = v
   return out
@@ -346,7 +346,7 @@ def _overlaps(a: str, b: str) -> bool:
 def _refuse_overlap(sweep: dict[str, Any], key: str, item: str) -> None:
   """A --set into a table that a sweep axis or case also sets (other than exactly: that pins the axis)."""
   for kind in ("grid", "zip"):
-    for axis in _flatten(sweep.get(kind, {})):
+    for axis in flatten_keys(sweep.get(kind, {})):
       if axis != key and _overlaps(axis, key):
         raise invalid("--set", item, f"a key that no sweep axis reaches into or above ({axis} is in sweep.{kind})")
 
@@ -388,7 +388,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     sweep = raw.get("sweep", {})
     _refuse_overlap(sweep, key, item)
     for kind in ("grid", "zip"):
-      axes = _flatten(sweep.get(kind, {}))
+      axes = flatten_keys(sweep.get(kind, {}))
       if key in axes:
         if kind == "zip":
           raise invalid("--set", item, f"a key that is not a tied axis ({key} is in sweep.zip)")
@@ -396,7 +396,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     if key == "train.seed" and "seeds" in sweep:
       del sweep["seeds"]
     cased = [c.get("name") for c in sweep.get("cases", [])
-             if isinstance(c, dict) and any(_overlaps(key, k) for k in _flatten(c))]
+             if isinstance(c, dict) and any(_overlaps(key, k) for k in flatten_keys(c))]
     if cased:
       raise invalid("--set", item, f"a key that no sweep.cases entry sets ({key} is set by {cased})")
   return raw
@@ -447,10 +447,10 @@ def _validate_base(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _axes(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]]):
   """(grid, zip) as lists of (dotted key, values), each value type-checked."""
-  grid = _flatten(raw_sweep.get("grid", {}))
+  grid = flatten_keys(raw_sweep.get("grid", {}))
   if "seeds" in raw_sweep:
     grid["train.seed"] = raw_sweep["seeds"]
-  tied = _flatten(raw_sweep.get("zip", {}))
+  tied = flatten_keys(raw_sweep.get("zip", {}))
   out = []
   for kind, table in (("grid", grid), ("zip", tied)):
     axes = []
@@ -540,7 +540,7 @@ def _cases(raw_sweep: dict[str, Any], base: dict[str, dict[str, Any]],
       raise invalid(f"{where}.name", name, "a name no other case has")
     names.add(name)
     values = {}
-    for key, value in _flatten({k: v for k, v in case.items() if k != "name"}).items():
+    for key, value in flatten_keys({k: v for k, v in case.items() if k != "name"}).items():
       key = ALIASES.get(key, key)
       value = _key_value(f"{where}.{key}", key, value, base, "a dotted key task.X, model.X or train.X")
       axis = next((a for a in swept if _overlaps(a, key)), None)
@@ -653,7 +653,7 @@ def check_derived(raw: dict[str, Any], set_keys: dict[str, str] | None = None) -
       section, _, name = key.partition(".")
       why = f"sweep.derive {d!r} computes {key} in every trial ({rule}) and would overwrite it"
       for kind in ("grid", "zip"):
-        axes = _flatten(sweep.get(kind, {}))
+        axes = flatten_keys(sweep.get(kind, {}))
         if key in axes:
           raise invalid(f"sweep.{kind}.{key}", axes[key],
                         f"left out: {why}; to sweep it by hand, drop the derive (sweep.derive = {rest})")
