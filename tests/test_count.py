@@ -19,6 +19,7 @@ import attn
 from attn import ConfigError, HeadConfig, cli, count, kernel
 from attn.count import presets
 from attn.nn import models
+from attn.variants import VARIANTS
 from attn.nn.config import ModelConfig
 from conftest import CONFIGS, for_variant, random_params, tier, variant_params
 
@@ -289,6 +290,14 @@ def test_model_formula_equals_the_flax_parameter_tree(kind, changes):
 @pytest.mark.parametrize("name", variant_params())
 def test_model_formula_for_every_variant(name):
   cfg = ModelConfig(**{**SMALL, "variant": name, "num_decoder_layers": 1, "num_kv_heads": 1})
+  if VARIANTS[name].init_state is not None:  # causal by construction: no encoder takes it, the count neither
+    with pytest.raises(ConfigError, match="causal by construction"):
+      count.model_param_count(cfg, "encoder_decoder")
+    with pytest.raises(ConfigError, match="causal by construction"):
+      built_count(cfg, "encoder_decoder")
+    lm = ModelConfig(**{**SMALL, "variant": name, "num_kv_heads": 1})
+    assert count.model_param_count(lm, "decoder_lm") == built_count(lm, "decoder_lm")
+    return
   assert count.model_param_count(cfg, "encoder_decoder") == built_count(cfg, "encoder_decoder")
 
 

@@ -172,6 +172,8 @@ def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str,
   """Parameters of a whole model (attn.nn ModelConfig m) by component, summed over stacks."""
   if kind not in MODEL_KINDS:
     raise invalid("kind", kind, f"one of {list(MODEL_KINDS)}")
+  if kind != "decoder_lm":  # counts only what attn.nn builds: an encoder refuses causal-only heads
+    layer_types.check_bidirectional(m, f"a {kind}'s encoder")
   names = ("token_embeddings", "position_embeddings", "segment_embeddings", "attention", "mlp",
            "layernorm", "pooler", "classifier", "output", "mlm_head", "per_layer_inputs")
   parts = dict.fromkeys(names, 0)
