@@ -1,4 +1,4 @@
-"""`attn demo`: the seed questions answered for one config, in one screen.
+"""The seed questions answered for one config, in one screen (`attn demo`, attn/cli/demo.py).
 
 For each variant: stored and effective parameters and the number of attention
 matrices per layer; for each conversion registered in attn.convert that applies
@@ -10,7 +10,6 @@ h-narrow-heads comparison.
 
 from __future__ import annotations
 
-import argparse
 import warnings
 
 import jax
@@ -143,32 +142,20 @@ def one_head_vs_many(cfg: HeadConfig) -> float:
   return float(jnp.abs(y_h - y_1).max() / jnp.abs(y_h).max())
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--d-model", type=int, default=512)
-  p.add_argument("--num-heads", type=int, default=8)
-  p.add_argument("--d-k", type=int, default=None)
-  p.add_argument("--d-v", type=int, default=None)
-  p.add_argument("--num-kv-heads", type=int, default=None)
-  p.add_argument("--no-bias", action="store_true")
-
-
-def run(args: argparse.Namespace) -> int:
-  cfg = HeadConfig(d_model=args.d_model, num_heads=args.num_heads, d_k=args.d_k, d_v=args.d_v,
-                   num_kv_heads=args.num_kv_heads, use_bias=not args.no_bias)
-  jax.config.update("jax_default_matmul_precision", "highest")
-  print(f"attn demo: d_model={cfg.d_model} h={cfg.num_heads} d_k={cfg.d_k} d_v={cfg.d_v} "
-        f"kv_heads={cfg.num_kv_heads} bias={cfg.use_bias}; inputs B={B} T={T} (context S={S})\n")
-  print("| variant | stored params / layer | effective params | attention matrices |")
-  print("|---|---:|---:|---:|")
+def report(cfg: HeadConfig) -> str:
+  """The demo's screen for cfg: the variants' counts, every conversion's identity, one head vs many."""
+  lines = [f"attn demo: d_model={cfg.d_model} h={cfg.num_heads} d_k={cfg.d_k} d_v={cfg.d_v} "
+           f"kv_heads={cfg.num_kv_heads} bias={cfg.use_bias}; inputs B={B} T={T} (context S={S})\n",
+           "| variant | stored params / layer | effective params | attention matrices |",
+           "|---|---:|---:|---:|"]
   for name, stored, eff, n_att in variant_rows(cfg):
-    print(f"| {name} | {stored:,} | {'n/a' if eff is None else f'{eff:,}'} | {n_att} |")
-  print("\n| identity | max abs error of y / max abs y | reported conversion error |")
-  print("|---|---:|---:|")
+    lines.append(f"| {name} | {stored:,} | {'n/a' if eff is None else f'{eff:,}'} | {n_att} |")
+  lines += ["\n| identity | max abs error of y / max abs y | reported conversion error |", "|---|---:|---:|"]
   for claim, err, rel in identities(cfg):
-    print(f"| {claim} | {err:.2e} | {rel:.2e} |")
+    lines.append(f"| {claim} | {err:.2e} | {rel:.2e} |")
   if cfg.num_heads > 1:
     diff = one_head_vs_many(cfg)
-    print(f"\nQ5: {cfg.num_heads} heads of width {cfg.d_k} vs 1 head of width {cfg.num_heads * cfg.d_k}"
-          f" from the same concatenated matrices: {cfg.num_heads} attention matrices vs 1;"
-          f" max |y_h - y_1| / max |y_h| = {diff:.3f} (not the same function)")
-  return 0
+    lines.append(f"\nQ5: {cfg.num_heads} heads of width {cfg.d_k} vs 1 head of width {cfg.num_heads * cfg.d_k}"
+                 f" from the same concatenated matrices: {cfg.num_heads} attention matrices vs 1;"
+                 f" max |y_h - y_1| / max |y_h| = {diff:.3f} (not the same function)")
+  return "\n".join(lines)

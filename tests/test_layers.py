@@ -56,7 +56,7 @@ def test_no_import_runs_up_the_layers():
       rel = os.path.relpath(path, ATTN)
       if rel == "__init__.py":  # the package's face imports from every layer
         continue
-      if f == "cli.py":  # a command imports the library at any layer (DESIGN.md), never the reverse: below
+      if rel in OLD_COMMAND_PATHS:  # re-exports of attn/cli/'s commands, kept for imports: below
         continue
       here = rel.split(os.sep)[0].removesuffix(".py")
       for line, name in _imports(path):
@@ -65,13 +65,19 @@ def test_no_import_runs_up_the_layers():
   assert upward == []
 
 
+# The commands' old paths: each only re-exports its command from attn/cli/ (and library names it used to hold).
+OLD_COMMAND_PATHS = {"count/cli.py", "experiments/cli.py", "experiments/reproduce_cli.py", "eval_cli.py"}
+
+
 def test_no_library_module_imports_a_command():
-  """Commands (the cli.py modules) import the library; the library never imports a command."""
+  """Commands (attn/cli/, one module each) import the library; the library never imports a command."""
   reverse = []
   for root, _, files in os.walk(ATTN):
     for f in files:
       path = os.path.join(root, f)
-      if not f.endswith(".py") or f in ("cli.py", "__main__.py") or os.path.relpath(path, ATTN) == "__init__.py":
+      rel = os.path.relpath(path, ATTN)
+      if not f.endswith(".py") or rel.split(os.sep)[0] in ("cli", "__main__.py") or rel in OLD_COMMAND_PATHS \
+          or rel == "__init__.py":
         continue
       for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attn"):
@@ -80,9 +86,27 @@ def test_no_library_module_imports_a_command():
           names = [a.name for a in node.names]
         else:
           continue
-        if any(n.startswith("attn") and n.split(".")[-1] == "cli" for n in names):
+        if any(n == "attn.cli" or n.startswith("attn.cli.") or n.split(".")[-1] == "cli" for n in names):
           reverse.append(f"attn/{os.path.relpath(path, ATTN)}:{node.lineno}")
   assert reverse == []
+
+
+def test_the_old_command_paths_only_re_export():
+  """Each old path imports its command from attn/cli/ and library names, and defines nothing itself."""
+  for rel in OLD_COMMAND_PATHS:
+    tree = ast.parse(open(os.path.join(ATTN, rel), encoding="utf-8").read())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert body and all(isinstance(n, ast.ImportFrom) for n in body), rel
+    assert any(n.module.startswith("attn.cli.") for n in body), rel
+
+
+def test_every_command_is_one_thin_module_of_attn_cli():
+  """COMMANDS names attn/cli/NAME.py for each command, one naming scheme; each about 100 lines at most."""
+  from attn import cli
+  for name, (module, _) in cli.COMMANDS.items():
+    assert module == f"attn.cli.{name}", name
+    with open(os.path.join(ATTN, "cli", name + ".py"), encoding="utf-8") as f:
+      assert len(f.read().splitlines()) <= 125, name
 
 
 # Faces imported from inside their own package, fixed on another branch of issue 50: each must still

@@ -6,7 +6,8 @@
   measured  what has no closed form, measured (XLA's cost analysis, the Jacobian's rank)
   hf        a Hugging Face checkpoint's config.json read into a ModelConfig and counted
   presets   published models (Vaswani's Table 3, BERT, GPT-2) as ModelConfigs
-  cli       `attn count`
+  report    `attn count`'s reports as data, and which one its flags ask for
+  tables    those reports as Markdown, CSV or JSON (`attn count` is attn/cli/count.py)
 """
 
 from attn.count.layer import (MEASURED_COLUMNS, Layer, check_layer, check_length, flops,

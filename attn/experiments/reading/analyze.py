@@ -33,7 +33,6 @@ split, importance batches from its train split (attn.experiments.data.hf_text);
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
@@ -50,56 +49,21 @@ from attn.experiments.running.config import axis_name, show
 ANALYSIS = "analysis.json"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("dir", metavar="DIR", nargs="?", default=None,
-                      help="a sweep directory written by `attn sweep` (or use --hf)")
-  parser.add_argument("--trial", metavar="ID", action="append", default=[], dest="trials",
-                      help="analyse only this trial (repeatable; default: every finished trial)")
-  parser.add_argument("--batches", metavar="N", type=int, default=None,
-                      help="held-out (and training) batches per trial (default: the trial's eval_batches)")
-  parser.add_argument("--no-plots", action="store_true", help="write analysis.json only")
-  hf = parser.add_argument_group("a pretrained model instead of a sweep (needs the hf extra)")
-  hf.add_argument("--hf", metavar="PATH", help="a local Hugging Face directory with its tokenizer, of a family "
-                  "attn.nn.hf.FAMILIES holds")
-  hf.add_argument("--text", metavar="FILE_OR_DIR", help="text to analyse on ('' for the Python stdlib)")
-  hf.add_argument("--glob", default=None, help="files of a --text directory (default '**/*')")
-  hf.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go")
-  hf.add_argument("--seq-len", type=int, default=128, metavar="L", help="window length in tokens")
-  hf.add_argument("--batch-size", type=int, default=8)
-
-
-def run(args: argparse.Namespace) -> int:
-  if args.hf is not None or args.dir is None:
-    if args.dir is not None or args.trials:
-      raise invalid("DIR", args.dir or args.trials, "no sweep directory or --trial with --hf")
-    for name in ("hf", "text", "out"):
-      if getattr(args, name) is None:
-        raise invalid("--" + name, None, "a value: `attn analyze DIR` for a sweep, or "
-                      "`attn analyze --hf PATH --text FILE_OR_DIR --out DIR` for a pretrained model")
-    out = analyze_hf(args.hf, args.text, args.out, args.batches or HF_BATCHES, plots=not args.no_plots,
-                     glob=args.glob, seq_len=args.seq_len, batch_size=args.batch_size)
-    s = out["summary"]
-    print(f"analysed {args.hf} in {out['seconds']:.1f} s: held-out loss {out['eval']['loss']:.4f}, prunable "
-          f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_qk_rank(out)} (d_k={out['d_k']}); "
-          f"wrote {os.path.join(args.out, ANALYSIS)} and {len(out.get('plots', []))} PNGs")
-    return 0
-  done = analyze_sweep(args.dir, args.trials or None, args.batches, plots=not args.no_plots)
-  print(f"analysed {len(done)} trials of {args.dir}: trials/ID/{ANALYSIS} and PNGs")
-  return 0
-
-
 def _fmt(x: float | None) -> str:
   """x to 2 decimals, or "–" where the analysis has no value (W_QK under QK-norm)."""
   return "–" if x is None else f"{x:.2f}"
 
 
-def _qk_rank(out: dict[str, Any]) -> str:
+def qk_rank(out: dict[str, Any]) -> str:
   """W_QK's mean effective rank, or "–" with the reason there is none (the variant's refusal of circuits)."""
   x = out["summary"]["qk_effective_rank"]
   if x is not None:
     return f"{x:.2f}"
   why = next((lay["qk"].get("refused") for lay in out.get("layers", []) if lay["qk"].get("refused")), None)
   return f"– ({why or 'no per-head W_QK to take the spectrum of'})"
+
+
+_qk_rank = qk_rank  # the name before `attn analyze` moved to attn/cli/analyze.py
 
 
 def _diversity(s: dict[str, Any]) -> str:
@@ -161,7 +125,7 @@ def analyze_sweep(run_dir: str, trial_ids: list[str] | None = None, batches: int
     sinks = f", first-position mass {_fmt(s['first_mass'])}, sink heads {_fmt(s['sink_heads'])}" \
         if "sink_heads" in s else ""
     stream.write(f"trial {i + 1}/{len(chosen)} {tid} [{_label(out['label'])}]: prunable "
-                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {_qk_rank(out)} "
+                 f"{s['prunable_fraction']:.2f}, W_QK eff. rank {qk_rank(out)} "
                  f"(d_k={out['d_k']}), head JS {js}{sinks}, {out['seconds']:.1f} s\n")
   stream.write(f"analysed {len(chosen)} trials in {time.perf_counter() - t0:.1f} s\n")
   return chosen

@@ -13,21 +13,12 @@ tensorboard extra (tensorboardX): pip install -e ".[tensorboard]".
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from typing import TextIO
 
 from attn.config import invalid
 from attn.experiments.running import store as store_lib
 from attn.experiments.running import tb_writer
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("dir", metavar="DIR", help="a sweep directory written by `attn sweep`")
-  parser.add_argument("--tensorboard", metavar="LOGDIR", required=True,
-                      help="the TensorBoard log directory to write one run per trial into "
-                           '(needs: pip install -e ".[tensorboard]")')
 
 
 def export_tensorboard(root: str, logdir: str, stream: TextIO = sys.stderr) -> dict[str, int]:
@@ -55,10 +46,3 @@ def export_tensorboard(root: str, logdir: str, stream: TextIO = sys.stderr) -> d
   return counts
 
 
-def run(args: argparse.Namespace) -> int:
-  counts = export_tensorboard(args.dir, args.tensorboard)
-  left = [f"{counts[k]} {k}" for k in ("unfinished", "damaged") if counts[k]]
-  print(f"tensorboard: {counts['runs']} runs, {counts['rows']} rows in {os.path.abspath(args.tensorboard)}"
-        + (f" ({', '.join(left)} trials left out: export again once they finish)" if left else ""))
-  print(f"view: tensorboard --logdir {args.tensorboard}")
-  return 0

@@ -16,7 +16,6 @@ parse is listed as damaged (`attn sweep` re-runs it), and metrics rows left out
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -30,28 +29,7 @@ from attn.experiments.reading import plots as plots_lib
 from attn.experiments.reading import selection
 from attn.experiments.reading import settings
 from attn.experiments.running import store as store_lib
-from attn.experiments.running import run_record
-from attn.process import faults
 from attn.experiments.reading.plots import METRICS, SEED_KEYS, TEXT_METRICS, show
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("dir", metavar="DIR", help="a sweep directory written by `attn sweep`")
-
-
-def run(args: argparse.Namespace) -> int:
-  try:
-    print(f"report: {write_report(args.dir)}")
-  except OSError as e:  # a full disk under report.md or a plot: one message, the store is untouched
-    fault = faults.classify(e)
-    if fault is None:
-      raise
-    print(f"attn report: stopped: {fault.reason}: free space there, then run `attn report {args.dir}` again",
-          file=sys.stderr)
-    return 1
-  for line in run_record.summary(args.dir):
-    print(line)
-  return 0
 
 
 _short = plots_lib.short

@@ -291,6 +291,26 @@ def compare(w: Writeup, old: dict[str, Any], new: dict[str, Any]) -> tuple[str, 
   return ("within spread" if z <= SPREAD else "different"), a, b, z
 
 
+def verdict_lines(w: Writeup, picked: list[dict[str, Any]], finals: dict[str, Any]) -> tuple[list[str], bool]:
+  """One line per re-run trial (committed, now, the kind of match) and the verdict; (lines, whether any differs)."""
+  lines, kinds = [], []
+  for t in picked:
+    label = ", ".join(f"{short(k)}={show(v)}" for k, v in t["label"].items())
+    if t["id"] not in finals:
+      kinds.append("failed")
+      lines.append(f"  {t['id']}  {label}: did not finish")
+      continue
+    kind, a, b, z = compare(w, t, finals[t["id"]])
+    kinds.append(kind)
+    diff = "" if kind in ("bit-equal", "equal at the printed digits") else f", {b - a:+.4g} ({z:.1f} SE)"
+    lines.append(f"  {t['id']}  {label}: committed {a:.6g}, now {b:.6g}: {kind}{diff}")
+  bad = sum(k in ("different", "failed") for k in kinds)
+  counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+  lines.append(f"verdict: {'DIFFERS' if bad else 'REPRODUCED'} ({counts}; within spread = at most {SPREAD:g} "
+               f"seed standard deviations of the committed group)")
+  return lines, bool(bad)
+
+
 def describe_run(run: dict[str, Any]) -> str:
   """'commit X, CPU Y, date' of a run record (run_record's start line, or an older run.json); "unknown" where it says nothing."""
   commit = (run.get("commit") or run.get("train_commit") or "unknown")[:12]

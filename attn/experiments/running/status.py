@@ -28,27 +28,17 @@ this host's clock.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
 from attn.experiments.running import config as config_lib
 from attn.experiments.running import leases
-from attn.experiments.running import run_record
 from attn.experiments.running import store as store_lib
 
 STATES = ("ok", "failed", "running", "interrupted", "stale", "pending", "damaged")
 SHOWN_IF_ANY = ("interrupted", "damaged")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("dir", metavar="DIR", help="a sweep directory written by `attn sweep`")
-  parser.add_argument("--lease-timeout", metavar="SECONDS", type=float, default=leases.DEFAULT_TIMEOUT,
-                      help="a lease whose heartbeat is older is shown as stale (default "
-                           f"{leases.DEFAULT_TIMEOUT:g}, as `attn sweep`)")
 
 
 def _tail(path: str, n: int = 8) -> list[dict[str, Any]]:
@@ -192,23 +182,17 @@ def _detail(t: dict[str, Any], lease_timeout: float) -> str:
       if t["step"] else ""
 
 
-def run(args: argparse.Namespace) -> int:
-  from attn.experiments.running import sweep  # the one check of --lease-timeout
-  timeout = sweep.check_lease_timeout(args.lease_timeout)
-  trials = collect(args.dir, timeout)
+def table(trials: list[dict[str, Any]], lease_timeout: float) -> list[str]:
+  """`attn status`'s lines: one per trial (its state and what it is doing), then the totals and ETA."""
   width = max((len(t["label"]) for t in trials), default=0)
-  for t in trials:
-    print(f"{t['index']:>4}/{len(trials)}  {t['state']:<8} {t['label']:<{width}}  {_detail(t, timeout)}".rstrip())
-  print(summary_line(trials))
-  for t in trials:
-    for warning in t["warnings"]:
-      print(f"warning: trial {t['index']}/{len(trials)}: {warning}", file=sys.stderr)
-  for sub in ("local", "slurm", "ray"):
-    if os.path.isdir(os.path.join(args.dir, sub)):
-      print(f"logs: {os.path.join(args.dir, sub)}/")
-  for line in run_record.summary(args.dir):  # on stderr: stdout stays one line per trial and the totals
-    print(line, file=sys.stderr)
-  return 0
+  lines = [f"{t['index']:>4}/{len(trials)}  {t['state']:<8} {t['label']:<{width}}  {_detail(t, lease_timeout)}".rstrip()
+           for t in trials]
+  return lines + [summary_line(trials)]
+
+
+def warning_lines(trials: list[dict[str, Any]]) -> list[str]:
+  """A line for each torn metrics row or damaged file the trials' store showed."""
+  return [f"warning: trial {t['index']}/{len(trials)}: {w}" for t in trials for w in t["warnings"]]
 
 
 def print_progress(stream, prefix: str, out: str, lease_timeout: float, last: float) -> float:

@@ -1,5 +1,10 @@
 """The `attn` command: thin dispatch to subcommands that live in the library.
 
+Every command is attn/cli/NAME.py with add_arguments(parser) and run(args) -> int: its
+arguments and a call into the library, where the work lives (the module's docstring
+names where); `attn python` passes its arguments on unparsed (attn/cli/python.py). The old paths (attn.demo's and attn.eval_cli's commands,
+attn.count.cli, attn.experiments.cli, attn.experiments.reproduce_cli) re-export them.
+
 Run as a command (`attn ...`, `python -m attn ...`: main() without argv),
 attn.process.setup() sets up the process first (its allocator, hooks, fault
 injection; XLA_FLAGS and ATTN_HOST_MALLOC checked); main(argv) called from
@@ -17,19 +22,19 @@ import warnings
 
 from attn import process
 
-# subcommand -> module with add_arguments(parser) and run(args) -> int.
+# subcommand -> module with add_arguments(parser) and run(args) -> int ("python": passthrough(argv) -> int).
 COMMANDS = {
-    "demo": ("attn.demo", "answer the seed questions for one config in one screen"),
-    "count": ("attn.count.cli", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
-    "sweep": ("attn.experiments.cli", "run a sweep config: trials, metrics, resumable store"),
-    "report": ("attn.experiments.reading.report", "write report.md and plots from a sweep directory"),
-    "status": ("attn.experiments.running.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
-    "reproduce": ("attn.experiments.reproduce_cli", "re-run a slice of a shipped write-up and compare with its committed numbers"),
-    "analyze": ("attn.experiments.reading.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
-    "export": ("attn.experiments.reading.export", "write a sweep's metric rows from its store as TensorBoard runs"),
-    "bench": ("attn.bench.layer", "time every variant against flax, jax and torch attention"),
-    "eval": ("attn.eval_cli", "held-out loss of a pretrained Hugging Face model, before and after converting its heads"),
-    "python": ("attn.process", "run python ARGS with this command's allocator (mimalloc preloaded); "
+    "demo": ("attn.cli.demo", "answer the seed questions for one config in one screen"),
+    "count": ("attn.cli.count", "parameter counts (analytic, stored, effective) and FLOPs per variant"),
+    "sweep": ("attn.cli.sweep", "run a sweep config: trials, metrics, resumable store"),
+    "report": ("attn.cli.report", "write report.md and plots from a sweep directory"),
+    "status": ("attn.cli.status", "each trial of a sweep directory: done, running, stale or pending; ETA"),
+    "reproduce": ("attn.cli.reproduce", "re-run a slice of a shipped write-up and compare with its committed numbers"),
+    "analyze": ("attn.cli.analyze", "inside the heads: circuits, attention statistics, importance, pruning"),
+    "export": ("attn.cli.export", "write a sweep's metric rows from its store as TensorBoard runs"),
+    "bench": ("attn.cli.bench", "time every variant against flax, jax and torch attention"),
+    "eval": ("attn.cli.eval", "held-out loss of a pretrained Hugging Face model, before and after converting its heads"),
+    "python": ("attn.cli.python", "run python ARGS with this command's allocator (mimalloc preloaded); "
                "--print-env prints its variables"),
 }
 
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
   command = argv[0] if argv and argv[0] in COMMANDS else None
   try:
     if command == "python":  # its arguments are python's own, passed on as they are
-      return process.python(argv[1:])
+      return importlib.import_module(COMMANDS[command][0]).passthrough(argv[1:])
     if own_process and command:
       process.setup()
   except _config_error() as e:  # evaluated only when an error is on its way
