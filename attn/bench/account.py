@@ -309,3 +309,25 @@ def markdown(results: list[dict[str, Any]]) -> str:
 if __name__ == "__main__":
   process.setup()  # a process of the attn command: its allocator, as `attn bench` has (attn.process)
   print(json.dumps(child(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))))
+
+
+def report(flag_sets: str | None, repeats: int, info: dict[str, Any], out: str | None, log: Callable[[str], None]) -> int:
+  """`attn bench --account`: each flag set checked first, then measured; the header, the table, the JSON
+  written to `out` where given."""
+  from attn.bench import flags as flags_lib
+  from attn.bench.shapes import LONG_WINDOW, SHAPES, names as read_names
+  names = read_names(flag_sets, flags_lib.FLAG_SETS, "--flag-sets", flags_lib.FLAG_SETS)
+  for name in names:
+    flags_lib.with_flag_set(name)  # every flag set and the XLA_FLAGS it adds to checked before any child runs
+  print(f"# attn bench --account\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores; "
+        + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+        + f"; load average at start {info['load_average']}; {repeats} repeats\n")
+  ref = SHAPES["reference"]
+  shape = {"B": ref.B, "T": ref.T, "D": ref.D, "H": ref.H, "K": ref.K, "T_long": 4096, "window": LONG_WINDOW}
+  results = run_flag_sets(names, repeats, shape, log=log)
+  print(markdown(results))
+  if out:
+    with open(out, "w") as f:
+      json.dump({"machine": info, "account": results}, f, indent=1)
+    log(f"wrote {out}")
+  return 0

@@ -16,6 +16,7 @@ new token's q, k, v projected by one Linear, written into preallocated
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable
 
 import jax
@@ -124,3 +125,21 @@ def markdown(r: dict[str, Any]) -> str:
     ms = " | ".join(f"{r['ms'][L][label]:.3f}" for L in Ls)
     lines.append(f"| {label} | {cache} | {ms} | {r['ms'][Ls[-1]][label] / r['ms'][Ls[0]][label]:.1f} |")
   return "\n".join(lines)
+
+
+def report(variants: list[str], repeats: int, quick: bool, torch_peer: bool, info: dict[str, Any], out: str | None,
+           log: Callable[[str], None]) -> int:
+  """`attn bench --decode`: the header, the table, and the JSON written to `out` where given; the exit status."""
+  from attn.bench.timing import round_robin
+  contexts = (64, 256) if quick else CONTEXTS
+  print(f"# attn bench --decode\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores, {info['device']}; "
+        f"load average at start {info['load_average']}\n\nOne attention layer, D=512, H=8, "
+        "d_k=d_v=64 (mla: d_c=256), B=1, float32, one token decoded at position L against a "
+        "cache of L+1 slots (attn.bench.decode). Medians of ms per decoded token.\n")
+  r = run_decode(variants, repeats, contexts, torch_peer=torch_peer, round_robin=round_robin, log=log)
+  print(markdown(r))
+  if out:
+    with open(out, "w") as f:
+      json.dump({"machine": info, "repeats": repeats, "decode": r}, f, indent=1)
+    log(f"wrote {out}")
+  return 0

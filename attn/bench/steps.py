@@ -8,7 +8,7 @@ moves far less than a time. Both are the quick end of their samples (the lower
 quartile of the steps, the fastest of five matmuls): other jobs on the machine
 add time to some steps and rarely take any away. Three checks, each printed met or
 MISSED: every ratio within TOLERANCE of the one stored in step_ratios.json
-for this CPU kind (attn.bench.layer.cpu_kind: model, family and vector ISA;
+for this CPU kind (attn.bench.machine.cpu_kind: model, family and vector ISA;
 recorded with --record, with its commit; a kind with no record is said so and
 not checked); the same model within
 ORDER_SPREAD in both orders (the h = 4 merged step took 1.5x longer or not
@@ -164,7 +164,7 @@ def _read(path: str) -> dict[str, Any]:
 
 
 def load_stored(kind: str, path: str = STORED) -> dict[str, Any] | None:
-  """The ratios recorded on this CPU kind (attn.bench.layer.cpu_kind), or None."""
+  """The ratios recorded on this CPU kind (attn.bench.machine.cpu_kind), or None."""
   return _read(path).get("kinds", {}).get(kind)
 
 
@@ -181,3 +181,23 @@ def markdown(result: dict[str, Any], found: list[tuple[str, str, bool]], stored:
   lines += ["", f"Stored ratios: {where}; host memory: {process.in_force()}", ""]
   lines += [f"- {what}: {value}: {'met' if met else 'MISSED'}" for what, value, met in found]
   return "\n".join(lines)
+
+
+def report(quick: bool, record_ratios: bool, info: dict[str, Any], out: str | None, log: Callable[[str], None]) -> int:
+  """`attn bench --steps`: the header, the table with each check met or MISSED, the ratios recorded where asked,
+  the JSON written to `out` where given; the exit status (1: a check missed)."""
+  n = 20 + SKIP if quick else 100
+  print(f"# attn bench --steps\n\n{info.get('cpu_kind', info['cpu'])}, {info['cores']} cores; load average at start "
+        f"{info['load_average']}; XLA_FLAGS={info['xla_flags']!r}\n")
+  result = measure(n, log=log)
+  stored = load_stored(info["cpu_kind"])
+  found = checks(result, stored)
+  print(markdown(result, found, stored))
+  if record_ratios:
+    record(result, info)
+    log(f"recorded {STORED}")
+  if out:
+    with open(out, "w") as f:
+      json.dump({"machine": info, "steps": result, "checks": found}, f, indent=1)
+    log(f"wrote {out}")
+  return 0 if all(met for *_, met in found) else 1

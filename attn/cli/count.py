@@ -97,28 +97,19 @@ def _toml_table(text: str) -> dict[str, Any]:
     raise argparse.ArgumentTypeError(f"not a TOML inline table ({e})") from None
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-  return {n: getattr(args, n) for n in _HEAD_FIELDS if getattr(args, n) is not None}
-
-
-def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-  return {n: getattr(args, n) for n in _MODEL_FLAGS if getattr(args, n, None) is not None}
-
-
 def run(args: argparse.Namespace) -> int:
   """Prints the table; ConfigError (unknown preset, impossible dims) exits 2 via attn.cli."""
   from attn.api import get_variant
   from attn.count import report
   req = report.Request(config=args.config, cases=tuple(args.case or ()), overrides=tuple(args.overrides),
-                       preset=args.preset, hf=args.hf, head=_overrides(args), model=_model_overrides(args),
+                       preset=args.preset, hf=args.hf,
+                       head={n: getattr(args, n) for n in _HEAD_FIELDS if getattr(args, n) is not None},
+                       model={n: getattr(args, n) for n in _MODEL_FLAGS if getattr(args, n) is not None},
                        variants=tuple(args.variant or ()), mechanisms=args.mechanisms, seq_len=args.seq_len,
                        kv_len=args.kv_len, dtype=args.dtype, fmt=args.format)
-  if req.config is not None:  # a sweep config: read a layer above counting
-    from attn.count import tables
+  if req.config is not None:  # a sweep config: counted where configs are read, a layer above attn.count
     from attn.experiments.running import model_counts
-    report.check_config_request(req)
-    rows = model_counts.config_rows(req.config, list(req.overrides), list(req.cases) or None, req.dtype)
-    print(tables.config_output(req.config, list(req.overrides), req.dtype, rows, req.fmt))
+    print(model_counts.count_config(req))
     return 0
   text, failed = report.count(req)
   print(text)

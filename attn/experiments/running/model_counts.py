@@ -48,3 +48,11 @@ def config_rows(path: str, overrides: list[str] | None = None, cases: list[str] 
       row["held_at_T"] = row["kv_bytes_at_T"] + row["state_bytes"]
     rows[key] = row
   return list(rows.values())
+
+
+def count_config(req) -> str:
+  """`attn count CONFIG`'s table: req (attn.count.report.Request) names the config, its cases and --set."""
+  from attn.count import report, tables
+  report.check_config_request(req)
+  rows = config_rows(req.config, list(req.overrides), list(req.cases) or None, req.dtype)
+  return tables.config_output(req.config, list(req.overrides), req.dtype, rows, req.fmt)
