@@ -1,7 +1,8 @@
 """Experiments: sweep configs become trials, trials train into a store, the store is read back.
 
 Four stages, each a subpackage that imports only the stages above it in this
-list (and attn's library below all of them); `cli` (attn sweep) sits on top:
+list (and attn's library below all of them); the commands (attn/cli/) sit on top, and
+`cli` and `reproduce_cli` here are their old import paths:
 
   data/      tasks and corpora, deterministic from a seed
   training/  [train] config, the optax train loop, Orbax checkpoints, devices, preemption
