@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from typing import Any, Callable
 
 import attn

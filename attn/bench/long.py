@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from attn.bench import peers as peers_lib
-from attn.bench.shapes import LONG_LENGTHS, LONG_WINDOW, SELECTION_GOAL, SELECTIONS, SELECTORS_ALONE, Shape
+from attn.bench.shapes import LONG_LENGTHS, LONG_WINDOW, SELECTIONS, SELECTORS_ALONE, Shape
 from attn.count import selectors
 from attn.kernel import onednn
 

@@ -7,7 +7,6 @@ Every figure comes from attn.count's layer and model functions.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from attn.api import get_variant
