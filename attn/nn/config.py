@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import kv_sharing, layer_heads, layer_types, moe, short_conv
+from attn.nn import index_sharing, kv_sharing, layer_heads, layer_types, moe, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -95,6 +95,7 @@ class ModelConfig:
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
+  indexer_types: tuple[str, ...] | None = None  # per layer "full" or "shared": reuse the last full layer's indexer choice (attn.nn.index_sharing)
   block_kinds: tuple[str, ...] | None = None  # per layer: one of BLOCK_KINDS; None: all "attention_mlp"
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
@@ -127,6 +128,7 @@ class ModelConfig:
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
     object.__setattr__(self, "layer_heads", layer_heads.normalize(self.layer_heads))
     object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
+    object.__setattr__(self, "indexer_types", index_sharing.normalize(self.indexer_types))
     if isinstance(self.block_kinds, list):
       object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -173,6 +175,7 @@ class ModelConfig:
     layer_types.check(self)
     layer_types.check_linear_fields(self)
     kv_sharing.check(self)
+    index_sharing.check(self)
     moe.check(self)
     if self.per_layer_vocab and not self.per_layer_dim:
       raise invalid("per_layer_vocab", self.per_layer_vocab, "0 when per_layer_dim is 0: there is no "
@@ -242,7 +245,8 @@ class ModelConfig:
     Its type (layer_types[index], or global_every's rule) sets its window and RoPE.
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
-    return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+    head = layer_types.head_for(self, layer_types.layer_type(self, index), head)
+    return index_sharing.mark(self, index, head)  # indexer_types: a shared layer's indexer reuses a choice
 
   def layer_variant(self, index: int) -> str:
     """The variant of self-attention layer `index`: linear_variant for a linear_attention layer."""

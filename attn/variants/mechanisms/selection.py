@@ -26,6 +26,11 @@ here). Options live in HeadConfig.extra:
            "interleaved", GLM-5's); the weights x·w_idw (D, n_I) · n_I^-1/2; scores
            · d_I^-1/2. The variant computes these (index_queries, index_keys) and hands them
            to the core in Options.index; its decoding cache holds the index keys.
+           "shared" (False; set per layer by ModelConfig.indexer_types, attn.nn.index_sharing,
+           never on a model's extra): the layer reuses the previous full layer's choice
+           (GLM-5's IndexShare): no index parameters, no index keys cached, no index FLOPs;
+           its select hands back what that layer's select returned in the same model call
+           (SHARED_CHOICE).
 
 Where the work is saved: where the kernel's table sends a key choice to its rows
 (attn.kernel.impls.selects: T·S >= kernel.BLOCKED_MIN_SCORES, "auto" or "blocked",
@@ -87,6 +92,33 @@ def is_deepseek(cfg: HeadConfig) -> bool:
   return "indexer" in (cfg.extra or {}) and _opts(cfg, "indexer")["form"] == "deepseek"
 
 
+def is_shared(cfg: HeadConfig) -> bool:
+  """Whether the layer reuses an earlier layer's indexer choice (extra.indexer.shared; indexer_types)."""
+  return "indexer" in (cfg.extra or {}) and _opts(cfg, "indexer")["shared"] is True
+
+
+def computes_index(cfg: HeadConfig) -> bool:
+  """Whether the variant computes (and caches) the deepseek form's index queries and keys: the form,
+  on a layer that makes its own choice."""
+  return is_deepseek(cfg) and not is_shared(cfg)
+
+
+def unshared(cfg: HeadConfig) -> HeadConfig:
+  """cfg as a layer that makes its own choice (a shared layer measured alone: the choice carries no
+  gradient, so the indexer's weights add nothing to the Jacobian's rank and its rank is the shared layer's)."""
+  if not is_shared(cfg):
+    return cfg
+  extra = dict(cfg.extra)
+  extra["indexer"] = {k: v for k, v in dict(extra["indexer"]).items() if k != "shared"}
+  return cfg.replace(extra=extra)
+
+
+# Set by attn.nn.index_sharing around each layer of a model call with shared indexer layers:
+# ("record", {dense: choice}) on a full layer whose choice a later layer reuses (its select stores
+# what it returns, keyed by its `dense` argument), ("reuse", that dict) on a shared layer.
+SHARED_CHOICE: contextvars.ContextVar = contextvars.ContextVar("attn_shared_choice", default=None)
+
+
 def _positive(name: str, key: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
     raise invalid(f"extra.{name}.{key}", value, "a positive integer")
@@ -97,6 +129,10 @@ def _check(name: str, cfg: HeadConfig) -> None:
   unrotated dims."""
   o = _opts(cfg, name)
   for key in DEFAULTS[name]:
+    if key == "shared":
+      if not isinstance(o[key], bool):
+        raise invalid("extra.indexer.shared", o[key], "True or False (set per layer by indexer_types)")
+      continue
     if key in _STRINGS:
       if o[key] not in _STRINGS[key]:
         raise invalid(f"extra.{name}.{key}", o[key], f"one of {list(_STRINGS[key])}")
@@ -180,6 +216,8 @@ def _index_width(cfg: HeadConfig) -> int:
 
 def _indexer_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   o = _opts(cfg, "indexer")
+  if o["shared"]:  # reuses another layer's choice: holds no index weights
+    return {}
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   kq, kk, kw = jax.random.split(key, 3)
   normal = lambda k, shape, fan: (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(fan)).astype(dtype)
@@ -237,6 +275,26 @@ def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
 
 def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
                     dense: bool, index=None):
+  state = SHARED_CHOICE.get()
+  if is_shared(cfg):
+    return _reused(state, dense)
+  choice = _own_choice(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask,
+                       dense=dense, index=index)
+  if state is not None and state[0] == "record":
+    state[1][dense] = choice
+  return choice
+
+
+def _reused(state, dense: bool):
+  """A shared layer's choice: the one its full layer's select returned in this model call."""
+  if state is None or state[0] != "reuse" or dense not in state[1]:
+    raise invalid("extra.indexer.shared", True, "False outside a model whose earlier full indexer layer chose "
+                  "in the same call (ModelConfig.indexer_types; a shared layer alone has no choice to reuse)")
+  return state[1][dense]
+
+
+def _own_choice(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask, dense: bool,
+                index=None):
   top_k = _opts(cfg, "indexer")["top_k"]
   if is_deepseek(cfg):
     if index is None:
@@ -257,6 +315,8 @@ def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
 
 def _indexer_params(cfg: HeadConfig) -> int:
   o = _opts(cfg, "indexer")
+  if o["shared"]:
+    return 0
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   if o["form"] == "deepseek":  # w_idq, w_idk, the LayerNorm's scale and bias, w_idw
     return cfg.q_latent_dim * J * I + cfg.d_model * (I + J) + 2 * I
@@ -265,8 +325,10 @@ def _indexer_params(cfg: HeadConfig) -> int:
 
 def indexer_flops(cfg: HeadConfig, T: int, S: int) -> int:
   """Index queries 2·T·H·C·J·I, weights 2·T·H·C·J, index keys 2·S·G·C·I (C = K - rope_dim);
-  scores 2·T·S·J·I and their weighted sum 2·T·S·J (ReLU and top-k not counted)."""
+  scores 2·T·S·J·I and their weighted sum 2·T·S·J (ReLU and top-k not counted); 0 on a shared layer."""
   o = _opts(cfg, "indexer")
+  if o["shared"]:
+    return 0
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   if o["form"] == "deepseek":  # index queries 2·T·Q'·J·I, weights 2·T·D·J, keys 2·S·D·I, the scores
     return 2 * T * J * (cfg.q_latent_dim * I + cfg.d_model) + 2 * S * cfg.d_model * I + 2 * T * S * J * (I + 1)
@@ -282,10 +344,11 @@ def indexer_keys(cfg: HeadConfig, T: int) -> int:
 
 
 INDEXER = Mechanism(
-    name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half"},
+    name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half",
+                              "shared": False},
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
     attend=lambda *a, **kw: _indexer_attend(*a, **kw),
-    needs=lambda cfg: {} if is_deepseek(cfg) else {
+    needs=lambda cfg: {} if is_deepseek(cfg) or is_shared(cfg) else {
         "qk_heads": "its 'heads' form reads each head's unrotated query and key dims; form 'deepseek' reads the "
                     "query latent instead (mla with q_latent_dim)"},
     sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ", "w_idq": "QJI", "w_idk": "DI", "w_idw": "DJ",
@@ -294,9 +357,10 @@ INDEXER = Mechanism(
     examples=(("indexer 2 heads of 3, top 3", {"extra": {"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}},
                "C·(H·J·I + G·I + H·J), C = K − r",
                "2·T·H·C·J·(I + 1) + 2·S·G·C·I + 2·T·S·J·(I + 1) (the core: top_k keys a query)"),),
-    help="indexer: {heads, head_dim, top_k, form, rope_layout}: DeepSeek-V3.2's lightning indexer, each "
+    help="indexer: {heads, head_dim, top_k, form, rope_layout, shared}: DeepSeek-V3.2's lightning indexer, each "
          "query's top_k keys by Σ_j w_j·ReLU(q_j·k), shared by every head; form 'heads' reads the heads' "
-         "unrotated dims, 'deepseek' (mla with a query latent) the query latent and x, as DeepSeek-V3.2")
+         "unrotated dims, 'deepseek' (mla with a query latent) the query latent and x, as DeepSeek-V3.2; "
+         "shared: set per layer by ModelConfig.indexer_types (the previous full layer's choice reused)")
 
 RECORDS = (MOBA, INDEXER)
 DEFAULTS = {m.name: dict(m.defaults) for m in RECORDS}
@@ -365,6 +429,12 @@ def _record_kl(phase: str, terms: list, params: Params, q_BTHK, k_BSGK, *, cfg: 
   """record_indexer_kl's work for one layer: appends its KL term; returns the opts to attend with."""
   if phase == "dense":
     return opts
+  if is_shared(cfg):  # no indexer here to train: attend as the phase says, with the full layer's choice
+    if phase == "warmup":
+      return opts
+    keep = INDEXER.select(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
+                          mask=opts.mask, dense=True, index=opts.index)
+    return opts.replace(mask=masks.combine_masks(opts.mask, keep))
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   qi, ki, w = opts.index if is_deepseek(cfg) else index_inputs(params, q_BTHK, k_BSGK, cfg)
   seen = masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal, opts.kv_lengths))
