@@ -192,3 +192,38 @@ def test_a_shared_layer_alone_is_refused_by_name():
   assert not set(p) & set(INDEX_PARAMS)
   with pytest.raises(ConfigError, match=r"extra.indexer.shared=True"):
     api.apply("mla", p, jnp.zeros((1, 5, 22)), cfg=head, is_causal=True)
+
+
+@pytest.mark.slow
+def test_shared_layers_on_the_sparse_row_equal_the_dense_path():
+  """At T = 512 (T·S at the sparse row's threshold) the full layer's choice is a KeyChoice on the token kernel
+  and the shared layer runs on it too: the 'heads' form on per_head (G < H), impl 'auto' against 'einsum'
+  (the dense mask path), values and gradients, right padding."""
+  ix = {"heads": 2, "head_dim": 4, "top_k": 37}
+  cfg = ModelConfig(vocab_size=29, d_model=18, num_layers=2, num_heads=4, d_ff=20, variant="per_head", d_k=6, d_v=5,
+                    num_kv_heads=2, rope_dim=2, positional="rope", norm_type="rmsnorm", max_len=512,
+                    extra={"indexer": ix}, indexer_types=["full", "shared"])
+  sparse = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  dense = DecoderLM(cfg.replace(impl="einsum"), rngs=nnx.Rngs(1))
+  nnx.update(dense, nnx.state(sparse, nnx.Param))
+  ids = jnp.asarray(np.random.default_rng(8).integers(0, 29, (1, 512)), jnp.int32)
+  lengths = jnp.array([500])
+  seen = []
+  original = selection._own_choice
+
+  def spy(*a, **kw):
+    seen.append(kw["dense"])
+    return original(*a, **kw)
+
+  selection._own_choice = spy
+  try:
+    f = lambda m: jnp.sum(m(ids, lengths_B=lengths)[:, :500] ** 2)  # noqa: E731
+    (a, ga), (b, gb) = (nnx.value_and_grad(f)(m) for m in (sparse, dense))
+  finally:
+    selection._own_choice = original
+  assert seen == [False, True]  # one choice a model call, on the sparse row for 'auto', as a mask for einsum
+  np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+  for (path, x), (_, y) in zip(jax.tree.leaves_with_path(nnx.to_pure_dict(ga)),
+                               jax.tree.leaves_with_path(nnx.to_pure_dict(gb))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-4 * float(jnp.abs(y).max()) + 1e-7,
+                               err_msg=jax.tree_util.keystr(path))
