@@ -157,6 +157,24 @@ def test_counts_in_closed_form_against_the_built_model():
   assert a["kv_bytes_at_L"] - b["kv_bytes_at_L"] == 2 * T * I * 4
 
 
+@pytest.mark.slow
+def test_the_flops_a_shared_layer_saves_against_xla():
+  """XLA's count of the whole model's forward (the HLO before optimisation) falls by the closed form
+  selection.indexer_flops per shared layer, within test_count_selectors' 10% (XLA also counts the ReLU, the
+  masking and the LayerNorm, which the closed form leaves out); d_I 32 so that the scores dominate."""
+  from attn.count.measured import xla_flops
+  x = {"extra": {"indexer": IX | {"head_dim": 32}}}
+  ids = jnp.zeros((1, 37), jnp.int32)
+
+  def flops(cfg):
+    graph, state = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
+    return xla_flops(lambda state, ids: nnx.merge(graph, state)(ids), state, ids)
+
+  full, shared = _cfg(types=None, **x), _cfg(**x)
+  closed = 2 * selection.indexer_flops(full.layer_head(1), 37, 37)
+  assert closed <= flops(full) - flops(shared) <= 1.10 * closed
+
+
 @pytest.mark.parametrize("types,changes,match", [
     (("shared", "full"), {}, r"indexer_types\[0\]='shared'.*first layer with the indexer"),
     (("full", "shared"), {"block_kinds": ("mlp", "attention_mlp")}, r"indexer_types\[1\]='shared'.*first layer"),
@@ -227,3 +245,22 @@ def test_shared_layers_on_the_sparse_row_equal_the_dense_path():
                                jax.tree.leaves_with_path(nnx.to_pure_dict(gb))):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-4 * float(jnp.abs(y).max()) + 1e-7,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_training_the_indexer_with_shared_layers():
+  """record_indexer_kl: only the full layer adds a KL term (a shared layer has no indexer to train); in the
+  sparse phase the shared layer attends to the full layer's choice (the model's own forward), at warm-up to
+  every key (the model with top_k past the length)."""
+  cfg = _cfg(("full", "shared"))
+  model = _model(cfg, seed=3)
+  ids = jnp.asarray(np.random.default_rng(9).integers(0, 31, (2, 9)), jnp.int32)
+  plain = np.asarray(model(ids))
+  every = DecoderLM(cfg.replace(extra={"indexer": IX | {"top_k": 9}}), rngs=nnx.Rngs(0))
+  nnx.update(every, nnx.state(model, nnx.Param))
+  for phase, want in (("sparse", plain), ("warmup", np.asarray(every(ids)))):
+    with selection.record_indexer_kl(phase) as terms:
+      got = np.asarray(model(ids))
+    assert len(terms) == 1 and np.isfinite(float(terms[0])), phase
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=phase)
+  assert np.abs(np.asarray(every(ids)) - plain).max() > 1e-3 * np.abs(plain).max()  # the choice bites
