@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import index_sharing, kv_sharing, layer_heads, layer_types, moe, short_conv
+from attn.nn import hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -122,6 +122,8 @@ class ModelConfig:
   hc_mult: int = 1  # residual streams (attn.nn.hyper: DeepSeek-V4's hyper-connections); 1: plain residual
   hc_sinkhorn_iters: int = 20  # with hc_mult > 1: Sinkhorn-Knopp passes on each mix
   hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
+  hc_form: str = "mhc"  # with hc_mult > 1: "mhc" (DeepSeek-V4's, comb by Sinkhorn) or "independent" (HY-V4's iHC: no comb)
+  hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
 
   def __post_init__(self):
@@ -225,6 +227,11 @@ class ModelConfig:
     eps = self.hc_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
       raise invalid("hc_eps", eps, "a positive finite number (the hyper-connections' floor)")
+    if self.hc_form not in hyper.FORMS:
+      raise invalid("hc_form", self.hc_form, f"one of {list(hyper.FORMS)}")
+    m = self.hc_magnitude
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
+      raise invalid("hc_magnitude", m, "a positive finite number (the post gates' scale)")
     if self.hc_mult > 1 and self.norm != "pre":
       raise invalid("norm", self.norm, f'"pre" with hc_mult={self.hc_mult}: the hyper-connections '
                     "mix the streams around pre-normed sublayers (DeepSeek-V4's layout)")

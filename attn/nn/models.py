@@ -337,7 +337,8 @@ class TransformerBlock(nnx.Module):
     self.scalar = moe.Buffer(jnp.ones((1,), cfg.weight_dtype)) if cfg.layer_scalar else None
     n = cfg.hc_mult  # hyper-connections (attn.nn.hyper): one around each sublayer
     hc = lambda on: hyper.HyperConnection(n, cfg.d_model, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
-                                          norm_eps=cfg.norm_eps, rngs=rngs) if on and n > 1 else None
+                                          norm_eps=cfg.norm_eps, rngs=rngs, form=cfg.hc_form,
+                                          magnitude=cfg.hc_magnitude) if on and n > 1 else None
     self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
 
   def _residual(self, norm, f, x_BTD: Array, post=None, hc=None) -> Array:

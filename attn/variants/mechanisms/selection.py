@@ -23,7 +23,9 @@ here). Options live in HeadConfig.extra:
            (Q', n_I, d_I); the one index key LayerNorm(x·w_idk) (w_idk (D, d_I), scale
            idk_norm and bias idk_bias, eps 1e-6); RoPE on the first rope_dim dims of both
            at their positions, in layout "rope_layout" ("half", DeepSeek-V3.2's, or
-           "interleaved", GLM-5's); the weights x·w_idw (D, n_I) · n_I^-1/2; scores
+           "interleaved", GLM-5's; "rope_dims" "last" rotates the last rope_dim dims instead,
+           HY-V4's; "norm_eps" the LayerNorm's epsilon, HY-V4's rms_norm_eps); the weights
+           x·w_idw (D, n_I) · n_I^-1/2; scores
            · d_I^-1/2. The variant computes these (index_queries, index_keys) and hands them
            to the core in Options.index; its decoding cache holds the index keys.
            "shared" (False; set per layer by ModelConfig.indexer_types, attn.nn.index_sharing,
@@ -78,8 +80,9 @@ def _opts(cfg: HeadConfig, name: str) -> dict:
 
 FORMS = ("heads", "deepseek")  # extra.indexer.form (module docstring)
 INDEX_ROPE_LAYOUTS = ("half", "interleaved")  # extra.indexer.rope_layout, the deepseek form's
-INDEX_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(d_I, eps=1e-6)
-_STRINGS = {"form": FORMS, "rope_layout": INDEX_ROPE_LAYOUTS}
+INDEX_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(d_I, eps=1e-6); extra.indexer.norm_eps
+INDEX_ROPE_DIMS = ("first", "last")  # extra.indexer.rope_dims: which rope_dim dims of an index head rotate
+_STRINGS = {"form": FORMS, "rope_layout": INDEX_ROPE_LAYOUTS, "rope_dims": INDEX_ROPE_DIMS}
 
 
 def options_of(cfg: HeadConfig, name: str = "indexer") -> dict:
@@ -133,6 +136,11 @@ def _check(name: str, cfg: HeadConfig) -> None:
       if not isinstance(o[key], bool):
         raise invalid("extra.indexer.shared", o[key], "True or False (set per layer by indexer_types)")
       continue
+    if key == "norm_eps":
+      v = o[key]
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise invalid("extra.indexer.norm_eps", v, "a positive finite number (the index key LayerNorm's epsilon)")
+      continue
     if key in _STRINGS:
       if o[key] not in _STRINGS[key]:
         raise invalid(f"extra.{name}.{key}", o[key], f"one of {list(_STRINGS[key])}")
@@ -156,6 +164,9 @@ def _check(name: str, cfg: HeadConfig) -> None:
     if cfg.q_latent_dim is None:
       raise invalid("extra.indexer.form", "deepseek", "'heads' without q_latent_dim: the deepseek form reads "
                     "the query latent (mla with q_latent_dim)")
+  elif name == "indexer" and (o["rope_dims"], o["norm_eps"]) != ("first", INDEX_NORM_EPS):
+    raise invalid("extra.indexer.rope_dims, norm_eps", (o["rope_dims"], o["norm_eps"]), f"('first', "
+                  f"{INDEX_NORM_EPS}) (unset) with form 'heads': they shape the deepseek form's index keys")
   elif name == "indexer" and o["rope_layout"] != "half":
     raise invalid("extra.indexer.rope_layout", o["rope_layout"], "'half' (unset) with form 'heads': that form "
                   "reads unrotated dims")
@@ -239,9 +250,18 @@ def index_keys(params: Params, c_BSD: Array, positions, cfg: HeadConfig) -> Arra
   c is detached; the parameters are not (index_inputs says why)."""
   k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idk"].astype(jnp.float32)
   mean = jnp.mean(k, -1, keepdims=True)
-  k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + INDEX_NORM_EPS)
+  eps = _opts(cfg, "indexer")["norm_eps"]
+  k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + eps)
   k = k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
-  return rope.rotate(k, positions, _index_rope(cfg))
+  return _rotate_index(k, positions, cfg)
+
+
+def _rotate_index(a: Array, positions, cfg: HeadConfig) -> Array:
+  """RoPE on an index head's first rope_dim dims, or on its last (extra.indexer.rope_dims; HY-V4's)."""
+  if _opts(cfg, "indexer")["rope_dims"] == "first" or not cfg.rope_dim:
+    return rope.rotate(a, positions, _index_rope(cfg))
+  cut = a.shape[-1] - cfg.rope_dim
+  return jnp.concatenate([a[..., :cut], rope.rotate(a[..., cut:], positions, _index_rope(cfg))], -1)
 
 
 def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: HeadConfig):
@@ -251,7 +271,7 @@ def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: 
   o = _opts(cfg, "indexer")
   f32 = lambda a: jax.lax.stop_gradient(a).astype(jnp.float32)  # noqa: E731  (inputs detached, as index_inputs)
   qi = jnp.einsum("BTQ,QJI->BTJI", f32(lat_BTQ), params["w_idq"].astype(jnp.float32))
-  qi = rope.rotate(qi, positions, _index_rope(cfg)) * o["head_dim"] ** -0.5
+  qi = _rotate_index(qi, positions, cfg) * o["head_dim"] ** -0.5
   w = f32(x_BTD) @ params["w_idw"].astype(jnp.float32) * o["heads"] ** -0.5
   return qi, w
 
@@ -345,7 +365,7 @@ def indexer_keys(cfg: HeadConfig, T: int) -> int:
 
 INDEXER = Mechanism(
     name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half",
-                              "shared": False},
+                              "shared": False, "rope_dims": "first", "norm_eps": INDEX_NORM_EPS},
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
     attend=lambda *a, **kw: _indexer_attend(*a, **kw),
     needs=lambda cfg: {} if is_deepseek(cfg) or is_shared(cfg) else {
