@@ -26,7 +26,8 @@ INDEX_PARAMS = ("w_idq", "w_idk", "w_idw", "idk_norm", "idk_bias")
 
 
 def _cfg(types=("full", "shared", "shared"), **changes):
-  base = dict(vocab_size=31, d_model=22, num_layers=3 if types is None else len(types), num_heads=3, d_ff=24, variant="mla", d_k=7, d_v=5,
+  base = dict(vocab_size=31, d_model=22, num_layers=3 if types is None else len(types), num_heads=3, d_ff=24,
+              variant="mla", d_k=7, d_v=5,
               num_kv_heads=3, rope_dim=4, rope_theta=50.0, latent_dim=6, q_latent_dim=9, latent_norm_eps=1e-6,
               positional="rope", norm_type="rmsnorm", rope_layout="interleaved", extra={"indexer": IX},
               indexer_types=list(types) if types is not None else None)
