@@ -114,6 +114,20 @@ def test_logits_round_trip_and_count_against_transformers(tmp_path, capsys):
   assert json.loads(capsys.readouterr().out)["total"] == m.num_parameters()
   with capsys.disabled():
     print(f"hy_v4: relative {measured['logits_relative']:.2e}")
+  # the comparison sees what HY-V4 adds: each read otherwise (index RoPE on the first dims, DeepSeek-V4's post
+  # scale 2, the shared experts clamped too, every layer its own choice from layer 0's indexer) is far off
+  from flax import nnx
+  import torch
+  model, cfg = hf.from_hf(m)
+  pure, ix = nnx.to_pure_dict(nnx.state(model)), dict(cfg.extra["indexer"])
+  ids = np.random.default_rng(1).integers(0, 53, (2, 9)).astype(np.int32)
+  with torch.no_grad():
+    ref = m(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model(ids)), ref, atol=TOL * np.abs(ref).max())
+  for wrong in ({"extra": {"indexer": ix | {"rope_dims": "first"}}}, {"hc_magnitude": 2.0},
+                {"moe_swiglu_form": "clamp"}):
+    got = np.asarray(hf.build("decoder_lm", cfg.replace(**wrong), pure)(ids))
+    assert np.abs(got - ref).max() / np.abs(ref).max() > 100 * TOL, wrong
 
 
 @pytest.mark.slow
