@@ -307,3 +307,12 @@ def test_the_mtp_layer_is_read_and_ignored_with_a_note():
 def jax_leaves(state):
   import jax
   return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize("kind,match", [("mistral_large4", r"image-text wrapper"),
+                                        ("mistral_large4_text", r"LeRoPE.*kv_source_layers")])
+def test_mistral_large4_is_refused_with_what_attn_lacks(tmp_path, kind, match):
+  """Mistral Large 4 (DSA with shared layers) is not read yet: refused by name, saying why, before any weight."""
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": kind, **CONFIG}))
+  with pytest.raises(ConfigError, match=rf"config.model_type='{kind}'.*{match}"):
+    hf.from_hf(str(tmp_path))

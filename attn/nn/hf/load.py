@@ -56,7 +56,13 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "
                         "block of attn's DecoderLM has one attention layer",
            "gemma4": "its vision and audio towers are not attn's: save its text model (model_type gemma4_text, "
-                     "Gemma4ForCausalLM) and load that"}
+                     "Gemma4ForCausalLM) and load that",
+           "mistral_large4_text": "no family reads it yet: its learned LeRoPE frequencies and per-head log-position "
+                                  "query scales, NoPE mla layers, mla layers reading another's latent "
+                                  "(kv_source_layers) and an indexer on x instead of a query latent are not attn's "
+                                  "(docs/key_selection.md)",
+           "mistral_large4": "it is Mistral Large 4's image-text wrapper (Pixtral tower), and no family reads its "
+                             "text model (mistral_large4_text) yet (docs/key_selection.md)"}
 
 
 def _by_model_type() -> dict[str, Family]:
