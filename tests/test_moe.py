@@ -28,6 +28,10 @@ CASES = {
     "deepseek": dict(moe_experts=8, moe_top_k=3, moe_d_ff=6, moe_router="sigmoid", moe_groups=4,
                      moe_topk_groups=2, moe_routed_scaling=2.5, moe_shared_experts=2, moe_dense_first=1,
                      use_bias=False),
+    # HY-V4: DeepSeek's router, the routed experts' SwiGLU clamped (min(g, ℓ), clip(u, ±ℓ)), the shared one not
+    "clamp_routed": dict(moe_experts=8, moe_top_k=3, moe_d_ff=6, moe_router="sigmoid", moe_groups=1,
+                         moe_topk_groups=1, moe_routed_scaling=2.8, moe_shared_experts=1, use_bias=False,
+                         moe_swiglu_limit=0.3, moe_swiglu_form="clamp_routed"),
 }
 
 
@@ -73,6 +77,9 @@ def numpy_moe(cfg, layer, x):
         up = xt @ g("w_up")[e] + (g("b_up")[e] if layer.b_up is not None else 0)
         if limit is None:
           h = gate / (1 + np.exp(-gate)) * up
+        elif cfg.moe_swiglu_form == "clamp_routed":
+          gate = np.minimum(gate, limit)
+          h = gate / (1 + np.exp(-gate)) * np.clip(up, -limit, limit)
         else:
           gate = np.minimum(gate, limit)
           h = gate / (1 + np.exp(-1.702 * gate)) * (np.clip(up, -limit, limit) + 1)
