@@ -1,4 +1,4 @@
-"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, window, softcap,
+"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, QK L2 clip, window, softcap,
 the probability function.
 
 HeadConfig switches them on (gate, sinks, qk_norm, window, softcap, probability) and
@@ -18,6 +18,9 @@ counts (attn.variants.mechanisms has the record and the registry).
   qk_norm "whole"     q_norm_whole (H,K), k_norm_whole (G,K): all query heads normalised
       together over H·K dims, all key heads over G·K, one scale per dim (OLMo 2): a head's
       score depends on every head's projection, so the heads are coupled.
+  qk_l2_clip          no parameters: each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
+      c = qk_l2_clip_threshold, after QK-norm and before RoPE (Inkling-2): a vector longer than
+      c is brought to norm c, so no logit exceeds c²·scale.
   window, softcap     no parameters: arguments of kernel.attention.
   probability         no parameters: "sigmoid" σ(l − log n) or "relu" max(l, 0)/n in place of
       the softmax, n the keys a row's masks leave visible (attn.kernel.probability, which cites
@@ -167,6 +170,41 @@ QK_NORM = Mechanism(
          "coupling them) before RoPE")
 
 
+# qk_l2_clip: no parameters, on the queries and keys (after QK-norm, before RoPE)
+
+def l2_clip(x_BTNK: Array, threshold: float) -> Array:
+  """Each head vector times min(1, c/(‖x‖ + 1e-6)): longer than c -> norm c, shorter unchanged; in
+  float32, returned in x's dtype (Inkling-2's Inkling2L2Clip, its 1e-6 too)."""
+  x = x_BTNK.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+  return (x * jnp.minimum(threshold / (norm + 1e-6), 1.0)).astype(x_BTNK.dtype)
+
+
+def clip_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig) -> tuple[Array, Array]:
+  del params
+  c = cfg.qk_l2_clip_threshold
+  return l2_clip(q_BTHK, c), l2_clip(k_BSGK, c)
+
+
+def _clip_flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Per vector of K: K squares and K − 1 adds for the norm, K products: (3K)·(T·H + S·G) (the
+  square root, the divide and the min per vector, like the norms' elementwise work elsewhere, not
+  counted)."""
+  return 3 * cfg.d_k * (T * cfg.num_heads + S * cfg.num_kv_heads)
+
+
+# Its effective count has no closed form: which vectors the clip reaches depends on the data (none
+# at a large threshold: the plain head's count; all at a small one: a norm that frees each row's
+# scale, as QK-norm does), so attn.count measures it (the Jacobian's rank at random inputs).
+QK_L2_CLIP = Mechanism(
+    name="qk_l2_clip", fields=("qk_l2_clip_threshold",), on_qk=clip_qk, param_count=_zero,
+    flops=_clip_flops, score_weights=_zero,
+    needs={"qk_heads": "it clips each query and key head vector of d_k dims"},
+    examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),),
+    help="qk_l2_clip_threshold: c > 0, each query/key head vector scaled down to L2 norm ≤ c "
+         "(Inkling-2) before RoPE")
+
+
 # window and softcap: arguments of kernel.attention, no parameters
 
 WINDOW = Mechanism(
@@ -202,4 +240,4 @@ PROBABILITY = Mechanism(
 
 # Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
-MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)
+MECHANISMS = (GATE, SINKS, QK_NORM, QK_L2_CLIP, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)

@@ -1,0 +1,167 @@
+"""Issue 53's heads: L2 clipping of query/key heads (qk_l2_clip_threshold, Inkling-2) and the delta
+rule with negative eigenvalues (linear_allow_neg_eigval, OLMo-Hybrid): against a second
+implementation, decoding against the full pass, counts in closed form, refusals by name.
+The kit's whole contract on each: the slow tests."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import attn
+from attn import api, count, testing
+from attn.config import ConfigError, HeadConfig
+from attn.testing.variants import AWKWARD
+from attn.variants import cache, mechanisms
+from attn.variants.linear import core
+
+CLIP = AWKWARD["gqa_dv_ne_dk"].replace(qk_l2_clip_threshold=0.7, rope_dim=4)  # d_v != d_k, G < H
+
+
+def _params(variant, cfg, seed=0, scale=3.0):
+  """Random parameters, the projections scaled up so that most head vectors are longer than 0.7."""
+  p = attn.init(variant, jax.random.PRNGKey(seed), cfg)
+  return {n: a * scale if n.startswith("w_") else a for n, a in p.items()}
+
+
+def test_l2_clip_equals_numpy_and_bounds_every_logit():
+  x = np.random.default_rng(0).normal(size=(2, 5, 3, 7)).astype(np.float32) * np.array([0.01, 1, 9])[:, None]
+  from attn.variants.mechanisms.head_mechanisms import l2_clip
+  norm = np.linalg.norm(x, axis=-1, keepdims=True)
+  np.testing.assert_allclose(l2_clip(jnp.asarray(x), 0.7), x * np.minimum(0.7 / (norm + 1e-6), 1), rtol=1e-6)
+  p = _params("per_head", CLIP)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, CLIP.d_model))
+  _, w = attn.apply("per_head", p, x, cfg=CLIP, return_weights=True, is_causal=True)
+  _, w_plain = attn.apply("per_head", p, x, cfg=CLIP.replace(qk_l2_clip_threshold=None), return_weights=True,
+                          is_causal=True)
+  assert not np.allclose(w, w_plain, atol=1e-3)  # the clip acts at this scale
+  # |q·k|·scale <= c²/sqrt(d_k) for every pair: a row's weights lie within e^(±2c²/sqrt(d_k)) of uniform
+  bound = np.exp(2 * 0.7 ** 2 / np.sqrt(CLIP.d_k))
+  w = np.asarray(w)[0, :, -1]  # the last query sees all 6 keys
+  assert (w.max(-1) / w.min(-1) <= bound * (1 + 1e-5)).all()
+
+
+def test_l2_clip_equals_transformers_inkling2_clip():
+  torch = pytest.importorskip("torch")
+  inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2",
+                                 reason="this transformers has no inkling2")
+  from attn.variants.mechanisms.head_mechanisms import l2_clip
+  x = np.random.default_rng(2).normal(size=(3, 4, 2, 6)).astype(np.float32) * 2
+  want = inkling2.Inkling2L2Clip(1.3)(torch.tensor(x)).numpy()
+  np.testing.assert_allclose(np.asarray(l2_clip(jnp.asarray(x), 1.3)), want, rtol=1e-6, atol=1e-7)
+
+
+def test_l2_clip_decoding_equals_the_full_pass():
+  v = api.get_variant("per_head")
+  p = _params("per_head", CLIP, seed=3)
+  x = jax.random.normal(jax.random.PRNGKey(4), (2, 7, CLIP.d_model))
+  full = attn.apply("per_head", p, x, cfg=CLIP, is_causal=True)
+  c = cache.init(v, p, CLIP, 2, 7)
+  ys, index = [], 0
+  for n in (4, 1, 2):
+    y, c = cache.decode_step(v, p, x[:, index:index + n], c, index, cfg=CLIP)
+    ys.append(y)
+    index += n
+  np.testing.assert_allclose(np.concatenate(ys, 1), full, atol=2e-5)
+
+
+def test_l2_clip_counts_in_closed_form():
+  T, S = 5, 9
+  plain = CLIP.replace(qk_l2_clip_threshold=None)
+  assert count.param_counts("per_head", CLIP)["stored"] == count.param_counts("per_head", plain)["stored"]
+  extra = count.flops("per_head", CLIP, T, S) - count.flops("per_head", plain, T, S)
+  assert extra == 3 * CLIP.d_k * (T * CLIP.num_heads + S * CLIP.num_kv_heads)
+  # no closed form for the effective count: which vectors the clip reaches depends on the data
+  assert "effective" in count.measured_figures("per_head", CLIP)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_l2_clip_threshold_refused_by_name(value):
+  with pytest.raises(ConfigError, match="qk_l2_clip_threshold=.* is not allowed"):
+    HeadConfig(d_model=8, num_heads=2, qk_l2_clip_threshold=value)
+
+
+def test_l2_clip_refused_on_a_head_without_query_key_heads():
+  cfg = HeadConfig(d_model=8, num_heads=2, qk_l2_clip_threshold=1.0, use_bias=False)
+  with pytest.raises(ConfigError, match="qk_l2_clip_threshold"):
+    api.check_config("gated_deltanet", cfg)
+
+
+# The delta rule with β in [0, 2].
+
+def _delta_reference(q, k, v, g, beta):
+  """S_t = α_t·S_{t−1} + β_t·k_t·(v_t − α_t·S_{t−1}ᵀk_t)ᵀ, o_t = S_tᵀq_t, token by token in float64."""
+  B, T, H, K = q.shape
+  S = np.zeros((B, H, K, v.shape[-1]))
+  out = np.zeros(v.shape)
+  for t in range(T):
+    S = np.exp(g[:, t])[..., None, None] * S
+    err = v[:, t] - np.einsum("BHKV,BHK->BHV", S, k[:, t])
+    S = S + beta[:, t][..., None, None] * np.einsum("BHK,BHV->BHKV", k[:, t], err)
+    out[:, t] = np.einsum("BHKV,BHK->BHV", S, q[:, t])
+  return out
+
+
+def test_chunked_delta_rule_with_beta_up_to_two_equals_the_recurrence():
+  rng = np.random.default_rng(5)
+  B, T, H, K, V = 2, 11, 3, 4, 5  # 11 tokens in chunks of 4: a partial last chunk
+  q, k = (rng.normal(size=(B, T, H, K)) for _ in range(2))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v, g = rng.normal(size=(B, T, H, V)), -rng.uniform(0, 0.5, (B, T, H))
+  beta = 2 / (1 + np.exp(-rng.normal(size=(B, T, H)) * 3))  # 2σ: many above 1
+  assert (beta > 1.5).any()
+  want = _delta_reference(q, k, v, g, beta)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+  got, _ = core.chunked(f32(q), f32(k), f32(v), g=f32(g), beta_BTH=f32(beta), delta=True, chunk=4)
+  np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+@pytest.mark.parametrize("variant", ["gated_deltanet", "kda"])
+def test_neg_eigval_counts_in_closed_form(variant):
+  cfg = AWKWARD["mqa_nobias"].replace(linear_allow_neg_eigval=True)
+  plain = cfg.replace(linear_allow_neg_eigval=False)
+  assert count.flops(variant, cfg, 7) - count.flops(variant, plain, 7) == 7 * cfg.num_heads  # β's doubling
+  assert count.param_counts(variant, cfg)["stored"] == count.param_counts(variant, plain)["stored"]
+
+
+@pytest.mark.slow  # fast sibling: the chunked rule against the recurrence above; tests/test_hf_olmo_hybrid.py
+@pytest.mark.parametrize("variant", ["gated_deltanet", "kda"])
+def test_neg_eigval_doubles_beta_and_decodes_as_the_full_pass(variant):
+  cfg = AWKWARD["mqa_nobias"].replace(linear_allow_neg_eigval=True, chunk=3)
+  v = api.get_variant(variant)
+  p = attn.init(variant, jax.random.PRNGKey(6), cfg)
+  x = jax.random.normal(jax.random.PRNGKey(7), (2, 7, cfg.d_model))
+  full = attn.apply(variant, p, x, cfg=cfg, is_causal=True)
+  assert not np.allclose(full, attn.apply(variant, p, x, cfg=cfg.replace(linear_allow_neg_eigval=False),
+                                          is_causal=True), atol=1e-3)
+  state = cache.init(v, p, cfg, 2, 7)
+  ys, index = [], 0
+  for n in (3, 1, 3):
+    y, state = cache.decode_step(v, p, x[:, index:index + n], state, index, cfg=cfg)
+    ys.append(y)
+    index += n
+  np.testing.assert_allclose(np.concatenate(ys, 1), full, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["per_head", "mamba2", "linear"])
+def test_neg_eigval_refused_on_a_head_that_cannot_take_it(variant):
+  cfg = HeadConfig(d_model=8, num_heads=2, use_bias=False, linear_allow_neg_eigval=True)
+  with pytest.raises(ConfigError, match="linear_allow_neg_eigval=True is not allowed.*gated_deltanet and kda"):
+    api.check_config(variant, cfg)
+
+
+def test_neg_eigval_must_be_a_bool():
+  with pytest.raises(ConfigError, match="linear_allow_neg_eigval=1 is not allowed"):
+    HeadConfig(d_model=8, num_heads=2, linear_allow_neg_eigval=1)
+
+
+@pytest.mark.slow
+def test_the_kit_passes_with_l2_clip():
+  testing.check_mechanism(mechanisms.MECHANISMS["qk_l2_clip"], variants=["per_head", "mla", "talking_heads"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, base", [("gated_deltanet", "h_not_dividing_D"), ("kda", "gqa_dv_ne_dk")])
+def test_the_kit_passes_with_neg_eigval(variant, base):
+  testing.check_variant(variant, configs=(AWKWARD[base].replace(linear_allow_neg_eigval=True, chunk=4),))
