@@ -44,6 +44,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
+QKV_CONVS = (None, "q", "k", "v", "qk", "qv", "kv", "qkv")
 PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.kernel.probability)
 QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
@@ -127,7 +128,10 @@ class HeadConfig:
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2); qk_l2_clip_threshold c scales every query and key
   head vector longer than c down to L2 norm c, q·min(1, c/(‖q‖ + 1e-6)), after QK-norm and
-  before RoPE (Inkling-2's L2 clip); probability turns the logits into
+  before RoPE (Inkling-2's L2 clip); qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
+  named projections through a short causal convolution over time, depthwise per head and channel,
+  qkv_conv_width taps, before QK-norm and RoPE (Inkling-2's short convolutions on keys and values;
+  decoding keeps the last width − 1 projections as a state beside the cache); probability turns the logits into
   weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
   2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
   masks leave visible (attn.kernel.probability; learned sinks need "softmax").
@@ -190,6 +194,8 @@ class HeadConfig:
   window: int | None = None
   softcap: float | None = None
   qk_l2_clip_threshold: float | None = None
+  qkv_conv: str | None = None
+  qkv_conv_width: int = 4
   probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
@@ -355,6 +361,13 @@ class HeadConfig:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):
       raise invalid("softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    if self.qkv_conv not in QKV_CONVS:
+      raise invalid("qkv_conv", self.qkv_conv, f"None or one of {list(QKV_CONVS[1:])}: which of the "
+                    "queries, keys and values go through a short causal convolution per head")
+    w = self.qkv_conv_width
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+      raise invalid("qkv_conv_width", w, "an integer >= 1: the taps of qkv_conv's causal convolution "
+                    "(1: a per-channel scale)")
     c = self.qk_l2_clip_threshold
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):

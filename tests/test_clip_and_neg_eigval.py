@@ -165,3 +165,78 @@ def test_the_kit_passes_with_l2_clip():
 @pytest.mark.parametrize("variant, base", [("gated_deltanet", "h_not_dividing_D"), ("kda", "gqa_dv_ne_dk")])
 def test_the_kit_passes_with_neg_eigval(variant, base):
   testing.check_variant(variant, configs=(AWKWARD[base].replace(linear_allow_neg_eigval=True, chunk=4),))
+
+
+# Short causal convolutions on q, k and/or v inside softmax attention (qkv_conv).
+
+CONV = AWKWARD["gqa_dv_ne_dk"].replace(qkv_conv="kv", qkv_conv_width=3, rope_dim=4)
+
+
+def test_qkv_conv_equals_inkling2_short_convolution():
+  """Inkling-2's (conv(x) + x)/sqrt(W + 1) is attn's convolution with taps (w + e_last)/sqrt(W + 1)."""
+  torch = pytest.importorskip("torch")
+  inkling2 = pytest.importorskip("transformers.models.inkling2.modeling_inkling2",
+                                 reason="this transformers has no inkling2")
+  from attn.variants.mechanisms.head_mechanisms import causal_conv
+  N, C, W = 2, 3, 4
+  torch.manual_seed(0)
+  layer = inkling2.Inkling2ShortConvolution(N * C, W, layer_idx=0, conv_idx=0)
+  x = np.random.default_rng(1).normal(size=(2, 7, N * C)).astype(np.float32)
+  with torch.no_grad():
+    want = layer(torch.tensor(x)).numpy()
+  w = layer.conv1d.weight.detach().numpy()[:, 0].T.copy()  # (W, N·C), torch's tap order
+  w[-1] += 1
+  taps = (w / np.sqrt(W + 1)).reshape(W, N, C)
+  got, _ = causal_conv(jnp.asarray(x.reshape(2, 7, N, C)), jnp.asarray(taps))
+  np.testing.assert_allclose(np.asarray(got).reshape(2, 7, N * C), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [CONV, CONV.replace(qkv_conv="qkv", window=3, qkv_conv_width=2)],
+                         ids=["kv", "qkv_window"])
+def test_qkv_conv_decoding_equals_the_full_pass(cfg):
+  """Through the KV cache (and a window's ring) with the convolutions' state, in uneven steps."""
+  v = api.get_variant("per_head")
+  p = _params("per_head", cfg, seed=8, scale=1.0)
+  x = jax.random.normal(jax.random.PRNGKey(9), (2, 7, cfg.d_model))
+  full = attn.apply("per_head", p, x, cfg=cfg, is_causal=True)
+  c = cache.init(v, p, cfg, 2, 7)
+  assert cache.width(c, cfg) == cfg.num_kv_heads * (cfg.d_k + cfg.d_v)  # the state is per sequence
+  step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))
+  ys, index = [], 0
+  for n in (3, 1, 2, 1):
+    y, c = step(p, x[:, index:index + n], c, index)
+    ys.append(y)
+    index += n
+  np.testing.assert_allclose(np.concatenate(ys, 1), full, atol=3e-5)
+
+
+def test_qkv_conv_counts_in_closed_form():
+  T, S, W = 5, 9, 3
+  plain = CONV.replace(qkv_conv=None)
+  G, K, V = CONV.num_kv_heads, CONV.d_k, CONV.d_v
+  assert count.param_counts("per_head", CONV)["stored"] - count.param_counts("per_head", plain)["stored"] \
+      == W * (G * K + G * V)
+  assert count.flops("per_head", CONV, T, S) - count.flops("per_head", plain, T, S) == 2 * W * S * (G * K + G * V)
+  assert count.score_weight_count("per_head", CONV) - count.score_weight_count("per_head", plain) == W * G * K
+  assert count.kv_cache_bytes_per_token("per_head", CONV) == count.kv_cache_bytes_per_token("per_head", plain)
+
+
+@pytest.mark.parametrize("changes, field", [({"qkv_conv": "x"}, "qkv_conv"), ({"qkv_conv": "kq"}, "qkv_conv"),
+                                            ({"qkv_conv": "kv", "qkv_conv_width": 0}, "qkv_conv_width"),
+                                            ({"qkv_conv": "kv", "qkv_conv_width": True}, "qkv_conv_width")])
+def test_qkv_conv_bad_options_refused_by_name(changes, field):
+  with pytest.raises(ConfigError, match=f"{field}=.* is not allowed"):
+    HeadConfig(d_model=8, num_heads=2, **changes)
+
+
+@pytest.mark.parametrize("variant", ["mla", "talking_heads", "merged", "gated_deltanet", "compressed"])
+def test_qkv_conv_refused_where_it_cannot_act(variant):
+  cfg = HeadConfig(d_model=8, num_heads=2, use_bias=False, qkv_conv="k")
+  with pytest.raises(ConfigError, match="qkv_conv='k' is not allowed"):
+    api.check_config(variant, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["per_head", "fused", "two_stage", "split_input"])
+def test_the_kit_passes_with_qkv_conv(variant):
+  testing.check_mechanism(mechanisms.MECHANISMS["qkv_conv"], variants=[variant])
