@@ -158,7 +158,7 @@ def test_neg_eigval_must_be_a_bool():
 
 @pytest.mark.slow
 def test_the_kit_passes_with_l2_clip():
-  testing.check_mechanism(mechanisms.MECHANISMS["qk_l2_clip"], variants=["per_head", "mla", "talking_heads"])
+  testing.check_mechanism(mechanisms.MECHANISMS["qk_l2_clip"], variants=["per_head", "talking_heads", "fused"])
 
 
 @pytest.mark.slow
@@ -240,3 +240,20 @@ def test_qkv_conv_refused_where_it_cannot_act(variant):
 @pytest.mark.parametrize("variant", ["per_head", "fused", "two_stage", "split_input"])
 def test_the_kit_passes_with_qkv_conv(variant):
   testing.check_mechanism(mechanisms.MECHANISMS["qkv_conv"], variants=[variant])
+
+
+def test_a_decoder_with_qkv_conv_generates_as_its_full_pass():
+  """DecoderLM layers with convolved keys and values (and a window ring in one): greedy decoding equals
+  greedy decoding by the full pass (tests/hf_hybrid.full_pass_check); kv_source refuses it by name."""
+  from flax import nnx
+  from attn.nn import DecoderLM, ModelConfig
+  from attn.nn.decoding import generate
+  from hf_hybrid import full_pass_check  # tests/hf_hybrid.py
+  cfg = ModelConfig(vocab_size=23, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, d_k=5, d_v=3, d_ff=24,
+                    positional="rope", rope_dim=4, qkv_conv="qkv", qkv_conv_width=3, window=4, global_every=2)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  prompt = np.random.default_rng(10).integers(0, 23, (2, 3))
+  got = np.asarray(generate(model, jnp.asarray(prompt), 6))
+  np.testing.assert_array_equal(got, full_pass_check(model, prompt, got))
+  with pytest.raises(ConfigError, match="qkv_conv='qkv' is not allowed.*kv_source"):
+    cfg.replace(window=None, global_every=0, kv_source=(0, 0))
