@@ -93,7 +93,7 @@ class ModelConfig:
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
   linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
-  linear_norm: str | None = None  # their blocks' norm placement, "pre" or "after"; None: norm's (OLMo-Hybrid)
+  linear_norm: str | None = None  # linear_attention blocks' norm placement, "pre" or "after"; None: norm's (OLMo-Hybrid)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
   block_kinds: tuple[str, ...] | None = None  # per layer: one of BLOCK_KINDS; None: all "attention_mlp"
