@@ -44,6 +44,7 @@ def _positive_int(field: str, value: Any) -> None:
 
 
 GATES = (None, "headwise", "elementwise")
+QKV_CONVS = (None, "q", "k", "v", "qk", "qv", "kv", "qkv")
 PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.kernel.probability)
 QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
@@ -125,7 +126,12 @@ class HeadConfig:
   bit; unused without qk_norm, like qk_norm_eps); window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
-  softcap·tanh(logits/softcap) (Gemma 2); probability turns the logits into
+  softcap·tanh(logits/softcap) (Gemma 2); qk_l2_clip_threshold c scales every query and key
+  head vector longer than c down to L2 norm c, q·min(1, c/(‖q‖ + 1e-6)), after QK-norm and
+  before RoPE (Inkling-2's L2 clip); qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
+  named projections through a short causal convolution over time, depthwise per head and channel,
+  qkv_conv_width taps, before QK-norm and RoPE (Inkling-2's short convolutions on keys and values;
+  decoding keeps the last width − 1 projections as a state beside the cache); probability turns the logits into
   weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
   2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
   masks leave visible (attn.kernel.probability; learned sinks need "softmax").
@@ -136,7 +142,10 @@ class HeadConfig:
   of the short causal convolution over their inputs (4, Qwen3-Next's and Mamba-2's) and the
   tokens one step of the chunked scan covers (64, MaxText's and fla's); gated_norm_eps the
   epsilon of gated_deltanet's and kda's gated output RMSNorm (1e-6, Qwen3-Next's; Kimi
-  Linear's is its rms_norm_eps). value_norm_eps, if
+  Linear's is its rms_norm_eps); linear_allow_neg_eigval makes their delta rule's write strength
+  β = 2σ(x·W_b) in [0, 2] instead of σ(x·W_b) (OLMo-Hybrid; Grazzi et al. 2025: the transition
+  I − β·k·kᵀ then has an eigenvalue 1 − β in [−1, 1], which lets a linear RNN track state such as
+  parity). value_norm_eps, if
   set, gives per_head's and k_eq_v's values a weightless RMSNorm over each head at that epsilon
   (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
   projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
@@ -184,12 +193,16 @@ class HeadConfig:
   qk_norm_plus_one: bool = False  # the scales are w in x̂·(1 + w) (Gemma 3), initialised at 0
   window: int | None = None
   softcap: float | None = None
+  qk_l2_clip_threshold: float | None = None
+  qkv_conv: str | None = None
+  qkv_conv_width: int = 4
   probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
   conv_width: int = 4
   chunk: int = 64
   gated_norm_eps: float = 1e-6
+  linear_allow_neg_eigval: bool = False
   value_norm_eps: float | None = None
   o_groups: int = 1
   o_rank: int | None = None
@@ -266,6 +279,9 @@ class HeadConfig:
     if self.value_norm_eps is not None:
       _positive_number("value_norm_eps", self.value_norm_eps,
                        "the epsilon of the values' weightless RMSNorm (per_head, k_eq_v), or None for none")
+    if not isinstance(self.linear_allow_neg_eigval, bool):
+      raise invalid("linear_allow_neg_eigval", self.linear_allow_neg_eigval, "True or False (True: the "
+                    "delta rule's β = 2σ(·) in [0, 2], gated_deltanet and kda)")
     _positive_int("o_groups", self.o_groups)
     if self.num_heads % self.o_groups:
       raise invalid("o_groups", self.o_groups, f"a divisor of num_heads={self.num_heads}: each output "
@@ -345,6 +361,18 @@ class HeadConfig:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):
       raise invalid("softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    if self.qkv_conv not in QKV_CONVS:
+      raise invalid("qkv_conv", self.qkv_conv, f"None or one of {list(QKV_CONVS[1:])}: which of the "
+                    "queries, keys and values go through a short causal convolution per head")
+    w = self.qkv_conv_width
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+      raise invalid("qkv_conv_width", w, "an integer >= 1: the taps of qkv_conv's causal convolution "
+                    "(1: a per-channel scale)")
+    c = self.qk_l2_clip_threshold
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not math.isfinite(c) or c <= 0):
+      raise invalid("qk_l2_clip_threshold", c, "None or a positive finite number: each query and key "
+                    "head vector longer than it is scaled down to that L2 norm")
     check_probability(self.probability, self.sinks)
 
   @property

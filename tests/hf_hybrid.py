@@ -1,4 +1,4 @@
-"""What the hybrid families' tests share (tests/test_hf_{qwen3_next,qwen3_5,kimi_linear,nemotron_h}.py):
+"""What the hybrid families' tests share (tests/test_hf_{qwen3_next,qwen3_5,kimi_linear,nemotron_h,olmo_hybrid}.py):
 the exact round trip through to_hf, logits under right padding, and greedy decoding checked against
 attn's own full pass.
 Callers have skipped already where torch or their transformers model is missing."""

@@ -54,7 +54,7 @@ def _decode_case(variant: str, cfg: HeadConfig, L: int) -> tuple[Callable[[], An
   step = jax.jit(lambda p, x, c, i: kv_cache.decode_step(var, p, x, c, i, cfg=cfg))
   index = jnp.asarray(L, jnp.int32)
   bytes_per_token = sum(a.nbytes for a in cache.values()) // (L + 1)
-  assert kv_cache.width(cache) * 4 == bytes_per_token == var.kv_cache_width(cfg) * 4
+  assert kv_cache.width(cache, cfg) * 4 == bytes_per_token == var.kv_cache_width(cfg) * 4
   return peers_lib.block(step, params, x_B1D, cache, index), bytes_per_token
 
 

@@ -23,7 +23,7 @@ from jax.flatten_util import ravel_pytree
 
 from attn import api
 from attn.config import HeadConfig
-from attn.variants import cache
+from attn.variants import cache, mechanisms
 
 JACOBIAN_MAX_PARAMS = 1500
 RANK_TOL = 1e-6  # singular values below this fraction of the largest are round-off (float32)
@@ -79,7 +79,8 @@ def kv_cache_width(variant: str, cfg: HeadConfig) -> int:
     return 0  # a fixed-size state (state_size below), nothing per token
   shapes = jax.eval_shape(lambda p: cache.init(v, p, cfg.replace(window=None), 1, 1),
                           _shaped_params(variant, cfg))
-  return sum(math.prod(s.shape[2:]) for s in shapes.values())
+  state = mechanisms.state_shapes(cfg)  # a mechanism's per-sequence state (qkv_conv), not per token
+  return sum(math.prod(s.shape[2:]) for name, s in shapes.items() if name not in state)
 
 
 def state_size(variant: str, cfg: HeadConfig) -> int:

@@ -93,6 +93,7 @@ class ModelConfig:
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
   linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
+  linear_norm: str | None = None  # linear_attention blocks' norm placement, "pre" or "after"; None: norm's (OLMo-Hybrid)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
   indexer_types: tuple[str, ...] | None = None  # per layer "full" or "shared": reuse the last full layer's indexer choice (attn.nn.index_sharing)
@@ -176,6 +177,7 @@ class ModelConfig:
       object.__setattr__(self, "linear_head", FrozenDict(self.linear_head))
     layer_types.check(self)
     layer_types.check_linear_fields(self)
+    self._check_linear_norm()
     kv_sharing.check(self)
     index_sharing.check(self)
     moe.check(self)
@@ -188,6 +190,30 @@ class ModelConfig:
     self._check_hyper()
     self._check_block_kinds()
     short_conv.check_width(self.short_conv)
+
+  def _check_linear_norm(self) -> None:
+    """linear_norm: None, or "pre" / "after" where the model's norm is the other of the two (one norm per
+    sublayer either way, so the counts stay per layer) and some layer is linear_attention."""
+    n = self.linear_norm
+    if n is None:
+      return
+    if n not in ("pre", "after"):
+      raise invalid("linear_norm", n, "None (the model's norm) or one of ['pre', 'after']: where the "
+                    "linear_attention layers' blocks put their norms (OLMo-Hybrid: pre, its softmax layers after)")
+    if self.norm not in ("pre", "after"):
+      raise invalid("linear_norm", n, f"None with norm={self.norm!r}: a block's norms may differ by layer "
+                    "type only between 'pre' and 'after' (one norm per sublayer)")
+    if not any(layer_types.layer_type(self, i) == "linear_attention" for i in range(self.num_layers)):
+      raise invalid("linear_norm", n, "None without linear_attention layers: it sets only their norms")
+    if self.hc_mult > 1 and n != "pre":
+      raise invalid("linear_norm", n, f'"pre" or None with hc_mult={self.hc_mult}: the hyper-connections '
+                    "mix the streams around pre-normed sublayers")
+
+  def block_norm(self, index: int) -> str:
+    """The norm placement of block `index`: linear_norm for a linear_attention layer (when set), else norm."""
+    if self.linear_norm is not None and layer_types.layer_type(self, index) == "linear_attention":
+      return self.linear_norm
+    return self.norm
 
   def _check_block_kinds(self) -> None:
     """block_kinds: None, or one of BLOCK_KINDS per layer; single-sublayer blocks only where every block is a

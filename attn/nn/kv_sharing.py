@@ -68,6 +68,9 @@ def check(m: Any) -> None:
       continue
     where = f"kv_source[{i}]"
     name = m.layer_variant(i) if hasattr(m, "layer_variant") else m.variant
+    if m.layer_head(i).qkv_conv is not None:
+      raise invalid("qkv_conv", m.layer_head(i).qkv_conv, f"None with kv_source (layer {i} reads layer {s}'s "
+                    "keys and values): a sharing layer holds no cache, so no convolution state to decode with")
     if not reaches_cached_kv(name, m.layer_head(i).replace(layer=1)):
       raise invalid("variant", name, "one whose keys and values reach base.cached_kv for kv_source: "
                     f"{name} attends to its own cache entries or state, so no layer can read another's")

@@ -23,6 +23,8 @@ Switches for Llama-style and Gemma-style models (attn.nn.hf), each off by defaul
 norm_type "rmsnorm" (scale D, no bias) or "rmsnorm_plus_one" (Gemma: x̂·(1 + w));
 norm "sandwich" (a norm before and after each sublayer: 2 norms per sublayer),
 "after" (OLMo 2: x + norm(f(x)), the norm on the sublayer's output only, 1 per sublayer);
+linear_norm, with layer_types, gives the linear_attention layers "pre" or "after" of their own
+(OLMo-Hybrid: its softmax layers "after", its gated DeltaNet layers "pre"; the count is the same);
 mlp "gated" (down(act(gate(x))·up(x)): 3·D·d_ff + b·(2·d_ff + D); activation
 "silu" makes it SwiGLU); dense_bias (the MLP's and an untied output's biases,
 None following use_bias); embed_scale (tokens × √D); logit_softcap (output
@@ -304,11 +306,13 @@ class TransformerBlock(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None, experts: bool = False, variant: str | None = None,
-               d_ff: int | None = None, kind: str = "attention_mlp", hashed: bool = False):
-    self.post_norm = cfg.norm == "post"
+               d_ff: int | None = None, kind: str = "attention_mlp", hashed: bool = False,
+               norm: str | None = None):
+    norm = cfg.norm if norm is None else norm  # this layer's (ModelConfig.block_norm)
+    self.post_norm = norm == "post"
     has_attn, has_mlp = kind != "mlp", kind != "attention"  # ModelConfig.block_kinds
-    sandwich = cfg.norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
-    pre = cfg.norm != "after"
+    sandwich = norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
+    pre = norm != "after"
     head = cfg.head if head is None else head  # this layer's (ModelConfig.layer_head)
     dtypes = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
                   impl=None if cfg.impl == "auto" else cfg.impl)
@@ -440,7 +444,8 @@ def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nn
   wide = lambda i: 2 * cfg.d_ff if cfg.double_wide_mlp and not cross and kv_sharing.source(cfg, i) != i else None
   blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i), experts=cfg.is_moe_layer(i),
                              variant=cfg.layer_variant(i), d_ff=wide(i), hashed=cfg.is_hash_layer(i),
-                             kind="attention_mlp" if cross or cfg.block_kinds is None else cfg.block_kinds[i])
+                             kind="attention_mlp" if cross or cfg.block_kinds is None else cfg.block_kinds[i],
+                             norm=cfg.norm if cross else cfg.block_norm(i))
             for i in range(n)]
   for i, block in enumerate(blocks):
     if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values

@@ -194,6 +194,8 @@ OFFERS = {
     "qk_heads": "d_k-wide query and key heads as the kernel receives them, in apply and in decoding",
     "key_heads": "d_k-wide key heads for the core to read",
     "one_map": "one attention map per head",
+    "qkv_heads": "per-head query, key and value projections handed to attend_and_project, with the "
+                 "keys and values cached per token",
 }
 
 
@@ -354,6 +356,7 @@ def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Arra
   may have one head (a key shared by every kv head); while decoding, the keys
   and values are the cache's (cached_kv). Returns (y_BTD, weights or None).
   """
+  q_BTHK, k_BSGK, v_BSGV = mechanisms.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg)  # qkv_conv
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
   # A key with one head (shared by all kv heads) stays one head: kernel.attention takes it.

@@ -20,6 +20,10 @@ what each query sees, by position), then writes the new tokens over the
 oldest slots, so a step longer than the ring (a prompt) is exact too. The
 variant then runs with window=None: the mask already holds the window.
 
+A mechanism with a decoding state (Mechanism.state: qkv_conv's last projections) adds its entries
+after the per-token ones, (B, ...) arrays whatever max_len; a step runs with them in
+mechanisms.DECODE_STATE and returns them replaced (width(cache, cfg) leaves them out).
+
 A variant with its own cache (Variant.init_cache and decode_cached: compressed) is called
 through those. A head with a fixed-size state (Variant.init_state and step; attn.variants.linear) has no
 per-token cache: init gives its state, (B, ...) arrays whatever max_len, and decode_step runs
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
+from attn.variants import mechanisms
 from attn.variants.base import KV_HOOK, Options, Params, Variant
 
 Array = jax.Array
@@ -77,14 +82,34 @@ def init(variant: Variant, params: Params, cfg: HeadConfig, batch_size: int, max
   x_shape = jax.ShapeDtypeStruct((batch_size, 1, cfg.d_model), dtype)
   shapes = jax.eval_shape(lambda x: entries(variant, params, x, cfg=cfg,
                                             positions=jnp.zeros((1,), jnp.int32)), x_shape)
-  return {name: jnp.zeros((batch_size, slots(cfg, max_len), *s.shape[2:]), s.dtype)
-          for name, s in shapes.items()}
+  out = {name: jnp.zeros((batch_size, slots(cfg, max_len), *s.shape[2:]), s.dtype)
+         for name, s in shapes.items()}
+  # A mechanism's decoding state (qkv_conv's last projections), after the per-token entries.
+  return out | {name: jnp.zeros((batch_size, *shape), dtype) for name, shape in mechanisms.state_shapes(cfg).items()}
 
 
-def width(cache: dict[str, Array]) -> int:
-  """Numbers cached per token: the sum over entries of their per-token sizes."""
+def _with_state(layer_cfg: HeadConfig, cache: dict[str, Array], f, *args, **kwargs):
+  """(f's result, the mechanisms' decoding state after it): f runs with the cache's state entries in
+  mechanisms.DECODE_STATE, which the hooks (on_qkv) replace."""
+  names = mechanisms.state_shapes(layer_cfg)
+  if not names:
+    return f(*args, **kwargs), {}
+  state = {name: cache[name] for name in names}
+  token = mechanisms.DECODE_STATE.set(state)
+  try:
+    return f(*args, **kwargs), state
+  finally:
+    mechanisms.DECODE_STATE.reset(token)
+
+
+def width(cache: dict[str, Array], cfg: HeadConfig | None = None) -> int:
+  """Numbers cached per token: the sum over entries of their per-token sizes (with cfg, its mechanisms'
+  per-sequence decoding state left out)."""
+  state = mechanisms.state_shapes(cfg) if cfg is not None else {}
   total = 0
-  for a in cache.values():
+  for name, a in cache.items():
+    if name in state:
+      continue
     n = 1
     for d in a.shape[2:]:
       n *= d
@@ -149,8 +174,9 @@ def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, 
     ring.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return seen("k", k_BTGK), seen("v", v_BTGV)
 
-  y_BTD, _ = _with_hook(swap, variant.apply, params, x_BTD, cfg=step_cfg, opts=opts)
-  return y_BTD, ring
+  (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=step_cfg,
+                                  opts=opts)
+  return y_BTD, ring | state
 
 
 def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, Array], index,
@@ -190,5 +216,5 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
     full.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return full["k"], full["v"]
 
-  y_BTD, _ = _with_hook(swap, variant.apply, params, x_BTD, cfg=cfg, opts=opts)
-  return y_BTD, full
+  (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=cfg, opts=opts)
+  return y_BTD, full | state

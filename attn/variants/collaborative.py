@@ -105,7 +105,8 @@ VARIANT = Variant(
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
     check=check,
-    lacks={"qk_heads": "collaborative's heads are one shared D̃-wide query scaled by m_h against one shared "
+    lacks={"qkv_heads": "collaborative's key is one shared D̃-wide projection, not per-head keys",
+           "qk_heads": "collaborative's heads are one shared D̃-wide query scaled by m_h against one shared "
                        "key: no d_k-wide query and key heads",
            "key_heads": "collaborative's heads share one D̃-wide key"},
 )

@@ -296,6 +296,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="compressed",
+    lacks={"qkv_heads": "compressed pools blocks of keys and values into a cache of its own"},
     init=init,
     apply=apply,
     param_count=param_count,

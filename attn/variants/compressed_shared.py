@@ -359,6 +359,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="compressed_shared",
+    lacks={"qkv_heads": "compressed_shared pools blocks of keys and values into a cache of its own"},
     init=init,
     apply=apply,
     param_count=param_count,

@@ -164,7 +164,8 @@ def score_weights(cfg: HeadConfig) -> int:
 VARIANT = Variant(
     name="differential",
     check=check,
-    lacks={"one_map": "differential has two softmax maps per head, which would each run the mechanism: "
+    lacks={"qkv_heads": "differential computes its two maps itself, not through attend_and_project",
+           "one_map": "differential has two softmax maps per head, which would each run the mechanism: "
                       "the paper does not define that and the counts do not cover it"},
     sharding={"w_q": "DXHK", "w_k": "DXGK", "b_q": "XHK", "b_k": "XGK", "lambda_q1": None,
               "lambda_k1": None, "lambda_q2": None, "lambda_k2": None, "norm": None},  # X: the two query/key pairs

@@ -10,7 +10,7 @@ as transformers' qwen3_next defines the layer (Qwen3NextGatedDeltaNet):
   q, k = x·W_Q, x·W_K (G key heads), v = x·W_V (H value heads), all through one short causal
     convolution of width cfg.conv_width (depthwise, no bias) and SiLU;
   q ← l2norm(q)/sqrt(d_k), k ← l2norm(k); value head h reads key head h // (H/G);
-  β = σ(x·W_b) and g = log α = −exp(A_log)·softplus(x·W_a + dt_bias), one each per value head;
+  β = σ(x·W_b) (2σ(x·W_b) with cfg.linear_allow_neg_eigval: OLMo-Hybrid's β in [0, 2]) and g = log α = −exp(A_log)·softplus(x·W_a + dt_bias), one each per value head;
   o ← RMSNorm(o)·norm ⊙ SiLU(x·W_Z) (the norm's epsilon cfg.gated_norm_eps), then W^O.
 
 How a Qwen3-Next layer maps onto HeadConfig (the decision, kept for every fixed-state head):
@@ -32,7 +32,7 @@ State per sequence: H·K·V (float32) + (W − 1)·(2GK + HV) (the convolution's
   D·2GK + W·2GK + 2·D·H + 2H.
 FLOPs (flops below), per token: the projections 2D·(2GK + 2HV + 2H) + 2HVD, the convolution and
   SiLU over 2GK + HV channels (parts.conv_flops), l2norm of q and k and q's 1/sqrt(d_k) (7GK),
-  β and the decay (σ, softplus and two more: 11H), the gated norm (rms, scale, SiLU, product:
+  β and the decay (σ, softplus and two more: 11H; β's doubling with linear_allow_neg_eigval: H), the gated norm (rms, scale, SiLU, product:
   9HV); plus the chunked delta rule at cfg.chunk (core.chunked_flops, per-head decay). The
   elementwise terms are what XLA's cost analysis counts, so the total is within a few percent of
   its count of the computation with its loops unrolled (tests/test_linear_flops.py).
@@ -115,6 +115,8 @@ def forward(params: Params, x_BTD, state, *, cfg: HeadConfig, opts: Options, dec
   x_in = parts.zero_padding(x_BTD, opts.kv_lengths)
   q, k, v, conv_state = qkv(params, x_in, None if state is None else state["conv"], cfg)
   beta_BTH = jax.nn.sigmoid(dense(x_in, params["w_b"], 0).astype(jnp.float32))
+  if cfg.linear_allow_neg_eigval:  # β in [0, 2]: I − β·k·kᵀ may have the eigenvalue 1 − β < 0
+    beta_BTH = 2.0 * beta_BTH
   kw = dict(g=decay(params, x_in), beta_BTH=beta_BTH, delta=True,
             state_BHKV=None if state is None else state["ssm"], kv_lengths=opts.kv_lengths)
   if state is not None and x_BTD.shape[1] == 1:
@@ -150,8 +152,14 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   D, H, G, K, V, W = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v, cfg.conv_width
   proj = 2 * D * (2 * G * K + 2 * H * V + 2 * H) + 2 * H * V * D
   per_token = (proj + parts.conv_flops(W, 2 * G * K + H * V) + (2 * parts.NORM + 1) * G * K
-               + (parts.SIGMOID + parts.SOFTPLUS + 2) * H + (parts.NORM + 2 + parts.SILU) * H * V)
+               + (parts.SIGMOID + parts.SOFTPLUS + 2 + neg_eigval_flops(cfg)) * H
+               + (parts.NORM + 2 + parts.SILU) * H * V)
   return T * per_token + core.chunked_flops(T, cfg.chunk, H, K, V, delta=True, decay="head")
+
+
+def neg_eigval_flops(cfg: HeadConfig) -> int:
+  """Per value head and token: 1 for β's doubling with linear_allow_neg_eigval, else 0."""
+  return 1 if cfg.linear_allow_neg_eigval else 0
 
 
 SHARDING = {"w_q": "DGK", "w_k": "DGK", "b_q": "GK", "b_k": "GK", "conv_q": "WGK", "conv_k": "WGK",
@@ -165,5 +173,6 @@ VARIANT = Variant(
     score_weights=score_weights,
     flops=flops,
     check=check,
+    fields=("linear_allow_neg_eigval",),
     **parts.state_record(NAME, forward, state_shapes),
 )

@@ -106,6 +106,7 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 VARIANT = Variant(
     name="grouped_lowrank",
+    lacks={"qkv_heads": "grouped_lowrank computes its attention itself, not through attend_and_project"},
     # Groups are contiguous heads: with M devices dividing o_groups, device d holds its heads' whole
     # groups (their A_i, their r rows of B); otherwise both are replicated (attn.nn.sharding's P).
     sharding={"w_oa": "PVO", "w_ob": "PD"},

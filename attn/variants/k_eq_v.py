@@ -122,6 +122,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="k_eq_v",
+    lacks={"qkv_heads": "k_eq_v caches one tensor for keys and values and computes its scores itself"},
     sharding={"w_kv": "DGK", "b_kv": "GK"},
     init=init,
     apply=apply,

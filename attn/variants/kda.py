@@ -1,7 +1,8 @@
 """kda: Kimi Delta Attention, the gated delta rule with a decay per key channel (Kimi Linear, 2025).
 
 gated_deltanet's layer (attn.variants.gated_deltanet: the same projections, short convolution,
-l2-normed q and k, β = σ(x·W_b), delta rule and gated RMSNorm) with two changes, as
+l2-normed q and k, β = σ(x·W_b) or with linear_allow_neg_eigval 2σ(x·W_b), delta rule and gated
+RMSNorm) with two changes, as
 transformers' kimi_linear defines them (KimiLinearDeltaAttention):
 
   the decay is per key channel, through a low-rank projection:
@@ -94,7 +95,7 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
   proj = 2 * D * (2 * G * K + H * V + H) + 2 * (D * K + K * H * K) + 2 * (D * V + V * H * V)
   per_token = (proj + 2 * H * V * D + parts.conv_flops(W, 2 * G * K + H * V)
                + (2 * parts.NORM + 1) * G * K + parts.SIGMOID * H + (parts.SOFTPLUS + 2) * H * K
-               + (parts.NORM + 2 + parts.SIGMOID) * H * V)
+               + (parts.NORM + 2 + parts.SIGMOID) * H * V + gdn.neg_eigval_flops(cfg) * H)
   return T * per_token + core.chunked_flops(T, cfg.chunk, H, K, V, delta=True, decay="channel")
 
 
@@ -107,5 +108,6 @@ VARIANT = Variant(
     score_weights=score_weights,
     flops=flops,
     check=check,
+    fields=("linear_allow_neg_eigval",),
     **parts.state_record(NAME, forward, gdn.state_shapes),
 )

@@ -102,6 +102,7 @@ VARIANT = Variant(
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
     check=check,
-    lacks={"qk_heads": "merged has no separate queries and keys, only x·W_h against the raw context",
+    lacks={"qkv_heads": "merged has no key or value heads of its own, only x·W_h against the raw context",
+           "qk_heads": "merged has no separate queries and keys, only x·W_h against the raw context",
            "key_heads": "merged has no d_k-wide keys, only x·W_h against the raw context"},
 )

@@ -279,7 +279,8 @@ VARIANT = Variant(
     kv_cache_width=kv_cache_width,
     score_weights=score_weights,
     check=check,
-    lacks={"qk_heads": "mla's absorbed (decoding) form scores q·W_UKᵀ against the cached latent, exact "
+    lacks={"qkv_heads": "mla caches the latent, not the per-head keys and values a convolution over them needs",
+           "qk_heads": "mla's absorbed (decoding) form scores q·W_UKᵀ against the cached latent, exact "
                        "because a key is linear in the latent: a normalised key is not, and the heads' "
                        "dims never reach the kernel"},
     decode_apply=decode_apply,

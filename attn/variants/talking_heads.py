@@ -142,6 +142,7 @@ def circuits(p: Params, cfg: HeadConfig) -> dict:
 
 VARIANT = Variant(
     name="talking_heads",
+    lacks={"qkv_heads": "talking_heads computes its logits itself, not through attend_and_project"},
     check=check,
     sharding={"mix_l": None, "mix_w": None},
     init=init,

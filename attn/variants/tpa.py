@@ -213,6 +213,7 @@ def score_weights(cfg: HeadConfig) -> int:
 
 VARIANT = Variant(
     name="tpa",
+    lacks={"qkv_heads": "tpa caches its factors, not the per-head keys and values"},
     sharding={"w_aq": "DXH", "w_bq": "DXK", "w_ak": "DXG", "w_bk": "DXK", "w_av": "DXG",
               "w_bv": "DXV", "b_aq": "XH", "b_bq": "XK", "b_ak": "XG", "b_bk": "XK", "b_av": "XG",
               "b_bv": "XV"},  # X: the factor ranks

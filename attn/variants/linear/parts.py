@@ -42,6 +42,10 @@ def check(cfg: HeadConfig, name: str) -> None:
     if getattr(cfg, field) != off:
       raise invalid(field, getattr(cfg, field), f"{kept_at(off)} for {name}: a linear head has no "
                     "attention logits or weights for it to act on")
+  for m in mechanisms.active(cfg):
+    if m.fields and m.name != "gate":  # a built-in the list above does not name (qk_l2_clip)
+      raise invalid(m.fields[0], getattr(cfg, m.fields[0]), f"{kept_at(mechanisms.default_of(m.fields[0]))} "
+                    f"for {name}: a linear head has no query/key heads for {m.name} to act on")
   others = [m.name for m in mechanisms.active(cfg) if m.name != "gate"]
   if others:
     raise invalid("extra", dict(cfg.extra or {}), f"{kept_at(None)} for {name}: of the head mechanisms only "

@@ -15,6 +15,12 @@ experiments/parameter_counts/README.md, which scripts/count_tables.py writes).
 A record acts at one or more points of the shared path every variant goes
 through (attn.variants.base):
 
+  on_qkv(params, q_BTHK, k_BSGK, v_BSGV, *, cfg,     the projections as attend_and_project gets
+         state) -> (q, k, v)                         them, before on_qk (qkv_conv); state: None
+                                                     (a full pass), or while decoding the dict of
+                                                     the record's `state` entries, which the hook
+                                                     reads and replaces by those after x's tokens.
+                                                     Only variants that offer "qkv_heads" reach it
   on_qk(params, q_BTHK, k_BSGK, *, cfg) -> (q, k)   queries and keys before the scores
                                                      (before RoPE; qk_norm)
   on_logits(params, logits_BHTS, *, cfg) -> logits  the scaled float32 logits before the
@@ -66,6 +72,7 @@ mechanism with none is switched on with its defaults ({"extra": {name: {}}}).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import zlib
 from typing import Any
@@ -200,6 +207,33 @@ def _same_shape(m: Mechanism, hook: str, what: str, got: Any, want: Array) -> Ar
   return got
 
 
+# Set by attn.variants.cache while decoding: the active mechanisms' decoding state (state_shapes' names
+# -> (B, ...) arrays), which on_qkv hooks read and replace.
+DECODE_STATE: contextvars.ContextVar = contextvars.ContextVar("attn_mechanism_state", default=None)
+
+
+def state_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+  """The active mechanisms' decoding state, name -> per-sequence shape ({} for most)."""
+  out: dict[str, tuple[int, ...]] = {}
+  for m in active(cfg):
+    if m.state is not None:
+      out.update({n: tuple(s) for n, s in m.state(cfg).items()})
+  return out
+
+
+def on_qkv(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array,
+           cfg: HeadConfig) -> tuple[Array, Array, Array]:
+  for m in active(cfg):
+    if m.on_qkv is not None:
+      out = m.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, state=DECODE_STATE.get())
+      if not isinstance(out, tuple) or len(out) != 3:
+        raise HookError(m.name, "on_qkv", f"returned {type(out).__name__}: a hook returns (q, k, v)")
+      q_BTHK, k_BSGK, v_BSGV = (_same_shape(m, "on_qkv", "queries", out[0], q_BTHK),
+                                _same_shape(m, "on_qkv", "keys", out[1], k_BSGK),
+                                _same_shape(m, "on_qkv", "values", out[2], v_BSGV))
+  return q_BTHK, k_BSGK, v_BSGV
+
+
 def on_qk(params: Params, q_BTHK: Array, k_BSGK: Array, cfg: HeadConfig) -> tuple[Array, Array]:
   for m in active(cfg):
     if m.on_qk is not None:
@@ -265,7 +299,7 @@ def _sum(cfg: HeadConfig, field: str, *args) -> int | None:
     if fn is None:
       if field == "param_count" and m.init is None:
         continue  # no parameters
-      if field in ("flops", "score_weights") and m.init is None and m.on_qk is None:
+      if field in ("flops", "score_weights") and m.init is None and m.on_qk is None and m.on_qkv is None:
         continue  # no parameters the logits read, nothing computed worth counting
       return None
     total += int(fn(cfg, *args))

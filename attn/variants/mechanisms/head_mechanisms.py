@@ -1,4 +1,4 @@
-"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, window, softcap,
+"""The built-in head mechanisms, as records: output gates, attention sinks, QK-norm, QK L2 clip, window, softcap,
 the probability function.
 
 HeadConfig switches them on (gate, sinks, qk_norm, window, softcap, probability) and
@@ -18,6 +18,15 @@ counts (attn.variants.mechanisms has the record and the registry).
   qk_norm "whole"     q_norm_whole (H,K), k_norm_whole (G,K): all query heads normalised
       together over H·K dims, all key heads over G·K, one scale per dim (OLMo 2): a head's
       score depends on every head's projection, so the heads are coupled.
+  qkv_conv            qkv_conv_q (W,H,K), qkv_conv_k (W,G,K), qkv_conv_v (W,G,V) for the projections
+      qkv_conv names: each channel of each head through a causal convolution over time,
+      y[t] = Σ_j w[j]·x[t − (W − 1) + j] (torch Conv1d's tap order, no bias), before QK-norm and
+      RoPE (on_qkv: the variants that offer "qkv_heads"). Decoding keeps each convolved
+      projection's last W − 1 tokens as the record's state, so cached decoding equals the full
+      pass. Inkling-2's (conv(x) + x)/sqrt(W + 1) is this with taps (w + e_last)/sqrt(W + 1).
+  qk_l2_clip          no parameters: each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
+      c = qk_l2_clip_threshold, after QK-norm and before RoPE (Inkling-2): a vector longer than
+      c is brought to norm c, so no logit exceeds c²·scale.
   window, softcap     no parameters: arguments of kernel.attention.
   probability         no parameters: "sigmoid" σ(l − log n) or "relu" max(l, 0)/n in place of
       the softmax, n the keys a row's masks leave visible (attn.kernel.probability, which cites
@@ -167,6 +176,121 @@ QK_NORM = Mechanism(
          "coupling them) before RoPE")
 
 
+# qk_l2_clip: no parameters, on the queries and keys (after QK-norm, before RoPE)
+
+def l2_clip(x_BTNK: Array, threshold: float) -> Array:
+  """Each head vector times min(1, c/(‖x‖ + 1e-6)): longer than c -> norm c, shorter unchanged; in
+  float32, returned in x's dtype (Inkling-2's Inkling2L2Clip, its 1e-6 too)."""
+  x = x_BTNK.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+  return (x * jnp.minimum(threshold / (norm + 1e-6), 1.0)).astype(x_BTNK.dtype)
+
+
+def clip_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig) -> tuple[Array, Array]:
+  del params
+  c = cfg.qk_l2_clip_threshold
+  return l2_clip(q_BTHK, c), l2_clip(k_BSGK, c)
+
+
+def _clip_flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """Per vector of K: K squares and K − 1 adds for the norm, K products: (3K)·(T·H + S·G) (the
+  square root, the divide and the min per vector, like the norms' elementwise work elsewhere, not
+  counted)."""
+  return 3 * cfg.d_k * (T * cfg.num_heads + S * cfg.num_kv_heads)
+
+
+# Its effective count has no closed form: which vectors the clip reaches depends on the data (none
+# at a large threshold: the plain head's count; all at a small one: a norm that frees each row's
+# scale, as QK-norm does), so attn.count measures it (the Jacobian's rank at random inputs).
+QK_L2_CLIP = Mechanism(
+    name="qk_l2_clip", fields=("qk_l2_clip_threshold",), on_qk=clip_qk, param_count=_zero,
+    flops=_clip_flops, score_weights=_zero,
+    needs={"qk_heads": "it clips each query and key head vector of d_k dims"},
+    examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),),
+    help="qk_l2_clip_threshold: c > 0, each query/key head vector scaled down to L2 norm ≤ c "
+         "(Inkling-2) before RoPE")
+
+
+# qkv_conv: a short causal convolution over time on the projections, per head and channel
+
+_QKV_LETTERS = {"q": "HK", "k": "GK", "v": "GV"}
+
+
+def _conv_sizes(cfg: HeadConfig) -> dict[str, tuple[int, int]]:
+  """Each convolved projection's (heads, width): q (H, K), k (G, K), v (G, V), in cfg.qkv_conv's order."""
+  sizes = {"q": (cfg.num_heads, cfg.d_k), "k": (cfg.num_kv_heads, cfg.d_k), "v": (cfg.num_kv_heads, cfg.d_v)}
+  return {c: sizes[c] for c in cfg.qkv_conv}
+
+
+def _qkv_conv_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  """Taps (W, N, C), torch Conv1d's order (the last one multiplies the current token): 1 on the last
+  (the identity: at step 0 the head is the plain one) plus U(−1, 1)/sqrt(W) on every tap, so the
+  gradient reaches the earlier taps from the first step."""
+  W, out = cfg.qkv_conv_width, {}
+  for i, (c, (N, C)) in enumerate(_conv_sizes(cfg).items()):
+    noise = jax.random.uniform(jax.random.fold_in(key, i), (W, N, C), jnp.float32, -1.0, 1.0) / W ** 0.5
+    out[f"qkv_conv_{c}"] = noise.at[W - 1].add(1.0).astype(dtype)
+  return out
+
+
+def causal_conv(x_BTNC: Array, w_WNC: Array, state_BWNC: Array | None = None) -> tuple[Array, Array]:
+  """(y, new state): y[t] = Σ_j w[j]·x[t − (W − 1) + j] over x preceded by state (its last W − 1
+  tokens; zeros when None), in float32, returned in x's dtype; the new state is the last W − 1 rows."""
+  W = w_WNC.shape[0]
+  B, T, N, C = x_BTNC.shape
+  if state_BWNC is None:
+    state_BWNC = jnp.zeros((B, W - 1, N, C), x_BTNC.dtype)
+  padded = jnp.concatenate([state_BWNC.astype(x_BTNC.dtype), x_BTNC], axis=1)
+  f32, w = padded.astype(jnp.float32), w_WNC.astype(jnp.float32)
+  y = sum(w[j] * f32[:, j:j + T] for j in range(W))
+  return y.astype(x_BTNC.dtype), padded[:, T:]
+
+
+def conv_qkv(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
+             state=None) -> tuple[Array, Array, Array]:
+  """The projections cfg.qkv_conv names through their convolutions; while decoding (state), from the
+  state's last W − 1 projections, which are replaced by the ones after these tokens."""
+  out = {"q": q_BTHK, "k": k_BSGK, "v": v_BSGV}
+  for c in cfg.qkv_conv:
+    name = f"qkv_conv_state_{c}"
+    out[c], new = causal_conv(out[c], params[f"qkv_conv_{c}"], None if state is None else state[name])
+    if state is not None:
+      state[name] = new.astype(state[name].dtype)
+  return out["q"], out["k"], out["v"]
+
+
+def _qkv_conv_params(cfg: HeadConfig) -> int:
+  return cfg.qkv_conv_width * sum(N * C for N, C in _conv_sizes(cfg).values())
+
+
+def _qkv_conv_flops(cfg: HeadConfig, T: int, S: int) -> int:
+  """2·W per channel and token: the queries' H·K channels over T tokens, the keys' and values' over S."""
+  tokens = {"q": T, "k": S, "v": S}
+  return 2 * cfg.qkv_conv_width * sum(tokens[c] * N * C for c, (N, C) in _conv_sizes(cfg).items())
+
+
+def _qkv_conv_score_weights(cfg: HeadConfig) -> int:
+  return cfg.qkv_conv_width * sum(N * C for c, (N, C) in _conv_sizes(cfg).items() if c != "v")
+
+
+# Its effective count is measured: the taps of a channel trade against that channel's column of
+# W_Q, W_K or W_V only where W = 1 (a scale), and how the rest adds to the function class is not
+# worked out here.
+QKV_CONV = Mechanism(
+    name="qkv_conv", fields=("qkv_conv", "qkv_conv_width"), init=_qkv_conv_init,
+    sharding={"qkv_conv_q": "WHK", "qkv_conv_k": "WGK", "qkv_conv_v": "WGV"},
+    on_qkv=conv_qkv, param_count=_qkv_conv_params, flops=_qkv_conv_flops,
+    score_weights=_qkv_conv_score_weights,
+    state=lambda cfg: {f"qkv_conv_state_{c}": (cfg.qkv_conv_width - 1, N, C) for c, (N, C) in _conv_sizes(cfg).items()},
+    needs={"qkv_heads": "it convolves each query, key and value head over time and keeps their last "
+                        "projections while decoding"},
+    examples=(("qkv_conv kv", {"qkv_conv": "kv", "qkv_conv_width": 3}, "W·(G·K + G·V)", "2·W·S·(G·K + G·V)"),
+              ("qkv_conv qkv", {"qkv_conv": "qkv", "qkv_conv_width": 2}, "W·(H·K + G·K + G·V)",
+               "2·W·(T·H·K + S·G·K + S·G·V)")),
+    help="qkv_conv: q|k|v|qk|qv|kv|qkv, a causal depthwise convolution of qkv_conv_width taps over "
+         "time on those projections, per head (Inkling-2: keys and values)")
+
+
 # window and softcap: arguments of kernel.attention, no parameters
 
 WINDOW = Mechanism(
@@ -202,4 +326,4 @@ PROBABILITY = Mechanism(
 
 # Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
-MECHANISMS = (GATE, SINKS, QK_NORM, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)
+MECHANISMS = (GATE, SINKS, QKV_CONV, QK_NORM, QK_L2_CLIP, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)

@@ -25,6 +25,9 @@ class Mechanism:
   init: Callable[[Array, HeadConfig, Any], Params] | None = None
   sharding: Mapping[str, str | None] | None = None
   on_qk: Callable[..., tuple[Array, Array]] | None = None
+  on_qkv: Callable[..., tuple[Array, Array, Array]] | None = None  # the projections, before on_qk
+  # Its decoding state: cfg -> {name: per-sequence shape} (the cache holds (B, *shape) zeros at the start)
+  state: Callable[[HeadConfig], Mapping[str, tuple[int, ...]]] | None = None
   on_logits: Callable[..., Array] | None = None
   on_output: Callable[..., Array] | None = None
   kernel: Callable[[Params, HeadConfig], dict[str, Any]] | None = None
