@@ -26,6 +26,12 @@ is the model's HeadConfig (ModelConfig.head):
                           RoPE to drop it stands beside any positional (NemotronH's
                           mamba2 layers beside attention without positions)
 
+layer_rope_theta (one number per layer, 0 = NoPE: Granite-SWA's and Muse Spark's) sets each
+layer's RoPE base beside its type, the model's rope_scaling and rope_dim kept; 0 drops the rotation
+as a _nope type does. It goes with the model's rope_theta (unread where every entry is set) and
+refuses sliding_rope_theta (one of the two says a sliding layer's base) and a base for a layer
+without RoPE.
+
 The first two and linear_attention are transformers' `layer_types` values, so a checkpoint's
 list maps entry for entry. sliding_rope_theta is Gemma 3's rope_local_base_freq:
 its sliding layers rotate with their own base and without the model's
@@ -119,6 +125,49 @@ def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
   return head
 
 
+def with_layer_theta(m: Any, index: int, head: HeadConfig) -> HeadConfig:
+  """head with layer `index`'s own RoPE base from m.layer_rope_theta (0: no rotation, NoPE); the
+  model's scaling and rope_dim are kept (Granite-SWA's and Muse Spark's layer_rope_theta: transformers
+  builds each base's rotary embedding from the model's rope_parameters with rope_theta replaced)."""
+  thetas = m.layer_rope_theta
+  if thetas is None or not head.rope_dim:  # a linear or NoPE layer (check() refused a base there)
+    return head
+  if not thetas[index]:
+    return head.replace(**{n: _DEFAULTS[n] for n in _ROPE_FIELDS})
+  return head.replace(rope_theta=float(thetas[index]))
+
+
+def normalize_thetas(value: Any) -> Any:
+  """layer_rope_theta as a tuple of floats (TOML and JSON give lists, maybe of integers): 1 and 1.0 are
+  one config; other values are left for check()."""
+  if not isinstance(value, (list, tuple)):
+    return value
+  return tuple(float(t) if isinstance(t, int) and not isinstance(t, bool) else t for t in value)
+
+
+def _check_layer_theta(m: Any) -> None:
+  """layer_rope_theta: one base per layer, each 0 (NoPE) or positive, where the layer rotates."""
+  thetas, L = m.layer_rope_theta, m.num_layers
+  allowed = f"None or a list of {L} RoPE bases, one per layer (0: NoPE)"
+  if not isinstance(thetas, tuple):
+    raise invalid("layer_rope_theta", thetas, allowed)
+  if len(thetas) != L:
+    raise invalid("layer_rope_theta", f"{len(thetas)} entries", f"one per layer: num_layers={L}")
+  for i, t in enumerate(thetas):
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+      raise invalid(f"layer_rope_theta[{i}]", t, "0 (NoPE) or a positive finite RoPE base")
+  if m.positional != "rope":
+    raise invalid("layer_rope_theta", list(thetas), f"None when positional={m.positional!r}: there are no "
+                  "rotary positions to set a base for")
+  if m.sliding_rope_theta is not None:
+    raise invalid("sliding_rope_theta", m.sliding_rope_theta, "None with layer_rope_theta: each layer's "
+                  "base is there")
+  for i, t in enumerate(thetas):
+    kind = layer_type(m, i)
+    if t and not LAYER_TYPES[kind].rope:
+      raise invalid(f"layer_rope_theta[{i}]", t, f"0: layer_types[{i}]={kind!r} has no RoPE to set a base for")
+
+
 def normalize(value: Any) -> tuple[str, ...] | None:
   """layer_types as a tuple (TOML and JSON give lists); other values are left for check()."""
   return tuple(value) if isinstance(value, list) else value
@@ -149,6 +198,8 @@ def check(m: Any) -> None:
                       "there are no rotary positions to drop (every layer is position-free already)")
     if w is not None and not any(LAYER_TYPES[k].sliding for k in kinds):
       raise invalid("window", w, "None: no entry of layer_types is a sliding type, so none would read it")
+  if m.layer_rope_theta is not None:
+    _check_layer_theta(m)
   theta = m.sliding_rope_theta
   if theta is not None:
     types = [layer_type(m, i) for i in range(m.num_layers)]
@@ -165,11 +216,12 @@ def check(m: Any) -> None:
   seen = set()
   for i in range(m.num_layers):
     kind = layer_type(m, i)
-    if kind in seen:
+    nope = m.layer_rope_theta is not None and not m.layer_rope_theta[i]
+    if (kind, nope) in seen:
       continue
-    seen.add(kind)
+    seen.add((kind, nope))
     try:
-      api.check_config(variant_for(m, kind), head_for(m, kind, m.head))
+      api.check_config(variant_for(m, kind), with_layer_theta(m, i, head_for(m, kind, m.head)))
     except ConfigError as e:
       raise ConfigError(f"layer_types[{i}]={kind!r}: {e}") from None
 

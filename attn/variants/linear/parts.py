@@ -42,10 +42,10 @@ def check(cfg: HeadConfig, name: str) -> None:
     if getattr(cfg, field) != off:
       raise invalid(field, getattr(cfg, field), f"{kept_at(off)} for {name}: a linear head has no "
                     "attention logits or weights for it to act on")
-  others = [m.name for m in mechanisms.active(cfg) if m.name != "gate"]
+  others = [m.name for m in mechanisms.active(cfg) if m.name not in ("gate", "value_scale")]
   if others:
     raise invalid("extra", dict(cfg.extra or {}), f"{kept_at(None)} for {name}: of the head mechanisms only "
-                  f"the output gate acts on a linear head (not {others})")
+                  f"the output gate and value_scale act on a linear head (not {others})")
 
 
 def check_call(name: str, context, opts) -> None:
