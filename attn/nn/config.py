@@ -88,6 +88,10 @@ class ModelConfig:
   dense_bias: bool | None = None  # biases of the MLP and an untied output layer; None: use_bias
   embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma)
   logit_softcap: float | None = None  # output logits -> c·tanh(logits/c) (Gemma 2)
+  # Granite's multipliers (attn.nn.hf.granite_swa), 1.0 each by default: no parameters, no FLOPs counted.
+  embed_multiplier: float = 1.0  # token embeddings times this (embedding_multiplier)
+  residual_multiplier: float = 1.0  # each sublayer's output times this before the residual add
+  logit_divisor: float = 1.0  # output logits divided by this, before logit_softcap (logits_scaling)
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
   layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
@@ -153,6 +157,10 @@ class ModelConfig:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not 0 < c < float("inf")):
       raise invalid("logit_softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    for name in ("embed_multiplier", "residual_multiplier", "logit_divisor"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise invalid(name, value, "a positive finite number (1.0: off; Granite's multipliers)")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
     object.__setattr__(self, "extra", self.head.extra)  # frozen, so the config stays hashable
     if self.positional == "rope" and not self.rope_dim:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoders, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, five hybrids.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, five hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -14,7 +14,8 @@ kimi_linear (kda layers beside mla ones without positions, DeepSeek's experts), 
 (Qwen3.5's text model: Qwen3-Next's layers with the linear projections apart) and
 qwen3_5_moe_text (the same with Qwen3-Next's experts in every layer), and nemotron_h (NemotronH:
 single-mixer layers, Mamba-2 as the mamba2 variant, attention without positions and relu² MLPs, each
-its own residual: ModelConfig.block_kinds).
+its own residual: ModelConfig.block_kinds), and granite_swa (Granite-SWA: sinks, full and sliding layers in
+any order, a RoPE base per layer with NoPE layers, Granite's multipliers).
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed
 packages, and FAMILIES.register(record) for the current process only (worker
