@@ -84,6 +84,13 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
                     count_model.layer_type_table(m, "decoder_lm", 1))
 
 
+def _held_zeros(hf: dict[str, Any], m: ModelConfig) -> int:
+  """Parameters per attention layer attn holds as zeros for the family (Family.held_zeros), else 0."""
+  from attn.nn.hf import family_for
+  family = family_for(hf)
+  return int(family.held_zeros(m)) if family.held_zeros is not None else 0
+
+
 def _as_transformers(m: ModelConfig) -> tuple[int | None, str]:
   """What transformers holds otherwise than attn's breakdown: the output layer's parameters (None: tied),
   and the name of the MLP component."""
@@ -124,9 +131,16 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   model_parts = count_model.model_param_breakdown(m, "decoder_lm")
   table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype)
   parts = _breakdown(names, model_parts, table)
+  zeros = _held_zeros(hf, m)
+  if zeros:  # attn's zeros in place of a bias the checkpoint lacks: not transformers' parameters
+    for row in table[:-1]:
+      parts[f"attention ({row['type']})"] -= zeros * row["layers"]
+    notes.append(f"{zeros} parameters per attention layer that attn holds as zeros (a bias the checkpoint "
+                 "lacks) left out")
   total = sum(parts.values())
   active = count_model.active_param_count(m, "decoder_lm", model_parts) - (model_parts["output"]
-                                                                          - parts.get("output", 0))
+                                                                          - parts.get("output", 0)) \
+      - zeros * sum(row["layers"] for row in table[:-1])
   layers = []
   for row in table[:-1]:
     layer = first[row["type"]]

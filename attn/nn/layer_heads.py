@@ -12,7 +12,8 @@ global_head_dim and num_global_key_value_heads).
 linear_attention type in place of linear_variant, which it may not contradict, and only d_k, d_v
 and num_kv_heads beside it: layer_types._check_linear); value_norm_eps and rope_dim are the HeadConfig fields
 of the same names (the values' weightless RMSNorm; the rotated width), as are compress_block, compress_overlap and
-compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer). Each type's head is then
+compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer), and sinks
+(a learned logit per head in that type's layers only: MiMo-V2-Flash's sliding layers). Each type's head is then
 checked as that variant's (k_eq_v refuses d_v != d_k by name, layer_types.check).
 
 The fields a type may set are FIELDS; a type not in the table keeps the model's head. The
@@ -35,7 +36,7 @@ from attn.variants import VARIANTS
 
 FIELDS = ("d_k", "d_v", "num_kv_heads", "value_norm_eps", "rope_dim", "compress_block",
           "compress_overlap", "compress_index_heads", "compress_index_dim",
-          "compress_index_topk")  # HeadConfig fields
+          "compress_index_topk", "sinks")  # HeadConfig fields
 KEYS = (*FIELDS, "variant")  # what a type may set
 
 
@@ -82,6 +83,10 @@ def check(m: Any, kinds: tuple[str, ...]) -> None:
         raise invalid(where, value, f"one of {list(KEYS)}: the head sizes and variant a layer type sets")
       if name == "variant":
         VARIANTS.resolve(value, where)
+      elif name == "sinks":
+        if not isinstance(value, bool):
+          raise invalid(where, value, "True or False (a learned sink logit per head in this type's layers: "
+                        "MiMo-V2-Flash's sliding layers)")
       elif name == "compress_overlap":
         if not isinstance(value, bool):
           raise invalid(where, value, "True or False (two series per token: DeepSeek-V4's CSA)")
