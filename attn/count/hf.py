@@ -84,10 +84,14 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
                     count_model.layer_type_table(m, "decoder_lm", 1))
 
 
+def _family(hf: dict[str, Any]):
+  from attn.nn.hf import family_for  # the hf package imports transformers-free modules only
+  return family_for(hf)
+
+
 def _held_zeros(hf: dict[str, Any], m: ModelConfig) -> int:
   """Parameters per attention layer attn holds as zeros for the family (Family.held_zeros), else 0."""
-  from attn.nn.hf import family_for
-  family = family_for(hf)
+  family = _family(hf)
   return int(family.held_zeros(m)) if family.held_zeros is not None else 0
 
 
@@ -131,7 +135,11 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   model_parts = count_model.model_param_breakdown(m, "decoder_lm")
   table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype)
   parts = _breakdown(names, model_parts, table)
-  zeros = _held_zeros(hf, m)
+  zeros, family = _held_zeros(hf, m), _family(hf)
+  if family.counted_buffers is not None and family.counted_buffers(m):
+    parts[names[1]] += int(family.counted_buffers(m))
+    notes.append(f"{int(family.counted_buffers(m))} buffers of the feed-forward that transformers counts as "
+                 "parameters added (a correction bias)")
   if zeros:  # attn's zeros in place of a bias the checkpoint lacks: not transformers' parameters
     for row in table[:-1]:
       parts[f"attention ({row['type']})"] -= zeros * row["layers"]

@@ -266,7 +266,8 @@ def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
     row["kv_shared_layers"] += shared
     # A sharing layer: no key-side weights, no key and value projections, no cache of its own.
     row["params"] += _attention(b)
-    row["flops_fwd"] += row["flops_fwd_per_layer"] - (_flops_saved(layer.name, layer.cfg, length) if shared else 0)
+    own = b.attention  # its own head (layer_num_heads): the type's first layer's FLOPs may not be its
+    row["flops_fwd"] += own.flops(length) - (_flops_saved(own.name, own.cfg, length) if shared else 0)
     row["kv_bytes_at_L"] += 0 if shared else row["kv_bytes_at_L_per_layer"]
   out = list(rows.values())
   total = {"type": "total", "layers": sum(r["layers"] for r in out)}

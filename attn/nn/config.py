@@ -96,6 +96,7 @@ class ModelConfig:
   layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
   layer_rope_theta: tuple[float, ...] | None = None  # per layer, its RoPE base; 0: NoPE (attn.nn.layer_types)
+  layer_num_heads: tuple[int, ...] | None = None  # per layer, its query heads (Laguna; attn.nn.layer_types)
   linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
@@ -131,6 +132,7 @@ class ModelConfig:
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
     object.__setattr__(self, "layer_rope_theta", layer_types.normalize_thetas(self.layer_rope_theta))
+    object.__setattr__(self, "layer_num_heads", layer_types.normalize(self.layer_num_heads))
     object.__setattr__(self, "layer_heads", layer_heads.normalize(self.layer_heads))
     object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
     if isinstance(self.block_kinds, list):
@@ -250,7 +252,7 @@ class ModelConfig:
     """The HeadConfig of self-attention layer `index` (0-based) of a stack, with layer = index + 1.
 
     Its type (layer_types[index], or global_every's rule) sets its window and RoPE; layer_rope_theta[index],
-    if set, its RoPE base (0: none).
+    if set, its RoPE base (0: none); layer_num_heads[index], if set, its query heads.
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
     return layer_types.with_layer_theta(self, index, layer_types.head_for(self, layer_types.layer_type(self, index),

@@ -30,7 +30,9 @@ layer_rope_theta (one number per layer, 0 = NoPE: Granite-SWA's and Muse Spark's
 layer's RoPE base beside its type, the model's rope_scaling and rope_dim kept; 0 drops the rotation
 as a _nope type does. It goes with the model's rope_theta (unread where every entry is set) and
 refuses sliding_rope_theta (one of the two says a sliding layer's base) and a base for a layer
-without RoPE.
+without RoPE. layer_num_heads (one count per layer: Laguna's num_attention_heads_per_layer) sets each
+layer's query heads, each a multiple of its kv heads; the layer's parameters, FLOPs and counts follow
+(its KV cache does not change: the kv heads are the type's).
 
 The first two and linear_attention are transformers' `layer_types` values, so a checkpoint's
 list maps entry for entry. sliding_rope_theta is Gemma 3's rope_local_base_freq:
@@ -126,9 +128,13 @@ def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
 
 
 def with_layer_theta(m: Any, index: int, head: HeadConfig) -> HeadConfig:
-  """head with layer `index`'s own RoPE base from m.layer_rope_theta (0: no rotation, NoPE); the
+  """head with layer `index`'s own query heads (m.layer_num_heads: Laguna's num_attention_heads_per_layer)
+  and its own RoPE base from m.layer_rope_theta (0: no rotation, NoPE); the
   model's scaling and rope_dim are kept (Granite-SWA's and Muse Spark's layer_rope_theta: transformers
   builds each base's rotary embedding from the model's rope_parameters with rope_theta replaced)."""
+  heads = getattr(m, "layer_num_heads", None)
+  if heads is not None and head.num_heads != heads[index]:
+    head = head.replace(num_heads=heads[index], collab_width=None if m.collab_width is None else head.collab_width)
   thetas = m.layer_rope_theta
   if thetas is None or not head.rope_dim:  # a linear or NoPE layer (check() refused a base there)
     return head
@@ -168,6 +174,25 @@ def _check_layer_theta(m: Any) -> None:
       raise invalid(f"layer_rope_theta[{i}]", t, f"0: layer_types[{i}]={kind!r} has no RoPE to set a base for")
 
 
+def _check_layer_heads(m: Any) -> None:
+  """layer_num_heads: one positive count of query heads per layer, each a multiple of the layer's kv heads."""
+  heads, L = m.layer_num_heads, m.num_layers
+  if not isinstance(heads, tuple):
+    raise invalid("layer_num_heads", heads, f"None or a list of {L} counts of query heads, one per layer")
+  if len(heads) != L:
+    raise invalid("layer_num_heads", f"{len(heads)} entries", f"one per layer: num_layers={L}")
+  for i, n in enumerate(heads):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise invalid(f"layer_num_heads[{i}]", n, "a positive integer (the layer's query heads)")
+    kind = layer_type(m, i)
+    if LAYER_TYPES[kind].linear:
+      raise invalid(f"layer_num_heads[{i}]", n, f"layer_types[{i}]={kind!r} takes its heads from linear_head: "
+                    "layer_num_heads is for softmax layers only (a model without linear layers)")
+    G = head_for(m, kind, m.head).num_kv_heads
+    if n % G:
+      raise invalid(f"layer_num_heads[{i}]", n, f"a multiple of the layer's num_kv_heads={G} (grouped heads)")
+
+
 def normalize(value: Any) -> tuple[str, ...] | None:
   """layer_types as a tuple (TOML and JSON give lists); other values are left for check()."""
   return tuple(value) if isinstance(value, list) else value
@@ -200,6 +225,8 @@ def check(m: Any) -> None:
       raise invalid("window", w, "None: no entry of layer_types is a sliding type, so none would read it")
   if m.layer_rope_theta is not None:
     _check_layer_theta(m)
+  if m.layer_num_heads is not None:
+    _check_layer_heads(m)
   theta = m.sliding_rope_theta
   if theta is not None:
     types = [layer_type(m, i) for i in range(m.num_layers)]
@@ -217,9 +244,10 @@ def check(m: Any) -> None:
   for i in range(m.num_layers):
     kind = layer_type(m, i)
     nope = m.layer_rope_theta is not None and not m.layer_rope_theta[i]
-    if (kind, nope) in seen:
+    heads = None if m.layer_num_heads is None else m.layer_num_heads[i]
+    if (kind, nope, heads) in seen:
       continue
-    seen.add((kind, nope))
+    seen.add((kind, nope, heads))
     try:
       api.check_config(variant_for(m, kind), with_layer_theta(m, i, head_for(m, kind, m.head)))
     except ConfigError as e:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, five hybrids.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Laguna, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, five hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -17,7 +17,9 @@ single-mixer layers, Mamba-2 as the mamba2 variant, attention without positions 
 its own residual: ModelConfig.block_kinds), and granite_swa (Granite-SWA: sinks, full and sliding layers in
 any order, a RoPE base per layer with NoPE layers, Granite's multipliers), and mimo_v2_flash (MiMo-V2-Flash:
 value heads narrower than query/key heads with a value scale, sliding layers with twice the kv heads and sinks,
-partial RoPE per layer type, DeepSeek-routed experts without shared ones; its multi-token-prediction layers skipped).
+partial RoPE per layer type, DeepSeek-routed experts without shared ones; its multi-token-prediction layers skipped),
+and laguna (Laguna: a softplus output gate, query heads per layer, QK-norm, partial RoPE per type, sigmoid-routed
+experts with a shared expert).
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed
 packages, and FAMILIES.register(record) for the current process only (worker

@@ -84,7 +84,7 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
                moe_routed_scaling=float(hf.get("routed_scaling_factor") or 1.0), moe_dense_first=first)
   scale = hf.get("attention_value_scale", VALUE_SCALE)
   return base.replace(
-      d_v=V, num_kv_heads=G, rope_dim=r, layer_types=tuple(types), window=int(window) if sliding else None,
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), d_v=V, num_kv_heads=G, rope_dim=r, layer_types=tuple(types), window=int(window) if sliding else None,
       global_every=0, sliding_rope_theta=s_theta if sliding else None,
       layer_heads={"sliding_attention": own} if sliding else None,
       value_scale=None if scale is None or float(scale) == 1.0 else float(scale), **moe)
