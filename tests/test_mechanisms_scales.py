@@ -189,8 +189,8 @@ def test_bad_options_refused(change, field):
 
 
 def _model(**changes):
-  return ModelConfig(vocab_size=13, d_model=12, num_layers=3, num_heads=3, d_ff=16, num_kv_heads=1,
-                     variant="per_head", positional="rope", rope_dim=4, max_len=16, **changes)
+  return ModelConfig(**dict(vocab_size=13, d_model=12, num_layers=3, num_heads=3, d_ff=16, num_kv_heads=1,
+                            variant="per_head", positional="rope", rope_dim=4, max_len=16) | changes)
 
 
 def test_layer_rope_theta_heads():
@@ -243,3 +243,36 @@ def test_layer_rope_theta_refused_against_other_settings():
     _model(layer_rope_theta=[1.0, 2.0, 3.0], window=2, sliding_rope_theta=5.0)
   with pytest.raises(ConfigError, match=r"^layer_rope_theta="):
     ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=3, d_ff=16, layer_rope_theta=[1.0, 0.0])
+
+
+def test_layer_num_heads_counts_are_what_the_model_stores():
+  """Query heads per layer (Laguna's): each layer's q and o by its own heads, the model's count = the
+  parameters the model stores, the per-type FLOPs each layer's own."""
+  cfg = _model(layer_num_heads=[3, 1, 2], d_k=4, d_v=4, num_kv_heads=1, layer_types=["full_attention"] * 3)
+  assert [cfg.layer_head(i).num_heads for i in range(3)] == [3, 1, 2]
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  stored = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count.model_param_count(cfg, "decoder_lm") == stored
+  row = count.layer_type_table(cfg, "decoder_lm", 8)[0]
+  assert row["flops_fwd"] == sum(count.flops("per_head", cfg.layer_head(i), 8) for i in range(3))
+
+
+@pytest.mark.parametrize("heads, field", [
+    ([3, 3], "layer_num_heads"),
+    ([3, 0, 3], r"layer_num_heads\[1\]"),
+    ([3, 2, 3], r"layer_num_heads\[1\]"),  # not a multiple of the 3 kv heads
+])
+def test_layer_num_heads_refused(heads, field):
+  with pytest.raises(ConfigError, match=rf"^{field}="):
+    _model(layer_num_heads=heads, num_kv_heads=3, num_heads=3, d_k=4)
+
+
+@pytest.mark.slow  # a model and a decode: ~10 s
+def test_layer_num_heads_decoding_equals_the_full_pass():
+  cfg = _model(layer_num_heads=[3, 1, 2], d_k=4, d_v=4, num_kv_heads=1)
+  ids = jnp.asarray(np.random.default_rng(1).integers(0, 13, (B, 7)), jnp.int32)
+  m = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  full = m(ids)
+  m.init_cache(B, 7)
+  outs = [m(ids[:, :4], decode=True)] + [m(ids[:, i:i + 1], decode=True) for i in range(4, 7)]
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=3e-5, rtol=3e-5)
