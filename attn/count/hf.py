@@ -131,11 +131,11 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   m = m.replace(**changes) if changes else m
   # Each table once: the breakdown, and the layer types at lengths[0] (their per-layer figures
   # do not depend on the length) with each type's first layer, checked once (attn.count.layer.Layer).
+  zeros, family = _held_zeros(hf, m), _family(hf)  # before the tables: the walk stays in this module
   names = _as_transformers(m)
   model_parts = count_model.model_param_breakdown(m, "decoder_lm")
   table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype)
   parts = _breakdown(names, model_parts, table)
-  zeros, family = _held_zeros(hf, m), _family(hf)
   if family.counted_buffers is not None and family.counted_buffers(m):
     parts[names[1]] += int(family.counted_buffers(m))
     notes.append(f"{int(family.counted_buffers(m))} buffers of the feed-forward that transformers counts as "

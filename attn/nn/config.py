@@ -255,8 +255,7 @@ class ModelConfig:
     if set, its RoPE base (0: none); layer_num_heads[index], if set, its query heads.
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
-    return layer_types.with_layer_theta(self, index, layer_types.head_for(self, layer_types.layer_type(self, index),
-                                                                          head))
+    return layer_heads.per_layer(self, index, layer_types.head_for(self, layer_types.layer_type(self, index), head))
 
   def layer_variant(self, index: int) -> str:
     """The variant of self-attention layer `index`: linear_variant for a linear_attention layer."""

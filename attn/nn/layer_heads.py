@@ -59,6 +59,27 @@ def apply(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
   return head.replace(**derived, **sizes)
 
 
+# What a NoPE layer resets (as layer_types' _nope types do): every RoPE field to its default.
+_ROPE_FIELDS = tuple(f.name for f in dataclasses.fields(HeadConfig) if f.name.startswith("rope_"))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
+
+
+def per_layer(m: Any, index: int, head: HeadConfig) -> HeadConfig:
+  """head with layer `index`'s own query heads (m.layer_num_heads: Laguna's num_attention_heads_per_layer)
+  and its own RoPE base from m.layer_rope_theta (0: no rotation, NoPE); the
+  model's scaling and rope_dim are kept (Granite-SWA's and Muse Spark's layer_rope_theta: transformers
+  builds each base's rotary embedding from the model's rope_parameters with rope_theta replaced)."""
+  heads = getattr(m, "layer_num_heads", None)
+  if heads is not None and head.num_heads != heads[index]:
+    head = head.replace(num_heads=heads[index], collab_width=None if m.collab_width is None else head.collab_width)
+  thetas = getattr(m, "layer_rope_theta", None)
+  if thetas is None or not head.rope_dim:  # a linear or NoPE layer (check() refused a base there)
+    return head
+  if not thetas[index]:
+    return head.replace(**{n: _DEFAULTS[n] for n in _ROPE_FIELDS})
+  return head.replace(rope_theta=float(thetas[index]))
+
+
 def variant(m: Any, kind: str) -> str | None:
   """The variant layer type `kind` sets (m.layer_heads[kind]["variant"]), or None: the model's."""
   table = getattr(m, "layer_heads", None)

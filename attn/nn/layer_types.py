@@ -127,22 +127,6 @@ def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
   return head
 
 
-def with_layer_theta(m: Any, index: int, head: HeadConfig) -> HeadConfig:
-  """head with layer `index`'s own query heads (m.layer_num_heads: Laguna's num_attention_heads_per_layer)
-  and its own RoPE base from m.layer_rope_theta (0: no rotation, NoPE); the
-  model's scaling and rope_dim are kept (Granite-SWA's and Muse Spark's layer_rope_theta: transformers
-  builds each base's rotary embedding from the model's rope_parameters with rope_theta replaced)."""
-  heads = getattr(m, "layer_num_heads", None)
-  if heads is not None and head.num_heads != heads[index]:
-    head = head.replace(num_heads=heads[index], collab_width=None if m.collab_width is None else head.collab_width)
-  thetas = m.layer_rope_theta
-  if thetas is None or not head.rope_dim:  # a linear or NoPE layer (check() refused a base there)
-    return head
-  if not thetas[index]:
-    return head.replace(**{n: _DEFAULTS[n] for n in _ROPE_FIELDS})
-  return head.replace(rope_theta=float(thetas[index]))
-
-
 def normalize_thetas(value: Any) -> Any:
   """layer_rope_theta as a tuple of floats (TOML and JSON give lists, maybe of integers): 1 and 1.0 are
   one config; other values are left for check()."""
@@ -249,7 +233,7 @@ def check(m: Any) -> None:
       continue
     seen.add((kind, nope, heads))
     try:
-      api.check_config(variant_for(m, kind), with_layer_theta(m, i, head_for(m, kind, m.head)))
+      api.check_config(variant_for(m, kind), layer_heads.per_layer(m, i, head_for(m, kind, m.head)))
     except ConfigError as e:
       raise ConfigError(f"layer_types[{i}]={kind!r}: {e}") from None
 
