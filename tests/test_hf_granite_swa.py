@@ -155,3 +155,4 @@ def test_to_hf_refuses_a_model_without_sinks():
   cfg = hf.model_config({"model_type": "granite_swa", **KW}).replace(sinks=False)
   with pytest.raises(ConfigError, match=r"^sinks=False is not allowed: True"):
     hf.to_hf_state(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))), cfg, "granite_swa")
+

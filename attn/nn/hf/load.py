@@ -57,7 +57,15 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "falcon_h1": "its layers run attention and Mamba-2 side by side (with muP multipliers), where a "
                         "block of attn's DecoderLM has one attention layer",
            "gemma4": "its vision and audio towers are not attn's: save its text model (model_type gemma4_text, "
-                     "Gemma4ForCausalLM) and load that"}
+                     "Gemma4ForCausalLM) and load that",
+           # attn has Muse Spark's heads (qk_norm "fixed" with qk_scale_factor, layer_rope_theta's NoPE layers,
+           # logit_softcap) but not the rest of its text model yet:
+           "muse_spark": "no family reads Muse Spark yet (its vision and audio towers aside, its text model's "
+                         "residual gates, input-scaled and weightless norms, per-head output norm and normed "
+                         "experts are not attn's blocks); its heads are attn's qk_norm 'fixed' and layer_rope_theta",
+           "muse_spark_text": "no family reads Muse Spark's text model yet: its residual gates, input-scaled and "
+                              "weightless norms, per-head output norm and normed experts are not attn's blocks; its "
+                              "heads are attn's qk_norm 'fixed' with qk_scale_factor and layer_rope_theta"}
 
 
 def _by_model_type() -> dict[str, Family]:
