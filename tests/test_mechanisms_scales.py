@@ -276,3 +276,16 @@ def test_layer_num_heads_decoding_equals_the_full_pass():
   m.init_cache(B, 7)
   outs = [m(ids[:, :4], decode=True)] + [m(ids[:, i:i + 1], decode=True) for i in range(4, 7)]
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=3e-5, rtol=3e-5)
+
+
+def test_per_layer_settings_and_new_options_through_toml():
+  from attn.experiments.running import config as config_lib
+  from conftest import TINY_MQAR
+  keys = ('positional = "rope"\nrope_dim = 4\nlayer_rope_theta = [0]\nlayer_num_heads = [2]\nqk_norm = "fixed"\n'
+          'qk_scale_factor = 3\ngate = "headwise"\ngate_activation = "softplus"\nvalue_scale = 0.5\n')
+  model = config_lib.loads(TINY_MQAR + keys, "a.toml", []).trials[0].config["model"]
+  cfg = ModelConfig(**model)
+  assert cfg.layer_rope_theta == (0.0,) and cfg.layer_num_heads == (2,) and cfg.layer_head(0).rope_dim == 0
+  assert (cfg.qk_scale_factor, cfg.gate_activation, cfg.value_scale) == (3.0, "softplus", 0.5)
+  with pytest.raises(ConfigError, match=r"model.layer_rope_theta='x' is not allowed: a list of numbers"):
+    config_lib.loads(TINY_MQAR + keys.replace("layer_rope_theta = [0]", 'layer_rope_theta = "x"'), "b.toml", [])
