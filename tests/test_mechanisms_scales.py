@@ -83,16 +83,17 @@ def test_against_naive(name):
   np.testing.assert_allclose(np.asarray(got), naive(p, x, cfg, lengths), rtol=2e-5, atol=2e-5)
 
 
-def test_value_scale_is_scaled_values():
+@pytest.mark.parametrize("variant, names", [("per_head", ("w_v", "b_v")),
+                                            pytest.param("fused", ("w_o",), marks=pytest.mark.slow)])
+def test_value_scale_is_scaled_values(variant, names):
   """value_scale s is W_V and b_V times s (per_head), or W_O times s (fused: its q, k, v in one matrix)."""
-  for variant, names in (("per_head", ("w_v", "b_v")), ("fused", ("w_o",))):
-    cfg = AWKWARD.replace(d_k=6, d_v=4, sinks=True, gate="headwise")
-    p = random_params(attn.init(variant, jax.random.key(1), cfg), 5)
-    x = randn(6, (B, T, cfg.d_model))
-    scaled = {n: (a * 0.37 if n in names else a) for n, a in p.items()}
-    want = attn.apply(variant, scaled, x, cfg=cfg, is_causal=True)
-    got = attn.apply(variant, p, x, cfg=cfg.replace(value_scale=0.37), is_causal=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  cfg = AWKWARD.replace(d_k=6, d_v=4, sinks=True, gate="headwise")
+  p = random_params(attn.init(variant, jax.random.key(1), cfg), 5)
+  x = randn(6, (B, T, cfg.d_model))
+  scaled = {n: (a * 0.37 if n in names else a) for n, a in p.items()}
+  want = attn.apply(variant, scaled, x, cfg=cfg, is_causal=True)
+  got = attn.apply(variant, p, x, cfg=cfg.replace(value_scale=0.37), is_causal=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_fixed_norm_forgets_the_scale_of_queries_and_keys():
