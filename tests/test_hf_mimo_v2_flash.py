@@ -139,3 +139,11 @@ def test_to_hf_refuses_a_schedule_mimo_cannot_hold():
   bad = cfg.replace(layer_heads={"sliding_attention": {"num_kv_heads": 2}})  # sliding layers without sinks
   with pytest.raises(ConfigError, match=r"layer 1 num_kv_heads, sinks, d_k, d_v=\(2, False, 12, 6\)"):
     hf.to_hf_state(nnx.eval_shape(lambda: DecoderLM(bad, rngs=nnx.Rngs(0))), bad, "mimo_v2_flash")
+
+
+def test_quantized_and_unknown_checkpoints_are_refused_by_name():
+  """A quantized release (quantization_config) is refused from config.json, before any weight."""
+  with pytest.raises(ConfigError, match=r"config.quantization_config=.*dequantize"):
+    hf.model_config({"model_type": "mimo_v2_flash", **KW, "quantization_config": {"quant_method": "fp8"}})
+  with pytest.raises(ConfigError, match=r"config.quantization_config=.*dequantize"):
+    hf.model_config({"model_type": "laguna", "quantization_config": {"quant_method": "fp8"}})

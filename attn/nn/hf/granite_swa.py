@@ -97,5 +97,7 @@ ROW = llama.LlamaLike("GraniteSWAForCausalLM", mlp_bias="mlp_bias", layer_types=
 _BASE = llama.family("granite_swa", ROW)
 GRANITE_SWA = dataclasses.replace(
     _BASE, config_in=config_in, weights_in=weights_in, weights_out=weights_out, check_out=check_out,
+    refusals=dict(_BASE.refusals) | {"quantization_config": ((None,), "float weights: attn does not dequantize "
+                                                                      "quantized checkpoints")},
     mapped=_BASE.mapped | {"sinks", "scale", "layer_types", "layer_rope_theta", "embed_multiplier",
                            "residual_multiplier", "logit_divisor"})

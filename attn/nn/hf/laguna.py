@@ -15,7 +15,8 @@ moe_routed_scaling_factor, beside one shared expert of width shared_expert_inter
 moe_router "sigmoid", moe_shared_d_ff). On disk (save_pretrained, the release) the correction bias
 is experts.e_score_correction_bias, the shared expert shared_expert and the experts one tensor each;
 in memory gate.e_score_correction_bias, shared_experts and fused experts: both are read. A router
-soft-cap (moe_router_logit_softcapping) is refused by name. transformers has Laguna from 5.25.
+soft-cap (moe_router_logit_softcapping) and a quantized checkpoint (quantization_config) are refused by
+name. transformers has Laguna from 5.25.
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ LAGUNA = Family(
     config_in=config_in, weights_in=weights_in, weights_out=weights_out, config_out=config_out, prefix="model.",
     refusals={"is_encoder_decoder": ((False,), "attn loads decoder-only models here"),
               "output_router_logits": ((False,), "attn's MoE returns no router logits"),
+              "quantization_config": ((None,), "float weights: attn does not dequantize quantized checkpoints (the "
+                                               "release's fp8 blocks); dequantize them first"),
               "attention_bias": ((False,), "attn's softplus gate would hold a bias the checkpoint lacks"),
               "moe_router_logit_softcapping": ((0.0, 0), "attn's sigmoid router has no logit soft-cap"),
               "moe_apply_router_weight_on_input": ((False,), "transformers does not run it either")},

@@ -14,8 +14,9 @@ The feed-forward is a gated MLP in the first layers (mlp_layer_types "dense") an
 sigmoid-routed experts (correction bias, n_group, topk_group) without shared experts after. On
 disk the sinks are attention_sink_bias and the experts one tensor each (experts.{e}.gate_proj, the
 release's names, which save_pretrained writes); both forms are read. The release's multi-token
-prediction layers (model.mtp.*) are not run, as transformers does not: skipped by name. transformers
-has MiMo-V2-Flash from 5.25.
+prediction layers (model.mtp.*) are not run, as transformers does not: skipped by name; a quantized
+checkpoint (quantization_config: the release's fp8) is refused from config.json. transformers has
+MiMo-V2-Flash from 5.25.
 """
 
 from __future__ import annotations
@@ -223,7 +224,9 @@ MIMO_V2_FLASH = Family(
     config_in=config_in, weights_in=weights_in, weights_out=weights_out, config_out=config_out, prefix="model.",
     ignored=("mtp.",),
     refusals={"is_encoder_decoder": ((False,), "attn loads decoder-only models here"),
-              "output_router_logits": ((False,), "attn's MoE returns no router logits")},
+              "output_router_logits": ((False,), "attn's MoE returns no router logits"),
+              "quantization_config": ((None,), "float weights: attn does not dequantize quantized checkpoints (the "
+                                               "release's fp8 blocks); dequantize them first")},
     fixed={"positional": "rope", "norm": "pre", "norm_type": "rmsnorm", "final_norm": True, "layernorm": True,
            "num_segments": 0, "embed_norm": False, "embed_scale": False, "qk_norm": False, "sinks": False},
     mapped=llama.MAPPED | {"layer_types", "layer_heads", "sliding_rope_theta", "value_scale", "mlp", "moe_experts",
