@@ -46,7 +46,9 @@ def _positive_int(field: str, value: Any) -> None:
 GATES = (None, "headwise", "elementwise")
 QKV_CONVS = (None, "q", "k", "v", "qk", "qv", "kv", "qkv")
 PROBABILITIES = ("softmax", "sigmoid", "relu")  # logits -> weights (attn.kernel.probability)
-QK_NORMS = (False, True, "whole")  # off, per head (Qwen3), over the whole projection (OLMo 2)
+QK_NORMS = (False, True, "whole", "fixed")  # off, per head (Qwen3), over the whole projection (OLMo 2),
+# per head without learned scales, the queries times qk_scale_factor (Muse Spark)
+GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the output gate's function: σ (Qiu et al. 2025), softplus (Laguna)
 ROPE_SCALINGS = (None, "linear", "llama3", "yarn")  # transformers' rope_type names; the loaders map each
 ROPE_SCALING_KINDS = ROPE_SCALINGS  # every kind a HeadConfig takes (the same tuple: the old name)
 ROPE_LAYOUTS = ("half", "interleaved", "none")  # which dims pair: i with i + r/2 (rotate_half), 2i with 2i + 1;
@@ -123,7 +125,12 @@ class HeadConfig:
   scale per dim, before the split into heads (OLMo 2): it couples the heads;
   qk_norm_plus_one makes those scales w in x̂·(1 + w), initialised at 0 (Gemma 3's
   q_norm and k_norm, held as the checkpoint's w, so they are written back bit for
-  bit; unused without qk_norm, like qk_norm_eps); window keeps the keys closer than
+  bit; unused without qk_norm, like qk_norm_eps); qk_norm "fixed" RMS-normalises each query and
+  key head with no learned scale and multiplies the queries by qk_scale_factor (Muse Spark: the
+  logits are then at most qk_scale_factor·√d_k·scale in size, whatever the weights); gate_activation
+  "softplus" puts softplus(x·W_gate + b_gate) in the gate's σ place (Laguna); value_scale
+  multiplies every value by a constant (MiMo-V2-Flash's attention_value_scale, with its d_v < d_k
+  heads), the same as scaling each head's output, which is where attn applies it; window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2); qk_l2_clip_threshold c scales every query and key
@@ -187,8 +194,11 @@ class HeadConfig:
   q_latent_dim: int | None = None
   latent_norm_eps: float | None = None
   gate: str | None = None
+  gate_activation: str = "sigmoid"  # or "softplus" (Laguna's g_proj)
   sinks: bool = False
-  qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2)
+  qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2); "fixed" (Muse Spark)
+  qk_scale_factor: float = 1.0  # qk_norm "fixed": the normalised queries times this (Muse Spark's qk_scale_factor)
+  value_scale: float | None = None  # each head's values times this constant (MiMo-V2-Flash's attention_value_scale)
   qk_norm_eps: float = 1e-6
   qk_norm_plus_one: bool = False  # the scales are w in x̂·(1 + w) (Gemma 3), initialised at 0
   window: int | None = None
@@ -338,15 +348,32 @@ class HeadConfig:
   def _check_mechanisms(self) -> None:
     if self.gate not in GATES:
       raise invalid("gate", self.gate, f"one of {list(GATES)}: the output gate of each query head")
+    if self.gate_activation not in GATE_ACTIVATIONS:
+      raise invalid("gate_activation", self.gate_activation, f"one of {list(GATE_ACTIVATIONS)}: the output "
+                    "gate's function of x·W_gate")
+    if self.gate is None and self.gate_activation != "sigmoid":
+      raise invalid("gate_activation", self.gate_activation, "'sigmoid' when gate=None: there is no gate "
+                    "to read it")
+    v = self.value_scale
+    if v is not None:
+      _positive_number("value_scale", v, "every value times it, or None; MiMo-V2-Flash's "
+                       "attention_value_scale")
     if not isinstance(self.sinks, bool):
       raise invalid("sinks", self.sinks, "True or False")
     if self.qk_norm not in QK_NORMS or isinstance(self.qk_norm, (int, float)) and \
         not isinstance(self.qk_norm, bool):
       raise invalid("qk_norm", self.qk_norm, "True or False (True: each head over its d_k dims, Qwen3), "
-                    "or 'whole' (the whole projection before the split into heads, OLMo 2)")
-    if self.qk_norm is True and self.d_k < 2:
-      raise invalid("qk_norm", True, f"False when d_k={self.d_k}: RMS-normalising one dim leaves "
+                    "'whole' (the whole projection before the split into heads, OLMo 2) or 'fixed' (each "
+                    "head without learned scales, the queries times qk_scale_factor, Muse Spark)")
+    if self.qk_norm in (True, "fixed") and self.d_k < 2:
+      raise invalid("qk_norm", self.qk_norm, f"False when d_k={self.d_k}: RMS-normalising one dim leaves "
                     "only its sign")
+    _positive_number("qk_scale_factor", self.qk_scale_factor, "the queries' factor after qk_norm 'fixed'")
+    if self.qk_norm == "fixed" and self.qk_norm_plus_one:
+      raise invalid("qk_norm_plus_one", True, "False with qk_norm 'fixed': it has no learned scales")
+    if self.qk_norm != "fixed" and self.qk_scale_factor != 1.0:
+      raise invalid("qk_scale_factor", self.qk_scale_factor, f"1.0 when qk_norm={self.qk_norm!r}: only "
+                    "qk_norm 'fixed' reads it")
     eps = self.qk_norm_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) \
         or eps <= 0:

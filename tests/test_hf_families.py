@@ -458,9 +458,10 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
     hf.to_hf(model, cfg, "mistral")
   with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'gemma2'"):
     hf.to_hf(model, cfg, "falcon")
-  # A DecoderLM with RoPE that from_hf did not load: five families fit it alike, so it must be named.
+  # A DecoderLM with RoPE that from_hf did not load: several families fit it alike (MiMo-V2-Flash with full
+  # layers and dense MLPs is a Qwen2), so it must be named.
   hand = DecoderLM(cfg, rngs=nnx.Rngs(0))
-  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mistral and phi3 and qwen2 and smollm3 fit it alike"):
+  with pytest.raises(ConfigError, match="model_type=None.*'gemma2'.*llama and mimo_v2_flash and mistral and phi3 and qwen2 and smollm3 fit it alike"):
     hf.to_hf(hand, cfg)
   nnx.update(hand, nnx.state(model))
   named = hf.to_hf(hand, cfg, "qwen2").state_dict()

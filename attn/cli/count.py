@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   for name, f in _HEAD_FIELDS.items():
     flag = name.replace("_", "-")
     kind = [n.strip() for n in str(f.type).split("|") if n.strip() != "None"][0]
-    if name == "qk_norm":  # --qk-norm: per head; --qk-norm whole: over the whole projection (OLMo 2)
-      parser.add_argument("--qk-norm", dest=name, nargs="?", const=True, default=None, metavar="whole")
+    if name == "qk_norm":  # --qk-norm: per head; whole: over the whole projection (OLMo 2); fixed: no scale
+      parser.add_argument("--qk-norm", dest=name, nargs="?", const=True, default=None, metavar="whole|fixed")
     elif name == "extra":  # an outside head mechanism's options, as [model.extra.NAME] in a config
       outside = sorted(n for n, m in MECHANISMS.items() if not m.fields)
       parser.add_argument("--extra", dest=name, type=_ARG_TYPES["dict"], default=None, metavar="TABLE",

@@ -84,6 +84,17 @@ def hf_breakdown(m: ModelConfig) -> dict[str, int]:
                     count_model.layer_type_table(m, "decoder_lm", 1))
 
 
+def _family(hf: dict[str, Any]):
+  from attn.nn.hf import family_for  # the hf package imports transformers-free modules only
+  return family_for(hf)
+
+
+def _held_zeros(hf: dict[str, Any], m: ModelConfig) -> int:
+  """Parameters per attention layer attn holds as zeros for the family (Family.held_zeros), else 0."""
+  family = _family(hf)
+  return int(family.held_zeros(m)) if family.held_zeros is not None else 0
+
+
 def _as_transformers(m: ModelConfig) -> tuple[int | None, str]:
   """What transformers holds otherwise than attn's breakdown: the output layer's parameters (None: tied),
   and the name of the MLP component."""
@@ -120,13 +131,24 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   m = m.replace(**changes) if changes else m
   # Each table once: the breakdown, and the layer types at lengths[0] (their per-layer figures
   # do not depend on the length) with each type's first layer, checked once (attn.count.layer.Layer).
+  zeros, family = _held_zeros(hf, m), _family(hf)  # before the tables: the walk stays in this module
   names = _as_transformers(m)
   model_parts = count_model.model_param_breakdown(m, "decoder_lm")
   table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype)
   parts = _breakdown(names, model_parts, table)
+  if family.counted_buffers is not None and family.counted_buffers(m):
+    parts[names[1]] += int(family.counted_buffers(m))
+    notes.append(f"{int(family.counted_buffers(m))} buffers of the feed-forward that transformers counts as "
+                 "parameters added (a correction bias)")
+  if zeros:  # attn's zeros in place of a bias the checkpoint lacks: not transformers' parameters
+    for row in table[:-1]:
+      parts[f"attention ({row['type']})"] -= zeros * row["layers"]
+    notes.append(f"{zeros} parameters per attention layer that attn holds as zeros (a bias the checkpoint "
+                 "lacks) left out")
   total = sum(parts.values())
   active = count_model.active_param_count(m, "decoder_lm", model_parts) - (model_parts["output"]
-                                                                          - parts.get("output", 0))
+                                                                          - parts.get("output", 0)) \
+      - zeros * sum(row["layers"] for row in table[:-1])
   layers = []
   # the cache at each length summed layer by layer (a type's layers may cache differently: indexer_types)
   at = {L: table if L == lengths[0] else count_model.layer_type_table(m, "decoder_lm", L, dtype) for L in lengths}

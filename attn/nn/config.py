@@ -88,9 +88,15 @@ class ModelConfig:
   dense_bias: bool | None = None  # biases of the MLP and an untied output layer; None: use_bias
   embed_scale: bool = False  # token embeddings times sqrt(d_model) (Gemma)
   logit_softcap: float | None = None  # output logits -> c·tanh(logits/c) (Gemma 2)
+  # Granite's multipliers (attn.nn.hf.granite_swa), 1.0 each by default: no parameters, no FLOPs counted.
+  embed_multiplier: float = 1.0  # token embeddings times this (embedding_multiplier)
+  residual_multiplier: float = 1.0  # each sublayer's output times this before the residual add
+  logit_divisor: float = 1.0  # output logits divided by this, before logit_softcap (logits_scaling)
   mlm_head: bool = False  # Encoder: BERT's masked-LM head (dense, activation, norm, tied decoder + bias)
   layer_types: tuple[str, ...] | None = None  # one type per layer (attn.nn.layer_types); None: global_every
   sliding_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3's local base)
+  layer_rope_theta: tuple[float, ...] | None = None  # per layer, its RoPE base; 0: NoPE (attn.nn.layer_types)
+  layer_num_heads: tuple[int, ...] | None = None  # per layer, its query heads (Laguna; attn.nn.layer_types)
   linear_variant: str = "gated_deltanet"  # the variant of layer_types' "linear_attention" layers
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   linear_norm: str | None = None  # linear_attention blocks' norm placement, "pre" or "after"; None: norm's (OLMo-Hybrid)
@@ -129,6 +135,8 @@ class ModelConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
+    object.__setattr__(self, "layer_rope_theta", layer_types.normalize_thetas(self.layer_rope_theta))
+    object.__setattr__(self, "layer_num_heads", layer_types.normalize(self.layer_num_heads))
     object.__setattr__(self, "layer_heads", layer_heads.normalize(self.layer_heads))
     object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
     object.__setattr__(self, "indexer_types", index_sharing.normalize(self.indexer_types))
@@ -156,6 +164,10 @@ class ModelConfig:
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not 0 < c < float("inf")):
       raise invalid("logit_softcap", c, "None or a positive finite number: logits -> c·tanh(logits/c)")
+    for name in ("embed_multiplier", "residual_multiplier", "logit_divisor"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise invalid(name, value, "a positive finite number (1.0: off; Granite's multipliers)")
     api.check_config(self.variant, self.head)  # d_k, d_v, num_kv_heads, collab_width, variant
     object.__setattr__(self, "extra", self.head.extra)  # frozen, so the config stays hashable
     if self.positional == "rope" and not self.rope_dim:
@@ -275,10 +287,11 @@ class ModelConfig:
   def layer_head(self, index: int) -> HeadConfig:
     """The HeadConfig of self-attention layer `index` (0-based) of a stack, with layer = index + 1.
 
-    Its type (layer_types[index], or global_every's rule) sets its window and RoPE.
+    Its type (layer_types[index], or global_every's rule) sets its window and RoPE; layer_rope_theta[index],
+    if set, its RoPE base (0: none); layer_num_heads[index], if set, its query heads.
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
-    head = layer_types.head_for(self, layer_types.layer_type(self, index), head)
+    head = layer_heads.per_layer(self, index, layer_types.head_for(self, layer_types.layer_type(self, index), head))
     return index_sharing.mark(self, index, head)  # indexer_types: a shared layer's indexer reuses a choice
 
   def layer_variant(self, index: int) -> str:

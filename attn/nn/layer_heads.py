@@ -12,7 +12,8 @@ global_head_dim and num_global_key_value_heads).
 linear_attention type in place of linear_variant, which it may not contradict, and only d_k, d_v
 and num_kv_heads beside it: layer_types._check_linear); value_norm_eps and rope_dim are the HeadConfig fields
 of the same names (the values' weightless RMSNorm; the rotated width), as are compress_block, compress_overlap and
-compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer). Each type's head is then
+compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer), and sinks
+(a learned logit per head in that type's layers only: MiMo-V2-Flash's sliding layers). Each type's head is then
 checked as that variant's (k_eq_v refuses d_v != d_k by name, layer_types.check).
 
 The fields a type may set are FIELDS; a type not in the table keeps the model's head. The
@@ -35,7 +36,7 @@ from attn.variants import VARIANTS
 
 FIELDS = ("d_k", "d_v", "num_kv_heads", "value_norm_eps", "rope_dim", "compress_block",
           "compress_overlap", "compress_index_heads", "compress_index_dim",
-          "compress_index_topk")  # HeadConfig fields
+          "compress_index_topk", "sinks")  # HeadConfig fields
 KEYS = (*FIELDS, "variant")  # what a type may set
 
 
@@ -56,6 +57,27 @@ def apply(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
              if f.name not in PER_LAYER_FIELDS and f.name not in sizes
              and getattr(m, f.name, 0) is None and getattr(head, f.name) is not None}
   return head.replace(**derived, **sizes)
+
+
+# What a NoPE layer resets (as layer_types' _nope types do): every RoPE field to its default.
+_ROPE_FIELDS = tuple(f.name for f in dataclasses.fields(HeadConfig) if f.name.startswith("rope_"))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
+
+
+def per_layer(m: Any, index: int, head: HeadConfig) -> HeadConfig:
+  """head with layer `index`'s own query heads (m.layer_num_heads: Laguna's num_attention_heads_per_layer)
+  and its own RoPE base from m.layer_rope_theta (0: no rotation, NoPE); the
+  model's scaling and rope_dim are kept (Granite-SWA's and Muse Spark's layer_rope_theta: transformers
+  builds each base's rotary embedding from the model's rope_parameters with rope_theta replaced)."""
+  heads = getattr(m, "layer_num_heads", None)
+  if heads is not None and head.num_heads != heads[index]:
+    head = head.replace(num_heads=heads[index], collab_width=None if m.collab_width is None else head.collab_width)
+  thetas = getattr(m, "layer_rope_theta", None)
+  if thetas is None or not head.rope_dim:  # a linear or NoPE layer (check() refused a base there)
+    return head
+  if not thetas[index]:
+    return head.replace(**{n: _DEFAULTS[n] for n in _ROPE_FIELDS})
+  return head.replace(rope_theta=float(thetas[index]))
 
 
 def variant(m: Any, kind: str) -> str | None:
@@ -82,6 +104,10 @@ def check(m: Any, kinds: tuple[str, ...]) -> None:
         raise invalid(where, value, f"one of {list(KEYS)}: the head sizes and variant a layer type sets")
       if name == "variant":
         VARIANTS.resolve(value, where)
+      elif name == "sinks":
+        if not isinstance(value, bool):
+          raise invalid(where, value, "True or False (a learned sink logit per head in this type's layers: "
+                        "MiMo-V2-Flash's sliding layers)")
       elif name == "compress_overlap":
         if not isinstance(value, bool):
           raise invalid(where, value, "True or False (two series per token: DeepSeek-V4's CSA)")

@@ -26,6 +26,14 @@ is the model's HeadConfig (ModelConfig.head):
                           RoPE to drop it stands beside any positional (NemotronH's
                           mamba2 layers beside attention without positions)
 
+layer_rope_theta (one number per layer, 0 = NoPE: Granite-SWA's and Muse Spark's) sets each
+layer's RoPE base beside its type, the model's rope_scaling and rope_dim kept; 0 drops the rotation
+as a _nope type does. It goes with the model's rope_theta (unread where every entry is set) and
+refuses sliding_rope_theta (one of the two says a sliding layer's base) and a base for a layer
+without RoPE. layer_num_heads (one count per layer: Laguna's num_attention_heads_per_layer) sets each
+layer's query heads, each a multiple of its kv heads; the layer's parameters, FLOPs and counts follow
+(its KV cache does not change: the kv heads are the type's).
+
 The first two and linear_attention are transformers' `layer_types` values, so a checkpoint's
 list maps entry for entry. sliding_rope_theta is Gemma 3's rope_local_base_freq:
 its sliding layers rotate with their own base and without the model's
@@ -119,6 +127,56 @@ def head_for(m: Any, kind: str, head: HeadConfig) -> HeadConfig:
   return head
 
 
+def normalize_thetas(value: Any) -> Any:
+  """layer_rope_theta as a tuple of floats (TOML and JSON give lists, maybe of integers): 1 and 1.0 are
+  one config; other values are left for check()."""
+  if not isinstance(value, (list, tuple)):
+    return value
+  return tuple(float(t) if isinstance(t, int) and not isinstance(t, bool) else t for t in value)
+
+
+def _check_layer_theta(m: Any) -> None:
+  """layer_rope_theta: one base per layer, each 0 (NoPE) or positive, where the layer rotates."""
+  thetas, L = m.layer_rope_theta, m.num_layers
+  allowed = f"None or a list of {L} RoPE bases, one per layer (0: NoPE)"
+  if not isinstance(thetas, tuple):
+    raise invalid("layer_rope_theta", thetas, allowed)
+  if len(thetas) != L:
+    raise invalid("layer_rope_theta", f"{len(thetas)} entries", f"one per layer: num_layers={L}")
+  for i, t in enumerate(thetas):
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+      raise invalid(f"layer_rope_theta[{i}]", t, "0 (NoPE) or a positive finite RoPE base")
+  if m.positional != "rope":
+    raise invalid("layer_rope_theta", list(thetas), f"None when positional={m.positional!r}: there are no "
+                  "rotary positions to set a base for")
+  if m.sliding_rope_theta is not None:
+    raise invalid("sliding_rope_theta", m.sliding_rope_theta, "None with layer_rope_theta: each layer's "
+                  "base is there")
+  for i, t in enumerate(thetas):
+    kind = layer_type(m, i)
+    if t and not LAYER_TYPES[kind].rope:
+      raise invalid(f"layer_rope_theta[{i}]", t, f"0: layer_types[{i}]={kind!r} has no RoPE to set a base for")
+
+
+def _check_layer_heads(m: Any) -> None:
+  """layer_num_heads: one positive count of query heads per layer, each a multiple of the layer's kv heads."""
+  heads, L = m.layer_num_heads, m.num_layers
+  if not isinstance(heads, tuple):
+    raise invalid("layer_num_heads", heads, f"None or a list of {L} counts of query heads, one per layer")
+  if len(heads) != L:
+    raise invalid("layer_num_heads", f"{len(heads)} entries", f"one per layer: num_layers={L}")
+  for i, n in enumerate(heads):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise invalid(f"layer_num_heads[{i}]", n, "a positive integer (the layer's query heads)")
+    kind = layer_type(m, i)
+    if LAYER_TYPES[kind].linear:
+      raise invalid(f"layer_num_heads[{i}]", n, f"layer_types[{i}]={kind!r} takes its heads from linear_head: "
+                    "layer_num_heads is for softmax layers only (a model without linear layers)")
+    G = head_for(m, kind, m.head).num_kv_heads
+    if n % G:
+      raise invalid(f"layer_num_heads[{i}]", n, f"a multiple of the layer's num_kv_heads={G} (grouped heads)")
+
+
 def normalize(value: Any) -> tuple[str, ...] | None:
   """layer_types as a tuple (TOML and JSON give lists); other values are left for check()."""
   return tuple(value) if isinstance(value, list) else value
@@ -149,6 +207,10 @@ def check(m: Any) -> None:
                       "there are no rotary positions to drop (every layer is position-free already)")
     if w is not None and not any(LAYER_TYPES[k].sliding for k in kinds):
       raise invalid("window", w, "None: no entry of layer_types is a sliding type, so none would read it")
+  if m.layer_rope_theta is not None:
+    _check_layer_theta(m)
+  if m.layer_num_heads is not None:
+    _check_layer_heads(m)
   theta = m.sliding_rope_theta
   if theta is not None:
     types = [layer_type(m, i) for i in range(m.num_layers)]
@@ -165,11 +227,13 @@ def check(m: Any) -> None:
   seen = set()
   for i in range(m.num_layers):
     kind = layer_type(m, i)
-    if kind in seen:
+    nope = m.layer_rope_theta is not None and not m.layer_rope_theta[i]
+    heads = None if m.layer_num_heads is None else m.layer_num_heads[i]
+    if (kind, nope, heads) in seen:
       continue
-    seen.add(kind)
+    seen.add((kind, nope, heads))
     try:
-      api.check_config(variant_for(m, kind), head_for(m, kind, m.head))
+      api.check_config(variant_for(m, kind), layer_heads.per_layer(m, i, head_for(m, kind, m.head)))
     except ConfigError as e:
       raise ConfigError(f"layer_types[{i}]={kind!r}: {e}") from None
 

@@ -28,7 +28,8 @@ linear_norm, with layer_types, gives the linear_attention layers "pre" or "after
 mlp "gated" (down(act(gate(x))·up(x)): 3·D·d_ff + b·(2·d_ff + D); activation
 "silu" makes it SwiGLU); dense_bias (the MLP's and an untied output's biases,
 None following use_bias); embed_scale (tokens × √D); logit_softcap (output
-logits c·tanh(z/c)); mlm_head (Encoder: BERT's masked-LM head, D² + D + norm +
+logits c·tanh(z/c)); Granite's embed_multiplier, residual_multiplier (x + r·f(x)) and
+logit_divisor (logits / d), no parameters; mlm_head (Encoder: BERT's masked-LM head, D² + D + norm +
 vocab, its decoder tied to the token table); mlp "moe": a mixture of experts
 (attn.nn.moe, the moe_* fields), computed densely, each expert on every token:
 exact, and E/k times a real MoE's expert cost.
@@ -92,6 +93,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -248,6 +250,8 @@ class Embeddings(nnx.Module):
     x_BTD = lookup(self.token[...].astype(dtype), tokens_BT)
     if self.cfg.embed_scale:
       x_BTD = x_BTD * jnp.asarray(np.sqrt(self.cfg.d_model), dtype)
+    if self.cfg.embed_multiplier != 1.0:  # Granite's embedding_multiplier
+      x_BTD = x_BTD * jnp.asarray(self.cfg.embed_multiplier, dtype)
     if prefix_D is not None:
       prefix_B1D = jnp.broadcast_to(prefix_D, (x_BTD.shape[0], 1, x_BTD.shape[2]))
       x_BTD = jnp.concatenate([prefix_B1D.astype(x_BTD.dtype), x_BTD], axis=1)
@@ -301,6 +305,12 @@ class MLP(nnx.Module):
     return self.down(activate(self.activation, g_BTF) * u_BTF)
 
 
+def _times(f, r: float, h: Array) -> Array:
+  """f(h)·r in f's output dtype (Granite's residual_multiplier)."""
+  y = f(h)
+  return y * jnp.asarray(r, y.dtype)
+
+
 class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
@@ -310,6 +320,7 @@ class TransformerBlock(nnx.Module):
                norm: str | None = None):
     norm = cfg.norm if norm is None else norm  # this layer's (ModelConfig.block_norm)
     self.post_norm = norm == "post"
+    self.residual_multiplier = float(cfg.residual_multiplier)  # Granite's: x + r·f(x)
     has_attn, has_mlp = kind != "mlp", kind != "attention"  # ModelConfig.block_kinds
     sandwich = norm in ("sandwich", "after")  # Gemma 2: x + post(f(pre(x))); OLMo 2: x + post(f(x))
     pre = norm != "after"
@@ -346,6 +357,8 @@ class TransformerBlock(nnx.Module):
     self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
 
   def _residual(self, norm, f, x_BTD: Array, post=None, hc=None) -> Array:
+    if self.residual_multiplier != 1.0:
+      f = functools.partial(_times, f, self.residual_multiplier)
     if hc is not None:  # x (B,T,n,D): n streams mixed around the sublayer (pre-norm only)
       return hc(lambda h: _norm(post, f(_norm(norm, h))), x_BTD)
     # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x));
@@ -531,7 +544,8 @@ class MLMHead(nnx.Module):
 class OutputHead(nnx.Module):
   """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear.
 
-  With cfg.logit_softcap c, logits -> c·tanh(logits/c) (Gemma 2's final soft-cap).
+  With cfg.logit_divisor d, logits / d (Granite's logits_scaling); with cfg.logit_softcap c, then
+  logits -> c·tanh(logits/c) (Gemma 2's final soft-cap).
   """
 
   def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
@@ -539,12 +553,15 @@ class OutputHead(nnx.Module):
     self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.vocab_size, rngs,
                                                          cfg.has_dense_bias)
     self.softcap = cfg.logit_softcap
+    self.divisor = float(cfg.logit_divisor)
 
   def __call__(self, h_BTD: Array) -> Array:
     if self.linear is not None:
       logits_BTN = self.linear(h_BTD)
     else:
       logits_BTN = jnp.einsum("BTD,ND->BTN", h_BTD, self.tied[...].astype(h_BTD.dtype))
+    if self.divisor != 1.0:  # Granite's logits_scaling
+      logits_BTN = logits_BTN / jnp.asarray(self.divisor, logits_BTN.dtype)
     if self.softcap is not None:
       logits_BTN = self.softcap * jnp.tanh(logits_BTN / self.softcap)
     return logits_BTN

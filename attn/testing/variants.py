@@ -620,7 +620,8 @@ def _outside_closed_form(cfg: HeadConfig) -> bool:
 def _off(m: Mechanism, cfg: HeadConfig) -> HeadConfig:
   """cfg with m switched off."""
   if m.fields:
-    return cfg.replace(**{m.fields[0]: {f.name: f.default for f in dataclasses.fields(HeadConfig)}[m.fields[0]]})
+    defaults = {f.name: f.default for f in dataclasses.fields(HeadConfig)}
+    return cfg.replace(**{f: defaults[f] for f in m.fields})  # its options too: HeadConfig refuses them alone
   return cfg.replace(extra={n: o for n, o in (cfg.extra or {}).items() if n != m.name} or None)
 
 

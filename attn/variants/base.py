@@ -513,7 +513,9 @@ def qk_norm_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
   qk_norm "whole" (one RMS over all H·K query dims, one over all G·K key dims)
   forgets only the two projections' overall scales, and its scales are per head:
   a group's R query scales against its one key scale give R products per
-  unrotated dim and 2R + 1 per RoPE pair, H·K + G·rope_dim/2 in all. (Measured
+  unrotated dim and 2R + 1 per RoPE pair, H·K + G·rope_dim/2 in all. qk_norm "fixed" has no
+  scales (its qk_scale_factor is a constant, not a parameter): the maps up to their scales, less
+  each kv group's rotations that keep the normalised heads' dot products (fixed_norm_gauge). (Measured
   as the Jacobian's rank only where d_k is below the inputs a head reads: at
   d_k ≥ d_q + b it over-counts, the Jacobian's rank being lower.)
   """
@@ -521,7 +523,20 @@ def qk_norm_score_dof(cfg: HeadConfig, d_q: int, d_kv: int) -> int:
   H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
   if cfg.qk_norm == "whole":
     return H * (d_q + b) * K - 1 + G * (d_kv + b) * K - 1 + H * K + G * (cfg.rope_dim // 2)
-  return H * ((d_q + b) * K - 1) + G * ((d_kv + b) * K - 1) + K + cfg.rope_dim // 2
+  maps = H * ((d_q + b) * K - 1) + G * ((d_kv + b) * K - 1)
+  if cfg.qk_norm == "fixed":
+    return maps - G * fixed_norm_gauge(cfg)
+  return maps + K + cfg.rope_dim // 2
+
+
+def fixed_norm_gauge(cfg: HeadConfig) -> int:
+  """One kv group's rotations that leave qk_norm "fixed"'s scores alone: an orthogonal map of the
+  query and key heads' K dims keeps their norms and dot products, and with RoPE it must commute with
+  the rotation, so the unrotated dims turn freely (O(K − r)) and each RoPE pair turns within itself
+  (r/2). Learned scales break this (a diagonal scale commutes with no rotation); with no scale the
+  rotations are a gauge, counted out. (Measured: the Jacobian's rank at K = 2, 3, 4, r = 0, 2, 4.)"""
+  free = cfg.d_k - cfg.rope_dim
+  return free * (free - 1) // 2 + cfg.rope_dim // 2
 
 
 def score_space_dim(cfg: HeadConfig, d_q: int, d_kv: int) -> int:

@@ -137,7 +137,7 @@ def value_dof(cfg: HeadConfig) -> int:
 
 def shared_score_dof(cfg: HeadConfig) -> int:
   """QK-norm's scales, which both pairs share: counted once, not once per pair (docstring)."""
-  return cfg.d_k + cfg.rope_dim // 2 if cfg.qk_norm else 0
+  return cfg.d_k + cfg.rope_dim // 2 if cfg.qk_norm and cfg.qk_norm != "fixed" else 0  # "fixed": none
 
 
 def effective_param_count(cfg: HeadConfig) -> int:

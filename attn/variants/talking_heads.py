@@ -98,7 +98,9 @@ def effective_param_count(cfg: HeadConfig) -> int:
   D, H, G, R = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.group_size
   b = 1 if cfg.use_bias else 0
   mixing = H * H - G * R * R
-  if cfg.qk_norm:
+  if cfg.qk_norm == "fixed":  # no learned scale trades against the mixing's: all of it is free
+    scores = factored_score_dof(cfg, D, D) + H * H
+  elif cfg.qk_norm:
     scores = factored_score_dof(cfg, D, D) + H * H - 1
   else:
     scores = min(factored_score_dof(cfg, D, D) + mixing, score_space_dim(cfg, D, D))

@@ -212,9 +212,11 @@ def _schema(section: str, raw_task: dict[str, Any]) -> dict[str, Any]:
 
 # TOML values by a field's annotation ("int | None", "float", "str | None", "bool", "int | str").
 _TOML_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,),
-               "tuple[str, ...]": (list, tuple), "tuple[int, ...]": (list, tuple)}
+               "tuple[str, ...]": (list, tuple), "tuple[int, ...]": (list, tuple),
+               "tuple[float, ...]": (list, tuple)}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "dict": "a table", "tuple[str, ...]": "a list of strings", "tuple[int, ...]": "a list of integers"}
+               "dict": "a table", "tuple[str, ...]": "a list of strings", "tuple[int, ...]": "a list of integers",
+               "tuple[float, ...]": "a list of numbers"}
 
 
 def _check_type(key: str, value: Any, spec: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, nine Llama-like decoders, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, six hybrids.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Laguna, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, six hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -15,7 +15,13 @@ kimi_linear (kda layers beside mla ones without positions, DeepSeek's experts), 
 qwen3_5_moe_text (the same with Qwen3-Next's experts in every layer), and nemotron_h (NemotronH:
 single-mixer layers, Mamba-2 as the mamba2 variant, attention without positions and relu² MLPs, each
 its own residual: ModelConfig.block_kinds), and olmo_hybrid (OLMo-Hybrid: gated_deltanet layers with
-negative eigenvalues, pre-norm, beside OLMo 2's softmax layers, norms after: ModelConfig.linear_norm).
+negative eigenvalues, pre-norm, beside OLMo 2's softmax layers, norms after: ModelConfig.linear_norm), granite_swa (Granite-SWA: sinks, full and sliding layers in
+any order, a RoPE base per layer with NoPE layers, Granite's multipliers), mimo_v2_flash (MiMo-V2-Flash:
+value heads narrower than query/key heads with a value scale, sliding layers with twice the kv heads and sinks,
+partial RoPE per layer type, DeepSeek-routed experts without shared ones; its multi-token-prediction layers skipped),
+and laguna (Laguna: a softplus output gate, query heads per layer, QK-norm, partial RoPE per type, sigmoid-routed
+experts with a shared expert).
+
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed
 packages, and FAMILIES.register(record) for the current process only (worker

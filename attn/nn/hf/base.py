@@ -131,6 +131,10 @@ class Family:
                 releases hold, renamed, split or stacked); names it does not know pass through unchanged
   check_out     more refusals of to_hf (ModelConfig -> None, ConfigError naming the field)
   model_kwargs  ModelConfig -> keywords of the transformers model's constructor
+  held_zeros    ModelConfig -> parameters per attention layer that attn holds as zeros and the checkpoint
+                does not have (MiMo-V2-Flash's o_proj bias): `attn count --hf` leaves them out
+  counted_buffers  ModelConfig -> tensors of the feed-forward that attn holds as buffers and transformers
+                counts as parameters (Laguna's correction bias): `attn count --hf` adds them
   """
 
   name: str
@@ -152,6 +156,8 @@ class Family:
   released: Callable[[dict[str, Any]], dict[str, Any]] | None = None
   check_out: Callable[[ModelConfig], None] | None = None
   model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None
+  held_zeros: Callable[[ModelConfig], int] | None = None
+  counted_buffers: Callable[[ModelConfig], int] | None = None
 
   def __post_init__(self):
     where = f"Family {self.name!r}"
@@ -161,7 +167,7 @@ class Family:
         raise invalid(f"{where}.{field}", value, "a tuple of non-empty strings" +
                       (" (at least one)" if field == "model_types" else ""))
     for field in ("config_in", "weights_in", "weights_out", "config_out", "from_names", "released", "check_out",
-                  "model_kwargs"):
+                  "model_kwargs", "held_zeros", "counted_buffers"):
       value = getattr(self, field)
       if value is not None and not callable(value):
         raise invalid(f"{where}.{field}", value, "a function (or None where optional)")

@@ -21,8 +21,9 @@ from flax import nnx
 
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, hy_v4,
-                         kimi_linear, llama, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
+from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, granite_swa,
+                         hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5,
+                         qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -40,7 +41,8 @@ def _builtins() -> tuple[Family, ...]:
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
-          deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID)
+          deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID, granite_swa.GRANITE_SWA,
+          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -62,7 +64,15 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
                                   "(kv_source_layers) and an indexer on x instead of a query latent are not attn's "
                                   "(docs/key_selection.md)",
            "mistral_large4": "it is Mistral Large 4's image-text wrapper (Pixtral tower), and no family reads its "
-                             "text model (mistral_large4_text) yet (docs/key_selection.md)"}
+                             "text model (mistral_large4_text) yet (docs/key_selection.md)",
+           # attn has Muse Spark's heads (qk_norm "fixed" with qk_scale_factor, layer_rope_theta's NoPE layers,
+           # logit_softcap) but not the rest of its text model yet:
+           "muse_spark": "no family reads Muse Spark yet (its vision and audio towers aside, its text model's "
+                         "residual gates, input-scaled and weightless norms, per-head output norm and normed "
+                         "experts are not attn's blocks); its heads are attn's qk_norm 'fixed' and layer_rope_theta",
+           "muse_spark_text": "no family reads Muse Spark's text model yet: its residual gates, input-scaled and "
+                              "weightless norms, per-head output norm and normed experts are not attn's blocks; its "
+                              "heads are attn's qk_norm 'fixed' with qk_scale_factor and layer_rope_theta"}
 
 
 def _by_model_type() -> dict[str, Family]:

@@ -43,13 +43,13 @@ def check(cfg: HeadConfig, name: str) -> None:
       raise invalid(field, getattr(cfg, field), f"{kept_at(off)} for {name}: a linear head has no "
                     "attention logits or weights for it to act on")
   for m in mechanisms.active(cfg):
-    if m.fields and m.name != "gate":  # a built-in the list above does not name (qk_l2_clip)
+    if m.fields and m.name not in ("gate", "value_scale"):  # a built-in the list above does not name (qk_l2_clip)
       raise invalid(m.fields[0], getattr(cfg, m.fields[0]), f"{kept_at(mechanisms.default_of(m.fields[0]))} "
                     f"for {name}: a linear head has no query/key heads for {m.name} to act on")
-  others = [m.name for m in mechanisms.active(cfg) if m.name != "gate"]
+  others = [m.name for m in mechanisms.active(cfg) if m.name not in ("gate", "value_scale")]
   if others:
     raise invalid("extra", dict(cfg.extra or {}), f"{kept_at(None)} for {name}: of the head mechanisms only "
-                  f"the output gate acts on a linear head (not {others})")
+                  f"the output gate and value_scale act on a linear head (not {others})")
 
 
 def check_call(name: str, context, opts) -> None:

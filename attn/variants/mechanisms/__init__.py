@@ -5,7 +5,7 @@ path), choice (the one hook for a mechanism that chooses keys or replaces the at
 built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), selection (moba,
 the lightning indexer), nsa.
 
-The built-ins (gate, sinks, qk_norm, window, softcap, probability, moba, indexer, nsa), plugins
+The built-ins (gate, sinks, qk_norm, value_scale, window, softcap, probability, moba, indexer, nsa), plugins
 of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
@@ -334,8 +334,9 @@ def kv_tokens(cfg: HeadConfig, length: int) -> int:
 
 
 def plain(cfg: HeadConfig) -> HeadConfig:
-  """cfg with every mechanism off: built-in switches at HeadConfig's defaults, no extra."""
-  return cfg.replace(**{m.fields[0]: _DEFAULTS[m.fields[0]] for m in MECHANISMS.values() if m.fields},
+  """cfg with every mechanism off: built-in fields at HeadConfig's defaults (the switch and the options
+  that only it reads, which HeadConfig refuses without it), no extra."""
+  return cfg.replace(**{f: _DEFAULTS[f] for m in MECHANISMS.values() for f in m.fields},
                      extra=None)
 
 

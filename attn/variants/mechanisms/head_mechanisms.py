@@ -8,6 +8,7 @@ counts (attn.variants.mechanisms has the record and the registry).
 
   gate "headwise"     w_gate (D,H) [+ b_gate (H,)]: o_h ← o_h·σ(x·w_gate[:, h] + b_gate[h])
   gate "elementwise"  w_gate (D,H,V) [+ b_gate (H,V)]: o_h ← o_h ⊙ σ(x·w_gate[:, h] + b_gate[h])
+      (gate_activation "softplus": softplus in σ's place, Laguna's g_proj: a gate in (0, ∞))
       (Qiu et al. 2025, "Gated Attention for LLMs", G1: after the attention
       core, before W^O; x is the token whose output o_h is.)
   sinks               sinks (H,): one more logit per query head in every softmax
@@ -27,6 +28,11 @@ counts (attn.variants.mechanisms has the record and the registry).
   qk_l2_clip          no parameters: each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
       c = qk_l2_clip_threshold, after QK-norm and before RoPE (Inkling-2): a vector longer than
       c is brought to norm c, so no logit exceeds c²·scale.
+  qk_norm "fixed"     no parameters: each query and key head RMS-normalised with no learned scale,
+      the queries times qk_scale_factor (Muse Spark): every logit is then at most
+      qk_scale_factor·√d_k·scale in size whatever the weights.
+  value_scale         no parameters: every value times a constant (MiMo-V2-Flash), applied to each
+      head's output, which is the same function (the weighted sum is linear in the values).
   window, softcap     no parameters: arguments of kernel.attention.
   probability         no parameters: "sigmoid" σ(l − log n) or "relu" max(l, 0)/n in place of
       the softmax, n the keys a row's masks leave visible (attn.kernel.probability, which cites
@@ -82,11 +88,12 @@ def _gate_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def gate_output(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig) -> Array:
-  """o_h times σ(x·W_gate,h + b_gate,h): one gate per head ("headwise") or per value dim."""
+  """o_h times σ(x·W_gate,h + b_gate,h) (softplus with gate_activation "softplus"): one gate per head
+  ("headwise") or per value dim."""
   w_gate = params["w_gate"]
   z = jnp.einsum("BTD,D...->BT...", x_BTD, w_gate, preferred_element_type=jnp.float32)
   z = z + params.get("b_gate", jnp.zeros((), w_gate.dtype)).astype(jnp.float32)
-  g = jax.nn.sigmoid(z)
+  g = jax.nn.softplus(z) if cfg.gate_activation == "softplus" else jax.nn.sigmoid(z)
   g_BTHV = g[..., None] if cfg.gate == "headwise" else g
   return (o_BTHV.astype(jnp.float32) * g_BTHV).astype(o_BTHV.dtype)
 
@@ -102,11 +109,14 @@ def _gate_flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 
 GATE = Mechanism(
-    name="gate", fields=("gate",), init=_gate_init, sharding={"w_gate": "DHV", "b_gate": "HV"},
+    name="gate", fields=("gate", "gate_activation"), init=_gate_init, sharding={"w_gate": "DHV", "b_gate": "HV"},
     on_output=gate_output, param_count=_gate_params, effective_param_count=_gate_params,
     flops=_gate_flops, score_weights=_zero, examples=(("gate headwise", {"gate": "headwise"}, "H·(D + b)", "2·T·D·H"),
-              ("gate elementwise", {"gate": "elementwise"}, "H·V·(D + b)", "2·T·D·H·V")),
-    help="gate: headwise|elementwise, σ(x·W_gate) on each head's output")
+              ("gate softplus", {"gate": "headwise", "gate_activation": "softplus"}, "H·(D + b)", "2·T·D·H"),
+              ("gate elementwise", {"gate": "elementwise", "gate_activation": "sigmoid"}, "H·V·(D + b)",
+               "2·T·D·H·V")),
+    help="gate: headwise|elementwise, σ(x·W_gate) on each head's output (gate_activation softplus: "
+         "softplus(x·W_gate), Laguna's)")
 
 
 # sinks
@@ -141,10 +151,21 @@ def normalize_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *,
   queries over all H·K dims at once (times q_norm_whole (H,K)), the keys over all G·K; with
   qk_norm_plus_one, times 1 + the scales."""
   eps, one = cfg.qk_norm_eps, cfg.qk_norm_plus_one
+  if cfg.qk_norm == "fixed":
+    return fixed_norm(q_BTHK, eps, cfg.qk_scale_factor), fixed_norm(k_BSGK, eps, 1.0)
   if cfg.qk_norm == "whole":
     return (_whole_norm(q_BTHK, params["q_norm_whole"], eps, one),
             _whole_norm(k_BSGK, params["k_norm_whole"], eps, one))
   return rms_norm(q_BTHK, params["q_norm"], eps, one), rms_norm(k_BSGK, params["k_norm"], eps, one)
+
+
+def fixed_norm(x_BTNK: Array, eps: float, factor: float) -> Array:
+  """x / sqrt(mean over K of x² + eps) · factor, no learned scale (Muse Spark's qk_norm, its queries times
+  qk_scale_factor), in float32, returned in x's dtype: transformers rounds the norm to x's dtype
+  before the factor, so in bf16 the two differ by one rounding."""
+  x = x_BTNK.astype(jnp.float32)
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return (y * factor).astype(x_BTNK.dtype)
 
 
 def _whole_norm(x_BTNK: Array, scale_NK: Array, eps: float, plus_one: bool) -> Array:
@@ -154,6 +175,8 @@ def _whole_norm(x_BTNK: Array, scale_NK: Array, eps: float, plus_one: bool) -> A
 
 def _qk_norm_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   del key
+  if cfg.qk_norm == "fixed":
+    return {}
   fill = jnp.zeros if cfg.qk_norm_plus_one else jnp.ones  # a scale of 1 either way
   if cfg.qk_norm == "whole":
     return {"q_norm_whole": fill((cfg.num_heads, cfg.d_k), dtype),
@@ -162,18 +185,36 @@ def _qk_norm_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
 
 
 def _qk_norm_params(cfg: HeadConfig) -> int:
+  if cfg.qk_norm == "fixed":
+    return 0
   return (cfg.num_heads + cfg.num_kv_heads) * cfg.d_k if cfg.qk_norm == "whole" else 2 * cfg.d_k
 
 
 QK_NORM = Mechanism(
-    name="qk_norm", fields=("qk_norm", "qk_norm_eps", "qk_norm_plus_one"), init=_qk_norm_init,
+    name="qk_norm", fields=("qk_norm", "qk_norm_eps", "qk_norm_plus_one", "qk_scale_factor"), init=_qk_norm_init,
     sharding={"q_norm": None, "k_norm": None, "q_norm_whole": "HK", "k_norm_whole": "GK"},
     on_qk=normalize_qk, param_count=_qk_norm_params, effective_param_count=_zero, flops=_zero,
     score_weights=_qk_norm_params, needs={"qk_heads": "it normalises each query and key head over its d_k dims"},
     examples=(("qk_norm whole", {"qk_norm": "whole"}, "(H + G)·K", "0"),  # before True: the kit's
-              ("qk_norm", {"qk_norm": True}, "2·K", "0")),  # all-at-once config keeps per-head
-    help="qk_norm: True|whole, RMSNorm of each query and key head (whole: of all heads at once, "
-         "coupling them) before RoPE")
+              ("qk_norm fixed", {"qk_norm": "fixed", "qk_scale_factor": 2.5}, "0", "0"),  # all-at-once
+              ("qk_norm", {"qk_norm": True, "qk_scale_factor": 1.0}, "2·K", "0")),  # config keeps per-head
+    help="qk_norm: True|whole|fixed, RMSNorm of each query and key head (whole: of all heads at once, "
+         "coupling them; fixed: no learned scale, the queries times qk_scale_factor) before RoPE")
+
+
+# value_scale: a constant on every value, applied to each head's output (the weighted sum is linear
+# in the values, so the two are the same function: MiMo-V2-Flash scales v before its cache).
+
+def _value_scale(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig) -> Array:
+  del params, x_BTD
+  return (o_BTHV.astype(jnp.float32) * cfg.value_scale).astype(o_BTHV.dtype)
+
+
+VALUE_SCALE = Mechanism(
+    name="value_scale", fields=("value_scale",), on_output=_value_scale, param_count=_zero,
+    effective_param_count=_zero, flops=_zero, score_weights=_zero,
+    examples=(("value_scale", {"value_scale": 0.707}, "0", "0"),),
+    help="value_scale: every value times a constant (MiMo-V2-Flash's attention_value_scale)")
 
 
 # qk_l2_clip: no parameters, on the queries and keys (after QK-norm, before RoPE)
@@ -326,4 +367,5 @@ PROBABILITY = Mechanism(
 
 # Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
-MECHANISMS = (GATE, SINKS, QKV_CONV, QK_NORM, QK_L2_CLIP, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS, nsa.NSA)
+MECHANISMS = (GATE, SINKS, QKV_CONV, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS,
+              nsa.NSA)
