@@ -114,15 +114,17 @@ def test_kernel_matches_naive_in_values_and_gradients(case):
     return lambda q, k, v, ck, cv: ck_kernel.attention(q, k, v, ck, cv, impl=impl, block_q=4,
                                                        block_k=3, **kw)
 
-  want = ref(q, k, v, ck, cv)
+  # Everything compiled whole: op by op, the blocked kernel's loops and their gradients compile each
+  # small op on its own (several times the CPU).
+  want = jax.jit(ref)(q, k, v, ck, cv)
   args = (q, k, v, ck, cv)
   dout = _rand(8, want.shape)
   loss = lambda f: (lambda *a: jnp.sum(f(*a) * dout))
-  g_want = jax.grad(loss(ref), argnums=tuple(range(5)))(*args)
+  g_want = jax.jit(jax.grad(loss(ref), argnums=tuple(range(5))))(*args)
   for impl in ("einsum", "blocked"):
     got = jax.jit(run(impl))(*args)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=impl)
-    g_got = jax.grad(loss(run(impl)), argnums=tuple(range(5)))(*args)
+    g_got = jax.jit(jax.grad(loss(run(impl)), argnums=tuple(range(5))))(*args)
     for name, a, b in zip("q k v ck cv".split(), g_got, g_want):
       np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5, err_msg=f"{impl} d{name}")
 

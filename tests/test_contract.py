@@ -3,7 +3,8 @@
 The kit is the contract (shapes, jit, masks, causality, finite gradients, bf16,
 head gates, RoPE, every mechanism, decoding, counts against the tree, the
 cache, XLA and the Jacobian); a plugin's tests call the same function. The
-fast tier runs its fast mode on every variant, the slow tier thorough=True.
+fast tier runs its fast mode on every variant but KIT_SLOW's, the slow tier the
+fast mode on those and thorough=True on every one.
 Below it: what only attn's own layout can say (W^O's rows per head) and bad
 input.
 """
@@ -22,10 +23,15 @@ from conftest import CONFIGS, ROPE_CONFIGS, randn, random_params, variant_params
 B, T, S = 2, 5, 7
 
 
-# differential and tpa (outside conftest.FAST_VARIANTS) run the kit in the slow tier: their own naive
-# loops under jit and grad (test_new_variants) are their identities in the fast tier. mla and
-# talking_heads have no such loop, so the kit stays their fast identity.
-KIT_SLOW = ("differential", "tpa")
+# Variants outside conftest.FAST_VARIANTS whose own file checks them against a naive loop (or a
+# second form) in the fast tier run the kit in the slow tier only: differential and tpa
+# (test_new_variants), compressed (test_compressed: the kernel against a loop, values and gradients),
+# compressed_shared (test_compressed_shared: decoding with the indexer), k_eq_v and grouped_lowrank
+# (test_head_layouts: loops over heads), gla (test_gla: the chunked form with padding against the
+# loop). The kit stays the fast identity of mla and talking_heads (no such loop) and of the
+# fixed-state heads (linear, mamba2, kda, gated_deltanet: their other end-to-end checks need
+# transformers or are slow), so its fixed-state path runs fast too.
+KIT_SLOW = ("compressed", "compressed_shared", "differential", "gla", "grouped_lowrank", "k_eq_v", "tpa")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow if v in KIT_SLOW else ())

@@ -529,7 +529,7 @@ def test_cli_qk_norm_flag_takes_the_whole_mode(capsys):
   stored = {}
   for flag in ((), ("--qk-norm",), ("--qk-norm", "whole")):
     code, out, err = run_cli(capsys, "--d-model", "20", "--num-heads", "6", "--d-k", "4", "--d-v", "3",
-                             "--num-kv-heads", "2", *flag, "--format", "json")
+                             "--num-kv-heads", "2", *flag, "--format", "json", "--variant", "per_head")
     assert code == 0, err
     stored[flag[1:] or flag] = json.loads(out)["rows"][0]["stored"]
   assert stored[("--qk-norm",)] - stored[()] == 2 * 4

@@ -99,7 +99,7 @@ def test_chunked_form_with_padding_equals_the_loop():
   p, x = random_params(CFG, 4), x_of(4, 3, 7)
   lengths = jnp.array([7, 5, 0])
   want, _ = jax.jit(lambda p, x: loop_layer(p, x, CFG, lengths))(p, x)
-  got = attn.apply("gla", p, x, cfg=CFG, is_causal=True, kv_lengths=lengths)
+  got = jax.jit(lambda p, x: attn.apply("gla", p, x, cfg=CFG, is_causal=True, kv_lengths=lengths))(p, x)
   for b, n in enumerate((7, 5, 0)):
     np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=2e-5, atol=2e-5)
 

@@ -238,7 +238,7 @@ def test_grouped_counts():
   assert abs(got - want) <= 0.1 * want, (want, got)
 
 
-@pytest.mark.slow  # ~20 s (the fast kit on both variants runs in test_contract)
+@pytest.mark.slow  # ~20 s (test_contract runs the fast kit on both, in the slow tier too)
 def test_grouped_kit():
   """The contract with groups and a rank below full: RoPE, G < H, h ∤ d_model, d_v ≠ d_k; then every
   mechanism and a window (ring decoding)."""

@@ -55,7 +55,8 @@ def value_and_grads(f, qkv, kw):
     out = f(q, k, v, {**kw, **({} if s is None else {"sinks": s})})
     return (out.astype(jnp.float32) * ct).sum(), out
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
-  (_, out), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*qkv, sinks)
+  # Compiled whole: op by op (splash's interpreter above all), each small op compiles on its own.
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*qkv, sinks)
   return out, grads
 
 

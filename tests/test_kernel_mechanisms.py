@@ -60,6 +60,9 @@ def naive(q, k, v, mask=None, *, is_causal=False, kv_lengths=None, window=None, 
           softcap=None):
   """Output (B,T,H,V) and weights (B,H,T,S) in float64, one head and one query at a time."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  # Read on the host once: indexing a jax array in the loops below dispatches an op each time.
+  kv_lengths, sinks = (None if a is None else np.asarray(a) for a in (kv_lengths, sinks))
+  mask = None if mask is None else np.asarray(mask)
   B, T, H, K = q.shape
   S, G = k.shape[1], k.shape[2]
   full = np.ones((B, H, T, S), bool) if mask is None else np.broadcast_to(mask, (B, H, T, S))

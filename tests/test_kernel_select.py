@@ -5,6 +5,8 @@ that beat it (attn.kernel.select's *_reference); the blocked kernel over the sel
 (attn.kernel.sparse) against the einsum kernel with the selection's dense mask, values and gradients.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,11 @@ import pytest
 
 from attn import kernel
 from attn.kernel import select, sparse
+
+
+def _whole(fn):
+  """fn compiled whole for one call (its arguments constants): op by op, each small op compiles on its own."""
+  return lambda *a, **kw: jax.jit(functools.partial(fn, *a, **kw))()
 
 
 def _randn(seed, shape):
@@ -30,7 +37,7 @@ def test_moba_blocks_equal_counting_reference(shape, is_causal):
   q, k = _randn(0, (B, T, H, K)), _randn(1, (B, S, G, K))
   kv_lengths = jnp.array([S, 11][:B])
   for top_k in (1, 3):
-    got = select.moba_blocks(q, k, block=8, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths)
+    got = _whole(select.moba_blocks)(q, k, block=8, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths)
     want = select.moba_blocks_reference(q, k, block=8, top_k=top_k, is_causal=is_causal,
                                         kv_lengths=kv_lengths)
     np.testing.assert_array_equal(got, want)
@@ -41,7 +48,7 @@ def test_moba_causal_rule():
   """The own block is always in, no later block ever, and a query sees at most top_k blocks."""
   B, T, H, K, block = 1, 40, 2, 4, 8
   q, k = _randn(2, (B, T, H, K)), _randn(3, (B, T, H, K))
-  sel = np.asarray(select.moba_blocks(q, k, block=block, top_k=2, is_causal=True))
+  sel = np.asarray(_whole(select.moba_blocks)(q, k, block=block, top_k=2, is_causal=True))
   for t in range(T):
     own = t // block
     assert sel[0, :, t, own].all()
@@ -54,7 +61,7 @@ def test_moba_ties_take_the_lower_block():
   B, T, H, K, block = 1, 32, 1, 2, 4
   q = jnp.ones((B, T, H, K))
   k = jnp.ones((B, T, H, K))
-  sel = select.moba_blocks(q, k, block=block, top_k=3, is_causal=True)
+  sel = _whole(select.moba_blocks)(q, k, block=block, top_k=3, is_causal=True)
   ref = select.moba_blocks_reference(q, k, block=block, top_k=3, is_causal=True)
   np.testing.assert_array_equal(sel, ref)
   last = np.asarray(sel[0, 0, -1])
@@ -65,8 +72,8 @@ def test_moba_under_a_dense_causal_mask_is_the_causal_choice():
   """A KV cache decodes under a dense mask; the choice equals is_causal's (the same rule)."""
   B, T, H, G, K = 2, 29, 4, 2, 5
   q, k = _randn(4, (B, T, H, K)), _randn(5, (B, T, G, K))
-  a = select.moba_blocks(q, k, block=4, top_k=3, is_causal=True)
-  b = select.moba_blocks(q, k, block=4, top_k=3, is_causal=False, mask=kernel.masks.causal_mask(T))
+  a = _whole(select.moba_blocks)(q, k, block=4, top_k=3, is_causal=True)
+  b = _whole(select.moba_blocks)(q, k, block=4, top_k=3, is_causal=False, mask=kernel.masks.causal_mask(T))
   np.testing.assert_array_equal(a, b)
 
 
@@ -78,13 +85,13 @@ def test_indexer_tokens_equal_counting_reference(is_causal):
   mask = jnp.asarray(np.random.default_rng(9).uniform(size=(B, 1, T, S)) < 0.7)
   for top_k, chunk in ((1, None), (6, 8), (100, 16)):
     for m in (None, mask):
-      got = select.indexer_tokens(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
+      got = _whole(select.indexer_tokens)(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
                                   mask=m, chunk=chunk)
       want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
                                              kv_lengths=kv_lengths, mask=m)
       np.testing.assert_array_equal(got, want)
   # With top_k past what a row sees, it keeps exactly what it sees.
-  vis = select.visible(T, S, is_causal, kv_lengths, B)
+  vis = _whole(select.visible)(T, S, is_causal, kv_lengths, B)
   np.testing.assert_array_equal(got, vis & mask[:, 0])
 
 
@@ -93,21 +100,21 @@ def test_indexer_ties_take_the_lower_key():
   qi = jnp.ones((B, T, J, I))
   ki = jnp.ones((B, T, I))
   w = jnp.ones((B, T, J))
-  got = select.indexer_tokens(qi, ki, w, top_k=4, is_causal=True, chunk=7)
+  got = _whole(select.indexer_tokens)(qi, ki, w, top_k=4, is_causal=True, chunk=7)
   np.testing.assert_array_equal(got, select.indexer_tokens_reference(qi, ki, w, top_k=4, is_causal=True))
   assert list(np.flatnonzero(got[0, -1])) == [0, 1, 2, 3]
 
 
 def test_bits_round_trip():
   m = jnp.asarray(np.random.default_rng(10).uniform(size=(2, 5, 77)) < 0.4)
-  bits = select.pack_bits(m)
+  bits = _whole(select.pack_bits)(m)
   assert bits.shape == (2, 5, 3) and bits.dtype == jnp.uint32
   s_pos = jnp.broadcast_to(jnp.arange(77), (2, 77))
-  np.testing.assert_array_equal(select.bits_at(bits, s_pos), m)
-  np.testing.assert_array_equal(select.indexer_bits(
+  np.testing.assert_array_equal(_whole(select.bits_at)(bits, s_pos), m)
+  np.testing.assert_array_equal(_whole(select.indexer_bits)(
       _randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)), _randn(3, (2, 40, 2)), top_k=5, is_causal=False,
       chunk=16),
-      select.pack_bits(select.indexer_tokens(_randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)),
+      _whole(select.pack_bits)(_whole(select.indexer_tokens)(_randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)),
                                              _randn(3, (2, 40, 2)), top_k=5, is_causal=False)))
 
 
@@ -134,8 +141,8 @@ def test_sparse_kernel_equals_dense_moba(shape):
   q, k, v = _randn(11, (B, T, H, K)), _randn(12, (B, S, G, K)), _randn(13, (B, S, G, V))
   kv_lengths = jnp.array([S, 0][:B])  # example 1 sees nothing: rows with nothing selected
   for is_causal in (True, False):
-    blocks = select.moba_blocks(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths)
-    mask = select.blocks_to_mask(blocks, 8, S)
+    blocks = _whole(select.moba_blocks)(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths)
+    mask = _whole(select.blocks_to_mask)(blocks, 8, S)
     (y, g), (y_ref, g_ref) = _both(q, k, v, blocks, mask, block_k=8, is_causal=is_causal,
                                    kv_lengths=kv_lengths, softcap=None if is_causal else 3.0)
     np.testing.assert_allclose(y, y_ref, atol=2e-6)
@@ -151,9 +158,9 @@ def test_sparse_kernel_equals_dense_indexer(shape):
   q, k, v = _randn(14, (B, T, H, K)), _randn(15, (B, S, G, K)), _randn(16, (B, S, G, V))
   qi, ki, w = _randn(17, (B, T, 2, 3)), _randn(18, (B, S, 3)), _randn(19, (B, T, 2))
   kv_lengths = jnp.array([S - 3, 5][:B])
-  tokens = select.indexer_tokens(qi, ki, w, top_k=7, is_causal=True, kv_lengths=kv_lengths)
-  bits = select.pack_bits(tokens)
-  blocks = select.token_blocks(bits, 32, S)
+  tokens = _whole(select.indexer_tokens)(qi, ki, w, top_k=7, is_causal=True, kv_lengths=kv_lengths)
+  bits = _whole(select.pack_bits)(tokens)
+  blocks = _whole(select.token_blocks)(bits, 32, S)
   (y, g), (y_ref, g_ref) = _both(q, k, v, blocks, tokens[:, None], block_k=32, is_causal=True,
                                  kv_lengths=kv_lengths, bits=bits)
   np.testing.assert_allclose(y, y_ref, atol=2e-6)
@@ -164,14 +171,14 @@ def test_sparse_kernel_equals_dense_indexer(shape):
 def test_selecting_every_block_is_full_causal_attention_exactly():
   B, T, H, G, K, V = 2, 45, 4, 2, 5, 7
   q, k, v = _randn(20, (B, T, H, K)), _randn(21, (B, T, G, K)), _randn(22, (B, T, G, V))
-  full = kernel.attention(q, k, v, is_causal=True)
-  blocks = select.moba_blocks(q, k, block=8, top_k=6, is_causal=True)  # 6 blocks of 8 cover 45
-  np.testing.assert_array_equal(kernel.attention(q, k, v, select.blocks_to_mask(blocks, 8, T),
+  full = _whole(kernel.attention)(q, k, v, is_causal=True)
+  blocks = _whole(select.moba_blocks)(q, k, block=8, top_k=6, is_causal=True)  # 6 blocks of 8 cover 45
+  np.testing.assert_array_equal(_whole(kernel.attention)(q, k, v, _whole(select.blocks_to_mask)(blocks, 8, T),
                                                  is_causal=True), full)
-  tokens = select.indexer_tokens(_randn(23, (B, T, 2, 3)), _randn(24, (B, T, 3)), _randn(25, (B, T, 2)),
+  tokens = _whole(select.indexer_tokens)(_randn(23, (B, T, 2, 3)), _randn(24, (B, T, 3)), _randn(25, (B, T, 2)),
                                  top_k=T, is_causal=True)
-  np.testing.assert_array_equal(kernel.attention(q, k, v, tokens[:, None], is_causal=True), full)
-  y = sparse.attention(q, k, v, blocks, block_k=8, scale=K ** -0.5, is_causal=True, block_q=16)
+  np.testing.assert_array_equal(_whole(kernel.attention)(q, k, v, tokens[:, None], is_causal=True), full)
+  y = _whole(sparse.attention)(q, k, v, blocks, block_k=8, scale=K ** -0.5, is_causal=True, block_q=16)
   np.testing.assert_allclose(y, full, atol=2e-6)
 
 
@@ -180,7 +187,7 @@ def test_sparse_kernel_visits_only_selected_blocks():
   its own block and one chosen per row, far fewer than the causal triangle's 136."""
   B, T, H, K = 1, 1024, 1, 4
   q, k = _randn(26, (B, T, H, K)), _randn(27, (B, T, H, K))
-  blocks = select.moba_blocks(q, k, block=64, top_k=2, is_causal=True)
+  blocks = _whole(select.moba_blocks)(q, k, block=64, top_k=2, is_causal=True)
   n = sparse.visits(blocks, T, block_q=64)
   assert n <= 16 * 2 * 64 and n < 136
 
@@ -203,7 +210,7 @@ def test_gathered_kernel_equals_dense_moba(shape):
         jnp.zeros(mask.shape[:3] + (select.num_blocks(S, 8),), bool).at[
             jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
             jnp.arange(T)[None, None, :, None], idx].max(chosen),
-        select.moba_blocks(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths))
+        _whole(select.moba_blocks)(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths))
     ga = lambda q, k, v: gathered.attention(q, k, v, idx, chosen, block=8, scale=K ** -0.5,
                                             is_causal=is_causal, kv_lengths=kv_lengths, softcap=softcap,
                                             chunk=16)

@@ -29,6 +29,7 @@ def _mask(idx_BGTk, B, H, T, S, is_causal, kv_lengths):
   return hit
 
 
+# The references (and the masks) run compiled whole: op by op, each small op compiles on its own.
 def _dense(q, k, v, mask, scale, softcap=None):
   H, G = q.shape[2], k.shape[2]
   k, v = jnp.repeat(k, H // G, axis=2), jnp.repeat(v, H // G, axis=2)
@@ -61,7 +62,7 @@ def test_tokens_equal_the_dense_masked_reference(case, is_causal):
   idx = jnp.asarray(rng.integers(-1, S + 2, (B, Gs, T, top)), jnp.int32)
   idx = idx.at[:, :, 0].set(-1).at[:, :, 1, 1].set(idx[:, :, 1, 0])
   kv_lengths = jnp.array([S, max(2, S - 5)][:B])
-  mask = _mask(idx, B, H, T, S, is_causal, kv_lengths)
+  mask = jax.jit(_mask, static_argnums=(1, 2, 3, 4, 5))(idx, B, H, T, S, is_causal, kv_lengths)
   assert not bool(mask[:, :, 0].any())  # the fully masked row is there
   cot = _randn(rng, (B, T, H, V))
 
@@ -71,9 +72,9 @@ def test_tokens_equal_the_dense_masked_reference(case, is_causal):
                                           kv_lengths=kv_lengths, tile=4)
   ref = lambda q, k, v: _dense(q, k, v, mask, 0.3)  # noqa: E731
   out = jax.jit(mine)(q, k, v)
-  np.testing.assert_allclose(out, ref(q, k, v), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(out, jax.jit(ref)(q, k, v), rtol=2e-5, atol=2e-5)
   got = jax.jit(jax.grad(loss(mine), argnums=(0, 1, 2)))(q, k, v)
-  want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+  want = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
   assert np.all(np.asarray(out)[:, 0] == 0)
@@ -85,14 +86,14 @@ def test_tokens_unique_indices_softcap_and_broadcast_key_head():
   B, T, S, H, G, K, V, top = 1, 12, 12, 4, 2, 4, 3, 5
   q, k, v = _randn(rng, (B, T, H, K)), _randn(rng, (B, S, 1, K)), _randn(rng, (B, S, G, V))
   idx = jnp.asarray(np.stack([rng.permutation(S)[:top] for _ in range(T)])[None, None], jnp.int32)
-  mask = _mask(idx, B, H, T, S, True, None)
+  mask = jax.jit(_mask, static_argnums=(1, 2, 3, 4, 5, 6))(idx, B, H, T, S, True, None)
   got = jax.jit(lambda q: tokens.attention(q, k, v, idx, scale=0.5, is_causal=True, softcap=2.0, unique=True,
                                            tile=5))(q)
-  want = _dense(q, jnp.broadcast_to(k, (B, S, G, K)), v, mask, 0.5, softcap=2.0)
+  want = jax.jit(lambda q: _dense(q, jnp.broadcast_to(k, (B, S, G, K)), v, mask, 0.5, softcap=2.0))(q)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   g = jax.jit(jax.grad(lambda q: jnp.sum(tokens.attention(q, k, v, idx, scale=0.5, is_causal=True,
                                                           softcap=2.0, unique=True) ** 2)))(q)
-  w = jax.grad(lambda q: jnp.sum(_dense(q, jnp.broadcast_to(k, (B, S, G, K)), v, mask, 0.5, 2.0) ** 2))(q)
+  w = jax.jit(jax.grad(lambda q: jnp.sum(_dense(q, jnp.broadcast_to(k, (B, S, G, K)), v, mask, 0.5, 2.0) ** 2)))(q)
   np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
 
 
@@ -112,12 +113,12 @@ def test_indexer_bits_run_on_the_token_kernel(monkeypatch):
     bits = select.indices_to_bits(idx, T)
     return sparse.attention(q, k, v, select.token_blocks(bits, 32, T), block_k=32, scale=0.4,
                             is_causal=True, bits_BTW=bits, idx_BTk=idx)
-  mask = select.indexer_tokens(qi, ki, w, top_k=top, is_causal=True)[:, None]
+  mask = jax.jit(lambda: select.indexer_tokens(qi, ki, w, top_k=top, is_causal=True)[:, None])()
   ref = lambda q, k, v: _dense(q, k, v, mask & jnp.tril(jnp.ones((T, T), bool)), 0.4)  # noqa: E731
-  np.testing.assert_allclose(jax.jit(mine)(q, k, v), ref(q, k, v), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(jax.jit(mine)(q, k, v), jax.jit(ref)(q, k, v), rtol=2e-5, atol=2e-5)
   assert calls
   cot = _randn(rng, (B, T, H, V))
   got = jax.jit(jax.grad(lambda *a: jnp.sum(mine(*a) * cot), argnums=(0, 1, 2)))(q, k, v)
-  want = jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+  want = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)

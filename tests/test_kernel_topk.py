@@ -4,12 +4,20 @@ selector (attn.kernel.select.indexer_top) against lax.top_k and the counting ref
 The tie rule is attn.kernel.select's: of equal scores the lower index wins; -inf is never chosen.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
 from attn.kernel import select, topk
+
+
+def _whole(fn):
+  """fn compiled whole for one call (its arguments constants): op by op, each small op compiles on its own."""
+  return lambda *a, **kw: jax.jit(functools.partial(fn, *a, **kw))()
 
 
 def _top_k_set(x, k):
@@ -41,8 +49,8 @@ def _rows(rng):
 def test_topk_mask_and_indices_equal_lax_top_k(k):
   x = _rows(np.random.default_rng(k))
   want = _top_k_set(x, min(k, x.shape[1]))
-  np.testing.assert_array_equal(topk.mask(x, k), want)
-  idx = np.asarray(topk.indices(x, k))
+  np.testing.assert_array_equal(_whole(topk.mask)(x, k), want)
+  idx = np.asarray(_whole(topk.indices)(x, k))
   assert idx.shape == (x.shape[0], k)
   for r in range(x.shape[0]):
     n = int(want[r].sum())
@@ -54,7 +62,7 @@ def test_topk_agrees_with_the_counting_reference():
   """A second check on ties: select._rank_select counts, per entry, the rivals that beat it."""
   x = jnp.asarray(np.random.default_rng(3).integers(-3, 3, (6, 40)).astype(np.float32))
   x = x.at[0, :5].set(-jnp.inf)
-  np.testing.assert_array_equal(topk.mask(x, 11), select._rank_select(x, 11))
+  np.testing.assert_array_equal(_whole(topk.mask)(x, 11), select._rank_select(x, 11))
 
 
 # (B, T, S, J, I, top_k): S != T both ways, top_k past S, rows not a multiple of the tile.
@@ -70,7 +78,7 @@ def test_indexer_top_equals_indexer_tokens(case, is_causal):
   r = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
   qi, ki, w = r(B, T, J, I), r(B, S, I), r(B, T, J)
   kv_lengths = jnp.array([S, S // 2][:B])
-  idx = np.asarray(select.indexer_top(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
+  idx = np.asarray(_whole(select.indexer_top)(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
                                       rows=8, buckets=3))
   want = np.asarray(select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
                                                     kv_lengths=kv_lengths))
@@ -82,5 +90,5 @@ def test_indexer_top_equals_indexer_tokens(case, is_causal):
       assert (np.diff(chosen) > 0).all()
       got[b, t, chosen] = True
   np.testing.assert_array_equal(got, want)
-  bits = select.indices_to_bits(jnp.asarray(idx), S)
-  np.testing.assert_array_equal(bits, select.pack_bits(jnp.asarray(want)))
+  bits = _whole(select.indices_to_bits)(jnp.asarray(idx), S)
+  np.testing.assert_array_equal(bits, _whole(select.pack_bits)(jnp.asarray(want)))

@@ -51,6 +51,7 @@ def naive(q, k, v, mask=None, *, probability, is_causal=False, kv_lengths=None, 
           softcap=None):
   """Output (B,T,H,V) and weights (B,H,T,S) in float64, one head and one query at a time."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  kv_lengths = None if kv_lengths is None else np.asarray(kv_lengths)  # on the host: no op per index
   B, T, H, K = q.shape
   S, G = k.shape[1], k.shape[2]
   full = np.ones((B, H, T, S), bool) if mask is None else np.broadcast_to(mask, (B, H, T, S))

@@ -94,7 +94,8 @@ def test_the_convolution_is_causal_through_gradients():
   W, T = 3, 7
   w_WD = jax.random.normal(jax.random.key(0), (W, 5)) + 1.0  # every tap nonzero
   x_BTD = jax.random.normal(jax.random.key(1), (2, T, 5))
-  J = jax.jacobian(lambda x: short_conv.causal_conv(w_WD, jnp.zeros(5), x)[0])(x_BTD)  # (B,T,D,B,T,D)
+  # Compiled whole (here and below): op by op, each small op of the Jacobian and the model compiles alone.
+  J = jax.jit(jax.jacobian(lambda x: short_conv.causal_conv(w_WD, jnp.zeros(5), x)[0]))(x_BTD)  # (B,T,D,B,T,D)
   reach = np.abs(np.asarray(J)).sum(axis=(0, 2, 3, 5))  # (t, s): how much y[t] moves with x[s]
   t, s = np.indices((T, T))
   assert np.all(reach[s > t] == 0) and np.all(reach[s < t - W + 1] == 0)
@@ -103,7 +104,7 @@ def test_the_convolution_is_causal_through_gradients():
                                 num_kv_heads=1, variant="merged", max_len=9, short_conv=W, tie_embeddings=False),
                     rngs=nnx.Rngs(2))
   tokens = jnp.asarray([[1, 2, 3, 1, 4, 5, 6, 7, 8]], jnp.int32)
-  g = np.asarray(nnx.grad(lambda m: m(tokens)[0, 4].sum())(model).embed.token[...])  # the token table's rows
+  g = np.asarray(nnx.jit(nnx.grad(lambda m: m(tokens)[0, 4].sum()))(model).embed.token[...])  # the token table's rows
   assert np.all(g[[0, 5, 6, 7, 8, 9, 10]] == 0)  # tokens only after position 4 (or absent): no gradient
   assert np.all(np.abs(g[[1, 2, 3, 4]]).sum(axis=1) > 0)
 
@@ -111,10 +112,11 @@ def test_the_convolution_is_causal_through_gradients():
 def test_the_convolution_state_carries_across_chunks():
   w_WD, b_D = jax.random.normal(jax.random.key(0), (4, 6)), jax.random.normal(jax.random.key(1), (6,))
   x_BTD = jax.random.normal(jax.random.key(2), (2, 9, 6))
-  full = short_conv.causal_conv(w_WD, b_D, x_BTD)[0]
+  conv = jax.jit(short_conv.causal_conv)
+  full = conv(w_WD, b_D, x_BTD)[0]
   state, outs, i = None, [], 0
   for T in (1, 1, 5, 2):  # chunks shorter and longer than the W - 1 = 3 rows of state
-    y, state = short_conv.causal_conv(w_WD, b_D, x_BTD[:, i:i + T], state)
+    y, state = conv(w_WD, b_D, x_BTD[:, i:i + T], state)
     outs.append(y)
     i += T
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-6, atol=1e-6)
@@ -125,9 +127,10 @@ def test_cached_decoding_with_the_convolution_equals_the_full_pass():
                     variant="merged", max_len=8, short_conv=3)  # merged: a variant other than per_head
   model = DecoderLM(cfg, rngs=nnx.Rngs(1))
   tokens_BT = jnp.asarray(np.random.default_rng(5).integers(0, 13, (2, 5)), jnp.int32)
-  full = model(tokens_BT)
+  full = nnx.jit(lambda m, t: m(t))(model, tokens_BT)
   model.init_cache(2, 6)
-  outs = [model(tokens_BT[:, i:j], decode=True) for i, j in ((0, 1), (1, 4), (4, 5))]
+  step = nnx.jit(lambda m, t: m(t, decode=True))  # one compile per chunk length (1, then 3)
+  outs = [step(model, tokens_BT[:, i:j]) for i, j in ((0, 1), (1, 4), (4, 5))]
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
