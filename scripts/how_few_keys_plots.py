@@ -42,6 +42,10 @@ COLOURS = {"window": "tab:orange", "moba": "tab:green", "indexer": "tab:red", "n
            "pooled": "tab:brown", "full": "black"}
 
 
+MAPPING = ("k as options: window = k; MoBA 4 blocks of k/4 (its own and 3 chosen); indexer top_k = k (2 index heads "
+           "of 8, KL-trained, one choice for both heads); NSA k/2 selected + a window of k/2 + compressed blocks of 16.")
+
+
 def load(run_dir: str) -> tuple[dict, list[dict], int]:
   """(sweep.json, the trials with a finished metrics.jsonl: id, case, seed, config, eval rows, final), unfinished count."""
   with open(os.path.join(run_dir, "sweep.json"), encoding="utf-8") as f:
@@ -207,8 +211,8 @@ def plot(cases: dict[str, dict], trials: list[dict], head: dict, ks: list[int], 
     ax.grid(alpha=0.3)
   fig.legend(loc="lower center", ncol=7, fontsize=9, frameon=False)
   fig.suptitle("How few keys keep recall: " + describe(head, trials) + "\nGrey band: full attention's mean ± 2 SE "
-               "(a line with one seed); numbers beside points: k.", fontsize=9)
-  fig.tight_layout(rect=(0, 0.05, 1, 0.88))
+               "(a line with one seed); numbers beside points: k.\n" + MAPPING, fontsize=9)
+  fig.tight_layout(rect=(0, 0.05, 1, 0.86))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -246,12 +250,36 @@ def curves(cases: dict[str, dict], trials: list[dict], head: dict, ks: list[int]
   plt.close(fig)
 
 
+def costs(run_dir: str) -> str:
+  """The cost table of every case from its config.json alone (trained or not): keys a query, FLOPs, key bytes."""
+  with open(os.path.join(run_dir, "sweep.json"), encoding="utf-8") as f:
+    head = json.load(f)
+  lines = ["| case | keys a query | core FLOPs/token | selector FLOPs/token | selector params | key bytes a query |",
+           "|---|---:|---:|---:|---:|---:|"]
+  seen = set()
+  for t in head["trials"]:
+    case = t["label"]["case"]
+    if case in seen:
+      continue
+    seen.add(case)
+    with open(os.path.join(run_dir, "trials", t["id"], "config.json"), encoding="utf-8") as f:
+      cfg = json.load(f)
+    c = selection.attention_flops({"config": cfg})
+    lines.append(f"| {case} | {c['keys']:.1f} | {c['core']:,.0f} | {c['selector']:,.0f} | {c['selector_params']:,} | "
+                 f"{key_bytes(cfg, c['keys']):,.0f} |")
+  return "\n".join(lines) + "\n"
+
+
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("run_dir")
   p.add_argument("--out", default="experiments/how_few_keys")
   p.add_argument("--ks", default="8,16,32,64,128,256")
+  p.add_argument("--costs", action="store_true", help="print every case's cost table (from the configs) and stop")
   a = p.parse_args()
+  if a.costs:
+    print(costs(a.run_dir), end="")
+    return 0
   ks = [int(k) for k in a.ks.split(",")]
   head, trials, missing = load(a.run_dir)
   if not trials:
