@@ -61,8 +61,12 @@ def load(run_dir: str) -> tuple[dict, list[dict], int]:
       rows = [r for r in map(json.loads, f) if "eval_accuracy" in r]
     with open(os.path.join(d, "config.json"), encoding="utf-8") as f:
       cfg = json.load(f)
+    summary = {}
+    if os.path.exists(os.path.join(d, "summary.json")):
+      with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
     out.append({"id": t["id"], "case": t["label"]["case"], "seed": t["label"]["train.seed"], "config": cfg,
-                "rows": rows, "final": rows[-1]})
+                "rows": rows, "final": rows[-1], "summary": summary})
   return head, out, missing
 
 
@@ -94,7 +98,10 @@ def summarize(trials: list[dict]) -> dict[str, dict]:
   """case -> its family, k, seeds' accuracies, keys a query, FLOPs, key bytes, selector params, late change."""
   cases: dict[str, dict] = {}
   for t in trials:
-    c = cases.setdefault(t["case"], {"case": t["case"], "acc": [], "late": [], "trials": []})
+    c = cases.setdefault(t["case"], {"case": t["case"], "acc": [], "late": [], "trials": [], "secs": []})
+    sm = t["summary"]
+    if sm.get("train_s") is not None:  # a resumed trial's train_s counts only its last process's steps
+      c["secs"].append(f"{sm['train_s'] + sm.get('compile_s', 0):.0f}" + ("*" if sm.get("resumed_from") else ""))
     c["family"], c["k"] = family(t["case"])
     c["acc"].append(t["final"]["eval_accuracy"])
     c["trials"].append(t)
@@ -123,7 +130,8 @@ def answer(cases: dict[str, dict], ks: list[int]) -> list[str]:
   for fam in FAMILIES:
     mine = sorted((c for c in cases.values() if c["family"] == fam), key=lambda c: c["k"])
     if not mine:
-      lines.append(f"- {fam}: not run.")
+      lines.append(f"- {fam}: " + ("its slot is empty (the pooled indexer is being built elsewhere; README)."
+                                   if fam == "pooled" else "not run."))
       continue
     hit = None
     for c in mine:
@@ -147,17 +155,19 @@ def answer(cases: dict[str, dict], ks: list[int]) -> list[str]:
 
 
 def table(cases: dict[str, dict], ks: list[int], missing: int) -> str:
-  lines = ["| case | keys a query | attention FLOPs/token | selector FLOPs/token | selector params "
-           "| key bytes a query | held-out accuracy | seeds | last 10% of steps |",
-           "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+  lines = ["| case | keys a query | attention FLOPs/token (cores + selector) | of it the selector's | selector params "
+           "| key bytes a query | held-out accuracy | seeds | last 10% of steps | wall s a trial |",
+           "|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
   order = sorted(cases.values(), key=lambda c: (c["family"] != "full", FAMILIES.index(c["family"])
                                                 if c["family"] in FAMILIES else -1, c["k"] or 0))
   for c in order:
     acc = f"{c['mean']:.4f} ± {c['se']:.4f}" if c["se"] is not None else f"{c['mean']:.4f} (1 seed)"
     late = ", ".join(f"{x:+.4f}" for x in c["late"])
     lines.append(f"| {c['case']} | {c['keys']:.1f} | {c['flops']:,.0f} | {c['sel']:,.0f} | {c['sel_params']:,} | "
-                 f"{c['bytes']:,.0f} | {acc} | {len(c['acc'])} | {late} |")
-  lines += ["", f"Trials not finished (not run, or stopped mid-way): {missing}.", "",
+                 f"{c['bytes']:,.0f} | {acc} | {len(c['acc'])} | {late} | {', '.join(c['secs'])} |")
+  lines += ["", "Wall s a trial: train + compile seconds from its summary.json (* resumed from a checkpoint: "
+            "the steps before it are not counted). Last 10% of steps: held-out accuracy at the end minus at 90% of "
+            "the steps.", "", f"Trials not finished (not run, or stopped mid-way): {missing}.", "",
             "Smallest budget within 2 SE of full attention (SE of a difference: the two groups' SEs in quadrature):", ""]
   return "\n".join(lines + answer(cases, ks)) + "\n"
 
