@@ -172,7 +172,7 @@ def table(cases: dict[str, dict], ks: list[int], missing: int) -> str:
   return "\n".join(lines + answer(cases, ks)) + "\n"
 
 
-def describe(head: dict, trials: list[dict]) -> str:
+def describe(head: dict, trials: list[dict], seeds_as: str = "each seed a dot; the line through the means") -> str:
   cfg = trials[0]["config"]
   task, m, tr = cfg["task"], cfg["model"], cfg["train"]
   seeds = sorted({t["seed"] for t in trials})
@@ -180,7 +180,7 @@ def describe(head: dict, trials: list[dict]) -> str:
           f"{'/'.join(map(str, task.get('curriculum') or []))} over {tr['steps']} steps (batch {tr['batch_size']}); "
           f"held out at T = {task['seq_len']}.\nFixed: {m['num_layers']} layers, d_model {m['d_model']}, "
           f"{m['num_heads']} heads, RoPE on {m.get('rope_dim')} dims, short_conv {m.get('short_conv')}, lr {tr['lr']}. "
-          f"Seeds drawn: {', '.join(map(str, seeds))} (each seed a dot; the line through the means).")
+          f"Seeds drawn: {', '.join(map(str, seeds))} ({seeds_as}).")
 
 
 def plot(cases: dict[str, dict], trials: list[dict], head: dict, ks: list[int], path: str) -> None:
@@ -222,7 +222,7 @@ def plot(cases: dict[str, dict], trials: list[dict], head: dict, ks: list[int], 
   fig.legend(loc="lower center", ncol=7, fontsize=9, frameon=False)
   fig.suptitle("How few keys keep recall: " + describe(head, trials) + "\nGrey band: full attention's mean ± 2 SE "
                "(a line with one seed); numbers beside points: k.\n" + MAPPING, fontsize=9)
-  fig.tight_layout(rect=(0, 0.05, 1, 0.86))
+  fig.subplots_adjust(left=0.05, right=0.99, bottom=0.2, top=0.82, wspace=0.22)
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -232,6 +232,16 @@ def _chance(trials: list[dict]) -> float:
   from attn.experiments.reading import plots
   c = plots.chance([{"config": t["config"]} for t in trials[:1]])
   return c[0] if c else 0.0
+
+
+def _stage_starts(cfg: dict) -> list[float]:
+  """The steps where the curriculum's later stages begin (its shares of train.steps)."""
+  shares = cfg["task"].get("curriculum_steps") or []
+  steps, out, acc = cfg["train"]["steps"], [], 0.0
+  for share in shares[:-1]:
+    acc += share
+    out.append(round(acc * steps))
+  return out
 
 
 def curves(cases: dict[str, dict], trials: list[dict], head: dict, ks: list[int], path: str) -> None:
@@ -249,13 +259,16 @@ def curves(cases: dict[str, dict], trials: list[dict], head: dict, ks: list[int]
       for i, t in enumerate(c["trials"]):
         ax.plot([r["step"] + 1 for r in t["rows"]], [r["eval_accuracy"] for r in t["rows"]], color=colour,
                 lw=1, alpha=0.85, label=f"k = {c['k']}" if i == 0 else None)
+    for b in _stage_starts(trials[0]["config"]):
+      ax.axvline(b, color="grey", linestyle=":", linewidth=1)
     ax.set_title(fam, fontsize=10)
     ax.set_xlabel("training step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
   axes[0][0].set_ylabel("held-out accuracy")
-  fig.suptitle("Learning curves: " + describe(head, trials), fontsize=8)
-  fig.tight_layout(rect=(0, 0, 1, 0.88))
+  fig.suptitle("Learning curves: " + describe(head, trials, "one line a seed") + "\nDotted: where the "
+               "training length grows (the curriculum's stages); held-out batches are always at the full T.", fontsize=8)
+  fig.subplots_adjust(left=0.07, right=0.99, bottom=0.12, top=0.8, wspace=0.1)
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
