@@ -121,3 +121,21 @@ def test_moba_top_k_at_the_number_of_blocks_warns_in_one_line(top_k, warned):
   if warned:
     assert str(full[0].message) == (f"model.extra.moba.top_k={top_k} is at least the 3 blocks of 4 keys in seq_len=12: "
                                     "every query attends to every key it sees (full attention, no selection)")
+
+
+@pytest.mark.parametrize("sets, warned", [
+    (["model.extra={indexer = {heads = 1, head_dim = 2, top_k = 11}}"], None),
+    (["model.extra={indexer = {heads = 1, head_dim = 2, top_k = 12}}"], "model.extra.indexer.top_k=12 is at least seq_len=12"),
+    (["model.extra={indexer = {heads = 1, head_dim = 2, top_k = 40}}"], "model.extra.indexer.top_k=40 is at least seq_len=12"),
+    (["model.window=11"], None),
+    (["model.window=12"], "model.window=12 is at least seq_len=12"),
+])
+def test_an_indexer_or_window_budget_at_T_says_it_is_full_attention_and_runs_once(sets, warned):
+  import warnings
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sweep = config_lib.loads(TINY, "t", ['model.positional="rope"', "model.rope_dim=4", *sets])
+  assert len(sweep.trials) == 1  # refused by nothing: the one trial runs, as configured
+  full = [str(w.message) for w in caught if issubclass(w.category, config_lib.FullSelectionWarning)]
+  assert full == ([] if warned is None else
+                  [f"{warned}: every query attends to every key it sees (full attention, no selection)"])

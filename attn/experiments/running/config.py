@@ -603,17 +603,29 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
 
 
 def note_full_selection(model_cfg: Any, T: int) -> None:
-  """Warns (one line) when MoBA's top_k reaches the number of blocks of a trial's T keys: every query then
-  attends to every key it sees, full attention at a selection's cost (docs/key_selection.md)."""
-  if "moba" not in (model_cfg.extra or {}):
-    return
-  from attn.variants.mechanisms import options  # lazy: jax
-  o = options(model_cfg.head, "moba")
-  block = min(o["block"], T)
-  blocks = -(-T // block)
-  if o["top_k"] >= blocks:
-    warnings.warn(f"model.extra.moba.top_k={o['top_k']} is at least the {blocks} blocks of {block} keys in "
-                  f"seq_len={T}: every query attends to every key it sees (full attention, no selection)",
+  """Warns (one line) when a key budget keeps every key at a trial's T: MoBA's top_k reaching the number
+  of blocks, the lightning indexer's top_k or a window reaching T. Every query then attends to every key
+  it sees, full attention exactly (tests/test_selection.py) at a selection's cost (docs/key_selection.md):
+  the trial runs once, as configured, and its line says so. NSA is not warned: its compressed branch
+  adds its gated share even when its selected blocks and window cover every key."""
+  extra = model_cfg.extra or {}
+  what = None
+  if "moba" in extra or "indexer" in extra:
+    from attn.variants.mechanisms import options  # lazy: jax
+  if "moba" in extra:
+    o = options(model_cfg.head, "moba")
+    block = min(o["block"], T)
+    blocks = -(-T // block)
+    if o["top_k"] >= blocks:
+      what = f"model.extra.moba.top_k={o['top_k']} is at least the {blocks} blocks of {block} keys in seq_len={T}"
+  elif "indexer" in extra:
+    k = options(model_cfg.head, "indexer")["top_k"]
+    if k >= T:
+      what = f"model.extra.indexer.top_k={k} is at least seq_len={T}"
+  elif model_cfg.window is not None and model_cfg.window >= T:
+    what = f"model.window={model_cfg.window} is at least seq_len={T}"
+  if what:
+    warnings.warn(f"{what}: every query attends to every key it sees (full attention, no selection)",
                   FullSelectionWarning, stacklevel=2)
 
 
