@@ -59,7 +59,9 @@ def caption(trials: list[dict[str, Any]], axes: list[str], chosen: set[str] | No
           and (chosen is None or f"task.{k}" in chosen)]
   head = parts[0] + (f" ({', '.join(opts)})" if opts else "")
   steps = {c["train"]["steps"] for c in configs}
-  seeds = len({c["train"]["seed"] for c in configs})
+  ran = [t["config"] for t in trials if t.get("config") and (t.get("summary") or {}).get("status") == "ok"]
+  ran = ran or configs  # the seeds the plotted trials ran, not the config's (a sweep stopped early)
+  seeds = len({c["train"]["seed"] for c in ran})
   text = [head, f"{min(steps)} steps" if len(steps) == 1 else f"{min(steps)}-{max(steps)} steps",
           f"{seeds} seed{'s' * (seeds != 1)}"]
   fixed = [f"{k}={configs[0]['model'][k]}" for k in ("d_model", "num_layers", "num_heads", "d_k", "d_v", "d_ff",
@@ -85,11 +87,25 @@ def chance(trials: list[dict[str, Any]]) -> tuple[float, str] | None:
   return None if level is None else (float(level), task.chance_means)
 
 
+def _wrapped(fig, text: str) -> str:
+  """The caption wrapped to the figure's width (about 15 characters an inch at 8 pt)."""
+  return textwrap.fill(text, width=max(40, int(fig.get_figwidth() * 15)), break_on_hyphens=False)
+
+
+def _caption_room(fig, text: str, least: float) -> float:
+  """The share of the figure's height to keep under the axes for the caption and the x labels above it:
+  `least` for the axis labels plus the caption's own lines (8 pt, 1.25 line spacing), so a long caption
+  never runs into the labels."""
+  if not text:
+    return 0.0
+  lines = _wrapped(fig, text).count("\n") + 1
+  return min(0.5, least + lines * 8 * 1.25 / 72 / fig.get_figheight())
+
+
 def _caption(fig, text: str) -> None:
-  """The caption under the plots, wrapped to the figure's width (about 15 characters an inch at 8 pt)."""
+  """The caption under the plots."""
   if text:
-    lines = textwrap.fill(text, width=max(40, int(fig.get_figwidth() * 15)), break_on_hyphens=False)
-    fig.text(0.5, 0.005, lines, ha="center", va="bottom", fontsize=8, color="0.25")
+    fig.text(0.5, 0.005, _wrapped(fig, text), ha="center", va="bottom", fontsize=8, color="0.25")
 
 
 def _pyplot():
@@ -215,7 +231,7 @@ def final_vs_axis(plt, rows: list[dict[str, Any]], axis: str, tied: list[str], p
       fig.legend(handles, list(lines), loc="center right", fontsize=7, title=title, title_fontsize=7, frameon=False)
     else:
       panels[0].legend(handles, list(lines), fontsize=7, title=title, title_fontsize=7)
-  fig.tight_layout(rect=(0, 0.05 if note else 0, 1 - 2.4 / fig.get_figwidth() if many else 1, 1))
+  fig.tight_layout(rect=(0, _caption_room(fig, note, 0.02), 1 - 2.4 / fig.get_figwidth() if many else 1, 1))
   _caption(fig, note)
   fig.savefig(path, dpi=90)
   plt.close(fig)
@@ -273,7 +289,7 @@ def learning_curves(plt, trials: list[dict[str, Any]], axes: list[str], path: st
                for i in range(len(colours))]
     fig.legend(handles, [show(c) for c in colours], title=f"{short(legend)}\n(a line per seed)",
                loc="center right", fontsize=8, title_fontsize=8)
-  fig.tight_layout(rect=(0, 0.04 if note else 0, 1 - strip / fig.get_figwidth(), 1))
+  fig.tight_layout(rect=(0, _caption_room(fig, note, 0.01), 1 - strip / fig.get_figwidth(), 1))
   _caption(fig, note)
   fig.savefig(path, dpi=80)
   plt.close(fig)

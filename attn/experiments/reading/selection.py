@@ -15,6 +15,8 @@ bar, a tick at each group's FLOPs).
 
 from __future__ import annotations
 
+import textwrap
+
 from typing import Any
 
 import numpy as np
@@ -125,8 +127,8 @@ def plot(plt, rows: list[dict[str, Any]], path: str, caption: str = "") -> None:
     ax.set_ylabel(name)
     ax.grid(alpha=0.3)
   fig.legend(loc="lower center", ncol=min(len(rows) + 1, 6), fontsize=8, frameon=False)
-  if caption:
-    fig.suptitle(caption, fontsize=9)
-  fig.tight_layout(rect=(0, 0.06 + 0.035 * (len(rows) // 6), 1, 0.95))
+  if caption:  # wrapped to the figure's width (about 13 characters an inch at 9 pt); tight_layout keeps its room
+    fig.suptitle(textwrap.fill(caption, width=int(fig.get_figwidth() * 13), break_on_hyphens=False), fontsize=9)
+  fig.tight_layout(rect=(0, 0.06 + 0.035 * (len(rows) // 6), 1, 0.98))
   fig.savefig(path, dpi=110)
   plt.close(fig)
