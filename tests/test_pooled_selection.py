@@ -40,6 +40,7 @@ def _untied(scores_BTN, L_BT, pool, n):
 # The choices against transformers (torch), on the same index inputs; right padding, T not a
 # multiple of the pool.
 
+@pytest.mark.slow
 def test_kpool_choice_equals_glm5_next():
   torch = pytest.importorskip("torch")
   glm = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
@@ -74,6 +75,7 @@ def test_kpool_choice_equals_glm5_next():
         assert _sets(got)[b][t] == _sets(want)[b][t], (b, t)
 
 
+@pytest.mark.slow
 def test_qsa_choice_equals_qwen4_exp():
   torch = pytest.importorskip("torch")
   qwen = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
@@ -106,6 +108,7 @@ def test_qsa_choice_equals_qwen4_exp():
         np.testing.assert_array_equal(np.asarray(got)[b, t], want[b, t], err_msg=f"{b, t}")
 
 
+@pytest.mark.slow
 def test_block_indexer_choice_equals_minimax_m3():
   torch = pytest.importorskip("torch")
   mm = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
@@ -139,17 +142,27 @@ CASES = [({"kpool": {"heads": 2, "head_dim": 4, "top_k": 6, "kpool": 3}}, {"top_
          ({"block_indexer": {"head_dim": 4, "block": 8, "top_k": 2, "local": 1}}, {"top_k": 6})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 2)])
 @pytest.mark.parametrize("extra,full", CASES)
 def test_rows_equal_the_dense_masked_reference(extra, full, heads, kv_heads, monkeypatch):
+  _rows_against_dense(extra, full, heads, kv_heads, monkeypatch)
+
+
+def test_rows_equal_the_dense_masked_reference_small(monkeypatch):
+  """The fast sibling: the block indexer on the block-skipping kernel (the slow test: every case, both
+  kernels)."""
+  _rows_against_dense(CASES[3][0], None, 4, 2, monkeypatch, T=21)
+
+
+def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
   monkeypatch.setattr(impls, "BLOCKED_MIN_SCORES", 16)  # these small calls take the selection rows
   calls = []
   for module in (kernel_tokens, kernel_sparse):
     monkeypatch.setattr(module, "attention", lambda *a, run=module.attention, **kw: calls.append(1) or run(*a, **kw))
-  T = 41
   cfg = HeadConfig(d_model=16, num_heads=heads, d_k=6, d_v=5, num_kv_heads=kv_heads, rope_dim=2, extra=extra)
   p = api.init("per_head", jax.random.key(3), cfg)
-  x, kv = _randn(4, (2, T, 16)), jnp.array([T, 26])
+  x, kv = _randn(4, (2, T, 16)), jnp.array([T, T * 5 // 8])
   cot = _randn(5, (2, T, 16))
 
   def run(cfg, impl):
@@ -176,6 +189,7 @@ def test_rows_equal_the_dense_masked_reference(extra, full, heads, kv_heads, mon
                                          impl="einsum"), want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_smaller_budget_moves_the_output():
   cfg = HeadConfig(d_model=16, num_heads=4, d_k=6, d_v=5, num_kv_heads=2, rope_dim=2,
                    extra={"qsa": {"heads": 2, "head_dim": 4, "budget": 4, "compress_ratio": 2}})
@@ -191,7 +205,8 @@ def test_a_smaller_budget_moves_the_output():
 COUNT_CFG = HeadConfig(d_model=32, num_heads=4, d_k=16, d_v=12, num_kv_heads=2, rope_dim=4)
 
 
-@pytest.mark.parametrize("extra", [c[0] for c in CASES])
+@pytest.mark.parametrize("extra", [pytest.param(c[0], marks=() if i == 3 else pytest.mark.slow)
+                                   for i, c in enumerate(CASES)])
 def test_counts_in_closed_form(extra):
   name = next(iter(extra))
   cfg = COUNT_CFG.replace(extra=extra)
