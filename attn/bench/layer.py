@@ -754,6 +754,10 @@ def run(args: argparse.Namespace) -> int:
             "shapes": results, "causal_ratio": causal_ratios(results),
             "window_ratio": window_ratios(results), "selection_ratio": selection_ratios(results),
             "linear_crossover": linear_crossover(results)}
+  if "long-16384-causal" in shapes:  # issue 51's goals: each selection in its layout (attn.bench.selection)
+    from attn.bench import selection as bench_selection
+    report["selection_goals"] = bench_selection.goals(16384, log=log)
+    print(bench_selection.goals_markdown(report["selection_goals"]) + "\n", flush=True)
   if report["causal_ratio"]:
     print("Long sequences, fused layer, forward+backward time causal ÷ non-causal: "
           + ", ".join(f"T={T} {x:.2f}" for T, x in report["causal_ratio"].items()) + "\n")

@@ -177,3 +177,77 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   raise SystemExit(main())
+
+
+# Issue 51's goals inside `attn bench --shapes long-16384-causal` (attn.bench.layer calls `goals`): each
+# selection's core with its selector, through the shared path (base.core, impl "blocked": the
+# selection rows), in the layout its checkpoints ship, over the full causal core of the same layout.
+# (label, kv heads, extra, goal for core + selector; None: measured, no goal)
+GOAL_ROWS = (
+    ("indexer", 1, {"indexer": {"heads": 4, "head_dim": 32, "top_k": 2048}}, GOALS["together"]),
+    ("indexer H=G", 16, {"indexer": {"heads": 4, "head_dim": 32, "top_k": 2048}}, None),
+    ("kpool", 1, {"kpool": {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16}}, 0.35),
+    ("qsa", 2, {"qsa": {"heads": 4, "head_dim": 32, "kv_heads": 1, "budget": 2048, "compress_ratio": 16}}, 0.35),
+    ("block_indexer", 2, {"block_indexer": {"head_dim": 32, "block": 128, "top_k": 16, "local": 1}}, 0.35),
+    ("moba", 2, {"moba": {"block": 512, "top_k": 4}}, 0.35),
+    ("nsa", 2, {"nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16,
+                        "window": 512}}, 0.60),
+)
+TOKEN_KERNEL = ("indexer", "kpool", "qsa", "block_indexer")  # their choices run on attn.kernel.tokens here
+ALONE = ("moba", "indexer", "kpool", "qsa", "block_indexer")  # selectors timed alone too (nsa's is inside)
+
+
+def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print, only=None) -> dict:
+  """Median forward+backward seconds of each GOAL_ROWS core with its selector, its selector alone and
+  the full causal core of each layout, alternated round by round; pairs and gathered bytes beside."""
+  from attn.bench.peers import core_case, selection_core_case, selector_case
+  from attn.config import HeadConfig
+  from attn.count import selectors
+  rows = [r for r in GOAL_ROWS if only is None or r[0] in only]
+  calls, info = {}, {}
+  for G in sorted({r[1] for r in rows}):
+    log(f"[selection goals] full causal core, {H} heads over {G} kv heads ...")
+    cfg = HeadConfig(d_model=H * D, num_heads=H, d_k=D, d_v=D, num_kv_heads=G)
+    calls[f"full G{G}"] = core_case(cfg, 1, T, jnp.float32, is_causal=True)["fb"]
+  for label, G, extra, _ in rows:
+    log(f"[selection goals] {label} ...")
+    cfg = HeadConfig(d_model=H * D, num_heads=H, d_k=D, d_v=D, num_kv_heads=G, extra=extra)
+    calls[label] = selection_core_case(cfg, 1, T, jnp.float32)["fb"]
+    name = next(iter(extra))
+    if name in ALONE:
+      calls[f"{label}: selector"] = selector_case(cfg, 1, T, jnp.float32)["fb"]
+    pairs = selectors.pairs(cfg, T)
+    info[label] = {"pairs": pairs, "pair_share": pairs / (T * (T + 1) // 2),
+                   # the token kernel gathers K + V float32 numbers a chosen pair per kv head
+                   "gathered_bytes": pairs * G * 2 * D * 4 if name in TOKEN_KERNEL else None}
+  a = jax.random.normal(jax.random.PRNGKey(2), (2048, 2048), jnp.float32)
+  calls["matmul 2048³"] = peers_lib.block(jax.jit(jnp.matmul), a, a)
+  log(f"[selection goals] timing {len(calls)} calls, {repeats} rounds ...")
+  med = _rounds(calls, repeats)
+  return {"T": T, "H": H, "D": D, "repeats": repeats, "seconds": med, "info": info,
+          "rows": [(label, G, next(iter(extra)), goal) for label, G, extra, goal in rows],
+          "load": list(os.getloadavg())}
+
+
+def goals_markdown(r: dict) -> str:
+  """The goals' table: × full causal of the same layout, the goal beside, pairs and bytes."""
+  med = r["seconds"]
+  mm = 2 * 2048 ** 3 / med["matmul 2048³"] / 1e9
+  out = [f"Issue 51's goals, T={r['T']}, B 1, causal, {r['H']} query heads of {r['D']}, float32, forward+backward, "
+         f"each core with its selector (medians of {r['repeats']}, alternated; matmul {mm:.0f} GFLOP/s; load "
+         f"{r['load']}):", "",
+         "| selection | kv heads | core+selector s | × full | goal | selector alone × full | rest × full | "
+         "pairs ÷ causal | gathered GiB |", "|---|---|---|---|---|---|---|---|---|"]
+  for label, G, name, goal in r["rows"]:
+    full = med[f"full G{G}"]
+    s = med[label]
+    sel = med.get(f"{label}: selector")
+    i = r["info"][label]
+    gib = "" if i["gathered_bytes"] is None else f"{i['gathered_bytes'] / 2**30:.2f}"
+    verdict = "" if goal is None else f"{goal:.2f} " + ("met" if s / full <= goal else f"missed by {s / full - goal:.2f}")
+    out.append(f"| {label} | {G} | {s:.2f} | {s / full:.3f} | {verdict} | "
+               f"{'' if sel is None else f'{sel / full:.3f}'} | {'' if sel is None else f'{(s - sel) / full:.3f}'} | "
+               f"{i['pair_share']:.4f} | {gib} |")
+  out.append("")
+  out.append("full causal: " + ", ".join(f"{n} {s:.2f} s" for n, s in med.items() if n.startswith("full")))
+  return "\n".join(out)
