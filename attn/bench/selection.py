@@ -130,7 +130,14 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--old", action="store_true", help="also time the blocked path over the same choice")
   p.add_argument("--layouts", default="G1,GH", help="G1 (one kv head), GH (a kv head a query head)")
+  p.add_argument("--goals", action="store_true", help="the goals' table of attn bench --shapes long-16384-causal "
+                 "alone (every selection in its layout, core with selector)")
   a = p.parse_args(argv)
+  if a.goals:
+    r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True))
+    print(goals_markdown(r))
+    print(f"commit {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
+    return 0
   T, H, D, k, J, I = a.T, a.heads, a.head_dim, a.top_k, a.index_heads, a.index_dim
   layouts = tuple(a.layouts.split(","))
   calls, pairs, tile = cases(T, H, D, k, J, I, a.old, layouts)
