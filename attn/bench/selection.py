@@ -182,9 +182,6 @@ def main(argv=None) -> int:
   return 0
 
 
-if __name__ == "__main__":
-  raise SystemExit(main())
-
 
 # Issue 51's goals inside `attn bench --shapes long-16384-causal` (attn.bench.layer calls `goals`): each
 # selection's core with its selector, through the shared path (base.core, impl "blocked": the
@@ -258,3 +255,7 @@ def goals_markdown(r: dict) -> str:
   out.append("")
   out.append("full causal: " + ", ".join(f"{n} {s:.2f} s" for n, s in med.items() if n.startswith("full")))
   return "\n".join(out)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
