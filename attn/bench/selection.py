@@ -134,7 +134,8 @@ def main(argv=None) -> int:
                  "alone (every selection in its layout, core with selector)")
   a = p.parse_args(argv)
   if a.goals:
-    r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True))
+    r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True), budget=a.top_k)
+    print(r["extras"])
     print(goals_markdown(r))
     print(f"commit {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
     return 0
@@ -201,13 +202,33 @@ TOKEN_KERNEL = ("indexer", "kpool", "qsa", "block_indexer")  # their choices run
 ALONE = ("moba", "indexer", "kpool", "qsa", "block_indexer")  # selectors timed alone too (nsa's is inside)
 
 
-def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print, only=None) -> dict:
+def scaled(extra: dict, budget: int) -> dict:
+  """A GOAL_ROWS selection with its key budget 2048 scaled to `budget` (the same k/T at a shorter T)."""
+  (name, o), = extra.items()
+  f = budget / 2048
+  o = dict(o)
+  for key in ("top_k", "budget"):
+    if key in o and name != "block_indexer" and name != "moba":
+      o[key] = budget
+  if name == "block_indexer":
+    o["top_k"] = max(1, round(o["top_k"] * f))
+  if name == "moba":
+    o["block"] = max(1, round(o["block"] * f))
+  if name == "nsa":
+    o["select_count"], o["window"] = max(1, round(o["select_count"] * f)), max(1, round(o["window"] * f))
+  return {name: o}
+
+
+def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print, only=None,
+          budget: int = 2048) -> dict:
   """Median forward+backward seconds of each GOAL_ROWS core with its selector, its selector alone and
-  the full causal core of each layout, alternated round by round; pairs and gathered bytes beside."""
+  the full causal core of each layout, alternated round by round; pairs and gathered bytes beside.
+  budget: the rows' keys a query (2048 at the goals' T 16384; T 4096 with 512 keeps k/T)."""
   from attn.bench.peers import core_case, selection_core_case, selector_case
   from attn.config import HeadConfig
   from attn.count import selectors
-  rows = [r for r in GOAL_ROWS if only is None or r[0] in only]
+  rows = [(label, G, extra if budget == 2048 else scaled(extra, budget), goal) for label, G, extra, goal in GOAL_ROWS
+          if only is None or label in only]
   calls, info = {}, {}
   for G in sorted({r[1] for r in rows}):
     log(f"[selection goals] full causal core, {H} heads over {G} kv heads ...")
@@ -228,7 +249,8 @@ def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print,
   calls["matmul 2048³"] = peers_lib.block(jax.jit(jnp.matmul), a, a)
   log(f"[selection goals] timing {len(calls)} calls, {repeats} rounds ...")
   med = _rounds(calls, repeats)
-  return {"T": T, "H": H, "D": D, "repeats": repeats, "seconds": med, "info": info,
+  return {"T": T, "H": H, "D": D, "repeats": repeats, "seconds": med, "info": info, "budget": budget,
+          "extras": {label: extra for label, _, extra, _ in rows},
           "rows": [(label, G, next(iter(extra)), goal) for label, G, extra, goal in rows],
           "load": list(os.getloadavg())}
 
@@ -237,7 +259,7 @@ def goals_markdown(r: dict) -> str:
   """The goals' table: × full causal of the same layout, the goal beside, pairs and bytes."""
   med = r["seconds"]
   mm = 2 * 2048 ** 3 / med["matmul 2048³"] / 1e9
-  out = [f"Issue 51's goals, T={r['T']}, B 1, causal, {r['H']} query heads of {r['D']}, float32, forward+backward, "
+  out = [f"Issue 51's goals, T={r['T']} (key budget {r.get('budget', 2048)}), B 1, causal, {r['H']} query heads of {r['D']}, float32, forward+backward, "
          f"each core with its selector (medians of {r['repeats']}, alternated; matmul {mm:.0f} GFLOP/s; load "
          f"{r['load']}):", "",
          "| selection | kv heads | core+selector s | × full | goal | selector alone × full | rest × full | "
