@@ -202,7 +202,9 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, blocks_BHTN: Array | 
   """softmax(cap(scale · q kᵀ)) v over the selected key blocks only (module docstring).
 
   q (B,T,H,K), k (B,S,G,K) (one head is broadcast), v (B,S,G,V); blocks_BHTN at
-  block_k's granularity. The selection is data, without gradient.
+  block_k's granularity. The selection is data, without gradient. idx_BGTk (B, 1|G, T, k): the
+  choice as distinct token indices (the pooled selections'), run on attn.kernel.tokens with at least
+  TOKENS_MIN_SHARE query heads a kv head or when blocks_BHTN is None.
   """
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], v_BSGV.shape[2]
