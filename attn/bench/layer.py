@@ -144,6 +144,10 @@ def run_layers(shapes: list[str], variants: list[str], dtype: str, repeats: int,
             "shapes": results, "causal_ratio": long.causal_ratios(results),
             "window_ratio": long.window_ratios(results), "selection_ratio": long.selection_ratios(results),
             "linear_crossover": linear.linear_crossover(results)}
+  if "long-16384-causal" in shapes:  # issue 51's goals: each selection in its layout (attn.bench.selection)
+    from attn.bench import selection as bench_selection
+    report["selection_goals"] = bench_selection.goals(16384, log=log)
+    write(bench_selection.goals_markdown(report["selection_goals"]) + "\n")
   summary = tables.long_summary(report)
   if summary:
     write(summary)

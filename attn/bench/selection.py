@@ -130,7 +130,15 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--old", action="store_true", help="also time the blocked path over the same choice")
   p.add_argument("--layouts", default="G1,GH", help="G1 (one kv head), GH (a kv head a query head)")
+  p.add_argument("--goals", action="store_true", help="the goals' table of attn bench --shapes long-16384-causal "
+                 "alone (every selection in its layout, core with selector)")
   a = p.parse_args(argv)
+  if a.goals:
+    r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True), budget=a.top_k)
+    print(r["extras"])
+    print(goals_markdown(r))
+    print(f"commit {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
+    return 0
   T, H, D, k, J, I = a.T, a.heads, a.head_dim, a.top_k, a.index_heads, a.index_dim
   layouts = tuple(a.layouts.split(","))
   calls, pairs, tile = cases(T, H, D, k, J, I, a.old, layouts)
@@ -173,6 +181,102 @@ def main(argv=None) -> int:
   except OSError:
     pass
   return 0
+
+
+
+# Issue 51's goals inside `attn bench --shapes long-16384-causal` (attn.bench.layer calls `goals`): each
+# selection's core with its selector, through the shared path (base.core, impl "blocked": the
+# selection rows), in the layout its checkpoints ship, over the full causal core of the same layout.
+# (label, kv heads, extra, goal for core + selector; None: measured, no goal)
+GOAL_ROWS = (
+    ("indexer", 1, {"indexer": {"heads": 4, "head_dim": 32, "top_k": 2048}}, GOALS["together"]),
+    ("indexer H=G", 16, {"indexer": {"heads": 4, "head_dim": 32, "top_k": 2048}}, None),
+    ("kpool", 1, {"kpool": {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16}}, 0.35),
+    ("qsa", 2, {"qsa": {"heads": 4, "head_dim": 32, "kv_heads": 1, "budget": 2048, "compress_ratio": 16}}, 0.35),
+    ("block_indexer", 2, {"block_indexer": {"head_dim": 32, "block": 128, "top_k": 16, "local": 1}}, 0.35),
+    ("moba", 2, {"moba": {"block": 512, "top_k": 4}}, 0.35),
+    ("nsa", 2, {"nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16,
+                        "window": 512}}, 0.60),
+)
+TOKEN_KERNEL = ("indexer", "kpool", "qsa", "block_indexer")  # their choices run on attn.kernel.tokens here
+ALONE = ("moba", "indexer", "kpool", "qsa", "block_indexer")  # selectors timed alone too (nsa's is inside)
+
+
+def scaled(extra: dict, budget: int) -> dict:
+  """A GOAL_ROWS selection with its key budget 2048 scaled to `budget` (the same k/T at a shorter T)."""
+  (name, o), = extra.items()
+  f = budget / 2048
+  o = dict(o)
+  for key in ("top_k", "budget"):
+    if key in o and name != "block_indexer" and name != "moba":
+      o[key] = budget
+  if name == "block_indexer":
+    o["top_k"] = max(1, round(o["top_k"] * f))
+  if name == "moba":
+    o["block"] = max(1, round(o["block"] * f))
+  if name == "nsa":
+    o["select_count"], o["window"] = max(1, round(o["select_count"] * f)), max(1, round(o["window"] * f))
+  return {name: o}
+
+
+def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print, only=None,
+          budget: int = 2048) -> dict:
+  """Median forward+backward seconds of each GOAL_ROWS core with its selector, its selector alone and
+  the full causal core of each layout, alternated round by round; pairs and gathered bytes beside.
+  budget: the rows' keys a query (2048 at the goals' T 16384; T 4096 with 512 keeps k/T)."""
+  from attn.bench.peers import core_case, selection_core_case, selector_case
+  from attn.config import HeadConfig
+  from attn.count import selectors
+  rows = [(label, G, extra if budget == 2048 else scaled(extra, budget), goal) for label, G, extra, goal in GOAL_ROWS
+          if only is None or label in only]
+  calls, info = {}, {}
+  for G in sorted({r[1] for r in rows}):
+    log(f"[selection goals] full causal core, {H} heads over {G} kv heads ...")
+    cfg = HeadConfig(d_model=H * D, num_heads=H, d_k=D, d_v=D, num_kv_heads=G)
+    calls[f"full G{G}"] = core_case(cfg, 1, T, jnp.float32, is_causal=True)["fb"]
+  for label, G, extra, _ in rows:
+    log(f"[selection goals] {label} ...")
+    cfg = HeadConfig(d_model=H * D, num_heads=H, d_k=D, d_v=D, num_kv_heads=G, extra=extra)
+    calls[label] = selection_core_case(cfg, 1, T, jnp.float32)["fb"]
+    name = next(iter(extra))
+    if name in ALONE:
+      calls[f"{label}: selector"] = selector_case(cfg, 1, T, jnp.float32)["fb"]
+    pairs = selectors.pairs(cfg, T)
+    info[label] = {"pairs": pairs, "pair_share": pairs / (T * (T + 1) // 2),
+                   # the token kernel gathers K + V float32 numbers a chosen pair per kv head
+                   "gathered_bytes": pairs * G * 2 * D * 4 if name in TOKEN_KERNEL else None}
+  a = jax.random.normal(jax.random.PRNGKey(2), (2048, 2048), jnp.float32)
+  calls["matmul 2048³"] = peers_lib.block(jax.jit(jnp.matmul), a, a)
+  log(f"[selection goals] timing {len(calls)} calls, {repeats} rounds ...")
+  med = _rounds(calls, repeats)
+  return {"T": T, "H": H, "D": D, "repeats": repeats, "seconds": med, "info": info, "budget": budget,
+          "extras": {label: extra for label, _, extra, _ in rows},
+          "rows": [(label, G, next(iter(extra)), goal) for label, G, extra, goal in rows],
+          "load": list(os.getloadavg())}
+
+
+def goals_markdown(r: dict) -> str:
+  """The goals' table: × full causal of the same layout, the goal beside, pairs and bytes."""
+  med = r["seconds"]
+  mm = 2 * 2048 ** 3 / med["matmul 2048³"] / 1e9
+  out = [f"Issue 51's goals, T={r['T']} (key budget {r.get('budget', 2048)}), B 1, causal, {r['H']} query heads of {r['D']}, float32, forward+backward, "
+         f"each core with its selector (medians of {r['repeats']}, alternated; matmul {mm:.0f} GFLOP/s; load "
+         f"{r['load']}):", "",
+         "| selection | kv heads | core+selector s | × full | goal | selector alone × full | rest × full | "
+         "pairs ÷ causal | gathered GiB |", "|---|---|---|---|---|---|---|---|---|"]
+  for label, G, name, goal in r["rows"]:
+    full = med[f"full G{G}"]
+    s = med[label]
+    sel = med.get(f"{label}: selector")
+    i = r["info"][label]
+    gib = "" if i["gathered_bytes"] is None else f"{i['gathered_bytes'] / 2**30:.2f}"
+    verdict = "" if goal is None else f"{goal:.2f} " + ("met" if s / full <= goal else f"missed by {s / full - goal:.2f}")
+    out.append(f"| {label} | {G} | {s:.2f} | {s / full:.3f} | {verdict} | "
+               f"{'' if sel is None else f'{sel / full:.3f}'} | {'' if sel is None else f'{(s - sel) / full:.3f}'} | "
+               f"{i['pair_share']:.4f} | {gib} |")
+  out.append("")
+  out.append("full causal: " + ", ".join(f"{n} {s:.2f} s" for n, s in med.items() if n.startswith("full")))
+  return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 from attn.config import HeadConfig
 from attn.variants import mechanisms, nsa, selection
+from attn.variants.mechanisms import pooled
 
 
 def core_flops_at(cfg: HeadConfig, T: int, k: int, *, causal: bool = True) -> int:
@@ -38,6 +39,8 @@ def pairs(cfg: HeadConfig, T: int) -> int:
   m = mechanisms.selector(cfg)
   if m is not None and m.name == "nsa":
     return sum(nsa.keys(cfg, T).values())
+  if m is not None and m.name in pooled.NAMES:
+    return pooled.keys(m.name, cfg, T)
   return selection.selected_core_flops(cfg, T) // (2 * cfg.num_heads * (cfg.d_k + cfg.d_v))
 
 

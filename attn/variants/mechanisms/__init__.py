@@ -3,9 +3,10 @@
 The package: record (the Mechanism record), this module (the registry and the points of the shared
 path), choice (the one hook for a mechanism that chooses keys or replaces the attention), the
 built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), selection (moba,
-the lightning indexer), nsa.
+the lightning indexer), nsa, pooled (kpool, qsa, block_indexer: pooled index keys).
 
-The built-ins (gate, sinks, qk_norm, value_scale, window, softcap, probability, moba, indexer, nsa), plugins
+The built-ins (gate, sinks, qkv_conv, qk_norm, qk_l2_clip, value_scale, window, softcap, probability, moba,
+indexer, nsa, kpool, qsa, block_indexer), plugins
 of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
@@ -30,7 +31,7 @@ through (attn.variants.base):
                                                      (window, sinks, softcap, probability:
                                                      built-ins only)
   select(params, q, k, *, cfg, is_causal,           the keys each query may attend to (key
-         kv_lengths, mask, dense, index)             selection: moba, indexer; one a layer):
+         kv_lengths, mask, dense, index)             selection: moba, indexer, pooled; one a layer):
                                                      a dense mask, or a kernel.KeyChoice that a
                                                      row of the kernel's table computes alone
   attend(params, x, q, k, v, *, cfg, opts,          replaces the attention core (nsa's three

@@ -69,7 +69,7 @@ from attn.variants.mechanisms.record import Mechanism
 Array = jax.Array
 Params = dict[str, Array]
 
-SELECTORS = ("moba", "indexer", "nsa")  # nsa: attn.variants.mechanisms.nsa
+SELECTORS = ("moba", "indexer", "nsa", "kpool", "qsa", "block_indexer")  # nsa, the pooled: own modules
 INDEX_BLOCK = 128  # the key blocks the sparse kernel visits for the indexer (a multiple of 32)
 INDEX_CHUNK = 256  # queries the indexer scores at a time on the sparse path
 
