@@ -59,10 +59,12 @@ def test_config_reads_the_indexer(family):
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"model_type": "glm_moe_dsa", "indexer_types": ["full", "shared"]}, r"config.indexer_types\[1\]='shared'"),
-    ({"model_type": "glm_moe_dsa", "index_topk_pattern": "FS"}, r"config.indexer_types\[1\]='shared'"),
+    ({"model_type": "glm_moe_dsa", "indexer_types": ["shared", "full"]}, r"config.indexer_types\[0\]='shared'"),
+    ({"model_type": "glm_moe_dsa", "index_topk_pattern": "SF"}, r"config.indexer_types\[0\]='shared'"),
     ({"model_type": "glm_moe_dsa", "index_topk_freq": 2, "index_skip_topk_offset": 0},
      r"config.indexer_types\[0\]='shared'"),  # transformers' rule: layer 0 shares at offset 0
+    ({"model_type": "glm_moe_dsa", "indexer_types": ["full", "Shared"]}, r"config.indexer_types=\['full', 'Shared'\]"),
+    ({"model_type": "glm_moe_dsa", "indexer_types": ["full"]}, r"config.indexer_types=\['full'\].*2 entries"),
     ({"mlp_layer_types": ["sparse", "dense"]}, r"config.mlp_layer_types=\['sparse', 'dense'\]"),
     ({"layer_types": ["full_attention"] * 2}, r"config.layer_types=.*'indexed_attention'"),
     ({"q_lora_rank": None}, r"config.q_lora_rank=None.*query latent"),
@@ -91,6 +93,39 @@ def test_count_of_a_config_by_hand(tmp_path, capsys):
   moe = 8 * expert + expert + D * 8
   assert r["total"] == 2 * (attention + indexer + 2 * D) + dense + moe + 2 * N * D + D
   assert [t["kv_bytes_per_token_per_layer"] for t in r["layer_types"]] == [(5 + 4 + 8) * 2]  # bf16
+
+
+def test_glm_shared_layers_are_read_and_written_back():
+  """GLM-5's 'shared' layers (indexer_types, or index_topk_pattern) become ModelConfig.indexer_types; the shared
+  layer's head has no indexer weights; config_out writes them back and reads the same config again. Every layer
+  'full' is indexer_types None (the model without sharing), and deepseek_v32 cannot hold shared layers."""
+  cfg = hf.model_config(_config("glm_moe_dsa", num_hidden_layers=3, index_topk_pattern="FSS"))
+  assert cfg.indexer_types == ("full", "shared", "shared")
+  assert [dict(cfg.layer_head(i).extra["indexer"]).get("shared", False) for i in range(3)] == [False, True, True]
+  out = hf.FAMILIES["glm_moe_dsa"].config_out(cfg)
+  assert out["indexer_types"] == ["full", "shared", "shared"]
+  assert hf.model_config({"model_type": "glm_moe_dsa", **out}) == cfg
+  assert hf.model_config(_config("glm_moe_dsa", indexer_types=["full", "full"])).indexer_types is None
+  from attn.nn.hf.base import check_fields
+  with pytest.raises(ConfigError, match=r"indexer_types=\('full', 'shared', 'shared'\).*deepseek_v32 has no such"):
+    check_fields(cfg, hf.FAMILIES["deepseek_v32"])
+  check_fields(cfg, hf.FAMILIES["glm_moe_dsa"])
+
+
+def test_glm_count_with_a_shared_layer_by_hand(tmp_path, capsys):
+  """attn count --hf of a GLM-5 config with layer 1 shared: the indexer's parameters and its cached key in
+  layer 0 only (transformers builds no indexer in a shared layer)."""
+  from attn import cli
+  (tmp_path / "config.json").write_text(json.dumps(_config("glm_moe_dsa", index_topk_pattern="FS")))
+  assert cli.main(["count", "--hf", str(tmp_path), "--format", "json", "--dtype", "bfloat16"]) == 0
+  r = json.loads(capsys.readouterr().out)
+  D, H, Q, C, N, r_, nope, V, J, I = 32, 4, 6, 5, 53, 4, 6, 7, 8, 8
+  attention = D * Q + Q + Q * H * (nope + r_) + D * (C + r_) + C + C * H * (nope + V) + H * V * D
+  indexer = Q * J * I + D * I + 2 * I + D * J
+  dense, expert = 3 * D * 40, 3 * D * 12
+  moe = 8 * expert + expert + D * 8
+  assert r["total"] == 2 * (attention + 2 * D) + indexer + dense + moe + 2 * N * D + D
+  assert r["kv_bytes_at"]["64"] == 64 * ((5 + 4 + 8) + (5 + 4)) * 2  # bf16, at max_position_embeddings
 
 
 # ---- against transformers (slow tier)
@@ -160,14 +195,24 @@ def test_cached_decoding_matches_transformers_cache(family):
   """Prefill 5 tokens, decode 10 through mla's cache with the index keys beside it (index_topk 3 < 15
   positions): every step's logits against transformers' own cache (teacher-forced), tokens against its greedy
   choices and generate()."""
+  _decoding_matches(build(family), family, [{"latent": 5, "k_rope": 4, "index_key": 8}] * 2)
+
+
+@pytest.mark.slow
+def test_glm_shared_layers_decode_as_transformers():
+  """GLM-5 with layers 1 and 2 reusing layer 0's choice (index_topk_pattern 'FSS'): cached decoding against
+  transformers' cache and generate(); the shared layers cache no index keys."""
+  m = build("glm_moe_dsa", num_hidden_layers=3, index_topk_pattern="FSS")
+  _decoding_matches(m, "glm_moe_dsa", [{"latent": 5, "k_rope": 4, "index_key": 8}] + [{"latent": 5, "k_rope": 4}] * 2)
+
+
+def _decoding_matches(m, family, widths):
   from test_hf_decoding import NEW, PROMPT, _attn_steps, _hf_generate, _hf_steps, _tokens
   import jax.numpy as jnp
-  m = build(family)
   model, cfg = hf.from_hf(m)
   prompt_BT = _tokens(m.config.vocab_size)
   ours, chosen_BN = _attn_steps(model, prompt_BT, NEW)
-  assert {k: v.shape[-1] for k, v in model.blocks[0].attn.cache.items()} == {"latent": 5, "k_rope": 4,
-                                                                             "index_key": 8}
+  assert [{k: v.shape[-1] for k, v in b.attn.cache.items()} for b in model.blocks] == widths
   theirs = _hf_steps(m, prompt_BT, chosen_BN)
   scale = max(np.abs(r).max() for r in theirs)
   worst = max(np.abs(a - r).max() for a, r in zip(ours, theirs)) / scale
@@ -191,6 +236,33 @@ def test_count_of_a_saved_checkpoint_is_transformers(family, tmp_path, capsys):
   m.save_pretrained(tmp_path)
   assert cli.main(["count", "--hf", str(tmp_path), "--format", "json", "--dtype", "bfloat16"]) == 0
   assert json.loads(capsys.readouterr().out)["total"] == m.num_parameters() == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.slow
+def test_glm_shared_layers_against_transformers(tmp_path, capsys):
+  """GLM-5 with layers 1 and 2 reusing layer 0's choice: check_family (logits under right padding, to_hf bit
+  for bit, the save_pretrained directory), attn count --hf of that directory equal to transformers' total;
+  the shared layers hold no indexer in either; a checkpoint that has one there anyway loads with a one-line
+  note to the same model (never used)."""
+  from attn import cli
+  from attn.testing import check_family
+  from flax import nnx
+  m = build("glm_moe_dsa", num_hidden_layers=3, index_topk_pattern="FSS")
+  assert [layer.self_attn.indexer is None for layer in m.model.layers] == [False, True, True]
+  measured = check_family("glm_moe_dsa", m)
+  print(f"glm_moe_dsa FSS: relative {measured['logits_relative']:.2e}")
+  assert measured["logits_relative"] < TOL
+  m.save_pretrained(tmp_path)
+  capsys.readouterr()
+  assert cli.main(["count", "--hf", str(tmp_path), "--format", "json", "--dtype", "bfloat16"]) == 0
+  assert json.loads(capsys.readouterr().out)["total"] == m.num_parameters()
+  config, sd = hf.to_hf_state(hf.from_hf(m))
+  assert not any(k.startswith(("model.layers.1.self_attn.indexer", "model.layers.2.self_attn.indexer")) for k in sd)
+  extra = {k.replace("layers.0.", "layers.2."): a for k, a in sd.items() if ".self_attn.indexer." in k}
+  with pytest.warns(UserWarning, match=r"^5 indexer tensors of shared layers .*read and ignored"):
+    got = hf.from_hf((config, {**sd, **extra}))
+  a, b = (jax_leaves(nnx.state(x.model)) for x in (got, hf.from_hf((config, sd))))
+  assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.slow

@@ -82,6 +82,37 @@ def test_mix_matches_naive_and_is_doubly_stochastic():
     np.testing.assert_allclose(got[b, t], want, atol=1e-5)
 
 
+def test_independent_form_matches_naive_and_counts():
+  """hc_form "independent" (HY-V4's iHC): x'_k = post_k·f(Σ pre·x) + x_k, pre = σ(·) + ε and
+  post = hc_magnitude·σ(·) + ε from 2n mixes, no comb; its parameters 2n·(n·D + 1) + 2 per mix."""
+  n, D, eps, m = 3, 5, 1e-3, 1.5
+  hc = hyper.HyperConnection(n, D, iters=20, eps=eps, norm_eps=1e-6, rngs=nnx.Rngs(0), std=0.5,
+                             form="independent", magnitude=m)
+  assert (hc.fn.shape, hc.base.shape, hc.scale.shape) == ((2 * n, n * D), (2 * n,), (2,))
+  hc.base[...] = jax.random.normal(jax.random.PRNGKey(3), hc.base.shape)
+  hc.scale[...] = jnp.array([0.7, 1.3])
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, n, D))
+  got = hc(lambda h: jnp.tanh(h) * 3.0, x)
+  xs, sig = np.asarray(x, np.float64), lambda a: 1 / (1 + np.exp(-a))
+  fn, base, scale = (np.asarray(a[...], np.float64) for a in (hc.fn, hc.base, hc.scale))
+  for b, t in ((0, 0), (1, 3)):
+    flat = xs[b, t].reshape(-1) / np.sqrt(np.mean(xs[b, t] ** 2) + 1e-6)
+    mix = fn @ flat
+    pre = sig(mix[:n] * scale[0] + base[:n]) + eps
+    post = m * sig(mix[n:] * scale[1] + base[n:]) + eps
+    y = np.tanh((pre[:, None] * xs[b, t]).sum(0)) * 3.0
+    np.testing.assert_allclose(got[b, t], post[:, None] * y[None] + xs[b, t], atol=1e-5)
+  model = DecoderLM(ModelConfig(**{**BASE, "num_layers": 1, "hc_mult": 2, "hc_form": "independent"}),
+                    rngs=nnx.Rngs(0))
+  flat_state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  hc_params = sum(a.size for p, a in flat_state if any("hc" in str(k) for k in p))
+  assert hyper.param_count(2, 12, 1, form="independent") == hc_params == 2 * (4 * 25 + 2) + 2 * 25 + 1
+  with pytest.raises(ConfigError, match=r"hc_form='comb'.*one of \['mhc', 'independent'\]"):
+    ModelConfig(**BASE, hc_mult=2, hc_form="comb")
+  with pytest.raises(ConfigError, match=r"hc_magnitude=0"):
+    ModelConfig(**BASE, hc_mult=2, hc_magnitude=0)
+
+
 @pytest.mark.slow
 def test_decoding_equals_full_pass_with_streams():
   model = DecoderLM(ModelConfig(**BASE, hc_mult=3), rngs=nnx.Rngs(0))

@@ -186,3 +186,37 @@ def test_sparse_path_at_long_T_equals_the_dense_path(monkeypatch):
     got, _ = jax.jit(lambda p, x, fn=fn: fn(p, x, cfg=cfg, opts=opts))(p, x)
     np.testing.assert_allclose(got, dense, atol=1e-5)
   assert len(calls) == 2
+
+
+def test_index_heads_rotating_their_last_dims_and_the_key_norm_eps():
+  """extra.indexer.rope_dims 'last' (HY-V4's index heads) rotates each index query's and key's last rope_dim dims
+  (numpy: the first-dims rotation applied to the dims moved to the front and back), norm_eps is the index key
+  LayerNorm's epsilon; 'first' and 1e-6 (the defaults) give other keys here."""
+  ix = IX | {"rope_dims": "last", "norm_eps": 0.3, "rope_layout": "interleaved"}  # HY-V4's layout
+  cfg = CFG.replace(extra={"indexer": ix})
+  p = _params(cfg)
+  x = _randn(2, (2, 6, cfg.d_model))
+  pos = np.arange(6)
+  I, r = IX["head_dim"], cfg.rope_dim
+  pn = {n: np.asarray(a, np.float64) for n, a in p.items()}
+  kk = np.asarray(x, np.float64) @ pn["w_idk"]
+  kk = (kk - kk.mean(-1, keepdims=True)) / np.sqrt(kk.var(-1, keepdims=True) + 0.3) * pn["idk_norm"] + pn["idk_bias"]
+
+  def last(a):  # rotate the last r dims: move them first, rotate the first r, move them back
+    moved = np.concatenate([a[..., I - r:], a[..., :I - r]], -1)
+    out = _rotate(moved, pos, r, cfg.rope_theta, "interleaved")
+    return np.concatenate([out[..., r:], out[..., :r]], -1)
+
+  np.testing.assert_allclose(np.asarray(selection.index_keys(p, x, jnp.asarray(pos), cfg)), last(kk), atol=1e-5)
+  lat = np.asarray(x, np.float64) @ pn["w_dq"]
+  lat = lat / np.sqrt((lat ** 2).mean(-1, keepdims=True) + cfg.latent_norm_eps) * pn["q_latent_norm"]
+  qi, _ = selection.index_queries(p, x, jnp.asarray(lat, jnp.float32), jnp.asarray(pos), cfg)
+  want = last(np.einsum("btq,qji->btji", lat, pn["w_idq"])) * I ** -0.5
+  np.testing.assert_allclose(np.asarray(qi), want, atol=1e-5)
+  first = CFG.replace(extra={"indexer": IX | {"norm_eps": 0.3, "rope_layout": "interleaved"}})
+  assert not np.allclose(np.asarray(selection.index_keys(p, x, jnp.asarray(pos), first)), last(kk), atol=1e-3)
+  for bad, match in (({"rope_dims": "middle"}, r"extra.indexer.rope_dims='middle'.*'first', 'last'"),
+                     ({"norm_eps": 0}, r"extra.indexer.norm_eps=0"),
+                     ({"form": "heads", "rope_dims": "last"}, r"extra.indexer.rope_dims, norm_eps=\('last', 1e-06\)")):
+    with pytest.raises(ConfigError, match=match):
+      api.check_config("mla", CFG.replace(extra={"indexer": IX | bad}))

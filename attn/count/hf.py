@@ -128,7 +128,9 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   active = count_model.active_param_count(m, "decoder_lm", model_parts) - (model_parts["output"]
                                                                           - parts.get("output", 0))
   layers = []
-  for row in table[:-1]:
+  # the cache at each length summed layer by layer (a type's layers may cache differently: indexer_types)
+  at = {L: table if L == lengths[0] else count_model.layer_type_table(m, "decoder_lm", L, dtype) for L in lengths}
+  for j, row in enumerate(table[:-1]):
     layer = first[row["type"]]
     layers.append({"type": row["type"], "variant": layer.name, "layers": row["layers"],
                    "kv_shared_layers": row["kv_shared_layers"], "window": row["window"],
@@ -136,8 +138,7 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
                    "params": row["params"], "flops_fwd_at": {str(lengths[0]): row["flops_fwd"]},
                    "score_weights_per_layer": layer.score_weights(),
                    "kv_bytes_per_token_per_layer": row["kv_bytes_per_token_per_layer"],
-                   "kv_bytes_at": {str(L): layer.kv_cache_bytes(L, dtype)
-                                   * (row["layers"] - row["kv_shared_layers"]) for L in lengths},
+                   "kv_bytes_at": {str(L): at[L][j]["kv_bytes_at_L"] for L in lengths},
                    "state_bytes_per_layer": layer.state_bytes()})
   return {"source": source, "model_type": hf.get("model_type"), "variant": m.variant, "dtype": dtype,
           "num_layers": m.num_layers, "d_model": m.d_model, "vocab_size": m.vocab_size,

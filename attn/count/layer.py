@@ -32,6 +32,7 @@ from attn import api
 from attn.count import measured
 from attn.config import ConfigError, HeadConfig, invalid
 from attn.variants import mechanisms
+from attn.variants.mechanisms import selection
 from attn.variants.base import Variant
 
 # The one default dtype of every byte count (KV cache, fixed state) in attn.count: reports and the CLI use it too.
@@ -93,13 +94,20 @@ class Layer:
       out.append("kv_cache")
     return out
 
+  def analytic_params(self) -> int:
+    """param_counts()["analytic"] without measuring the effective count (a Jacobian's rank)."""
+    analytic = _closed(self.variant.param_count, mechanisms.param_count, self.cfg)
+    return int(self.stored) if analytic is None else analytic
+
   def param_counts(self) -> dict[str, int | None]:
     """{"analytic", "stored", "effective"}: param_counts."""
     v, cfg = self.variant, self.cfg
     analytic = _closed(v.param_count, mechanisms.param_count, cfg)
     effective = _closed(v.effective_param_count, mechanisms.effective_param_count, cfg)
     if effective is None:  # the Jacobian's rank, for layers small enough (measured.effective)
-      effective = None if self.stored > measured.JACOBIAN_MAX_PARAMS else measured.jacobian_rank(v, cfg)
+      # a layer reusing another's indexer choice is measured as one choosing its own (selection.unshared)
+      effective = (None if self.stored > measured.JACOBIAN_MAX_PARAMS
+                   else measured.jacobian_rank(v, selection.unshared(cfg)))
     return {"analytic": self.stored if analytic is None else analytic, "stored": int(self.stored),
             "effective": effective}
 

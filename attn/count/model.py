@@ -14,7 +14,9 @@ does not). The rows cover the decoding stack of a decoder (the decoder's
 self-attention of an encoder-decoder), the encoder's otherwise. A layer that reads another
 layer's keys and values (ModelConfig.kv_source) caches nothing: each row counts its
 kv_shared_layers and leaves them out of kv_bytes_at_L, and holds no key-side weights
-(kv_sharing.dropped: params less them, as in the model's tree).
+(kv_sharing.dropped: params less them, as in the model's tree). A layer that reuses an earlier layer's
+indexer choice (ModelConfig.indexer_types, attn.nn.index_sharing) has a head of its own (no index weights,
+FLOPs or keys cached): each layer's figures are summed from its own head.
 
 A stack is read from its ModelConfig once (`_stack_of`: each block's layer type, sublayers,
 experts, key-value source and its attention checked once into an attn.count.layer.Layer); the
@@ -120,7 +122,7 @@ def _attention(b: _Block, cross: bool = False) -> int:
   layer reading another's keys and values does not hold (kv_sharing.dropped)."""
   layer = b.attention
   shared = not cross and b.reads_other
-  return layer.param_counts()["analytic"] - (kv_sharing.dropped_count(layer.name, layer.cfg) if shared else 0)
+  return layer.analytic_params() - (kv_sharing.dropped_count(layer.name, layer.cfg) if shared else 0)
 
 
 def shared_flops_saved(m: ModelConfig, layer: int, length: int) -> int:
@@ -197,7 +199,7 @@ def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str,
   if kind in ("decoder_lm", "encoder_decoder"):
     parts["output"] = _output(m, stack.dense_bias)
   if m.hc_mult > 1:  # DecoderLM's hyper-connections (attn.nn.hyper): two mixes a block and the head
-    parts["hyper_connections"] = hyper.param_count(m.hc_mult, m.d_model, m.num_layers)
+    parts["hyper_connections"] = hyper.param_count(m.hc_mult, m.d_model, m.num_layers, form=m.hc_form)
   return parts
 
 
@@ -256,7 +258,7 @@ def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
       first[name], head = layer, layer.cfg
       rows[name] = {"type": name, "variant": layer.name, "layers": 0, "kv_shared_layers": 0, "window": head.window,
                     "rope_theta": head.rope_theta if head.rope_dim else None,
-                    "params_per_layer": layer.param_counts()["analytic"],
+                    "params_per_layer": layer.analytic_params(),
                     "flops_fwd_per_layer": layer.flops(length),
                     "kv_bytes_per_token_per_layer": layer.kv_cache_bytes_per_token(dtype),
                     "kv_bytes_at_L_per_layer": layer.kv_cache_bytes(length, dtype),
@@ -266,8 +268,13 @@ def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
     row["kv_shared_layers"] += shared
     # A sharing layer: no key-side weights, no key and value projections, no cache of its own.
     row["params"] += _attention(b)
-    row["flops_fwd"] += row["flops_fwd_per_layer"] - (_flops_saved(layer.name, layer.cfg, length) if shared else 0)
-    row["kv_bytes_at_L"] += 0 if shared else row["kv_bytes_at_L_per_layer"]
+    # Each layer's own figures: a layer of the type may differ from its first (a shared indexer layer,
+    # ModelConfig.indexer_types, has no index weights, FLOPs or keys cached).
+    same = layer.cfg.replace(layer=1) == first[name].cfg.replace(layer=1)
+    flops = row["flops_fwd_per_layer"] if same else layer.flops(length)
+    row["flops_fwd"] += flops - (_flops_saved(layer.name, layer.cfg, length) if shared else 0)
+    own = row["kv_bytes_at_L_per_layer"] if same else layer.kv_cache_bytes(length, dtype)
+    row["kv_bytes_at_L"] += 0 if shared else own
   out = list(rows.values())
   total = {"type": "total", "layers": sum(r["layers"] for r in out)}
   for key in ("params", "flops_fwd", "kv_bytes_at_L"):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import kv_sharing, layer_heads, layer_types, moe, short_conv
+from attn.nn import hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -95,6 +95,7 @@ class ModelConfig:
   linear_head: dict | None = None  # their HeadConfig fields over the model's (attn.nn.layer_types)
   layer_heads: dict | None = None  # {layer type: {d_k, d_v, num_kv_heads, rope_dim, value_norm_eps, variant}} (attn.nn.layer_heads; Gemma 4)
   kv_source: tuple[int, ...] | None = None  # per layer, whose keys and values it reads (attn.nn.kv_sharing)
+  indexer_types: tuple[str, ...] | None = None  # per layer "full" or "shared": reuse the last full layer's indexer choice (attn.nn.index_sharing)
   block_kinds: tuple[str, ...] | None = None  # per layer: one of BLOCK_KINDS; None: all "attention_mlp"
   # mlp "moe": a mixture of experts, computed densely (attn.nn.moe has the meaning of each).
   moe_experts: int = 0  # E
@@ -110,7 +111,7 @@ class ModelConfig:
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
   moe_shared_d_ff: int | None = None  # the shared experts' width (None: moe_shared_experts·moe_d_ff; Qwen3-Next)
   moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
-  moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss" or "clamp" (DeepSeek-V4's, shared experts too)
+  moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss", "clamp" (DeepSeek-V4's, shared experts too) or "clamp_routed" (HY-V4's)
   moe_hash_first: int = 0  # the first expert layers pick experts by the token id (DeepSeek-V4's hash_moe, tid2eid)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
@@ -121,12 +122,15 @@ class ModelConfig:
   hc_mult: int = 1  # residual streams (attn.nn.hyper: DeepSeek-V4's hyper-connections); 1: plain residual
   hc_sinkhorn_iters: int = 20  # with hc_mult > 1: Sinkhorn-Knopp passes on each mix
   hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
+  hc_form: str = "mhc"  # with hc_mult > 1: "mhc" (DeepSeek-V4's, comb by Sinkhorn) or "independent" (HY-V4's iHC: no comb)
+  hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
     object.__setattr__(self, "layer_heads", layer_heads.normalize(self.layer_heads))
     object.__setattr__(self, "kv_source", kv_sharing.normalize(self.kv_source))
+    object.__setattr__(self, "indexer_types", index_sharing.normalize(self.indexer_types))
     if isinstance(self.block_kinds, list):
       object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -173,6 +177,7 @@ class ModelConfig:
     layer_types.check(self)
     layer_types.check_linear_fields(self)
     kv_sharing.check(self)
+    index_sharing.check(self)
     moe.check(self)
     if self.per_layer_vocab and not self.per_layer_dim:
       raise invalid("per_layer_vocab", self.per_layer_vocab, "0 when per_layer_dim is 0: there is no "
@@ -222,6 +227,11 @@ class ModelConfig:
     eps = self.hc_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
       raise invalid("hc_eps", eps, "a positive finite number (the hyper-connections' floor)")
+    if self.hc_form not in hyper.FORMS:
+      raise invalid("hc_form", self.hc_form, f"one of {list(hyper.FORMS)}")
+    m = self.hc_magnitude
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
+      raise invalid("hc_magnitude", m, "a positive finite number (the post gates' scale)")
     if self.hc_mult > 1 and self.norm != "pre":
       raise invalid("norm", self.norm, f'"pre" with hc_mult={self.hc_mult}: the hyper-connections '
                     "mix the streams around pre-normed sublayers (DeepSeek-V4's layout)")
@@ -242,7 +252,8 @@ class ModelConfig:
     Its type (layer_types[index], or global_every's rule) sets its window and RoPE.
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
-    return layer_types.head_for(self, layer_types.layer_type(self, index), head)
+    head = layer_types.head_for(self, layer_types.layer_type(self, index), head)
+    return index_sharing.mark(self, index, head)  # indexer_types: a shared layer's indexer reuses a choice
 
   def layer_variant(self, index: int) -> str:
     """The variant of self-attention layer `index`: linear_variant for a linear_attention layer."""

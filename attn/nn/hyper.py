@@ -17,6 +17,11 @@ norm. With hc_mult = 1 none of this exists: the model is the plain residual, bit
 Pre-norm only (V4's layout): the sublayer's norm acts on the collapsed input.
 
 Parameters per HyperConnection: (2 + n)·n·(n·D + 1) + 3; the head n·(n·D + 1) + 1.
+
+ModelConfig.hc_form "independent" (HY-V4's iHC): no comb and no Sinkhorn; 2n numbers per token,
+pre = σ(·) + ε, post = hc_magnitude·σ(·) + ε, and the streams are added back unmixed:
+x'_k = post_k·y + x_k. Parameters per HyperConnection 2n·(n·D + 1) + 2; the same head.
+(hc_magnitude is the post gates' scale in both forms: DeepSeek-V4's is 2.)
 """
 
 from __future__ import annotations
@@ -46,12 +51,13 @@ class HyperConnection(nnx.Module):
   """The mixing weights around one sublayer (module docstring)."""
 
   def __init__(self, n: int, d_model: int, *, iters: int, eps: float, norm_eps: float,
-               rngs: nnx.Rngs, std: float = 0.02):
+               rngs: nnx.Rngs, std: float = 0.02, form: str = "mhc", magnitude: float = 2.0):
     self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
-    width = (2 + n) * n
+    self.form, self.magnitude = form, magnitude
+    width = (2 + n) * n if form == "mhc" else 2 * n
     self.fn = nnx.Param(std * jax.random.normal(rngs.params(), (width, n * d_model), jnp.float32))
     self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
-    self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+    self.scale = nnx.Param(jnp.ones((3 if form == "mhc" else 2,), jnp.float32))
 
   def weights(self, x_BTnD: Array):
     """(pre (B,T,n), post (B,T,n), comb (B,T,n,n)) in float32."""
@@ -60,7 +66,9 @@ class HyperConnection(nnx.Module):
     mix = flat @ self.fn[...].T
     base, scale = self.base[...], self.scale[...]
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + self.eps
-    post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    post = self.magnitude * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    if self.form == "independent":
+      return pre, post + self.eps, None
     comb = mix[..., 2 * n:] * scale[2] + base[2 * n:]
     comb = jax.nn.softmax(comb.reshape(*comb.shape[:-1], n, n), axis=-1) + self.eps
     return pre, post, sinkhorn(comb, self.iters, self.eps)
@@ -71,7 +79,7 @@ class HyperConnection(nnx.Module):
     dtype = x_BTnD.dtype
     collapsed = jnp.einsum("BTn,BTnD->BTD", pre, x_BTnD.astype(jnp.float32)).astype(dtype)
     y_BTD = f(collapsed)
-    mixed = jnp.einsum("BTjk,BTjD->BTkD", comb.astype(dtype), x_BTnD)
+    mixed = x_BTnD if comb is None else jnp.einsum("BTjk,BTjD->BTkD", comb.astype(dtype), x_BTnD)
     return post.astype(dtype)[..., None] * y_BTD[:, :, None, :] + mixed
 
 
@@ -96,9 +104,12 @@ def expand(h_BTD: Array, n: int) -> Array:
   return jnp.broadcast_to(h_BTD[:, :, None, :], (*h_BTD.shape[:2], n, h_BTD.shape[-1]))
 
 
-def param_count(n: int, d_model: int, layers: int, sublayers: int = 2) -> int:
+FORMS = ("mhc", "independent")  # ModelConfig.hc_form
+
+
+def param_count(n: int, d_model: int, layers: int, sublayers: int = 2, form: str = "mhc") -> int:
   """The hyper-connections' parameters in a model of `layers` blocks (0 at n = 1)."""
   if n == 1:
     return 0
-  per = (2 + n) * n * (n * d_model + 1) + 3
+  per = (2 + n) * n * (n * d_model + 1) + 3 if form == "mhc" else 2 * n * (n * d_model + 1) + 2
   return layers * sublayers * per + n * (n * d_model + 1) + 1

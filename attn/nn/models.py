@@ -99,7 +99,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, check_ids, invalid
-from attn.nn import decoding, hyper, kv_sharing, layer_types, moe, short_conv
+from attn.nn import decoding, hyper, index_sharing, kv_sharing, layer_types, moe, short_conv
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.config import ModelConfig
 
@@ -337,7 +337,8 @@ class TransformerBlock(nnx.Module):
     self.scalar = moe.Buffer(jnp.ones((1,), cfg.weight_dtype)) if cfg.layer_scalar else None
     n = cfg.hc_mult  # hyper-connections (attn.nn.hyper): one around each sublayer
     hc = lambda on: hyper.HyperConnection(n, cfg.d_model, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
-                                          norm_eps=cfg.norm_eps, rngs=rngs) if on and n > 1 else None
+                                          norm_eps=cfg.norm_eps, rngs=rngs, form=cfg.hc_form,
+                                          magnitude=cfg.hc_magnitude) if on and n > 1 else None
     self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
 
   def _residual(self, norm, f, x_BTD: Array, post=None, hc=None) -> Array:
@@ -419,11 +420,12 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Arr
   """h through each block with its row of gates (and slice of per_layer (B,T,L,P)); (h, [w_BHTS
   per block] or [])."""
   weights, seen = [], RESIDUALS.get()
-  with kv_sharing.model_call(blocks):  # cross-layer KV sharing (ModelConfig.kv_source)
+  # cross-layer KV sharing (ModelConfig.kv_source) and indexer choices (ModelConfig.indexer_types)
+  with kv_sharing.model_call(blocks), index_sharing.model_call(blocks) as chosen:
     for i, (block, gate) in enumerate(zip(blocks, gates)):
       if per_layer is not None:
         masks_kw["per_layer_input"] = per_layer[:, :, i]
-      with kv_sharing.layer(block.attn, i):
+      with kv_sharing.layer(block.attn, i), index_sharing.layer(chosen, i):
         h_BTD = block(h_BTD, head_mask=gate, return_weights=return_weights, **masks_kw)
       if return_weights:
         h_BTD, w_BHTS = h_BTD

@@ -32,7 +32,8 @@ Effective: the key/value inputs live in the latent subspace of R^D, of
   base.rope_score_dof with one key shared by all H query heads, and with
   q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
   q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
-KV cache: d_c + rope_dim per token (+ d_I with the deepseek-form indexer: its keys).
+KV cache: d_c + rope_dim per token (+ d_I with the deepseek-form indexer: its keys; none on a layer that
+reuses another's choice, extra.indexer.shared).
 Score weights: the query weights + D·d_c +
   d_c·G·(K − r) + D·r [+ the norm scales, d_c (+ Q')].
 """
@@ -111,7 +112,7 @@ def _with_index(params: Params, x_BTD, lat_BTQ, ki_BSI, q_positions, opts: Optio
 
 def _index_keys(params: Params, c_BSD, k_positions, cfg: HeadConfig):
   """The deepseek-form indexer's keys at k_positions, or None without it."""
-  return selection.index_keys(params, c_BSD, k_positions, cfg) if selection.is_deepseek(cfg) else None
+  return selection.index_keys(params, c_BSD, k_positions, cfg) if selection.computes_index(cfg) else None
 
 
 def _latent_and_rope_key(params: Params, c_BSD, cfg: HeadConfig):
@@ -129,7 +130,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   B, S, _ = c_BSD.shape
   G, r = cfg.num_kv_heads, cfg.rope_dim
   q_BTHK, lat_BTQ = _queries(params, x_BTD, cfg)
-  if selection.is_deepseek(cfg):
+  if selection.computes_index(cfg):
     q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1], S, context_BSD is not None)
     opts = _with_index(params, x_BTD, lat_BTQ, _index_keys(params, c_BSD, k_pos, cfg), q_pos, opts, cfg)
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
@@ -153,7 +154,7 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   c_BSD = x_BTD if context_BSD is None else context_BSD
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
   q_pos, ki_BSI = None, None
-  if cfg.rope_dim or selection.is_deepseek(cfg):
+  if cfg.rope_dim or selection.computes_index(cfg):
     q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1],
                                                           c_BSD.shape[1], True)
     kr_BSR = rope.rotate(kr_BSR, k_pos, cfg) if cfg.rope_dim else kr_BSR
@@ -194,7 +195,7 @@ def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, opts: Options) -> d
   out = {"latent": lat_BTC}
   if cfg.rope_dim:
     out["k_rope"] = rope.rotate(kr_BTR, k_pos, cfg)
-  if selection.is_deepseek(cfg):  # the indexer's keys, beside the latent (DeepSeek-V3.2's indexer cache)
+  if selection.computes_index(cfg):  # the indexer's keys, beside the latent (DeepSeek-V3.2's indexer cache)
     out["index_key"] = _index_keys(params, x_BTD, k_pos, cfg)
   return out
 
@@ -257,7 +258,7 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 def kv_cache_width(cfg: HeadConfig) -> int:
   """d_c + rope_dim, and the deepseek-form indexer's key (d_I) beside them."""
-  index = selection.options_of(cfg)["head_dim"] if selection.is_deepseek(cfg) else 0
+  index = selection.options_of(cfg)["head_dim"] if selection.computes_index(cfg) else 0
   return cfg.latent_dim + cfg.rope_dim + index
 
 

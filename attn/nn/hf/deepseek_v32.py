@@ -12,8 +12,12 @@ index_n_heads, index_head_dim, index_topk are heads, head_dim, top_k; per layer 
 Q') is w_idq, wk (d_I, D) w_idk, k_norm (LayerNorm) idk_norm and idk_bias, weights_proj (n_I, D)
 w_idw. DeepSeek-V3.2 rotates the index heads' first qk_rope_head_dim dims in the half layout
 (rotate_half), GLM-5 in the interleaved one: the family's rope_layout. GLM-5 can reuse a previous
-layer's choice (indexer_types "shared", cross-layer top-k sharing): refused by name, every layer
-must be "full". The released checkpoints' fp8 weights are refused on their names (deepseek_v3),
+layer's choice (indexer_types "shared", cross-layer top-k sharing, read from indexer_types,
+index_topk_pattern or index_topk_freq / index_skip_topk_offset as GlmMoeDsaConfig derives them):
+ModelConfig.indexer_types (attn.nn.index_sharing; None when every layer is "full"). A shared layer
+holds no indexer, in transformers and in attn; a checkpoint that has one there anyway is read with a
+one-line warning and its tensors ignored, as transformers ignores them (never used). "shared" on
+layer 0 is refused by name (transformers raises there too). The released checkpoints' fp8 weights are refused on their names (deepseek_v3),
 and their multi-token-prediction layer (layer num_hidden_layers) is read and ignored with a one-line
 warning, as transformers ignores it. DeepSeek's reference inference code keeps the indexer's key cache in fp8 with a
 Hadamard rotation; transformers (and attn) keep it in the model's dtype and skip the rotation (an
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from attn.config import invalid
+from attn.nn import index_sharing
 from attn.nn.config import ModelConfig
 from attn.nn.hf import deepseek_v3
 from attn.nn.hf.base import Family, Weights, get
@@ -83,17 +88,17 @@ def config_in_for(layout: str, glm: bool):
     if types is not None and list(types) != ["indexed_attention"] * L:
       raise invalid("config.layer_types", types, f"{L} of 'indexed_attention': every layer runs the indexer")
     kinds = indexer_types(hf, L) if glm else ["full"] * L
-    shared = [i for i, t in enumerate(kinds) if t != "full"]
-    if shared:
-      raise invalid(f"config.indexer_types[{shared[0]}]", kinds[shared[0]], "'full' (every layer): attn has no "
-                    "cross-layer sharing of the indexer's choice (GLM-5's 'shared', from indexer_types, "
-                    "index_topk_pattern or index_topk_freq)")
+    if len(kinds) != L or any(k not in ("full", "shared") for k in kinds):
+      raise invalid("config.indexer_types", kinds, f"{L} entries (num_hidden_layers), each 'full' or 'shared'")
+    if kinds and kinds[0] == "shared":
+      raise invalid("config.indexer_types[0]", "shared", "'full': the first layer has no earlier choice to reuse "
+                    "(GLM-5's 'shared', from indexer_types, index_topk_pattern or index_topk_freq)")
     if hf.get("q_lora_rank") is None:
       raise invalid("config.q_lora_rank", None, "an integer >= 1: the indexer reads the query latent")
     ix = _indexer_in(hf, layout)
     inner = {k: v for k, v in hf.items() if k not in ("layer_types", "mlp_layer_types")}
     base = deepseek_v3.config_in(inner | {"rope_interleave": True, "first_k_dense_replace": _dense_first(hf)})
-    return base.replace(extra={"indexer": ix})
+    return base.replace(extra={"indexer": ix}, indexer_types=tuple(kinds) if "shared" in kinds else None)
   return config_in
 
 
@@ -106,12 +111,22 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   D, Q = cfg.d_model, cfg.q_latent_dim
   o = selection.options_of(cfg.head)
   J, I = o["heads"], o["head_dim"]
+  ignored = []
   for l in range(cfg.num_layers):
     a = f"layers.{l}.self_attn.indexer"
+    if index_sharing.is_shared(cfg, l):  # no indexer here: tensors a checkpoint has anyway are read, not used
+      for name in sorted(n for n in w.names if n.startswith(f"{a}.")):
+        w(name)
+        ignored.append(name)
+      continue
     out["blocks"][l]["attn"]["params"] |= {
         "w_idq": w(f"{a}.wq_b.weight", (J * I, Q)).T.reshape(Q, J, I), "w_idk": w(f"{a}.wk.weight", (I, D)).T,
         "idk_norm": w(f"{a}.k_norm.weight", (I,)), "idk_bias": w(f"{a}.k_norm.bias", (I,)),
         "w_idw": w(f"{a}.weights_proj.weight", (J, D)).T}
+  if ignored:
+    warnings.warn(f"{len(ignored)} indexer tensors of shared layers (indexer_types 'shared': {ignored[0]}, ...) read "
+                  "and ignored: a shared layer reuses the previous full layer's choice, as transformers does",
+                  stacklevel=2)
   return out
 
 
@@ -120,6 +135,8 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
   Q = cfg.q_latent_dim
   for l, block in pure["blocks"].items():
     p, a = block["attn"]["params"], f"model.layers.{l}.self_attn.indexer"
+    if "w_idq" not in p:  # a shared layer (indexer_types): no indexer
+      continue
     w_idq = np.asarray(p["w_idq"])
     sd |= {f"{a}.wq_b.weight": w_idq.reshape(Q, -1).T, f"{a}.wk.weight": np.asarray(p["w_idk"]).T,
            f"{a}.k_norm.weight": np.asarray(p["idk_norm"]), f"{a}.k_norm.bias": np.asarray(p["idk_bias"]),
@@ -150,7 +167,7 @@ def config_out_for(architecture: str, glm: bool):
     out |= {"architectures": [architecture], "index_n_heads": o["heads"], "index_head_dim": o["head_dim"],
             "index_topk": o["top_k"], "mlp_layer_types": ["dense"] * k + ["sparse"] * (cfg.num_layers - k)}
     if glm:
-      out["indexer_types"] = ["full"] * cfg.num_layers
+      out["indexer_types"] = list(cfg.indexer_types or ["full"] * cfg.num_layers)
     return out
   return config_out
 
@@ -160,7 +177,7 @@ def _family(name: str, architecture: str, layout: str, glm: bool) -> Family:
       deepseek_v3.DEEPSEEK_V3, name=name, model_types=(name,), architectures=(architecture,),
       config_in=config_in_for(layout, glm), weights_in=weights_in, weights_out=weights_out,
       config_out=config_out_for(architecture, glm), check_out=check_out_for(name, layout),
-      mapped=deepseek_v3.DEEPSEEK_V3.mapped | {"extra"})
+      mapped=deepseek_v3.DEEPSEEK_V3.mapped | {"extra"} | ({"indexer_types"} if glm else set()))
 
 
 DEEPSEEK_V32 = _family("deepseek_v32", "DeepseekV32ForCausalLM", "half", glm=False)

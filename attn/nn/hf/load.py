@@ -21,8 +21,8 @@ from flax import nnx
 
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, kimi_linear, llama,
-                         nemotron_h, olmo2, phi3, qwen3_5, qwen3_next, smollm3)
+from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, hy_v4,
+                         kimi_linear, llama, nemotron_h, olmo2, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -40,7 +40,7 @@ def _builtins() -> tuple[Family, ...]:
           smollm3.SMOLLM3, phi3.PHI3, gpt_oss.GPT_OSS, olmo2.OLMO2, deepseek_v3.DEEPSEEK_V3,
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
-          deepseek_v4.DEEPSEEK_V4)
+          deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,

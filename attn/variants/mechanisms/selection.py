@@ -23,9 +23,16 @@ here). Options live in HeadConfig.extra:
            (Q', n_I, d_I); the one index key LayerNorm(x·w_idk) (w_idk (D, d_I), scale
            idk_norm and bias idk_bias, eps 1e-6); RoPE on the first rope_dim dims of both
            at their positions, in layout "rope_layout" ("half", DeepSeek-V3.2's, or
-           "interleaved", GLM-5's); the weights x·w_idw (D, n_I) · n_I^-1/2; scores
+           "interleaved", GLM-5's; "rope_dims" "last" rotates the last rope_dim dims instead,
+           HY-V4's; "norm_eps" the LayerNorm's epsilon, HY-V4's rms_norm_eps); the weights
+           x·w_idw (D, n_I) · n_I^-1/2; scores
            · d_I^-1/2. The variant computes these (index_queries, index_keys) and hands them
            to the core in Options.index; its decoding cache holds the index keys.
+           "shared" (False; set per layer by ModelConfig.indexer_types, attn.nn.index_sharing,
+           never on a model's extra): the layer reuses the previous full layer's choice
+           (GLM-5's IndexShare): no index parameters, no index keys cached, no index FLOPs;
+           its select hands back what that layer's select returned in the same model call
+           (SHARED_CHOICE).
 
 Where the work is saved: where the kernel's table sends a key choice to its rows
 (attn.kernel.impls.selects: T·S >= kernel.BLOCKED_MIN_SCORES, "auto" or "blocked",
@@ -73,8 +80,9 @@ def _opts(cfg: HeadConfig, name: str) -> dict:
 
 FORMS = ("heads", "deepseek")  # extra.indexer.form (module docstring)
 INDEX_ROPE_LAYOUTS = ("half", "interleaved")  # extra.indexer.rope_layout, the deepseek form's
-INDEX_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(d_I, eps=1e-6)
-_STRINGS = {"form": FORMS, "rope_layout": INDEX_ROPE_LAYOUTS}
+INDEX_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(d_I, eps=1e-6); extra.indexer.norm_eps
+INDEX_ROPE_DIMS = ("first", "last")  # extra.indexer.rope_dims: which rope_dim dims of an index head rotate
+_STRINGS = {"form": FORMS, "rope_layout": INDEX_ROPE_LAYOUTS, "rope_dims": INDEX_ROPE_DIMS}
 
 
 def options_of(cfg: HeadConfig, name: str = "indexer") -> dict:
@@ -87,6 +95,33 @@ def is_deepseek(cfg: HeadConfig) -> bool:
   return "indexer" in (cfg.extra or {}) and _opts(cfg, "indexer")["form"] == "deepseek"
 
 
+def is_shared(cfg: HeadConfig) -> bool:
+  """Whether the layer reuses an earlier layer's indexer choice (extra.indexer.shared; indexer_types)."""
+  return "indexer" in (cfg.extra or {}) and _opts(cfg, "indexer")["shared"] is True
+
+
+def computes_index(cfg: HeadConfig) -> bool:
+  """Whether the variant computes (and caches) the deepseek form's index queries and keys: the form,
+  on a layer that makes its own choice."""
+  return is_deepseek(cfg) and not is_shared(cfg)
+
+
+def unshared(cfg: HeadConfig) -> HeadConfig:
+  """cfg as a layer that makes its own choice (a shared layer measured alone: the choice carries no
+  gradient, so the indexer's weights add nothing to the Jacobian's rank and its rank is the shared layer's)."""
+  if not is_shared(cfg):
+    return cfg
+  extra = dict(cfg.extra)
+  extra["indexer"] = {k: v for k, v in dict(extra["indexer"]).items() if k != "shared"}
+  return cfg.replace(extra=extra)
+
+
+# Set by attn.nn.index_sharing around each layer of a model call with shared indexer layers:
+# ("record", {dense: choice}) on a full layer whose choice a later layer reuses (its select stores
+# what it returns, keyed by its `dense` argument), ("reuse", that dict) on a shared layer.
+SHARED_CHOICE: contextvars.ContextVar = contextvars.ContextVar("attn_shared_choice", default=None)
+
+
 def _positive(name: str, key: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
     raise invalid(f"extra.{name}.{key}", value, "a positive integer")
@@ -97,6 +132,15 @@ def _check(name: str, cfg: HeadConfig) -> None:
   unrotated dims."""
   o = _opts(cfg, name)
   for key in DEFAULTS[name]:
+    if key == "shared":
+      if not isinstance(o[key], bool):
+        raise invalid("extra.indexer.shared", o[key], "True or False (set per layer by indexer_types)")
+      continue
+    if key == "norm_eps":
+      v = o[key]
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise invalid("extra.indexer.norm_eps", v, "a positive finite number (the index key LayerNorm's epsilon)")
+      continue
     if key in _STRINGS:
       if o[key] not in _STRINGS[key]:
         raise invalid(f"extra.{name}.{key}", o[key], f"one of {list(_STRINGS[key])}")
@@ -120,6 +164,9 @@ def _check(name: str, cfg: HeadConfig) -> None:
     if cfg.q_latent_dim is None:
       raise invalid("extra.indexer.form", "deepseek", "'heads' without q_latent_dim: the deepseek form reads "
                     "the query latent (mla with q_latent_dim)")
+  elif name == "indexer" and (o["rope_dims"], o["norm_eps"]) != ("first", INDEX_NORM_EPS):
+    raise invalid("extra.indexer.rope_dims, norm_eps", (o["rope_dims"], o["norm_eps"]), f"('first', "
+                  f"{INDEX_NORM_EPS}) (unset) with form 'heads': they shape the deepseek form's index keys")
   elif name == "indexer" and o["rope_layout"] != "half":
     raise invalid("extra.indexer.rope_layout", o["rope_layout"], "'half' (unset) with form 'heads': that form "
                   "reads unrotated dims")
@@ -180,6 +227,8 @@ def _index_width(cfg: HeadConfig) -> int:
 
 def _indexer_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   o = _opts(cfg, "indexer")
+  if o["shared"]:  # reuses another layer's choice: holds no index weights
+    return {}
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   kq, kk, kw = jax.random.split(key, 3)
   normal = lambda k, shape, fan: (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(fan)).astype(dtype)
@@ -201,9 +250,18 @@ def index_keys(params: Params, c_BSD: Array, positions, cfg: HeadConfig) -> Arra
   c is detached; the parameters are not (index_inputs says why)."""
   k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idk"].astype(jnp.float32)
   mean = jnp.mean(k, -1, keepdims=True)
-  k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + INDEX_NORM_EPS)
+  eps = _opts(cfg, "indexer")["norm_eps"]
+  k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + eps)
   k = k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
-  return rope.rotate(k, positions, _index_rope(cfg))
+  return _rotate_index(k, positions, cfg)
+
+
+def _rotate_index(a: Array, positions, cfg: HeadConfig) -> Array:
+  """RoPE on an index head's first rope_dim dims, or on its last (extra.indexer.rope_dims; HY-V4's)."""
+  if _opts(cfg, "indexer")["rope_dims"] == "first" or not cfg.rope_dim:
+    return rope.rotate(a, positions, _index_rope(cfg))
+  cut = a.shape[-1] - cfg.rope_dim
+  return jnp.concatenate([a[..., :cut], rope.rotate(a[..., cut:], positions, _index_rope(cfg))], -1)
 
 
 def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: HeadConfig):
@@ -213,7 +271,7 @@ def index_queries(params: Params, x_BTD: Array, lat_BTQ: Array, positions, cfg: 
   o = _opts(cfg, "indexer")
   f32 = lambda a: jax.lax.stop_gradient(a).astype(jnp.float32)  # noqa: E731  (inputs detached, as index_inputs)
   qi = jnp.einsum("BTQ,QJI->BTJI", f32(lat_BTQ), params["w_idq"].astype(jnp.float32))
-  qi = rope.rotate(qi, positions, _index_rope(cfg)) * o["head_dim"] ** -0.5
+  qi = _rotate_index(qi, positions, cfg) * o["head_dim"] ** -0.5
   w = f32(x_BTD) @ params["w_idw"].astype(jnp.float32) * o["heads"] ** -0.5
   return qi, w
 
@@ -237,6 +295,26 @@ def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
 
 def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
                     dense: bool, index=None):
+  state = SHARED_CHOICE.get()
+  if is_shared(cfg):
+    return _reused(state, dense)
+  choice = _own_choice(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask,
+                       dense=dense, index=index)
+  if state is not None and state[0] == "record":
+    state[1][dense] = choice
+  return choice
+
+
+def _reused(state, dense: bool):
+  """A shared layer's choice: the one its full layer's select returned in this model call."""
+  if state is None or state[0] != "reuse" or dense not in state[1]:
+    raise invalid("extra.indexer.shared", True, "False outside a model whose earlier full indexer layer chose "
+                  "in the same call (ModelConfig.indexer_types; a shared layer alone has no choice to reuse)")
+  return state[1][dense]
+
+
+def _own_choice(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask, dense: bool,
+                index=None):
   top_k = _opts(cfg, "indexer")["top_k"]
   if is_deepseek(cfg):
     if index is None:
@@ -257,6 +335,8 @@ def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
 
 def _indexer_params(cfg: HeadConfig) -> int:
   o = _opts(cfg, "indexer")
+  if o["shared"]:
+    return 0
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   if o["form"] == "deepseek":  # w_idq, w_idk, the LayerNorm's scale and bias, w_idw
     return cfg.q_latent_dim * J * I + cfg.d_model * (I + J) + 2 * I
@@ -265,8 +345,10 @@ def _indexer_params(cfg: HeadConfig) -> int:
 
 def indexer_flops(cfg: HeadConfig, T: int, S: int) -> int:
   """Index queries 2·T·H·C·J·I, weights 2·T·H·C·J, index keys 2·S·G·C·I (C = K - rope_dim);
-  scores 2·T·S·J·I and their weighted sum 2·T·S·J (ReLU and top-k not counted)."""
+  scores 2·T·S·J·I and their weighted sum 2·T·S·J (ReLU and top-k not counted); 0 on a shared layer."""
   o = _opts(cfg, "indexer")
+  if o["shared"]:
+    return 0
   H, G, C, J, I = cfg.num_heads, cfg.num_kv_heads, _index_width(cfg), o["heads"], o["head_dim"]
   if o["form"] == "deepseek":  # index queries 2·T·Q'·J·I, weights 2·T·D·J, keys 2·S·D·I, the scores
     return 2 * T * J * (cfg.q_latent_dim * I + cfg.d_model) + 2 * S * cfg.d_model * I + 2 * T * S * J * (I + 1)
@@ -282,10 +364,11 @@ def indexer_keys(cfg: HeadConfig, T: int) -> int:
 
 
 INDEXER = Mechanism(
-    name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half"},
+    name="indexer", defaults={"heads": 4, "head_dim": 32, "top_k": 2048, "form": "heads", "rope_layout": "half",
+                              "shared": False, "rope_dims": "first", "norm_eps": INDEX_NORM_EPS},
     check=lambda cfg: _check("indexer", cfg), init=_indexer_init, select=_indexer_select,
     attend=lambda *a, **kw: _indexer_attend(*a, **kw),
-    needs=lambda cfg: {} if is_deepseek(cfg) else {
+    needs=lambda cfg: {} if is_deepseek(cfg) or is_shared(cfg) else {
         "qk_heads": "its 'heads' form reads each head's unrotated query and key dims; form 'deepseek' reads the "
                     "query latent instead (mla with q_latent_dim)"},
     sharding={"w_iq": "HKJI", "w_ik": "GKI", "w_iw": "HKJ", "w_idq": "QJI", "w_idk": "DI", "w_idw": "DJ",
@@ -294,9 +377,10 @@ INDEXER = Mechanism(
     examples=(("indexer 2 heads of 3, top 3", {"extra": {"indexer": {"heads": 2, "head_dim": 3, "top_k": 3}}},
                "C·(H·J·I + G·I + H·J), C = K − r",
                "2·T·H·C·J·(I + 1) + 2·S·G·C·I + 2·T·S·J·(I + 1) (the core: top_k keys a query)"),),
-    help="indexer: {heads, head_dim, top_k, form, rope_layout}: DeepSeek-V3.2's lightning indexer, each "
+    help="indexer: {heads, head_dim, top_k, form, rope_layout, shared}: DeepSeek-V3.2's lightning indexer, each "
          "query's top_k keys by Σ_j w_j·ReLU(q_j·k), shared by every head; form 'heads' reads the heads' "
-         "unrotated dims, 'deepseek' (mla with a query latent) the query latent and x, as DeepSeek-V3.2")
+         "unrotated dims, 'deepseek' (mla with a query latent) the query latent and x, as DeepSeek-V3.2; "
+         "shared: set per layer by ModelConfig.indexer_types (the previous full layer's choice reused)")
 
 RECORDS = (MOBA, INDEXER)
 DEFAULTS = {m.name: dict(m.defaults) for m in RECORDS}
@@ -365,6 +449,12 @@ def _record_kl(phase: str, terms: list, params: Params, q_BTHK, k_BSGK, *, cfg: 
   """record_indexer_kl's work for one layer: appends its KL term; returns the opts to attend with."""
   if phase == "dense":
     return opts
+  if is_shared(cfg):  # no indexer here to train: attend as the phase says, with the full layer's choice
+    if phase == "warmup":
+      return opts
+    keep = INDEXER.select(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=opts.is_causal, kv_lengths=opts.kv_lengths,
+                          mask=opts.mask, dense=True, index=opts.index)
+    return opts.replace(mask=masks.combine_masks(opts.mask, keep))
   T, S = q_BTHK.shape[1], k_BSGK.shape[1]
   qi, ki, w = opts.index if is_deepseek(cfg) else index_inputs(params, q_BTHK, k_BSGK, cfg)
   seen = masks.combine_masks(opts.mask, kernel.structured_mask(T, S, opts.is_causal, opts.kv_lengths))
