@@ -88,6 +88,21 @@ CASES = {
 }
 
 
+# The tensors each refusal rests on, as save_pretrained writes them (under the text model's prefix): GLM-5.3's
+# K-pool gate on its full layer, none on the shared one, KDA's released names (kimi_linear's), mHC under the
+# release's names and no hc_head (the mean has no weights); Qwen4-Exp's index_qk_proj and gated-residual
+# mixers, and no final norm (the mixer closes the stack).
+_QWEN = (("layers.1.self_attn.indexer.index_qk_proj.weight",
+          "layers.0.attn_hyper_connection.input_mix_weight_up.weight",
+          "layers.0.attn_hyper_connection.block_inject_weight.weight",
+          "hyper_connection_mixer.input_mix_weight_down.weight"), ("norm.", "layers.0.self_attn"))
+PINNED = {
+    "glm5_next": (("layers.1.self_attn.indexer.index_kpool_compress_gate", "layers.1.self_attn.indexer.wk.weight",
+                   "layers.0.self_attn.A_log", "layers.0.self_attn.q_conv1d.weight", "layers.0.hc_attn_fn"),
+                  ("hc_head", "layers.2.self_attn.indexer.")),
+    "qwen4_exp_text": _QWEN, "qwen4_exp": _QWEN}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_refused_from_what_save_pretrained_writes(kind, tmp_path, capsys):
@@ -96,6 +111,12 @@ def test_refused_from_what_save_pretrained_writes(kind, tmp_path, capsys):
   module, build = CASES[kind]
   path = _saved(tmp_path, module, build)
   assert json.loads((path / "config.json").read_text())["model_type"] == kind
+  names = set(hf.read_shapes(str(path)))
+  at = "model.language_model." if kind in ("glm5_next", "qwen4_exp") else "model."
+  for name in PINNED[kind][0]:  # what the refusal says the checkpoint holds, and does not
+    assert at + name in names, (name, sorted(names)[:12])
+  for part in PINNED[kind][1]:
+    assert not any(n.startswith(at + part) for n in names), part
   with pytest.raises(ConfigError, match=WANT[kind]):
     hf.from_hf(str(path))
   code, err = _count(capsys, path)
