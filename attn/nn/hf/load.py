@@ -47,6 +47,22 @@ def _builtins() -> tuple[Family, ...]:
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
                                       required=("model_types", "architectures", "config_in", "weights_in"))
+# Issue 51's pooled-selection families: what attn does not run yet, read from transformers 5.25's modeling files
+# (the image-text wrappers' vision towers aside: attn would read text_config, which is refused the same).
+_GLM5_NEXT = ("GLM-5.3-Flash's text model needs what attn does not run yet: its indexed_attention layers choose "
+              "keys with the K-pool indexer computed from x and the query latent (index_kpool, "
+              "index_kpool_compress_gate, index_kpool_always_select_tail; attn's kpool mechanism reads the heads' "
+              "own dims), its linear_attention layers are KDA with the lower-bounded forget gate "
+              "(linear_lower_bound; attn's kda has the softplus decay), its hyper-connections close with an "
+              "unweighted mean of the hc_mult streams (attn's HyperHead is learned), and its dense MLPs clamp "
+              "their SwiGLU (swiglu_limit; attn clamps experts only)")
+_QWEN4_EXP = ("Qwen4-Exp's text model needs what attn does not run yet: its residual is hc_count streams mixed by "
+              "gated residuals (hc_lowrank: a low-rank sigmoid mixer, no comb; attn's hyper-connections are mHC "
+              "and iHC) closed by that mixer in place of a final norm, and its indexed_attention layers choose "
+              "keys with the QSA indexer computed from x (index_qk_proj; indexer_budget, indexer_compress_ratio, "
+              "indexer_kv_heads), each pooled key RMS-normalised and rotated at its block's first position "
+              "(attn's qsa mechanism reads the heads' own unrotated dims); per-layer n-gram embeddings too where "
+              "ple_layer_ids is set")
 # Model types no family reads, refused with the reason.
 REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
                           "windows do not express, and its feed-forward is a mixture of experts",
@@ -72,7 +88,9 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
                          "experts are not attn's blocks); its heads are attn's qk_norm 'fixed' and layer_rope_theta",
            "muse_spark_text": "no family reads Muse Spark's text model yet: its residual gates, input-scaled and "
                               "weightless norms, per-head output norm and normed experts are not attn's blocks; its "
-                              "heads are attn's qk_norm 'fixed' with qk_scale_factor and layer_rope_theta"}
+                              "heads are attn's qk_norm 'fixed' with qk_scale_factor and layer_rope_theta",
+           **{kind: _GLM5_NEXT for kind in ("glm5_next", "glm5_next_text")},
+           **{kind: _QWEN4_EXP for kind in ("qwen4_exp", "qwen4_exp_text")}}
 
 
 def _by_model_type() -> dict[str, Family]:
@@ -95,7 +113,8 @@ def family_for(hf: dict[str, Any]) -> Family:
   why = f": {kind} is refused, {REFUSED[kind]}" if kind in REFUSED else ""
   broken = FAMILIES.broken()  # a plugin family that failed to import may be the one meant
   why += f" (not loaded: {'; '.join(broken.values())})" if broken else ""
-  raise invalid("config.model_type", kind, f"{did_you_mean(kind, known)}one of {sorted(known)}{why}")
+  guess = "" if kind in REFUSED else did_you_mean(kind, known)  # a refused type is no typo of a near name
+  raise invalid("config.model_type", kind, f"{guess}one of {sorted(known)}{why}")
 
 
 def model_config(hf: dict[str, Any], variant: str | None = None, num_kv_heads: int | None = None) -> ModelConfig:
