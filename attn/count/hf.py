@@ -134,7 +134,7 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   zeros, family = _held_zeros(hf, m), _family(hf)  # before the tables: the walk stays in this module
   names = _as_transformers(m)
   model_parts = count_model.model_param_breakdown(m, "decoder_lm")
-  table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype)
+  table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype, also_at=tuple(lengths[1:]))
   parts = _breakdown(names, model_parts, table)
   if family.counted_buffers is not None and family.counted_buffers(m):
     parts[names[1]] += int(family.counted_buffers(m))
@@ -150,9 +150,7 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
                                                                           - parts.get("output", 0)) \
       - zeros * sum(row["layers"] for row in table[:-1])
   layers = []
-  # the cache at each length summed layer by layer (a type's layers may cache differently: indexer_types)
-  at = {L: table if L == lengths[0] else count_model.layer_type_table(m, "decoder_lm", L, dtype) for L in lengths}
-  for j, row in enumerate(table[:-1]):
+  for row in table[:-1]:
     layer = first[row["type"]]
     layers.append({"type": row["type"], "variant": layer.name, "layers": row["layers"],
                    "kv_shared_layers": row["kv_shared_layers"], "window": row["window"],
@@ -160,7 +158,7 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
                    "params": row["params"], "flops_fwd_at": {str(lengths[0]): row["flops_fwd"]},
                    "score_weights_per_layer": layer.score_weights(),
                    "kv_bytes_per_token_per_layer": row["kv_bytes_per_token_per_layer"],
-                   "kv_bytes_at": {str(L): at[L][j]["kv_bytes_at_L"] for L in lengths},
+                   "kv_bytes_at": {str(L): row.get("kv_bytes_at", {L: row["kv_bytes_at_L"]})[L] for L in lengths},
                    "state_bytes_per_layer": layer.state_bytes()})
   return {"source": source, "model_type": hf.get("model_type"), "variant": m.variant, "dtype": dtype,
           "num_layers": m.num_layers, "d_model": m.d_model, "vocab_size": m.vocab_size,

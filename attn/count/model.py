@@ -241,11 +241,14 @@ def layer_type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE)
   return type_table(m, kind, length, dtype)[0]
 
 
-def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
+def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE, also_at: tuple[int, ...] = ()
                ) -> tuple[list[dict[str, Any]], dict[str, Layer]]:
   """layer_type_table's rows, and the checked Layer of each type's first layer (what its per-layer
-  figures are of), for a caller that derives more figures from the same layers (attn.count.hf)."""
+  figures are of), for a caller that derives more figures from the same layers (attn.count.hf).
+  also_at: more cache lengths; each row then has "kv_bytes_at" {L: its layers' cache at L} for length
+  and these, summed layer by layer in the same walk (a type's layers may cache differently)."""
   check_length("length", length)
+  lengths = tuple(dict.fromkeys((length, *also_at)))
   rows: dict[str, dict[str, Any]] = {}
   first: dict[str, Layer] = {}
   encoder_decoder = kind == "encoder_decoder"
@@ -275,6 +278,10 @@ def type_table(m: ModelConfig, kind: str, length: int, dtype: Any = DTYPE
     row["flops_fwd"] += flops - (_flops_saved(layer.name, layer.cfg, length) if shared else 0)
     own = row["kv_bytes_at_L_per_layer"] if same else layer.kv_cache_bytes(length, dtype)
     row["kv_bytes_at_L"] += 0 if shared else own
+    if also_at:
+      at = row.setdefault("kv_bytes_at", dict.fromkeys(lengths, 0))
+      for L in lengths:
+        at[L] += 0 if shared else own if L == length else layer.kv_cache_bytes(L, dtype)
   out = list(rows.values())
   total = {"type": "total", "layers": sum(r["layers"] for r in out)}
   for key in ("params", "flops_fwd", "kv_bytes_at_L"):

@@ -292,6 +292,8 @@ class ModelConfig:
     """
     head = self.head.replace(layer=index + 1)  # differential's λ_init reads it
     head = layer_heads.per_layer(self, index, layer_types.head_for(self, layer_types.layer_type(self, index), head))
+    if self.indexer_types is None:  # no shared indexer layers (the default)
+      return head
     return index_sharing.mark(self, index, head)  # indexer_types: a shared layer's indexer reuses a choice
 
   def layer_variant(self, index: int) -> str:
