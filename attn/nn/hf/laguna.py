@@ -83,12 +83,7 @@ def _experts_in(w: Weights, m: str, cfg: ModelConfig) -> dict[str, Any]:
   out = {"router_w": w(f"{m}.gate.weight", (E, D)).T,
          "correction": w(bias if bias in w else f"{m}.experts.e_score_correction_bias", (E,)),
          "shared": deepseek_v3.mlp_in(w, shared, D, cfg.moe_shared_d_ff)}
-  if f"{m}.experts.gate_up_proj" in w:  # fused, in memory
-    gate_up = w(f"{m}.experts.gate_up_proj", (E, 2 * F, D))
-    return out | {"w_gate": gate_up[:, :F].transpose(0, 2, 1), "w_up": gate_up[:, F:].transpose(0, 2, 1),
-                  "w_down": w(f"{m}.experts.down_proj", (E, D, F)).transpose(0, 2, 1)}
-  each = [deepseek_v3.mlp_in(w, f"{m}.experts.{e}", D, F) for e in range(E)]  # on disk, the release
-  return out | {f"w_{n}": np.stack([x[n]["kernel"] for x in each]) for n in ("gate", "up", "down")}
+  return out | mimo_v2_flash.routed_in(w, m, E, D, F)
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:

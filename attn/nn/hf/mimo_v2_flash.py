@@ -99,12 +99,18 @@ def _sinks(w: Weights, a: str, H: int) -> np.ndarray:
 def _experts_in(w: Weights, m: str, cfg: ModelConfig) -> dict[str, Any]:
   D, E, F = cfg.d_model, cfg.moe_experts, cfg.moe_d_ff
   out = {"router_w": w(f"{m}.gate.weight", (E, D)).T, "correction": w(f"{m}.gate.e_score_correction_bias", (E,))}
+  return out | routed_in(w, m, E, D, F)
+
+
+def routed_in(w: Weights, m: str, E: int, D: int, F: int) -> dict[str, Any]:
+  """The routed experts' SwiGLU weights (E, D, F)/(E, F, D): transformers' fused gate_up_proj in memory, or one
+  gate/up/down per expert on disk (the release's names); Laguna's read the same way."""
   if f"{m}.experts.gate_up_proj" in w:  # transformers' fused experts, in memory
     gate_up = w(f"{m}.experts.gate_up_proj", (E, 2 * F, D))
-    return out | {"w_gate": gate_up[:, :F].transpose(0, 2, 1), "w_up": gate_up[:, F:].transpose(0, 2, 1),
-                  "w_down": w(f"{m}.experts.down_proj", (E, D, F)).transpose(0, 2, 1)}
+    return {"w_gate": gate_up[:, :F].transpose(0, 2, 1), "w_up": gate_up[:, F:].transpose(0, 2, 1),
+            "w_down": w(f"{m}.experts.down_proj", (E, D, F)).transpose(0, 2, 1)}
   each = [deepseek_v3.mlp_in(w, f"{m}.experts.{e}", D, F) for e in range(E)]  # on disk, the release
-  return out | {f"w_{n}": np.stack([x[n]["kernel"] for x in each]) for n in ("gate", "up", "down")}
+  return {f"w_{n}": np.stack([x[n]["kernel"] for x in each]) for n in ("gate", "up", "down")}
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:

@@ -40,7 +40,8 @@ from attn.config import HeadConfig, invalid
 from attn.kernel import pooled, select
 from attn.kernel.sparse import TOKENS_MIN_SHARE
 from attn.variants.mechanisms.record import Mechanism
-from attn.variants.mechanisms.selection import INDEX_BLOCK, SELECTORS
+from attn.variants.mechanisms import selection
+from attn.variants.mechanisms.selection import INDEX_BLOCK
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -89,16 +90,7 @@ def _check(name: str, cfg: HeadConfig) -> None:
   if name == "block_indexer" and o["local"] > o["top_k"]:
     raise invalid("extra.block_indexer.local", o["local"], f"<= top_k={o['top_k']} (the local blocks take "
                   "top-k places; more would drop the query's own block)")
-  others = [n for n in SELECTORS if n != name and n in (cfg.extra or {})]
-  if others:
-    raise invalid(f"extra.{others[0]}", dict(cfg.extra[others[0]]),
-                  f"absent with extra.{name}: one key selection a layer")
-  if cfg.probability != "softmax":
-    raise invalid("probability", cfg.probability, f'"softmax" with key selection (extra.{name}): a '
-                  "selection restricts a softmax head's keys")
-  if cfg.window is not None:
-    raise invalid("window", cfg.window, f"None with key selection (extra.{name}): a window's decoding "
-                  "cache is a ring whose slots are not positions, so the pools would not be the full pass's")
+  selection.check_alone(cfg, name, "the pools")
   if cfg.rope_dim >= cfg.d_k:
     raise invalid("rope_dim", cfg.rope_dim, f"below d_k={cfg.d_k} with extra.{name}: the index heads "
                   "read a head's unrotated dims")

@@ -122,6 +122,21 @@ def unshared(cfg: HeadConfig) -> HeadConfig:
 SHARED_CHOICE: contextvars.ContextVar = contextvars.ContextVar("attn_shared_choice", default=None)
 
 
+
+def check_alone(cfg: HeadConfig, name: str, what: str) -> None:
+  """The refusals every key selection shares (extra.NAME; what: what a window's ring would break): one
+  selection a layer, a softmax head, no window."""
+  others = [n for n in SELECTORS if n != name and n in (cfg.extra or {})]
+  if others:
+    raise invalid(f"extra.{others[0]}", dict(cfg.extra[others[0]]),
+                  f"absent with extra.{name}: one key selection a layer")
+  if cfg.probability != "softmax":
+    raise invalid("probability", cfg.probability, f'"softmax" with key selection (extra.{name}): a '
+                  "selection restricts a softmax head's keys")
+  if cfg.window is not None:
+    raise invalid("window", cfg.window, f"None with key selection (extra.{name}): a window's decoding "
+                  f"cache is a ring whose slots are not positions, so {what} would not be the full pass's")
+
 def _positive(name: str, key: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
     raise invalid(f"extra.{name}.{key}", value, "a positive integer")
@@ -146,17 +161,7 @@ def _check(name: str, cfg: HeadConfig) -> None:
         raise invalid(f"extra.{name}.{key}", o[key], f"one of {list(_STRINGS[key])}")
       continue
     _positive(name, key, o[key])
-  others = [n for n in SELECTORS if n != name and n in (cfg.extra or {})]
-  if others:
-    raise invalid(f"extra.{others[0]}", dict(cfg.extra[others[0]]),
-                  f"absent with extra.{name}: one key selection a layer")
-  if cfg.probability != "softmax":
-    raise invalid("probability", cfg.probability, f'"softmax" with key selection (extra.{name}): a '
-                  "selection restricts a softmax head's keys")
-  if cfg.window is not None:
-    raise invalid("window", cfg.window, f"None with key selection (extra.{name}): a window's decoding "
-                  "cache is a ring whose slots are not positions, so MoBA's blocks and the indexer's "
-                  "ties would not be the full pass's")
+  check_alone(cfg, name, "MoBA's blocks and the indexer's ties")
   if name == "indexer" and o["form"] == "deepseek":
     if o["head_dim"] < cfg.rope_dim or o["head_dim"] % 2:
       raise invalid("extra.indexer.head_dim", o["head_dim"], f"an even number >= rope_dim={cfg.rope_dim}: the "
