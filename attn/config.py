@@ -137,9 +137,9 @@ class HeadConfig:
   head vector longer than c down to L2 norm c, q·min(1, c/(‖q‖ + 1e-6)), after QK-norm and
   before RoPE (Inkling-2's L2 clip); qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
   named projections through a short causal convolution over time, depthwise per head and channel,
-  qkv_conv_width taps, before QK-norm and RoPE (Inkling-2's short convolutions on keys and values;
-  decoding keeps the last width − 1 projections as a state beside the cache); probability turns the logits into
-  weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
+  qkv_conv_width taps, before QK-norm, value_norm_eps's norm and RoPE (Inkling-2's short convolutions on keys
+  and values; decoding keeps the last width − 1 projections as a state beside the cache); probability turns the
+  logits into weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
   2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
   masks leave visible (attn.kernel.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each

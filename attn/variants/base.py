@@ -357,6 +357,7 @@ def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Arra
   and values are the cache's (cached_kv). Returns (y_BTD, weights or None).
   """
   q_BTHK, k_BSGK, v_BSGV = mechanisms.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg)  # qkv_conv
+  v_BSGV = value_norm(v_BSGV, cfg)  # after the value convolution (Inkling-2's order); per_head's value_norm_eps
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)
   # A key with one head (shared by all kv heads) stays one head: kernel.attention takes it.
@@ -381,7 +382,8 @@ def cached_kv(k_BSGK: Array, v_BSGV: Array) -> tuple[Array, Array]:
 
 def value_norm(v_BSGV: Array, cfg: HeadConfig) -> Array:
   """The values as attention reads them: v, or with cfg.value_norm_eps v RMS-normalised over each
-  head's dims without a scale (Gemma 4's v_norm; per_head and k_eq_v read it), in float32 inside."""
+  head's dims without a scale (Gemma 4's v_norm; per_head and k_eq_v read it), in float32 inside.
+  attend_and_project applies it after qkv_conv's value convolution (Inkling-2's v_proj.norm)."""
   if cfg.value_norm_eps is None:
     return v_BSGV
   x = v_BSGV.astype(jnp.float32)

@@ -16,8 +16,9 @@ Params (analytic = stored): D·(H·K + G·K + G·V) + H·V·D [+ H·K + G·K + G
 Effective: fewer; W_Q,i·W_K,iᵀ and W_V,i·W_O,i are low-rank products and the
 key bias drops out of the softmax (base.factored_effective_param_count).
 With cfg.value_norm_eps each value is RMS-normalised over its V dims without a scale (Gemma 4's
-v_norm, base.value_norm): no parameters, and no longer a linear map, so per_head converts to other
-variants only without it (attn.convert).
+v_norm, base.value_norm; after qkv_conv's value convolution where there is one, Inkling-2's order):
+no parameters, and no longer a linear map, so per_head converts to other variants only without it
+(attn.convert).
 KV cache: G·(K + V) per token. Score weights: D·(H + G)·K.
 """
 
@@ -30,7 +31,7 @@ from attn.config import HeadConfig
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 factored_effective_param_count, normal, project_heads,
                                 standard_flops, standard_kv_cache_width, standard_param_count,
-                                standard_score_weights, value_norm)
+                                standard_score_weights)
 
 
 def init(key, cfg: HeadConfig, dtype=jnp.float32) -> Params:
@@ -56,7 +57,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   c_BSD = x_BTD if context_BSD is None else context_BSD
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
-  v_BSGV = value_norm(project_heads(c_BSD, params["w_v"], bias(params, "b_v")), cfg)
+  v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))  # normed in attend_and_project (value_norm)
   return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
 
 

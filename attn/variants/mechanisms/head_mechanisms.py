@@ -21,10 +21,10 @@ counts (attn.variants.mechanisms has the record and the registry).
       score depends on every head's projection, so the heads are coupled.
   qkv_conv            qkv_conv_q (W,H,K), qkv_conv_k (W,G,K), qkv_conv_v (W,G,V) for the projections
       qkv_conv names: each channel of each head through a causal convolution over time,
-      y[t] = Σ_j w[j]·x[t − (W − 1) + j] (torch Conv1d's tap order, no bias), before QK-norm and
-      RoPE (on_qkv: the variants that offer "qkv_heads"). Decoding keeps each convolved
-      projection's last W − 1 tokens as the record's state, so cached decoding equals the full
-      pass. Inkling-2's (conv(x) + x)/sqrt(W + 1) is this with taps (w + e_last)/sqrt(W + 1).
+      y[t] = Σ_j w[j]·x[t − (W − 1) + j] (torch Conv1d's tap order, no bias), before QK-norm,
+      the L2 clip, the value norm (value_norm_eps) and RoPE (on_qkv: the variants that offer
+      "qkv_heads"). Decoding keeps each convolved projection's last W − 1 tokens as the record's
+      state, so cached decoding equals the full pass. Inkling-2's (conv(x) + x)/sqrt(W + 1) is this with taps (w + e_last)/sqrt(W + 1).
   qk_l2_clip          no parameters: each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
       c = qk_l2_clip_threshold, after QK-norm and before RoPE (Inkling-2): a vector longer than
       c is brought to norm c, so no logit exceeds c²·scale.
