@@ -63,6 +63,21 @@ _QWEN4_EXP = ("Qwen4-Exp's text model needs what attn does not run yet: its resi
               "indexer_kv_heads), each pooled key RMS-normalised and rotated at its block's first position "
               "(attn's qsa mechanism reads the heads' own unrotated dims); per-layer n-gram embeddings too where "
               "ple_layer_ids is set")
+# Inkling-2 (transformers 5.25's inkling2): its heads are attn's (tests/test_hf_inkling2.py), its text model's blocks
+# are not. Each piece by its config keys and its tensors, in memory (Inkling2TextModel) / as released and as
+# save_pretrained writes them (model.llm.*):
+_INKLING2 = ("Inkling-2's text model needs what attn does not run yet: its residual stream is block attention "
+             "residuals (attention_input, mlp_input, final_input / attn_res.*: learned queries attend over the "
+             "block sums of every n_layers_per_attn_res_block layers; its hybrid layers draw queries, keys and values "
+             "from three such mixes), its positions are a relative position bias computed from each token "
+             "(relative_position_bias / rel_logits_proj, wr_du: d_rel, rel_extent, rel_l2_clip_threshold; no RoPE) "
+             "with log-position scaling (log_scaling_n_floor, log_scaling_alpha), its sinks are logits computed "
+             "from each token (sink_proj / attn_sink_proj), its hybrid layers' key and value convolutions take "
+             "per-token taps (sconv.weight_proj), short convolutions on the residual follow every attention and "
+             "MLP (post_attention_convolution, post_mlp_convolution / attn_sconv, mlp_sconv), its experts softcap "
+             "their SwiGLU (mlp_gate_softcap, mlp_up_softcap) and its unembedding has unpadded_vocab_size rows; "
+             "its heads are attn's (swa_* sizes as layer_num_heads and layer_heads, qk_l2_clip_threshold, qkv_conv "
+             "'kv', value_norm_eps, gate 'elementwise')")
 # Model types no family reads, refused with the reason.
 REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
                           "windows do not express, and its feed-forward is a mixture of experts",
@@ -89,6 +104,9 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "muse_spark_text": "no family reads Muse Spark's text model yet: its residual gates, input-scaled and "
                               "weightless norms, per-head output norm and normed experts are not attn's blocks; its "
                               "heads are attn's qk_norm 'fixed' with qk_scale_factor and layer_rope_theta",
+           "inkling2": "it is Inkling-2's image-text wrapper (its vision tower under model.vision_tower.), and no "
+                       "family reads its text model (inkling2_text) yet: " + _INKLING2,
+           "inkling2_text": _INKLING2,
            **{kind: _GLM5_NEXT for kind in ("glm5_next", "glm5_next_text")},
            **{kind: _QWEN4_EXP for kind in ("qwen4_exp", "qwen4_exp_text")}}
 
