@@ -112,12 +112,12 @@ def _taps(sd: dict, name: str, W: int, G: int, K: int, dynamic: bool) -> np.ndar
 def test_heads_equal_inkling2_attention(index):
   """attn.apply of layer `index`'s head equals transformers' Inkling2SlidingAttention / Inkling2FullAttention
   (eager, causal and windowed masks), its relative bias, per-token sinks and per-token taps at zero."""
+  modeling, configuration = _inkling2()
   import jax
   import jax.numpy as jnp
   import torch
 
   import attn
-  modeling, configuration = _inkling2()
   config = configuration.Inkling2TextConfig(**TEXT)
   config._attn_implementation = "eager"
   cfg = _heads(TEXT, config.rms_norm_eps)
@@ -190,8 +190,8 @@ PINNED = ("attn_res.attn_queries.0", "attn_res.mlp_queries.1", "attn_res.output_
 def _saved(tmp_path, kind: str):
   """The directory transformers' save_pretrained writes for a tiny random Inkling2ForCausalLM (inkling2_text) or
   Inkling2ForConditionalGeneration (inkling2, a one-block vision tower)."""
-  import torch
   modeling, configuration = _inkling2()
+  import torch
   torch.manual_seed(0)
   if kind == "inkling2_text":
     model = modeling.Inkling2ForCausalLM(configuration.Inkling2TextConfig(**TEXT))
