@@ -11,7 +11,9 @@ softplus decay)}. "full_attention" -> DeepSeek-V3's latent attention (attn.nn.hf
 widths, interleaved RoPE over qk_rope_head_dim, q_lora_rank or a plain q_proj, yarn's mscale) with
 Ling's head-wise sigmoid output gate g_proj (D -> H): attn's gate "headwise". The feed-forward is
 deepseek_v3's: mlp_layer_types "dense" for the first layers then "sparse", the sigmoid router
-with its correction bias, group-limited top-k, routed_scaling_factor and shared experts.
+with its correction bias, group-limited top-k, routed_scaling_factor and shared experts; a
+SwiGLU limit ℓ clips after the activation, min(silu(gate), ℓ)·clip(up, −ℓ, ℓ) (moe_swiglu_form
+"clamp_after", or "clamp_after_routed" where the shared experts' limits are 0).
 
 On disk (the release, and what transformers' save_pretrained writes: its conversion mapping for
 bailing_hybrid, undone on save) the embedding is word_embeddings, every self_attn is attention,
@@ -23,9 +25,10 @@ stored after the last (layers.{L} to layers.{L + num_nextn_predict_layers - 1}) 
 name, as transformers skips them.
 
 Refused by name before any weight is read: a layer type other than full_attention or
-linear_attention, an MLP schedule other than dense-then-sparse, a nonzero SwiGLU clip
-(expert_swiglu_limit_list, share_expert_swiglu_limit_list: Ling clips after the activation, which
-attn's experts do not), attention biases, kv heads other than the query heads, an activation
+linear_attention, an MLP schedule other than dense-then-sparse, SwiGLU limits
+(expert_swiglu_limit_list, share_expert_swiglu_limit_list) that differ between expert layers or a
+shared experts' limit other than the routed ones' or 0 (attn's moe_swiglu_limit is one number),
+attention biases, kv heads other than the query heads, an activation
 other than silu (it is also the short convolution's), and a kda_lower_bound that is not negative.
 to_hf writes the same tensors back, bit for bit. transformers has bailing_hybrid from 5.25.
 """
@@ -44,7 +47,6 @@ from attn.nn.hf.base import Weights, decoder_in, get
 from attn.nn.config import ModelConfig
 
 KINDS = ("full_attention", "linear_attention")
-_LIMITS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "swiglu_limits", "swiglu_limits_shared")
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[str]:
@@ -68,11 +70,6 @@ def _check(hf: dict[str, Any]) -> tuple[list[str], float | None]:
   if hf.get("hidden_act", "silu") not in ("silu", "swish"):
     raise invalid("config.hidden_act", hf.get("hidden_act"), "'silu': it is also the activation of kda's "
                   "short convolution, which attn fixes at SiLU")
-  for name in _LIMITS:
-    limits = hf.get(name)
-    if limits is not None and (not isinstance(limits, list) or any(x != 0 for x in limits)):
-      raise invalid(f"config.{name}", limits, "absent or all 0: Ling-3 clips its SwiGLU after the activation "
-                    "(min(silu(gate), l)·clip(up, -l, l)), which attn's experts do not run")
   if not hf.get("kda_safe_gate", True):
     return kinds, None
   bound = hf.get("kda_lower_bound", -5.0)
@@ -80,6 +77,33 @@ def _check(hf: dict[str, Any]) -> tuple[list[str], float | None]:
     raise invalid("config.kda_lower_bound", bound, "a negative finite number with kda_safe_gate: the kda "
                   "decay b·σ(·) lies in (b, 0)")
   return kinds, float(bound)
+
+
+def _limit(hf: dict[str, Any], names: tuple[str, str], L: int, dense: int) -> float:
+  """The one SwiGLU limit of the expert layers (0: none); the dense layers' entries are not read (transformers
+  builds their MLPs without one)."""
+  limits = next((hf[n] for n in names if hf.get(n) is not None), [0] * L)
+  if not isinstance(limits, list) or len(limits) != L or any(
+      isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf") for x in limits):
+    raise invalid(f"config.{names[0]}", limits, f"{L} limits >= 0, one per layer (0: no clip)")
+  if len(set(limits[dense:])) > 1:
+    raise invalid(f"config.{names[0]}", limits, "one limit on every expert layer (past the first "
+                  f"{dense} dense ones): attn's moe_swiglu_limit is one number for the model")
+  return float(limits[-1]) if dense < L else 0.0
+
+
+def _experts_clip(hf: dict[str, Any], L: int, dense: int) -> dict[str, Any]:
+  """moe_swiglu_limit and form of Ling-3's clip after the activation: routed and shared experts alike
+  ("clamp_after"), or the routed ones only ("clamp_after_routed")."""
+  routed = _limit(hf, ("expert_swiglu_limit_list", "swiglu_limits"), L, dense)
+  shared = _limit(hf, ("share_expert_swiglu_limit_list", "swiglu_limits_shared"), L, dense)
+  if shared not in (0.0, routed):
+    raise invalid("config.share_expert_swiglu_limit_list", hf.get("share_expert_swiglu_limit_list"),
+                  f"all 0 or the routed experts' limit {routed:g} on the expert layers: attn clips the shared "
+                  "experts at moe_swiglu_limit or not at all")
+  if not routed:
+    return {}
+  return {"moe_swiglu_limit": routed, "moe_swiglu_form": "clamp_after" if shared else "clamp_after_routed"}
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:
@@ -95,8 +119,9 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   linear = {"num_heads": H, "num_kv_heads": H, "d_k": K, "d_v": K, "gated_norm_eps": base.norm_eps,
             "conv_width": W, "kda_full_rank": True} | ({} if bound is None else {"kda_lower_bound": bound})
   hybrid = "linear_attention" in kinds
-  return base.replace(gate="headwise", layer_types=tuple(kinds), linear_variant="kda" if hybrid else "gated_deltanet",
-                      linear_head=linear if hybrid else None)
+  clip = _experts_clip(hf, L, dense) if base.mlp == "moe" else {}
+  return base.replace(**clip, gate="headwise", layer_types=tuple(kinds),
+                      linear_variant="kda" if hybrid else "gated_deltanet", linear_head=linear if hybrid else None)
 
 
 # The release's names -> transformers' in-memory ones (transformers' conversion_mapping["bailing_hybrid"]).
@@ -165,7 +190,11 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
 
 def check_out(cfg: ModelConfig) -> None:
-  deepseek_v3.check_out(cfg)
+  clip = cfg.moe_swiglu_limit is not None
+  if clip and cfg.moe_swiglu_form not in ("clamp_after", "clamp_after_routed"):
+    raise invalid("moe_swiglu_form", cfg.moe_swiglu_form, "'clamp_after' or 'clamp_after_routed' with "
+                  "moe_swiglu_limit: Ling-3 clips its SwiGLU after the activation")
+  deepseek_v3.check_out(cfg.replace(moe_swiglu_limit=None, moe_swiglu_form="gpt_oss") if clip else cfg)
   kinds = cfg.layer_types or ()
   if cfg.gate != "headwise" or cfg.gate_activation != "sigmoid" or cfg.rope_layout != "interleaved":
     raise invalid("gate, gate_activation, rope_layout", (cfg.gate, cfg.gate_activation, cfg.rope_layout),
@@ -192,7 +221,11 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
   moe = cfg.mlp == "moe"
   dense = cfg.moe_dense_first if moe else cfg.num_layers
   bound = lin.kda_lower_bound if lin else None
+  limit = cfg.moe_swiglu_limit or 0
+  shared = limit if cfg.moe_swiglu_form == "clamp_after" else 0
   return kw | dict(
+      expert_swiglu_limit_list=[0] * dense + [limit] * (cfg.num_layers - dense),
+      share_expert_swiglu_limit_list=[0] * dense + [shared] * (cfg.num_layers - dense),
       architectures=["BailingHybridForCausalLM"], layer_types=kinds, first_k_dense_replace=dense,
       mlp_layer_types=["dense"] * dense + ["sparse"] * (cfg.num_layers - dense),
       num_local_experts=cfg.moe_experts if moe else 2, head_dim=lin.d_k if lin else cfg.rope_dim,
@@ -205,6 +238,6 @@ BAILING_HYBRID = dataclasses.replace(
     kimi_linear.KIMI_LINEAR, name="bailing_hybrid", model_types=("bailing_hybrid",),
     architectures=("BailingHybridForCausalLM",), config_in=config_in, weights_in=weights_in,
     weights_out=weights_out, config_out=config_out, check_out=check_out, released=released,
-    mapped=kimi_linear.KIMI_LINEAR.mapped | {"gate"},
+    mapped=kimi_linear.KIMI_LINEAR.mapped | {"gate", "moe_swiglu_limit", "moe_swiglu_form"},
     refusals=dict(kimi_linear.KIMI_LINEAR.refusals) | {
         "quantization_config": ((None,), "float weights: attn does not dequantize quantized checkpoints")})
