@@ -22,7 +22,7 @@ convolution is q_conv1d, k_conv1d and v_conv1d, the correction bias is gate.expe
 experts are experts.{e}.gate_proj / up_proj / down_proj one matrix each: `released` reads them as
 the in-memory names; a checkpoint holding either form loads. The multi-token-prediction layers
 stored after the last (layers.{L} to layers.{L + num_nextn_predict_layers - 1}) are skipped by
-name, as transformers skips them.
+name, as transformers skips them (every layers.{l} with l >= L).
 
 Refused by name before any weight is read: a layer type other than full_attention or
 linear_attention, an MLP schedule other than dense-then-sparse, SwiGLU limits
@@ -167,7 +167,7 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
                  "mlp_norm": norm(f"{at}.post_attention_layernorm")}
   out = decoder_in(w, blocks, norm, cfg, N, D)
   for name in w.names:  # the multi-token-prediction layers after the last: not read, as transformers
-    if re.match(rf"layers\.{cfg.num_layers}\.", name):
+    if (m := re.match(r"layers\.(\d+)\.", name)) and int(m.group(1)) >= cfg.num_layers:
       w(name)
   return out
 

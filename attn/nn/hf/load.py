@@ -52,10 +52,10 @@ FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _bui
 _GLM5_NEXT = ("GLM-5.3-Flash's text model needs what attn does not run yet: its indexed_attention layers choose "
               "keys with the K-pool indexer computed from x and the query latent (index_kpool, "
               "index_kpool_compress_gate, index_kpool_always_select_tail; attn's kpool mechanism reads the heads' "
-              "own dims), its linear_attention layers are KDA with the lower-bounded forget gate "
-              "(linear_lower_bound; attn's kda has the softplus decay), its hyper-connections close with an "
+              "own dims), its hyper-connections close with an "
               "unweighted mean of the hc_mult streams (attn's HyperHead is learned), and its dense MLPs clamp "
-              "their SwiGLU (swiglu_limit; attn clamps experts only)")
+              "their SwiGLU (swiglu_limit; attn clamps experts only); its KDA layers' lower-bounded forget gate "
+              "(linear_lower_bound) is attn's kda_lower_bound")
 _QWEN4_EXP = ("Qwen4-Exp's text model needs what attn does not run yet: its residual is hc_count streams mixed by "
               "gated residuals (hc_lowrank: a low-rank sigmoid mixer, no comb; attn's hyper-connections are mHC "
               "and iHC) closed by that mixer in place of a final norm, and its indexed_attention layers choose "
