@@ -123,8 +123,8 @@ def tiny(**changes):
            "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts", "moe_renormalize": "norm_topk_prob",
            "model_max_length": "max_position_embeddings", "num_nextn_predict_layers": "num_mtp_layers"}
   kw = {names.get(k, k): v for k, v in release_config().items() if k not in ("model_type", "architectures")}
-  return transformers.BailingHybridConfig(**kw | dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
-                                          **changes)
+  return transformers.BailingHybridConfig(**kw | dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+                                          | changes)
 
 
 def build(config, seed=0):
