@@ -53,8 +53,9 @@ def test_a_release_config_json_is_read_without_torch():
   family = hf.FAMILIES["bailing_hybrid"]
   family.check_out(cfg)
   assert hf.model_config(family.config_out(cfg) | {"model_type": "bailing_hybrid"}) == cfg
-  soft = hf.model_config(release_config(kda_safe_gate=False))
+  soft = hf.model_config(release_config(kda_safe_gate=False, tie_word_embeddings=True, rope_theta=1234.0))
   assert soft.layer_head(0).kda_lower_bound is None  # the softplus decay
+  assert not soft.tie_embeddings and soft.rope_theta == 1234.0  # transformers ties nothing here
 
 
 def test_ling_swiglu_limits_are_read_as_one_clip_after_the_activation():
@@ -252,10 +253,12 @@ def test_the_multi_token_prediction_layer_is_skipped_by_name(live, saved, tmp_pa
     # the clip on routed and shared experts, small enough to bite; a low-rank query; the softplus decay
     dict(expert_swiglu_limit_list=[3.0, 0.05, 0.05, 0.05], share_expert_swiglu_limit_list=[0, 0.05, 0.05, 0.05],
          q_lora_rank=7, kda_safe_gate=False),
-    # the routed experts' clip alone; kda heads other than the MLA heads; two dense layers; layers in another order
+    # the routed experts' clip alone; kda heads other than the MLA heads; two dense layers; layers in another order;
+    # tie_word_embeddings, which BailingHybridForCausalLM does not act on
     dict(expert_swiglu_limit_list=[0, 0, 0.05, 0.05], layer_types=["full_attention", "linear_attention",
                                                                     "linear_attention", "full_attention"],
-         mlp_layer_types=["dense", "dense", "sparse", "sparse"], linear_num_heads=2, linear_head_dim=4),
+         mlp_layer_types=["dense", "dense", "sparse", "sparse"], linear_num_heads=2, linear_head_dim=4,
+         tie_word_embeddings=True),
 ])
 def test_other_sizes_and_the_swiglu_clip_match_transformers(changes):
   from hf_hybrid import (assert_greedy_decoding_equal, assert_logits_equal_under_right_padding,

@@ -30,7 +30,8 @@ linear_attention, an MLP schedule other than dense-then-sparse, SwiGLU limits
 shared experts' limit other than the routed ones' or 0 (attn's moe_swiglu_limit is one number),
 attention biases, kv heads other than the query heads, an activation
 other than silu (it is also the short convolution's), and a kda_lower_bound that is not negative.
-to_hf writes the same tensors back, bit for bit. transformers has bailing_hybrid from 5.25.
+The head is never tied to the embedding, whatever tie_word_embeddings says (transformers ties
+nothing here). to_hf writes the same tensors back, bit for bit. transformers has bailing_hybrid from 5.25.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
             "conv_width": W, "kda_full_rank": True} | ({} if bound is None else {"kda_lower_bound": bound})
   hybrid = "linear_attention" in kinds
   clip = _experts_clip(hf, L, dense) if base.mlp == "moe" else {}
-  return base.replace(**clip, gate="headwise", layer_types=tuple(kinds),
+  # tie_embeddings False whatever tie_word_embeddings says: BailingHybridForCausalLM ties nothing (_tied_weights_keys)
+  return base.replace(**clip, gate="headwise", layer_types=tuple(kinds), tie_embeddings=False,
                       linear_variant="kda" if hybrid else "gated_deltanet", linear_head=linear if hybrid else None)
 
 
