@@ -152,7 +152,10 @@ class HeadConfig:
   Linear's is its rms_norm_eps); linear_allow_neg_eigval makes their delta rule's write strength
   β = 2σ(x·W_b) in [0, 2] instead of σ(x·W_b) (OLMo-Hybrid; Grazzi et al. 2025: the transition
   I − β·k·kᵀ then has an eigenvalue 1 − β in [−1, 1], which lets a linear RNN track state such as
-  parity). value_norm_eps, if
+  parity). kda_full_rank gives kda its decay and output gate through full-rank projections (Ling-3's
+  f_proj and g_proj) instead of Kimi Linear's low-rank pairs; kda_lower_bound b < 0 makes kda's
+  decay the bounded b·σ(exp(A_log)·(x·W_f + dt_bias)) (Ling-3's safe gate; None: the softplus
+  form). value_norm_eps, if
   set, gives per_head's and k_eq_v's values a weightless RMSNorm over each head at that epsilon
   (Gemma 4's v_norm). o_groups and o_rank are grouped_lowrank's output
   projection (DeepSeek-V4's o_groups, o_lora_rank): the heads in o_groups
@@ -213,6 +216,8 @@ class HeadConfig:
   chunk: int = 64
   gated_norm_eps: float = 1e-6
   linear_allow_neg_eigval: bool = False
+  kda_full_rank: bool = False  # kda: full-rank decay and gate projections (Ling-3's f_proj, g_proj)
+  kda_lower_bound: float | None = None  # kda: the bounded decay b·σ(·), b < 0 (Ling-3's kda_lower_bound)
   value_norm_eps: float | None = None
   o_groups: int = 1
   o_rank: int | None = None
@@ -292,6 +297,13 @@ class HeadConfig:
     if not isinstance(self.linear_allow_neg_eigval, bool):
       raise invalid("linear_allow_neg_eigval", self.linear_allow_neg_eigval, "True or False (True: the "
                     "delta rule's β = 2σ(·) in [0, 2], gated_deltanet and kda)")
+    if not isinstance(self.kda_full_rank, bool):
+      raise invalid("kda_full_rank", self.kda_full_rank, "True or False (True: kda's decay and gate through "
+                    "full-rank projections, Ling-3's)")
+    b = self.kda_lower_bound
+    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not -math.inf < b < 0):
+      raise invalid("kda_lower_bound", b, "None (the softplus decay) or a negative finite number: kda's "
+                    "bounded decay b·σ(·) in (b, 0), Ling-3's kda_lower_bound (-5.0)")
     _positive_int("o_groups", self.o_groups)
     if self.num_heads % self.o_groups:
       raise invalid("o_groups", self.o_groups, f"a divisor of num_heads={self.num_heads}: each output "

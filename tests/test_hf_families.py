@@ -456,7 +456,7 @@ def test_to_hf_refuses_what_the_family_cannot_hold():
     hf.to_hf(model, cfg, "gemma2")
   with pytest.raises(ConfigError, match="use_bias=True.*mistral has no qkv biases"):
     hf.to_hf(model, cfg, "mistral")
-  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bert', 'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'gemma2'"):
+  with pytest.raises(ConfigError, match=r"model_type='falcon' is not allowed: one of \['bailing_hybrid', 'bert', 'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'gemma2'"):
     hf.to_hf(model, cfg, "falcon")
   # A DecoderLM with RoPE that from_hf did not load: several families fit it alike (MiMo-V2-Flash with full
   # layers and dense MLPs is a Qwen2), so it must be named.

@@ -20,7 +20,7 @@ from attn.nn import hf
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 # What each refusal must name: the config keys of the pieces attn lacks.
-GLM5_NEXT = r"is refused, GLM-5.3-Flash.*K-pool indexer computed from x.*index_kpool.*linear_lower_bound.*" \
+GLM5_NEXT = r"is refused, GLM-5.3-Flash.*K-pool indexer computed from x.*index_kpool.*" \
             r"unweighted mean of the hc_mult streams.*swiglu_limit"
 QWEN4_EXP = r"is refused, Qwen4-Exp.*gated residuals \(hc_lowrank.*QSA indexer computed from x \(index_qk_proj.*" \
             r"ple_layer_ids"

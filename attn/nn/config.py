@@ -118,7 +118,7 @@ class ModelConfig:
   moe_swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (swiglu_limit)
   moe_shared_d_ff: int | None = None  # the shared experts' width (None: moe_shared_experts·moe_d_ff; Qwen3-Next)
   moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
-  moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss", "clamp" (DeepSeek-V4's, shared experts too) or "clamp_routed" (HY-V4's)
+  moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss", "clamp" (DeepSeek-V4's, shared experts too), "clamp_routed" (HY-V4's), "clamp_after(_routed)" (Ling-3's)
   moe_hash_first: int = 0  # the first expert layers pick experts by the token id (DeepSeek-V4's hash_moe, tid2eid)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)

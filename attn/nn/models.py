@@ -287,10 +287,14 @@ class MLP(nnx.Module):
   mlp "moe" builds gated ones (its dense layers and shared experts); d_ff overrides cfg.d_ff.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None, shared: bool = False):
     self.activation = cfg.activation
-    # DeepSeek-V4's shared experts clamp as its routed ones (moe_swiglu_form "clamp")
-    self.limit = cfg.moe_swiglu_limit if cfg.mlp == "moe" and cfg.moe_swiglu_form == "clamp" else None
+    # DeepSeek-V4's shared experts clamp as its routed ones (moe_swiglu_form "clamp"), Ling-3's after the
+    # activation ("clamp_after": its shared experts, not its dense layers' MLPs)
+    form = cfg.moe_swiglu_form
+    clamps = cfg.mlp == "moe" and (form == "clamp" or form == "clamp_after" and shared)
+    self.limit = cfg.moe_swiglu_limit if clamps else None
+    self.after = form == "clamp_after"
     bias, F = cfg.has_dense_bias, d_ff or cfg.d_ff
     self.gate = linear(cfg, cfg.d_model, F, rngs, bias) if cfg.mlp in ("gated", "moe") else None
     self.up = linear(cfg, cfg.d_model, F, rngs, bias)
@@ -300,6 +304,9 @@ class MLP(nnx.Module):
     if self.gate is None:
       return self.down(activate(self.activation, self.up(x_BTD)))
     g_BTF, u_BTF = self.gate(x_BTD), self.up(x_BTD)
+    if self.limit is not None and self.after:
+      h_BTF = jnp.minimum(activate(self.activation, g_BTF), self.limit) * jnp.clip(u_BTF, -self.limit, self.limit)
+      return self.down(h_BTF)
     if self.limit is not None:
       g_BTF, u_BTF = jnp.minimum(g_BTF, self.limit), jnp.clip(u_BTF, -self.limit, self.limit)
     return self.down(activate(self.activation, g_BTF) * u_BTF)
@@ -337,7 +344,8 @@ class TransformerBlock(nnx.Module):
     self.cross_norm = layer_norm(cfg, rngs, pre and cross)
     self.mlp = None if not has_mlp else MLP(cfg, rngs=rngs, d_ff=d_ff) if not experts else moe.MoE(
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
-        shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts)
+        shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts,
+                   shared=True)
         if cfg.moe_shared_experts else None, hashed=hashed)
     self.mlp_norm = layer_norm(cfg, rngs, pre and has_mlp)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich and has_attn)

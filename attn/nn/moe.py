@@ -31,7 +31,10 @@ Each expert is a gated MLP, down(act(gate(x))·up(x)), of width moe_d_ff
 (dense_bias, else use_bias); with moe_swiglu_limit ℓ it is gpt-oss's clamped
 SwiGLU: g = min(gate(x), ℓ), u = clip(up(x), −ℓ, ℓ), down(g·σ(1.702·g)·(u + 1)); with
 moe_swiglu_form "clamp" (DeepSeek-V4) down(act(g)·u) with the same g and u, the shared experts
-clamped alike; "clamp_routed" (HY-V4's Glm5NextTextExperts) the same on the routed experts only.
+clamped alike; "clamp_routed" (HY-V4's Glm5NextTextExperts) the same on the routed experts only;
+"clamp_after" (Ling-3, transformers' limit_after_act) clamps after the activation,
+down(min(act(gate(x)), ℓ)·clip(up(x), −ℓ, ℓ)), the shared experts alike (not the dense layers'
+MLPs), and "clamp_after_routed" the same on the routed experts only.
 moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
 (DeepSeek's shared experts), or of width moe_shared_d_ff where set, and with
 moe_shared_gate its output is scaled by σ(x·w_shared_gate), w (D, 1) (Qwen3-Next's
@@ -51,7 +54,7 @@ from attn.config import invalid
 
 Array = jax.Array
 ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
-SWIGLU_FORMS = ("gpt_oss", "clamp", "clamp_routed")
+SWIGLU_FORMS = ("gpt_oss", "clamp", "clamp_routed", "clamp_after", "clamp_after_routed")
 GPT_OSS_ALPHA = 1.702  # gpt-oss's swiglu_alpha: g·σ(αg), the sigmoid approximation of GELU
 
 
@@ -216,6 +219,8 @@ class MoE(nnx.Module):
     limit = self.m.moe_swiglu_limit
     if limit is not None and self.m.moe_swiglu_form in ("clamp", "clamp_routed"):  # DeepSeek-V4, HY-V4
       h_BTEF = self.activation(jnp.minimum(gate_BTEF, limit)) * jnp.clip(up_BTEF, -limit, limit)
+    elif limit is not None and self.m.moe_swiglu_form in ("clamp_after", "clamp_after_routed"):  # Ling-3
+      h_BTEF = jnp.minimum(self.activation(gate_BTEF), limit) * jnp.clip(up_BTEF, -limit, limit)
     elif limit is not None:  # gpt-oss
       gate_BTEF = jnp.minimum(gate_BTEF, limit)
       h_BTEF = gate_BTEF * jax.nn.sigmoid(GPT_OSS_ALPHA * gate_BTEF) * (jnp.clip(up_BTEF, -limit, limit) + 1)

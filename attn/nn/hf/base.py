@@ -53,9 +53,16 @@ class Weights:
   def __init__(self, arrays: Mapping[str, Any], prefix: str = "", ignored: tuple[str, ...] = (),
                released: Callable[[dict[str, Any]], dict[str, Any]] | None = None, family: str = ""):
     self.arrays, self.used, self.family, self.stored = {}, set(), family, {}
-    arrays = dict(arrays) if released is None else released(dict(arrays))
-    for stored, a in arrays.items():
-      k = stored[len(prefix):] if prefix and stored.startswith(prefix) else stored
+    origin = {}  # a renamed tensor's name -> the name the checkpoint stores it by (what refusals name)
+    if released is not None:
+      for name, a in arrays.items():
+        alone = released({name: a})
+        if len(alone) == 1:
+          origin[next(iter(alone))] = name
+      arrays = released(dict(arrays))
+    for renamed, a in arrays.items():
+      stored = origin.get(renamed, renamed)
+      k = renamed[len(prefix):] if prefix and renamed.startswith(prefix) else renamed
       if not k.endswith(BUFFERS) and not k.startswith(ignored):
         k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
         self.arrays[k], self.stored[k] = a, stored

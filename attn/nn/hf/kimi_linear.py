@@ -137,19 +137,24 @@ def released(arrays: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _kda_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+def kda_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+  """Layer l's kda tensors under transformers' in-memory names; with kda_full_rank Ling-3's (bailing_hybrid):
+  forget_gate.f_proj and g_proj (H·K, D) in place of the low-rank pairs, A_log (H,)."""
   head = cfg.layer_head(l)
   D, H, K, W = head.d_model, head.num_heads, head.d_k, head.conv_width
   proj = lambda n: w(f"{a}.{n}.weight", (H * K, D)).T.reshape(D, H, K)  # noqa: E731
   conv = w(f"{a}.conv1d.weight", (3 * H * K, 1, W))[:, 0].T.reshape(W, 3, H, K)
   f = f"{a}.forget_gate"
-  return {"w_q": proj("q_proj"), "w_k": proj("k_proj"), "w_v": proj("v_proj"),
-          "conv_q": conv[:, 0], "conv_k": conv[:, 1], "conv_v": conv[:, 2],
-          "w_b": w(f"{a}.b_proj.weight", (H, D)).T,
-          "w_fa": w(f"{f}.f_a_proj.weight", (K, D)).T, "w_fb": w(f"{f}.f_b_proj.weight", (H * K, K)).T.reshape(K, H, K),
-          "dt_bias": w(f"{f}.dt_bias", (H * K,)).reshape(H, K), "a_log": w(f"{f}.A_log", (1, 1, H, 1)).reshape(H),
-          "w_ga": w(f"{a}.g_a_proj.weight", (K, D)).T, "w_gb": w(f"{a}.g_b_proj.weight", (H * K, K)).T.reshape(K, H, K),
-          "norm": w(f"{a}.o_norm.weight", (K,)), "w_o": w(f"{a}.o_proj.weight", (D, H * K)).T.reshape(H, K, D)}
+  p = {"w_q": proj("q_proj"), "w_k": proj("k_proj"), "w_v": proj("v_proj"),
+       "conv_q": conv[:, 0], "conv_k": conv[:, 1], "conv_v": conv[:, 2], "w_b": w(f"{a}.b_proj.weight", (H, D)).T,
+       "dt_bias": w(f"{f}.dt_bias", (H * K,)).reshape(H, K),
+       "norm": w(f"{a}.o_norm.weight", (K,)), "w_o": w(f"{a}.o_proj.weight", (D, H * K)).T.reshape(H, K, D)}
+  if head.kda_full_rank:
+    return p | {"w_f": proj("forget_gate.f_proj"), "w_g": proj("g_proj"), "a_log": w(f"{f}.A_log", (H,))}
+  low = lambda n: w(f"{n}.weight", (H * K, K)).T.reshape(K, H, K)  # noqa: E731
+  return p | {"w_fa": w(f"{f}.f_a_proj.weight", (K, D)).T, "w_fb": low(f"{f}.f_b_proj"),
+              "a_log": w(f"{f}.A_log", (1, 1, H, 1)).reshape(H),
+              "w_ga": w(f"{a}.g_a_proj.weight", (K, D)).T, "w_gb": low(f"{a}.g_b_proj")}
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
@@ -158,7 +163,7 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   blocks = {}
   for l, kind in enumerate(cfg.layer_types):
     at = f"layers.{l}"
-    attn = (_kda_in(w, f"{at}.self_attn", cfg, l) if kind == "linear_attention"
+    attn = (kda_in(w, f"{at}.self_attn", cfg, l) if kind == "linear_attention"
             else deepseek_v3.attention_in(w, f"{at}.self_attn", cfg))
     mlp = (deepseek_v3.experts_in(w, f"{at}.mlp", cfg) if cfg.is_moe_layer(l)
            else deepseek_v3.mlp_in(w, f"{at}.mlp", D, cfg.d_ff))
@@ -168,18 +173,22 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   return out
 
 
-def _kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+  """kda_in's inverse: layer l's kda tensors under transformers' names."""
   head = cfg.layer_head(l)
   D, H, K, W = head.d_model, head.num_heads, head.d_k, head.conv_width
   conv = np.stack([p["conv_q"], p["conv_k"], p["conv_v"]], 1).reshape(W, 3 * H * K)
   f = f"{a}.forget_gate"
-  return {f"{a}.q_proj.weight": p["w_q"].reshape(D, H * K).T, f"{a}.k_proj.weight": p["w_k"].reshape(D, H * K).T,
-          f"{a}.v_proj.weight": p["w_v"].reshape(D, H * K).T, f"{a}.conv1d.weight": conv.T[:, None, :],
-          f"{a}.b_proj.weight": p["w_b"].T, f"{f}.f_a_proj.weight": p["w_fa"].T,
-          f"{f}.f_b_proj.weight": p["w_fb"].reshape(K, H * K).T, f"{f}.dt_bias": p["dt_bias"].reshape(H * K),
-          f"{f}.A_log": p["a_log"].reshape(1, 1, H, 1), f"{a}.g_a_proj.weight": p["w_ga"].T,
-          f"{a}.g_b_proj.weight": p["w_gb"].reshape(K, H * K).T, f"{a}.o_norm.weight": p["norm"],
-          f"{a}.o_proj.weight": p["w_o"].reshape(H * K, D).T}
+  sd = {f"{a}.q_proj.weight": p["w_q"].reshape(D, H * K).T, f"{a}.k_proj.weight": p["w_k"].reshape(D, H * K).T,
+        f"{a}.v_proj.weight": p["w_v"].reshape(D, H * K).T, f"{a}.conv1d.weight": conv.T[:, None, :],
+        f"{a}.b_proj.weight": p["w_b"].T, f"{f}.dt_bias": p["dt_bias"].reshape(H * K),
+        f"{a}.o_norm.weight": p["norm"], f"{a}.o_proj.weight": p["w_o"].reshape(H * K, D).T}
+  if head.kda_full_rank:
+    return sd | {f"{f}.f_proj.weight": p["w_f"].reshape(D, H * K).T, f"{a}.g_proj.weight": p["w_g"].reshape(D, H * K).T,
+                 f"{f}.A_log": p["a_log"]}
+  return sd | {f"{f}.f_a_proj.weight": p["w_fa"].T, f"{f}.f_b_proj.weight": p["w_fb"].reshape(K, H * K).T,
+               f"{f}.A_log": p["a_log"].reshape(1, 1, H, 1), f"{a}.g_a_proj.weight": p["w_ga"].T,
+               f"{a}.g_b_proj.weight": p["w_gb"].reshape(K, H * K).T}
 
 
 def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
@@ -189,7 +198,7 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
   for l, block in pure["blocks"].items():
     l, p = int(l), {k: np.asarray(v) for k, v in block["attn"]["params"].items()}
     at = f"model.layers.{l}"
-    sd |= (_kda_out(p, f"{at}.self_attn", cfg, l) if cfg.layer_types[l] == "linear_attention"
+    sd |= (kda_out(p, f"{at}.self_attn", cfg, l) if cfg.layer_types[l] == "linear_attention"
            else deepseek_v3.attention_out(p, f"{at}.self_attn", cfg))
     sd |= deepseek_v3.mlp_out(block["mlp"], f"{at}.mlp", cfg, l)
     sd |= {f"{at}.input_layernorm.weight": block["attn_norm"]["scale"],

@@ -21,9 +21,9 @@ from flax import nnx
 
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2, gpt_oss, granite_swa,
-                         hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5,
-                         qwen3_next, smollm3)
+from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2,
+                         gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, nemotron_h, olmo2,
+                         olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -42,7 +42,7 @@ def _builtins() -> tuple[Family, ...]:
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
           deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID, granite_swa.GRANITE_SWA,
-          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA)
+          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -52,10 +52,10 @@ FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _bui
 _GLM5_NEXT = ("GLM-5.3-Flash's text model needs what attn does not run yet: its indexed_attention layers choose "
               "keys with the K-pool indexer computed from x and the query latent (index_kpool, "
               "index_kpool_compress_gate, index_kpool_always_select_tail; attn's kpool mechanism reads the heads' "
-              "own dims), its linear_attention layers are KDA with the lower-bounded forget gate "
-              "(linear_lower_bound; attn's kda has the softplus decay), its hyper-connections close with an "
+              "own dims), its hyper-connections close with an "
               "unweighted mean of the hc_mult streams (attn's HyperHead is learned), and its dense MLPs clamp "
-              "their SwiGLU (swiglu_limit; attn clamps experts only)")
+              "their SwiGLU (swiglu_limit; attn clamps experts only); its KDA layers' lower-bounded forget gate "
+              "(linear_lower_bound) is attn's kda_lower_bound")
 _QWEN4_EXP = ("Qwen4-Exp's text model needs what attn does not run yet: its residual is hc_count streams mixed by "
               "gated residuals (hc_lowrank: a low-rank sigmoid mixer, no comb; attn's hyper-connections are mHC "
               "and iHC) closed by that mixer in place of a final norm, and its indexed_attention layers choose "
