@@ -40,12 +40,28 @@ def test_refused_by_name_before_any_weight_and_its_heads_read(tmp_path):
   assert (sliding.rope_theta, sliding.window) == (1e4, 3)
 
 
-@pytest.mark.parametrize("changes, name", [({"cca_time0": 0}, "config.cca_time0"), ({"cca_time1": -2}, "config.cca_time1"),
+@pytest.mark.parametrize("changes, name", [({"cca_time0": 0}, "config.cca_time0"),
+                                           ({"cca_time1": -2}, "config.cca_time1"),
                                            ({"num_key_value_heads": 3}, "config.num_key_value_heads"),
                                            ({"sliding_window": None}, "config.sliding_window")])
 def test_bad_heads_refused_by_name(changes, name):
   with pytest.raises(ConfigError, match=rf"{name}=.* is not allowed"):
     zaya.head_config(KW | changes, "hybrid_sliding")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_attention_tensors_round_trip_bit_for_bit_and_an_unknown_one_is_refused_by_name(bias):
+  """numpy only: random tensors under ZAYA's names read as per_head with cca and written back unchanged."""
+  head = zaya.head_config(KW | {"attention_bias": bias})
+  rng = np.random.default_rng(0)
+  params = {n: rng.normal(size=s).astype(np.float32) for n, s in api.param_shapes("per_head", head).items()}
+  state = zaya.attention_out(params, "self_attn", head)
+  assert len(state) == (15 if bias else 10)  # with biases: q, k, both value halves and o
+  back = zaya.attention_in(Weights(state), "self_attn", head)
+  assert set(back) == set(params) and all(np.array_equal(back[n], params[n]) for n in params)
+  with pytest.raises(ConfigError, match=r"checkpoint='self_attn.qkv_proj.v_proj.weight' is not allowed.*'zaya'"):
+    zaya.attention_in(Weights(state | {"self_attn.qkv_proj.v_proj.weight": state["self_attn.o_proj.weight"]}),
+                      "self_attn", head)
 
 
 def _transformers():

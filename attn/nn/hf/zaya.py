@@ -89,6 +89,11 @@ def attention_in(w: Weights, prefix: str, head: HeadConfig) -> dict[str, np.ndar
     out |= {"b_q": w(f"{p}.q_proj.bias", (H * K,)).reshape(H, K), "b_k": w(f"{p}.k_proj.bias", (G * K,)).reshape(G, K),
             "b_v": np.concatenate([w(f"{p}.{n}.bias", (G * K // 2,)) for n in halves]).reshape(G, K),
             "b_o": w(f"{prefix}.o_proj.bias", (D,))}
+  left = sorted(n for n in w.names - w.used if n.startswith(f"{prefix}."))
+  if left:
+    raise invalid("checkpoint", left[0], f"a tensor of ZAYA's attention (family 'zaya'): {left[0]!r} is none of the "
+                  f"names attn reads under {prefix!r} (q_proj, k_proj, v_proj_current, v_proj_delayed, "
+                  "conv_qk_depthwise, conv_qk_grouped, qk_norm.temp, o_proj; biases with attention_bias)")
   return out
 
 
@@ -110,5 +115,6 @@ def attention_out(params: dict[str, Any], prefix: str, head: HeadConfig) -> dict
   if head.use_bias:
     b_v = p["b_v"].reshape(-1)
     sd |= {f"{q}.q_proj.bias": p["b_q"].reshape(-1), f"{q}.k_proj.bias": p["b_k"].reshape(-1),
-           f"{q}.v_proj_current.bias": b_v[:half], f"{q}.v_proj_delayed.bias": b_v[half:], f"{prefix}.o_proj.bias": p["b_o"]}
+           f"{q}.v_proj_current.bias": b_v[:half], f"{q}.v_proj_delayed.bias": b_v[half:],
+           f"{prefix}.o_proj.bias": p["b_o"]}
   return sd
