@@ -13,8 +13,8 @@ included), for self-attention (queries and keys of one length, token t's query b
                key: each keeps its own projection (q̄ = q, k̄ = k)
   values       the G·V value channels, flattened head-major, in halves: the first current, the second the
                previous token's (ZAYA's v_proj_current and v_proj_delayed, concatenated then split into
-               heads: for G = 1 half of each head, else whole heads); the first token's delayed half is the
-               value of a zero token, b_v (0 without biases)
+               heads: for G = 1 half of each head, for even G the first G/2 heads current and the rest
+               delayed); the first token's delayed half is the value of a zero token, b_v (0 without biases)
   norm         queries and keys scaled to L2 norm √K, x·√K/max(‖x‖, eps) with eps the dtype's machine
                epsilon (ZAYA's ZayaQKNorm), the keys then times cca_temp (G,), a learned scale per kv head
 
