@@ -10,11 +10,13 @@ included), for self-attention (queries and keys of one length, token t's query b
                are zeros, before the depthwise stage (ZAYA's F.pad), so the intermediate there is its bias
   q–k mean     q̄_h = (q_h + k_g(h))/2, k̄_g = the mean of q̄ over g's R query heads; query = conv(q) + q̄,
                key = conv(k) + k̄. With keys of another length (a context) no token has both a query and a
-               key: each keeps its own projection (q̄ = q, k̄ = k)
+               key: each keeps its own projection (q̄ = q, k̄ = k); a context as long as x is paired token for
+               token, as in self-attention (the hook sees lengths, not where the keys came from)
   values       the G·V value channels, flattened head-major, in halves: the first current, the second the
                previous token's (ZAYA's v_proj_current and v_proj_delayed, concatenated then split into
                heads: for G = 1 half of each head, for even G the first G/2 heads current and the rest
-               delayed); the first token's delayed half is the value of a zero token, b_v (0 without biases)
+               delayed); the first token's delayed half is the value of a zero token, params["b_v"] (per_head's;
+               0 where the variant holds no b_v)
   norm         queries and keys scaled to L2 norm √K, x·√K/max(‖x‖, eps) with eps the dtype's machine
                epsilon (ZAYA's ZayaQKNorm), the keys then times cca_temp (G,), a learned scale per kv head
 
