@@ -138,8 +138,12 @@ class HeadConfig:
   before RoPE (Inkling-2's L2 clip); qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
   named projections through a short causal convolution over time, depthwise per head and channel,
   qkv_conv_width taps, before QK-norm, value_norm_eps's norm and RoPE (Inkling-2's short convolutions on keys
-  and values; decoding keeps the last width − 1 projections as a state beside the cache); probability turns the
-  logits into weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
+  and values; decoding keeps the last width − 1 projections as a state beside the cache); cca switches on ZAYA1's
+  compressed convolutional attention (attn.variants.mechanisms.cca: queries and keys through a causal
+  depthwise convolution of cca_depthwise_width taps then a per-head one of cca_grouped_width taps, plus
+  the q–k mean; the second half of the value channels delayed one token; queries and keys L2-normalised
+  to √d_k, the keys times a learned temperature per kv head); probability turns the logits into
+  weights: "softmax" (the default), "sigmoid" σ(l − log n) (Ramapuram et al.
   2024) or "relu" max(l, 0)/n (Wortsman et al. 2023), n the keys the row's
   masks leave visible (attn.kernel.probability; learned sinks need "softmax").
   q_rank and kv_rank are tpa's ranks R_q and R_kv (Zhang et al. 2025: each
@@ -209,6 +213,9 @@ class HeadConfig:
   qk_l2_clip_threshold: float | None = None
   qkv_conv: str | None = None
   qkv_conv_width: int = 4
+  cca: bool = False  # ZAYA1's compressed convolutional attention (attn.variants.mechanisms.cca)
+  cca_depthwise_width: int = 2  # its depthwise convolution's taps (ZAYA's cca_time0)
+  cca_grouped_width: int = 2  # its per-head grouped convolution's taps (ZAYA's cca_time1)
   probability: str = "softmax"
   q_rank: int = 6
   kv_rank: int = 2
@@ -287,6 +294,21 @@ class HeadConfig:
     for name in ("q_rank", "kv_rank", "conv_width", "chunk", "layer"):
       _positive_int(name, getattr(self, name))
     self._check_layouts()
+
+  def _check_cca(self) -> None:
+    if not isinstance(self.cca, bool):
+      raise invalid("cca", self.cca, "True or False (True: ZAYA1's compressed convolutional attention)")
+    for name, what in (("cca_depthwise_width", "depthwise convolution per query and key channel (ZAYA's cca_time0)"),
+                       ("cca_grouped_width", "grouped convolution within each query and key head (ZAYA's "
+                        "cca_time1)")):
+      w = getattr(self, name)
+      if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise invalid(name, w, f"an integer >= 1: the taps of cca's causal {what}")
+      if not self.cca and w != 2:
+        raise invalid(name, w, "2 (its default) when cca=False: only cca reads it")
+    if self.cca and (self.num_kv_heads * self.d_v) % 2:
+      raise invalid("cca", True, f"False when num_kv_heads·d_v = {self.num_kv_heads}·{self.d_v} is odd: cca "
+                    "splits the G·d_v value channels into a current half and a half delayed one token")
 
   def _check_layouts(self) -> None:
     _positive_number("gated_norm_eps", self.gated_norm_eps,
@@ -407,6 +429,7 @@ class HeadConfig:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
       raise invalid("qkv_conv_width", w, "an integer >= 1: the taps of qkv_conv's causal convolution "
                     "(1: a per-channel scale)")
+    self._check_cca()
     c = self.qk_l2_clip_threshold
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):

@@ -71,6 +71,9 @@ def check(m: Any) -> None:
     if m.layer_head(i).qkv_conv is not None:
       raise invalid("qkv_conv", m.layer_head(i).qkv_conv, f"None with kv_source (layer {i} reads layer {s}'s "
                     "keys and values): a sharing layer holds no cache, so no convolution state to decode with")
+    if m.layer_head(i).cca:
+      raise invalid("cca", True, f"False with kv_source (layer {i} reads layer {s}'s keys and values): cca mixes "
+                    "each layer's own queries and keys and keeps their convolution state, which a sharing layer lacks")
     if not reaches_cached_kv(name, m.layer_head(i).replace(layer=1)):
       raise invalid("variant", name, "one whose keys and values reach base.cached_kv for kv_source: "
                     f"{name} attends to its own cache entries or state, so no layer can read another's")

@@ -148,7 +148,7 @@ def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, 
                *, cfg: HeadConfig, head_mask) -> tuple[Array, dict[str, Array]]:
   """decode_step for a window layer: attend to [ring | new tokens], then write them in the ring."""
   T = x_BTD.shape[1]
-  n_slots = next(iter(cache.values())).shape[1]
+  n_slots = token_slots(cache, cfg)
   pos_T = index + jnp.arange(T)
   step_cfg = cfg.replace(window=None)  # the ring's mask holds the window, by position
   opts = Options(mask=ring_mask(index, T, n_slots, cfg.window), head_mask=head_mask,
@@ -179,6 +179,13 @@ def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, 
   return y_BTD, ring | state
 
 
+def token_slots(cache: dict[str, Array], cfg: HeadConfig) -> int:
+  """The token slots of a cache's per-token entries (a mechanism's state, which jit may put first in the
+  dict by its name, holds no tokens)."""
+  state = mechanisms.state_shapes(cfg)
+  return next(a for name, a in cache.items() if name not in state).shape[1]
+
+
 def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, Array], index,
                 *, cfg: HeadConfig, head_mask=None) -> tuple[Array, dict[str, Array]]:
   """y (B,T,D) for x's tokens at positions index..index+T−1, and the cache with them written.
@@ -195,7 +202,7 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
   if cfg.window is not None:
     return _ring_step(variant, params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
   T = x_BTD.shape[1]
-  max_len = next(iter(cache.values())).shape[1]
+  max_len = token_slots(cache, cfg)
   pos_T = index + jnp.arange(T)
   opts = Options(mask=causal_mask(index, T, max_len), head_mask=head_mask,
                  qk_positions=(pos_T, pos_T))

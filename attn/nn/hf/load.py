@@ -107,6 +107,12 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "inkling2": "it is Inkling-2's image-text wrapper (its vision tower under model.vision_tower.), and no "
                        "family reads its text model (inkling2_text) yet: " + _INKLING2,
            "inkling2_text": _INKLING2,
+           # attn runs ZAYA1's attention (per_head with cca; attn.nn.hf.zaya reads its heads and tensors):
+           "zaya": "no family reads ZAYA1 yet: its experts' router carries its hidden state from layer to layer "
+                   "(EDA, router_states_scale), runs an MLP of its own and may choose a skip expert, and each "
+                   "sub-layer's residual and the embeddings are rescaled with learned scales and biases "
+                   "(ZayaResidualScaling), none of which attn's blocks express; its attention is attn's cca "
+                   "mechanism on per_head (attn.nn.hf.zaya)",
            **{kind: _GLM5_NEXT for kind in ("glm5_next", "glm5_next_text")},
            **{kind: _QWEN4_EXP for kind in ("qwen4_exp", "qwen4_exp_text")}}
 

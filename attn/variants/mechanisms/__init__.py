@@ -2,10 +2,11 @@
 
 The package: record (the Mechanism record), this module (the registry and the points of the shared
 path), choice (the one hook for a mechanism that chooses keys or replaces the attention), the
-built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), selection (moba,
-the lightning indexer), nsa, pooled (kpool, qsa, block_indexer: pooled index keys).
+built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), cca (ZAYA1's
+compressed convolutional attention), selection (moba, the lightning indexer), nsa, pooled (kpool,
+qsa, block_indexer: pooled index keys).
 
-The built-ins (gate, sinks, qkv_conv, qk_norm, qk_l2_clip, value_scale, window, softcap, probability, moba,
+The built-ins (gate, sinks, qkv_conv, cca, qk_norm, qk_l2_clip, value_scale, window, softcap, probability, moba,
 indexer, nsa, kpool, qsa, block_indexer), plugins
 of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
@@ -17,7 +18,7 @@ A record acts at one or more points of the shared path every variant goes
 through (attn.variants.base):
 
   on_qkv(params, q_BTHK, k_BSGK, v_BSGV, *, cfg,     the projections as attend_and_project gets
-         state) -> (q, k, v)                         them, before on_qk (qkv_conv); state: None
+         state) -> (q, k, v)                         them, before on_qk (qkv_conv, cca); state: None
                                                      (a full pass), or while decoding the dict of
                                                      the record's `state` entries, which the hook
                                                      reads and replaces by those after x's tokens.

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.config import HeadConfig
-from attn.variants.mechanisms import nsa, pooled, selection
+from attn.variants.mechanisms import cca, nsa, pooled, selection
 from attn.variants.mechanisms.record import Mechanism
 
 Array = jax.Array
@@ -367,5 +367,5 @@ PROBABILITY = Mechanism(
 
 # Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
-MECHANISMS = (GATE, SINKS, QKV_CONV, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS,
+MECHANISMS = (GATE, SINKS, QKV_CONV, cca.CCA, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS,
               nsa.NSA, *pooled.RECORDS)
