@@ -201,7 +201,7 @@ class HeadConfig:
   qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2); "fixed" (Muse Spark)
   qk_scale_factor: float = 1.0  # qk_norm "fixed": the normalised queries times this (Muse Spark's qk_scale_factor)
   value_scale: float | None = None  # each head's values times this constant (MiMo-V2-Flash's attention_value_scale)
-  output_norm_eps: float | None = None  # each head's output RMS-normalised, no scale, before the gate (Muse Spark's o_norm)
+  output_norm_eps: float | None = None  # each head's output RMS-normalised, no scale, before the gate (Muse Spark)
   qk_norm_eps: float = 1e-6
   qk_norm_plus_one: bool = False  # the scales are w in x̂·(1 + w) (Gemma 3), initialised at 0
   window: int | None = None

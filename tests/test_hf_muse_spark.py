@@ -214,3 +214,80 @@ def test_unknown_tensor_names_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=rf"{extra}.*'muse_spark'"):
       hf.from_hf((config, {**sd, extra: np.zeros(8, np.float32)}))
   hf.from_hf((config, {**sd, "model.vision_tower.extra.weight": np.zeros(8, np.float32)}))  # a tower's: not read
+
+
+def test_count_hf_by_hand_from_config_json_alone(tmp_path, capsys):
+  """`attn count --hf` on the wrapper's config.json (no transformers) against the closed form written here,
+  the towers left out and said so."""
+  (tmp_path / "m").mkdir()
+  (tmp_path / "m" / "config.json").write_text(json.dumps(_config()))
+  code = cli.main(["count", "--hf", str(tmp_path / "m"), "--format", "json"])
+  out = capsys.readouterr()
+  assert code == 0, out.err
+  D, H, G, K, N, F, E, Fe, M = 24, 4, 2, 8, 53, 40, 4, 12, 16
+  attention = 3 * D * H * K + 2 * D * G * K  # q, o and the gate; k and v (the norms have no weights)
+  block = 3 * D + 2 * D  # input, pre- and post-feed-forward norms (the post-attention one weightless); 2 gates
+  experts = E * D + D * M + M + E * 3 * M * Fe + M + M * D  # router, pre proj, norm, experts, their norm, post
+  total = 4 * (attention + block) + 2 * 3 * D * F + 2 * experts + N * D + D + N * D
+  report = json.loads(out.out)
+  assert report["total"] == total and any("audio tower" in n for n in report["notes"])
+
+
+@pytest.mark.slow
+def test_check_mechanism_output_norm():
+  """The kit on the per-head output norm (decoding = full pass, counts; its effective count measured)."""
+  from attn import testing
+  from attn.variants import mechanisms
+  testing.check_mechanism(mechanisms.MECHANISMS["output_norm"])
+
+
+@pytest.mark.slow
+def test_the_blocks_against_transformers_modules():
+  """norms.rms in each form, the residual gate and one pooled-expert layer against transformers' own modules."""
+  torch, transformers = _transformers()
+  import jax.numpy as jnp
+  from flax import nnx
+  from transformers.models.muse_spark import modeling_muse_spark as ms
+  from attn.nn import moe
+  torch.manual_seed(0)
+  x = torch.randn(2, 3, 16)
+  w = 0.5 * torch.randn(16)
+  for form, module in (("input_scaled", ms.MuseSparkTextInputScaledRMSNorm(16, eps=1e-8)),
+                       ("plus_one", ms.MuseSparkTextCenteredRMSNorm(16, eps=1e-5)),
+                       ("none", ms.MuseSparkRMSNorm(eps=1e-5, with_scale=False))):
+    if hasattr(module, "weight"):
+      module.weight.data.copy_(w)
+    with torch.no_grad():
+      want = module(x).numpy()
+    got = norms.rms(jnp.asarray(x.numpy()), jnp.asarray(w.numpy()), module.eps if hasattr(module, "eps") else 1e-5,
+                    form)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6, err_msg=form)
+  cfg = transformers.MuseSparkTextConfig(**(TEXT | dict(hidden_size=16)))
+  gate = ms.MuseSparkResidualGate(cfg)
+  gate.gate.data.normal_()
+  y = torch.randn(2, 3, 16)
+  with torch.no_grad():
+    want = gate(x, y).numpy()
+  got = norms.residual_gate(jnp.asarray(gate.gate.detach().numpy()), 0.3, jnp.asarray(x.numpy()),
+                            jnp.asarray(y.numpy()))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+  theirs = ms.MuseSparkMoE(transformers.MuseSparkTextConfig(**TEXT)).eval()
+  with torch.no_grad():
+    for p in [*theirs.parameters(), *theirs.buffers()]:
+      p.normal_()
+  m = hf.model_config(_config())
+  ours = moe.MoE(m, rngs=nnx.Rngs(0), activation=lambda a: a * (1 / (1 + jnp.exp(-a))))
+  F = m.moe_d_ff
+  t = {k: v.detach().numpy() for k, v in [*theirs.named_parameters(), *theirs.named_buffers()]}
+  gate_up = t["experts.gate_up_proj"]
+  nnx.update(ours, nnx.State({"router_w": t["gate.weight"].T, "correction": t["gate.e_score_correction_bias"],
+                              "pool_in": t["pre_expert_proj.weight"].T, "pool_norm": t["pre_expert_norm.weight"],
+                              "w_gate": gate_up[:, :F].transpose(0, 2, 1), "w_up": gate_up[:, F:].transpose(0, 2, 1),
+                              "w_down": t["experts.down_proj"].transpose(0, 2, 1),
+                              "expert_norm": t["experts.post_expert_norm.weight"],
+                              "pool_out": t["post_expert_proj.weight"].T}))
+  h = torch.randn(2, 5, 24)
+  with torch.no_grad():
+    want = theirs(h).numpy()
+  got = np.asarray(ours(jnp.asarray(h.numpy())))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

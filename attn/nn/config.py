@@ -120,8 +120,8 @@ class ModelConfig:
   moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
   moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss", "clamp" (DeepSeek-V4's, shared experts too) or "clamp_routed" (HY-V4's)
   moe_hash_first: int = 0  # the first expert layers pick experts by the token id (DeepSeek-V4's hash_moe, tid2eid)
-  moe_layer_types: tuple[str, ...] | None = None  # per layer "dense" or "sparse" (Muse Spark's mlp_layer_types); None: moe_dense_first's
-  moe_pool_width: int | None = None  # M: experts at width M between D->M (then a norm) and M->D, each output normed (Muse Spark)
+  moe_layer_types: tuple[str, ...] | None = None  # per layer "dense" or "sparse" (Muse Spark); None: moe_dense_first's
+  moe_pool_width: int | None = None  # M: experts at width M between D->M (a norm) and M->D, outputs normed (Muse Spark)
   moe_router_scale: float = 1.0  # the router's logits times this before scoring (Muse Spark's output_multiplier)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
@@ -136,9 +136,9 @@ class ModelConfig:
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
   # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
-  residual_gate: float | None = None  # τ: each sublayer's residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
-  norm_forms: dict | None = None  # {place: form}: the RMSNorm form at a place (attn.nn.norms); the others follow norm_type
-  post_norm_eps: float | None = None  # the epsilon of the norms after each sublayer and of pooled experts' outputs (None: norm_eps)
+  residual_gate: float | None = None  # τ: each residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
+  norm_forms: dict | None = None  # {place: form}: a place's RMSNorm form (attn.nn.norms); others follow norm_type
+  post_norm_eps: float | None = None  # the epsilon of the norms after each sublayer and pooled experts (None: norm_eps)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))

@@ -167,8 +167,9 @@ def _refusals(family: hf.Family, state: tuple[dict, dict]) -> None:
 def _read_part(family: hf.Family, sd: dict) -> dict:
   """The tensors of sd the family reads: those under its ignored names (a wrapper's towers, which to_hf
   writes as placeholders: Family.left_out) left out."""
-  ignored = lambda k: k.removeprefix(family.prefix).startswith(family.ignored) if family.ignored else False  # noqa: E731
-  return {k: a for k, a in sd.items() if not ignored(k)}
+  if not family.ignored:
+    return dict(sd)
+  return {k: a for k, a in sd.items() if not k.removeprefix(family.prefix).startswith(family.ignored)}
 
 
 def _checkpoint(family: hf.Family, source: Any) -> tuple[dict, dict] | None:

@@ -22,7 +22,10 @@ names; attn holds no tower, so the towers it writes are transformers' smallest (
 their initial values: placeholders that keep the class whole, not the release's. `attn count --hf` counts
 the text model (model.language_model. and lm_head) and says it left the towers out. A text model saved
 alone (muse_spark_text, MuseSparkTextModel) has no LM head in transformers and is refused by name
-(attn.nn.hf.load.REFUSED). transformers has Muse Spark from 5.25.
+(attn.nn.hf.load.REFUSED). MuseSparkModel embeds the image, video and audio placeholder ids
+(image_token_id, video_token_id, audio_token_id) as token 0 before writing the towers' features there;
+attn's model embeds every id as itself, so the two agree on text that holds no placeholder (the towers'
+inputs are what attn leaves out). transformers has Muse Spark from 5.25.
 """
 
 from __future__ import annotations
@@ -184,7 +187,8 @@ def check_out(cfg: ModelConfig) -> None:
   """Refuses what MuseSparkTextModel cannot hold (the fixed fields aside)."""
   K = cfg.head.d_k
   if cfg.head.d_v != K or cfg.rope_dim != K:
-    raise invalid("d_v, rope_dim", (cfg.head.d_v, cfg.rope_dim), f"d_k={K}: muse_spark rotates whole heads of one width")
+    raise invalid("d_v, rope_dim", (cfg.head.d_v, cfg.rope_dim),
+                  f"d_k={K}: muse_spark rotates whole heads of one width")
   eps = cfg.norm_eps
   if (cfg.qk_norm_eps, cfg.output_norm_eps) != (eps, eps):
     raise invalid("qk_norm_eps, output_norm_eps", (cfg.qk_norm_eps, cfg.output_norm_eps),

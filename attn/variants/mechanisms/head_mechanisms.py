@@ -385,5 +385,5 @@ PROBABILITY = Mechanism(
 # Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
 # output_norm before the gate: Muse Spark normalises each head's output, then gates it.
-MECHANISMS = (OUTPUT_NORM, GATE, SINKS, QKV_CONV, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS,
-              nsa.NSA, *pooled.RECORDS)
+MECHANISMS = (OUTPUT_NORM, GATE, SINKS, QKV_CONV, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP, PROBABILITY,
+              *selection.RECORDS, nsa.NSA, *pooled.RECORDS)
