@@ -130,7 +130,9 @@ class HeadConfig:
   logits are then at most qk_scale_factor·√d_k·scale in size, whatever the weights); gate_activation
   "softplus" puts softplus(x·W_gate + b_gate) in the gate's σ place (Laguna); value_scale
   multiplies every value by a constant (MiMo-V2-Flash's attention_value_scale, with its d_v < d_k
-  heads), the same as scaling each head's output, which is where attn applies it; window keeps the keys closer than
+  heads), the same as scaling each head's output, which is where attn applies it; output_norm_eps
+  RMS-normalises each head's output over its d_v dims with no learned scale, before the gate (Muse
+  Spark's o_norm); window keeps the keys closer than
   `window` to the query (kernel.attention: with causal masks, the window keys
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2); qk_l2_clip_threshold c scales every query and key
@@ -206,6 +208,7 @@ class HeadConfig:
   qk_norm: bool | str = False  # True: per head (Qwen3); "whole": over the projection (OLMo 2); "fixed" (Muse Spark)
   qk_scale_factor: float = 1.0  # qk_norm "fixed": the normalised queries times this (Muse Spark's qk_scale_factor)
   value_scale: float | None = None  # each head's values times this constant (MiMo-V2-Flash's attention_value_scale)
+  output_norm_eps: float | None = None  # each head's output RMS-normalised, no scale, before the gate (Muse Spark)
   qk_norm_eps: float = 1e-6
   qk_norm_plus_one: bool = False  # the scales are w in x̂·(1 + w) (Gemma 3), initialised at 0
   window: int | None = None
@@ -388,6 +391,9 @@ class HeadConfig:
     if self.gate is None and self.gate_activation != "sigmoid":
       raise invalid("gate_activation", self.gate_activation, "'sigmoid' when gate=None: there is no gate "
                     "to read it")
+    if self.output_norm_eps is not None:
+      _positive_number("output_norm_eps", self.output_norm_eps, "the epsilon of each head output's weightless "
+                       "RMSNorm (Muse Spark's o_norm), or None for none")
     v = self.value_scale
     if v is not None:
       _positive_number("value_scale", v, "every value times it, or None; MiMo-V2-Flash's "

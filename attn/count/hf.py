@@ -132,6 +132,8 @@ def hf_report(hf: dict[str, Any], source: str, lengths: tuple[int, ...] = (8192,
   # Each table once: the breakdown, and the layer types at lengths[0] (their per-layer figures
   # do not depend on the length) with each type's first layer, checked once (attn.count.layer.Layer).
   zeros, family = _held_zeros(hf, m), _family(hf)  # before the tables: the walk stays in this module
+  if family.left_out is not None:  # a wrapper's towers: what the count does not include
+    notes = [*notes, *family.left_out(hf)]
   names = _as_transformers(m)
   model_parts = count_model.model_param_breakdown(m, "decoder_lm")
   table, first = count_model.type_table(m, "decoder_lm", lengths[0], dtype, also_at=tuple(lengths[1:]))

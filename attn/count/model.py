@@ -45,10 +45,13 @@ MODEL_KINDS = ("encoder", "decoder_lm", "classifier", "encoder_decoder")
 # pooler and the MLM head's transform always have a bias.
 
 
-def _layer_norm(m: ModelConfig) -> int:
+def _layer_norm(m: ModelConfig, place: str = "pre") -> int:
+  """A norm over D at `place` (attn.nn.norms: a weightless form "none" holds nothing)."""
   if not m.layernorm:
     return 0
-  return 2 * m.d_model if m.norm_type == "layernorm" else m.d_model
+  if m.norm_type == "layernorm":
+    return 2 * m.d_model
+  return 0 if m.norm_form(place) == "none" else m.d_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +107,18 @@ def _per_layer_inputs(m: ModelConfig, n: int) -> int:
 def expert_params(m: ModelConfig, dense_bias: bool | None = None) -> dict[str, int]:
   """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
 
-  Each expert 3·D·F + b·(2F + D), F = moe_d_ff; the router D·E + b·E; shared experts
+  Each expert 3·D·F + b·(2F + D), F = moe_d_ff (3·W·F at moe_pool_width W, plus 2·D·W + 2·W once); the
+  router D·E + b·E; shared experts
   one gated MLP of width S·F (or moe_shared_d_ff), + D with moe_shared_gate. Active: the router,
   k experts and the shared ones. dense_bias: m.has_dense_bias, where the caller has read it.
   """
-  D, F = m.d_model, m.moe_d_ff or m.d_ff
+  D, F, W = m.d_model, m.moe_d_ff or m.d_ff, m.moe_pool_width
   b = m.has_dense_bias if dense_bias is None else dense_bias
-  expert = 3 * D * F + ((2 * F + D) if b else 0)
+  expert = 3 * (W or D) * F + ((2 * F + D) if b else 0)
   SF = (m.moe_shared_d_ff or m.moe_shared_experts * F) if m.moe_shared_experts else 0
   fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
       3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0) + (D if m.moe_shared_gate else 0)
+  fixed += 2 * D * W + 2 * W if W else 0  # Muse Spark's pooled experts: D -> W, W -> D and a norm each side
   return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
 
 
@@ -150,7 +155,7 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
   parts["token_embeddings"] += m.vocab_size * m.d_model if token else 0
   parts["position_embeddings"] += m.max_len * m.d_model if m.positional == "learned" else 0
   parts["segment_embeddings"] += m.num_segments * m.d_model if segments else 0
-  parts["layernorm"] += _layer_norm(m) if m.embed_norm else 0
+  parts["layernorm"] += _layer_norm(m, "embed") if m.embed_norm else 0
 
 
 def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool = False) -> None:
@@ -161,9 +166,14 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
   parts["mlp"] += sum(_mlp(m, b, stack.dense_bias, cross) for b in mlp)
   if m.short_conv is not None:  # the convolution before each self-attention (attn.nn.short_conv)
     parts["short_conv"] = parts.get("short_conv", 0) + len(attn) * short_conv.param_count(m.short_conv, m.d_model)
-  per_sublayer = 2 if m.norm == "sandwich" else 1  # sandwich: a norm before and after
-  sublayers = len(attn) + len(mlp) + (len(stack.blocks) if cross else 0)
-  parts["layernorm"] += sublayers * per_sublayer * _layer_norm(m) + (_layer_norm(m) if m.final_norm else 0)
+  pre = m.norm != "after"  # sandwich: a norm before and after; after: after only; pre, post: one
+  post = m.norm in ("sandwich", "after")
+  n_attn = len(attn) + (len(stack.blocks) if cross else 0)  # a cross-attention's post norm is attn_post's
+  parts["layernorm"] += ((n_attn + len(mlp)) * _layer_norm(m) if pre else 0) + (
+      n_attn * _layer_norm(m, "attn_post") + len(mlp) * _layer_norm(m, "mlp_post") if post else 0) + (
+      _layer_norm(m, "final") if m.final_norm else 0)
+  if m.residual_gate is not None:  # Muse Spark's residual gates: g (D,) per sublayer (attn.nn.norms)
+    parts["residual_gates"] = parts.get("residual_gates", 0) + (len(attn) + len(mlp)) * m.d_model
 
 
 def _output(m: ModelConfig, dense_bias: bool) -> int:

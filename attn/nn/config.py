@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, short_conv
+from attn.nn import hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, norms, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -120,6 +120,9 @@ class ModelConfig:
   moe_shared_gate: bool = False  # σ(x·w) scales the shared experts' output (Qwen3-Next's shared_expert_gate)
   moe_swiglu_form: str = "gpt_oss"  # with moe_swiglu_limit: "gpt_oss", "clamp" (DeepSeek-V4's, shared experts too), "clamp_routed" (HY-V4's), "clamp_after(_routed)" (Ling-3's)
   moe_hash_first: int = 0  # the first expert layers pick experts by the token id (DeepSeek-V4's hash_moe, tid2eid)
+  moe_layer_types: tuple[str, ...] | None = None  # per layer "dense" or "sparse" (Muse Spark); None: moe_dense_first's
+  moe_pool_width: int | None = None  # M: experts at width M between D->M (a norm) and M->D, outputs normed (Muse Spark)
+  moe_router_scale: float = 1.0  # the router's logits times this before scoring (Muse Spark's output_multiplier)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
   per_layer_vocab: int = 0  # rows of their token table (0: vocab_size)
@@ -132,6 +135,10 @@ class ModelConfig:
   hc_form: str = "mhc"  # with hc_mult > 1: "mhc" (DeepSeek-V4's, comb by Sinkhorn) or "independent" (HY-V4's iHC: no comb)
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
+  # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
+  residual_gate: float | None = None  # τ: each residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
+  norm_forms: dict | None = None  # {place: form}: a place's RMSNorm form (attn.nn.norms); others follow norm_type
+  post_norm_eps: float | None = None  # the epsilon of the norms after each sublayer and pooled experts (None: norm_eps)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", layer_types.normalize(self.layer_types))
@@ -142,6 +149,8 @@ class ModelConfig:
     object.__setattr__(self, "indexer_types", index_sharing.normalize(self.indexer_types))
     if isinstance(self.block_kinds, list):
       object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
+    if isinstance(self.moe_layer_types, list):
+      object.__setattr__(self, "moe_layer_types", tuple(self.moe_layer_types))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
       _check_int(name, getattr(self, name), minimum=1)
     for name in ("num_segments", "num_decoder_layers", "num_classes", "per_layer_dim", "per_layer_vocab"):
@@ -202,6 +211,60 @@ class ModelConfig:
     self._check_hyper()
     self._check_block_kinds()
     short_conv.check_width(self.short_conv)
+    self._check_norms()
+
+  def _check_norms(self) -> None:
+    """norm_forms, post_norm_eps and residual_gate (attn.nn.norms): off by default, each refused where the
+    model has nothing for it to act on."""
+    forms = self.norm_forms
+    if forms is not None:
+      if not isinstance(forms, dict) or not forms:
+        raise invalid("norm_forms", forms, f"None or a table {{place: form}}, places {list(norms.NORM_PLACES)}, "
+                      f"forms {list(norms.NORM_FORMS)}")
+      if self.norm_type == "layernorm" or not self.layernorm:
+        raise invalid("norm_forms", dict(forms), f"None with norm_type={self.norm_type!r}, layernorm="
+                      f"{self.layernorm}: the forms are RMSNorm's ('rmsnorm' or 'rmsnorm_plus_one')")
+      has = {"embed": self.embed_norm, "attn_post": self.norm in ("sandwich", "after"),
+             "mlp_post": self.norm in ("sandwich", "after"), "final": self.final_norm}
+      for place, form in forms.items():
+        if place not in norms.NORM_PLACES:
+          raise invalid("norm_forms", place, f"a place among {list(norms.NORM_PLACES)}")
+        if form not in norms.NORM_FORMS:
+          raise invalid(f"norm_forms.{place}", form, f"one of {list(norms.NORM_FORMS)}")
+        if not has[place]:
+          raise invalid(f"norm_forms.{place}", form, "absent: the model has no norm there (embed: embed_norm; "
+                        "attn_post, mlp_post: norm 'sandwich' or 'after'; final: final_norm)")
+      object.__setattr__(self, "norm_forms", FrozenDict(forms))
+    eps = self.post_norm_eps
+    if eps is not None:
+      if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        raise invalid("post_norm_eps", eps, "None (norm_eps) or a positive finite number")
+      if self.norm not in ("sandwich", "after") and not self.moe_pool_width:
+        raise invalid("post_norm_eps", eps, f"None with norm={self.norm!r} and no moe_pool_width: it is the "
+                      "epsilon of the norms after each sublayer (norm 'sandwich' or 'after') and of pooled "
+                      "experts' outputs")
+    tau = self.residual_gate
+    if tau is not None:
+      if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < float("inf"):
+        raise invalid("residual_gate", tau, "None (x + y) or a positive finite temperature τ (Muse Spark's "
+                      "residual_gate_temperature, 0.3)")
+      if self.norm == "post" or self.hc_mult > 1 or self.num_decoder_layers:
+        raise invalid("residual_gate", tau, f"None with norm={self.norm!r}, hc_mult={self.hc_mult}, "
+                      f"num_decoder_layers={self.num_decoder_layers}: it mixes one residual stream around "
+                      "pre-normed self-attention and MLP sublayers (norm 'pre', 'sandwich' or 'after')")
+
+  def norm_form(self, place: str) -> str:
+    """The RMSNorm form at `place` (attn.nn.norms.NORM_PLACES, or "pre" for the norms before each
+    sublayer): norm_forms' entry, else norm_type's."""
+    if self.norm_forms is not None and place in self.norm_forms:
+      return self.norm_forms[place]
+    return "plus_one" if self.norm_type == "rmsnorm_plus_one" else "scale"
+
+  def norm_eps_at(self, place: str) -> float:
+    """The epsilon of the norm at `place`: post_norm_eps after a sublayer (when set), else norm_eps."""
+    if place in ("attn_post", "mlp_post") and self.post_norm_eps is not None:
+      return self.post_norm_eps
+    return self.norm_eps
 
   def _check_linear_norm(self) -> None:
     """linear_norm: None, or "pre" / "after" where the model's norm is the other of the two (one norm per
@@ -301,7 +364,10 @@ class ModelConfig:
     return layer_types.variant_for(self, layer_types.layer_type(self, index))
 
   def is_moe_layer(self, index: int) -> bool:
-    """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first)."""
+    """Whether layer `index` (0-based) of a stack has experts (mlp "moe", past moe_dense_first, or
+    "sparse" in moe_layer_types)."""
+    if self.moe_layer_types is not None:
+      return self.mlp == "moe" and self.moe_layer_types[index] == "sparse"
     return self.mlp == "moe" and index >= self.moe_dense_first
 
   def is_hash_layer(self, index: int) -> bool:

@@ -40,6 +40,14 @@ Gemma 4 (attn.nn.hf.gemma4): per_layer_dim P > 0 adds per-layer inputs (PerLayer
 the MLP, x + norm(out(act(gate(x))·p_l)) (2·D·P + a norm over D); layer_scalar multiplies each
 block's output by a stored scalar (a buffer: loaded, not trained, not counted); double_wide_mlp
 gives layers reading another layer's keys and values (kv_source) MLPs of width 2·d_ff.
+Muse Spark (attn.nn.hf.muse_spark; attn.nn.norms): norm_forms gives the embedding's, the
+post-sublayer and the final RMSNorms a form of their own ("scale", "plus_one", "input_scaled": the
+scale before normalising, or "none": no parameter, 0 counted), post_norm_eps the norms after each
+sublayer their epsilon, residual_gate τ turns each residual x + y into α⊙x + β⊙y with a learned g (D,)
+per sublayer (2·D a block, held in float32 as transformers keeps them); mlp "moe" with moe_pool_width W
+runs the experts at width W between D·W projections with a norm each side (2·D·W + 2·W, experts
+3·W·F each), moe_router_scale multiplies the router's logits and moe_layer_types says per layer
+"dense" or "sparse".
 positional "rope": no position embedding; every attention layer rotates the
 first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
 parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
@@ -103,7 +111,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, check_ids, invalid
-from attn.nn import decoding, hyper, index_sharing, kv_sharing, layer_types, moe, short_conv
+from attn.nn import decoding, hyper, index_sharing, kv_sharing, layer_types, moe, norms, short_conv
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.config import ModelConfig
 
@@ -171,26 +179,39 @@ def sinusoidal(T: int, D: int, offset=0) -> Array:
 
 
 class RMSNorm(nnx.Module):
-  """x / sqrt(mean over D of x² + eps) times scale (Llama), or times 1 + scale (Gemma); float32 inside."""
+  """x / sqrt(mean over D of x² + eps) times scale (Llama), or times 1 + scale (Gemma); float32 inside.
 
-  def __init__(self, cfg: ModelConfig, dim: int | None = None):
+  place (attn.nn.norms.NORM_PLACES): where it sits, which may give it another form (cfg.norm_forms:
+  Muse Spark's input-scaled and weightless norms) and epsilon (cfg.post_norm_eps).
+  """
+
+  def __init__(self, cfg: ModelConfig, dim: int | None = None, place: str = "pre"):
     self.plus_one, self.eps, self.dtype = cfg.norm_type == "rmsnorm_plus_one", cfg.norm_eps, cfg.compute_dtype
-    self.scale = nnx.Param(jnp.full((dim or cfg.d_model,), 0.0 if self.plus_one else 1.0, cfg.weight_dtype))
+    self.form = None if cfg.norm_forms is None else cfg.norm_forms.get(place)  # None: norm_type's, as before
+    self.eps = cfg.norm_eps_at(place)
+    start = 0.0 if self.plus_one else 1.0
+    if self.form is not None:
+      start = norms.initial_scale(self.form)
+    self.scale = None if start is None else nnx.Param(jnp.full((dim or cfg.d_model,), start, cfg.weight_dtype))
 
   def __call__(self, x_BTD: Array) -> Array:
+    if self.form is not None:
+      return norms.rms(x_BTD, None if self.scale is None else self.scale[...], self.eps,
+                       self.form).astype(self.dtype)
     x = x_BTD.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32)
     return (y * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
-def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True, dim: int | None = None) -> nnx.Module | None:
-  """The norm over D (or dim) of cfg.norm_type (statistics in float32), or None when not wanted or
-  cfg.layernorm is False."""
+def layer_norm(cfg: ModelConfig, rngs: nnx.Rngs, wanted: bool = True, dim: int | None = None,
+               place: str = "pre") -> nnx.Module | None:
+  """The norm over D (or dim) of cfg.norm_type (statistics in float32) at `place` (RMSNorm), or None
+  when not wanted or cfg.layernorm is False."""
   if not (wanted and cfg.layernorm):
     return None
   if cfg.norm_type != "layernorm":
-    return RMSNorm(cfg, dim)
+    return RMSNorm(cfg, dim, place)
   return nnx.LayerNorm(dim or cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                        param_dtype=cfg.weight_dtype, rngs=rngs)
 
@@ -222,7 +243,7 @@ class Embeddings(nnx.Module):
         if cfg.positional == "learned" else None
     self.segment = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.num_segments, cfg.d_model)) \
         if segments and cfg.num_segments else None
-    self.norm = layer_norm(cfg, rngs, cfg.embed_norm)
+    self.norm = layer_norm(cfg, rngs, cfg.embed_norm, place="embed")
 
   def check(self, tokens_BT: Array, segments_BT: Array | None = None, extra: int = 0) -> None:
     """Checks ids and that T + extra positions fit in max_len, before any tracing."""
@@ -348,9 +369,13 @@ class TransformerBlock(nnx.Module):
                    shared=True)
         if cfg.moe_shared_experts else None, hashed=hashed)
     self.mlp_norm = layer_norm(cfg, rngs, pre and has_mlp)
-    self.attn_post_norm = layer_norm(cfg, rngs, sandwich and has_attn)
-    self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross)
-    self.mlp_post_norm = layer_norm(cfg, rngs, sandwich and has_mlp)
+    self.attn_post_norm = layer_norm(cfg, rngs, sandwich and has_attn, place="attn_post")
+    self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross, place="attn_post")
+    self.mlp_post_norm = layer_norm(cfg, rngs, sandwich and has_mlp, place="mlp_post")
+    # Muse Spark's residual gates (attn.nn.norms): α⊙x + β⊙y around each sublayer, g (D,) in float32
+    gate = lambda on: nnx.Param(jnp.zeros((cfg.d_model,), jnp.float32)) if on and cfg.residual_gate else None
+    self.temperature = cfg.residual_gate
+    self.attn_residual_gate, self.mlp_residual_gate = gate(has_attn), gate(has_mlp)
     # Gemma 4: x + norm(out(act(gate(x))·p_l)), p_l this layer's per-layer input; then x·scalar.
     P = cfg.per_layer_dim
     self.activation = cfg.activation
@@ -364,9 +389,11 @@ class TransformerBlock(nnx.Module):
                                           magnitude=cfg.hc_magnitude) if on and n > 1 else None
     self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
 
-  def _residual(self, norm, f, x_BTD: Array, post=None, hc=None) -> Array:
+  def _residual(self, norm, f, x_BTD: Array, post=None, hc=None, gate=None) -> Array:
     if self.residual_multiplier != 1.0:
       f = functools.partial(_times, f, self.residual_multiplier)
+    if gate is not None:  # Muse Spark: α⊙x + β⊙post(f(pre(x))) (attn.nn.norms)
+      return norms.residual_gate(gate[...], self.temperature, x_BTD, _norm(post, f(_norm(norm, x_BTD))))
     if hc is not None:  # x (B,T,n,D): n streams mixed around the sublayer (pre-norm only)
       return hc(lambda h: _norm(post, f(_norm(norm, h))), x_BTD)
     # Post-norm (Vaswani, BERT): LN(x + f(x)); pre-norm (GPT-2): x + f(LN(x));
@@ -404,7 +431,8 @@ class TransformerBlock(nnx.Module):
       return y
 
     if self.attn is not None:
-      x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc)
+      x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc,
+                             self.attn_residual_gate)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
@@ -412,7 +440,7 @@ class TransformerBlock(nnx.Module):
           self.cross_post_norm, self.cross_hc)
     if self.mlp is not None:  # a hash-routed expert layer reads the token ids (moe_hash_first)
       mlp = self.mlp if getattr(self.mlp, "tid2eid", None) is None else lambda h: self.mlp(h, tokens)
-      x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc)
+      x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc, self.mlp_residual_gate)
     if self.per_layer_gate is not None:
       g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
       x_BTD = x_BTD + _norm(self.per_layer_norm, self.per_layer_out(g_BTP))
@@ -485,7 +513,7 @@ class Encoder(nnx.Module):
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
-    self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
+    self.final_norm = layer_norm(cfg, rngs, cfg.final_norm, place="final")
     self.pooler = linear(cfg, cfg.d_model, cfg.d_model, rngs) if cfg.pooler else None
     self.mlm = MLMHead(cfg, self.embed.token, rngs=rngs) if cfg.mlm_head else None
 
@@ -605,7 +633,7 @@ class DecoderLM(nnx.Module):
     self.embed = Embeddings(cfg, rngs=rngs, segments=False)
     self.per_layer = PerLayerInputs(cfg, rngs=rngs) if cfg.per_layer_dim else None
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
-    self.final_norm = layer_norm(cfg, rngs, cfg.final_norm)
+    self.final_norm = layer_norm(cfg, rngs, cfg.final_norm, place="final")
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
     self.hc_head = hyper.HyperHead(cfg.hc_mult, cfg.d_model, eps=cfg.hc_eps, norm_eps=cfg.norm_eps,
                                    rngs=rngs) if cfg.hc_mult > 1 else None
@@ -720,7 +748,7 @@ class EncoderDecoder(nnx.Module):
     token = self.encoder.embed.token if cfg.share_src_tgt_embeddings else None
     self.tgt_embed = Embeddings(cfg, rngs=rngs, token=token, segments=False)
     self.decoder = _blocks(cfg, cfg.num_decoder_layers, rngs, cross=True)
-    self.decoder_norm = layer_norm(cfg, rngs, cfg.final_norm)
+    self.decoder_norm = layer_norm(cfg, rngs, cfg.final_norm, place="final")
     self.head = OutputHead(cfg, self.tgt_embed.token, rngs=rngs)
 
   def __call__(self, src_BS: Array, tgt_BT: Array, src_lengths: Array | None = None,

@@ -39,7 +39,14 @@ moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
 (DeepSeek's shared experts), or of width moe_shared_d_ff where set, and with
 moe_shared_gate its output is scaled by σ(x·w_shared_gate), w (D, 1) (Qwen3-Next's
 shared_expert_gate); the first moe_dense_first layers keep the dense
-MLP of width d_ff (DeepSeek's first_k_dense_replace).
+MLP of width d_ff (DeepSeek's first_k_dense_replace), or moe_layer_types says per layer
+"dense" or "sparse" (Muse Spark's mlp_layer_types).
+
+Muse Spark's pooled experts (moe_pool_width W): the router reads x at width D (its logits times
+moe_router_scale, Muse Spark's output_multiplier, before the sigmoid), while the experts read
+norm(x·W_in) (W_in (D, W), a "plus_one" RMSNorm at norm_eps) and run at width W; each expert's
+output is RMS-normalised ("input_scaled", one scale shared by the experts, post_norm_eps) before
+its routing weight, and the weighted sum goes back to D through W_out (W, D) (attn.nn.norms).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn.config import invalid
+from attn.nn import norms
 
 Array = jax.Array
 ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -66,7 +74,8 @@ class Buffer(nnx.Variable):
 FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "softmax",
           "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
           "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
-          "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss", "moe_hash_first": 0}
+          "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss", "moe_hash_first": 0, "moe_layer_types": None,
+          "moe_pool_width": None, "moe_router_scale": 1.0}
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -127,9 +136,32 @@ def check(m: Any) -> None:
       m.moe_hash_first and m.moe_groups > 1):
     raise invalid("moe_hash_first", m.moe_hash_first, f"at most num_layers - moe_dense_first = "
                   f"{m.num_layers - m.moe_dense_first} expert layers, without moe_groups (a table picks the experts)")
+  _check_muse(m)
   if m.moe_swiglu_form not in SWIGLU_FORMS or (m.moe_swiglu_form != "gpt_oss" and m.moe_swiglu_limit is None):
     raise invalid("moe_swiglu_form", m.moe_swiglu_form, f"one of {list(SWIGLU_FORMS)}, and \"gpt_oss\" without "
                   "moe_swiglu_limit (the form of the clamped SwiGLU)")
+
+
+def _check_muse(m: Any) -> None:
+  """moe_layer_types, moe_pool_width and moe_router_scale (Muse Spark's experts)."""
+  kinds = m.moe_layer_types
+  if kinds is not None:
+    if not isinstance(kinds, tuple) or len(kinds) != m.num_layers or set(kinds) - {"dense", "sparse"}:
+      raise invalid("moe_layer_types", kinds, f"None or {m.num_layers} entries (num_layers) of 'dense' / 'sparse'")
+    if m.moe_dense_first or m.moe_hash_first:
+      raise invalid("moe_layer_types", kinds, f"None with moe_dense_first={m.moe_dense_first}, moe_hash_first="
+                    f"{m.moe_hash_first}: it says for every layer whether it has experts")
+  W = m.moe_pool_width
+  if W is not None:
+    _int("moe_pool_width", W, 1)
+    bias = m.use_bias if m.dense_bias is None else m.dense_bias
+    if m.moe_shared_experts or bias or m.moe_swiglu_limit is not None:
+      raise invalid("moe_pool_width", W, f"None with moe_shared_experts={m.moe_shared_experts}, dense biases "
+                    f"{bias}, moe_swiglu_limit={m.moe_swiglu_limit}: pooled experts are Muse Spark's (no shared "
+                    "expert, no bias, plain SwiGLU)")
+    if m.norm_type == "layernorm":
+      raise invalid("moe_pool_width", W, "None with norm_type='layernorm': the pooled experts' norms are RMSNorms")
+  _positive("moe_router_scale", m.moe_router_scale, "the router's logits times it; 1.0: off")
 
 
 def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array:
@@ -190,7 +222,13 @@ class MoE(nnx.Module):
     self.router_b = nnx.Param(jnp.zeros((E,), dt)) if bias else None
     self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" and not hashed else None
     self.tid2eid = Buffer(jnp.zeros((m.vocab_size, m.moe_top_k), jnp.int32)) if hashed else None
-    self.w_gate, self.w_up, self.w_down = param((E, D, F), D), param((E, D, F), D), param((E, F, D), F)
+    W = m.moe_pool_width  # Muse Spark: the experts run at width W between two projections
+    self.pool_in = param((D, W), D) if W else None
+    self.pool_norm = nnx.Param(jnp.zeros((W,), dt)) if W else None  # "plus_one", norm_eps
+    self.expert_norm = nnx.Param(jnp.zeros((W,), dt)) if W else None  # "input_scaled", post_norm_eps
+    self.pool_out = param((W, D), W) if W else None
+    X = W or D  # the experts' input and output width
+    self.w_gate, self.w_up, self.w_down = param((E, X, F), X), param((E, X, F), X), param((E, F, X), F)
     self.b_gate = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_up = nnx.Param(jnp.zeros((E, F), dt)) if bias else None
     self.b_down = nnx.Param(jnp.zeros((E, D), dt)) if bias else None
@@ -202,6 +240,8 @@ class MoE(nnx.Module):
     logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), self.router_w[...].astype(jnp.float32))
     if self.router_b is not None:
       logits_BTE = logits_BTE + self.router_b[...].astype(jnp.float32)
+    if self.m.moe_router_scale != 1.0:  # Muse Spark's output_multiplier
+      logits_BTE = logits_BTE * self.m.moe_router_scale
     if self.tid2eid is not None:
       if tokens_BT is None:
         raise invalid("tokens", None, "the token ids: a hash-routed expert layer (moe_hash_first) picks its "
@@ -212,6 +252,9 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
     c = self.compute
     x = x_BTD.astype(c)
+    if self.pool_in is not None:  # Muse Spark: D -> W, a norm, the experts at W
+      x = norms.rms(jnp.einsum("BTD,DW->BTW", x, self.pool_in[...].astype(c)), self.pool_norm[...],
+                    self.m.norm_eps, "plus_one")
     gate_BTEF = jnp.einsum("BTD,EDF->BTEF", x, self.w_gate[...].astype(c))
     up_BTEF = jnp.einsum("BTD,EDF->BTEF", x, self.w_up[...].astype(c))
     if self.b_gate is not None:
@@ -229,7 +272,12 @@ class MoE(nnx.Module):
     y_BTED = jnp.einsum("BTEF,EFD->BTED", h_BTEF, self.w_down[...].astype(c))
     if self.b_down is not None:
       y_BTED = y_BTED + self.b_down[...].astype(c)
+    if self.expert_norm is not None:  # each expert's output normed, then weighted, then W -> D
+      eps = self.m.norm_eps if self.m.post_norm_eps is None else self.m.post_norm_eps
+      y_BTED = norms.rms(y_BTED, self.expert_norm[...], eps, "input_scaled")
     out_BTD = jnp.einsum("BTE,BTED->BTD", self.weights(x_BTD, tokens_BT).astype(c), y_BTED)
+    if self.pool_out is not None:
+      out_BTD = jnp.einsum("BTW,WD->BTD", out_BTD, self.pool_out[...].astype(c))
     if self.shared is None:
       return out_BTD
     shared_BTD = self.shared(x_BTD)

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Laguna, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, seven hybrids.
+"""Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Laguna,
+Muse Spark (text), Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, seven hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -21,8 +22,10 @@ negative eigenvalues, pre-norm, beside OLMo 2's softmax layers, norms after: Mod
 any order, a RoPE base per layer with NoPE layers, Granite's multipliers), mimo_v2_flash (MiMo-V2-Flash:
 value heads narrower than query/key heads with a value scale, sliding layers with twice the kv heads and sinks,
 partial RoPE per layer type, DeepSeek-routed experts without shared ones; its multi-token-prediction layers skipped),
-and laguna (Laguna: a softplus output gate, query heads per layer, QK-norm, partial RoPE per type, sigmoid-routed
-experts with a shared expert).
+laguna (Laguna: a softplus output gate, query heads per layer, QK-norm, partial RoPE per type, sigmoid-routed
+experts with a shared expert), and muse_spark (Muse Spark's text model, read from under its wrapper's text_config
+with the vision and audio towers left out: fixed QK-norm, NoPE layers, a per-head output norm and gate, residual
+gates, input-scaled and weightless norms, pooled normed experts).
 
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed

@@ -142,6 +142,9 @@ class Family:
                 does not have (MiMo-V2-Flash's o_proj bias): `attn count --hf` leaves them out
   counted_buffers  ModelConfig -> tensors of the feed-forward that attn holds as buffers and transformers
                 counts as parameters (Laguna's correction bias): `attn count --hf` adds them
+  left_out      HF config dict -> notes on what the checkpoint holds that attn neither reads nor counts (a
+                wrapper's vision and audio towers, under `ignored`): `attn count --hf` prints them, and to_hf
+                lets those tensors keep transformers' initial values
   """
 
   name: str
@@ -165,6 +168,7 @@ class Family:
   model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None
   held_zeros: Callable[[ModelConfig], int] | None = None
   counted_buffers: Callable[[ModelConfig], int] | None = None
+  left_out: Callable[[dict[str, Any]], list[str]] | None = None
 
   def __post_init__(self):
     where = f"Family {self.name!r}"
@@ -174,7 +178,7 @@ class Family:
         raise invalid(f"{where}.{field}", value, "a tuple of non-empty strings" +
                       (" (at least one)" if field == "model_types" else ""))
     for field in ("config_in", "weights_in", "weights_out", "config_out", "from_names", "released", "check_out",
-                  "model_kwargs", "held_zeros", "counted_buffers"):
+                  "model_kwargs", "held_zeros", "counted_buffers", "left_out"):
       value = getattr(self, field)
       if value is not None and not callable(value):
         raise invalid(f"{where}.{field}", value, "a function (or None where optional)")

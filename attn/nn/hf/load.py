@@ -22,8 +22,8 @@ from flax import nnx
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2,
-                         gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, nemotron_h, olmo2,
-                         olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
+                         gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, muse_spark, nemotron_h,
+                         olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -42,7 +42,7 @@ def _builtins() -> tuple[Family, ...]:
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
           deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID, granite_swa.GRANITE_SWA,
-          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID)
+          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID, muse_spark.MUSE_SPARK)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -96,14 +96,9 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
                                   "(docs/key_selection.md)",
            "mistral_large4": "it is Mistral Large 4's image-text wrapper (Pixtral tower), and no family reads its "
                              "text model (mistral_large4_text) yet (docs/key_selection.md)",
-           # attn has Muse Spark's heads (qk_norm "fixed" with qk_scale_factor, layer_rope_theta's NoPE layers,
-           # logit_softcap) but not the rest of its text model yet:
-           "muse_spark": "no family reads Muse Spark yet (its vision and audio towers aside, its text model's "
-                         "residual gates, input-scaled and weightless norms, per-head output norm and normed "
-                         "experts are not attn's blocks); its heads are attn's qk_norm 'fixed' and layer_rope_theta",
-           "muse_spark_text": "no family reads Muse Spark's text model yet: its residual gates, input-scaled and "
-                              "weightless norms, per-head output norm and normed experts are not attn's blocks; its "
-                              "heads are attn's qk_norm 'fixed' with qk_scale_factor and layer_rope_theta",
+           "muse_spark_text": "it is Muse Spark's text model saved alone (MuseSparkTextModel), which has no LM head "
+                              "in transformers: attn reads the checkpoint with its towers, model_type muse_spark "
+                              "(MuseSparkForConditionalGeneration), whose text model it loads",
            "inkling2": "it is Inkling-2's image-text wrapper (its vision tower under model.vision_tower.), and no "
                        "family reads its text model (inkling2_text) yet: " + _INKLING2,
            "inkling2_text": _INKLING2,
@@ -343,13 +338,15 @@ def _family_of(model: nnx.Module, cfg: ModelConfig, model_type: str | None) -> F
   return FAMILIES[best[0]]
 
 
-def _load(hf: Any, sd: dict[str, Any], name: str) -> Any:
-  """hf with the arrays of sd (float32), every parameter set and nothing left over; eval mode."""
+def _load(hf: Any, sd: dict[str, Any], name: str, absent: tuple[str, ...] = ()) -> Any:
+  """hf with the arrays of sd (float32), every parameter set but those under `absent` (a wrapper's towers,
+  Family.left_out: transformers' initial values) and nothing left over; eval mode."""
   torch, transformers = require("torch"), require("transformers")
   tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}
   missing, unexpected = hf.load_state_dict(tensors, strict=False)
   tied = set(getattr(hf, "_tied_weights_keys", None) or {})
-  left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias")) and k not in tied]
+  left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias")) and k not in tied
+          and not (absent and k.startswith(absent))]
   if left or unexpected:  # a transformers release whose names differ from these
     raise invalid(f"transformers.{name}", transformers.__version__,
                   f"a release with the usual parameter names (missing {left}, unexpected {unexpected})")
@@ -420,4 +417,5 @@ def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str |
                   f"a list naming a model class of transformers {transformers.__version__}")
   hf_cfg = cls.config_class(**kw)
   hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
-  return _load(cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {})), sd, cls.__name__)
+  return _load(cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {})), sd, cls.__name__,
+               family.ignored if family.left_out is not None else ())

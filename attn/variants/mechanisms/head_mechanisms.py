@@ -31,6 +31,8 @@ counts (attn.variants.mechanisms has the record and the registry).
   qk_norm "fixed"     no parameters: each query and key head RMS-normalised with no learned scale,
       the queries times qk_scale_factor (Muse Spark): every logit is then at most
       qk_scale_factor·√d_k·scale in size whatever the weights.
+  output_norm         no parameters: each head's output o_h RMS-normalised over its d_v dims with no
+      learned scale (epsilon output_norm_eps), before the gate (Muse Spark's o_norm).
   value_scale         no parameters: every value times a constant (MiMo-V2-Flash), applied to each
       head's output, which is the same function (the weighted sum is linear in the values).
   window, softcap     no parameters: arguments of kernel.attention.
@@ -217,6 +219,21 @@ VALUE_SCALE = Mechanism(
     help="value_scale: every value times a constant (MiMo-V2-Flash's attention_value_scale)")
 
 
+# output_norm: no parameters, on each head's output before the gate (Muse Spark's o_norm)
+
+def _output_norm(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig) -> Array:
+  del params, x_BTD
+  return fixed_norm(o_BTHV, cfg.output_norm_eps, 1.0)
+
+
+OUTPUT_NORM = Mechanism(
+    name="output_norm", fields=("output_norm_eps",), on_output=_output_norm, param_count=_zero,
+    flops=_zero, score_weights=_zero,  # effective count measured: the norm breaks W_V·W_O's GL(d_v) symmetry
+    examples=(("output_norm", {"output_norm_eps": 1e-5}, "0", "0"),),
+    help="output_norm_eps: each head's output RMS-normalised over d_v, no learned scale, before the gate "
+         "(Muse Spark's o_norm)")
+
+
 # qk_l2_clip: no parameters, on the queries and keys (after QK-norm, before RoPE)
 
 def l2_clip(x_BTNK: Array, threshold: float) -> Array:
@@ -367,5 +384,6 @@ PROBABILITY = Mechanism(
 
 # Key selection (attn.variants.mechanisms.selection) last: the kit's all-at-once config, with probability
 # "sigmoid" on, leaves them off (they take softmax heads only).
-MECHANISMS = (GATE, SINKS, QKV_CONV, cca.CCA, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP, PROBABILITY, *selection.RECORDS,
-              nsa.NSA, *pooled.RECORDS)
+# output_norm before the gate: Muse Spark normalises each head's output, then gates it.
+MECHANISMS = (OUTPUT_NORM, GATE, SINKS, QKV_CONV, cca.CCA, QK_NORM, QK_L2_CLIP, VALUE_SCALE, WINDOW, SOFTCAP,
+              PROBABILITY, *selection.RECORDS, nsa.NSA, *pooled.RECORDS)
