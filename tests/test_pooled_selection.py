@@ -167,7 +167,7 @@ def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
 
   def run(cfg, impl):
     f = lambda p, x: (api.apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=kv, impl=impl) * cot).sum()  # noqa: E731
-    return jax.value_and_grad(f, (0, 1))(p, x)
+    return jax.jit(jax.value_and_grad(f, (0, 1)))(p, x)  # compiled whole: eager, each op compiles alone
 
   (l1, g1), (l2, g2) = run(cfg, "auto"), run(cfg, "einsum")
   assert calls, "no selection row ran"
