@@ -2,6 +2,7 @@
 transformers' own indexers, the kernel rows against the dense masked reference in values and
 gradients, exactness at a full budget, counts, refusals."""
 
+import functools
 import types
 
 import jax
@@ -215,7 +216,8 @@ def test_counts_in_closed_form(extra):
   assert mech.param_count(name, cfg) == sum(a.size for n, a in p.items() if n not in base)
   T = 29
   q, k = _randn(1, (1, T, 4, 16)), _randn(2, (1, T, 2, 16))
-  m = mech._select(name, p, q, k, cfg=cfg, is_causal=True, kv_lengths=None, mask=None, dense=True)
+  select_ = functools.partial(mech._select, name, cfg=cfg, is_causal=True, kv_lengths=None, mask=None, dense=True)
+  m = jax.jit(select_)(p, q, k)  # compiled whole (eager, each small op compiles on its own)
   keep = jnp.broadcast_to(m, (1, 4, T, T)) & select.visible(T, T, True, None, 1)[:, None]
   assert selectors.pairs(cfg, T) * 4 == int(keep.sum())
   inputs = {n: a for n, a in p.items() if n not in base}
