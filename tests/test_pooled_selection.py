@@ -182,12 +182,12 @@ def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
   if full is not None:  # a budget covering every key: full causal attention, on the rows too
     plain = cfg.replace(extra={})
     own = {n: a for n, a in p.items() if not (n.startswith("w_i") or n in ("ape", "iq_norm", "ik_norm"))}
-    want = api.apply("per_head", own, x, cfg=plain, is_causal=True, kv_lengths=kv)
+    def full_pass(cfg, **kw):  # compiled whole (eager, each small op compiles on its own)
+      return jax.jit(lambda p, x: api.apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=kv, **kw))
+    want = full_pass(plain)(own, x)
     big = cfg.replace(extra={name: {**extra[name], **full}})
-    np.testing.assert_allclose(api.apply("per_head", p, x, cfg=big, is_causal=True, kv_lengths=kv), want,
-                               atol=1e-5)
-    np.testing.assert_allclose(api.apply("per_head", p, x, cfg=big, is_causal=True, kv_lengths=kv,
-                                         impl="einsum"), want, atol=1e-5)
+    np.testing.assert_allclose(full_pass(big)(p, x), want, atol=1e-5)
+    np.testing.assert_allclose(full_pass(big, impl="einsum")(p, x), want, atol=1e-5)
 
 
 @pytest.mark.slow
