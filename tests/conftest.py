@@ -8,12 +8,16 @@ import os
 # 7.8 s -> 4.6 s), and without its MLIR fusion emitters (the older LLVM IR emitters instead)
 # a third faster again (test_kernel.py, cold cache, one process: 14.9 -> 9.9 s of CPU); the same
 # identities hold to the same tolerances.
-# XLA aborts on a flag it does not know: the emitters' flag only where it was tested (jaxlib 0.10.2).
+# One LLVM module per program, not split for parallel code generation: these programs are tiny and
+# the machine has two cores, so the split only adds work (test_kernel_blocked.py and
+# test_mechanisms_scales.py, cold cache, one process: 19.3 and 18.3 s -> 16.9 and 16.5 s of CPU, AMD EPYC Zen 4).
+# XLA aborts on a flag it does not know: these two only where they were tested (jaxlib 0.10.2).
 _JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
      "--xla_llvm_disable_expensive_passes=true",
-     "--xla_cpu_use_fusion_emitters=false" if _JAXLIB >= (0, 10) else ""]).strip()
+     *(("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+       if _JAXLIB >= (0, 10) else ())]).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp
@@ -66,9 +70,12 @@ ROPE_CONFIGS = {
 PLAIN_CONFIGS = ("base", "single_head")
 
 # Variants whose generic cases (contract matrix, counts against XLA and the Jacobian) run in the
-# fast tier. The fast tier is at its time limit, so a variant registered later runs its generic
-# cases in the slow tier (CI runs both) and keeps a few quick checks of its own in its test file.
-FAST_VARIANTS = ("collaborative", "fused", "merged", "per_head", "split_input", "two_stage")
+# fast tier: fused (the default), per_head (the seeds' layout) and merged (W_Q·W_Kᵀ). Every other
+# variant runs its generic cases in the slow tier (CI runs both) and keeps quick checks of its own:
+# collaborative, split_input and two_stage their exact identities and conversions (test_identities,
+# test_convert), the others their test files. MATRIX_VARIANTS also run the plain configs there.
+FAST_VARIANTS = ("fused", "merged", "per_head")
+MATRIX_VARIANTS = ("collaborative", "fused", "merged", "per_head", "split_input", "two_stage")
 
 
 def tier(variant: str, cname: str | None = None):
@@ -77,9 +84,9 @@ def tier(variant: str, cname: str | None = None):
 
 
 def in_matrix(variant: str, cname: str) -> bool:
-  """Whether a config-by-variant matrix runs this case: a variant outside FAST_VARIANTS skips
+  """Whether a config-by-variant matrix runs this case: a variant outside MATRIX_VARIANTS skips
   the plain configs (they add little to the awkward ones) to keep the slow tier's time down."""
-  return variant in FAST_VARIANTS or cname not in PLAIN_CONFIGS
+  return variant in MATRIX_VARIANTS or cname not in PLAIN_CONFIGS
 
 
 def for_variant(name: str, cfg: HeadConfig) -> HeadConfig:

@@ -3,8 +3,8 @@
 The kit is the contract (shapes, jit, masks, causality, finite gradients, bf16,
 head gates, RoPE, every mechanism, decoding, counts against the tree, the
 cache, XLA and the Jacobian); a plugin's tests call the same function. The
-fast tier runs its fast mode on every variant but KIT_SLOW's, the slow tier the
-fast mode on those and thorough=True on every one.
+fast tier runs its fast mode on KIT_FAST's variants, the slow tier the fast mode
+on the others and thorough=True on every one.
 Below it: what only attn's own layout can say (W^O's rows per head) and bad
 input.
 """
@@ -23,18 +23,18 @@ from conftest import CONFIGS, ROPE_CONFIGS, randn, random_params, variant_params
 B, T, S = 2, 5, 7
 
 
-# Variants outside conftest.FAST_VARIANTS whose own file checks them against a naive loop (or a
-# second form) in the fast tier run the kit in the slow tier only: differential and tpa
-# (test_new_variants), compressed (test_compressed: the kernel against a loop, values and gradients),
-# compressed_shared (test_compressed_shared: decoding with the indexer), k_eq_v and grouped_lowrank
-# (test_head_layouts: loops over heads), gla (test_gla: the chunked form with padding against the
-# loop). The kit stays the fast identity of mla and talking_heads (no such loop) and of the
-# fixed-state heads (linear, mamba2, kda, gated_deltanet: their other end-to-end checks need
-# transformers or are slow), so its fixed-state path runs fast too.
-KIT_SLOW = ("compressed", "compressed_shared", "differential", "gla", "grouped_lowrank", "k_eq_v", "tpa")
+# The fast tier runs the kit on one variant of each path it checks: per_head (the softmax core), merged
+# (W_Q·W_Kᵀ in place of two projections), mla (a latent), talking_heads (heads mixed across the scores),
+# kda and gated_deltanet (the fixed-state heads: their decoding and state cache). The others run it in the
+# slow tier; each keeps fast identities of its own: the contract matrix and counts (fused, collaborative,
+# split_input, two_stage: conftest.FAST_VARIANTS), a naive loop or a second form (differential and tpa:
+# test_new_variants; compressed: test_compressed; compressed_shared: test_compressed_shared; k_eq_v and
+# grouped_lowrank: test_head_layouts; gla: test_gla), the chunked and recurrent forms against the loop
+# (linear and mamba2: test_linear_core, test_linear_variants).
+KIT_FAST = ("gated_deltanet", "kda", "merged", "mla", "per_head", "talking_heads")
 
 
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow if v in KIT_SLOW else ())
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in KIT_FAST else pytest.mark.slow)
                                      for v in sorted(attn.VARIANTS)])
 def test_the_kit_passes_on_every_builtin_variant(variant):
   testing.check_variant(variant)

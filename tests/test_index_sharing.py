@@ -61,15 +61,23 @@ def _reference(model, cfg, ids, lengths):
       x = np.asarray(block.attn_norm(h))
       chosen[i] = _numpy_choice(dict(model.blocks[i].attn.params.items()), x, cfg.layer_head(i), lengths)
     masks.append(jnp.asarray(chosen[src][:, None]))
-    h = block(h, mask=masks[-1], is_causal=True, kv_lengths=lengths)
+    h = _block(block, h, masks[-1], lengths)
   return plain, masks
 
 
+# Each block and the whole reference compiled (eager, each small op compiles on its own: several times slower).
+_block = nnx.jit(lambda block, h, mask, lengths: block(h, mask=mask, is_causal=True, kv_lengths=lengths))
+
+
+@nnx.jit
 def _ref_logits(plain, masks, ids, lengths):
   h = plain.embed(ids)
   for block, mask in zip(plain.blocks, masks):
     h = block(h, mask=mask, is_causal=True, kv_lengths=lengths)
   return plain.head(plain.final_norm(h))
+
+
+_logits = nnx.jit(lambda model, ids, lengths: model(ids, lengths_B=lengths))
 
 
 def test_a_shared_layer_equals_the_full_layers_choice_as_a_mask():
@@ -80,7 +88,7 @@ def test_a_shared_layer_equals_the_full_layers_choice_as_a_mask():
   lengths = jnp.array([5, 7])
   plain, masks = _reference(model, cfg, ids, lengths)
   assert np.asarray(masks[0]).sum(-1).max() == 3
-  np.testing.assert_allclose(np.asarray(model(ids, lengths_B=lengths)),
+  np.testing.assert_allclose(np.asarray(_logits(model, ids, lengths)),
                              np.asarray(_ref_logits(plain, masks, ids, lengths)), rtol=1e-5, atol=1e-5)
 
 
@@ -100,10 +108,10 @@ def test_shared_layers_equal_the_full_layers_choice_as_a_mask_values_and_gradien
   def loss(m, f):
     return jnp.sum(jnp.where(jnp.arange(9)[None, :, None] < lengths[:, None, None], f(m), 0.0) ** 2)
 
-  logits = np.asarray(model(ids, lengths_B=lengths))
+  logits = np.asarray(_logits(model, ids, lengths))
   np.testing.assert_allclose(logits, np.asarray(_ref_logits(plain, masks, ids, lengths)), rtol=1e-5, atol=1e-5)
-  got, g_got = nnx.value_and_grad(lambda m: loss(m, lambda m: m(ids, lengths_B=lengths)))(model)
-  want, g_want = nnx.value_and_grad(lambda m: loss(m, lambda m: _ref_logits(m, masks, ids, lengths)))(plain)
+  got, g_got = nnx.jit(nnx.value_and_grad(lambda m: loss(m, lambda m: m(ids, lengths_B=lengths))))(model)
+  want, g_want = nnx.jit(nnx.value_and_grad(lambda m: loss(m, lambda m: _ref_logits(m, masks, ids, lengths))))(plain)
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   a, b = nnx.to_pure_dict(g_got), nnx.to_pure_dict(g_want)
   for n in INDEX_PARAMS:
@@ -128,10 +136,10 @@ def test_cached_decoding_equals_the_full_pass_and_caches_no_index_keys():
   cfg = _cfg(("full", "shared", "full"))
   model = _model(cfg, seed=1)
   ids = jnp.asarray(np.random.default_rng(4).integers(0, 31, (2, 9)), jnp.int32)
-  full = np.asarray(model(ids))
+  full = np.asarray(nnx.jit(lambda m, ids: m(ids))(model, ids))
   model.init_cache(2, 9)
-  steps = [np.asarray(model(ids[:, :4], decode=True))] + [np.asarray(model(ids[:, t:t + 1], decode=True))
-                                                           for t in range(4, 9)]
+  step = nnx.jit(lambda m, ids: m(ids, decode=True))  # one program a length (eager: each op alone)
+  steps = [np.asarray(step(model, ids[:, :4]))] + [np.asarray(step(model, ids[:, t:t + 1])) for t in range(4, 9)]
   np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
   widths = [{k: v.shape[-1] for k, v in b.attn.cache.items()} for b in model.blocks]
   assert widths == [{"latent": 6, "k_rope": 4, "index_key": 6}, {"latent": 6, "k_rope": 4},
@@ -237,7 +245,7 @@ def test_shared_layers_on_the_sparse_row_equal_the_dense_path():
   selection._own_choice = spy
   try:
     f = lambda m: jnp.sum(m(ids, lengths_B=lengths)[:, :500] ** 2)  # noqa: E731
-    (a, ga), (b, gb) = (nnx.value_and_grad(f)(m) for m in (sparse, dense))
+    (a, ga), (b, gb) = (nnx.jit(nnx.value_and_grad(f))(m) for m in (sparse, dense))  # each compiled whole
   finally:
     selection._own_choice = original
   assert seen == [False, True]  # one choice a model call, on the sparse row for 'auto', as a mask for einsum

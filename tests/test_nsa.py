@@ -102,10 +102,14 @@ def reference_masks(params, q, k, v, cfg, *, causal, lengths=None, mask=None):
   for b, h, t in itertools.product(range(B), range(H), range(T)):
     vis = _visible(b, h, t, T=T, S=S, causal=causal, lengths=lengths, mask=mask)
     usable[b, h, t] = [vis[i * d:i * d + l].all() for i in range(Nc)]
-  kc, vc = _compressed(params, k, v, l, d)
-  p_np = np.asarray(_softmax_attend(q, kc, vc, usable, cfg.score_scale)[1], np.float64)
+  p_np = np.asarray(_compressed_weights(params, q, k, v, usable, l, d, cfg.score_scale), np.float64)
   sel, win = _choice(B, H, T, S, G, o, causal, lengths, mask, lambda b, h, t: p_np[b, h, t])
   return usable, sel, win
+
+
+# The compressed branch's weights, compiled whole (eager, each small op compiles on its own).
+_compressed_weights = jax.jit(lambda params, q, k, v, usable, l, d, scale: _softmax_attend(
+    q, *_compressed(params, k, v, l, d), usable, scale)[1], static_argnums=(5, 6, 7))
 
 
 def reference(params, x, q, k, v, cfg, keep):

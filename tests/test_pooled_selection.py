@@ -2,6 +2,7 @@
 transformers' own indexers, the kernel rows against the dense masked reference in values and
 gradients, exactness at a full budget, counts, refusals."""
 
+import functools
 import types
 
 import jax
@@ -167,7 +168,7 @@ def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
 
   def run(cfg, impl):
     f = lambda p, x: (api.apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=kv, impl=impl) * cot).sum()  # noqa: E731
-    return jax.value_and_grad(f, (0, 1))(p, x)
+    return jax.jit(jax.value_and_grad(f, (0, 1)))(p, x)  # compiled whole: eager, each op compiles alone
 
   (l1, g1), (l2, g2) = run(cfg, "auto"), run(cfg, "einsum")
   assert calls, "no selection row ran"
@@ -181,12 +182,12 @@ def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
   if full is not None:  # a budget covering every key: full causal attention, on the rows too
     plain = cfg.replace(extra={})
     own = {n: a for n, a in p.items() if not (n.startswith("w_i") or n in ("ape", "iq_norm", "ik_norm"))}
-    want = api.apply("per_head", own, x, cfg=plain, is_causal=True, kv_lengths=kv)
+    def full_pass(cfg, **kw):  # compiled whole (eager, each small op compiles on its own)
+      return jax.jit(lambda p, x: api.apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=kv, **kw))
+    want = full_pass(plain)(own, x)
     big = cfg.replace(extra={name: {**extra[name], **full}})
-    np.testing.assert_allclose(api.apply("per_head", p, x, cfg=big, is_causal=True, kv_lengths=kv), want,
-                               atol=1e-5)
-    np.testing.assert_allclose(api.apply("per_head", p, x, cfg=big, is_causal=True, kv_lengths=kv,
-                                         impl="einsum"), want, atol=1e-5)
+    np.testing.assert_allclose(full_pass(big)(p, x), want, atol=1e-5)
+    np.testing.assert_allclose(full_pass(big, impl="einsum")(p, x), want, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -215,7 +216,8 @@ def test_counts_in_closed_form(extra):
   assert mech.param_count(name, cfg) == sum(a.size for n, a in p.items() if n not in base)
   T = 29
   q, k = _randn(1, (1, T, 4, 16)), _randn(2, (1, T, 2, 16))
-  m = mech._select(name, p, q, k, cfg=cfg, is_causal=True, kv_lengths=None, mask=None, dense=True)
+  select_ = functools.partial(mech._select, name, cfg=cfg, is_causal=True, kv_lengths=None, mask=None, dense=True)
+  m = jax.jit(select_)(p, q, k)  # compiled whole (eager, each small op compiles on its own)
   keep = jnp.broadcast_to(m, (1, 4, T, T)) & select.visible(T, T, True, None, 1)[:, None]
   assert selectors.pairs(cfg, T) * 4 == int(keep.sum())
   inputs = {n: a for n, a in p.items() if n not in base}
