@@ -51,7 +51,7 @@ def _layer_norm(m: ModelConfig, place: str = "pre") -> int:
     return 0
   if m.norm_type == "layernorm":
     return 2 * m.d_model
-  return 0 if m.norm_form(place) == "none" else m.d_model
+  return 0 if (m.norm_forms or {}).get(place) == "none" else m.d_model  # norm_type's forms all hold D
 
 
 @dataclasses.dataclass(frozen=True)

@@ -253,13 +253,6 @@ class ModelConfig:
                       f"num_decoder_layers={self.num_decoder_layers}: it mixes one residual stream around "
                       "pre-normed self-attention and MLP sublayers (norm 'pre', 'sandwich' or 'after')")
 
-  def norm_form(self, place: str) -> str:
-    """The RMSNorm form at `place` (attn.nn.norms.NORM_PLACES, or "pre" for the norms before each
-    sublayer): norm_forms' entry, else norm_type's."""
-    if self.norm_forms is not None and place in self.norm_forms:
-      return self.norm_forms[place]
-    return "plus_one" if self.norm_type == "rmsnorm_plus_one" else "scale"
-
   def norm_eps_at(self, place: str) -> float:
     """The epsilon of the norm at `place`: post_norm_eps after a sublayer (when set), else norm_eps."""
     if place in ("attn_post", "mlp_post") and self.post_norm_eps is not None:
