@@ -142,6 +142,8 @@ class Family:
                 does not have (MiMo-V2-Flash's o_proj bias): `attn count --hf` leaves them out
   counted_buffers  ModelConfig -> tensors of the feed-forward that attn holds as buffers and transformers
                 counts as parameters (Laguna's correction bias): `attn count --hf` adds them
+  unheld        name starts of the transformers model's parameters attn holds none of (GLM-5.3-Flash's vision
+                tower): to_hf leaves them at transformers' initialisation instead of refusing them as missing
   """
 
   name: str
@@ -165,10 +167,11 @@ class Family:
   model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None
   held_zeros: Callable[[ModelConfig], int] | None = None
   counted_buffers: Callable[[ModelConfig], int] | None = None
+  unheld: tuple[str, ...] = ()
 
   def __post_init__(self):
     where = f"Family {self.name!r}"
-    for field in ("model_types", "architectures", "ignored"):
+    for field in ("model_types", "architectures", "ignored", "unheld"):
       value = getattr(self, field)
       if not _is_strings(value) or (field == "model_types" and not value):
         raise invalid(f"{where}.{field}", value, "a tuple of non-empty strings" +

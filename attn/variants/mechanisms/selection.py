@@ -253,12 +253,16 @@ def index_keys(params: Params, c_BSD: Array, positions, cfg: HeadConfig) -> Arra
   """The deepseek form's one index key per token (B,S,d_I) float32: LayerNorm(c·w_idk), its first
   rope_dim dims rotated at `positions` ((S,) or (B,S)). What a decoding cache holds beside k and v.
   c is detached; the parameters are not (index_inputs says why)."""
+  return _rotate_index(normed_index_key(params, c_BSD, _opts(cfg, "indexer")["norm_eps"]), positions, cfg)
+
+
+def normed_index_key(params: Params, c_BSD: Array, eps: float = INDEX_NORM_EPS) -> Array:
+  """LayerNorm(c·w_idk) (scale idk_norm, bias idk_bias) float32, c detached: the deepseek form's index key
+  before RoPE (DeepseekV32Indexer's, GLM-5.3-Flash's K-pool indexer's)."""
   k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idk"].astype(jnp.float32)
   mean = jnp.mean(k, -1, keepdims=True)
-  eps = _opts(cfg, "indexer")["norm_eps"]
   k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + eps)
-  k = k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
-  return _rotate_index(k, positions, cfg)
+  return k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
 
 
 def _rotate_index(a: Array, positions, cfg: HeadConfig) -> Array:
