@@ -131,7 +131,7 @@ class ModelConfig:
   hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
   hc_form: str = "mhc"  # with hc_mult > 1: "mhc" (DeepSeek-V4's, comb by Sinkhorn) or "independent" (HY-V4's iHC: no comb)
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
-  hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's HyperHead) or "mean" (GLM-5.3-Flash's)
+  hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's) or "mean" (GLM-5.3-Flash's)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
 
   def __post_init__(self):

@@ -109,7 +109,8 @@ def _check(text: dict[str, Any], kinds: list[str]) -> None:
                   "convolution, which attn fixes at SiLU")
   if text.get("q_lora_rank") is None:
     raise invalid("config.q_lora_rank", None, "an integer >= 1: the K-pool indexer reads the query latent")
-  shared = [i for i, k in enumerate(deepseek_v32.indexer_types(text, L)) if k == "shared" and kinds[i] != "linear_attention"]
+  shared = [i for i, k in enumerate(deepseek_v32.indexer_types(text, L))
+            if k == "shared" and kinds[i] != "linear_attention"]
   if shared:
     raise invalid(f"config.indexer_types[{shared[0]}]", "shared", "'full' on every indexed_attention layer: attn's "
                   "shared layers (ModelConfig.indexer_types) reuse the lightning indexer's choice, not the K-pool "
@@ -287,7 +288,8 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
       max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
       attention_bias=False, hidden_act="silu", pad_token_id=None, bos_token_id=None, eos_token_id=None,
       layer_types=["linear_attention" if k == "linear_attention" else "indexed_attention" for k in kinds],
-      indexer_types=["full"] * cfg.num_layers, mlp_layer_types=["dense"] * dense + ["sparse"] * (cfg.num_layers - dense),
+      indexer_types=["full"] * cfg.num_layers,
+      mlp_layer_types=["dense"] * dense + ["sparse"] * (cfg.num_layers - dense),
       n_routed_experts=cfg.moe_experts if moe else 2, num_experts_per_tok=cfg.moe_top_k if moe else 1,
       moe_intermediate_size=cfg.moe_d_ff if moe else 1, n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
       routed_scaling_factor=cfg.moe_routed_scaling, n_shared_experts=cfg.moe_shared_experts if moe else 1,
@@ -297,8 +299,8 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
       linear_head_dim=lin.d_k if lin else 1, linear_num_heads=lin.num_heads if lin else 1,
       linear_conv_kernel_dim=lin.conv_width if lin else 4, linear_lower_bound=lin.kda_lower_bound if lin else -5.0,
       hc_mult=cfg.hc_mult, hc_eps=cfg.hc_eps, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters)
-  return {"architectures": [ARCHITECTURE], "text_config": text, "vision_config": VISION | {"out_hidden_size": cfg.d_model},
-          "tie_word_embeddings": cfg.tie_embeddings}
+  return {"architectures": [ARCHITECTURE], "text_config": text, "tie_word_embeddings": cfg.tie_embeddings,
+          "vision_config": VISION | {"out_hidden_size": cfg.d_model}}
 
 
 GLM5_NEXT = dataclasses.replace(

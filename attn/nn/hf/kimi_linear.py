@@ -174,7 +174,8 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   return out
 
 
-def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int, flat_a_log: bool = False) -> dict[str, np.ndarray]:
+def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int,
+            flat_a_log: bool = False) -> dict[str, np.ndarray]:
   """kda_in's inverse: layer l's kda tensors under transformers' names."""
   head = cfg.layer_head(l)
   D, H, K, W = head.d_model, head.num_heads, head.d_k, head.conv_width
@@ -188,7 +189,8 @@ def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int, flat_a_l
     return sd | {f"{f}.f_proj.weight": p["w_f"].reshape(D, H * K).T, f"{a}.g_proj.weight": p["w_g"].reshape(D, H * K).T,
                  f"{f}.A_log": p["a_log"]}
   return sd | {f"{f}.f_a_proj.weight": p["w_fa"].T, f"{f}.f_b_proj.weight": p["w_fb"].reshape(K, H * K).T,
-               f"{f}.A_log": p["a_log"].reshape((H,) if flat_a_log else (1, 1, H, 1)), f"{a}.g_a_proj.weight": p["w_ga"].T,
+               f"{f}.A_log": p["a_log"].reshape((H,) if flat_a_log else (1, 1, H, 1)),
+               f"{a}.g_a_proj.weight": p["w_ga"].T,
                f"{a}.g_b_proj.weight": p["w_gb"].reshape(K, H * K).T}
 
 

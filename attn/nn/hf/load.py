@@ -22,8 +22,8 @@ from flax import nnx
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4,
-                         glm5_next, gpt2, gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, nemotron_h, olmo2,
-                         olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
+                         glm5_next, gpt2, gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash,
+                         nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
