@@ -244,6 +244,17 @@ def test_count_hf_equals_transformers_text_parameters(live, saved, capsys):
   assert rows["linear_attention"]["state_bytes_per_layer"] == 4 * (H * K * K + (W - 1) * 3 * H * K)
 
 
+@pytest.mark.slow
+def test_the_family_contract_kit_passes(live):
+  """attn.testing.check_family on the live wrapper: the round trip (the vision tower, Family.unheld, left out),
+  save_pretrained read back, and outputs within 1e-4 at the real tokens of right-padded rows."""
+  from attn import testing
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    measured = testing.check_family("glm5_next", live)
+  assert measured["logits_relative"] < 1e-4
+
+
 def _copy_with(saved, path, change):
   """saved's directory copied to path with its tensors changed by change(dict) (safetensors alone)."""
   save_file = pytest.importorskip("safetensors.numpy").save_file
