@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from attn import ConfigError, HeadConfig, api, cli, count
+from attn.count import layer
 from attn.nn import hf
 
 KINDS = ["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"]
@@ -97,7 +98,7 @@ def test_the_new_options_are_validated_and_counted():
                     extra={"kpool": ix})
   shapes = api.param_shapes("mla", head)
   assert shapes["w_idq"] == (5, 2, 3) and shapes["w_idg"] == (12, 3) and shapes["ape"] == (2, 3)
-  assert count.param_counts("mla", head)["analytic"] == sum(int(np.prod(s)) for s in shapes.values())
+  assert layer.check_layer("mla", head).analytic_params() == sum(int(np.prod(s)) for s in shapes.values())
   with pytest.raises(ConfigError, match=r"extra.kpool.form='deepseek' is not allowed: 'heads' without q_latent_dim"):
     api.check_config("mla", head.replace(q_latent_dim=None))
   with pytest.raises(ConfigError, match=r"extra.kpool.form='x' is not allowed: one of \['heads', 'deepseek'\]"):
