@@ -310,3 +310,11 @@ def test_kpool_deepseek_form_sparse_rows_at_long_T_equal_the_dense_path(monkeypa
     got, _ = jax.jit(lambda p, x, fn=fn: fn(p, x, cfg=cfg, opts=opts))(p, x)
     np.testing.assert_allclose(got, dense, atol=1e-5)
   assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_kit_on_mla_with_the_kpool_deepseek_form():
+  """attn.testing.check_variant on mla with K-pool's deepseek form (calls, masks, grads, bf16, decoding in chunks,
+  counts against XLA's FLOPs)."""
+  from attn.testing import check_variant
+  check_variant("mla", configs=(MLA_KP,))
