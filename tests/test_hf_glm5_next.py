@@ -77,6 +77,9 @@ def test_a_config_json_is_read_without_torch():
 
 @pytest.mark.parametrize("changes, field", [
     (dict(indexer_types=["full", "full", "full", "shared"]), r"config.indexer_types\[3\]"),
+    (dict(layer_types=["linear_attention"] + ["indexed_attention"] * 3, indexer_types=["full", "full", "shared",
+                                                                                      "shared"]),
+     r"config.indexer_types\[3\]"),
     (dict(qk_rope_head_dim=2), "config.qk_rope_head_dim"),
     (dict(hidden_act="gelu"), "config.hidden_act"),
     (dict(attention_bias=True), "config.attention_bias"),
@@ -121,12 +124,12 @@ def _modules():
   return m, pytest.importorskip("transformers.models.glm5_next.configuration_glm5_next")
 
 
-def build(seed=0):
+def build(seed=0, **changes):
   """The tiny wrapper with its learned offsets, gates, norms, decay and correction bias moved off their inits."""
   import torch
   m, c = _modules()
   torch.manual_seed(seed)
-  model = m.Glm5NextForConditionalGeneration(c.Glm5NextConfig(text_config=TEXT, vision_config=VISION)).eval()
+  model = m.Glm5NextForConditionalGeneration(c.Glm5NextConfig(text_config=TEXT | changes, vision_config=VISION)).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith(("norm.weight", "norm.bias")):
@@ -254,6 +257,49 @@ def test_the_family_contract_kit_passes(live):
     warnings.simplefilter("ignore")
     measured = testing.check_family("glm5_next", live)
   assert measured["logits_relative"] < 1e-4
+
+
+# Layer 2 reuses layer 1's choice (indexer_types "shared" right after a full indexed layer: transformers passes
+# the top-k on to the next layer only); top 4 in pools of 2, so that 9 tokens already bind.
+SHARED = dict(layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+              indexer_types=["full", "full", "shared", "full"], index_topk=4, index_kpool=2)
+
+
+@pytest.mark.slow
+def test_a_shared_indexer_layer_reuses_the_full_layers_choice(tmp_path):
+  """The shared layer holds no indexer (in transformers and in attn) and reuses layer 1's pools: the kit (round
+  trip, save_pretrained, logits at the real tokens), logits under right padding at 23 tokens and cached greedy
+  decoding equal transformers'; an indexer a checkpoint holds there anyway is read, named and not used."""
+  from attn import testing
+  from hf_hybrid import assert_greedy_decoding_equal
+  import torch
+  live = build(1, **SHARED)
+  assert live.model.language_model.layers[2].self_attn.indexer is None
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    measured = testing.check_family("glm5_next", live)
+  assert measured["logits_relative"] < 1e-4
+  loaded = _load(live)
+  assert loaded.config.indexer_types == ("full", "full", "shared", "full")
+  assert "w_idq" not in loaded.model.blocks[2].attn.params and "w_idq" in loaded.model.blocks[1].attn.params
+  tok = np.random.default_rng(1).integers(0, 50, (2, 23))
+  mask = np.ones((2, 23), np.int64)
+  mask[1, 15:] = 0
+  with torch.no_grad():
+    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :15], want[1, :15], atol=1e-4 * scale)
+  assert_greedy_decoding_equal(live, loaded, np.random.default_rng(5).integers(0, 50, (2, 5)), 12)
+  live.save_pretrained(tmp_path / "ckpt")
+
+  def extra(sd):
+    at = "model.language_model.layers."
+    sd |= {k.replace(at + "1.", at + "2."): v for k, v in list(sd.items()) if k.startswith(at + "1.self_attn.indexer.")}
+  with pytest.warns(UserWarning, match=r"7 indexer tensors of shared layers .*read and ignored"):
+    again = hf.from_hf(_copy_with(str(tmp_path / "ckpt"), tmp_path / "extra", extra))
+  _same_params(again.model, loaded.model)
 
 
 def _copy_with(saved, path, change):

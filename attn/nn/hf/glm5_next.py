@@ -13,7 +13,9 @@ image-text wrapper Glm5NextForConditionalGeneration, its text under text_config 
               index_n_heads, head_dim index_head_dim, top_k index_topk, kpool index_kpool,
               always_select_tail index_kpool_always_select_tail; indexer.wq_b -> w_idq, wk -> w_idk,
               k_norm -> idk_norm / idk_bias, weights_proj -> w_idw, index_kpool_compress_gate -> w_idg,
-              index_kpool_compress_ape -> ape)
+              index_kpool_compress_ape -> ape); indexer_types "shared" on an indexed layer reuses the
+              previous indexed layer's choice (ModelConfig.indexer_types, attn.nn.index_sharing: no indexer
+              there, in transformers and in attn; one a checkpoint holds anyway is read, named and not used)
   residual    hc_mult streams with DeepSeek-V4's mHC (attn.nn.hyper, hc_form "mhc": attn_hc / ffn_hc fn, base,
               scale, hc_sinkhorn_iters, hc_eps), closed by the unweighted mean of the streams (hc_head
               "mean": Glm5NextTextHyperHead has no weights)
@@ -29,8 +31,8 @@ The vision tower (vision_config; model.visual.*) is not read: attn reads the tex
 line. to_hf writes Glm5NextForConditionalGeneration: its text model bit for bit and a one-block vision tower at
 transformers' initialisation (attn holds no vision weights; Family.unheld).
 
-Refused by name before any weight is read: "shared" indexer_types on an indexed layer (attn's shared layers
-reuse the lightning indexer's choice, not the K-pool indexer's; every released config is "full"), a RoPE dim,
+Refused by name before any weight is read: "shared" on an indexed layer not right after a full indexed one (no
+choice reaches it: transformers passes a top-k on to the next layer only, and raises there too), a RoPE dim,
 attention biases, kv heads other than the query heads, an activation other than silu (it is the short
 convolution's too), an MLP schedule other than dense-then-sparse, and a swiglu_limit on a model without
 experts (attn clamps dense MLPs only beside experts). transformers has glm5_next from 5.25.
@@ -46,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from attn.config import invalid
+from attn.nn import index_sharing
 from attn.nn.config import ModelConfig
 from attn.nn.hf import deepseek_v3, deepseek_v32, kimi_linear
 from attn.nn.hf.base import Weights, decoder_in, get, refuse
@@ -109,12 +112,20 @@ def _check(text: dict[str, Any], kinds: list[str]) -> None:
                   "convolution, which attn fixes at SiLU")
   if text.get("q_lora_rank") is None:
     raise invalid("config.q_lora_rank", None, "an integer >= 1: the K-pool indexer reads the query latent")
-  shared = [i for i, k in enumerate(deepseek_v32.indexer_types(text, L))
-            if k == "shared" and kinds[i] != "linear_attention"]
-  if shared:
-    raise invalid(f"config.indexer_types[{shared[0]}]", "shared", "'full' on every indexed_attention layer: attn's "
-                  "shared layers (ModelConfig.indexer_types) reuse the lightning indexer's choice, not the K-pool "
-                  "indexer's (GLM-5.3-Flash's releases run the indexer on every layer)")
+  shared = indexer_kinds(text, kinds)
+  for i, k in enumerate(shared):
+    if k == "shared" and (i == 0 or kinds[i - 1] == "linear_attention" or shared[i - 1] == "shared"):
+      raise invalid(f"config.indexer_types[{i}]", k, f"'full': layer {i} has no full indexed layer right before it, "
+                    "so no choice reaches it (transformers passes a top-k on from a full layer to the next only)")
+
+
+def indexer_kinds(text: dict[str, Any], kinds: list[str]) -> list[str]:
+  """Per layer "full" or "shared" as transformers derives them (deepseek_v32.indexer_types), "full" on the linear
+  layers (they have no indexer: their entry is never read)."""
+  got = deepseek_v32.indexer_types(text, len(kinds))
+  if len(got) != len(kinds) or set(got) - {"full", "shared"}:
+    raise invalid("config.indexer_types", got, f"{len(kinds)} entries (num_hidden_layers), each 'full' or 'shared'")
+  return ["full" if kind == "linear_attention" else k for k, kind in zip(got, kinds)]
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:
@@ -153,7 +164,9 @@ def config_in(hf: dict[str, Any]) -> ModelConfig:
   hc = {} if n == 1 else {"hc_mult": n, "hc_eps": float(text["hc_eps"]), "hc_sinkhorn_iters": text["hc_sinkhorn_iters"],
                           "hc_head": "mean"}
   clamp = {"moe_swiglu_limit": limit, "moe_swiglu_form": "clamp"} if limit else {}
-  return base.replace(d_k=nope, rope_dim=0, positional="none", rope_scaling=None, latent_norm_eps=eps,
+  shared = indexer_kinds(text, kinds)
+  return base.replace(indexer_types=tuple(shared) if "shared" in shared else None,
+                      d_k=nope, rope_dim=0, positional="none", rope_scaling=None, latent_norm_eps=eps,
                       extra={"kpool": ix}, layer_types=tuple(kinds), tie_embeddings=bool(text["tie_word_embeddings"]),
                       linear_variant="kda" if hybrid else "gated_deltanet", linear_head=linear if hybrid else None,
                       **hc, **clamp)
@@ -181,14 +194,20 @@ def _hc_in(w: Weights, at: str, n: int, D: int) -> dict[str, np.ndarray]:
           "scale": w(f"{at}.scale", (3,))}
 
 
-def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
-  """Layer l's mla tensors (no RoPE key) and its K-pool indexer's."""
+def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int, ignored: list[str]) -> dict[str, np.ndarray]:
+  """Layer l's mla tensors (no RoPE key) and its K-pool indexer's (none on a shared layer: the names of those a
+  checkpoint holds anyway are read and appended to `ignored`)."""
   head = cfg.layer_head(l)
   D, Q, o = cfg.d_model, cfg.q_latent_dim, dict(head.extra["kpool"])
   J, I, P = o["heads"], o["head_dim"], o["kpool"]
   p = deepseek_v3.attention_in(w, a, cfg)
   p.pop("w_kr")  # (D, 0): mla holds no RoPE key without positions
   x = f"{a}.indexer"
+  if index_sharing.is_shared(cfg, l):
+    for name in sorted(n for n in w.names if n.startswith(f"{x}.")):
+      w(name)
+      ignored.append(name)
+    return p
   return p | {"w_idq": w(f"{x}.wq_b.weight", (J * I, Q)).T.reshape(Q, J, I), "w_idk": w(f"{x}.wk.weight", (I, D)).T,
               "idk_norm": w(f"{x}.k_norm.weight", (I,)), "idk_bias": w(f"{x}.k_norm.bias", (I,)),
               "w_idw": w(f"{x}.weights_proj.weight", (J, D)).T,
@@ -198,17 +217,21 @@ def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.n
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   D, N, n = cfg.d_model, cfg.vocab_size, cfg.hc_mult
   norm = lambda name: {"scale": w(f"{name}.weight", (D,))}  # noqa: E731
-  blocks = {}
+  blocks, ignored = {}, []
   for l, kind in enumerate(cfg.layer_types):
     at = f"layers.{l}"
     attn = (kimi_linear.kda_in(w, f"{at}.self_attn", cfg, l, flat_a_log=True) if kind == "linear_attention"
-            else attention_in(w, f"{at}.self_attn", cfg, l))
+            else attention_in(w, f"{at}.self_attn", cfg, l, ignored))
     mlp = (deepseek_v3.experts_in(w, f"{at}.mlp", cfg) if cfg.is_moe_layer(l)
            else deepseek_v3.mlp_in(w, f"{at}.mlp", D, cfg.d_ff))
     blocks[l] = {"attn": {"params": attn}, "mlp": mlp, "attn_norm": norm(f"{at}.input_layernorm"),
                  "mlp_norm": norm(f"{at}.post_attention_layernorm")}
     if n > 1:
       blocks[l] |= {"attn_hc": _hc_in(w, f"{at}.attn_hc", n, D), "mlp_hc": _hc_in(w, f"{at}.ffn_hc", n, D)}
+  if ignored:
+    warnings.warn(f"{len(ignored)} indexer tensors of shared layers (indexer_types 'shared': {ignored[0]}, ...) read "
+                  "and ignored: a shared layer reuses the previous indexed layer's choice, as transformers does",
+                  stacklevel=2)
   out = decoder_in(w, blocks, norm, cfg, N, D)
   for name in w.names:  # a multi-token-prediction layer after the last: not read, as transformers ignores it
     if (m := re.match(r"layers\.(\d+)\.", name)) and int(m.group(1)) >= cfg.num_layers or ".shared_head." in name:
@@ -230,10 +253,11 @@ def weights_out(pure: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     else:
       x = f"{a}.self_attn.indexer"
       sd |= deepseek_v3.attention_out(p | {"w_kr": np.zeros((cfg.d_model, 0), np.float32)}, f"{a}.self_attn", cfg)
-      sd |= {f"{x}.wq_b.weight": p["w_idq"].reshape(Q, -1).T, f"{x}.wk.weight": p["w_idk"].T,
-             f"{x}.k_norm.weight": p["idk_norm"], f"{x}.k_norm.bias": p["idk_bias"],
-             f"{x}.weights_proj.weight": p["w_idw"].T, f"{x}.index_kpool_compress_gate": p["w_idg"].T,
-             f"{x}.index_kpool_compress_ape": p["ape"]}
+      if "w_idq" in p:  # not on a shared layer (indexer_types): no indexer there
+        sd |= {f"{x}.wq_b.weight": p["w_idq"].reshape(Q, -1).T, f"{x}.wk.weight": p["w_idk"].T,
+               f"{x}.k_norm.weight": p["idk_norm"], f"{x}.k_norm.bias": p["idk_bias"],
+               f"{x}.weights_proj.weight": p["w_idw"].T, f"{x}.index_kpool_compress_gate": p["w_idg"].T,
+               f"{x}.index_kpool_compress_ape": p["ape"]}
     sd |= deepseek_v3.mlp_out(block["mlp"], f"{a}.mlp", cfg, l)
     sd |= {f"{a}.input_layernorm.weight": block["attn_norm"]["scale"],
            f"{a}.post_attention_layernorm.weight": block["mlp_norm"]["scale"]}
@@ -255,9 +279,8 @@ def check_out(cfg: ModelConfig) -> None:
     raise invalid("rope_dim, positional, latent_norm_eps, use_bias",
                   (cfg.rope_dim, cfg.positional, cfg.latent_norm_eps, cfg.use_bias),
                   f"(0, 'none', norm_eps={cfg.norm_eps}, False): GLM-5.3-Flash's NoPE latent attention")
-  if cfg.num_kv_heads != cfg.num_heads or cfg.indexer_types is not None:
-    raise invalid("num_kv_heads, indexer_types", (cfg.num_kv_heads, cfg.indexer_types),
-                  f"({cfg.num_heads}, None): one kv head per query head, the indexer on every indexed layer")
+  if cfg.num_kv_heads != cfg.num_heads:
+    raise invalid("num_kv_heads", cfg.num_kv_heads, f"{cfg.num_heads}: one kv head per query head")
   if cfg.mlp == "moe" and (cfg.moe_router != "sigmoid" or cfg.moe_shared_experts < 1 or (
       cfg.moe_swiglu_limit is not None and cfg.moe_swiglu_form != "clamp")):
     raise invalid("moe_router, moe_shared_experts, moe_swiglu_form",
@@ -288,7 +311,7 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
       max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
       attention_bias=False, hidden_act="silu", pad_token_id=None, bos_token_id=None, eos_token_id=None,
       layer_types=["linear_attention" if k == "linear_attention" else "indexed_attention" for k in kinds],
-      indexer_types=["full"] * cfg.num_layers,
+      indexer_types=list(cfg.indexer_types or ["full"] * cfg.num_layers),
       mlp_layer_types=["dense"] * dense + ["sparse"] * (cfg.num_layers - dense),
       n_routed_experts=cfg.moe_experts if moe else 2, num_experts_per_tok=cfg.moe_top_k if moe else 1,
       moe_intermediate_size=cfg.moe_d_ff if moe else 1, n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
@@ -308,5 +331,6 @@ GLM5_NEXT = dataclasses.replace(
     architectures=(ARCHITECTURE,), config_in=config_in, weights_in=weights_in, weights_out=weights_out,
     config_out=config_out, check_out=check_out, released=released, ignored=("visual.",), unheld=("model.visual.",),
     refusals={}, fixed={k: v for k, v in deepseek_v3.DEEPSEEK_V3.fixed.items() if k != "positional"},
-    mapped=kimi_linear.KIMI_LINEAR.mapped | {"positional", "extra", "hc_mult", "hc_eps", "hc_sinkhorn_iters",
-                                             "hc_head", "moe_swiglu_limit", "moe_swiglu_form", "tie_embeddings"})
+    mapped=kimi_linear.KIMI_LINEAR.mapped | {"positional", "extra", "indexer_types", "hc_mult", "hc_eps",
+                                             "hc_sinkhorn_iters", "hc_head", "moe_swiglu_limit", "moe_swiglu_form",
+                                             "tie_embeddings"})

@@ -19,6 +19,9 @@ HeadConfig.extra:
                  (index_kpool_compress_gate), ape (kpool, I). The variant computes them (mla:
                  index_queries, index_keys) and hands them over in Options.index; its decoding
                  cache holds each token's index key and gate (2·I numbers).
+                 "shared" (False; set per layer by ModelConfig.indexer_types, attn.nn.index_sharing,
+                 never on a model's extra): the layer reuses the previous full layer's choice (as the
+                 lightning indexer's shared layers): no index parameters, FLOPs or cache.
   qsa            {"heads": 4, "head_dim": 32, "kv_heads": 1, "budget": 2048, "compress_ratio": 16}
                  (qwen4_exp: indexer_n_heads, indexer_head_dim, indexer_kv_heads, indexer_budget,
                  indexer_compress_ratio). w_iq (H, C, J, I), w_ik (G, C, E, I), RMSNorm scales
@@ -57,7 +60,7 @@ Params = dict[str, Array]
 NAMES = ("kpool", "qsa", "block_indexer")
 DEFAULTS = {
     "kpool": {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16, "always_select_tail": True,
-              "form": "heads"},
+              "form": "heads", "shared": False},
     "qsa": {"heads": 4, "head_dim": 32, "kv_heads": 1, "budget": 2048, "compress_ratio": 16},
     "block_indexer": {"head_dim": 32, "block": 128, "top_k": 16, "local": 1},
 }
@@ -81,9 +84,10 @@ def _check(name: str, cfg: HeadConfig) -> None:
   if unknown:
     raise invalid(f"extra.{name}.{unknown[0]}", o[unknown[0]], f"one of the options {sorted(DEFAULTS[name])}")
   for key, value in o.items():
-    if key == "always_select_tail":
+    if key in ("always_select_tail", "shared"):
       if not isinstance(value, bool):
-        raise invalid(f"extra.{name}.{key}", value, "true or false")
+        raise invalid(f"extra.{name}.{key}", value, "true or false" + (
+            " (set per layer by indexer_types)" if key == "shared" else ""))
     elif key == "form":
       if value not in FORMS:
         raise invalid(f"extra.{name}.form", value, f"one of {list(FORMS)}")
@@ -119,14 +123,20 @@ def is_deepseek(cfg: HeadConfig) -> bool:
   return "kpool" in (cfg.extra or {}) and options(cfg, "kpool")["form"] == "deepseek"
 
 
+def is_shared(cfg: HeadConfig) -> bool:
+  """Whether the layer reuses an earlier layer's K-pool choice (extra.kpool.shared; indexer_types)."""
+  return "kpool" in (cfg.extra or {}) and options(cfg, "kpool")["shared"] is True
+
+
 def computes_index(cfg: HeadConfig) -> bool:
-  """Whether the variant computes (and caches) the K-pool indexer's index inputs (its deepseek form)."""
-  return is_deepseek(cfg)
+  """Whether the variant computes (and caches) the K-pool indexer's index inputs: its deepseek form, on a layer
+  that makes its own choice."""
+  return is_deepseek(cfg) and not is_shared(cfg)
 
 
 def index_width(cfg: HeadConfig) -> int:
   """Numbers a decoding cache holds per token for the deepseek-form K-pool indexer: its key and gate, 2·I."""
-  return 2 * options(cfg, "kpool")["head_dim"] if is_deepseek(cfg) else 0
+  return 2 * options(cfg, "kpool")["head_dim"] if computes_index(cfg) else 0
 
 
 def index_keys(params: Params, c_BSD, cfg: HeadConfig) -> Array:
@@ -153,6 +163,8 @@ def _init(name: str, key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   H, G, C, I = cfg.num_heads, cfg.num_kv_heads, _width(cfg), o["head_dim"]
   ks = jax.random.split(key, 5)
   normal = lambda k, shape, fan: (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(fan)).astype(dtype)  # noqa: E731
+  if name == "kpool" and o["shared"]:  # reuses another layer's choice: holds no index weights
+    return {}
   if name == "kpool" and o["form"] == "deepseek":
     D, Q, J, P = cfg.d_model, cfg.q_latent_dim, o["heads"], o["kpool"]
     return {"w_idq": normal(ks[0], (Q, J, I), Q), "w_idk": normal(ks[1], (D, I), D), "w_idw": normal(ks[2], (D, J), D),
@@ -227,6 +239,17 @@ def choose(name: str, inputs: dict, L_BT: Array, cfg: HeadConfig) -> Array:
 
 def _select(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
             dense: bool, index=None):
+  if name != "kpool":
+    return _own(name, params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask,
+                dense=dense, index=index)
+  return selection.reuse_or_record("kpool", is_shared(cfg), dense, lambda: _own(
+      name, params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask, dense=dense,
+      index=index))
+
+
+def _own(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
+         dense: bool, index=None):
+  """The layer's own choice (not reused)."""
   B, T, H = q_BTHK.shape[:3]
   S, G = k_BSGK.shape[1], cfg.num_kv_heads
   L = pooled.last_key(T, S, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask if dense else None, B=B)
@@ -267,6 +290,8 @@ def _select(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_ca
 def param_count(name: str, cfg: HeadConfig) -> int:
   o = options(cfg, name)
   H, G, C, I = cfg.num_heads, cfg.num_kv_heads, _width(cfg), o["head_dim"]
+  if name == "kpool" and o["shared"]:
+    return 0
   if name == "kpool" and o["form"] == "deepseek":  # w_idq, w_idk, its LayerNorm, w_idw, w_idg, ape
     return cfg.q_latent_dim * o["heads"] * I + cfg.d_model * (2 * I + o["heads"]) + 2 * I + o["kpool"] * I
   if name == "kpool":
@@ -288,6 +313,8 @@ def flops(name: str, cfg: HeadConfig, T: int, S: int) -> int:
   if name == "kpool":
     J, P = o["heads"], o["kpool"]
     N = S // P
+    if o["shared"]:
+      return 0
     if o["form"] == "deepseek":
       return 2 * T * J * (cfg.q_latent_dim * I + cfg.d_model) + 4 * S * cfg.d_model * I + 2 * N * P * I \
           + 2 * T * N * J * (I + 1)
@@ -322,10 +349,11 @@ def keys(name: str, cfg: HeadConfig, T: int) -> int:
 
 
 _HELP = {
-    "kpool": "kpool: {heads, head_dim, top_k, kpool, always_select_tail, form}: GLM-5.3-Flash's K-pool indexer: "
+    "kpool": "kpool: {heads, head_dim, top_k, kpool, always_select_tail, form, shared}: GLM-5.3-Flash's K-pool indexer: "
              "index keys pooled over kpool tokens by a learned gate, top_k / kpool complete pools a query by "
              "Σ_j w_j·ReLU(q_j·k̄), plus its own incomplete pool (the tail); form 'heads' reads the heads' "
-             "unrotated dims, 'deepseek' (mla with a query latent) x and the query latent, as GLM-5.3-Flash",
+             "unrotated dims, 'deepseek' (mla with a query latent) x and the query latent, as GLM-5.3-Flash; shared: "
+             "set per layer by ModelConfig.indexer_types",
     "qsa": "qsa: {heads, head_dim, kv_heads, budget, compress_ratio}: Qwen4-Exp's compressed indexer: "
            "RMSNorm(mean) of compress_ratio keys, budget / compress_ratio blocks a query by Σ_j ReLU(q_j·k̄), "
            "plus its tail",
@@ -356,7 +384,7 @@ def _record(name: str) -> Mechanism:
       name=name, defaults=DEFAULTS[name], check=lambda cfg: _check(name, cfg),
       init=lambda key, cfg, dtype=jnp.float32: _init(name, key, cfg, dtype),
       select=lambda *a, **kw: _select(name, *a, **kw),
-      needs=lambda cfg: {} if name == "kpool" and is_deepseek(cfg) else {
+      needs=lambda cfg: {} if name == "kpool" and (is_deepseek(cfg) or is_shared(cfg)) else {
           "qk_heads": f"{name} reads each head's unrotated query and key dims" + (
               "; form 'deepseek' reads x and the query latent instead (mla with q_latent_dim)"
               if name == "kpool" else "")},

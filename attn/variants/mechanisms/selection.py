@@ -108,11 +108,13 @@ def computes_index(cfg: HeadConfig) -> bool:
 
 def unshared(cfg: HeadConfig) -> HeadConfig:
   """cfg as a layer that makes its own choice (a shared layer measured alone: the choice carries no
-  gradient, so the indexer's weights add nothing to the Jacobian's rank and its rank is the shared layer's)."""
-  if not is_shared(cfg):
+  gradient, so the indexer's weights add nothing to the Jacobian's rank and its rank is the shared layer's);
+  the lightning indexer's or the K-pool indexer's (attn.variants.mechanisms.pooled) alike."""
+  names = [n for n in ("indexer", "kpool") if dict((cfg.extra or {}).get(n) or {}).get("shared") is True]
+  if not names:
     return cfg
   extra = dict(cfg.extra)
-  extra["indexer"] = {k: v for k, v in dict(extra["indexer"]).items() if k != "shared"}
+  extra[names[0]] = {k: v for k, v in dict(extra[names[0]]).items() if k != "shared"}
   return cfg.replace(extra=extra)
 
 
@@ -304,22 +306,30 @@ def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
 
 def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
                     dense: bool, index=None):
-  state = SHARED_CHOICE.get()
-  if is_shared(cfg):
-    return _reused(state, dense)
-  choice = _own_choice(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask,
-                       dense=dense, index=index)
-  if state is not None and state[0] == "record":
-    state[1][dense] = choice
-  return choice
+  return reuse_or_record("indexer", is_shared(cfg), dense, lambda: _own_choice(
+      params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask, dense=dense,
+      index=index))
 
 
-def _reused(state, dense: bool):
+def _reused(state, dense: bool, name: str = "indexer"):
   """A shared layer's choice: the one its full layer's select returned in this model call."""
   if state is None or state[0] != "reuse" or dense not in state[1]:
-    raise invalid("extra.indexer.shared", True, "False outside a model whose earlier full indexer layer chose "
+    raise invalid(f"extra.{name}.shared", True, "False outside a model whose earlier full indexer layer chose "
                   "in the same call (ModelConfig.indexer_types; a shared layer alone has no choice to reuse)")
   return state[1][dense]
+
+
+def reuse_or_record(name: str, cfg_shared: bool, dense: bool, choose):
+  """A selector's select under indexer_types (attn.nn.index_sharing): a shared layer's choice is the one its
+  full layer's select returned in this model call; a full layer's, choose(), is recorded where a later
+  layer reuses it. name: the selector's extra key (indexer, kpool), for the refusal."""
+  state = SHARED_CHOICE.get()
+  if cfg_shared:
+    return _reused(state, dense, name)
+  out = choose()
+  if state is not None and state[0] == "record":
+    state[1][dense] = out
+  return out
 
 
 def _own_choice(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask, dense: bool,
