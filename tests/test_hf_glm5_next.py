@@ -282,6 +282,8 @@ def test_a_shared_indexer_layer_reuses_the_full_layers_choice(tmp_path):
   loaded = _load(live)
   assert loaded.config.indexer_types == ("full", "full", "shared", "full")
   assert "w_idq" not in loaded.model.blocks[2].attn.params and "w_idq" in loaded.model.blocks[1].attn.params
+  text = sum(p.numel() for n, p in live.named_parameters() if not n.startswith("model.visual."))
+  assert count.model_param_count(loaded.config) == text  # the shared layer counts no indexer, as it holds none
   tok = np.random.default_rng(1).integers(0, 50, (2, 23))
   mask = np.ones((2, 23), np.int64)
   mask[1, 15:] = 0
