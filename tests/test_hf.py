@@ -113,7 +113,7 @@ def test_refuses_what_is_not_a_supported_checkpoint(tmp_path):
     hf.from_hf(str(tmp_path / "missing"))
   with pytest.raises(ConfigError, match=r"source='list'.*GPT2LMHeadModel"):
     hf.from_hf([1, 2])
-  cases = [({"model_type": "falcon"}, r"config.model_type='falcon'.*\['bailing_hybrid', 'bert', 'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'gemma2', 'gemma3_text', 'gemma4_text', 'glm_moe_dsa', 'gpt2'"),
+  cases = [({"model_type": "falcon"}, r"config.model_type='falcon'.*\['bailing_hybrid', 'bert', 'deepseek_v3', 'deepseek_v32', 'deepseek_v4', 'gemma2', 'gemma3_text', 'gemma4_text', 'glm5_next', 'glm5_next_text', 'glm_moe_dsa', 'gpt2'"),
            ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
            ({"activation_function": "quick_gelu"}, "activation_function='quick_gelu'"),
            ({"add_cross_attention": True}, "add_cross_attention=True"),

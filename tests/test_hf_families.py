@@ -385,7 +385,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
     ({"model_type": "qwen3_5_moe"}, r"qwen3_5_moe is refused.*vision-language wrapper.*qwen3_5_moe_text"),
     ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-E*"}, r"config.layers_block_type\[2\]='moe'.*latent"),
     ({"model_type": "falcon_h1"}, r"falcon_h1 is refused.*side by side"),
-    ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gemma4_text', 'glm_moe_dsa', 'gpt2'"),
+    ({"model_type": "falcon"}, r"model_type='falcon'.*'gemma2', 'gemma3_text', 'gemma4_text', 'glm5_next', 'glm5_next_text', 'glm_moe_dsa', 'gpt2'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 0.0}}, r"rope_factor=0.0 is not allowed"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}},
      r"config.rope_parameters.beta_fast='x'.*a number: yarn RoPE"),

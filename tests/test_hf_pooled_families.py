@@ -1,4 +1,5 @@
-"""Issue 51's pooled-selection families, GLM-5.3-Flash (glm5_next) and Qwen4-Exp (qwen4_exp), refused by name:
+"""Issue 51's pooled-selection family Qwen4-Exp (qwen4_exp) refused by name (GLM-5.3-Flash, glm5_next, is read:
+tests/test_hf_glm5_next.py):
 from_hf and `attn count --hf` say what each needs that attn does not run yet (attn.nn.hf.load.REFUSED),
 for the image-text wrappers and their text models alike, before any weight is read.
 
@@ -20,11 +21,9 @@ from attn.nn import hf
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 # What each refusal must name: the config keys of the pieces attn lacks.
-GLM5_NEXT = r"is refused, GLM-5.3-Flash.*K-pool indexer computed from x.*index_kpool.*" \
-            r"unweighted mean of the hc_mult streams.*swiglu_limit"
 QWEN4_EXP = r"is refused, Qwen4-Exp.*gated residuals \(hc_lowrank.*QSA indexer computed from x \(index_qk_proj.*" \
             r"ple_layer_ids"
-WANT = {"glm5_next": GLM5_NEXT, "glm5_next_text": GLM5_NEXT, "qwen4_exp": QWEN4_EXP, "qwen4_exp_text": QWEN4_EXP}
+WANT = {"qwen4_exp": QWEN4_EXP, "qwen4_exp_text": QWEN4_EXP}
 
 
 def _count(capsys, path):
@@ -46,15 +45,7 @@ def test_refused_by_name_from_the_config(kind, tmp_path, capsys):
 
 
 # Tiny random models as transformers builds them: the text models' pieces the refusals name are all present
-# (KDA and indexed layers with K-pool and shared layers; gated-delta and QSA layers), the wrappers with a
-# one-block vision tower.
-GLM_TEXT = {"vocab_size": 53, "hidden_size": 32, "intermediate_size": 40, "moe_intermediate_size": 12,
-            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
-            "num_experts_per_tok": 2, "q_lora_rank": 6, "kv_lora_rank": 5, "qk_nope_head_dim": 6, "v_head_dim": 7,
-            "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8, "index_kpool": 4, "linear_head_dim": 8,
-            "linear_num_heads": 2, "hc_mult": 2, "pad_token_id": 0,
-            "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
-            "indexer_types": ["full", "full", "shared"], "mlp_layer_types": ["dense", "sparse", "sparse"]}
+# (gated-delta and QSA layers), the wrapper with a one-block vision tower.
 QWEN_TEXT = {"vocab_size": 53, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 12,
@@ -80,27 +71,19 @@ def _saved(tmp_path, module: str, build):
 
 
 CASES = {
-    "glm5_next": ("glm5_next", lambda m, c: m.Glm5NextForConditionalGeneration(c.Glm5NextConfig(
-        text_config=GLM_TEXT, vision_config=VISION | {"projection_intermediate_size": 16, "image_size": 8}))),
     "qwen4_exp_text": ("qwen4_exp", lambda m, c: m.Qwen4ExpForCausalLM(c.Qwen4ExpTextConfig(**QWEN_TEXT))),
     "qwen4_exp": ("qwen4_exp", lambda m, c: m.Qwen4ExpForConditionalGeneration(c.Qwen4ExpConfig(
         text_config=QWEN_TEXT, vision_config=VISION | {"num_position_embeddings": 16}))),
 }
 
 
-# The tensors each refusal rests on, as save_pretrained writes them (under the text model's prefix): GLM-5.3's
-# K-pool gate on its full layer, none on the shared one, KDA's released names (kimi_linear's), mHC under the
-# release's names and no hc_head (the mean has no weights); Qwen4-Exp's index_qk_proj and gated-residual
-# mixers, and no final norm (the mixer closes the stack).
+# The tensors each refusal rests on, as save_pretrained writes them (under the text model's prefix): Qwen4-Exp's
+# index_qk_proj and gated-residual mixers, and no final norm (the mixer closes the stack).
 _QWEN = (("layers.1.self_attn.indexer.index_qk_proj.weight",
           "layers.0.attn_hyper_connection.input_mix_weight_up.weight",
           "layers.0.attn_hyper_connection.block_inject_weight.weight",
           "hyper_connection_mixer.input_mix_weight_down.weight"), ("norm.", "layers.0.self_attn"))
-PINNED = {
-    "glm5_next": (("layers.1.self_attn.indexer.index_kpool_compress_gate", "layers.1.self_attn.indexer.wk.weight",
-                   "layers.0.self_attn.A_log", "layers.0.self_attn.q_conv1d.weight", "layers.0.hc_attn_fn"),
-                  ("hc_head", "layers.2.self_attn.indexer.")),
-    "qwen4_exp_text": _QWEN, "qwen4_exp": _QWEN}
+PINNED = {"qwen4_exp_text": _QWEN, "qwen4_exp": _QWEN}
 
 
 @pytest.mark.slow
@@ -112,7 +95,7 @@ def test_refused_from_what_save_pretrained_writes(kind, tmp_path, capsys):
   path = _saved(tmp_path, module, build)
   assert json.loads((path / "config.json").read_text())["model_type"] == kind
   names = set(hf.read_shapes(str(path)))
-  at = "model.language_model." if kind in ("glm5_next", "qwen4_exp") else "model."
+  at = "model.language_model." if kind == "qwen4_exp" else "model."
   for name in PINNED[kind][0]:  # what the refusal says the checkpoint holds, and does not
     assert at + name in names, (name, sorted(names)[:12])
   for part in PINNED[kind][1]:

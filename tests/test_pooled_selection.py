@@ -248,3 +248,75 @@ def test_bad_options_refused_by_name(extra, field):
     api.check_config("per_head", cfg)
   with pytest.raises(ConfigError, match="rope_dim"):
     api.check_config("per_head", cfg.replace(rope_dim=6, extra={next(iter(extra)): {}}))
+
+
+# K-pool's deepseek form (GLM-5.3-Flash's: index inputs from x and the query latent, on mla; its parity with
+# transformers' whole model is tests/test_hf_glm5_next.py's): the sparse rows against the dense path, cached
+# decoding (index keys and gates cached beside the latent) against the full pass, no gradient to the indexer.
+
+KP = {"heads": 3, "head_dim": 4, "top_k": 8, "kpool": 4, "form": "deepseek"}
+MLA_KP = HeadConfig(d_model=16, num_heads=3, d_k=6, d_v=5, num_kv_heads=3, latent_dim=6, q_latent_dim=7,
+                    latent_norm_eps=1e-5, use_bias=False, extra={"kpool": KP})
+
+
+def _kp_params(cfg, seed=0):
+  p = api.init("mla", jax.random.key(seed), cfg)
+  rng = np.random.default_rng(seed + 100)  # the offsets, norm and bias off their init, so that reading them matters
+  for n, at in (("ape", 0.0), ("idk_norm", 1.0), ("idk_bias", 0.0)):
+    p[n] = jnp.asarray(at + 0.5 * rng.standard_normal(p[n].shape).astype(np.float32))
+  return p
+
+
+@pytest.mark.slow
+def test_kpool_deepseek_form_decodes_as_the_full_pass_and_has_no_gradient():
+  from attn.variants import cache as kv_cache
+  from attn.variants import mla
+  from attn.variants.base import Options
+  cfg = MLA_KP
+  p = _kp_params(cfg, 3)
+  x = _randn(4, (2, 19, cfg.d_model))
+  full, _ = mla.apply(p, x, cfg=cfg, opts=Options(is_causal=True))
+  absorbed, _ = mla.decode_apply(p, x, cfg=cfg, opts=Options(is_causal=True))
+  np.testing.assert_allclose(absorbed, full, atol=1e-5)
+  c = kv_cache.init(mla.VARIANT, p, cfg, 2, 24)
+  assert {n: a.shape[-1] for n, a in c.items()} == {"latent": 6, "index_key": 8}  # the index key and its gate
+  assert kv_cache.width(c) == mla.kv_cache_width(cfg) == 6 + 2 * 4
+  outs, index = [], 0
+  for n in (9, 1, 1, 3, 5):
+    y, c = kv_cache.decode_step(mla.VARIANT, p, x[:, index:index + n], c, index, cfg=cfg)
+    outs.append(y)
+    index += n
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
+  dense = cfg.replace(extra={"kpool": KP | {"top_k": 20}})  # every pool: the selection changed the output
+  assert not np.allclose(mla.apply(p, x, cfg=dense, opts=Options(is_causal=True))[0], full, atol=1e-3)
+  g = jax.grad(lambda p: api.apply("mla", p, x, cfg=cfg, is_causal=True).sum())(p)
+  assert all(not np.any(g[n]) for n in ("w_idq", "w_idk", "w_idw", "w_idg", "idk_norm", "idk_bias", "ape"))
+  assert np.any(g["w_dq"]) and np.any(g["q_latent_norm"])
+
+
+@pytest.mark.slow
+def test_kpool_deepseek_form_sparse_rows_at_long_T_equal_the_dense_path(monkeypatch):
+  """T = 600 (T·S past kernel.BLOCKED_MIN_SCORES: "auto" takes the key-selection rows) against impl="einsum" (the
+  choice as a dense mask), with padding; mla's absorbed form (one latent kv head) too."""
+  from attn.variants import mla
+  from attn.variants.base import Options
+  calls = []
+  monkeypatch.setattr(kernel_sparse, "attention",
+                      lambda *a, run=kernel_sparse.attention, **kw: calls.append(1) or run(*a, **kw))
+  cfg = MLA_KP.replace(extra={"kpool": KP | {"top_k": 32}})
+  p = _kp_params(cfg, 7)
+  x = _randn(8, (2, 600, 16))
+  opts = Options(is_causal=True, kv_lengths=jnp.array([600, 333]))
+  dense, _ = jax.jit(lambda p, x: mla.apply(p, x, cfg=cfg, opts=opts.replace(impl="einsum")))(p, x)
+  for fn in (mla.apply, mla.decode_apply):
+    got, _ = jax.jit(lambda p, x, fn=fn: fn(p, x, cfg=cfg, opts=opts))(p, x)
+    np.testing.assert_allclose(got, dense, atol=1e-5)
+  assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_kit_on_mla_with_the_kpool_deepseek_form():
+  """attn.testing.check_variant on mla with K-pool's deepseek form (calls, masks, grads, bf16, decoding in chunks,
+  counts against XLA's FLOPs)."""
+  from attn.testing import check_variant
+  check_variant("mla", configs=(MLA_KP,))

@@ -209,7 +209,8 @@ def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str,
   if kind in ("decoder_lm", "encoder_decoder"):
     parts["output"] = _output(m, stack.dense_bias)
   if m.hc_mult > 1:  # DecoderLM's hyper-connections (attn.nn.hyper): two mixes a block and the head
-    parts["hyper_connections"] = hyper.param_count(m.hc_mult, m.d_model, m.num_layers, form=m.hc_form)
+    parts["hyper_connections"] = hyper.param_count(m.hc_mult, m.d_model, m.num_layers, form=m.hc_form,
+                                                   head=m.hc_head)
   return parts
 
 

@@ -134,6 +134,7 @@ class ModelConfig:
   hc_eps: float = 1e-6  # with hc_mult > 1: the floor added to pre, comb and Sinkhorn's sums
   hc_form: str = "mhc"  # with hc_mult > 1: "mhc" (DeepSeek-V4's, comb by Sinkhorn) or "independent" (HY-V4's iHC: no comb)
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
+  hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's) or "mean" (GLM-5.3-Flash's)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
   # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
   residual_gate: float | None = None  # τ: each residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
@@ -323,6 +324,9 @@ class ModelConfig:
       raise invalid("hc_eps", eps, "a positive finite number (the hyper-connections' floor)")
     if self.hc_form not in hyper.FORMS:
       raise invalid("hc_form", self.hc_form, f"one of {list(hyper.FORMS)}")
+    if self.hc_head not in hyper.HEADS or (self.hc_head != "learned" and self.hc_mult == 1):
+      raise invalid("hc_head", self.hc_head, f"one of {list(hyper.HEADS)}, and \"learned\" (the default) with "
+                    "hc_mult=1: the final collapse of the hyper-connections' streams")
     m = self.hc_magnitude
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
       raise invalid("hc_magnitude", m, "a positive finite number (the post gates' scale)")

@@ -22,6 +22,10 @@ ModelConfig.hc_form "independent" (HY-V4's iHC): no comb and no Sinkhorn; 2n num
 pre = σ(·) + ε, post = hc_magnitude·σ(·) + ε, and the streams are added back unmixed:
 x'_k = post_k·y + x_k. Parameters per HyperConnection 2n·(n·D + 1) + 2; the same head.
 (hc_magnitude is the post gates' scale in both forms: DeepSeek-V4's is 2.)
+
+ModelConfig.hc_head "mean" (GLM-5.3-Flash's Glm5NextTextHyperHead): the final collapse is the
+unweighted mean of the n streams, (1/n)·Σ_i x_i, with no parameters (MeanHead); "learned" (the
+default) is the HyperHead above.
 """
 
 from __future__ import annotations
@@ -99,17 +103,35 @@ class HyperHead(nnx.Module):
     return jnp.einsum("BTn,BTnD->BTD", pre, x_BTnD.astype(jnp.float32)).astype(x_BTnD.dtype)
 
 
+class MeanHead(nnx.Module):
+  """The final collapse of the n streams to one, unweighted: (1/n)·Σ_i x_i (GLM-5.3-Flash's)."""
+
+  def __call__(self, x_BTnD: Array) -> Array:
+    return jnp.mean(x_BTnD, axis=2)
+
+
+def head(cfg, rngs: nnx.Rngs):
+  """The model's final collapse (ModelConfig.hc_head), None with one stream."""
+  if cfg.hc_mult == 1:
+    return None
+  if cfg.hc_head == "mean":
+    return MeanHead()
+  return HyperHead(cfg.hc_mult, cfg.d_model, eps=cfg.hc_eps, norm_eps=cfg.norm_eps, rngs=rngs)
+
+
 def expand(h_BTD: Array, n: int) -> Array:
   """The embedding in every one of n streams: (B,T,n,D)."""
   return jnp.broadcast_to(h_BTD[:, :, None, :], (*h_BTD.shape[:2], n, h_BTD.shape[-1]))
 
 
 FORMS = ("mhc", "independent")  # ModelConfig.hc_form
+HEADS = ("learned", "mean")  # ModelConfig.hc_head
 
 
-def param_count(n: int, d_model: int, layers: int, sublayers: int = 2, form: str = "mhc") -> int:
-  """The hyper-connections' parameters in a model of `layers` blocks (0 at n = 1)."""
+def param_count(n: int, d_model: int, layers: int, sublayers: int = 2, form: str = "mhc",
+                head: str = "learned") -> int:
+  """The hyper-connections' parameters in a model of `layers` blocks (0 at n = 1; the mean head has none)."""
   if n == 1:
     return 0
   per = (2 + n) * n * (n * d_model + 1) + 3 if form == "mhc" else 2 * n * (n * d_model + 1) + 2
-  return layers * sublayers * per + n * (n * d_model + 1) + 1
+  return layers * sublayers * per + (n * (n * d_model + 1) + 1 if head == "learned" else 0)

@@ -1,12 +1,13 @@
 """Cross-layer sharing of the indexer's choice: ModelConfig.indexer_types, one entry per layer,
 "full" (the layer's indexer chooses its keys) or "shared" (it reuses the previous full layer's
 top-k: GLM-5's IndexShare, transformers' `indexer_types` in glm_moe_dsa, glm5_next, hy_v4 and
-mistral_large4).
+mistral_large4). The indexer is the lightning indexer (extra.indexer) or GLM-5.3-Flash's K-pool
+indexer (extra.kpool, attn.variants.mechanisms.pooled: its shared layers alike, SELECTORS).
 
   indexer_types = ["full", "shared", "shared", "full"]   layers 1 and 2 attend to layer 0's keys
 
-A shared layer's HeadConfig (ModelConfig.layer_head) carries extra.indexer.shared = True: it holds no
-indexer weights (selection._indexer_init), computes no index queries or keys and caches none (mla's
+A shared layer's HeadConfig (ModelConfig.layer_head) carries extra.indexer.shared (extra.kpool.shared) = True: it
+holds no indexer weights (selection._indexer_init), computes no index queries or keys and caches none (mla's
 computes_index), and counts none of the indexer's parameters, FLOPs or cache bytes (attn count reads
 the same head); its attention over the chosen keys is counted as any indexer layer's. Its select
 hands back what the full layer's select returned in the same model call, in the full pass and in each
@@ -17,7 +18,8 @@ layer, so a run of shared layers reuses the last full layer's.
 Refused by name (check, before any tracing): an entry other than "full" / "shared", a list of
 another length, "shared" on a layer without the indexer, on the first indexed layer or after a layer
 without one (there is no choice to reuse), a shared layer whose full layer has another top-k or
-index form, an encoder-decoder stack, and extra.indexer.shared set on the model (it is per layer).
+index form (or, for K-pool, another pool size or tail rule; or the other selector), an encoder-decoder
+stack, and extra.indexer.shared (extra.kpool.shared) set on the model (it is per layer).
 """
 
 from __future__ import annotations
@@ -26,9 +28,21 @@ import contextlib
 from typing import Any
 
 from attn.config import FrozenDict, HeadConfig, invalid
-from attn.variants.mechanisms import selection
+from attn.variants.mechanisms import pooled, selection
 
 KINDS = ("full", "shared")
+SELECTORS = ("indexer", "kpool")  # the selections a layer may share: the lightning and K-pool indexers
+_SAME = {"indexer": ("top_k", "form"), "kpool": ("top_k", "kpool", "always_select_tail", "form")}
+
+
+def selector(head: HeadConfig) -> str | None:
+  """The layer's shareable selection (extra.indexer or extra.kpool), None without one."""
+  return next((n for n in SELECTORS if n in (head.extra or {})), None)
+
+
+def head_shared(head: HeadConfig) -> bool:
+  """Whether the layer's HeadConfig reuses another layer's choice."""
+  return selection.is_shared(head) or pooled.is_shared(head)
 
 
 def normalize(value: Any) -> Any:
@@ -42,11 +56,13 @@ def is_shared(m: Any, index: int) -> bool:
 
 
 def mark(m: Any, index: int, head: HeadConfig) -> HeadConfig:
-  """head (layer `index`'s) with extra.indexer.shared = True where indexer_types says "shared"."""
-  if not is_shared(m, index) or "indexer" not in (head.extra or {}):
+  """head (layer `index`'s) with extra.indexer.shared (extra.kpool.shared) = True where indexer_types says
+  "shared"."""
+  name = selector(head)
+  if not is_shared(m, index) or name is None:
     return head
   extra = dict(head.extra)
-  extra["indexer"] = FrozenDict({**dict(extra["indexer"]), "shared": True})
+  extra[name] = FrozenDict({**dict(extra[name]), "shared": True})
   return head.replace(extra=extra)
 
 
@@ -59,14 +75,14 @@ def source(m: Any, index: int) -> int:
 
 
 def _indexed(m: Any, index: int) -> bool:
-  return m.has_attention(index) and "indexer" in (m.layer_head(index).extra or {})
+  return m.has_attention(index) and selector(m.layer_head(index)) is not None
 
 
 def check(m: Any) -> None:
   """Refuses what has no choice to reuse, or another one (module docstring)."""
-  if selection.is_shared(m.head):
-    raise invalid("extra.indexer.shared", True, "unset on the model: a layer reuses another's choice where "
-                  "indexer_types says 'shared'")
+  if head_shared(m.head):
+    raise invalid(f"extra.{selector(m.head)}.shared", True, "unset on the model: a layer reuses another's choice "
+                  "where indexer_types says 'shared'")
   kinds = m.indexer_types
   if kinds is None:
     return
@@ -84,7 +100,8 @@ def check(m: Any) -> None:
       continue
     where = f"indexer_types[{i}]"
     if not _indexed(m, i):
-      raise invalid(where, k, f"'full': layer {i} has no indexer (extra.indexer), so it has no choice to share")
+      raise invalid(where, k, f"'full': layer {i} has no indexer (extra.indexer or extra.kpool), so it has no "
+                    "choice to share")
     if not any(_indexed(m, j) for j in range(i)):
       raise invalid(where, k, f"'full': layer {i} is the first layer with the indexer; a shared layer reuses "
                     "the choice of an earlier one")
@@ -94,11 +111,17 @@ def check(m: Any) -> None:
 
 
 def check_pair(shared: HeadConfig, full: HeadConfig, where: str, j: int) -> None:
-  """Refuses a shared layer whose full layer (j) chooses another number of keys or in another form."""
-  a, b = selection.options_of(shared), selection.options_of(full)
-  for key in ("top_k", "form"):
+  """Refuses a shared layer whose full layer (j) chooses with the other selector, another number of keys or in
+  another form (K-pool: another pool size or tail rule)."""
+  name = selector(shared)
+  if selector(full) != name:
+    raise invalid(where, "shared", f"'full': its full layer {j} chooses with extra.{selector(full)}, this layer "
+                  f"with extra.{name}; a shared layer reuses a choice of the same kind")
+  options = selection.options_of if name == "indexer" else pooled.options
+  a, b = options(shared, name), options(full, name)
+  for key in _SAME[name]:
     if a[key] != b[key]:
-      raise invalid(where, "shared", f"'full': its full layer {j} has extra.indexer.{key}={b[key]!r}, this layer "
+      raise invalid(where, "shared", f"'full': its full layer {j} has extra.{name}.{key}={b[key]!r}, this layer "
                     f"{a[key]!r}; a shared layer reuses a choice of the same size and kind")
 
 
@@ -109,7 +132,7 @@ def model_call(blocks):
   """Around one call of a stack of blocks: a fresh record of the full layers' choices (a dict the
   layer() contexts fill and read), or nothing where no layer is shared."""
   heads = [getattr(getattr(b, "attn", None), "cfg", None) for b in blocks]
-  if not any(h is not None and selection.is_shared(h) for h in heads):
+  if not any(h is not None and head_shared(h) for h in heads):
     yield None
     return
   yield {"heads": heads, "last": None}
@@ -119,10 +142,10 @@ def model_call(blocks):
 def layer(record, index: int):
   """Around layer `index`'s call: a full indexer layer records its choice, a shared one reuses the last."""
   head = None if record is None else record["heads"][index]
-  if head is None or "indexer" not in (head.extra or {}):
+  if head is None or selector(head) is None:
     yield
     return
-  if selection.is_shared(head):
+  if head_shared(head):
     state = ("reuse", record["last"] if record["last"] is not None else {})
   else:
     record["last"] = {}

@@ -635,8 +635,7 @@ class DecoderLM(nnx.Module):
     self.blocks = _blocks(cfg, cfg.num_layers, rngs)
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm, place="final")
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
-    self.hc_head = hyper.HyperHead(cfg.hc_mult, cfg.d_model, eps=cfg.hc_eps, norm_eps=cfg.norm_eps,
-                                   rngs=rngs) if cfg.hc_mult > 1 else None
+    self.hc_head = hyper.head(cfg, rngs)
 
   def _streams(self, h_BTD: Array, run) -> Array:
     """run(h) on the residual: one stream, or hc_mult streams expanded and collapsed (attn.nn.hyper)."""

@@ -33,7 +33,7 @@ Effective: the key/value inputs live in the latent subspace of R^D, of
   q_latent_dim a query subspace of dimension q* = min(Q', D, H·K):
   q*·(D − q*), queries then reading d_q = q* inputs (d_q = D without).
 KV cache: d_c + rope_dim per token (+ d_I with the deepseek-form indexer: its keys; none on a layer that
-reuses another's choice, extra.indexer.shared).
+reuses another's choice, extra.indexer.shared; + 2·d_I with the deepseek-form K-pool indexer: keys and gates).
 Score weights: the query weights + D·d_c +
   d_c·G·(K − r) + D·r [+ the norm scales, d_c (+ Q')].
 """
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, invalid
 from attn.variants import rope
-from attn.variants.mechanisms import selection
+from attn.variants.mechanisms import pooled, selection
 from attn.variants.base import (Options, Params, Variant, add_bias, attend_and_project, bias,
                                 core, dense, lowrank_dof, normal, project_heads, project_out,
                                 rope_score_dof, value_output_dof)
@@ -105,13 +105,23 @@ def _with_index(params: Params, x_BTD, lat_BTQ, ki_BSI, q_positions, opts: Optio
   queries and weights from x and the query latent at q_positions (None: 0..T−1), the given index keys."""
   if ki_BSI is None:
     return opts
-  q_pos = jnp.arange(x_BTD.shape[1]) if q_positions is None else q_positions
-  qi_BTJI, w_BTJ = selection.index_queries(params, x_BTD, lat_BTQ, q_pos, cfg)
+  if pooled.computes_index(cfg):  # GLM-5.3-Flash's K-pool indexer: position-free
+    qi_BTJI, w_BTJ = pooled.index_queries(params, x_BTD, lat_BTQ, cfg)
+  else:
+    q_pos = jnp.arange(x_BTD.shape[1]) if q_positions is None else q_positions
+    qi_BTJI, w_BTJ = selection.index_queries(params, x_BTD, lat_BTQ, q_pos, cfg)
   return opts.replace(index=(qi_BTJI, ki_BSI, w_BTJ))
 
 
+def _computes_index(cfg: HeadConfig) -> bool:
+  """Whether the layer computes and caches index keys: the deepseek-form indexer or K-pool indexer."""
+  return selection.computes_index(cfg) or pooled.computes_index(cfg)
+
+
 def _index_keys(params: Params, c_BSD, k_positions, cfg: HeadConfig):
-  """The deepseek-form indexer's keys at k_positions, or None without it."""
+  """The deepseek-form indexer's keys at k_positions (the K-pool indexer's keys and gates), or None without it."""
+  if pooled.computes_index(cfg):
+    return pooled.index_keys(params, c_BSD, cfg)
   return selection.index_keys(params, c_BSD, k_positions, cfg) if selection.computes_index(cfg) else None
 
 
@@ -130,7 +140,7 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   B, S, _ = c_BSD.shape
   G, r = cfg.num_kv_heads, cfg.rope_dim
   q_BTHK, lat_BTQ = _queries(params, x_BTD, cfg)
-  if selection.computes_index(cfg):
+  if _computes_index(cfg):
     q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1], S, context_BSD is not None)
     opts = _with_index(params, x_BTD, lat_BTQ, _index_keys(params, c_BSD, k_pos, cfg), q_pos, opts, cfg)
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
@@ -154,7 +164,7 @@ def decode_apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   c_BSD = x_BTD if context_BSD is None else context_BSD
   lat_BSC, kr_BSR = _latent_and_rope_key(params, c_BSD, cfg)
   q_pos, ki_BSI = None, None
-  if cfg.rope_dim or selection.computes_index(cfg):
+  if cfg.rope_dim or _computes_index(cfg):
     q_pos, k_pos = opts.qk_positions or rope.qk_positions(None, x_BTD.shape[1],
                                                           c_BSD.shape[1], True)
     kr_BSR = rope.rotate(kr_BSR, k_pos, cfg) if cfg.rope_dim else kr_BSR
@@ -195,7 +205,7 @@ def cache_entries(params: Params, x_BTD, *, cfg: HeadConfig, opts: Options) -> d
   out = {"latent": lat_BTC}
   if cfg.rope_dim:
     out["k_rope"] = rope.rotate(kr_BTR, k_pos, cfg)
-  if selection.computes_index(cfg):  # the indexer's keys, beside the latent (DeepSeek-V3.2's indexer cache)
+  if _computes_index(cfg):  # the indexer's keys, beside the latent (DeepSeek-V3.2's indexer cache)
     out["index_key"] = _index_keys(params, x_BTD, k_pos, cfg)
   return out
 
@@ -257,8 +267,9 @@ def flops(cfg: HeadConfig, T: int, S: int) -> int:
 
 
 def kv_cache_width(cfg: HeadConfig) -> int:
-  """d_c + rope_dim, and the deepseek-form indexer's key (d_I) beside them."""
-  index = selection.options_of(cfg)["head_dim"] if selection.computes_index(cfg) else 0
+  """d_c + rope_dim, and the deepseek-form indexer's key (d_I) beside them (the K-pool indexer's key and gate,
+  2·d_I)."""
+  index = selection.options_of(cfg)["head_dim"] if selection.computes_index(cfg) else pooled.index_width(cfg)
   return cfg.latent_dim + cfg.rope_dim + index
 
 

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Laguna,
-Muse Spark (text), Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, seven hybrids.
+Muse Spark (text), Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, eight hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -13,7 +13,9 @@ V4's experts with hash routing), and the hybrids of
 linear and softmax layers: qwen3_next (gated_deltanet layers beside gated softmax ones),
 kimi_linear (kda layers beside mla ones without positions, DeepSeek's experts), bailing_hybrid (Ling-3:
 kda layers with full-rank gates and the bounded decay beside mla ones with a head-wise output gate, DeepSeek's
-experts with Ling's SwiGLU clip; its multi-token-prediction layers skipped), qwen3_5_text
+experts with Ling's SwiGLU clip; its multi-token-prediction layers skipped), glm5_next (GLM-5.3-Flash's text
+model: kda layers with the bounded decay beside NoPE mla ones choosing keys with the K-pool indexer on x and the
+query latent, mHC streams closed by their mean, DeepSeek's experts with every SwiGLU clamped), qwen3_5_text
 (Qwen3.5's text model: Qwen3-Next's layers with the linear projections apart) and
 qwen3_5_moe_text (the same with Qwen3-Next's experts in every layer), and nemotron_h (NemotronH:
 single-mixer layers, Mamba-2 as the mamba2 variant, attention without positions and relu² MLPs, each

@@ -143,8 +143,10 @@ class Family:
   counted_buffers  ModelConfig -> tensors of the feed-forward that attn holds as buffers and transformers
                 counts as parameters (Laguna's correction bias): `attn count --hf` adds them
   left_out      HF config dict -> notes on what the checkpoint holds that attn neither reads nor counts (a
-                wrapper's vision and audio towers, under `ignored`): `attn count --hf` prints them, and to_hf
-                lets those tensors keep transformers' initial values
+                wrapper's vision and audio towers, under `ignored`): `attn count --hf` prints them
+  unheld        name starts of the transformers model's parameters attn holds none of (GLM-5.3-Flash's vision
+                tower, Muse Spark's towers): to_hf leaves them at transformers' initialisation instead of refusing
+                them as missing, and attn.testing.check_family compares the rest
   """
 
   name: str
@@ -169,10 +171,11 @@ class Family:
   held_zeros: Callable[[ModelConfig], int] | None = None
   counted_buffers: Callable[[ModelConfig], int] | None = None
   left_out: Callable[[dict[str, Any]], list[str]] | None = None
+  unheld: tuple[str, ...] = ()
 
   def __post_init__(self):
     where = f"Family {self.name!r}"
-    for field in ("model_types", "architectures", "ignored"):
+    for field in ("model_types", "architectures", "ignored", "unheld"):
       value = getattr(self, field)
       if not _is_strings(value) or (field == "model_types" and not value):
         raise invalid(f"{where}.{field}", value, "a tuple of non-empty strings" +

@@ -137,9 +137,10 @@ def released(arrays: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def kda_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+def kda_in(w: Weights, a: str, cfg: ModelConfig, l: int, flat_a_log: bool = False) -> dict[str, np.ndarray]:
   """Layer l's kda tensors under transformers' in-memory names; with kda_full_rank Ling-3's (bailing_hybrid):
-  forget_gate.f_proj and g_proj (H·K, D) in place of the low-rank pairs, A_log (H,)."""
+  forget_gate.f_proj and g_proj (H·K, D) in place of the low-rank pairs, A_log (H,); flat_a_log: A_log (H,)
+  beside the low-rank pairs (GLM-5.3-Flash's, glm5_next)."""
   head = cfg.layer_head(l)
   D, H, K, W = head.d_model, head.num_heads, head.d_k, head.conv_width
   proj = lambda n: w(f"{a}.{n}.weight", (H * K, D)).T.reshape(D, H, K)  # noqa: E731
@@ -153,7 +154,7 @@ def kda_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray
     return p | {"w_f": proj("forget_gate.f_proj"), "w_g": proj("g_proj"), "a_log": w(f"{f}.A_log", (H,))}
   low = lambda n: w(f"{n}.weight", (H * K, K)).T.reshape(K, H, K)  # noqa: E731
   return p | {"w_fa": w(f"{f}.f_a_proj.weight", (K, D)).T, "w_fb": low(f"{f}.f_b_proj"),
-              "a_log": w(f"{f}.A_log", (1, 1, H, 1)).reshape(H),
+              "a_log": w(f"{f}.A_log", (H,) if flat_a_log else (1, 1, H, 1)).reshape(H),
               "w_ga": w(f"{a}.g_a_proj.weight", (K, D)).T, "w_gb": low(f"{a}.g_b_proj")}
 
 
@@ -173,7 +174,8 @@ def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   return out
 
 
-def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
+def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int,
+            flat_a_log: bool = False) -> dict[str, np.ndarray]:
   """kda_in's inverse: layer l's kda tensors under transformers' names."""
   head = cfg.layer_head(l)
   D, H, K, W = head.d_model, head.num_heads, head.d_k, head.conv_width
@@ -187,7 +189,8 @@ def kda_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> dict[
     return sd | {f"{f}.f_proj.weight": p["w_f"].reshape(D, H * K).T, f"{a}.g_proj.weight": p["w_g"].reshape(D, H * K).T,
                  f"{f}.A_log": p["a_log"]}
   return sd | {f"{f}.f_a_proj.weight": p["w_fa"].T, f"{f}.f_b_proj.weight": p["w_fb"].reshape(K, H * K).T,
-               f"{f}.A_log": p["a_log"].reshape(1, 1, H, 1), f"{a}.g_a_proj.weight": p["w_ga"].T,
+               f"{f}.A_log": p["a_log"].reshape((H,) if flat_a_log else (1, 1, H, 1)),
+               f"{a}.g_a_proj.weight": p["w_ga"].T,
                f"{a}.g_b_proj.weight": p["w_gb"].reshape(K, H * K).T}
 
 

@@ -21,9 +21,9 @@ from flax import nnx
 
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
-from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4, gpt2,
-                         gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash, muse_spark, nemotron_h,
-                         olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
+from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4,
+                         glm5_next, gpt2, gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash,
+                         muse_spark, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -42,20 +42,14 @@ def _builtins() -> tuple[Family, ...]:
           qwen3_next.QWEN3_NEXT, kimi_linear.KIMI_LINEAR, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
           deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID, granite_swa.GRANITE_SWA,
-          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID, muse_spark.MUSE_SPARK)
+          mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID, muse_spark.MUSE_SPARK,
+          glm5_next.GLM5_NEXT)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
                                       required=("model_types", "architectures", "config_in", "weights_in"))
 # Issue 51's pooled-selection families: what attn does not run yet, read from transformers 5.25's modeling files
 # (the image-text wrappers' vision towers aside: attn would read text_config, which is refused the same).
-_GLM5_NEXT = ("GLM-5.3-Flash's text model needs what attn does not run yet: its indexed_attention layers choose "
-              "keys with the K-pool indexer computed from x and the query latent (index_kpool, "
-              "index_kpool_compress_gate, index_kpool_always_select_tail; attn's kpool mechanism reads the heads' "
-              "own dims), its hyper-connections close with an "
-              "unweighted mean of the hc_mult streams (attn's HyperHead is learned), and its dense MLPs clamp "
-              "their SwiGLU (swiglu_limit; attn clamps experts only); its KDA layers' lower-bounded forget gate "
-              "(linear_lower_bound) is attn's kda_lower_bound")
 _QWEN4_EXP = ("Qwen4-Exp's text model needs what attn does not run yet: its residual is hc_count streams mixed by "
               "gated residuals (hc_lowrank: a low-rank sigmoid mixer, no comb; attn's hyper-connections are mHC "
               "and iHC) closed by that mixer in place of a final norm, and its indexed_attention layers choose "
@@ -108,7 +102,6 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
                    "sub-layer's residual and the embeddings are rescaled with learned scales and biases "
                    "(ZayaResidualScaling), none of which attn's blocks express; its attention is attn's cca "
                    "mechanism on per_head (attn.nn.hf.zaya)",
-           **{kind: _GLM5_NEXT for kind in ("glm5_next", "glm5_next_text")},
            **{kind: _QWEN4_EXP for kind in ("qwen4_exp", "qwen4_exp_text")}}
 
 
@@ -338,15 +331,15 @@ def _family_of(model: nnx.Module, cfg: ModelConfig, model_type: str | None) -> F
   return FAMILIES[best[0]]
 
 
-def _load(hf: Any, sd: dict[str, Any], name: str, absent: tuple[str, ...] = ()) -> Any:
-  """hf with the arrays of sd (float32), every parameter set but those under `absent` (a wrapper's towers,
-  Family.left_out: transformers' initial values) and nothing left over; eval mode."""
+def _load(hf: Any, sd: dict[str, Any], name: str, unheld: tuple[str, ...] = ()) -> Any:
+  """hf with the arrays of sd (float32), every parameter set (but those under `unheld`, Family.unheld) and
+  nothing left over; eval mode."""
   torch, transformers = require("torch"), require("transformers")
   tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}
   missing, unexpected = hf.load_state_dict(tensors, strict=False)
   tied = set(getattr(hf, "_tied_weights_keys", None) or {})
   left = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias")) and k not in tied
-          and not (absent and k.startswith(absent))]
+          and not k.startswith(unheld)]
   if left or unexpected:  # a transformers release whose names differ from these
     raise invalid(f"transformers.{name}", transformers.__version__,
                   f"a release with the usual parameter names (missing {left}, unexpected {unexpected})")
@@ -418,4 +411,4 @@ def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str |
   hf_cfg = cls.config_class(**kw)
   hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
   return _load(cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {})), sd, cls.__name__,
-               family.ignored if family.left_out is not None else ())
+               family.unheld)

@@ -247,7 +247,7 @@ def left_out(hf: dict[str, Any]) -> list[str]:
 MUSE_SPARK = Family(
     name="muse_spark", model_types=("muse_spark",), architectures=("MuseSparkForConditionalGeneration",),
     config_in=config_in, weights_in=weights_in, weights_out=weights_out, config_out=config_out, prefix=PREFIX,
-    ignored=TOWERS,
+    ignored=TOWERS, unheld=TOWERS,
     refusals={"quantization_config": ((None,), "float weights: attn does not dequantize quantized checkpoints")},
     fixed={"positional": "rope", "norm": "sandwich", "norm_type": "rmsnorm_plus_one", "final_norm": True,
            "layernorm": True, "num_segments": 0, "embed_norm": True, "embed_scale": False, "qk_norm": "fixed",

@@ -7,10 +7,21 @@ keys and caches nothing of its own; the checkpoints compute their index inputs f
 (the pooling, scoring, budget and tail rules are theirs, tested against transformers). Options in
 HeadConfig.extra:
 
-  kpool          {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16, "always_select_tail": True}
-                 (glm5_next: index_n_heads, index_head_dim, index_topk, index_kpool,
+  kpool          {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16, "always_select_tail": True,
+                 "form": "heads"} (glm5_next: index_n_heads, index_head_dim, index_topk, index_kpool,
                  index_kpool_always_select_tail). w_iq (H, C, J, I), w_iw (H, C, J), w_ik
                  (G, C, I), the gate w_ig (G, C, I) and ape (kpool, I). top_k / kpool pools a query.
+                 form "deepseek" (GLM-5.3-Flash's Glm5NextTextIndexer; mla with a query latent):
+                 computed from x and the query latent as the lightning indexer's deepseek form
+                 (attn.variants.mechanisms.selection), without RoPE: index queries c_q·w_idq
+                 (Q', J, I), the one index key LayerNorm(x·w_idk) (w_idk (D, I), idk_norm,
+                 idk_bias, eps 1e-6), weights x·w_idw (D, J)·J^-1/2, the gate x·w_idg (D, I)
+                 (index_kpool_compress_gate), ape (kpool, I). The variant computes them (mla:
+                 index_queries, index_keys) and hands them over in Options.index; its decoding
+                 cache holds each token's index key and gate (2·I numbers).
+                 "shared" (False; set per layer by ModelConfig.indexer_types, attn.nn.index_sharing,
+                 never on a model's extra): the layer reuses the previous full layer's choice (as the
+                 lightning indexer's shared layers): no index parameters, FLOPs or cache.
   qsa            {"heads": 4, "head_dim": 32, "kv_heads": 1, "budget": 2048, "compress_ratio": 16}
                  (qwen4_exp: indexer_n_heads, indexer_head_dim, indexer_kv_heads, indexer_budget,
                  indexer_compress_ratio). w_iq (H, C, J, I), w_ik (G, C, E, I), RMSNorm scales
@@ -48,7 +59,8 @@ Params = dict[str, Array]
 
 NAMES = ("kpool", "qsa", "block_indexer")
 DEFAULTS = {
-    "kpool": {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16, "always_select_tail": True},
+    "kpool": {"heads": 4, "head_dim": 32, "top_k": 2048, "kpool": 16, "always_select_tail": True,
+              "form": "heads", "shared": False},
     "qsa": {"heads": 4, "head_dim": 32, "kv_heads": 1, "budget": 2048, "compress_ratio": 16},
     "block_indexer": {"head_dim": 32, "block": 128, "top_k": 16, "local": 1},
 }
@@ -72,9 +84,13 @@ def _check(name: str, cfg: HeadConfig) -> None:
   if unknown:
     raise invalid(f"extra.{name}.{unknown[0]}", o[unknown[0]], f"one of the options {sorted(DEFAULTS[name])}")
   for key, value in o.items():
-    if key == "always_select_tail":
+    if key in ("always_select_tail", "shared"):
       if not isinstance(value, bool):
-        raise invalid(f"extra.{name}.{key}", value, "true or false")
+        raise invalid(f"extra.{name}.{key}", value, "true or false" + (
+            " (set per layer by indexer_types)" if key == "shared" else ""))
+    elif key == "form":
+      if value not in FORMS:
+        raise invalid(f"extra.{name}.form", value, f"one of {list(FORMS)}")
     else:
       _int(name, key, value, 0 if key == "local" else 1)
   if name == "kpool" and o["top_k"] % o["kpool"]:
@@ -91,9 +107,51 @@ def _check(name: str, cfg: HeadConfig) -> None:
     raise invalid("extra.block_indexer.local", o["local"], f"<= top_k={o['top_k']} (the local blocks take "
                   "top-k places; more would drop the query's own block)")
   selection.check_alone(cfg, name, "the pools")
+  if is_deepseek(cfg) and cfg.q_latent_dim is None:
+    raise invalid("extra.kpool.form", "deepseek", "'heads' without q_latent_dim: the deepseek form reads the "
+                  "query latent (mla with q_latent_dim)")
   if cfg.rope_dim >= cfg.d_k:
     raise invalid("rope_dim", cfg.rope_dim, f"below d_k={cfg.d_k} with extra.{name}: the index heads "
                   "read a head's unrotated dims")
+
+
+FORMS = ("heads", "deepseek")  # extra.kpool.form (module docstring)
+
+
+def is_deepseek(cfg: HeadConfig) -> bool:
+  """Whether the layer has the K-pool indexer in GLM-5.3-Flash's form (reads x and the query latent)."""
+  return "kpool" in (cfg.extra or {}) and options(cfg, "kpool")["form"] == "deepseek"
+
+
+def is_shared(cfg: HeadConfig) -> bool:
+  """Whether the layer reuses an earlier layer's K-pool choice (extra.kpool.shared; indexer_types)."""
+  return "kpool" in (cfg.extra or {}) and options(cfg, "kpool")["shared"] is True
+
+
+def computes_index(cfg: HeadConfig) -> bool:
+  """Whether the variant computes (and caches) the K-pool indexer's index inputs: its deepseek form, on a layer
+  that makes its own choice."""
+  return is_deepseek(cfg) and not is_shared(cfg)
+
+
+def index_width(cfg: HeadConfig) -> int:
+  """Numbers a decoding cache holds per token for the deepseek-form K-pool indexer: its key and gate, 2·I."""
+  return 2 * options(cfg, "kpool")["head_dim"] if computes_index(cfg) else 0
+
+
+def index_keys(params: Params, c_BSD, cfg: HeadConfig) -> Array:
+  """(B,S,2·I) float32: each token's [index key LayerNorm(c·w_idk) | gate c·w_idg] (the deepseek form); c is
+  detached, the parameters not."""
+  g = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idg"].astype(jnp.float32)
+  return jnp.concatenate([selection.normed_index_key(params, c_BSD), g], -1)
+
+
+def index_queries(params: Params, x_BTD, lat_BTQ, cfg: HeadConfig):
+  """(index queries (B,T,J,I), weights (B,T,J) with J^-1/2 folded in), float32, of the deepseek form:
+  the queries from the query latent, the weights from x (inputs detached)."""
+  f32 = lambda a: jax.lax.stop_gradient(a).astype(jnp.float32)  # noqa: E731
+  qi = jnp.einsum("BTQ,QJI->BTJI", f32(lat_BTQ), params["w_idq"].astype(jnp.float32))
+  return qi, f32(x_BTD) @ params["w_idw"].astype(jnp.float32) * options(cfg, "kpool")["heads"] ** -0.5
 
 
 def _width(cfg: HeadConfig) -> int:
@@ -105,6 +163,13 @@ def _init(name: str, key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   H, G, C, I = cfg.num_heads, cfg.num_kv_heads, _width(cfg), o["head_dim"]
   ks = jax.random.split(key, 5)
   normal = lambda k, shape, fan: (jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(fan)).astype(dtype)  # noqa: E731
+  if name == "kpool" and o["shared"]:  # reuses another layer's choice: holds no index weights
+    return {}
+  if name == "kpool" and o["form"] == "deepseek":
+    D, Q, J, P = cfg.d_model, cfg.q_latent_dim, o["heads"], o["kpool"]
+    return {"w_idq": normal(ks[0], (Q, J, I), Q), "w_idk": normal(ks[1], (D, I), D), "w_idw": normal(ks[2], (D, J), D),
+            "idk_norm": jnp.ones((I,), dtype), "idk_bias": jnp.zeros((I,), dtype),
+            "w_idg": normal(ks[3], (D, I), D), "ape": jnp.zeros((P, I), dtype)}
   if name == "kpool":
     J, P = o["heads"], o["kpool"]
     return {"w_iq": normal(ks[0], (H, C, J, I), H * C), "w_iw": normal(ks[1], (H, C, J), H * C),
@@ -174,11 +239,29 @@ def choose(name: str, inputs: dict, L_BT: Array, cfg: HeadConfig) -> Array:
 
 def _select(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
             dense: bool, index=None):
-  del index
+  if name != "kpool":
+    return _own(name, params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask,
+                dense=dense, index=index)
+  return selection.reuse_or_record("kpool", is_shared(cfg), dense, lambda: _own(
+      name, params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask, dense=dense,
+      index=index))
+
+
+def _own(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
+         dense: bool, index=None):
+  """The layer's own choice (not reused)."""
   B, T, H = q_BTHK.shape[:3]
   S, G = k_BSGK.shape[1], cfg.num_kv_heads
   L = pooled.last_key(T, S, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask if dense else None, B=B)
-  inputs = index_inputs(name, params, q_BTHK, k_BSGK, cfg)
+  if name == "kpool" and is_deepseek(cfg):
+    if index is None:
+      raise invalid("extra.kpool.form", "deepseek", "'heads' here: the deepseek form's index inputs come from "
+                    "the variant (Options.index; mla computes them)")
+    qi, kg, w = index
+    I = options(cfg, name)["head_dim"]
+    inputs = {"qi": qi, "w": w, "ki": kg[..., :I], "gate": kg[..., I:]}
+  else:
+    inputs = index_inputs(name, params, q_BTHK, k_BSGK, cfg)
   if name == "kpool":
     inputs["ape"] = jax.lax.stop_gradient(params["ape"]).astype(jnp.float32)
   if name == "qsa":
@@ -207,6 +290,10 @@ def _select(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_ca
 def param_count(name: str, cfg: HeadConfig) -> int:
   o = options(cfg, name)
   H, G, C, I = cfg.num_heads, cfg.num_kv_heads, _width(cfg), o["head_dim"]
+  if name == "kpool" and o["shared"]:
+    return 0
+  if name == "kpool" and o["form"] == "deepseek":  # w_idq, w_idk, its LayerNorm, w_idw, w_idg, ape
+    return cfg.q_latent_dim * o["heads"] * I + cfg.d_model * (2 * I + o["heads"]) + 2 * I + o["kpool"] * I
   if name == "kpool":
     J = o["heads"]
     return C * (H * J * I + H * J + 2 * G * I) + o["kpool"] * I
@@ -218,6 +305,7 @@ def param_count(name: str, cfg: HeadConfig) -> int:
 def flops(name: str, cfg: HeadConfig, T: int, S: int) -> int:
   """The selector's forward FLOPs (norms, softmax, masks and top-k not counted):
   kpool  2·T·H·C·J·(I + 1) + 4·S·G·C·I + 2·N·P·I (the gated sums) + 2·T·N·J·(I + 1), N = ⌊S/P⌋;
+         its deepseek form 2·T·J·(Q'·I + D) + 4·S·D·I + 2·N·P·I + 2·T·N·J·(I + 1);
   qsa    2·T·H·C·J·I + 2·S·G·C·E·I + N·P·E·I (the means) + T·N·J·(2·I + 1);
   block_indexer  2·T·H·C·I + 2·S·G·C·I + 2·T·N·b·G·I (every token score, N = ⌈S/b⌉)."""
   o = options(cfg, name)
@@ -225,6 +313,11 @@ def flops(name: str, cfg: HeadConfig, T: int, S: int) -> int:
   if name == "kpool":
     J, P = o["heads"], o["kpool"]
     N = S // P
+    if o["shared"]:
+      return 0
+    if o["form"] == "deepseek":
+      return 2 * T * J * (cfg.q_latent_dim * I + cfg.d_model) + 4 * S * cfg.d_model * I + 2 * N * P * I \
+          + 2 * T * N * J * (I + 1)
     return 2 * T * H * C * J * (I + 1) + 4 * S * G * C * I + 2 * N * P * I + 2 * T * N * J * (I + 1)
   if name == "qsa":
     J, E, P = o["heads"], o["kv_heads"], o["compress_ratio"]
@@ -256,9 +349,11 @@ def keys(name: str, cfg: HeadConfig, T: int) -> int:
 
 
 _HELP = {
-    "kpool": "kpool: {heads, head_dim, top_k, kpool, always_select_tail}: GLM-5.3-Flash's K-pool indexer: index "
-             "keys pooled over kpool tokens by a learned gate, top_k / kpool complete pools a query by "
-             "Σ_j w_j·ReLU(q_j·k̄), plus its own incomplete pool (the tail)",
+    "kpool": "kpool: {heads, head_dim, top_k, kpool, always_select_tail, form, shared}: GLM-5.3-Flash's K-pool indexer: "
+             "index keys pooled over kpool tokens by a learned gate, top_k / kpool complete pools a query by "
+             "Σ_j w_j·ReLU(q_j·k̄), plus its own incomplete pool (the tail); form 'heads' reads the heads' "
+             "unrotated dims, 'deepseek' (mla with a query latent) x and the query latent, as GLM-5.3-Flash; shared: "
+             "set per layer by ModelConfig.indexer_types",
     "qsa": "qsa: {heads, head_dim, kv_heads, budget, compress_ratio}: Qwen4-Exp's compressed indexer: "
            "RMSNorm(mean) of compress_ratio keys, budget / compress_ratio blocks a query by Σ_j ReLU(q_j·k̄), "
            "plus its tail",
@@ -277,7 +372,8 @@ _EXAMPLES = {
         "head_dim": 3, "block": 2, "top_k": 2}}}, "C·(H + G)·I", "2·T·H·C·I + 2·S·G·C·I + 2·T·N·b·G·I"),),
 }
 _SHARDING = {
-    "kpool": {"w_iq": "HKJI", "w_iw": "HKJ", "w_ik": "GKI", "w_ig": "GKI", "ape": None},
+    "kpool": {"w_iq": "HKJI", "w_iw": "HKJ", "w_ik": "GKI", "w_ig": "GKI", "ape": None, "w_idq": "QJI", "w_idk": "DI",
+              "w_idw": "DJ", "idk_norm": "I", "idk_bias": "I", "w_idg": "DI"},
     "qsa": {"w_iq": "HKJI", "w_ik": "GKEI", "iq_norm": "I", "ik_norm": "I"},
     "block_indexer": {"w_iq": "HKI", "w_ik": "GKI"},
 }
@@ -288,7 +384,10 @@ def _record(name: str) -> Mechanism:
       name=name, defaults=DEFAULTS[name], check=lambda cfg: _check(name, cfg),
       init=lambda key, cfg, dtype=jnp.float32: _init(name, key, cfg, dtype),
       select=lambda *a, **kw: _select(name, *a, **kw),
-      needs={"qk_heads": f"{name} reads each head's unrotated query and key dims"},
+      needs=lambda cfg: {} if name == "kpool" and (is_deepseek(cfg) or is_shared(cfg)) else {
+          "qk_heads": f"{name} reads each head's unrotated query and key dims" + (
+              "; form 'deepseek' reads x and the query latent instead (mla with q_latent_dim)"
+              if name == "kpool" else "")},
       sharding=_SHARDING[name], param_count=lambda cfg: param_count(name, cfg),
       flops=lambda cfg, T, S: flops(name, cfg, T, S), score_weights=lambda cfg: 0,
       examples=_EXAMPLES[name], help=_HELP[name])

@@ -108,11 +108,13 @@ def computes_index(cfg: HeadConfig) -> bool:
 
 def unshared(cfg: HeadConfig) -> HeadConfig:
   """cfg as a layer that makes its own choice (a shared layer measured alone: the choice carries no
-  gradient, so the indexer's weights add nothing to the Jacobian's rank and its rank is the shared layer's)."""
-  if not is_shared(cfg):
+  gradient, so the indexer's weights add nothing to the Jacobian's rank and its rank is the shared layer's);
+  the lightning indexer's or the K-pool indexer's (attn.variants.mechanisms.pooled) alike."""
+  names = [n for n in ("indexer", "kpool") if dict((cfg.extra or {}).get(n) or {}).get("shared") is True]
+  if not names:
     return cfg
   extra = dict(cfg.extra)
-  extra["indexer"] = {k: v for k, v in dict(extra["indexer"]).items() if k != "shared"}
+  extra[names[0]] = {k: v for k, v in dict(extra[names[0]]).items() if k != "shared"}
   return cfg.replace(extra=extra)
 
 
@@ -253,12 +255,16 @@ def index_keys(params: Params, c_BSD: Array, positions, cfg: HeadConfig) -> Arra
   """The deepseek form's one index key per token (B,S,d_I) float32: LayerNorm(c·w_idk), its first
   rope_dim dims rotated at `positions` ((S,) or (B,S)). What a decoding cache holds beside k and v.
   c is detached; the parameters are not (index_inputs says why)."""
+  return _rotate_index(normed_index_key(params, c_BSD, _opts(cfg, "indexer")["norm_eps"]), positions, cfg)
+
+
+def normed_index_key(params: Params, c_BSD: Array, eps: float = INDEX_NORM_EPS) -> Array:
+  """LayerNorm(c·w_idk) (scale idk_norm, bias idk_bias) float32, c detached: the deepseek form's index key
+  before RoPE (DeepseekV32Indexer's, GLM-5.3-Flash's K-pool indexer's)."""
   k = jax.lax.stop_gradient(c_BSD).astype(jnp.float32) @ params["w_idk"].astype(jnp.float32)
   mean = jnp.mean(k, -1, keepdims=True)
-  eps = _opts(cfg, "indexer")["norm_eps"]
   k = (k - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(k - mean), -1, keepdims=True) + eps)
-  k = k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
-  return _rotate_index(k, positions, cfg)
+  return k * params["idk_norm"].astype(jnp.float32) + params["idk_bias"].astype(jnp.float32)
 
 
 def _rotate_index(a: Array, positions, cfg: HeadConfig) -> Array:
@@ -300,22 +306,30 @@ def index_inputs(params: Params, q_BTHK, k_BSGK, cfg: HeadConfig):
 
 def _indexer_select(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
                     dense: bool, index=None):
-  state = SHARED_CHOICE.get()
-  if is_shared(cfg):
-    return _reused(state, dense)
-  choice = _own_choice(params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask,
-                       dense=dense, index=index)
-  if state is not None and state[0] == "record":
-    state[1][dense] = choice
-  return choice
+  return reuse_or_record("indexer", is_shared(cfg), dense, lambda: _own_choice(
+      params, q_BTHK, k_BSGK, cfg=cfg, is_causal=is_causal, kv_lengths=kv_lengths, mask=mask, dense=dense,
+      index=index))
 
 
-def _reused(state, dense: bool):
+def _reused(state, dense: bool, name: str = "indexer"):
   """A shared layer's choice: the one its full layer's select returned in this model call."""
   if state is None or state[0] != "reuse" or dense not in state[1]:
-    raise invalid("extra.indexer.shared", True, "False outside a model whose earlier full indexer layer chose "
+    raise invalid(f"extra.{name}.shared", True, "False outside a model whose earlier full indexer layer chose "
                   "in the same call (ModelConfig.indexer_types; a shared layer alone has no choice to reuse)")
   return state[1][dense]
+
+
+def reuse_or_record(name: str, cfg_shared: bool, dense: bool, choose):
+  """A selector's select under indexer_types (attn.nn.index_sharing): a shared layer's choice is the one its
+  full layer's select returned in this model call; a full layer's, choose(), is recorded where a later
+  layer reuses it. name: the selector's extra key (indexer, kpool), for the refusal."""
+  state = SHARED_CHOICE.get()
+  if cfg_shared:
+    return _reused(state, dense, name)
+  out = choose()
+  if state is not None and state[0] == "record":
+    state[1][dense] = out
+  return out
 
 
 def _own_choice(params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask, dense: bool,
