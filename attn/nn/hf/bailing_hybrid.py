@@ -132,7 +132,6 @@ _RENAMES = ((re.compile(r"^model\.word_embeddings\."), "model.embed_tokens."),
             (re.compile(r"\.self_attn\.(f_proj\.|dt_bias$|A_log$)"), r".self_attn.forget_gate.\1"),
             (re.compile(r"\.self_attn\.dense\."), ".self_attn.o_proj."),
             (re.compile(r"\.mlp\.gate\.expert_bias$"), ".mlp.gate.e_score_correction_bias"))
-_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
 def released(arrays: dict[str, Any]) -> dict[str, Any]:
@@ -140,16 +139,7 @@ def released(arrays: dict[str, Any]) -> dict[str, Any]:
   word_embeddings as embed_tokens, attention as self_attn, dense as o_proj, the forget gate's tensors
   under forget_gate., expert_bias as e_score_correction_bias, q/k/v_conv1d stacked into conv1d (q rows,
   then k, then v). The experts one matrix each are read as they are (deepseek_v3.experts_in)."""
-  out = {}
-  for name, a in arrays.items():
-    for pattern, new in _RENAMES:
-      name = pattern.sub(new, name)
-    out[name] = a
-  for name in [n for n in out if n.endswith(".self_attn.q_conv1d.weight")]:
-    at = name[:-len("q_conv1d.weight")]
-    if all(f"{at}{c}.weight" in out for c in _CONVS) and f"{at}conv1d.weight" not in out:
-      out[f"{at}conv1d.weight"] = np.concatenate([np.asarray(out.pop(f"{at}{c}.weight")) for c in _CONVS], 0)
-  return out
+  return kimi_linear.renamed(arrays, _RENAMES)
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:

@@ -121,13 +121,13 @@ _RENAMES = ((re.compile(r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)\b"), r"
 _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
-def released(arrays: dict[str, Any]) -> dict[str, Any]:
-  """A checkpoint under the names Moonshot released (and save_pretrained writes) -> the in-memory ones:
-  the forget gate's tensors under forget_gate., block_sparse_moe as mlp, experts' w1/w3/w2 as
-  gate/up/down, and q/k/v_conv1d stacked into conv1d (q rows, then k, then v)."""
+def renamed(arrays: dict[str, Any], renames) -> dict[str, Any]:
+  """arrays under the names `renames` ((pattern, replacement), applied in order) gives, and each layer's
+  q/k/v_conv1d stacked into conv1d (q rows, then k, then v): the KDA layers' release names read (Kimi Linear's,
+  Ling-3's)."""
   out = {}
   for name, a in arrays.items():
-    for pattern, new in _RENAMES:
+    for pattern, new in renames:
       name = pattern.sub(new, name)
     out[name] = a
   for name in [n for n in out if n.endswith(".self_attn.q_conv1d.weight")]:
@@ -135,6 +135,13 @@ def released(arrays: dict[str, Any]) -> dict[str, Any]:
     if all(f"{at}{c}.weight" in out for c in _CONVS) and f"{at}conv1d.weight" not in out:
       out[f"{at}conv1d.weight"] = np.concatenate([np.asarray(out.pop(f"{at}{c}.weight")) for c in _CONVS], 0)
   return out
+
+
+def released(arrays: dict[str, Any]) -> dict[str, Any]:
+  """A checkpoint under the names Moonshot released (and save_pretrained writes) -> the in-memory ones:
+  the forget gate's tensors under forget_gate., block_sparse_moe as mlp, experts' w1/w3/w2 as
+  gate/up/down, and q/k/v_conv1d stacked into conv1d (q rows, then k, then v)."""
+  return renamed(arrays, _RENAMES)
 
 
 def kda_in(w: Weights, a: str, cfg: ModelConfig, l: int, flat_a_log: bool = False) -> dict[str, np.ndarray]:
