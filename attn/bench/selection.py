@@ -132,13 +132,15 @@ def main(argv=None) -> int:
   p.add_argument("--old", action="store_true", help="also time the blocked path over the same choice")
   p.add_argument("--before", action="store_true", help="with --goals: kpool, qsa and the block indexer also "
                  "on the row rule before whole blocks and pools (attn.kernel.selected), alternated in the same rounds")
+  p.add_argument("--only", default=None, help="with --goals: these rows only, comma-separated labels (e.g. "
+                 "kpool,qsa,block_indexer,moba)")
   p.add_argument("--layouts", default="G1,GH", help="G1 (one kv head), GH (a kv head a query head)")
   p.add_argument("--goals", action="store_true", help="the goals' table of attn bench --shapes long-16384-causal "
                  "alone (every selection in its layout, core with selector)")
   a = p.parse_args(argv)
   if a.goals:
     r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True), budget=a.top_k,
-              before=a.before)
+              before=a.before, only=None if a.only is None else tuple(a.only.split(",")))
     print(r["extras"])
     print(goals_markdown(r))
     print(f"commit {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")

@@ -1,12 +1,14 @@
 """The key-selection rows of the kernel's table: attention over the keys a choice names only.
 
 A key choice (call.KeyChoice, made by a mechanism's select: attn.variants.mechanisms) names its row:
-"gathered" (attn.kernel.gathered: the chosen blocks of each (query, head), each (query, block) pair
-computed once; MoBA's, nsa's selected branch) or "sparse" (attn.kernel.sparse: the blocked kernel
-over the key blocks holding a chosen token, masked inside; the indexer's). Both compute the softmax
-attention restricted to the chosen keys under is_causal and kv_lengths, with a softcap; neither
-builds a T×S array. What they cannot run is refused here as every row's is (a Refusal): the
-choice then becomes a dense mask on the dense path (impls.selects says when, the one rule).
+"gathered" (attn.kernel.gathered: the chosen blocks of each (query, head) or kv group, each (query,
+block) pair computed once; MoBA's, the block indexer's, nsa's selected branch) or "sparse"
+(attn.kernel.sparse: the blocked kernel over the key blocks holding a chosen token, masked inside,
+or attn.kernel.tokens; the indexer's, K-pool's, QSA's). key_choice is the rule that picks the row
+from the form of a choice. Both compute the softmax attention restricted to the chosen keys under
+is_causal and kv_lengths, with a softcap; neither builds a T×S array. What they cannot run is
+refused here as every row's is (a Refusal): the choice then becomes a dense mask on the dense path
+(impls.selects says when, the one rule).
 """
 
 from __future__ import annotations

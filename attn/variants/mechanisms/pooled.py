@@ -21,11 +21,12 @@ HeadConfig.extra:
                  top_k blocks a kv group and query, the `local` last ones among them.
 
 Where the work is saved: on the key-selection rows (attn.kernel.impls.selects: long calls, no dense
-mask). The choice is token indices: with at least TOKENS_MIN_SHARE query heads a kv head they run on
-attn.kernel.tokens (each gathered key row serving the heads that share it; per kv group for the
-block indexer); with fewer, on attn.kernel.sparse, the block-skipping kernel (the chosen tokens'
-128-key blocks with their bits for K-pool and QSA; the chosen blocks themselves, per head, for the
-block indexer). Elsewhere the choice is a dense mask on the layer's own path (the reference).
+mask). The choice leaves in its own form, and attn.kernel.selected.key_choice (the kernel's one rule)
+picks the row: the block indexer's whole key blocks (per kv group) run on the gathered kernel (MoBA's);
+K-pool's and QSA's pool ids (with the tail as its own pool) on attn.kernel.tokens, each pool gathered
+whole, with at least TOKENS_MIN_SHARE query heads a kv head, else on the block-skipping kernel over
+the chosen tokens' 128-key blocks and their bits. Elsewhere the choice is a dense mask on the layer's
+own path (the reference).
 """
 
 from __future__ import annotations
