@@ -27,7 +27,10 @@ ROWS = ("gathered", "sparse")
 # Where each form of a choice runs (key_choice, the one rule). "blocks": whole aligned key blocks;
 # "units": ids of pools (contiguous unit-long slices of keys); "tokens": token indices.
 BLOCKS_ROW = "gathered"  # "sparse": the token kernel over the blocks' tokens (before issue 51's blocks51)
-POOLS_WHOLE = True  # pools gathered whole on the token kernel (False: their tokens one by one)
+# True: pools gathered whole on the token kernel (tokens.attention's unit), else their tokens one by one.
+# Measured not faster (T 8192 and 16384, 2-core EPYC, experiments/performance.md "Whole blocks and whole
+# pools"): the same bytes move either way. Exact both ways; kept for an accelerator to measure.
+POOLS_WHOLE = False
 
 
 def key_choice(H: int, G: int, S: int, *, blocks_BGTk: Array | None = None, block: int | None = None,
@@ -39,8 +42,8 @@ def key_choice(H: int, G: int, S: int, *, blocks_BGTk: Array | None = None, bloc
     key block sliced, never gathered token by token; MoBA's row);
   units_BGTk (B, 1|G, T, k): distinct ids of unit-long slices of keys (unit 1: token indices), -1 for
     none: the "sparse" row, which runs them on attn.kernel.tokens when a choice is shared by at least
-    sparse.TOKENS_MIN_SHARE query heads a kv head (or is per kv group), each chosen slice gathered
-    whole (POOLS_WHOLE), else on the blocked kernel over the token_block-key blocks holding a chosen
+    sparse.TOKENS_MIN_SHARE query heads a kv head (or is per kv group; slices gathered whole with
+    POOLS_WHOLE, else token by token), else on the blocked kernel over the token_block-key blocks holding a chosen
     key, masked by their bits.
   """
   if blocks_BGTk is not None:
