@@ -122,3 +122,28 @@ def test_indexer_bits_run_on_the_token_kernel(monkeypatch):
   want = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who,is_causal", [("one", True), ("groups", False)])
+def test_whole_slices_equal_their_tokens(who, is_causal):
+  """unit = 4: each index names keys [4i, 4i + 4) gathered whole (pools), against the dense reference of
+  the same tokens: -1, a slice past S (S not a multiple of 4), padding, the future masked inside a slice."""
+  rng = np.random.default_rng(11)
+  B, T, S, H, G, K, V, U = 2, 14, 18, 4, 2, 5, 3, 4
+  q, k, v = _randn(rng, (B, T, H, K)), _randn(rng, (B, S, G, K)), _randn(rng, (B, S, G, V))
+  Gs = 1 if who == "one" else G
+  ids = np.stack([[[rng.permutation(5)[:3] for _ in range(T)] for _ in range(Gs)] for _ in range(B)])
+  ids[:, :, 2, 1] = -1
+  idx = jnp.asarray(ids, jnp.int32)  # (B,Gs,T,3), slice 4 holds keys 16..19: 18, 19 past S
+  kv_lengths = jnp.array([S, 9])
+  mask = jax.jit(_mask, static_argnums=(1, 2, 3, 4, 5))(tokens.unit_tokens(idx, U), B, H, T, S, is_causal,
+                                                        kv_lengths)
+  cot = _randn(rng, (B, T, H, V))
+  mine = lambda q, k, v: jnp.sum(tokens.attention(q, k, v, idx, scale=0.4, is_causal=is_causal,  # noqa: E731
+                                                  kv_lengths=kv_lengths, unique=True, tile=4, unit=U) * cot)
+  ref = lambda q, k, v: jnp.sum(_dense(q, k, v, mask, 0.4) * cot)  # noqa: E731
+  (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, k, v) for f in (mine, ref))
+  np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  for x, y in zip(ga, gb):
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)

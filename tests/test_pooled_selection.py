@@ -14,6 +14,8 @@ from attn import api
 from attn.config import ConfigError, HeadConfig
 from attn.count import measured, selectors
 from attn.kernel import impls, pooled, select
+from attn.kernel import gathered as kernel_gathered
+from attn.kernel import selected as kernel_selected
 from attn.kernel import sparse as kernel_sparse
 from attn.kernel import tokens as kernel_tokens
 from attn.variants.mechanisms import pooled as mech
@@ -151,16 +153,32 @@ def test_rows_equal_the_dense_masked_reference(extra, full, heads, kv_heads, mon
 
 
 def test_rows_equal_the_dense_masked_reference_small(monkeypatch):
-  """The fast sibling: the block indexer on the block-skipping kernel (the slow test: every case, both
-  kernels)."""
-  _rows_against_dense(CASES[3][0], None, 4, 2, monkeypatch, T=21)
+  """The fast sibling: the block indexer's whole blocks on the gathered kernel, one choice per kv group
+  of 4 query heads (the slow test: every case, both layouts)."""
+  _rows_against_dense(CASES[3][0], None, 8, 2, monkeypatch, T=21)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [CASES[0][0], CASES[2][0]])
+def test_pools_gathered_whole_equal_the_reference(extra, monkeypatch):
+  """Each pool gathered whole on the token kernel (POOLS_WHOLE, not the default: measured not faster)."""
+  monkeypatch.setattr(kernel_selected, "POOLS_WHOLE", True)
+  _rows_against_dense(extra, None, 8, 1, monkeypatch)
+
+
+# Which kernel each choice runs on (attn.kernel.selected.key_choice): the block indexer's whole blocks on
+# the gathered kernel in every layout; pools on the token kernel with 8 query heads a kv head, on the
+# block-skipping kernel with fewer.
+RUNS_ON = {("block_indexer", True): "gathered", ("block_indexer", False): "gathered", ("kpool", True): "tokens",
+           ("kpool", False): "sparse", ("qsa", True): "tokens", ("qsa", False): "sparse"}
 
 
 def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
   monkeypatch.setattr(impls, "BLOCKED_MIN_SCORES", 16)  # these small calls take the selection rows
   calls = []
-  for module in (kernel_tokens, kernel_sparse):
-    monkeypatch.setattr(module, "attention", lambda *a, run=module.attention, **kw: calls.append(1) or run(*a, **kw))
+  for name, module in (("tokens", kernel_tokens), ("sparse", kernel_sparse), ("gathered", kernel_gathered)):
+    monkeypatch.setattr(module, "attention",
+                        lambda *a, run=module.attention, name=name, **kw: calls.append(name) or run(*a, **kw))
   cfg = HeadConfig(d_model=16, num_heads=heads, d_k=6, d_v=5, num_kv_heads=kv_heads, rope_dim=2, extra=extra)
   p = api.init("per_head", jax.random.key(3), cfg)
   x, kv = _randn(4, (2, T, 16)), jnp.array([T, T * 5 // 8])
@@ -172,6 +190,8 @@ def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
 
   (l1, g1), (l2, g2) = run(cfg, "auto"), run(cfg, "einsum")
   assert calls, "no selection row ran"
+  kernel_ran = "tokens" if "tokens" in calls else calls[0]
+  assert kernel_ran == RUNS_ON[next(iter(extra)), heads // kv_heads >= 8], calls
   np.testing.assert_allclose(l1, l2, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, float(jnp.abs(b).max())))

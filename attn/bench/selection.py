@@ -21,6 +21,7 @@ rate they ran at; the chosen pairs, the gathered bytes and the gather's rate. A 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -129,12 +130,17 @@ def main(argv=None) -> int:
   p.add_argument("--index-dim", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--old", action="store_true", help="also time the blocked path over the same choice")
+  p.add_argument("--before", action="store_true", help="with --goals: the block indexer also on the token "
+                 "kernel (before blocks51), kpool and qsa with whole pools (attn.kernel.selected), alternated")
+  p.add_argument("--only", default=None, help="with --goals: these rows only, comma-separated labels (e.g. "
+                 "kpool,qsa,block_indexer,moba)")
   p.add_argument("--layouts", default="G1,GH", help="G1 (one kv head), GH (a kv head a query head)")
   p.add_argument("--goals", action="store_true", help="the goals' table of attn bench --shapes long-16384-causal "
                  "alone (every selection in its layout, core with selector)")
   a = p.parse_args(argv)
   if a.goals:
-    r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True), budget=a.top_k)
+    r = goals(a.T, a.heads, a.head_dim, a.repeats, log=lambda t: print(t, flush=True), budget=a.top_k,
+              before=a.before, only=None if a.only is None else tuple(a.only.split(",")))
     print(r["extras"])
     print(goals_markdown(r))
     print(f"commit {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
@@ -198,7 +204,22 @@ GOAL_ROWS = (
     ("nsa", 2, {"nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16,
                         "window": 512}}, 0.60),
 )
-TOKEN_KERNEL = ("indexer", "kpool", "qsa", "block_indexer")  # their choices run on attn.kernel.tokens here
+TOKEN_KERNEL = ("indexer", "kpool", "qsa")  # their choices run on attn.kernel.tokens here (the block indexer: gathered)
+# Rows --before times again on the other form of the row rule (attn.kernel.selected): the block indexer
+# "(before)", its blocks' tokens on the token kernel (BLOCKS_ROW "sparse", as before blocks51); K-pool and
+# QSA "(whole pools)", each pool gathered whole (POOLS_WHOLE True: measured, not faster, so not the default).
+BEFORE = {"kpool": "whole pools", "qsa": "whole pools", "block_indexer": "before"}
+
+
+@contextlib.contextmanager
+def _rule_other():
+  from attn.kernel import selected
+  was = selected.BLOCKS_ROW, selected.POOLS_WHOLE
+  selected.BLOCKS_ROW, selected.POOLS_WHOLE = "sparse", True
+  try:
+    yield
+  finally:
+    selected.BLOCKS_ROW, selected.POOLS_WHOLE = was
 ALONE = ("moba", "indexer", "kpool", "qsa", "block_indexer")  # selectors timed alone too (nsa's is inside)
 
 
@@ -220,10 +241,12 @@ def scaled(extra: dict, budget: int) -> dict:
 
 
 def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print, only=None,
-          budget: int = 2048) -> dict:
+          budget: int = 2048, before: bool = False) -> dict:
   """Median forward+backward seconds of each GOAL_ROWS core with its selector, its selector alone and
   the full causal core of each layout, alternated round by round; pairs and gathered bytes beside.
-  budget: the rows' keys a query (2048 at the goals' T 16384; T 4096 with 512 keeps k/T)."""
+  budget: the rows' keys a query (2048 at the goals' T 16384; T 4096 with 512 keeps k/T). before: the
+  BEFORE rows again on the other form of the row rule ("label (before)", "label (whole pools)", compiled
+  under it, timed in the same rounds)."""
   from attn.bench.peers import core_case, selection_core_case, selector_case
   from attn.config import HeadConfig
   from attn.count import selectors
@@ -239,19 +262,25 @@ def goals(T: int = 16384, H: int = 16, D: int = 64, repeats: int = 2, log=print,
     cfg = HeadConfig(d_model=H * D, num_heads=H, d_k=D, d_v=D, num_kv_heads=G, extra=extra)
     calls[label] = selection_core_case(cfg, 1, T, jnp.float32)["fb"]
     name = next(iter(extra))
+    if before and name in BEFORE:
+      with _rule_other():  # compiled here, under the other rule
+        calls[f"{label} ({BEFORE[name]})"] = selection_core_case(cfg, 1, T, jnp.float32)["fb"]
     if name in ALONE:
       calls[f"{label}: selector"] = selector_case(cfg, 1, T, jnp.float32)["fb"]
     pairs = selectors.pairs(cfg, T)
     info[label] = {"pairs": pairs, "pair_share": pairs / (T * (T + 1) // 2),
                    # the token kernel gathers K + V float32 numbers a chosen pair per kv head
                    "gathered_bytes": pairs * G * 2 * D * 4 if name in TOKEN_KERNEL else None}
+    if before and name in BEFORE:
+      info[f"{label} ({BEFORE[name]})"] = {**info[label], "gathered_bytes": pairs * G * 2 * D * 4}
   a = jax.random.normal(jax.random.PRNGKey(2), (2048, 2048), jnp.float32)
   calls["matmul 2048³"] = peers_lib.block(jax.jit(jnp.matmul), a, a)
   log(f"[selection goals] timing {len(calls)} calls, {repeats} rounds ...")
   med = _rounds(calls, repeats)
   return {"T": T, "H": H, "D": D, "repeats": repeats, "seconds": med, "info": info, "budget": budget,
           "extras": {label: extra for label, _, extra, _ in rows},
-          "rows": [(label, G, next(iter(extra)), goal) for label, G, extra, goal in rows],
+          "rows": [(lab, G, next(iter(extra)), goal) for label, G, extra, goal in rows
+                   for lab in (label, f"{label} ({BEFORE.get(next(iter(extra)))})") if lab == label or lab in info],
           "load": list(os.getloadavg())}
 
 
@@ -267,7 +296,7 @@ def goals_markdown(r: dict) -> str:
   for label, G, name, goal in r["rows"]:
     full = med[f"full G{G}"]
     s = med[label]
-    sel = med.get(f"{label}: selector")
+    sel = med.get(f"{label.split(' (')[0]}: selector")
     i = r["info"][label]
     gib = "" if i["gathered_bytes"] is None else f"{i['gathered_bytes'] / 2**30:.2f}"
     verdict = "" if goal is None else f"{goal:.2f} " + ("met" if s / full <= goal else f"missed by {s / full - goal:.2f}")

@@ -198,9 +198,16 @@ _core.defvjp(_core_fwd, _core_bwd)
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, idx_BHTk: Array, valid_BHTk: Array, *,
               block: int, scale: float, is_causal: bool = False, kv_lengths: Array | None = None,
               softcap: float | None = None, chunk: int = CHUNK) -> Array:
-  """softmax attention of each (query, head) over its chosen blocks idx (valid where chosen) only."""
+  """softmax attention of each (query, head) over its chosen blocks idx (valid where chosen) only.
+
+  idx, valid (B, H|G, T, k): block ids per query head (MoBA's), or per kv group (the block indexer's:
+  each of a group's H/G query heads attends to its group's blocks)."""
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], v_BSGV.shape[2]
+  if idx_BHTk.shape[1] != H and idx_BHTk.shape[1] == G:
+    idx_BHTk, valid_BHTk = (jnp.repeat(a, H // G, axis=1) for a in (idx_BHTk, valid_BHTk))
+  if idx_BHTk.shape[:3] != (B, H, T) or valid_BHTk.shape != idx_BHTk.shape:
+    raise ValueError(f"idx_BHTk {idx_BHTk.shape}, valid {valid_BHTk.shape}: want (B={B}, H={H} or G={G}, T={T}, k)")
   if k_BSGK.shape[2] != G:
     k_BSGK = jnp.broadcast_to(k_BSGK, (B, S, G, K))
   N, top = -(-S // block), idx_BHTk.shape[-1]

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attn.kernel.select import NEG, positions, visible
+from attn.kernel.tokens import unit_tokens
 
 Array = jax.Array
 
@@ -119,6 +120,17 @@ def pool_top(score_fn, qs: tuple, L_BT: Array, *, N: int, pool: int, n: int, row
   return _rows(fn, L_BT.shape[1], rows, *qs, L_BT)
 
 
+def pool_units(pools_BTn: Array, L_BT: Array, *, pool: int, tail: bool) -> Array:
+  """(B,T,n [+ 1]) int32: pool_tokens' choice as pool ids (whole pools [pool·i, pool·i + pool)), then
+  (tail) the query's own pool when it is incomplete, -1 for none. Its keys past L are the ones a query
+  does not see (causal, kv_lengths), which the kernels mask: the same keys as pool_tokens."""
+  if not tail or pool == 1:
+    return pools_BTn
+  seen = L_BT + 1
+  own = jnp.where(seen % pool > 0, seen // pool, -1).astype(jnp.int32)
+  return jnp.concatenate([pools_BTn, own[..., None]], axis=-1)
+
+
 def pool_tokens(pools_BTn: Array, L_BT: Array, *, pool: int, tail: bool) -> Array:
   """(B,T,n·pool [+ pool - 1]) int32 token indices of the chosen pools, then (tail) the tokens of the
   query's own pool when it is incomplete (its keys up to L); -1 for none."""
@@ -164,8 +176,7 @@ def block_top(qi_BTGI: Array, ki_BSI: Array, L_BT: Array, *, block: int, top_k: 
 def block_tokens(blocks_BGTk: Array, *, block: int) -> Array:
   """(B,G,T,k·block) int32 token indices of the chosen blocks (-1 for none; past S: ignored by the
   kernels, as the keys a query does not see)."""
-  tok = blocks_BGTk[..., None] * block + jnp.arange(block, dtype=jnp.int32)
-  return jnp.where(blocks_BGTk[..., None] >= 0, tok, -1).reshape(*blocks_BGTk.shape[:3], -1)
+  return unit_tokens(blocks_BGTk, block)
 
 
 def token_mask(tok_BGTk: Array, S: int) -> Array:

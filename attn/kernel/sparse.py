@@ -198,13 +198,14 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, blocks_BHTN: Array | 
               scale: float, is_causal: bool = False, kv_lengths: Array | None = None,
               bits_BTW: Array | None = None, block_q: int | None = None,
               softcap: float | None = None, products: Products = XLA, idx_BTk: Array | None = None,
-              idx_BGTk: Array | None = None) -> Array:
+              idx_BGTk: Array | None = None, unit: int = 1) -> Array:
   """softmax(cap(scale · q kᵀ)) v over the selected key blocks only (module docstring).
 
   q (B,T,H,K), k (B,S,G,K) (one head is broadcast), v (B,S,G,V); blocks_BHTN at
   block_k's granularity. The selection is data, without gradient. idx_BGTk (B, 1|G, T, k): the
   choice as distinct token indices (the pooled selections'), run on attn.kernel.tokens with at least
-  TOKENS_MIN_SHARE query heads a kv head or when blocks_BHTN is None.
+  TOKENS_MIN_SHARE query heads a kv head or when blocks_BHTN is None; unit > 1: each index names
+  unit contiguous keys from unit·i (attn.kernel.tokens).
   """
   B, T, H, K = q_BTHK.shape
   S, G = k_BSGK.shape[1], v_BSGV.shape[2]
@@ -212,7 +213,7 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, blocks_BHTN: Array | 
     idx_BGTk = idx_BTk[:, None]  # the indexer's own bits: one choice for every head
   if idx_BGTk is not None and (H // G >= TOKENS_MIN_SHARE or blocks_BHTN is None):  # on the token kernel
     return tokens.attention(q_BTHK, k_BSGK, v_BSGV, idx_BGTk, scale=scale, is_causal=is_causal,
-                            kv_lengths=kv_lengths, softcap=softcap, unique=True)
+                            kv_lengths=kv_lengths, softcap=softcap, unique=True, unit=unit)
   if k_BSGK.shape[2] != G:
     k_BSGK = jnp.broadcast_to(k_BSGK, (B, S, G, K))
   N = -(-S // block_k)

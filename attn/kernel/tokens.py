@@ -45,6 +45,7 @@ class _Plan:
   n_tiles: int
   scale: float
   softcap: float | None
+  unit: int = 1  # keys an index names: 1 (tokens) or U (ids of U-key slices [U·i, U·i + U))
 
 
 def _logits(plan: _Plan, q_GcRK, k_GckK, ok_ck):
@@ -54,6 +55,15 @@ def _logits(plan: _Plan, q_GcRK, k_GckK, ok_ck):
     u = jnp.tanh(s / plan.softcap)
     s, dcap = plan.softcap * u, 1.0 - u * u
   return jnp.where(ok_ck[None, :, None, :], s, -jnp.inf), dcap
+
+
+def _take(plan: _Plan, x_GSX, idx_ck):
+  """(G,c,k·unit,X): the rows (or the unit-long slices of rows) each index names, gathered."""
+  if plan.unit == 1:
+    return jnp.take(x_GSX, idx_ck, axis=1)
+  G, S, X = x_GSX.shape
+  g = jnp.take(x_GSX.reshape(G, S // plan.unit, plan.unit, X), idx_ck, axis=1)  # (G,c,k,U,X)
+  return g.reshape(G, idx_ck.shape[0], -1, X)
 
 
 def _tiles(plan: _Plan, x, axis: int):
@@ -71,7 +81,7 @@ def _untile(x, axis: int):
 def _forward(plan: _Plan, q_GTRK, k_GSK, v_GSV, idx_Tk, ok_Tk):
   def tile(args):
     q, idx, ok = args
-    kg, vg = jnp.take(k_GSK, idx, axis=1), jnp.take(v_GSV, idx, axis=1)  # (G,c,k,K), (G,c,k,V)
+    kg, vg = _take(plan, k_GSK, idx), _take(plan, v_GSV, idx)  # (G,c,k,K), (G,c,k,V)
     s, _ = _logits(plan, q, kg, ok)
     m = s.max(-1)
     m = jnp.where(m == -jnp.inf, 0.0, m)
@@ -94,7 +104,7 @@ def _backward(plan: _Plan, q_GTRK, k_GSK, v_GSV, idx_Tk, ok_Tk, o_GTRV, lse_GTR,
   def tile(carry, args):
     dk_SGK, dv_SGV = carry
     q, idx, ok, lse, do, delta = args
-    kg, vg = jnp.take(k_GSK, idx, axis=1), jnp.take(v_GSV, idx, axis=1)
+    kg, vg = _take(plan, k_GSK, idx), _take(plan, v_GSV, idx)
     s, dcap = _logits(plan, q, kg, ok)
     p = jnp.exp(s - lse[..., None])  # 0 where masked
     dp = jnp.einsum("gcrV,gckV->gcrk", do, vg.astype(jnp.float32))
@@ -104,14 +114,16 @@ def _backward(plan: _Plan, q_GTRK, k_GSK, v_GSV, idx_Tk, ok_Tk, o_GTRV, lse_GTR,
     dq = jnp.einsum("gcrk,gckK->gcrK", ds, kg.astype(jnp.float32)) * plan.scale
     dkg = jnp.einsum("gcrk,gcrK->gckK", ds, q.astype(jnp.float32)) * plan.scale
     dvg = jnp.einsum("gcrk,gcrV->gckV", p, do)
-    flat = idx.reshape(-1)  # added token-major (S, G·X): each chosen row one contiguous slab
-    rows = lambda d: d.reshape(G, -1, d.shape[-1]).swapaxes(0, 1).reshape(flat.shape[0], -1)  # noqa: E731
+    flat = idx.reshape(-1)  # added token-major (S/U, U·G·X): each chosen row (or slice) one contiguous slab
+    rows = lambda d: (d.reshape(G, flat.shape[0], plan.unit, d.shape[-1]).transpose(1, 2, 0, 3)  # noqa: E731
+                      .reshape(flat.shape[0], -1))
     dk_SGK = dk_SGK.at[flat].add(rows(dkg), mode="drop")
     dv_SGV = dv_SGV.at[flat].add(rows(dvg), mode="drop")
     return (dk_SGK, dv_SGV), dq
 
   S, K, V = k_GSK.shape[1], k_GSK.shape[2], v_GSV.shape[2]
-  init = (jnp.zeros((S, G * K), jnp.float32), jnp.zeros((S, G * V), jnp.float32))
+  U = plan.unit
+  init = (jnp.zeros((S // U, U * G * K), jnp.float32), jnp.zeros((S // U, U * G * V), jnp.float32))
   xs = (_tiles(plan, q_GTRK, 1), _tiles(plan, idx_Tk, 0), _tiles(plan, ok_Tk, 0), _tiles(plan, lse_GTR, 1),
         _tiles(plan, do_GTRV, 1), _tiles(plan, delta_GTR, 1))
   (dk, dv), dq = lax.scan(tile, init, xs)
@@ -157,6 +169,14 @@ def valid(idx_BGTk: Array, S: int, T: int, *, is_causal: bool, kv_lengths: Array
   return jnp.where(ok, idx, 0), ok
 
 
+def unit_tokens(idx_BGTk: Array, unit: int) -> Array:
+  """(B,G,T,k·unit) the token indices of unit-long slices [unit·i, unit·i + unit) (-1 for none)."""
+  if unit == 1:
+    return idx_BGTk
+  tok = idx_BGTk[..., None] * unit + jnp.arange(unit, dtype=jnp.int32)
+  return jnp.where(idx_BGTk[..., None] >= 0, tok, -1).reshape(*idx_BGTk.shape[:3], -1)
+
+
 def tile_rows(k: int, G: int, K: int, V: int, budget: int = TILE_BYTES) -> int:
   """Queries a tile: the gathered rows (tile·k·G·(K + V) float32) near `budget` bytes, 1 to 64."""
   c = max(1, budget // max(1, 4 * k * G * (K + V)))
@@ -165,11 +185,13 @@ def tile_rows(k: int, G: int, K: int, V: int, budget: int = TILE_BYTES) -> int:
 
 def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, idx_BGTk: Array, *, scale: float,
               is_causal: bool = False, kv_lengths: Array | None = None, softcap: float | None = None,
-              unique: bool = False, tile: int | None = None) -> Array:
+              unique: bool = False, tile: int | None = None, unit: int = 1) -> Array:
   """softmax(cap(scale · q kᵀ)) v of each query over the keys its head group chose (module docstring).
 
   q (B,T,H,K), k (B,S,G|1,K), v (B,S,G,V); idx (B, 1|G, T, k): one choice for every head or one
-  per kv group. Returns (B,T,H,V) in q's dtype. The selection has no gradient.
+  per kv group. unit > 1: each index i names the slice of keys [unit·i, unit·i + unit) (pooled
+  choices: one index a pool, the slice gathered whole), distinct, -1 for none. Returns (B,T,H,V) in
+  q's dtype. The selection has no gradient.
   """
   B, T, H, K = q_BTHK.shape
   S, G, V = v_BSGV.shape[1], v_BSGV.shape[2], v_BSGV.shape[3]
@@ -180,12 +202,18 @@ def attention(q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, idx_BGTk: Array, *, s
     raise ValueError(f"idx_BGTk {idx_BGTk.shape}: want (B={B}, 1 or G={G}, T={T}, k) with H={H} a "
                      f"multiple of G")
   R = H // G
-  idx, ok = valid(lax.stop_gradient(idx_BGTk), S, T, is_causal=is_causal, kv_lengths=kv_lengths,
-                  unique=unique)
+  idx_BGTk = lax.stop_gradient(idx_BGTk).astype(jnp.int32)
+  if unit > 1:  # the slices' keys decide what counts; the slice ids are what is gathered
+    _, ok = valid(unit_tokens(idx_BGTk, unit), S, T, is_causal=is_causal, kv_lengths=kv_lengths, unique=True)
+    idx, k = jnp.maximum(idx_BGTk, 0), k * unit
+    Su = -(-S // unit) * unit
+    k_BSGK, v_BSGV = (jnp.pad(a, ((0, 0), (0, Su - S), (0, 0), (0, 0))) for a in (k_BSGK, v_BSGV))
+  else:
+    idx, ok = valid(idx_BGTk, S, T, is_causal=is_causal, kv_lengths=kv_lengths, unique=unique)
   Gt = G if Gs == 1 else 1  # kv heads one gathered token carries
   c = min(tile or tile_rows(k, Gt, K, V), T)
   n = -(-T // c)
-  plan = _Plan(c, n, float(scale), None if softcap is None else float(softcap))
+  plan = _Plan(c, n, float(scale), None if softcap is None else float(softcap), int(unit))
   pad = n * c - T
   q = jnp.pad(q_BTHK, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n * c, G, R, K)
   idx = jnp.pad(idx, ((0, 0), (0, 0), (0, pad), (0, 0)))

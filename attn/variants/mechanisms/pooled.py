@@ -32,11 +32,12 @@ HeadConfig.extra:
                  top_k blocks a kv group and query, the `local` last ones among them.
 
 Where the work is saved: on the key-selection rows (attn.kernel.impls.selects: long calls, no dense
-mask). The choice is token indices: with at least TOKENS_MIN_SHARE query heads a kv head they run on
-attn.kernel.tokens (each gathered key row serving the heads that share it; per kv group for the
-block indexer); with fewer, on attn.kernel.sparse, the block-skipping kernel (the chosen tokens'
-128-key blocks with their bits for K-pool and QSA; the chosen blocks themselves, per head, for the
-block indexer). Elsewhere the choice is a dense mask on the layer's own path (the reference).
+mask). The choice leaves in its own form, and attn.kernel.selected.key_choice (the kernel's one rule)
+picks the row: the block indexer's whole key blocks (per kv group) run on the gathered kernel (MoBA's);
+K-pool's and QSA's pool ids (with the tail as its own pool) on attn.kernel.tokens, each pool gathered
+whole, with at least TOKENS_MIN_SHARE query heads a kv head, else on the block-skipping kernel over
+the chosen tokens' 128-key blocks and their bits. Elsewhere the choice is a dense mask on the layer's
+own path (the reference).
 """
 
 from __future__ import annotations
@@ -46,10 +47,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from attn import kernel
 from attn.config import HeadConfig, invalid
-from attn.kernel import pooled, select
-from attn.kernel.sparse import TOKENS_MIN_SHARE
+from attn.kernel import pooled, select, selected
 from attn.variants.mechanisms.record import Mechanism
 from attn.variants.mechanisms import selection
 from attn.variants.mechanisms.selection import INDEX_BLOCK
@@ -218,8 +217,9 @@ def index_inputs(name: str, params: Params, q_BTHK, k_BSGK, cfg: HeadConfig) -> 
           "ki": jnp.einsum("BSGC,GCI->BSI", kn, f["w_ik"])}
 
 
-def choose(name: str, inputs: dict, L_BT: Array, cfg: HeadConfig) -> Array:
-  """The choice as block ids (block_indexer: (B,G,T,k)) or token indices (kpool, qsa: (B,1,T,k))."""
+def choose(name: str, inputs: dict, L_BT: Array, cfg: HeadConfig, units: bool = False) -> Array:
+  """The choice as block ids (block_indexer: (B,G,T,k)) or token indices (kpool, qsa: (B,1,T,k); units:
+  as pool ids, pooled.pool_units)."""
   o = options(cfg, name)
   x = {n: jax.lax.stop_gradient(a) for n, a in inputs.items()}
   if name == "block_indexer":
@@ -234,7 +234,7 @@ def choose(name: str, inputs: dict, L_BT: Array, cfg: HeadConfig) -> Array:
     P, n, tail = o["compress_ratio"], o["budget"] // o["compress_ratio"], True
     pk = pooled.qsa_keys(x["ki"], x["ik_norm"], P)
     pools = pooled.pool_top(lambda q: pooled.qsa_scores(q, pk), (x["qi"],), L_BT, N=S // P, pool=P, n=n)
-  return pooled.pool_tokens(pools, L_BT, pool=P, tail=tail)[:, None]
+  return (pooled.pool_units if units else pooled.pool_tokens)(pools, L_BT, pool=P, tail=tail)[:, None]
 
 
 def _select(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causal, kv_lengths, mask,
@@ -266,23 +266,16 @@ def _own(name: str, params: Params, q_BTHK, k_BSGK, *, cfg: HeadConfig, is_causa
     inputs["ape"] = jax.lax.stop_gradient(params["ape"]).astype(jnp.float32)
   if name == "qsa":
     inputs["ik_norm"] = jax.lax.stop_gradient(params["ik_norm"]).astype(jnp.float32)
-  chosen = choose(name, inputs, L, cfg)
-  block = options(cfg, name).get("block")
-  tok = pooled.block_tokens(chosen, block=block) if name == "block_indexer" else chosen
+  o = options(cfg, name)
+  chosen = choose(name, inputs, L, cfg, units=not dense)
   if dense:
+    tok = pooled.block_tokens(chosen, block=o["block"]) if name == "block_indexer" else chosen
     m = pooled.token_mask(tok, S)
     return jnp.repeat(m, H // G, axis=1) if m.shape[1] > 1 else m
-  if H // G >= TOKENS_MIN_SHARE:  # each gathered key row serves the query heads that share it
-    return kernel.KeyChoice("sparse", {"blocks_BHTN": None, "block_k": INDEX_BLOCK, "idx_BGTk": tok})
-  if name == "block_indexer":  # whole blocks: the block-skipping kernel, each head its group's blocks
-    N = select.num_blocks(S, block)
-    on = jnp.zeros((B, G, T, N + 1), bool)
-    b, g, t = jnp.arange(B)[:, None, None, None], jnp.arange(G)[None, :, None, None], jnp.arange(T)[None, None, :, None]
-    on = on.at[b, g, t, jnp.where(chosen >= 0, chosen, N)].set(True)[..., :N]
-    return kernel.KeyChoice("sparse", {"blocks_BHTN": jnp.repeat(on, H // G, axis=1), "block_k": block})
-  bits = select.indices_to_bits(tok[:, 0], S)
-  return kernel.KeyChoice("sparse", {"blocks_BHTN": select.token_blocks(bits, INDEX_BLOCK, S),
-                                     "block_k": INDEX_BLOCK, "bits_BTW": bits})
+  if name == "block_indexer":  # whole key blocks, one choice per kv group; the kernel's rule picks the row
+    return selected.key_choice(H, G, S, blocks_BGTk=chosen, block=o["block"], token_block=INDEX_BLOCK)
+  unit = o["kpool"] if name == "kpool" else o["compress_ratio"]
+  return selected.key_choice(H, G, S, units_BGTk=chosen, unit=unit, token_block=INDEX_BLOCK)
 
 
 # Counts in closed form (S = T where a pair count needs it; C = K - rope_dim).
