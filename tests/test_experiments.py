@@ -293,11 +293,13 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
   assert (cb["tokens"][:, 1:] == cb["targets"][:, :-1]).all()
 
 
+# One task of each kind in the fast tier (a decoder on MQAR, a classifier, byte-level text); induction
+# (a decoder like MQAR) and after_marker (a classifier like marker_position) in the slow tier.
 @pytest.mark.parametrize("task", [
     {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
-    {"name": "induction", "vocab_size": 16, "seq_len": 12},
+    pytest.param({"name": "induction", "vocab_size": 16, "seq_len": 12}, marks=pytest.mark.slow),
     {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
-    {"name": "after_marker", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
+    pytest.param({"name": "after_marker", "vocab_size": 16, "seq_len": 12, "num_classes": 3}, marks=pytest.mark.slow),
     {"name": "text", "seq_len": 12},
 ])
 def test_one_training_step_of_every_task(tmp_path, task):
