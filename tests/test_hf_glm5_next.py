@@ -126,7 +126,7 @@ def _modules():
 
 def build(seed=0, **changes):
   """The tiny wrapper with its learned offsets, gates, norms, decay and correction bias moved off their inits."""
-  import torch
+  torch = pytest.importorskip("torch")
   m, c = _modules()
   torch.manual_seed(seed)
   model = m.Glm5NextForConditionalGeneration(c.Glm5NextConfig(text_config=TEXT | changes, vision_config=VISION)).eval()
@@ -272,7 +272,7 @@ def test_a_shared_indexer_layer_reuses_the_full_layers_choice(tmp_path):
   decoding equal transformers'; an indexer a checkpoint holds there anyway is read, named and not used."""
   from attn import testing
   from hf_hybrid import assert_greedy_decoding_equal
-  import torch
+  torch = pytest.importorskip("torch")
   live = build(1, **SHARED)
   assert live.model.language_model.layers[2].self_attn.indexer is None
   with warnings.catch_warnings():
