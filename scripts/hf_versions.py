@@ -12,8 +12,9 @@ Decisions:
   and pretrained extras), then each version installed over the last with the hf and
   pretrained extras named, so pip re-resolves what pins transformers (sentence-transformers)
   and tokenizers along with it.
-- The tests: every tests/test_*.py that names transformers, both tiers, on one core (-n 0).
-  Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
+- The tests: every tests/test_*.py that names transformers, both tiers, on one core (-n 0), one
+  pytest process a file (one process over all of them grew past 6 GB and was killed an hour into
+  4.51.3 on a shared 23 GB machine, losing the release). Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
   does a version pip cannot install. `seconds` is the pytest run alone, not the install.
 - Prints a Markdown table (with the tokenizers, safetensors and huggingface-hub pip resolved
   along: a constraints file's other pins), then the failing test ids per version; exits 1 if
@@ -98,9 +99,41 @@ def installed(python: str, names: list[str]) -> dict[str, str]:
   return dict(line.split(" ", 1) for line in out.splitlines())
 
 
-def run_version(python: str, version: str, files: list[str], constraints: str | None = None) -> dict:
-  """Install one transformers (within `constraints`, a pip constraints file) and run the tests;
-  counts, failing ids and timings."""
+def run_file(python: str, path: str, row: dict) -> dict:
+  """Run one test file's both tiers; add its counts, failing ids and seconds to `row` and return its own."""
+  counts = {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0}
+  with tempfile.TemporaryDirectory() as tmp:
+    xml = os.path.join(tmp, "junit.xml")
+    t0 = time.time()
+    p = subprocess.run([python, "-m", "pytest", "-q", "-n", "0", "-m", "slow or not slow",
+                        f"--junitxml={xml}", path], cwd=REPO, capture_output=True, text=True)
+    counts["seconds"] = round(time.time() - t0, 1)
+    if not os.path.exists(xml):  # pytest died before writing its report (a negative code: killed by that signal)
+      counts["failed"] = 1
+      row["failures"].append(f"{path}: pytest exited {p.returncode}: {p.stdout[-300:]}{p.stderr[-300:]}")
+    else:
+      for case in ET.parse(xml).getroot().iter("testcase"):
+        bad = [e for e in case if e.tag in ("failure", "error")]
+        if bad:
+          counts["failed"] += 1
+          message = (bad[0].get("message") or "").strip().splitlines() or [""]
+          row["failures"].append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200]}")
+        elif case.find("skipped") is not None:
+          counts["skipped"] += 1
+        else:
+          counts["passed"] += 1
+      if p.returncode not in (0, 5) and not counts["failed"]:  # 5: no tests collected (all deselected)
+        counts["failed"] = 1
+        row["failures"].append(f"{path}: pytest exited {p.returncode}: {p.stdout[-300:]}")
+  for k in counts:
+    row[k] = round(row[k] + counts[k], 1) if k == "seconds" else row[k] + counts[k]
+  return counts
+
+
+def run_version(python: str, version: str, files: list[str], constraints: str | None = None,
+                progress=None) -> dict:
+  """Install one transformers (within `constraints`, a pip constraints file) and run the tests, one pytest
+  a file; counts, failing ids and timings, the row passed to `progress` after each file."""
   row = {"version": version, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0,
          "failures": []}
   t0 = time.time()
@@ -112,27 +145,12 @@ def run_version(python: str, version: str, files: list[str], constraints: str | 
     return row
   row["installed"] = installed(python, ["transformers", "tokenizers", "huggingface-hub",
                                        "safetensors", "sentence-transformers"])
-  with tempfile.TemporaryDirectory() as tmp:
-    xml = os.path.join(tmp, "junit.xml")
-    t0 = time.time()
-    p = subprocess.run([python, "-m", "pytest", "-q", "-n", "0", "-m", "slow or not slow",
-                        f"--junitxml={xml}", *files], cwd=REPO, capture_output=True, text=True)
-    row["seconds"] = round(time.time() - t0, 1)
-    if not os.path.exists(xml):  # pytest died before writing its report
-      row.update(failed=1, failures=[f"pytest exited {p.returncode}: {p.stdout[-500:]}{p.stderr[-500:]}"])
-      return row
-    for case in ET.parse(xml).getroot().iter("testcase"):
-      bad = [e for e in case if e.tag in ("failure", "error")]
-      if bad:
-        row["failed"] += 1
-        message = (bad[0].get("message") or "").strip().splitlines() or [""]
-        row["failures"].append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200]}")
-      elif case.find("skipped") is not None:
-        row["skipped"] += 1
-      else:
-        row["passed"] += 1
-  if p.returncode and not row["failed"]:  # e.g. exit 5: no tests ran
-    row.update(failed=1, failures=[f"pytest exited {p.returncode}: {p.stdout[-500:]}"])
+  row["files"] = {}
+  for path in files:  # one pytest a file: memory goes back between files, and a killed file loses only itself
+    counts = run_file(python, path, row)
+    row["files"][path] = counts
+    if progress:
+      progress(row)
   return row
 
 
@@ -163,13 +181,14 @@ def main(argv: list[str]) -> int:
   print(f"{len(versions)} versions: {' '.join(versions)}\ntests: {' '.join(files)}", file=sys.stderr)
   rows, t0 = [], time.time()
   for version in versions:
-    rows.append(run_version(python, version, files, args.constraints))
+    def progress(row: dict) -> None:  # written after every file, so a long run can be read while it goes
+      if args.json:
+        with open(args.json, "w") as f:
+          json.dump(rows + [row], f, indent=1)
+    rows.append(run_version(python, version, files, args.constraints, progress))
     r = rows[-1]
     print(f"{version}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
           f"{r['seconds']:.0f} s (+{r['install_seconds']:.0f} s install)", file=sys.stderr, flush=True)
-    if args.json:  # written after every version, so a long run can be read while it goes
-      with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
   print(table(rows))
   print(f"\n{len(versions)} versions in {time.time() - t0:.0f} s", file=sys.stderr)
   return 1 if any(r["failed"] for r in rows) else 0
