@@ -61,16 +61,16 @@ def assert_greedy_decoding_equal(live, loaded, prompt, steps: int):
   np.testing.assert_array_equal(got, full_pass_check(loaded.model, prompt, got))
 
 
-def assert_logits_equal_under_right_padding(live, loaded):
-  """Two rows of 9 random tokens, the second padded after 6: attn's logits (lengths_B) within 1e-4 of
+def assert_logits_equal_under_right_padding(live, loaded, T=9, pad_from=6, seed=0):
+  """Two rows of T random tokens, the second padded after pad_from: attn's logits (lengths_B) within 1e-4 of
   the largest of transformers' (attention_mask) at every real position."""
   import torch
-  tok = np.random.default_rng(0).integers(0, 50, (2, 9))
-  mask = np.ones((2, 9), np.int64)
-  mask[1, 6:] = 0
+  tok = np.random.default_rng(seed).integers(0, 50, (2, T))
+  mask = np.ones((2, T), np.int64)
+  mask[1, pad_from:] = 0
   with torch.no_grad():
     want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
   got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
   scale = np.abs(want).max()
   np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :6], want[1, :6], atol=1e-4 * scale)
+  np.testing.assert_allclose(got[1, :pad_from], want[1, :pad_from], atol=1e-4 * scale)

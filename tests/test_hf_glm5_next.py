@@ -194,17 +194,8 @@ def test_a_save_pretrained_directory_loads_and_decodes_as_transformers(live, sav
 def test_logits_equal_transformers_under_right_padding(live, saved):
   """Two rows of 23 tokens (five pools of 4 and a tail: the top 2 pools bind), the second padded after 14: attn's
   logits within 1e-4 of transformers' largest at every real position."""
-  import torch
-  loaded = _load(saved)
-  tok = np.random.default_rng(0).integers(0, 50, (2, 23))
-  mask = np.ones((2, 23), np.int64)
-  mask[1, 14:] = 0
-  with torch.no_grad():
-    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :14], want[1, :14], atol=1e-4 * scale)
+  from hf_hybrid import assert_logits_equal_under_right_padding
+  assert_logits_equal_under_right_padding(live, _load(saved), T=23, pad_from=14)
 
 
 @pytest.mark.slow
@@ -271,8 +262,8 @@ def test_a_shared_indexer_layer_reuses_the_full_layers_choice(tmp_path):
   trip, save_pretrained, logits at the real tokens), logits under right padding at 23 tokens and cached greedy
   decoding equal transformers'; an indexer a checkpoint holds there anyway is read, named and not used."""
   from attn import testing
-  from hf_hybrid import assert_greedy_decoding_equal
-  torch = pytest.importorskip("torch")
+  from hf_hybrid import assert_greedy_decoding_equal, assert_logits_equal_under_right_padding
+  pytest.importorskip("torch")
   live = build(1, **SHARED)
   assert live.model.language_model.layers[2].self_attn.indexer is None
   with warnings.catch_warnings():
@@ -284,15 +275,7 @@ def test_a_shared_indexer_layer_reuses_the_full_layers_choice(tmp_path):
   assert "w_idq" not in loaded.model.blocks[2].attn.params and "w_idq" in loaded.model.blocks[1].attn.params
   text = sum(p.numel() for n, p in live.named_parameters() if not n.startswith("model.visual."))
   assert count.model_param_count(loaded.config) == text  # the shared layer counts no indexer, as it holds none
-  tok = np.random.default_rng(1).integers(0, 50, (2, 23))
-  mask = np.ones((2, 23), np.int64)
-  mask[1, 15:] = 0
-  with torch.no_grad():
-    want = live(torch.tensor(tok), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tok), lengths_B=jnp.asarray(mask.sum(1))))
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(got[0], want[0], atol=1e-4 * scale)
-  np.testing.assert_allclose(got[1, :15], want[1, :15], atol=1e-4 * scale)
+  assert_logits_equal_under_right_padding(live, loaded, T=23, pad_from=15, seed=1)
   assert_greedy_decoding_equal(live, loaded, np.random.default_rng(5).integers(0, 50, (2, 5)), 12)
   live.save_pretrained(tmp_path / "ckpt")
 
