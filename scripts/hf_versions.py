@@ -1,4 +1,4 @@
-"""Every test file that uses transformers, on every transformers minor release the hf extra allows.
+"""Every test that uses the hf extra (the `hf` mark), on every transformers minor release the hf extra allows.
 
   python scripts/hf_versions.py --venv /tmp/hf-venv        # 32 releases, 4.51.3-5.24.0: 54 min on one core
   python scripts/hf_versions.py --venv /tmp/hf-venv --versions 4.51.1 5.24.0 --json out.json
@@ -12,9 +12,10 @@ Decisions:
   and pretrained extras), then each version installed over the last with the hf and
   pretrained extras named, so pip re-resolves what pins transformers (sentence-transformers)
   and tokenizers along with it.
-- The tests: every tests/test_*.py that names transformers, both tiers, on one core (-n 0), one
-  pytest process a file (one process over all of them grew past 6 GB and was killed an hour into
-  4.51.3 on a shared 23 GB machine, losing the release). Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
+- The tests: those with the `hf` mark (tests/hf_marks.py finds them in their code), both tiers,
+  from every tests/test_*.py that names transformers, on one core (-n 0), one pytest process a
+  file (one process over all of them grew past 6 GB and was killed an hour into 4.51.3 on a
+  shared 23 GB machine, losing the release). Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
   does a version pip cannot install. `seconds` is the pytest run alone, not the install.
 - Prints a Markdown table (with the tokenizers, safetensors and huggingface-hub pip resolved
   along: a constraints file's other pins), then the failing test ids per version; exits 1 if
@@ -81,7 +82,7 @@ def make_venv(venv: str) -> str:
 
 
 def test_files() -> list[str]:
-  """Every tests/test_*.py that names transformers (as .ci/run's floor step picks them)."""
+  """Every tests/test_*.py that names transformers: the files that can hold `hf`-marked tests."""
   files = []
   for path in sorted(glob.glob(os.path.join(REPO, "tests", "test_*.py"))):
     with open(path) as f:
@@ -100,12 +101,12 @@ def installed(python: str, names: list[str]) -> dict[str, str]:
 
 
 def run_file(python: str, path: str, row: dict) -> dict:
-  """Run one test file's both tiers; add its counts, failing ids and seconds to `row` and return its own."""
+  """Run one test file's `hf` tests, both tiers; add its counts, failing ids and seconds to `row` and return its own."""
   counts = {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0}
   with tempfile.TemporaryDirectory() as tmp:
     xml = os.path.join(tmp, "junit.xml")
     t0 = time.time()
-    p = subprocess.run([python, "-m", "pytest", "-q", "-n", "0", "-m", "slow or not slow",
+    p = subprocess.run([python, "-m", "pytest", "-q", "-n", "0", "-m", "hf",
                         f"--junitxml={xml}", path], cwd=REPO, capture_output=True, text=True)
     counts["seconds"] = round(time.time() - t0, 1)
     if not os.path.exists(xml):  # pytest died before writing its report (a negative code: killed by that signal)

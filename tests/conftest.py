@@ -178,3 +178,4 @@ def logit_scale_check(cfg):
 
 
 from skips import pytest_terminal_summary  # noqa: E402,F401  (the skips, grouped by reason, after the totals)
+from hf_marks import pytest_collection_modifyitems  # noqa: E402,F401  (the hf mark, from each test's code)
