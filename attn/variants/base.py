@@ -302,6 +302,9 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   through one hook (mechanisms.attend). x_BTD: the layer's query-side input (a replacing
   mechanism may read it: nsa's gates).
   """
+  hook = LOGIT_HOOK.get()
+  if hook is not None:  # attn.analysis.logits.record_logits: every allowed pair's logit, before any choice
+    hook(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   # A mechanism that chooses keys or replaces the attention (attn.variants.mechanisms.choice).
   done, opts = mechanisms.attend(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
   if done is not None:
@@ -365,6 +368,8 @@ def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Arra
   return project_out(params, x_BTD, o_BTHV, cfg=cfg, opts=opts), w_BHTS
 
 
+# Set by attn.analysis.logits.record_logits: called by core with (params, q, k, cfg=, opts=) as the scores read them.
+LOGIT_HOOK: contextvars.ContextVar = contextvars.ContextVar("attn_logit_hook", default=None)
 # Set by attn.variants.cache while decoding: (k_BSGK, v_BSGV) -> the keys and values to attend to.
 KV_HOOK: contextvars.ContextVar = contextvars.ContextVar("attn_kv_hook", default=None)
 # Set by attn.nn.kv_sharing around a layer of a model with cross-layer KV sharing, after KV_HOOK:

@@ -599,6 +599,9 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if train_cfg.sink_metrics and task.kind != "decoder_lm":
     raise invalid("train.sink_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
                   "the sink metrics read a causal language model's first position")
+  if train_cfg.logit_metrics and task.kind != "decoder_lm":
+    raise invalid("train.logit_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
+                  "the logit metrics run a causal language model on a held-out batch")
   return {"task": task_cfg, "model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(train_cfg)}
 
 

@@ -57,6 +57,7 @@ TRAIN_NOTES = {
     "data_parallel": 'local devices each step runs on, or "auto"', "data_parallel_axis": '"batch" or "seed"',
     "grad_accum": "micro-batches per step", "mesh": "{data = N, heads = M}: devices by batch and by heads",
     "sink_metrics": "attention sinks, value drains and massive activations at each evaluation",
+    "logit_metrics": "the largest attention score and logit per layer at each evaluation",
     "sink_threshold": "the first-position mass above which a head counts as a sink head",
     "indexer": 'how a lightning indexer trains: "off", "warmup", "sparse" or "staged"',
     "indexer_kl_weight": "the weight of the indexer's KL term", "indexer_dense_steps": 'with "staged": dense steps',

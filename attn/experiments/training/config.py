@@ -64,6 +64,10 @@ def check_train_field(name: str, value: Any) -> Any:
     if not isinstance(value, bool):
       raise invalid("train.sink_metrics", value, "true (sink metrics at every evaluation) or false")
     return value
+  if name == "logit_metrics":
+    if not isinstance(value, bool):
+      raise invalid("train.logit_metrics", value, "true (the largest attention logits at every evaluation) or false")
+    return value
   if name == "sink_threshold":
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and 0 < value < 1):
@@ -141,6 +145,10 @@ class TrainConfig:
   sink_threshold: the first-position mass above which a head counts as a
   sink head, in (0, 1) (Gu et al. 2024: 0.3).
 
+  logit_metrics: at every evaluation, also the largest attention score and
+  logit per softmax layer and over the model on the first held-out batch
+  (attn.experiments.training.logit_eval; language-model tasks only).
+
   indexer: how a model with the lightning indexer (model.extra.indexer) trains, DeepSeek-V3.2's two
   phases (DeepSeek-AI 2025, §2.1; docs/key_selection.md). "off" (the default): the model trains on
   its selection and the indexer gets no gradient. "warmup": every layer attends densely, the loss
@@ -188,6 +196,7 @@ class TrainConfig:
   mesh: dict[str, Any] | None = None
   sink_metrics: bool = False
   sink_threshold: float = 0.3
+  logit_metrics: bool = False
   indexer: str = "off"
   indexer_kl_weight: float = 1.0
   indexer_dense_steps: int | None = None

@@ -53,7 +53,7 @@ from attn.experiments.training import checkpoints
 from attn.experiments.training import distributed
 from attn.experiments.training import parallel
 from attn.experiments.training import preempt
-from attn.experiments.training import sink_eval
+from attn.experiments.training import logit_eval, sink_eval
 from attn.experiments.data import curriculum
 from attn.experiments.data import tasks as tasks_lib
 from attn.experiments.training.config import PACKABLE, TrainConfig, check_indexer
@@ -306,7 +306,8 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum:
   """The train step (grads, AdamW, -lr scaling, norms) and the held-out evaluation, unjitted.
 
   A task with a trigger_mask (bigram_backcopy) adds eval_trigger_loss and eval_trigger_accuracy, over
-  the positions whose input is a trigger; train.sink_metrics adds the sink metrics (sink_eval).
+  the positions whose input is a trigger; train.sink_metrics adds the sink metrics (sink_eval),
+  train.logit_metrics the largest attention logits (logit_eval).
   phase: the indexer phase the step runs (train.indexer_phase; None: train.indexer, which is not
   "staged"). "dense" attends densely in the step and the evaluation, and freezes the indexer.
   """
@@ -358,6 +359,8 @@ def _step_fns(graphdef, tx: optax.GradientTransformation, kind: str, grad_accum:
     if train is not None and train.sink_metrics:
       tokens_BT = batches["tokens"][0]
       out.update(sink_eval.row_metrics(sink_eval.model_stats(model, tokens_BT, train.sink_threshold, domain_fn)))
+    if train is not None and train.logit_metrics:
+      out.update(logit_eval.row_metrics(model, batches["tokens"][0]))
     return out
 
   return step, evaluate
