@@ -352,7 +352,8 @@ def test_experiments_default_to_unit_token_embeddings(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
   root = tmp_path_factory.mktemp("sweep")
-  text = TINY.replace("num_layers = 2", "num_layers = 1")  # one block: half the compile, the same runner
+  # One block and two rows a batch: conftest's TINY_SWEEP programs (compiled once for the runner tests), the same runner.
+  text = TINY.replace("num_layers = 2", "num_layers = 1").replace("batch_size = 4", "batch_size = 2")
   path = write(root, text)
   os.environ.setdefault("ATTN_JAX_CACHE", str(root / "jax_cache"))
   sw = config_lib.load(path)

@@ -60,11 +60,13 @@ def test_the_train_loop_draws_each_stage_and_compiles_once_per_length(monkeypatc
   drawn, real = [], curriculum.train_task
   monkeypatch.setattr(curriculum, "train_task", lambda task, t, steps: drawn.append(real(task, t, steps).seq_len)
                       or real(task, t, steps))
-  cfg = {"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2, "curriculum": [6, 12]},
-         "model": {"d_model": 8, "num_layers": 1, "num_heads": 2, "d_ff": 8, "short_conv": 2},
-         "train": {"steps": 2, "batch_size": 2, "eval_every": 0, "eval_batches": 1}}
-  task = tasks.make_task(cfg["task"])
-  cfg["model"] = train_lib.model_config(cfg["model"], task).to_dict()
+  from attn.experiments.running import config as config_lib
+  # conftest's TINY_MQAR at two rows a batch: its full-length step and evaluation are the programs the runner
+  # tests compile; only the short stage's step is new here.
+  cfg = config_lib.resolve({"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2,
+                                     "curriculum": [6, 12]},
+                            "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 16},
+                            "train": {"steps": 2, "batch_size": 2, "eval_every": 0, "eval_batches": 1}}, [], None)
   rows = []
   out = train_lib.train_group([cfg], lambda i, row: rows.append(row))
   assert out[0]["status"] == "ok" and [r["step"] for r in rows] == [0, 1]
