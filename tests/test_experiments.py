@@ -293,15 +293,16 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
   assert (cb["tokens"][:, 1:] == cb["targets"][:, :-1]).all()
 
 
-# One task of each kind in the fast tier (a classifier, byte-level text; a decoder on MQAR is trained by
-# tiny_sweep, whose ok trials' rows are checked the same way in test_nan_trial_fails_with_reason_and_sweep_goes_on);
-# mqar, induction (a decoder like MQAR) and after_marker (a classifier like marker_position) in the slow tier.
+# A classifier in the fast tier; a decoder is trained by tiny_sweep in the fast tier (its ok trials' rows are checked
+# the same way in test_nan_trial_fails_with_reason_and_sweep_goes_on), and byte-level text batches reach a decoder's
+# loss there too (test_start_loss.py's text case): mqar, induction, text (decoders like tiny_sweep's) and
+# after_marker (a classifier like marker_position) in the slow tier.
 @pytest.mark.parametrize("task", [
     pytest.param({"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2}, marks=pytest.mark.slow),
     pytest.param({"name": "induction", "vocab_size": 16, "seq_len": 12}, marks=pytest.mark.slow),
     {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
     pytest.param({"name": "after_marker", "vocab_size": 16, "seq_len": 12, "num_classes": 3}, marks=pytest.mark.slow),
-    {"name": "text", "seq_len": 12},
+    pytest.param({"name": "text", "seq_len": 12}, marks=pytest.mark.slow),
 ])
 def test_one_training_step_of_every_task(tmp_path, task):
   if task["name"] == "text":
