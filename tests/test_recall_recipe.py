@@ -92,6 +92,12 @@ def test_a_convolution_width_below_one_is_refused(width):
     ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8, short_conv=width)
 
 
+# The model of the convolution's tests below: one config, so that its initialisers compile once. Untied: the
+# token table's gradient then comes from the input side only.
+CONV_CFG = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=3, d_ff=16, d_k=4, d_v=5, num_kv_heads=1,
+                       variant="merged", max_len=8, short_conv=3, tie_embeddings=False)  # merged: not per_head
+
+
 def test_the_convolution_is_causal_through_gradients():
   W, T = 3, 7
   w_WD = jax.random.normal(jax.random.key(0), (W, 5)) + 1.0  # every tap nonzero
@@ -102,12 +108,11 @@ def test_the_convolution_is_causal_through_gradients():
   t, s = np.indices((T, T))
   assert np.all(reach[s > t] == 0) and np.all(reach[s < t - W + 1] == 0)
   assert np.all(reach[(s <= t) & (s > t - W)] > 0)
-  model = DecoderLM(ModelConfig(vocab_size=11, d_model=12, num_layers=1, num_heads=3, d_ff=8, d_k=4, d_v=5,
-                                num_kv_heads=1, variant="merged", max_len=9, short_conv=W, tie_embeddings=False),
-                    rngs=nnx.Rngs(2))
-  tokens = jnp.asarray([[1, 2, 3, 1, 4, 5, 6, 7, 8]], jnp.int32)
+  assert CONV_CFG.short_conv == W
+  model = DecoderLM(CONV_CFG, rngs=nnx.Rngs(2))
+  tokens = jnp.asarray([[1, 2, 3, 1, 4, 5, 6, 7]], jnp.int32)
   g = np.asarray(nnx.jit(nnx.grad(lambda m: m(tokens)[0, 4].sum()))(model).embed.token[...])  # the token table's rows
-  assert np.all(g[[0, 5, 6, 7, 8, 9, 10]] == 0)  # tokens only after position 4 (or absent): no gradient
+  assert np.all(g[[0, 5, 6, 7, 8, 9, 10, 11, 12]] == 0)  # tokens only after position 4 (or absent): no gradient
   assert np.all(np.abs(g[[1, 2, 3, 4]]).sum(axis=1) > 0)
 
 
@@ -125,9 +130,7 @@ def test_the_convolution_state_carries_across_chunks():
 
 
 def test_cached_decoding_with_the_convolution_equals_the_full_pass():
-  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=3, d_ff=16, d_k=4, d_v=5, num_kv_heads=1,
-                    variant="merged", max_len=8, short_conv=3)  # merged: a variant other than per_head
-  model = DecoderLM(cfg, rngs=nnx.Rngs(1))
+  model = DecoderLM(CONV_CFG, rngs=nnx.Rngs(1))
   tokens_BT = jnp.asarray(np.random.default_rng(5).integers(0, 13, (2, 5)), jnp.int32)
   full = nnx.jit(lambda m, t: m(t))(model, tokens_BT)
   model.init_cache(2, 6)
@@ -137,12 +140,12 @@ def test_cached_decoding_with_the_convolution_equals_the_full_pass():
 
 
 def test_the_convolution_parameters_are_counted():
-  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=3, num_heads=3, d_ff=16, variant="per_head", max_len=10,
-                    short_conv=4)
+  cfg = CONV_CFG
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert stored == model_param_count(cfg, "decoder_lm")
-  assert stored - model_param_count(cfg.replace(short_conv=None), "decoder_lm") == 3 * (4 + 1) * 12
+  # per layer: a width-3 filter and a bias over d_model = 12
+  assert stored - model_param_count(cfg.replace(short_conv=None), "decoder_lm") == 2 * (3 + 1) * 12
 
 
 def test_the_recipe_configs_hold_what_their_write_up_says():
