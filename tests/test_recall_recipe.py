@@ -20,6 +20,7 @@ from attn.experiments.data import curriculum, tasks
 from attn.experiments.training import train as train_lib
 from attn.nn import DecoderLM, ModelConfig
 from attn.nn import short_conv
+from conftest import randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,8 +101,8 @@ CONV_CFG = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=3, d_f
 
 def test_the_convolution_is_causal_through_gradients():
   W, T = 3, 7
-  w_WD = jax.random.normal(jax.random.key(0), (W, 5)) + 1.0  # every tap nonzero
-  x_BTD = jax.random.normal(jax.random.key(1), (2, T, 5))
+  w_WD = randn(0, (W, 5)) + 1.0  # every tap nonzero
+  x_BTD = randn(1, (2, T, 5))
   # Compiled whole (here and below): op by op, each small op of the Jacobian and the model compiles alone.
   J = jax.jit(jax.jacobian(lambda x: short_conv.causal_conv(w_WD, jnp.zeros(5), x)[0]))(x_BTD)  # (B,T,D,B,T,D)
   reach = np.abs(np.asarray(J)).sum(axis=(0, 2, 3, 5))  # (t, s): how much y[t] moves with x[s]
@@ -117,8 +118,8 @@ def test_the_convolution_is_causal_through_gradients():
 
 
 def test_the_convolution_state_carries_across_chunks():
-  w_WD, b_D = jax.random.normal(jax.random.key(0), (4, 6)), jax.random.normal(jax.random.key(1), (6,))
-  x_BTD = jax.random.normal(jax.random.key(2), (2, 9, 6))
+  w_WD, b_D = randn(0, (4, 6)), randn(1, (6,))
+  x_BTD = randn(2, (2, 9, 6))
   conv = jax.jit(short_conv.causal_conv)
   full = conv(w_WD, b_D, x_BTD)[0]
   state, outs, i = None, [], 0
