@@ -191,7 +191,9 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
   from attn.experiments.reading.analyze import _residual_stats
   from attn.nn import models
   from attn.nn.config import ModelConfig
-  cfg = ModelConfig(vocab_size=11, d_model=12, num_layers=2, num_heads=3, d_ff=8, max_len=9)
+  # The next test's model without its key/value sharing: the initialisers of its shapes compile once for both.
+  cfg = ModelConfig(vocab_size=11, d_model=12, num_layers=3, num_heads=3, num_kv_heads=1, d_k=5, d_v=4, d_ff=16,
+                    variant="per_head")
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(1))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)), jnp.int32)
 
@@ -206,7 +208,7 @@ def test_residual_stream_is_each_blocks_output_and_its_stats_skip_padding():
     return list(seen), chain
 
   seen, chain = run(model, tokens)
-  assert len(seen) == 2
+  assert len(seen) == 3
   for got, h in zip(seen, chain):
     np.testing.assert_allclose(np.asarray(got), np.asarray(h), rtol=1e-6, atol=1e-6)
   real = np.arange(9)[None, :] < np.array([[9], [4]])  # example 1 is padded past 4 tokens

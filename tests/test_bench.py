@@ -13,7 +13,7 @@ from attn.kernel import onednn
 from attn.bench import layer as bench
 from attn.variants import base, fused, per_head
 from attn.variants.base import Options
-from conftest import randn, random_params
+from conftest import fresh_params, randn, random_params
 
 SHAPES = [  # B, T, S, H, G, K
     (2, 5, 5, 4, 4, 8),
@@ -86,13 +86,14 @@ def test_fused_implementations_agree_and_match_per_head(cross):
 
 def test_fused_default_impl_is_a_module_setting(monkeypatch):
   cfg = attn.HeadConfig(d_model=16, num_heads=2, d_k=4, d_v=6)
-  params = fused.init(jax.random.PRNGKey(0), cfg)
+  params = fresh_params("fused", cfg)
   x = randn(1, (1, 3, 16))
   assert fused.DEFAULT_IMPL == "auto"
-  fused.apply(params, x, cfg=cfg)  # d_v != d_k: auto falls back to the einsum kernel
+  # Compiled whole (a new trace each: DEFAULT_IMPL is read at trace time); op by op, each small op compiles alone.
+  jax.jit(lambda p, x: fused.apply(p, x, cfg=cfg))(params, x)  # d_v != d_k: auto falls back to the einsum kernel
   monkeypatch.setattr(fused, "DEFAULT_IMPL", "xla")
   with pytest.raises(ConfigError, match="impl=.xla."):
-    fused.apply(params, x, cfg=cfg)
+    jax.jit(lambda p, x: fused.apply(p, x, cfg=cfg))(params, x)
 
 
 def test_dense_is_a_matmul_over_leading_axes():

@@ -24,11 +24,11 @@ TINY = TINY_MQAR + """
 
 [train]
 steps = 7
-batch_size = 4
+batch_size = 2
 lr = 1e-2
 warmup_steps = 2
 eval_every = 2
-eval_batches = 2
+eval_batches = 1
 
 [sweep]
 seeds = [0, 1]
@@ -90,28 +90,49 @@ def _assert_same_trials(sw, out, ref):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """An uninterrupted run of TINY, sequential and vmapped."""
+  """An uninterrupted run of TINY, sequential and vmapped; .pruned: each checkpoint directory's listing
+  after each of its saves (what test_the_default_cadence_keeps_the_newest_two reads)."""
   root = tmp_path_factory.mktemp("reference")
   os.environ.setdefault("ATTN_JAX_CACHE", str(root / "jax_cache"))
 
-  class Runs(dict):  # each mode trained on first use, so the fast tier never trains the vmapped one
+  # Each mode trained on first use, so the fast tier trains only the vmapped one (one program for both seeds:
+  # fewer traces than one per trial; conftest's TINY_SWEEP program, which the other runner tests compile).
+  class Runs(dict):
+    pruned: dict[str, list[list[str]]] = {}
+
     def __missing__(self, vmap):
       sw = _load(root, TINY.replace("vmap_seeds = false", f"vmap_seeds = {str(vmap).lower()}"))
       self[vmap] = (sw, str(root / f"ref_vmap{vmap}"))
-      _run(sw, self[vmap][1])
+      original = checkpoints._prune
+
+      def prune(directory):  # called once each save has completed
+        original(directory)
+        self.pruned.setdefault(directory, []).append(sorted(os.listdir(directory)))
+      with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoints, "_prune", prune)
+        _run(sw, self[vmap][1])
       return self[vmap]
 
   return Runs()
 
 
+def test_the_default_cadence_keeps_the_newest_two(reference):
+  """At each evaluation (eval_every = 2) and the end, the newest two kept: read from the reference run."""
+  sw, out = reference[True]
+  for t in sw.trials:
+    directory = os.path.join(out, "trials", t.id, store.CHECKPOINTS)
+    assert reference.pruned[directory] == [["2"], ["2", "4"], ["4", "6"], ["6", "7"]]
+
+
+# All slow: the default's fast sibling is test_the_default_cadence_keeps_the_newest_two, on the reference run.
 @pytest.mark.parametrize("train, kept_after_each_save", [
-    ("", [[2], [2, 4], [4, 6], [6, 7]]),  # default: at each evaluation (eval_every = 2) and the end
+    pytest.param("", [[2], [2, 4], [4, 6], [6, 7]], marks=pytest.mark.slow),  # default: at each evaluation and the end
     pytest.param("checkpoint_every = 3\n", [[3], [3, 6], [6, 7]], marks=pytest.mark.slow),  # the default's fast
     pytest.param("checkpoint_every = 7\n", [[7]], marks=pytest.mark.slow),
     pytest.param("eval_every = 0\n", [[7]], marks=pytest.mark.slow),  # no evaluations before the end: the final only
 ])
 def test_checkpoint_cadence_keeps_the_newest_two(tmp_path, monkeypatch, train, kept_after_each_save):
-  text = TINY.replace("seeds = [0, 1]", "seeds = [0]").replace("eval_batches = 2\n", "eval_batches = 2\n" + train)
+  text = TINY.replace("seeds = [0, 1]", "seeds = [0]").replace("eval_batches = 1\n", "eval_batches = 1\n" + train)
   if "eval_every = 0" in train:
     text = text.replace("eval_every = 2\n", "")
   sw = _load(tmp_path, text)
@@ -134,7 +155,9 @@ def test_checkpoint_every_is_validated_and_left_out_of_the_trial_id(tmp_path):
     _load(tmp_path, overrides=["train.checkpoint_every=-1"])
 
 
-@pytest.mark.parametrize("vmap", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Sequential trials slow: the fast tier resumes the vmapped program (here and below) and a single trial, its rows
+# equal to the uninterrupted run's, in test_store_damage.py (a damaged summary, a torn row).
+@pytest.mark.parametrize("vmap", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_crashed_sweep_resumes_from_its_checkpoint_bit_for_bit(tmp_path, monkeypatch, reference, vmap):
   sw, ref = reference[vmap]
   out = str(tmp_path / "out")
@@ -167,20 +190,23 @@ def test_a_corrupt_checkpoint_is_reported_and_the_one_before_used(tmp_path, monk
   _assert_same_trials(sw, out, ref)
 
 
-@pytest.mark.parametrize("rows_moved", [False, True])
+# Rows still in the partial file (False): slow; the crashed sweep above resumes from partial rows in the fast tier.
+@pytest.mark.parametrize("rows_moved", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_an_unfinished_save_is_ignored_and_a_final_checkpoint_without_summary_is_redone(
     tmp_path, reference, rows_moved):
-  sw, ref = reference[False]
+  sw, ref = reference[True]
   out = str(tmp_path / "out")
   shutil.copytree(ref, out)
-  trial = os.path.join(out, "trials", sw.trials[0].id)
-  os.remove(os.path.join(trial, store.SUMMARY))  # killed after the final save, before the summary
-  if not rows_moved:  # ... and before Store.finish moved the rows into metrics.jsonl
-    os.replace(os.path.join(trial, store.METRICS), os.path.join(trial, store.PARTIAL))
-  os.makedirs(os.path.join(trial, store.CHECKPOINTS, "8" + checkpoints.TMP_SUFFIX))  # a killed save
+  trials = [os.path.join(out, "trials", t.id) for t in sw.trials]
+  for trial in trials:  # both seeds, so that they resume as the one program that trained them: bit for bit
+    os.remove(os.path.join(trial, store.SUMMARY))  # killed after the final save, before the summary
+    if not rows_moved:  # ... and before Store.finish moved the rows into metrics.jsonl
+      os.replace(os.path.join(trial, store.METRICS), os.path.join(trial, store.PARTIAL))
+    os.makedirs(os.path.join(trial, store.CHECKPOINTS, "8" + checkpoints.TMP_SUFFIX))  # a killed save
   log = _run(sw, out)
   assert "resumes at step 6" in log
-  assert sorted(os.listdir(os.path.join(trial, store.CHECKPOINTS))) == ["6", "7"]
+  for trial in trials:
+    assert sorted(os.listdir(os.path.join(trial, store.CHECKPOINTS))) == ["6", "7"]
   _assert_same_trials(sw, out, ref)
 
 
@@ -188,7 +214,7 @@ forward = nnx.jit(lambda model, tokens: model(tokens))  # one compile, not op by
 
 
 def test_load_trial_gives_the_model_whose_held_out_loss_is_the_summarys(reference):
-  sw, out = reference[False]
+  sw, out = reference[True]
   t = sw.trials[1]
   model, model_cfg, task = load_trial(out, t.id)
   assert model_cfg.d_model == 16 and model_cfg.vocab_size == 16 and isinstance(task, tasks.MQAR)
@@ -196,8 +222,8 @@ def test_load_trial_gives_the_model_whose_held_out_loss_is_the_summarys(referenc
 
   def held_out_loss(model):
     losses = []
-    for j in range(2):  # eval_batches
-      b = task.batch(t.config["train"]["seed"], tasks.EVAL, j, 4)  # batch_size
+    for j in range(1):  # eval_batches
+      b = task.batch(t.config["train"]["seed"], tasks.EVAL, j, 2)  # batch_size
       logp = jax.nn.log_softmax(np.asarray(forward(model, b["tokens"]), np.float64), axis=-1)
       nll = -np.take_along_axis(logp, b["targets"][..., None], axis=-1)[..., 0]
       losses.append((nll * b["weights"]).sum() / b["weights"].sum())
@@ -210,7 +236,7 @@ def test_load_trial_gives_the_model_whose_held_out_loss_is_the_summarys(referenc
 
 
 def test_load_trial_errors_name_what_is_known(reference, tmp_path):
-  sw, out = reference[False]
+  sw, out = reference[True]
   ids = [t.id for t in sw.trials]
   with pytest.raises(ConfigError, match=rf"trial_id='nope' is not allowed: one of the 2 trials .*{ids[0]}, {ids[1]}"):
     load_trial(out, "nope")

@@ -53,6 +53,13 @@ def test_demo_command_prints_every_variant(capsys):
   assert "Q5: 4 heads" in out
 
 
+def test_bad_flags_are_refused_with_a_clear_message(capsys):
+  assert cli.main(["demo", "--num-heads", "0"]) == 2  # in process: the command's own path to the message
+  err = capsys.readouterr().err
+  assert "num_heads=0 is not allowed" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a second interpreter (and its restart with mimalloc): fast sibling just above
 def test_bad_flags_exit_with_a_clear_message():
   r = subprocess.run([sys.executable, "-m", "attn", "demo", "--num-heads", "0"],
                      capture_output=True, text=True)

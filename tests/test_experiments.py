@@ -293,14 +293,16 @@ def test_tasks_are_deterministic_and_correct(tmp_path):
   assert (cb["tokens"][:, 1:] == cb["targets"][:, :-1]).all()
 
 
-# One task of each kind in the fast tier (a decoder on MQAR, a classifier, byte-level text); induction
-# (a decoder like MQAR) and after_marker (a classifier like marker_position) in the slow tier.
+# A classifier in the fast tier; a decoder is trained by tiny_sweep in the fast tier (its ok trials' rows are checked
+# the same way in test_nan_trial_fails_with_reason_and_sweep_goes_on), and byte-level text batches reach a decoder's
+# loss there too (test_start_loss.py's text case): mqar, induction, text (decoders like tiny_sweep's) and
+# after_marker (a classifier like marker_position) in the slow tier.
 @pytest.mark.parametrize("task", [
-    {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
+    pytest.param({"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2}, marks=pytest.mark.slow),
     pytest.param({"name": "induction", "vocab_size": 16, "seq_len": 12}, marks=pytest.mark.slow),
     {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
     pytest.param({"name": "after_marker", "vocab_size": 16, "seq_len": 12, "num_classes": 3}, marks=pytest.mark.slow),
-    {"name": "text", "seq_len": 12},
+    pytest.param({"name": "text", "seq_len": 12}, marks=pytest.mark.slow),
 ])
 def test_one_training_step_of_every_task(tmp_path, task):
   if task["name"] == "text":
@@ -351,7 +353,8 @@ def test_experiments_default_to_unit_token_embeddings(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory):
   root = tmp_path_factory.mktemp("sweep")
-  text = TINY.replace("num_layers = 2", "num_layers = 1")  # one block: half the compile, the same runner
+  # One block and two rows a batch: conftest's TINY_SWEEP programs (compiled once for the runner tests), the same runner.
+  text = TINY.replace("num_layers = 2", "num_layers = 1").replace("batch_size = 4", "batch_size = 2")
   path = write(root, text)
   os.environ.setdefault("ATTN_JAX_CACHE", str(root / "jax_cache"))
   sw = config_lib.load(path)
@@ -370,6 +373,9 @@ def test_nan_trial_fails_with_reason_and_sweep_goes_on(tiny_sweep):
       rows = store.read_rows(os.path.join(out, "trials", t.id, "metrics.jsonl"))
       assert s["status"] == "ok" and [r["step"] for r in rows] == [0, 1, 2]
       assert s["final"]["eval_loss"] == rows[-1]["eval_loss"]
+      for key in ("loss", "accuracy", "grad_norm", "param_norm", "update_norm", "step_time_s", "eval_loss"):
+        assert np.isfinite(rows[-1][key]), key
+      assert rows[-1]["update_norm"] > 0  # (step 0's is 0: warm-up starts at lr 0)
 
 
 def test_rerun_skips_finished_and_other_sweep_is_refused(tiny_sweep, tmp_path):

@@ -169,7 +169,12 @@ def test_a_packed_trials_parameters_equal_those_it_reaches_alone(tmp_path):
 
 
 def test_a_pack_leaves_a_trial_another_worker_holds(tmp_path, monkeypatch):
-  sw = _load(overrides=["train.checkpoint_every=5"])  # one save per trial, at the end: a faster test
+  # Three trials, each its own seed, learning rate and warm-up; the pack of the two left is the program of
+  # conftest's TINY_SWEEP (two seeds vmapped, two rows a batch) that the other runner tests compile: faster.
+  text = PACKED.replace('[sweep.grid]\nseed = [0, 1]\n[sweep.zip]\n"train.lr" = [1e-2, 3e-3]\n"train.warmup_steps" = [1, 3]',
+                        '[sweep.zip]\nseed = [0, 1, 2]\n"train.lr" = [1e-2, 3e-3, 1e-3]\n"train.warmup_steps" = [1, 3, 2]')
+  sw = _load(text, ["train.checkpoint_every=5", "train.batch_size=2"])  # one save per trial, at the end
+  assert len(sw.trials) == 3
   monkeypatch.setattr(sweep, "device_memory", lambda: (None, "unknown"))  # no memory check (tested above): faster
   out = str(tmp_path / "out")
   sweep.prepare(sw, out)
@@ -178,13 +183,13 @@ def test_a_pack_leaves_a_trial_another_worker_holds(tmp_path, monkeypatch):
   assert other.lease(held, 600.0, "other worker") is not None
   log = io.StringIO()
   counts = sweep.run_trials(out, stream=log)  # wait=False: the held one is left
-  assert counts["ok"] == 3 and counts.get("unfinished") == 1
+  assert counts["ok"] == 2 and counts.get("unfinished") == 1
   assert f"is held by" in log.getvalue()
   assert not os.path.exists(os.path.join(out, "trials", held, store.SUMMARY))
   assert not os.path.exists(os.path.join(out, "trials", held, store.PARTIAL))
   sizes = [store.read_json(os.path.join(out, "trials", t.id, store.SUMMARY))["group_size"]
            for t in sw.trials if t.id != held]
-  assert sizes == [3, 3, 3]
+  assert sizes == [2, 2]
   other.release(held)
   other.close()
   # Each member of the pack (two learning rates, two seeds) got its own schedule, data and init:

@@ -24,6 +24,7 @@ from attn.analysis import attention_stats
 from attn.analysis.sentence import cosine, key_mass, mean_pool, roc_auc, slice_share, spearman
 from attn.config import ConfigError
 from attn.experiments.data import sentences as sentences_lib
+from conftest import fresh_params
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,16 +82,12 @@ def test_key_mass_matches_first_mass_and_a_loop():
 
 def test_slice_share_is_one_for_split_input_and_matches_a_loop():
   cfg = attn.HeadConfig(d_model=12, num_heads=3, d_k=2)
-  split = attn.convert(attn.init("split_input", jax_key(0), cfg), "split_input", "per_head", cfg)
+  # numpy-drawn weights (conftest): attn.init would compile an initialiser per shape
+  split = attn.convert(fresh_params("split_input", cfg, seed=0), "split_input", "per_head", cfg)
   np.testing.assert_allclose(slice_share(split["w_q"]), 1.0, atol=1e-6)
-  w = np.asarray(attn.init("per_head", jax_key(1), cfg)["w_k"])
+  w = np.asarray(fresh_params("per_head", cfg, seed=1)["w_k"])
   loop = [(w[4 * h:4 * h + 4, h] ** 2).sum() / (w[:, h] ** 2).sum() for h in range(3)]
   np.testing.assert_allclose(slice_share(w), loop, atol=1e-12)
-
-
-def jax_key(seed):
-  import jax
-  return jax.random.PRNGKey(seed)
 
 
 def test_sentences_are_prose_and_pairs_cross_topics():

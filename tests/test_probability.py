@@ -13,7 +13,7 @@ from attn import ConfigError, HeadConfig, count, kernel
 from attn.kernel import probability
 from attn.variants import cache, mechanisms
 from attn.nn.config import ModelConfig
-from conftest import randn
+from conftest import fresh_params, randn
 
 SHAPES = {  # B, T, S, H, G, K, V, block_q, block_k: lengths not multiples of the blocks, G < H, V != K
     "self": (2, 13, 13, 4, 2, 6, 5, 3, 5),
@@ -216,7 +216,7 @@ def test_a_decoded_token_equals_the_full_forward(variant, prob):
   """Token by token through a KV cache (a window ring), gate and softcap on: the causal forward."""
   cfg = CFG.replace(probability=prob)
   v = attn.get_variant(variant)
-  params = attn.init(v, jax.random.key(0), cfg)
+  params = fresh_params(variant, cfg)  # numpy-drawn: attn.init would compile an initialiser per shape
   x = randn(10, (2, 6, cfg.d_model))
   full = jax.jit(lambda p, x: attn.apply(v, p, x, cfg=cfg, is_causal=True))(params, x)
   step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))

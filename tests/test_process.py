@@ -148,7 +148,8 @@ def test_no_reexec_outside_keep_or_twice(monkeypatch):
   assert exe == sys.executable and argv == sys.orig_argv and env["LD_PRELOAD"].startswith("/lib/libmimalloc.so")
 
 
-@pytest.mark.parametrize("console", [False, True])
+# The console script fast; `python -m attn` slow (its refusal path is the fast XLA_FLAGS case's below).
+@pytest.mark.parametrize("console", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_an_unknown_host_malloc_is_refused_by_name_before_anything_runs(console):
   if console and not CONSOLE.exists():
     pytest.skip(f"no attn console script beside {sys.executable}")

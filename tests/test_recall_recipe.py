@@ -20,6 +20,7 @@ from attn.experiments.data import curriculum, tasks
 from attn.experiments.training import train as train_lib
 from attn.nn import DecoderLM, ModelConfig
 from attn.nn import short_conv
+from conftest import randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,11 +61,13 @@ def test_the_train_loop_draws_each_stage_and_compiles_once_per_length(monkeypatc
   drawn, real = [], curriculum.train_task
   monkeypatch.setattr(curriculum, "train_task", lambda task, t, steps: drawn.append(real(task, t, steps).seq_len)
                       or real(task, t, steps))
-  cfg = {"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2, "curriculum": [6, 12]},
-         "model": {"d_model": 8, "num_layers": 1, "num_heads": 2, "d_ff": 8, "short_conv": 2},
-         "train": {"steps": 2, "batch_size": 2, "eval_every": 0, "eval_batches": 1}}
-  task = tasks.make_task(cfg["task"])
-  cfg["model"] = train_lib.model_config(cfg["model"], task).to_dict()
+  from attn.experiments.running import config as config_lib
+  # conftest's TINY_MQAR at two rows a batch: its full-length step and evaluation are the programs the runner
+  # tests compile; only the short stage's step is new here.
+  cfg = config_lib.resolve({"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2,
+                                     "curriculum": [6, 12]},
+                            "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 16},
+                            "train": {"steps": 2, "batch_size": 2, "eval_every": 0, "eval_batches": 1}}, [], None)
   rows = []
   out = train_lib.train_group([cfg], lambda i, row: rows.append(row))
   assert out[0]["status"] == "ok" and [r["step"] for r in rows] == [0, 1]
@@ -90,28 +93,33 @@ def test_a_convolution_width_below_one_is_refused(width):
     ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8, short_conv=width)
 
 
+# The model of the convolution's tests below: one config, so that its initialisers compile once. Untied: the
+# token table's gradient then comes from the input side only.
+CONV_CFG = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=3, d_ff=16, d_k=4, d_v=5, num_kv_heads=1,
+                       variant="merged", max_len=8, short_conv=3, tie_embeddings=False)  # merged: not per_head
+
+
 def test_the_convolution_is_causal_through_gradients():
   W, T = 3, 7
-  w_WD = jax.random.normal(jax.random.key(0), (W, 5)) + 1.0  # every tap nonzero
-  x_BTD = jax.random.normal(jax.random.key(1), (2, T, 5))
+  w_WD = randn(0, (W, 5)) + 1.0  # every tap nonzero
+  x_BTD = randn(1, (2, T, 5))
   # Compiled whole (here and below): op by op, each small op of the Jacobian and the model compiles alone.
   J = jax.jit(jax.jacobian(lambda x: short_conv.causal_conv(w_WD, jnp.zeros(5), x)[0]))(x_BTD)  # (B,T,D,B,T,D)
   reach = np.abs(np.asarray(J)).sum(axis=(0, 2, 3, 5))  # (t, s): how much y[t] moves with x[s]
   t, s = np.indices((T, T))
   assert np.all(reach[s > t] == 0) and np.all(reach[s < t - W + 1] == 0)
   assert np.all(reach[(s <= t) & (s > t - W)] > 0)
-  model = DecoderLM(ModelConfig(vocab_size=11, d_model=12, num_layers=1, num_heads=3, d_ff=8, d_k=4, d_v=5,
-                                num_kv_heads=1, variant="merged", max_len=9, short_conv=W, tie_embeddings=False),
-                    rngs=nnx.Rngs(2))
-  tokens = jnp.asarray([[1, 2, 3, 1, 4, 5, 6, 7, 8]], jnp.int32)
+  assert CONV_CFG.short_conv == W
+  model = DecoderLM(CONV_CFG, rngs=nnx.Rngs(2))
+  tokens = jnp.asarray([[1, 2, 3, 1, 4, 5, 6, 7]], jnp.int32)
   g = np.asarray(nnx.jit(nnx.grad(lambda m: m(tokens)[0, 4].sum()))(model).embed.token[...])  # the token table's rows
-  assert np.all(g[[0, 5, 6, 7, 8, 9, 10]] == 0)  # tokens only after position 4 (or absent): no gradient
+  assert np.all(g[[0, 5, 6, 7, 8, 9, 10, 11, 12]] == 0)  # tokens only after position 4 (or absent): no gradient
   assert np.all(np.abs(g[[1, 2, 3, 4]]).sum(axis=1) > 0)
 
 
 def test_the_convolution_state_carries_across_chunks():
-  w_WD, b_D = jax.random.normal(jax.random.key(0), (4, 6)), jax.random.normal(jax.random.key(1), (6,))
-  x_BTD = jax.random.normal(jax.random.key(2), (2, 9, 6))
+  w_WD, b_D = randn(0, (4, 6)), randn(1, (6,))
+  x_BTD = randn(2, (2, 9, 6))
   conv = jax.jit(short_conv.causal_conv)
   full = conv(w_WD, b_D, x_BTD)[0]
   state, outs, i = None, [], 0
@@ -123,9 +131,7 @@ def test_the_convolution_state_carries_across_chunks():
 
 
 def test_cached_decoding_with_the_convolution_equals_the_full_pass():
-  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=2, num_heads=3, d_ff=16, d_k=4, d_v=5, num_kv_heads=1,
-                    variant="merged", max_len=8, short_conv=3)  # merged: a variant other than per_head
-  model = DecoderLM(cfg, rngs=nnx.Rngs(1))
+  model = DecoderLM(CONV_CFG, rngs=nnx.Rngs(1))
   tokens_BT = jnp.asarray(np.random.default_rng(5).integers(0, 13, (2, 5)), jnp.int32)
   full = nnx.jit(lambda m, t: m(t))(model, tokens_BT)
   model.init_cache(2, 6)
@@ -135,12 +141,12 @@ def test_cached_decoding_with_the_convolution_equals_the_full_pass():
 
 
 def test_the_convolution_parameters_are_counted():
-  cfg = ModelConfig(vocab_size=13, d_model=12, num_layers=3, num_heads=3, d_ff=16, variant="per_head", max_len=10,
-                    short_conv=4)
+  cfg = CONV_CFG
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert stored == model_param_count(cfg, "decoder_lm")
-  assert stored - model_param_count(cfg.replace(short_conv=None), "decoder_lm") == 3 * (4 + 1) * 12
+  # per layer: a width-3 filter and a bias over d_model = 12
+  assert stored - model_param_count(cfg.replace(short_conv=None), "decoder_lm") == 2 * (3 + 1) * 12
 
 
 def test_the_recipe_configs_hold_what_their_write_up_says():

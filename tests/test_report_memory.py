@@ -92,6 +92,8 @@ def test_a_case_sweeps_group_table_says_what_each_case_trained(tmp_path, monkeyp
 
 def test_the_plot_caption_holds_fixed_only_what_the_config_chose_and_names_each_cases_settings(tmp_path, monkeypatch):
   pytest.importorskip("matplotlib")
+  from matplotlib.figure import Figure
+  monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: None)  # the captions only: nothing rendered
   notes = []
   real = plots._caption
   monkeypatch.setattr(plots, "_caption", lambda fig, text: (notes.append(text), real(fig, text)))

@@ -100,7 +100,8 @@ def test_a_damaged_header_or_config_is_refused_by_path(copy, capsys, how, which)
   assert _snapshot(d) == before  # nothing written, nothing rewritten
 
 
-@pytest.mark.parametrize("how", sorted(DAMAGES))
+# One damage in the fast tier: both are one failed parse (the header and config test runs both fast).
+@pytest.mark.parametrize("how", [pytest.param(h, marks=pytest.mark.slow if h == "garbage" else ()) for h in sorted(DAMAGES)])
 def test_a_damaged_summary_is_shown_then_re_run_from_its_checkpoint(copy, capsys, how):
   path, d, tid = copy
   trial = os.path.join(d, "trials", tid)
