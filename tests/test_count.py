@@ -124,7 +124,8 @@ def test_effective_count_is_the_rank_of_the_jacobian(name, cfg):
   attn.testing.check_effective_count(name, cfg)
 
 
-@pytest.mark.parametrize("name", variant_params(WEIGHTED))
+# Fast: per_head (D·(H + G)·K, fused's formula too) and merged (H·D²); fused and the others slow.
+@pytest.mark.parametrize("name", variant_params(WEIGHTED, fast=("merged", "per_head")))
 def test_score_weights_are_the_weights_the_logits_depend_on(name):
   cfg = for_variant(name, HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, collab_width=7))
   params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 3)
@@ -175,7 +176,10 @@ def test_kv_cache_mha_gqa_mqa():
 # A variant with a cache of its own (kv_cache_elements: compressed's window, pooled entries and pending
 # block) grows by other than its kernel's columns per token; tests/test_compressed.py checks that cache
 # against the arrays it holds after each length.
-@pytest.mark.parametrize("name", variant_params([n for n in WEIGHTED if attn.VARIANTS[n].kv_cache_elements is None]))
+# Fast: per_head (G·(K + V), fused's formula too) and merged (the raw context and values); fused and the
+# others slow.
+@pytest.mark.parametrize("name", variant_params([n for n in WEIGHTED if attn.VARIANTS[n].kv_cache_elements is None],
+                                                fast=("merged", "per_head")))
 def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypatch):
   # The distinct key and value columns the kernel receives in the variant's decode form
   # (decode_apply, else apply) = what a decoder must cache. A column repeated (a kv head shared
