@@ -15,7 +15,7 @@ SHIPPED = sorted(n[:-5] for n in os.listdir(os.path.join(ROOT, "configs"))
 
 # The configs whose trials take seconds to resolve (parameter budgets fitted per trial) run in the
 # slow tier; every other shipped config is checked in the fast tier.
-SLOW_TO_LOAD = ("kv_cache_frontier", "recall_vs_state", "todays_mechanisms")
+SLOW_TO_LOAD = ("kv_cache_frontier", "recall_vs_state", "selected_keys_text", "shared_kv", "todays_mechanisms")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_TO_LOAD else ())
