@@ -62,7 +62,7 @@ def _pairs(configs, fast=None):
       attn.api.check_config(v, configs["base"])
     except attn.ConfigError:
       continue  # a variant that refuses the config by design: nothing to compare
-    pairs.append(pytest.param("base", v, marks=tier(v)))
+    pairs.append(pytest.param("base", v, marks=tier(v) if fast is None else pytest.mark.slow))
   return pairs
 
 
@@ -109,8 +109,9 @@ def test_from_flax_matches_flax_outputs(name):
   _assert_pairs(_flax_and_ours(mha, "per_head", cfg, params, x, c, masks))
 
 
-# Fast: per_head and fused at G < H with h not dividing d_model, per_head without biases, merged (its
-# conversion through per_head); the plain config's per_head and fused and fused without biases slow.
+# Fast: per_head and fused at G < H with h not dividing d_model, per_head without biases; the plain config's
+# per_head and fused, fused without biases and the other variants (each through its exact conversion to or
+# from per_head, which test_convert runs fast) slow.
 FLAX_FAST = {("gqa_h_not_dividing_D", "per_head"), ("gqa_h_not_dividing_D", "fused"), ("mqa_nobias", "per_head")}
 
 
