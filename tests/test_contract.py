@@ -23,16 +23,17 @@ from conftest import CONFIGS, ROPE_CONFIGS, randn, random_params, variant_params
 B, T, S = 2, 5, 7
 
 
-# The fast tier runs the kit on the variants whose code no other fast test runs whole: per_head (the softmax
-# core, every mechanism at once), mla (a latent, cached as keys and values) and talking_heads (heads mixed
-# across the scores). The others run it in the slow tier; each keeps fast identities of its own: the contract
-# matrix and counts (fused, merged, collaborative, split_input, two_stage: conftest.FAST_VARIANTS; merged also
-# the exact per_head -> merged conversion, test_convert), a naive loop or a second form (differential and tpa:
+# The fast tier runs the kit on per_head (the softmax core, every mechanism at once) and talking_heads (heads
+# mixed across the scores: no other fast test mixes them with anything but the identity). The others run it
+# in the slow tier; each keeps fast identities of its own: the contract matrix and counts (fused, merged,
+# collaborative, split_input, two_stage: conftest.FAST_VARIANTS; merged also the exact per_head -> merged
+# conversion, test_convert), mla its exact conversion to per_head under RoPE with G < H and d_v != d_k
+# (outputs, weights and gradients, test_convert), a naive loop or a second form (differential and tpa:
 # test_new_variants; compressed: test_compressed; compressed_shared: test_compressed_shared; k_eq_v and
 # grouped_lowrank: test_head_layouts; gla: test_gla), the fixed-state heads their chunked and recurrent forms
 # against the loop and a chunk continued from a state (kda, gated_deltanet, linear, mamba2: test_linear_core,
 # test_linear_variants) and decoding inside a hybrid model (gated_deltanet: test_hybrid_layers).
-KIT_FAST = ("mla", "per_head", "talking_heads")
+KIT_FAST = ("per_head", "talking_heads")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in KIT_FAST else pytest.mark.slow)

@@ -94,9 +94,11 @@ EXACT_CASES = [pytest.param(s, d, c, id=f"{s}->{d}-{c}", marks=_marks(s, d, c))
 EXACT_CASES += [pytest.param(s, d, c, id=f"{s}->{d}-{c}",
                              marks=() if (s, d, c) in COMPOSED_FAST else pytest.mark.slow)
                 for s, d in COMPOSED for c in ("gqa", "mqa_nobias")]
-# Under RoPE every conversion between variants that have it stays exact; one fast case.
+# Under RoPE every conversion between variants that have it stays exact; fast: two_stage -> per_head and
+# mla -> per_head (mla's own random latents: its one fast check of outputs, weights and gradients).
 EXACT_CASES += [pytest.param(s, d, c, id=f"{s}->{d}-{c}",
-                             marks=() if (s, d, c) == ("two_stage", "per_head", "rope_gqa")
+                             marks=() if (s, d, c) in (("two_stage", "per_head", "rope_gqa"),
+                                                       ("mla", "per_head", "rope_gqa"))
                              else pytest.mark.slow)
                 for s, d in DIRECT + NEWER + COMPOSED + [("per_head", "fused"),
                                                          ("fused", "per_head")]
