@@ -78,9 +78,17 @@ FAST_VARIANTS = ("fused", "merged", "per_head")
 MATRIX_VARIANTS = ("collaborative", "fused", "merged", "per_head", "split_input", "two_stage")
 
 
+# The configs a fast variant other than per_head runs in the fast tier: the two most awkward (fewer kv
+# heads than query heads, d_v != d_k). per_head runs every awkward config there; the slow tier runs all.
+FAST_CONFIGS = ("dv_ne_dk", "gqa")
+
+
 def tier(variant: str, cname: str | None = None):
-  """Marks of one generic case: slow for a plain config or a variant outside FAST_VARIANTS."""
-  return pytest.mark.slow if cname in PLAIN_CONFIGS or variant not in FAST_VARIANTS else ()
+  """Marks of one generic case: slow for a plain config, a variant outside FAST_VARIANTS, or a config
+  outside FAST_CONFIGS for a variant other than per_head."""
+  slow = (cname in PLAIN_CONFIGS or variant not in FAST_VARIANTS
+          or (cname is not None and variant != "per_head" and cname not in FAST_CONFIGS))
+  return pytest.mark.slow if slow else ()
 
 
 def in_matrix(variant: str, cname: str) -> bool:
@@ -94,9 +102,11 @@ def for_variant(name: str, cfg: HeadConfig) -> HeadConfig:
   return cfg.replace(d_v=cfg.d_k) if name in ("k_eq_v", "compressed_shared") else cfg
 
 
-def variant_params(names=None):
-  """pytest params over attn.VARIANTS (or names), each in its tier."""
-  return [pytest.param(n, marks=tier(n), id=n) for n in sorted(names or attn.VARIANTS)]
+def variant_params(names=None, fast=FAST_VARIANTS):
+  """pytest params over attn.VARIANTS (or names), each in its tier; fast: the variants (of
+  FAST_VARIANTS) that run in the fast tier, for a property no variant's own code can break alone."""
+  return [pytest.param(n, marks=tier(n) or (() if n in fast else pytest.mark.slow), id=n)
+          for n in sorted(names or attn.VARIANTS)]
 
 
 @pytest.fixture(params=sorted(CONFIGS), ids=sorted(CONFIGS))

@@ -23,15 +23,17 @@ from conftest import CONFIGS, ROPE_CONFIGS, randn, random_params, variant_params
 B, T, S = 2, 5, 7
 
 
-# The fast tier runs the kit on one variant of each path it checks: per_head (the softmax core), merged
-# (W_Q·W_Kᵀ in place of two projections), mla (a latent), talking_heads (heads mixed across the scores),
-# kda and gated_deltanet (the fixed-state heads: their decoding and state cache). The others run it in the
-# slow tier; each keeps fast identities of its own: the contract matrix and counts (fused, collaborative,
-# split_input, two_stage: conftest.FAST_VARIANTS), a naive loop or a second form (differential and tpa:
+# The fast tier runs the kit on per_head (the softmax core, every mechanism at once) and talking_heads (heads
+# mixed across the scores: no other fast test mixes them with anything but the identity). The others run it
+# in the slow tier; each keeps fast identities of its own: the contract matrix and counts (fused, merged,
+# collaborative, split_input, two_stage: conftest.FAST_VARIANTS; merged also the exact per_head -> merged
+# conversion, test_convert), mla its exact conversion to per_head under RoPE with G < H and d_v != d_k
+# (outputs, weights and gradients, test_convert), a naive loop or a second form (differential and tpa:
 # test_new_variants; compressed: test_compressed; compressed_shared: test_compressed_shared; k_eq_v and
-# grouped_lowrank: test_head_layouts; gla: test_gla), the chunked and recurrent forms against the loop
-# (linear and mamba2: test_linear_core, test_linear_variants).
-KIT_FAST = ("gated_deltanet", "kda", "merged", "mla", "per_head", "talking_heads")
+# grouped_lowrank: test_head_layouts; gla: test_gla), the fixed-state heads their chunked and recurrent forms
+# against the loop and a chunk continued from a state (kda, gated_deltanet, linear, mamba2: test_linear_core,
+# test_linear_variants) and decoding inside a hybrid model (gated_deltanet: test_hybrid_layers).
+KIT_FAST = ("per_head", "talking_heads")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in KIT_FAST else pytest.mark.slow)
@@ -90,7 +92,7 @@ def test_every_variant_has_a_case_and_refuses_the_rest():
           attn.init(name, jax.random.PRNGKey(0), cfg)
 
 
-@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("variant", variant_params(fast=("per_head",)))  # attn.init's; every variant slow
 def test_init_is_deterministic(variant):
   cfg = CONFIGS["gqa" if variant not in ("k_eq_v", "compressed_shared") else "mqa_nobias"]  # d_v = d_k
   p1 = attn.init(variant, jax.random.PRNGKey(1), cfg)
@@ -159,7 +161,7 @@ def test_head_mask_gradient_is_each_heads_contribution(variant, cname):
   np.testing.assert_allclose(grad_H, f_H[:H] - f_H[H], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("variant", variant_params(fast=("per_head",)))  # attn.apply's checks; the rest slow
 def test_bad_inputs_are_clear_errors(variant):
   cfg = CONFIGS["base"]
   params = attn.init(variant, jax.random.PRNGKey(0), cfg)

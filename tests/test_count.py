@@ -4,6 +4,9 @@ Published numbers are written here from their sources (Hugging Face checkpoints,
 Vaswani et al. 2017 Table 3), not taken from attn.count.presets.
 """
 
+import contextlib
+import functools
+import io
 import json
 import math
 import pathlib
@@ -21,7 +24,7 @@ from attn.count import presets
 from attn.nn import models
 from attn.variants import VARIANTS
 from attn.nn.config import ModelConfig
-from conftest import CONFIGS, for_variant, random_params, tier, variant_params
+from conftest import CONFIGS, for_variant, randn, random_params, tier, variant_params
 
 
 def random_configs(n: int, seed: int = 0) -> list[HeadConfig]:
@@ -73,7 +76,7 @@ def test_analytic_equals_stored_and_effective_at_most_stored(name):
       continue
     assert 0 < c["effective"] <= c["stored"], cfg
   # "stored" is read from shapes; the arrays attn.init really makes agree.
-  params = attn.init(name, jax.random.PRNGKey(0), configs[-1])
+  params = jax.jit(attn.init, static_argnums=(0, 2))(name, jax.random.PRNGKey(0), configs[-1])  # one compile
   assert count.param_counts(name, configs[-1])["stored"] == sum(a.size for a in params.values())
 
 
@@ -127,9 +130,8 @@ def test_effective_count_is_the_rank_of_the_jacobian(name, cfg):
 @pytest.mark.parametrize("name", variant_params(WEIGHTED))
 def test_score_weights_are_the_weights_the_logits_depend_on(name):
   cfg = for_variant(name, HeadConfig(d_model=12, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, collab_width=7))
-  params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 3)
-  x_BTD = jax.random.normal(jax.random.PRNGKey(4), (2, 5, cfg.d_model))
-  r_BHTS = jax.random.normal(jax.random.PRNGKey(5), (2, 4, 5, 5))
+  params = random_params({n: np.zeros(s, np.float32) for n, s in attn.param_shapes(name, cfg).items()}, 3)
+  x_BTD, r_BHTS = randn(4, (2, 5, cfg.d_model)), randn(5, (2, 4, 5, 5))  # numpy draws: no compile
   opts = attn.api.Options(return_weights=True)
   loss = lambda p: (attn.VARIANTS[name].apply(p, x_BTD, None, cfg=cfg, opts=opts)[1]
                     * r_BHTS).sum()
@@ -185,24 +187,30 @@ def test_kv_cache_width_is_what_the_kernel_reads_from_the_context(name, monkeypa
   # variant that mixes explicit logits (talking_heads). A variant whose kernel reads keys and values
   # rebuilt from what it caches (cache_entries without decode_apply: tpa's factors) is read there.
   cfg = for_variant(name, HeadConfig(d_model=12, num_heads=6, d_k=3, d_v=5, num_kv_heads=3, collab_width=7))
-  seen = []
+  traced = []  # the kernel's key and value arguments, as traced inside one jitted call
 
   def spy(fn, *read):
     def wrapped(*args, **kwargs):
-      seen.extend(np.asarray(args[i]) for i in read)
+      traced.extend(args[i] for i in read)
       return fn(*args, **kwargs)
     return wrapped
 
   for fn_name, read in (("attention", (1, 2)), ("scores", (1,)), ("weighted_sum", (1,))):
     monkeypatch.setattr(kernel, fn_name, spy(getattr(kernel, fn_name), *read))
-  params = random_params(attn.init(name, jax.random.PRNGKey(0), cfg), 1)
+  params = random_params({n: np.zeros(s, np.float32) for n, s in attn.param_shapes(name, cfg).items()}, 1)
   v = attn.VARIANTS[name]
-  x_BTD = jax.random.normal(jax.random.PRNGKey(1), (1, 4, 12))
-  if v.cache_entries is not None and v.decode_apply is None:
-    opts = attn.api.Options(qk_positions=(jnp.arange(4), jnp.arange(4)))
-    seen.extend(np.asarray(a) for a in v.cache_entries(params, x_BTD, cfg=cfg, opts=opts).values())
-  else:
+  x_BTD = randn(1, (1, 4, 12))
+
+  @jax.jit  # one compile; the arguments the spies saw come back as its outputs
+  def kernel_inputs(params, x_BTD):
+    traced.clear()
+    if v.cache_entries is not None and v.decode_apply is None:
+      opts = attn.api.Options(qk_positions=(jnp.arange(4), jnp.arange(4)))
+      return list(v.cache_entries(params, x_BTD, cfg=cfg, opts=opts).values())
     (v.decode_apply or v.apply)(params, x_BTD, cfg=cfg)
+    return list(traced)
+
+  seen = [np.asarray(a) for a in kernel_inputs(params, x_BTD)]
   assert seen, "the variant did not call attn.kernel"
   columns = []
   for a_BSGW in seen:
@@ -410,6 +418,16 @@ def run_cli(capsys, *argv):
   return code, out.out, out.err
 
 
+@functools.lru_cache(maxsize=None)
+def printed(*argv) -> tuple[int, str]:
+  """(exit code, stdout) of `attn count ARGV`, run once for the tests that read the same table (the
+  command is deterministic: the seed question's and Table 3's tables are checked here and in the docs)."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    code = cli.main(["count", *argv])
+  return code, out.getvalue()
+
+
 def md_rows(text: str) -> dict[str, list[str]]:
   rows = {}
   for line in text.splitlines():
@@ -419,8 +437,8 @@ def md_rows(text: str) -> dict[str, list[str]]:
   return rows
 
 
-def test_cli_markdown_seed_question(capsys):
-  code, out, _ = run_cli(capsys, "--d-model", "512", "--num-heads", "8", "--d-k", "64")
+def test_cli_markdown_seed_question():
+  code, out = printed("--d-model", "512", "--num-heads", "8", "--d-k", "64")
   assert code == 0
   rows = md_rows(out)
   assert set(attn.VARIANTS) <= set(rows)
@@ -456,7 +474,7 @@ def test_cli_published_group(capsys):
 
 
 def test_cli_table3(capsys):
-  code, out, _ = run_cli(capsys, "--preset", "vaswani-table3")
+  code, out = printed("--preset", "vaswani-table3")
   assert code == 0
   rows = md_rows(out)
   assert rows["big"][-1] == "**no**"
@@ -490,13 +508,13 @@ def test_cli_variant_that_refuses_the_config_says_why(capsys):
 
 
 @pytest.mark.parametrize("doc", ["experiments/parameter_counts/README.md"])
-def test_doc_tables_are_what_the_command_prints(capsys, doc):
+def test_doc_tables_are_what_the_command_prints(doc):
   # scripts/count_tables.py writes these blocks; here each is checked against the CLI itself.
   text = (pathlib.Path(__file__).parents[1] / doc).read_text()
   blocks = re.findall(r"<!-- attn count (.*?) -->\n(.*?)<!-- /attn count -->", text, flags=re.S)
   assert blocks, doc
   for args, body in blocks:
-    code, out, _ = run_cli(capsys, *args.split())
+    code, out = printed(*args.split())
     assert code == 0
     chunks = [c for c in out.strip().split("\n\n") if not c.startswith("One attention layer")]
     assert chunks and body.strip() == "\n\n".join(chunks).strip(), args

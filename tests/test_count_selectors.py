@@ -25,6 +25,14 @@ def _randn(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
+def _params(cfg, keep=lambda name: True, seed=0):
+  """Random per_head params of cfg (those keep names), drawn with numpy from the shapes: attn.init run
+  eagerly would compile each of its operations (the counts and masks here do not depend on the values)."""
+  rng = np.random.default_rng(seed)
+  return {n: jnp.asarray(0.3 * rng.standard_normal(s).astype(np.float32))
+          for n, s in sorted(api.param_shapes("per_head", cfg).items()) if keep(n)}
+
+
 def _close(closed, xla):
   assert closed <= xla <= (1 + TOL) * closed, (closed, xla)
 
@@ -38,7 +46,7 @@ def test_moba_gate_flops_against_xla():
 
 def test_indexer_flops_against_xla():
   cfg = CFG.replace(extra={"indexer": {"heads": 4, "head_dim": 16, "top_k": 8}})
-  p = {n: a for n, a in api.init("per_head", jax.random.key(0), cfg).items() if n.startswith("w_i")}
+  p = _params(cfg, lambda n: n.startswith("w_i"))
   q, k = _randn(0, (1, T, 4, 64)), _randn(1, (1, T, 2, 64))
   xla = measured.xla_flops(lambda p, q, k: select.index_scores(*selection.index_inputs(p, q, k, cfg)), p, q, k)
   _close(selectors.selector_flops(cfg, T), xla)
@@ -49,8 +57,7 @@ def test_nsa_selector_and_compressed_branch_flops_against_xla():
   cfg = CFG.replace(extra={"nsa": {"compress_block": 8, "compress_stride": 4, "select_block": 8,
                                    "select_count": 2, "window": 8}})
   o = nsa.options(cfg)
-  p = {n: a for n, a in api.init("per_head", jax.random.key(0), cfg).items()
-       if n in ("w_gate", "b_gate", "w_compress_k", "w_compress_v")}
+  p = _params(cfg, lambda n: n in ("w_gate", "b_gate", "w_compress_k", "w_compress_v"))
   x, q = _randn(0, (1, T, 64)), _randn(1, (1, T, 4, 64))
   k, v = _randn(2, (1, T, 2, 64)), _randn(3, (1, T, 2, 48))
   band = tuple(map(jnp.asarray, cmp.overlaps(T, 8, 4, 8)))
@@ -89,7 +96,7 @@ def test_nsa_keys_are_the_pairs_its_masks_keep(opts):
   """nsa.keys (closed form) against the dense path's own masks at T = 47 (not a multiple of a block)."""
   Tn = 47
   cfg = CFG.replace(extra={"nsa": opts})
-  p = api.init("per_head", jax.random.key(1), cfg)
+  p = _params(cfg, seed=1)
   q, k, v = _randn(0, (1, Tn, 4, 64)), _randn(1, (1, Tn, 2, 64)), _randn(2, (1, Tn, 2, 48))
   w = jax.jit(lambda q, k, v: nsa.branches(p, q, k, v, cfg=cfg, is_causal=True, return_weights=True)[3])(q, k, v)
   got = nsa.keys(cfg, Tn)

@@ -18,6 +18,7 @@ from attn.config import ConfigError, HeadConfig
 from attn.conversion import LossyConversionWarning, convert
 from attn.count import measured
 from attn.testing import check_variant
+from conftest import jit_apply
 
 KEQV = HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=4, num_kv_heads=2, rope_dim=2, rope_theta=100.0)
 GROUPED = HeadConfig(d_model=20, num_heads=6, d_k=5, d_v=3, num_kv_heads=2, o_groups=3, o_rank=2,
@@ -63,19 +64,19 @@ def _keqv_numpy(p, x, cfg, causal):
 def test_k_eq_v_equals_a_loop_over_heads(norm):
   cfg = KEQV.replace(rope_dim=0, value_norm_eps=norm)
   p, x = _params("k_eq_v", cfg, 0), _x(1, (2, 5, cfg.d_model))
-  y = attn.apply("k_eq_v", p, x, cfg=cfg, is_causal=True)
+  y = jit_apply("k_eq_v", p, x, cfg=cfg, is_causal=True)
   np.testing.assert_allclose(y, _keqv_numpy(p, x, cfg, True), rtol=1e-4, atol=1e-4)
 
 
 def test_k_eq_v_value_norm_changes_the_layer():
   cfg = KEQV.replace(num_kv_heads=1, use_bias=False)
   p, x = _params("k_eq_v", cfg, 2), _x(3, (2, 6, cfg.d_model))
-  y = attn.apply("k_eq_v", p, x, cfg=cfg)
-  y_norm = attn.apply("k_eq_v", p, x, cfg=cfg.replace(value_norm_eps=1e-6))
+  y = jit_apply("k_eq_v", p, x, cfg=cfg)
+  y_norm = jit_apply("k_eq_v", p, x, cfg=cfg.replace(value_norm_eps=1e-6))
   assert float(jnp.abs(y - y_norm).max()) > 1e-2
 
 
-@pytest.mark.parametrize("dst", ["per_head", "fused"])
+@pytest.mark.parametrize("dst", ["per_head", pytest.param("fused", marks=pytest.mark.slow)])  # fused: through per_head
 def test_k_eq_v_converts_exactly_with_rope(dst):
   """Values are the un-rotated keys: per_head, which never rotates values, computes the same."""
   p, x = _params("k_eq_v", KEQV, 4), _x(5, (2, 7, KEQV.d_model))
@@ -84,8 +85,8 @@ def test_k_eq_v_converts_exactly_with_rope(dst):
     q, err = convert(p, "k_eq_v", dst, KEQV, return_error=True)
   assert err == 0.0
   pos = jnp.asarray(np.random.default_rng(6).integers(0, 40, (2, 7)))
-  y = attn.apply("k_eq_v", p, x, cfg=KEQV, is_causal=True, positions=pos)
-  np.testing.assert_allclose(attn.apply(dst, q, x, cfg=KEQV, is_causal=True, positions=pos), y,
+  y = jit_apply("k_eq_v", p, x, cfg=KEQV, is_causal=True, positions=pos)
+  np.testing.assert_allclose(jit_apply(dst, q, x, cfg=KEQV, is_causal=True, positions=pos), y,
                              rtol=1e-5, atol=1e-5)
   if dst == "per_head":
     np.testing.assert_array_equal(q["w_k"], p["w_kv"])
@@ -99,12 +100,12 @@ def test_value_norm_converts_exactly_to_per_head_which_equals_a_loop_over_heads(
   p, x = _params("k_eq_v", cfg, 7), _x(8, (2, 5, cfg.d_model))
   q, err = convert(p, "k_eq_v", "per_head", cfg, return_error=True)
   assert err == 0.0
-  y = attn.apply("per_head", q, x, cfg=cfg, is_causal=True)
+  y = jit_apply("per_head", q, x, cfg=cfg, is_causal=True)
   np.testing.assert_allclose(y, _keqv_numpy(p, x, cfg, True), rtol=1e-4, atol=1e-4)
   # With W_V apart from W_K the norm acts on per_head's own values (numpy loop with w_kv -> w_v for V).
   q2 = dict(q, w_v=q["w_v"] * 3.0 + 0.5)
-  y2 = attn.apply("per_head", q2, x, cfg=cfg, is_causal=True)
-  assert float(jnp.abs(y2 - attn.apply("per_head", q2, x, cfg=cfg.replace(value_norm_eps=None),
+  y2 = jit_apply("per_head", q2, x, cfg=cfg, is_causal=True)
+  assert float(jnp.abs(y2 - jit_apply("per_head", q2, x, cfg=cfg.replace(value_norm_eps=None),
                                        is_causal=True)).max()) > 1e-2
 
 
@@ -176,22 +177,22 @@ def test_grouped_output_is_blockdiag_times_b():
     block[i * N:(i + 1) * N, i * r:(i + 1) * r] = a[i]
   w_o = (block @ np.asarray(p["w_ob"], np.float64)).reshape(cfg.num_heads, cfg.d_v, cfg.d_model)
   np.testing.assert_allclose(q["w_o"], w_o, rtol=1e-5, atol=1e-6)
-  y = attn.apply("grouped_lowrank", p, x, cfg=cfg, is_causal=True)
+  y = jit_apply("grouped_lowrank", p, x, cfg=cfg, is_causal=True)
   flat = api.config_for("per_head", cfg)  # the same layer with o_groups, o_rank unset (per_head refuses them)
-  np.testing.assert_allclose(attn.apply("per_head", q, x, cfg=flat, is_causal=True), y, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jit_apply("per_head", q, x, cfg=flat, is_causal=True), y, rtol=1e-5, atol=1e-5)
 
 
 def test_per_head_to_grouped_is_exact_at_full_rank_and_for_low_rank_blocks():
   cfg = GROUPED
   flat = api.config_for("per_head", cfg)
   p, x = _params("per_head", flat, 9), _x(10, (2, 5, cfg.d_model))
-  y = attn.apply("per_head", p, x, cfg=flat)
+  y = jit_apply("per_head", p, x, cfg=flat)
   full = cfg.replace(o_rank=cfg.num_heads // cfg.o_groups * cfg.d_v)  # 6 < d_model: any block fits
   with warnings.catch_warnings():
     warnings.simplefilter("error", LossyConversionWarning)
     q, err = convert(p, "per_head", "grouped_lowrank", full, return_error=True)
     assert err == 0.0
-    np.testing.assert_allclose(attn.apply("grouped_lowrank", q, x, cfg=full), y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jit_apply("grouped_lowrank", q, x, cfg=full), y, rtol=1e-5, atol=1e-5)
     # Blocks of rank ≤ o_rank, made as products here: the SVD keeps them whole.
     rng = np.random.default_rng(11)
     g, N, r = cfg.o_groups, cfg.num_heads // cfg.o_groups * cfg.d_v, cfg.o_rank
@@ -199,8 +200,8 @@ def test_per_head_to_grouped_is_exact_at_full_rank_and_for_low_rank_blocks():
     p_low = p | {"w_o": jnp.asarray(blocks.reshape(cfg.num_heads, cfg.d_v, cfg.d_model), jnp.float32)}
     q, err = convert(p_low, "per_head", "grouped_lowrank", cfg, return_error=True)
     assert err < 1e-5
-  np.testing.assert_allclose(attn.apply("grouped_lowrank", q, x, cfg=cfg),
-                             attn.apply("per_head", p_low, x, cfg=flat), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(jit_apply("grouped_lowrank", q, x, cfg=cfg),
+                             jit_apply("per_head", p_low, x, cfg=flat), rtol=1e-4, atol=1e-4)
 
 
 def test_per_head_to_grouped_is_lossy_below_rank_and_says_how_much():
@@ -250,8 +251,9 @@ def test_grouped_kit():
 
 # Effective counts: the closed forms against the Jacobian's rank (attn.count.measured), where they hold.
 
-@pytest.mark.parametrize("variant, cfg", [
-    ("k_eq_v", HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=2, num_kv_heads=1)),
+@pytest.mark.parametrize("variant, cfg", [  # k_eq_v with and without biases fast; the MQA case slow
+    pytest.param("k_eq_v", HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=2, num_kv_heads=1),
+                 marks=pytest.mark.slow),
     ("k_eq_v", HeadConfig(d_model=5, num_heads=4, d_k=2, d_v=2, num_kv_heads=2)),
     ("k_eq_v", HeadConfig(d_model=6, num_heads=2, d_k=3, d_v=3, num_kv_heads=2, use_bias=False)),
     ("grouped_lowrank", HeadConfig(d_model=6, num_heads=4, d_k=2, d_v=1, num_kv_heads=2, o_groups=2,

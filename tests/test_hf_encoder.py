@@ -42,7 +42,7 @@ def test_ranking_loss_against_numpy():
   a, p = _unit(rng.normal(size=(6, 5))), _unit(rng.normal(size=(6, 5)))
   p[2] = a[2] * 0.9 + 0.1 * p[2]  # one easy pair
   valid = np.array([True, True, True, False, True, False])
-  nll, hit = ranking_loss(a, p, valid)
+  nll, hit = jax.jit(ranking_loss)(a, p, valid)  # one compile, not one per operation
   want_nll, want_hit = _numpy_ranking(a, p, valid)
   np.testing.assert_allclose(np.asarray(nll), want_nll, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(hit), want_hit)
@@ -68,12 +68,16 @@ def test_own_pair_gradient_is_each_pairs_own():
   _, p_fixed = (np.asarray(e) for e in embed(theta))
   want = np.zeros((B, D))
   cols = np.flatnonzero(valid)
-  for b in cols:
-    def own_loss(t_b, b=b):  # an independent expression of nll_b: the others' positives are constants
-      a_b, p_b = unit(t_b + X[b]), unit(2.0 * t_b + Y[b])
-      logits = jnp.stack([RANKING_SCALE * (a_b @ (p_b if j == b else p_fixed[j])) for j in cols])
-      return jax.nn.logsumexp(logits) - logits[int(np.flatnonzero(cols == b)[0])]
-    want[b] = np.asarray(jax.jit(jax.grad(own_loss))(theta[b]))
+
+  def own_loss(t_b, b):  # an independent expression of nll_b: the others' positives are constants
+    a_b, p_b = unit(t_b + X[b]), unit(2.0 * t_b + Y[b])
+    logits = jnp.stack([RANKING_SCALE * (a_b @ (p_b if j == b else p_fixed[j])) for j in cols])
+    return jax.nn.logsumexp(logits) - logits[int(np.flatnonzero(cols == b)[0])]
+
+  # Every row's gradient in one compiled program (b is a Python int: each row's expression is its own).
+  own_grads = jax.jit(lambda t: [jax.grad(own_loss)(t[b], b) for b in cols])(theta)
+  for b, g in zip(cols, own_grads):
+    want[b] = np.asarray(g)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   whole = np.asarray(grad_total(theta, False))  # without it, row b also moves the others' losses
   assert np.abs(whole - want).max() > 1e-3

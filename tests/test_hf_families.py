@@ -290,15 +290,18 @@ def test_offset_norm_families_written_back_bit_for_bit_in_float32(family):
 def test_qk_norm_plus_one_is_the_same_function_as_a_scale_of_one_plus_w():
   """qk_norm_plus_one with scales w against plain QK-norm with scales 1 + w (rounded once, in float32): the same
   queries and keys; and the init (zeros) is the plain init (ones) as a function."""
+  import jax
   import jax.numpy as jnp
   from attn.config import HeadConfig
-  from attn.variants.mechanisms.head_mechanisms import QK_NORM, normalize_qk
+  from attn.variants.mechanisms.head_mechanisms import QK_NORM
+  from attn.variants.mechanisms.head_mechanisms import normalize_qk as _normalize_qk
   rng = np.random.default_rng(0)
   on = HeadConfig(d_model=8, num_heads=2, num_kv_heads=1, d_k=4, qk_norm=True, qk_norm_plus_one=True)
   off = on.replace(qk_norm_plus_one=False)
   w = {n: jnp.asarray(0.3 * rng.standard_normal(4), jnp.float32) for n in ("q_norm", "k_norm")}
   q, k = jnp.asarray(rng.standard_normal((1, 3, 2, 4)), jnp.float32), jnp.asarray(rng.standard_normal((1, 3, 1, 4)),
                                                                                   jnp.float32)
+  normalize_qk = jax.jit(_normalize_qk, static_argnames="cfg")  # one compile per config, not one per operation
   got, want = normalize_qk(w, q, k, cfg=on), normalize_qk({n: 1.0 + a for n, a in w.items()}, q, k, cfg=off)
   assert all(np.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(got, want))
   assert not np.allclose(got[0], normalize_qk(w, q, k, cfg=off)[0], atol=1e-3)  # without the 1: another function

@@ -81,11 +81,13 @@ def test_config_read_as_written_here():
 
 def test_residual_gate_mixes_with_unit_norm():
   """α² + β² = 1 above the floor (σ(−w) = 1 − β), and α = √1e-3 at the floor."""
+  import jax
   import jax.numpy as jnp
-  g = jnp.array([-3.0, -0.2, 0.0, 0.5, 4.0])
-  a = norms.residual_gate(g, 0.3, jnp.ones(5), jnp.zeros(5))
-  b = norms.residual_gate(g, 0.3, jnp.zeros(5), jnp.ones(5))
-  np.testing.assert_allclose(np.asarray(a[:4] ** 2 + b[:4] ** 2), 1.0, rtol=1e-6)
+  gate = jax.jit(norms.residual_gate, static_argnums=1)  # one compile, not one per operation
+  g = jnp.asarray(np.array([-3.0, -0.2, 0.0, 0.5, 4.0], np.float32))
+  one, zero = jnp.asarray(np.ones(5, np.float32)), jnp.asarray(np.zeros(5, np.float32))
+  a, b = np.asarray(gate(g, 0.3, one, zero)), np.asarray(gate(g, 0.3, zero, one))
+  np.testing.assert_allclose(a[:4] ** 2 + b[:4] ** 2, 1.0, rtol=1e-6)
   assert float(a[4]) == pytest.approx(np.sqrt(1e-3), rel=1e-6)
 
 

@@ -62,7 +62,7 @@ def test_from_hf_returns_one_type_for_every_family(checked):
   for name, kind in (("gpt2", DecoderLM), ("bert", Encoder), ("llama", DecoderLM)):
     state = hf.to_hf_state(checked[name]["loaded"])
     for kwargs in ({}, {"variant": "fused"}, {"num_kv_heads": 1}):
-      if name == "bert" and kwargs:
+      if name != "llama" and kwargs:  # what is asked is read the same for every family: on llama (G < H) only
         continue
       with pytest.warns(hf.LossyConversionWarning) if "num_kv_heads" in kwargs else _nothing():
         loaded = hf.from_hf(state, **kwargs)

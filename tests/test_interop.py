@@ -51,16 +51,18 @@ def _masks(B, H, T, S, seed):
   return {"none": None, "padding_causal": pad_causal, "per_head": per_head}
 
 
-def _pairs(configs):
-  """per_head and fused on every config; the other variants on "base", where they accept it (those
-  outside conftest.FAST_VARIANTS in the slow tier, as in the other suites over every variant)."""
-  pairs = [(name, v) for name in sorted(configs) for v in ("per_head", "fused")]
+def _pairs(configs, fast=None):
+  """per_head and fused on every config (those not in `fast`, when given, in the slow tier); the other
+  variants on "base", where they accept it (those outside conftest.FAST_VARIANTS in the slow tier, as in
+  the other suites over every variant)."""
+  pairs = [pytest.param(name, v, marks=() if fast is None or (name, v) in fast else pytest.mark.slow)
+           for name in sorted(configs) for v in ("per_head", "fused")]
   for v in OTHER_VARIANTS:
     try:
       attn.api.check_config(v, configs["base"])
     except attn.ConfigError:
       continue  # a variant that refuses the config by design: nothing to compare
-    pairs.append(pytest.param("base", v, marks=tier(v)))
+    pairs.append(pytest.param("base", v, marks=tier(v) if fast is None else pytest.mark.slow))
   return pairs
 
 
@@ -90,7 +92,8 @@ def _assert_pairs(pairs):
     np.testing.assert_allclose(ours, theirs, **TOL, err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["gqa_h_not_dividing_D", "mqa_nobias"])
+# Fast at G < H with h not dividing d_model; without biases slow (to_flax's round trip below runs it fast).
+@pytest.mark.parametrize("name", ["gqa_h_not_dividing_D", pytest.param("mqa_nobias", marks=pytest.mark.slow)])
 def test_from_flax_matches_flax_outputs(name):
   cfg = FLAX_CONFIGS[name]
   mha = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, cfg.num_heads * cfg.d_k,
@@ -106,7 +109,13 @@ def test_from_flax_matches_flax_outputs(name):
   _assert_pairs(_flax_and_ours(mha, "per_head", cfg, params, x, c, masks))
 
 
-@pytest.mark.parametrize("name,variant", _pairs(FLAX_CONFIGS))
+# Fast: per_head and fused at G < H with h not dividing d_model, per_head without biases; the plain config's
+# per_head and fused, fused without biases and the other variants (each through its exact conversion to or
+# from per_head, which test_convert runs fast) slow.
+FLAX_FAST = {("gqa_h_not_dividing_D", "per_head"), ("gqa_h_not_dividing_D", "fused"), ("mqa_nobias", "per_head")}
+
+
+@pytest.mark.parametrize("name,variant", _pairs(FLAX_CONFIGS, FLAX_FAST))
 def test_to_flax_matches_variants(name, variant):
   cfg = FLAX_CONFIGS[name]
   params, per_head = _variant_and_per_head(variant, cfg, 1)

@@ -2,6 +2,7 @@
 layer to a higher one (import cycles are listed by ../shared/tools/import_cycles.py)."""
 
 import ast
+import functools
 import os
 
 ATTN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "attn")
@@ -25,9 +26,17 @@ LAYERS = [
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
+@functools.lru_cache(maxsize=None)
+def _import_nodes(path: str) -> tuple[ast.Import | ast.ImportFrom, ...]:
+  """Every import statement of the file, functions included: parsed once for all the tests here."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  return tuple(n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
 def _imports(path: str):
   """(line, top-level attn part) of every attn import in the file, functions included."""
-  for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+  for node in _import_nodes(path):
     if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "attn":
       parts = node.module.split(".")
       for name in ([parts[1]] if len(parts) > 1 else [a.name for a in node.names]):
@@ -79,7 +88,7 @@ def test_no_library_module_imports_a_command():
       if not f.endswith(".py") or rel.split(os.sep)[0] in ("cli", "__main__.py") or rel in OLD_COMMAND_PATHS \
           or rel == "__init__.py":
         continue
-      for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+      for node in _import_nodes(path):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attn"):
           names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
@@ -119,7 +128,7 @@ def _targets(path: str, module: str):
   """(line, the attn module or package an import binds) for every import in the file, functions included;
   `from pkg import sub` names the submodule sub where it is one."""
   base = module.rsplit(".", 1)[0] if not path.endswith("__init__.py") else module
-  for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+  for node in _import_nodes(path):
     if isinstance(node, ast.Import):
       yield from ((node.lineno, a.name) for a in node.names)
     elif isinstance(node, ast.ImportFrom):

@@ -103,7 +103,7 @@ def test_the_pages_selector_passes_the_kit_and_attends_to_its_keys(norm_topk):
     got, _ = jax.jit(lambda q, k, v: base.core({}, q, k, v, cfg=cfg, opts=opts))(q, k, v)
     want = _reference(*(np.asarray(a, np.float64) for a in (q, k, v)), lengths, 3)
     np.testing.assert_allclose(got, want, atol=2e-5)
-    plain, _ = base.core({}, q, k, v, cfg=cfg.replace(extra=None), opts=opts)
+    plain, _ = jax.jit(lambda q, k, v: base.core({}, q, k, v, cfg=cfg.replace(extra=None), opts=opts))(q, k, v)
     assert not np.allclose(got, plain, atol=1e-3)  # the choice restricts: not every visible key
 
 

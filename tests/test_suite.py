@@ -8,6 +8,7 @@ skip precedes; and it checks that attn itself imports none of them when it is im
 """
 
 import ast
+import functools
 import pathlib
 import re
 import tomllib
@@ -77,6 +78,13 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
   return {f.name: f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
+@functools.lru_cache(maxsize=None)
+def _sibling_functions(path: pathlib.Path) -> dict[str, ast.FunctionDef]:
+  """The functions of a sibling module that tests import helpers from (conftest, test_hf_families), parsed
+  once for every file that imports it (only read, never changed)."""
+  return _functions(ast.parse(path.read_text()))
+
+
 def _is_entry(fn: ast.AST) -> bool:
   """A function pytest calls itself: a test, or a fixture."""
   return fn.name.startswith("test") or any("fixture" in ast.unparse(d) for d in fn.decorator_list)
@@ -92,7 +100,7 @@ def unguarded_imports(path: pathlib.Path) -> list[str]:
   functions = {}
   for node in tree.body:  # helpers imported from sibling test modules are followed too
     if isinstance(node, ast.ImportFrom) and node.level == 0 and (path.parent / f"{node.module}.py").exists():
-      functions |= _functions(ast.parse((path.parent / f"{node.module}.py").read_text()))
+      functions |= _sibling_functions(path.parent / f"{node.module}.py")
   functions |= _functions(tree)
   bad: list[str] = []
 
