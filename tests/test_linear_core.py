@@ -65,25 +65,29 @@ KINDS = {"gated_delta": (True, False, True), "kda": (True, True, True),
          "ssd": (False, False, True), "gla": (False, True, True), "linear": (False, False, False)}
 
 
-# Every kind at chunk 4 (11 tokens: not a multiple of it) in the fast tier; chunks of 1 and past T
-# in the slow tier. The recurrent form takes no chunk: checked once per kind, at chunk 4.
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("chunk", [pytest.param(c, marks=() if c == 4 else pytest.mark.slow)
-                                   for c in (1, 4, 16)])
+# At chunk 4 (11 tokens: not a multiple of it) the fast tier runs kda (the delta rule, a decay per
+# key channel), ssd (no delta rule, one decay per head) and linear (no decay); gated_delta (the delta
+# rule, one decay per head: also test_clip_and_neg_eigval's chunked rule against a float64 recurrence,
+# and gated_deltanet's kit in test_contract) and gla (a decay per channel without the delta rule: also
+# test_gla) in the slow tier, with chunks of 1 and past T. The recurrent form takes no chunk: checked
+# once per kind, at chunk 4.
+FAST_KINDS = ("kda", "linear", "ssd")
+
+
+@pytest.mark.parametrize("kind, chunk", [
+    pytest.param(kind, c, marks=() if c == 4 and kind in FAST_KINDS else pytest.mark.slow, id=f"{c}-{kind}")
+    for c in (1, 4, 16) for kind in KINDS])
 def test_chunked_and_recurrent_equal_the_loop(kind, chunk):
   delta, per_channel, decay = KINDS[kind]
   q, k, v, g, beta, state = inputs(hash((kind, chunk)) % 1000, per_channel=per_channel, decay=decay)
   lengths = jnp.array([11, 6])
   want_o, want_S = naive(q, k, v, g, beta, delta, state, lengths)
   kw = dict(g=g, beta_BTH=beta, delta=delta, state_BHKV=state, kv_lengths=lengths)
-  o, S = jax.jit(lambda *a: core.chunked(*a, chunk=chunk, **kw))(q, k, v)
-  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
-  if chunk != 4:
-    return
-  o, S = jax.jit(lambda *a: core.recurrent(*a, **kw))(q, k, v)
-  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
+  forms = jax.jit(lambda *a: [core.chunked(*a, chunk=chunk, **kw)]
+                  + ([core.recurrent(*a, **kw)] if chunk == 4 else []))  # one program
+  for o, S in forms(q, k, v):
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["gated_delta", "kda", "ssd"])
@@ -117,7 +121,7 @@ def test_strong_decay_stays_finite():
   """A chunk whose decays sum far below float32's exp range (−100 a token) is still exact."""
   q, k, v, g, beta, _ = inputs(3, T=9, per_channel=True)
   g = g * 100.0
-  o, S = core.chunked(q, k, v, g=g, beta_BTH=beta, delta=True, chunk=9)
+  o, S = jax.jit(lambda *a: core.chunked(*a[:3], g=a[3], beta_BTH=a[4], delta=True, chunk=9))(q, k, v, g, beta)
   want_o, want_S = naive(q, k, v, g, beta, True)
   assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
   np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
@@ -127,10 +131,15 @@ def test_chunks_continue_from_a_state():
   """Two calls, the second from the first's state, equal one call over the whole sequence."""
   q, k, v, g, beta, _ = inputs(5, T=10)
   kw = dict(delta=True, chunk=4)
-  o, S = core.chunked(q, k, v, g=g, beta_BTH=beta, **kw)
-  o1, S1 = core.chunked(q[:, :3], k[:, :3], v[:, :3], g=g[:, :3], beta_BTH=beta[:, :3], **kw)
-  o2, S2 = core.recurrent(q[:, 3:], k[:, 3:], v[:, 3:], g=g[:, 3:], beta_BTH=beta[:, 3:],
-                          delta=True, state_BHKV=S1)
+
+  @jax.jit  # the three calls in one program
+  def calls(q, k, v, g, beta):
+    whole = core.chunked(q, k, v, g=g, beta_BTH=beta, **kw)
+    o1, S1 = core.chunked(q[:, :3], k[:, :3], v[:, :3], g=g[:, :3], beta_BTH=beta[:, :3], **kw)
+    return whole, o1, core.recurrent(q[:, 3:], k[:, 3:], v[:, 3:], g=g[:, 3:], beta_BTH=beta[:, 3:],
+                                     delta=True, state_BHKV=S1)
+
+  (o, S), o1, (o2, S2) = calls(q, k, v, g, beta)
   np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(S2, S, rtol=1e-5, atol=1e-5)
 
@@ -138,7 +147,8 @@ def test_chunks_continue_from_a_state():
 def test_bfloat16_inputs_accumulate_in_float32():
   q, k, v, g, beta, _ = inputs(9, T=12)
   bf = lambda a: a.astype(jnp.bfloat16)
-  o, S = core.chunked(bf(q), bf(k), bf(v), g=g, beta_BTH=beta, delta=True, chunk=5)
+  o, S = jax.jit(lambda *a: core.chunked(*a[:3], g=a[3], beta_BTH=a[4], delta=True, chunk=5))(
+      bf(q), bf(k), bf(v), g, beta)
   want, _ = naive(*(bf(a).astype(jnp.float32) for a in (q, k, v)), g, beta, True)
   assert o.dtype == jnp.float32 and S.dtype == jnp.float32
   np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)
