@@ -84,8 +84,8 @@ def _randomize(model, seed):
   """Norm scales away from 1, so a norm read from the wrong layer shows."""
   state = nnx.state(model, nnx.Param)
   leaves, tree = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  leaves = [a + 0.3 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]
+  rng = np.random.default_rng(seed)  # drawn with numpy: jax.random would compile once per new shape
+  leaves = [jnp.asarray(np.asarray(a) + 0.3 * rng.standard_normal(a.shape), a.dtype) for a in leaves]
   nnx.update(model, jax.tree.unflatten(tree, leaves))
 
 
