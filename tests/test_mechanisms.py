@@ -161,7 +161,8 @@ def inputs(cfg, seed=0):
 
 
 def per_head_params(cfg, seed=0):
-  return random_params(attn.init("per_head", jax.random.PRNGKey(seed), cfg), seed + 1)
+  shapes = jax.eval_shape(lambda: attn.init("per_head", jax.random.PRNGKey(seed), cfg))  # every leaf redrawn
+  return random_params(shapes, seed + 1)
 
 
 # ----------------------------------------------------------------- per_head against the loop
@@ -248,7 +249,7 @@ def as_variant(name: str, p, cfg):
     return p, p
   to_per_head, from_per_head = CONVERTERS.get((name, "per_head")), CONVERTERS.get(("per_head", name))
   if to_per_head is not None and to_per_head.exact:
-    own = random_params(attn.init(name, jax.random.PRNGKey(3), cfg), 4)
+    own = random_params(jax.eval_shape(lambda: attn.init(name, jax.random.PRNGKey(3), cfg)), 4)  # redrawn
     own = own | mechanisms.split(p)[1]
     return own, attn.convert(own, name, "per_head", cfg)
   if from_per_head is not None and from_per_head.is_exact(cfg):
@@ -298,9 +299,10 @@ def test_the_kit_passes_on_the_gate():
 
 def test_ring_mask_sees_the_window_by_position():
   # Ring of 3 slots holding positions 3, 4, 5 (slots 0, 1, 2) after 6 tokens; two new queries.
-  m = np.asarray(kv_cache.ring_mask(jnp.asarray(6), 2, 3, 3))[0, 0]
+  ring_mask = jax.jit(kv_cache.ring_mask, static_argnums=(1, 2, 3))  # one program, not op by op
+  m = np.asarray(ring_mask(jnp.asarray(6), 2, 3, 3))[0, 0]
   np.testing.assert_array_equal(m, [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
-  m = np.asarray(kv_cache.ring_mask(jnp.asarray(1), 2, 3, 3))[0, 0]  # only slot 0 written
+  m = np.asarray(ring_mask(jnp.asarray(1), 2, 3, 3))[0, 0]  # only slot 0 written
   np.testing.assert_array_equal(m, [[1, 0, 0, 1, 0], [1, 0, 0, 1, 1]])
 
 

@@ -79,7 +79,7 @@ CASES = {
                                   for n in sorted(CASES)])
 def test_against_naive(name):
   cfg = AWKWARD.replace(**CASES[name])
-  p = random_params(attn.init("per_head", jax.random.key(0), cfg), 3)
+  p = random_params(jax.eval_shape(lambda: attn.init("per_head", jax.random.key(0), cfg)), 3)
   x = randn(4, (B, T, cfg.d_model))
   lengths = np.array([T, 0])  # the second row fully padded: zeros, not NaN
   got = jit_apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=lengths)
@@ -91,7 +91,7 @@ def test_against_naive(name):
 def test_value_scale_is_scaled_values(variant, names):
   """value_scale s is W_V and b_V times s (per_head), or W_O times s (fused: its q, k, v in one matrix)."""
   cfg = AWKWARD.replace(d_k=6, d_v=4, sinks=True, gate="headwise")
-  p = random_params(attn.init(variant, jax.random.key(1), cfg), 5)
+  p = random_params(jax.eval_shape(lambda: attn.init(variant, jax.random.key(1), cfg)), 5)
   x = randn(6, (B, T, cfg.d_model))
   scaled = {n: (a * 0.37 if n in names else a) for n, a in p.items()}
   want = jit_apply(variant, scaled, x, cfg=cfg, is_causal=True)
@@ -103,7 +103,7 @@ def test_fixed_norm_forgets_the_scale_of_queries_and_keys():
   """No learned scale: the weights are the same with W_Q, b_Q, W_K and b_K a thousand times larger
   (learned QK-norm keeps this too; the plain layer's softmax saturates instead)."""
   cfg = AWKWARD.replace(qk_norm="fixed", qk_scale_factor=3.0, qk_norm_eps=1e-12)
-  p = random_params(attn.init("per_head", jax.random.key(2), cfg), 7)
+  p = random_params(jax.eval_shape(lambda: attn.init("per_head", jax.random.key(2), cfg)), 7)
   big = {n: (a * 1e3 if n in ("w_q", "b_q", "w_k", "b_k") else a) for n, a in p.items()}
   x = randn(8, (1, T, cfg.d_model))
   _, w = jit_apply("per_head", p, x, cfg=cfg, return_weights=True, is_causal=True)
