@@ -3,7 +3,7 @@
 naive() below is the recurrence as the papers write it, one token at a time in a Python loop
 (Gated DeltaNet, Yang et al. 2024, eq. 10; Kimi Linear's KDA with a decay per key channel;
 Mamba-2's SSD and causal linear attention without the delta rule), with grouped value heads by
-repeating each query/key head and padding by skipping the tokens past an example's length. The
+repeating each query/key head and padding by holding an example's state past its length. The
 chunked and recurrent forms must give its outputs, final states and gradients to float32
 round-off, at lengths that are not a multiple of the chunk, with d_v ≠ d_k, G < H and batches of
 different lengths.
@@ -19,31 +19,23 @@ from attn.variants.linear import core
 
 
 def naive(q, k, v, g, beta, delta, state=None, lengths=None):
-  """(o (B,T,H,V), S (B,H,K,V)): the per-token recurrence, example by example, head by head."""
+  """(o (B,T,H,V), S (B,H,K,V)): the per-token recurrence, token by token, every example and head at once."""
   B, T, G, K = q.shape
   H, V = v.shape[2:]
-  R = H // G
-  outs, states = [], []
-  for b in range(B):
-    n = T if lengths is None else int(lengths[b])
-    per_head_o, per_head_S = [], []
-    for h in range(H):
-      S = jnp.zeros((K, V)) if state is None else state[b, h]
-      o = []
-      for t in range(T):
-        if t < n:
-          decay = jnp.ones(K) if g is None else jnp.exp(g[b, t, h]) * jnp.ones(K)
-          S = decay[:, None] * S
-          kt = k[b, t, h // R]
-          bt = 1.0 if beta is None else beta[b, t, h]
-          written = v[b, t, h] - kt @ S if delta else v[b, t, h]
-          S = S + jnp.outer(kt, bt * written)
-        o.append(q[b, t, h // R] @ S)
-      per_head_o.append(jnp.stack(o))
-      per_head_S.append(S)
-    outs.append(jnp.stack(per_head_o, 1))
-    states.append(jnp.stack(per_head_S))
-  return jnp.stack(outs), jnp.stack(states)
+  q, k = (jnp.repeat(a, H // G, axis=2) for a in (q, k))  # value head h reads query/key head h // (H/G)
+  S = jnp.zeros((B, H, K, V)) if state is None else state
+  n = np.full(B, T) if lengths is None else np.asarray(lengths)
+  o = []
+  for t in range(T):
+    decay = jnp.ones((B, H, 1)) if g is None else jnp.exp(g[:, t] if g.ndim == 4 else g[:, t, :, None])  # (B, H, K or 1)
+    S_t = decay[..., None] * S
+    kt = k[:, t]
+    bt = 1.0 if beta is None else beta[:, t, :, None]
+    written = v[:, t] - jnp.einsum("BHK,BHKV->BHV", kt, S_t) if delta else v[:, t]
+    S_t = S_t + jnp.einsum("BHK,BHV->BHKV", kt, bt * written)
+    S = jnp.where(jnp.asarray(t < n)[:, None, None, None], S_t, S)  # past its length an example keeps its state
+    o.append(jnp.einsum("BHK,BHKV->BHV", q[:, t], S))
+  return jnp.stack(o, 1), S
 
 
 def inputs(seed, B=2, T=11, G=2, H=4, K=3, V=5, per_channel=False, decay=True):
