@@ -26,11 +26,13 @@ def tokens(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).integers(0, 13, shape), jnp.int32)
 
 
-# Fast: one linear layer then one full (the cache and the state side by side, half the compile);
-# slow: Qwen3-Next's schedule, three linear layers to one full.
+# Slow: one linear layer then one full (the cache and the state side by side), and Qwen3-Next's schedule,
+# three linear layers to one full. The fast sibling: test_block_kinds' decoding through a mamba2 layer's
+# state beside a full layer's KV cache (and MLP-only blocks); each linear head's own decoding: the kit
+# (test_contract's gated_deltanet and kda); the state's size: test_state_and_kv_cache_counts_of_a_hybrid.
+@pytest.mark.slow
 @pytest.mark.parametrize("linear_variant, layer_types", [
-    ("gated_deltanet", (LIN, FULL)),
-    pytest.param("mamba2", (LIN, LIN, LIN, FULL), marks=pytest.mark.slow)])
+    ("gated_deltanet", (LIN, FULL)), ("mamba2", (LIN, LIN, LIN, FULL))])
 def test_hybrid_decoding_equals_the_full_forward(linear_variant, layer_types):
   model = DecoderLM(config(linear_variant=linear_variant, num_layers=len(layer_types), layer_types=layer_types),
                     rngs=nnx.Rngs(0))
