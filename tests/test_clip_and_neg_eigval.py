@@ -15,13 +15,14 @@ from attn.config import ConfigError, HeadConfig
 from attn.testing.variants import AWKWARD
 from attn.variants import cache, mechanisms
 from attn.variants.linear import core
+from conftest import fresh_params, jit_apply, randn
 
 CLIP = AWKWARD["gqa_dv_ne_dk"].replace(qk_l2_clip_threshold=0.7, rope_dim=4)  # d_v != d_k, G < H
 
 
 def _params(variant, cfg, seed=0, scale=3.0):
   """Random parameters, the projections scaled up so that most head vectors are longer than 0.7."""
-  p = attn.init(variant, jax.random.PRNGKey(seed), cfg)
+  p = fresh_params(variant, cfg, seed)
   return {n: a * scale if n.startswith("w_") else a for n, a in p.items()}
 
 
@@ -31,10 +32,10 @@ def test_l2_clip_equals_numpy_and_bounds_every_logit():
   norm = np.linalg.norm(x, axis=-1, keepdims=True)
   np.testing.assert_allclose(l2_clip(jnp.asarray(x), 0.7), x * np.minimum(0.7 / (norm + 1e-6), 1), rtol=1e-6)
   p = _params("per_head", CLIP)
-  x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, CLIP.d_model))
-  _, w = attn.apply("per_head", p, x, cfg=CLIP, return_weights=True, is_causal=True)
-  _, w_plain = attn.apply("per_head", p, x, cfg=CLIP.replace(qk_l2_clip_threshold=None), return_weights=True,
-                          is_causal=True)
+  x = randn(1, (2, 6, CLIP.d_model))
+  _, w = jit_apply("per_head", p, x, cfg=CLIP, return_weights=True, is_causal=True)
+  _, w_plain = jit_apply("per_head", p, x, cfg=CLIP.replace(qk_l2_clip_threshold=None), return_weights=True,
+                         is_causal=True)
   assert not np.allclose(w, w_plain, atol=1e-3)  # the clip acts at this scale
   # |q·k|·scale <= c²/sqrt(d_k) for every pair: a row's weights lie within e^(±2c²/sqrt(d_k)) of uniform
   bound = np.exp(2 * 0.7 ** 2 / np.sqrt(CLIP.d_k))
@@ -55,8 +56,8 @@ def test_l2_clip_equals_transformers_inkling2_clip():
 def test_l2_clip_decoding_equals_the_full_pass():
   v = api.get_variant("per_head")
   p = _params("per_head", CLIP, seed=3)
-  x = jax.random.normal(jax.random.PRNGKey(4), (2, 7, CLIP.d_model))
-  full = attn.apply("per_head", p, x, cfg=CLIP, is_causal=True)
+  x = randn(4, (2, 7, CLIP.d_model))
+  full = jit_apply("per_head", p, x, cfg=CLIP, is_causal=True)
   c = cache.init(v, p, CLIP, 2, 7)
   step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=CLIP))
   ys, index = [], 0
@@ -114,7 +115,8 @@ def test_chunked_delta_rule_with_beta_up_to_two_equals_the_recurrence():
   assert (beta > 1.5).any()
   want = _delta_reference(q, k, v, g, beta)
   f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-  got, _ = core.chunked(f32(q), f32(k), f32(v), g=f32(g), beta_BTH=f32(beta), delta=True, chunk=4)
+  chunked = jax.jit(lambda *a: core.chunked(*a[:3], g=a[3], beta_BTH=a[4], delta=True, chunk=4)[0])
+  got = chunked(*map(f32, (q, k, v, g, beta)))
   np.testing.assert_allclose(got, want, atol=2e-4)
 
 
@@ -192,14 +194,15 @@ def test_qkv_conv_equals_inkling2_short_convolution():
   np.testing.assert_allclose(np.asarray(got).reshape(2, 7, N * C), want, atol=1e-6)
 
 
-@pytest.mark.parametrize("cfg", [CONV, CONV.replace(qkv_conv="qkv", window=3, qkv_conv_width=2)],
-                         ids=["kv", "qkv_window"])
+# The fast case convolves queries too, through a window's ring; the kv case (the full cache) is slow.
+@pytest.mark.parametrize("cfg", [pytest.param(CONV, marks=pytest.mark.slow),
+                                 CONV.replace(qkv_conv="qkv", window=3)], ids=["kv", "qkv_window"])
 def test_qkv_conv_decoding_equals_the_full_pass(cfg):
   """Through the KV cache (and a window's ring) with the convolutions' state, in uneven steps."""
   v = api.get_variant("per_head")
   p = _params("per_head", cfg, seed=8, scale=1.0)
-  x = jax.random.normal(jax.random.PRNGKey(9), (2, 7, cfg.d_model))
-  full = attn.apply("per_head", p, x, cfg=cfg, is_causal=True)
+  x = randn(9, (2, 7, cfg.d_model))
+  full = jit_apply("per_head", p, x, cfg=cfg, is_causal=True)
   c = cache.init(v, p, cfg, 2, 7)
   assert cache.width(c, cfg) == cfg.num_kv_heads * (cfg.d_k + cfg.d_v)  # the state is per sequence
   step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))

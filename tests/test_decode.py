@@ -68,7 +68,7 @@ def test_generate_is_one_program_that_keeps_the_cache_on_the_device(monkeypatch)
   tracing calls the model twice (the prompt, one loop body) whatever the number of steps, a second call
   traces nothing, and no implicit transfer happens between the prefill and the tokens coming out (the
   caches' allocation, init_cache, is before it, once per call)."""
-  model = _model("fused", num_layers=2)  # 2 kv heads for 4, RoPE: the cache index offsets positions
+  model = _model("fused", num_layers=1)  # 2 kv heads for 4, RoPE: the cache index offsets positions
   calls = []
   original = DecoderLM.__call__
   monkeypatch.setattr(DecoderLM, "__call__", lambda self, *a, **k: (calls.append(a[0].shape), original(self, *a, **k))[1])

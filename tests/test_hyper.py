@@ -14,6 +14,7 @@ from attn.config import ConfigError
 from attn.nn import hyper
 from attn.nn.config import ModelConfig
 from attn.nn.models import DecoderLM, Encoder, _norm
+from conftest import randn
 
 BASE = dict(vocab_size=50, d_model=12, num_layers=2, num_heads=3, d_ff=20, max_len=16,
             norm_type="rmsnorm")
@@ -25,12 +26,16 @@ def test_off_is_the_plain_residual_bit_for_bit():
   model = DecoderLM(ModelConfig(**{**BASE, "num_layers": 1}), rngs=nnx.Rngs(0))
   names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   assert not any("hc" in n for n in names)
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 50)
-  h = model.embed(tokens)
-  for block in model.blocks:
-    h = block(h, is_causal=True)
-  want = model.head(_norm(model.final_norm, h))
-  np.testing.assert_array_equal(model(tokens), want)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 50, (2, 7)), jnp.int32)
+
+  def by_hand(model, tokens):
+    h = model.embed(tokens)
+    for block in model.blocks:
+      h = block(h, is_causal=True)
+    return model.head(_norm(model.final_norm, h))
+
+  # each compiled whole (op by op, every small op compiles alone)
+  np.testing.assert_array_equal(nnx.jit(lambda m, t: m(t))(model, tokens), nnx.jit(by_hand)(model, tokens))
 
 
 def naive_weights(x, fn, base, scale, n, iters, eps, norm_eps):
@@ -55,7 +60,8 @@ def naive_weights(x, fn, base, scale, n, iters, eps, norm_eps):
 
 def test_streams_count():
   """hc_mult=2 adds the closed form's parameters: two mixes per block and the head."""
-  model = DecoderLM(ModelConfig(**{**BASE, "num_layers": 1, "hc_mult": 2}), rngs=nnx.Rngs(0))
+  model = nnx.eval_shape(lambda: DecoderLM(ModelConfig(**{**BASE, "num_layers": 1, "hc_mult": 2}),
+                                           rngs=nnx.Rngs(0)))  # shapes only
   flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
   assert hyper.param_count(2, 12, 1) == sum(a.size for p, a in flat if any("hc" in str(k) for k in p))
   from attn import count
@@ -65,12 +71,11 @@ def test_streams_count():
 def test_mix_matches_naive_and_is_doubly_stochastic():
   n, D = 3, 5
   hc = hyper.HyperConnection(n, D, iters=20, eps=1e-6, norm_eps=1e-6, rngs=nnx.Rngs(0), std=0.5)
-  hc.base[...] = jax.random.normal(jax.random.PRNGKey(3), hc.base.shape)
+  hc.base[...] = randn(3, hc.base.shape)
   hc.scale[...] = jnp.array([0.7, 1.3, 2.0])
-  x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, n, D))
+  x = randn(1, (2, 4, n, D))
   f = lambda h: jnp.tanh(h) * 3.0
-  got = hc(f, x)
-  pre, post, comb = hc.weights(x)
+  got, (pre, post, comb) = nnx.jit(lambda hc, x: (hc(f, x), hc.weights(x)))(hc, x)  # 20 passes: one program
   np.testing.assert_allclose(comb.sum(-2), 1, atol=1e-5)  # the last pass normalises columns
   np.testing.assert_allclose(comb.sum(-1), 1, atol=0.05)  # rows: 20 passes from a far start
   xs = np.asarray(x, np.float64)
@@ -89,10 +94,10 @@ def test_independent_form_matches_naive_and_counts():
   hc = hyper.HyperConnection(n, D, iters=20, eps=eps, norm_eps=1e-6, rngs=nnx.Rngs(0), std=0.5,
                              form="independent", magnitude=m)
   assert (hc.fn.shape, hc.base.shape, hc.scale.shape) == ((2 * n, n * D), (2 * n,), (2,))
-  hc.base[...] = jax.random.normal(jax.random.PRNGKey(3), hc.base.shape)
+  hc.base[...] = randn(3, hc.base.shape)
   hc.scale[...] = jnp.array([0.7, 1.3])
-  x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, n, D))
-  got = hc(lambda h: jnp.tanh(h) * 3.0, x)
+  x = randn(1, (2, 4, n, D))
+  got = nnx.jit(lambda hc, x: hc(lambda h: jnp.tanh(h) * 3.0, x))(hc, x)
   xs, sig = np.asarray(x, np.float64), lambda a: 1 / (1 + np.exp(-a))
   fn, base, scale = (np.asarray(a[...], np.float64) for a in (hc.fn, hc.base, hc.scale))
   for b, t in ((0, 0), (1, 3)):
@@ -102,8 +107,8 @@ def test_independent_form_matches_naive_and_counts():
     post = m * sig(mix[n:] * scale[1] + base[n:]) + eps
     y = np.tanh((pre[:, None] * xs[b, t]).sum(0)) * 3.0
     np.testing.assert_allclose(got[b, t], post[:, None] * y[None] + xs[b, t], atol=1e-5)
-  model = DecoderLM(ModelConfig(**{**BASE, "num_layers": 1, "hc_mult": 2, "hc_form": "independent"}),
-                    rngs=nnx.Rngs(0))
+  model = nnx.eval_shape(lambda: DecoderLM(ModelConfig(**{**BASE, "num_layers": 1, "hc_mult": 2,
+                                                       "hc_form": "independent"}), rngs=nnx.Rngs(0)))
   flat_state = nnx.to_flat_state(nnx.state(model, nnx.Param))
   hc_params = sum(a.size for p, a in flat_state if any("hc" in str(k) for k in p))
   assert hyper.param_count(2, 12, 1, form="independent") == hc_params == 2 * (4 * 25 + 2) + 2 * 25 + 1

@@ -3,7 +3,7 @@
 naive() below is the recurrence as the papers write it, one token at a time in a Python loop
 (Gated DeltaNet, Yang et al. 2024, eq. 10; Kimi Linear's KDA with a decay per key channel;
 Mamba-2's SSD and causal linear attention without the delta rule), with grouped value heads by
-repeating each query/key head and padding by skipping the tokens past an example's length. The
+repeating each query/key head and padding by holding an example's state past its length. The
 chunked and recurrent forms must give its outputs, final states and gradients to float32
 round-off, at lengths that are not a multiple of the chunk, with d_v ≠ d_k, G < H and batches of
 different lengths.
@@ -19,31 +19,23 @@ from attn.variants.linear import core
 
 
 def naive(q, k, v, g, beta, delta, state=None, lengths=None):
-  """(o (B,T,H,V), S (B,H,K,V)): the per-token recurrence, example by example, head by head."""
+  """(o (B,T,H,V), S (B,H,K,V)): the per-token recurrence, token by token, every example and head at once."""
   B, T, G, K = q.shape
   H, V = v.shape[2:]
-  R = H // G
-  outs, states = [], []
-  for b in range(B):
-    n = T if lengths is None else int(lengths[b])
-    per_head_o, per_head_S = [], []
-    for h in range(H):
-      S = jnp.zeros((K, V)) if state is None else state[b, h]
-      o = []
-      for t in range(T):
-        if t < n:
-          decay = jnp.ones(K) if g is None else jnp.exp(g[b, t, h]) * jnp.ones(K)
-          S = decay[:, None] * S
-          kt = k[b, t, h // R]
-          bt = 1.0 if beta is None else beta[b, t, h]
-          written = v[b, t, h] - kt @ S if delta else v[b, t, h]
-          S = S + jnp.outer(kt, bt * written)
-        o.append(q[b, t, h // R] @ S)
-      per_head_o.append(jnp.stack(o))
-      per_head_S.append(S)
-    outs.append(jnp.stack(per_head_o, 1))
-    states.append(jnp.stack(per_head_S))
-  return jnp.stack(outs), jnp.stack(states)
+  q, k = (jnp.repeat(a, H // G, axis=2) for a in (q, k))  # value head h reads query/key head h // (H/G)
+  S = jnp.zeros((B, H, K, V)) if state is None else state
+  n = np.full(B, T) if lengths is None else np.asarray(lengths)
+  o = []
+  for t in range(T):
+    decay = jnp.ones((B, H, 1)) if g is None else jnp.exp(g[:, t] if g.ndim == 4 else g[:, t, :, None])  # (B, H, K or 1)
+    S_t = decay[..., None] * S
+    kt = k[:, t]
+    bt = 1.0 if beta is None else beta[:, t, :, None]
+    written = v[:, t] - jnp.einsum("BHK,BHKV->BHV", kt, S_t) if delta else v[:, t]
+    S_t = S_t + jnp.einsum("BHK,BHV->BHKV", kt, bt * written)
+    S = jnp.where(jnp.asarray(t < n)[:, None, None, None], S_t, S)  # past its length an example keeps its state
+    o.append(jnp.einsum("BHK,BHKV->BHV", q[:, t], S))
+  return jnp.stack(o, 1), S
 
 
 def inputs(seed, B=2, T=11, G=2, H=4, K=3, V=5, per_channel=False, decay=True):
@@ -65,25 +57,29 @@ KINDS = {"gated_delta": (True, False, True), "kda": (True, True, True),
          "ssd": (False, False, True), "gla": (False, True, True), "linear": (False, False, False)}
 
 
-# Every kind at chunk 4 (11 tokens: not a multiple of it) in the fast tier; chunks of 1 and past T
-# in the slow tier. The recurrent form takes no chunk: checked once per kind, at chunk 4.
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("chunk", [pytest.param(c, marks=() if c == 4 else pytest.mark.slow)
-                                   for c in (1, 4, 16)])
+# At chunk 4 (11 tokens: not a multiple of it) the fast tier runs kda (the delta rule, a decay per
+# key channel), ssd (no delta rule, one decay per head) and linear (no decay); gated_delta (the delta
+# rule, one decay per head: also test_clip_and_neg_eigval's chunked rule against a float64 recurrence,
+# and gated_deltanet's kit in test_contract) and gla (a decay per channel without the delta rule: also
+# test_gla) in the slow tier, with chunks of 1 and past T. The recurrent form takes no chunk: checked
+# once per kind, at chunk 4.
+FAST_KINDS = ("kda", "linear", "ssd")
+
+
+@pytest.mark.parametrize("kind, chunk", [
+    pytest.param(kind, c, marks=() if c == 4 and kind in FAST_KINDS else pytest.mark.slow, id=f"{c}-{kind}")
+    for c in (1, 4, 16) for kind in KINDS])
 def test_chunked_and_recurrent_equal_the_loop(kind, chunk):
   delta, per_channel, decay = KINDS[kind]
   q, k, v, g, beta, state = inputs(hash((kind, chunk)) % 1000, per_channel=per_channel, decay=decay)
   lengths = jnp.array([11, 6])
   want_o, want_S = naive(q, k, v, g, beta, delta, state, lengths)
   kw = dict(g=g, beta_BTH=beta, delta=delta, state_BHKV=state, kv_lengths=lengths)
-  o, S = jax.jit(lambda *a: core.chunked(*a, chunk=chunk, **kw))(q, k, v)
-  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
-  if chunk != 4:
-    return
-  o, S = jax.jit(lambda *a: core.recurrent(*a, **kw))(q, k, v)
-  np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
+  forms = jax.jit(lambda *a: [core.chunked(*a, chunk=chunk, **kw)]
+                  + ([core.recurrent(*a, **kw)] if chunk == 4 else []))  # one program
+  for o, S in forms(q, k, v):
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(S, want_S, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["gated_delta", "kda", "ssd"])
@@ -117,7 +113,7 @@ def test_strong_decay_stays_finite():
   """A chunk whose decays sum far below float32's exp range (−100 a token) is still exact."""
   q, k, v, g, beta, _ = inputs(3, T=9, per_channel=True)
   g = g * 100.0
-  o, S = core.chunked(q, k, v, g=g, beta_BTH=beta, delta=True, chunk=9)
+  o, S = jax.jit(lambda *a: core.chunked(*a[:3], g=a[3], beta_BTH=a[4], delta=True, chunk=9))(q, k, v, g, beta)
   want_o, want_S = naive(q, k, v, g, beta, True)
   assert np.all(np.isfinite(o)) and np.all(np.isfinite(S))
   np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
@@ -127,10 +123,15 @@ def test_chunks_continue_from_a_state():
   """Two calls, the second from the first's state, equal one call over the whole sequence."""
   q, k, v, g, beta, _ = inputs(5, T=10)
   kw = dict(delta=True, chunk=4)
-  o, S = core.chunked(q, k, v, g=g, beta_BTH=beta, **kw)
-  o1, S1 = core.chunked(q[:, :3], k[:, :3], v[:, :3], g=g[:, :3], beta_BTH=beta[:, :3], **kw)
-  o2, S2 = core.recurrent(q[:, 3:], k[:, 3:], v[:, 3:], g=g[:, 3:], beta_BTH=beta[:, 3:],
-                          delta=True, state_BHKV=S1)
+
+  @jax.jit  # the three calls in one program
+  def calls(q, k, v, g, beta):
+    whole = core.chunked(q, k, v, g=g, beta_BTH=beta, **kw)
+    o1, S1 = core.chunked(q[:, :3], k[:, :3], v[:, :3], g=g[:, :3], beta_BTH=beta[:, :3], **kw)
+    return whole, o1, core.recurrent(q[:, 3:], k[:, 3:], v[:, 3:], g=g[:, 3:], beta_BTH=beta[:, 3:],
+                                     delta=True, state_BHKV=S1)
+
+  (o, S), o1, (o2, S2) = calls(q, k, v, g, beta)
   np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(S2, S, rtol=1e-5, atol=1e-5)
 
@@ -138,7 +139,8 @@ def test_chunks_continue_from_a_state():
 def test_bfloat16_inputs_accumulate_in_float32():
   q, k, v, g, beta, _ = inputs(9, T=12)
   bf = lambda a: a.astype(jnp.bfloat16)
-  o, S = core.chunked(bf(q), bf(k), bf(v), g=g, beta_BTH=beta, delta=True, chunk=5)
+  o, S = jax.jit(lambda *a: core.chunked(*a[:3], g=a[3], beta_BTH=a[4], delta=True, chunk=5))(
+      bf(q), bf(k), bf(v), g, beta)
   want, _ = naive(*(bf(a).astype(jnp.float32) for a in (q, k, v)), g, beta, True)
   assert o.dtype == jnp.float32 and S.dtype == jnp.float32
   np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-4)

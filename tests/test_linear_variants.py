@@ -17,6 +17,7 @@ import pytest
 import attn
 from attn import ConfigError, HeadConfig
 from attn.variants import VARIANTS, cache
+from conftest import jit_apply
 
 STATE_HEADS = ("gated_deltanet", "kda", "mamba2", "linear")
 
@@ -151,7 +152,7 @@ def test_linear_equals_its_quadratic_form():
   a = np.einsum("BTHK,BSHK->BHTS", fq, fk) * np.tril(np.ones((10, 10)))
   o = np.einsum("BHTS,BSHV->BTHV", a / a.sum(-1, keepdims=True), v)
   want = np.einsum("BTHV,HVD->BTD", o, n["w_o"]) + n["b_o"]
-  got = attn.apply("linear", p, jnp.asarray(x), cfg=LINEAR, is_causal=True)
+  got = jit_apply("linear", p, jnp.asarray(x), cfg=LINEAR, is_causal=True)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -185,7 +186,8 @@ def test_counts_by_hand():
   assert want == {"kda": 1617, "mamba2": 1788, "linear": 1092}
   for name, n in want.items():
     assert VARIANTS[name].param_count(cfg) == n
-    assert sum(a.size for a in attn.init(name, jax.random.PRNGKey(0), cfg).values()) == n
+    shapes = jax.eval_shape(lambda: attn.init(name, jax.random.PRNGKey(0), cfg))  # nothing drawn
+    assert sum(a.size for a in shapes.values()) == n
   assert VARIANTS["mamba2"].state_size(cfg) == H * K * V + (W - 1) * (H * V + 2 * G * K)
   assert VARIANTS["kda"].state_size(cfg) == H * K * V + (W - 1) * (2 * G * K + H * V)
   assert VARIANTS["linear"].state_size(cfg) == H * K * (V + 1)
@@ -206,7 +208,7 @@ def test_bad_config_refused_by_name(name, change, field):
 @pytest.mark.parametrize("name", STATE_HEADS)
 def test_return_weights_refused_by_name(name):
   cfg = HeadConfig(d_model=20, num_heads=4, d_k=3, d_v=5, num_kv_heads=2)
-  p = attn.init(name, jax.random.PRNGKey(0), cfg)
+  p = jax.eval_shape(lambda: attn.init(name, jax.random.PRNGKey(0), cfg))  # refused before any is read
   with pytest.raises(ConfigError, match="return_weights=True is not allowed: False for"):
     attn.apply(name, p, jnp.ones((1, 3, 20)), cfg=cfg, is_causal=True, return_weights=True)
 
@@ -215,8 +217,8 @@ def test_return_weights_refused_by_name(name):
 def test_conversions_to_and_from_softmax_heads_refused_by_name(name):
   """No exact (nor lossy) map between a state head and a softmax head: attn.convert names both."""
   cfg = HeadConfig(d_model=16, num_heads=4, num_kv_heads=2)
-  p = attn.init(name, jax.random.PRNGKey(0), cfg)
+  shapes = lambda v: jax.eval_shape(lambda: attn.init(v, jax.random.PRNGKey(0), cfg))  # refused before any is read
   with pytest.raises(ConfigError, match=f"conversion='{name} -> per_head' is not allowed: one of"):
-    attn.convert(p, name, "per_head", cfg)
+    attn.convert(shapes(name), name, "per_head", cfg)
   with pytest.raises(ConfigError, match=f"conversion='per_head -> {name}' is not allowed"):
-    attn.convert(attn.init("per_head", jax.random.PRNGKey(0), cfg), "per_head", name, cfg)
+    attn.convert(shapes("per_head"), "per_head", name, cfg)

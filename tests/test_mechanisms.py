@@ -28,8 +28,8 @@ from attn.variants.base import Options
 from conftest import FAST_VARIANTS, jit_apply, randn, random_params
 
 B, T, S = 2, 5, 7
-AWKWARD = HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=3, num_kv_heads=2)
-DIVIDING = HeadConfig(d_model=24, num_heads=6, d_k=5, d_v=7, num_kv_heads=2)  # split_input's
+AWKWARD = HeadConfig(d_model=18, num_heads=4, d_k=4, d_v=3, num_kv_heads=2)
+DIVIDING = HeadConfig(d_model=16, num_heads=4, d_k=5, d_v=7, num_kv_heads=2)  # split_input's
 
 MECHS = {
     "gate_headwise": dict(gate="headwise"),
@@ -41,6 +41,9 @@ MECHS = {
     "softcap": dict(softcap=0.5),
     "all": dict(gate="elementwise", sinks=True, qk_norm=True, window=3, softcap=0.7),
 }
+# The mechanisms "all" cannot hold (a second gate, a second norm), together: the naive loop's fast case
+# beside "all" (each alone runs in the slow tier).
+OTHERS = {"gate_headwise+qk_norm_whole": dict(gate="headwise", qk_norm="whole", rope_dim=2, rope_theta=100.0)}
 
 
 def config(variant: str, mech: str) -> HeadConfig | None:
@@ -50,7 +53,7 @@ def config(variant: str, mech: str) -> HeadConfig | None:
   qk_norm without it. Biases go where as_variant's per_head -> variant would drop the key bias.
   """
   for base in (AWKWARD, DIVIDING):  # DIVIDING: split_input's num_heads divides d_model
-    changes, cfg = dict(MECHS[mech]), None
+    changes, cfg = dict((MECHS | OTHERS)[mech]), None
     while cfg is None:
       try:
         candidate = base.replace(**changes)
@@ -158,21 +161,20 @@ def inputs(cfg, seed=0):
 
 
 def per_head_params(cfg, seed=0):
-  return random_params(attn.init("per_head", jax.random.PRNGKey(seed), cfg), seed + 1)
+  shapes = jax.eval_shape(lambda: attn.init("per_head", jax.random.PRNGKey(seed), cfg))  # every leaf redrawn
+  return random_params(shapes, seed + 1)
 
 
 # ----------------------------------------------------------------- per_head against the loop
 
 
-# "all" switches gate_elementwise, sinks, window and softcap on together (and qk_norm without RoPE):
-# those four alone run in the slow tier; what "all" leaves out runs alone in the fast tier, but for
-# per-head qk_norm then RoPE: "all" holds the per-head norm and qk_norm_whole the norm-then-RoPE
-# order (and test_hf_families' gemma3_text logits the two together, against transformers).
-IN_ALL = ("gate_elementwise", "sinks", "softcap", "window", "qk_norm")
-
-
-@pytest.mark.parametrize("mech", [pytest.param(m, marks=pytest.mark.slow if m in IN_ALL else ())
-                                  for m in sorted(MECHS)])
+# "all" switches gate_elementwise, sinks, window and softcap on together (and qk_norm without RoPE);
+# OTHERS what "all" leaves out, gate_headwise and qk_norm_whole (norm, then RoPE), together. Each
+# mechanism alone runs in the slow tier. Per-head qk_norm then RoPE: "all" holds the per-head norm and
+# the OTHERS case the norm-then-RoPE order (and test_hf_families' gemma3_text logits the two
+# together, against transformers).
+@pytest.mark.parametrize("mech", [pytest.param(m, marks=pytest.mark.slow if m != "all" else ())
+                                  for m in sorted(MECHS)] + sorted(OTHERS))
 def test_per_head_matches_the_naive_loop_under_jit_and_grad(mech):
   cfg = config("per_head", mech)
   p = per_head_params(cfg)
@@ -247,7 +249,7 @@ def as_variant(name: str, p, cfg):
     return p, p
   to_per_head, from_per_head = CONVERTERS.get((name, "per_head")), CONVERTERS.get(("per_head", name))
   if to_per_head is not None and to_per_head.exact:
-    own = random_params(attn.init(name, jax.random.PRNGKey(3), cfg), 4)
+    own = random_params(jax.eval_shape(lambda: attn.init(name, jax.random.PRNGKey(3), cfg)), 4)  # redrawn
     own = own | mechanisms.split(p)[1]
     return own, attn.convert(own, name, "per_head", cfg)
   if from_per_head is not None and from_per_head.is_exact(cfg):
@@ -297,9 +299,10 @@ def test_the_kit_passes_on_the_gate():
 
 def test_ring_mask_sees_the_window_by_position():
   # Ring of 3 slots holding positions 3, 4, 5 (slots 0, 1, 2) after 6 tokens; two new queries.
-  m = np.asarray(kv_cache.ring_mask(jnp.asarray(6), 2, 3, 3))[0, 0]
+  ring_mask = jax.jit(kv_cache.ring_mask, static_argnums=(1, 2, 3))  # one program, not op by op
+  m = np.asarray(ring_mask(jnp.asarray(6), 2, 3, 3))[0, 0]
   np.testing.assert_array_equal(m, [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
-  m = np.asarray(kv_cache.ring_mask(jnp.asarray(1), 2, 3, 3))[0, 0]  # only slot 0 written
+  m = np.asarray(ring_mask(jnp.asarray(1), 2, 3, 3))[0, 0]  # only slot 0 written
   np.testing.assert_array_equal(m, [[1, 0, 0, 1, 0], [1, 0, 0, 1, 1]])
 
 
@@ -521,9 +524,9 @@ def test_qk_norm_whole_refusals_and_its_k_scales_follow_the_kv_heads():
     attn.analysis.circuits("per_head", per_head_params(cfg), cfg)
   p = per_head_params(cfg)
   x, ctx, blank, _ = inputs(cfg)
-  more = cfg.replace(num_kv_heads=6)
+  more = cfg.replace(num_kv_heads=cfg.num_heads)
   q = attn.convert(p, "per_head", "per_head", cfg, dst_cfg=more)  # repeated keys: the same RMS, exact
-  assert q["k_norm_whole"].shape == (6, cfg.d_k)
+  assert q["k_norm_whole"].shape == (cfg.num_heads, cfg.d_k)
   np.testing.assert_allclose(jit_apply("per_head", q, x, ctx, cfg=more, mask=blank)[0],
                              jit_apply("per_head", p, x, ctx, cfg=cfg, mask=blank)[0], atol=2e-5)
   with pytest.warns(attn.LossyConversionWarning):  # mean-pooled keys: lossy, as without the norm

@@ -20,7 +20,7 @@ from attn.count import measured
 from attn.nn import DecoderLM
 from attn.nn.config import ModelConfig
 from attn.variants import mechanisms
-from conftest import randn, random_params
+from conftest import jit_apply, randn, random_params
 
 B, T = 2, 5
 AWKWARD = HeadConfig(d_model=20, num_heads=6, d_k=4, d_v=3, num_kv_heads=2)
@@ -73,13 +73,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# "all" holds fixed QK-norm, the softplus elementwise gate and the value scale together; a headwise
+# gate cannot join it. Each alone runs in the slow tier.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("all", "softplus_headwise") else pytest.mark.slow)
+                                  for n in sorted(CASES)])
 def test_against_naive(name):
   cfg = AWKWARD.replace(**CASES[name])
-  p = random_params(attn.init("per_head", jax.random.key(0), cfg), 3)
+  p = random_params(jax.eval_shape(lambda: attn.init("per_head", jax.random.key(0), cfg)), 3)
   x = randn(4, (B, T, cfg.d_model))
   lengths = np.array([T, 0])  # the second row fully padded: zeros, not NaN
-  got = attn.apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=lengths)
+  got = jit_apply("per_head", p, x, cfg=cfg, is_causal=True, kv_lengths=lengths)
   np.testing.assert_allclose(np.asarray(got), naive(p, x, cfg, lengths), rtol=2e-5, atol=2e-5)
 
 
@@ -88,11 +91,11 @@ def test_against_naive(name):
 def test_value_scale_is_scaled_values(variant, names):
   """value_scale s is W_V and b_V times s (per_head), or W_O times s (fused: its q, k, v in one matrix)."""
   cfg = AWKWARD.replace(d_k=6, d_v=4, sinks=True, gate="headwise")
-  p = random_params(attn.init(variant, jax.random.key(1), cfg), 5)
+  p = random_params(jax.eval_shape(lambda: attn.init(variant, jax.random.key(1), cfg)), 5)
   x = randn(6, (B, T, cfg.d_model))
   scaled = {n: (a * 0.37 if n in names else a) for n, a in p.items()}
-  want = attn.apply(variant, scaled, x, cfg=cfg, is_causal=True)
-  got = attn.apply(variant, p, x, cfg=cfg.replace(value_scale=0.37), is_causal=True)
+  want = jit_apply(variant, scaled, x, cfg=cfg, is_causal=True)
+  got = jit_apply(variant, p, x, cfg=cfg.replace(value_scale=0.37), is_causal=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -100,13 +103,13 @@ def test_fixed_norm_forgets_the_scale_of_queries_and_keys():
   """No learned scale: the weights are the same with W_Q, b_Q, W_K and b_K a thousand times larger
   (learned QK-norm keeps this too; the plain layer's softmax saturates instead)."""
   cfg = AWKWARD.replace(qk_norm="fixed", qk_scale_factor=3.0, qk_norm_eps=1e-12)
-  p = random_params(attn.init("per_head", jax.random.key(2), cfg), 7)
+  p = random_params(jax.eval_shape(lambda: attn.init("per_head", jax.random.key(2), cfg)), 7)
   big = {n: (a * 1e3 if n in ("w_q", "b_q", "w_k", "b_k") else a) for n, a in p.items()}
   x = randn(8, (1, T, cfg.d_model))
-  _, w = attn.apply("per_head", p, x, cfg=cfg, return_weights=True, is_causal=True)
-  _, w_big = attn.apply("per_head", big, x, cfg=cfg, return_weights=True, is_causal=True)
+  _, w = jit_apply("per_head", p, x, cfg=cfg, return_weights=True, is_causal=True)
+  _, w_big = jit_apply("per_head", big, x, cfg=cfg, return_weights=True, is_causal=True)
   np.testing.assert_allclose(np.asarray(w_big), np.asarray(w), rtol=1e-4, atol=1e-6)
-  _, plain = attn.apply("per_head", big, x, cfg=AWKWARD, return_weights=True, is_causal=True)
+  _, plain = jit_apply("per_head", big, x, cfg=AWKWARD, return_weights=True, is_causal=True)
   assert not np.allclose(np.asarray(plain), np.asarray(w), atol=1e-3)
 
 

@@ -17,6 +17,7 @@ from attn import ConfigError, count
 from attn.nn import moe
 from attn.nn.models import MLP, DecoderLM, activate
 from attn.nn.config import ModelConfig
+from conftest import randn
 
 BASE = dict(vocab_size=11, d_model=10, num_layers=3, num_heads=2, d_k=4, d_ff=12, mlp="moe", activation="silu",
             max_len=16)
@@ -92,10 +93,13 @@ def numpy_moe(cfg, layer, x):
   return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Mixtral's "softmax" (top-k weights renormalised, no biases) in the slow tier: gpt_oss renormalises
+# softmax's top k too, and deepseek and clamp_routed run without biases.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow if c == "softmax" else ())
+                                  for c in CASES])
 def test_dense_moe_against_a_numpy_loop(case):
   cfg, layer = _layer(case)
-  x = jax.random.normal(jax.random.PRNGKey(3), (2, 3, cfg.d_model))
+  x = randn(3, (2, 3, cfg.d_model))
   w, y = nnx.jit(lambda m, x: (m.weights(x), m(x)))(layer, x)  # one compile, not one per operation
   w = np.asarray(w)
   assert ((w > 0).sum(-1) == cfg.moe_top_k).all()  # exactly k experts per token
@@ -105,7 +109,7 @@ def test_dense_moe_against_a_numpy_loop(case):
 def test_bfloat16_and_gradients():
   """bf16 experts stay near float32 (routing is float32 either way); the router learns through its weights."""
   cfg, layer = _layer("softmax")
-  x = jax.random.normal(jax.random.PRNGKey(4), (2, 3, cfg.d_model))
+  x = randn(4, (2, 3, cfg.d_model))
   forward = nnx.jit(lambda m, x: m(x))  # one compile per layer, not op by op
   want = np.asarray(forward(layer, x))
   got = forward(_layer("softmax", dtype="bfloat16")[1], x)  # the same weights (same seeds), in bf16

@@ -28,7 +28,7 @@ B = 2
 # (cfg, T, S or None for self-attention): grouped kv heads with d_v != d_k, cross-attention and
 # RoPE; one kv head, no biases, h not dividing d_model, self-attention.
 CASES = {
-    "gqa_cross_rope": (HeadConfig(d_model=10, num_heads=6, d_k=4, d_v=5, num_kv_heads=2,
+    "gqa_cross_rope": (HeadConfig(d_model=10, num_heads=4, d_k=4, d_v=5, num_kv_heads=2,
                                   rope_dim=2, rope_theta=7.0, q_rank=3, kv_rank=2), 4, 7),
     "mqa_self_nobias": (HeadConfig(d_model=7, num_heads=3, d_k=2, d_v=3, num_kv_heads=1,
                                    use_bias=False, q_rank=2, kv_rank=3, layer=4), 5, None),
@@ -86,19 +86,19 @@ def naive_tpa(p, x, c, keep, q_pos, k_pos, cfg):
   def factor(name, z, r):  # the r-th factor of every token: (B, N, width)
     return z @ p[f"w_{name}"][:, r] + (p[f"b_{name}"][r] if cfg.use_bias else 0.0)
 
-  def head(a, b, z, rank, n, pos=None):
-    out = 0.0
-    for r in range(rank):
-      dims = factor(b, z, r) if pos is None else rotate(factor(b, z, r), pos, cfg)
-      out = out + factor(a, z, r)[..., n:n + 1] * dims
-    return out / rank
+  def factors(a, b, z, rank, pos=None):  # each rank's head weights a_r and dims b_r, shared by the heads
+    dims = [factor(b, z, r) if pos is None else rotate(factor(b, z, r), pos, cfg) for r in range(rank)]
+    return [factor(a, z, r) for r in range(rank)], dims
 
+  def head(ab, n):
+    return sum(a_r[..., n:n + 1] * b_r for a_r, b_r in zip(*ab)) / len(ab[0])
+
+  fq, fk, fv = (factors("aq", "bq", x, cfg.q_rank, q_pos), factors("ak", "bk", c, cfg.kv_rank, k_pos),
+                factors("av", "bv", c, cfg.kv_rank))
   y, maps = (p["b_o"] if cfg.use_bias else 0.0), []
   for h in range(cfg.num_heads):
     g = h // cfg.group_size
-    q = head("aq", "bq", x, cfg.q_rank, h, q_pos)
-    k = head("ak", "bk", c, cfg.kv_rank, g, k_pos)
-    v = head("av", "bv", c, cfg.kv_rank, g)
+    q, k, v = head(fq, h), head(fk, g), head(fv, g)
     w = softmax(scores(q, k) / math.sqrt(cfg.d_k), keep)
     y = y + (w @ v) @ p["w_o"][h]
     maps.append(w)
@@ -124,7 +124,7 @@ def inputs(cname, seed=0):
   return cfg, x, (c if cross else None), jnp.asarray(keep), q_pos, k_pos
 
 
-def params_of(variant, cfg, seed=3):
+def params_of(variant, cfg, seed=1):
   p = fresh_params(variant, cfg, seed)
   return {k: 0.3 * a if k.startswith("lambda") else a for k, a in p.items()}  # λ of order 1
 
@@ -210,7 +210,7 @@ def test_caches_hold_their_widths():
                      ("tpa", {"k_heads": (2, 2), "k_dims": (2, 5), "v_heads": (2, 2),
                               "v_dims": (2, 3)})):
     v = attn.VARIANTS[name]
-    c = kv_cache.init(v, attn.init(name, jax.random.PRNGKey(0), cfg), cfg, 3, 7)
+    c = jax.eval_shape(lambda: kv_cache.init(v, attn.init(name, jax.random.PRNGKey(0), cfg), cfg, 3, 7))
     assert {k: a.shape[2:] for k, a in c.items()} == want
     assert kv_cache.width(c) == v.kv_cache_width(cfg)
   # TPA's point: at H = G = 32, d_k = d_v = 128 the factors are 640 numbers, K and V 8,192.

@@ -18,7 +18,7 @@ from attn import ConfigError, HeadConfig, count
 from attn.nn import models
 from attn.nn.config import ModelConfig
 from attn.variants import rope
-from conftest import ROPE_CONFIGS, fresh_params, randn, random_params
+from conftest import ROPE_CONFIGS, fresh_params, randn
 
 
 def numpy_rotate(x, pos, rope_dim, theta):
@@ -42,7 +42,7 @@ def test_rotate_is_complex_multiplication(shape, rope_dim, per_example):
   x = rng.standard_normal(shape).astype(np.float32)
   pos = rng.integers(-20, 500, shape[:2] if per_example else shape[1:2])
   cfg = HeadConfig(d_model=shape[-1], num_heads=1, rope_dim=rope_dim, rope_theta=50.0)
-  got = rope.rotate(jnp.asarray(x), jnp.asarray(pos), cfg)
+  got = jax.jit(rope.rotate, static_argnums=2)(jnp.asarray(x), jnp.asarray(pos), cfg)  # one program
   np.testing.assert_allclose(got, numpy_rotate(x, pos, rope_dim, 50.0), atol=2e-5)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(got[..., rope_dim:], x[..., rope_dim:])
@@ -51,7 +51,7 @@ def test_rotate_is_complex_multiplication(shape, rope_dim, per_example):
 def test_per_head_with_rope_against_numpy_attention():
   """Self-attention with given positions and cross-attention with keys at 0..S−1, in float64."""
   cfg = ROPE_CONFIGS["rope_gqa"]
-  p = random_params(attn.init("per_head", jax.random.PRNGKey(0), cfg), 1)
+  p = fresh_params("per_head", cfg, 1)
   B, T, S = 2, 4, 6
   x, c = randn(2, (B, T, cfg.d_model)), randn(3, (B, S, cfg.d_model))
   pos = np.array([[5, 9, 2, 40], [0, 1, 2, 3]])

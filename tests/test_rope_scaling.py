@@ -107,22 +107,27 @@ def _rope_variants(cfg):
   return out
 
 
-def test_linear_by_two_at_doubled_positions_is_plain_rope_in_every_variant():
+def test_the_variants_with_rope():
+  assert {"per_head", "mla", "tpa", "fused"} <= set(_rope_variants(ROPE_CONFIGS["rope_gqa"]))
+
+
+# Fast: per_head (the query and key heads rotated), mla (a decoupled rotated key) and tpa (rotated
+# factors); every other variant with RoPE in the slow tier.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("mla", "per_head", "tpa") else pytest.mark.slow)
+                                  for n in _rope_variants(ROPE_CONFIGS["rope_gqa"])])
+def test_linear_by_two_at_doubled_positions_is_plain_rope_in_every_variant(name):
   """Each variant rotates through rope.frequencies: scaled angles (2p)·ω/2 are p·ω bit for bit."""
   cfg = ROPE_CONFIGS["rope_gqa"]
   scaled = cfg.replace(rope_scaling="linear", rope_factor=2.0)
-  names = _rope_variants(cfg)
-  assert {"per_head", "mla", "tpa", "fused"} <= set(names)
   pos = jnp.asarray([[3, 0, 7, 11], [1, 2, 3, 4]])
   x = randn(0, (2, 4, cfg.d_model))
-  for name in names:
-    params = fresh_params(name, cfg)
-    want = jit_apply(name, params, x, cfg=cfg, positions=pos, is_causal=True)
-    got = jit_apply(name, params, x, cfg=scaled, positions=2 * pos, is_causal=True)
-    np.testing.assert_allclose(got, want, atol=1e-6, err_msg=name)
-    if name == "per_head":  # the scaling acts at all
-      off = jit_apply(name, params, x, cfg=scaled, positions=pos, is_causal=True)
-      assert float(jnp.abs(off - want).max()) > 1e-3
+  params = fresh_params(name, cfg)
+  want = jit_apply(name, params, x, cfg=cfg, positions=pos, is_causal=True)
+  got = jit_apply(name, params, x, cfg=scaled, positions=2 * pos, is_causal=True)
+  np.testing.assert_allclose(got, want, atol=1e-6, err_msg=name)
+  if name == "per_head":  # the scaling acts at all
+    off = jit_apply(name, params, x, cfg=scaled, positions=pos, is_causal=True)
+    assert float(jnp.abs(off - want).max()) > 1e-3
 
 
 def test_position_free_fit_reads_the_scaled_frequencies():

@@ -6,6 +6,7 @@ the paper's three bands written here and, when installed, against
 transformers' own _compute_yarn_parameters and rotary modules.
 """
 
+import functools
 import math
 
 import jax
@@ -35,6 +36,9 @@ def numpy_rotate(x, pos, rope_dim, omega, layout, factor=1.0):
   return out
 
 
+rotate = jax.jit(rope.rotate, static_argnums=2)  # one compile per config, not op by op
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_partial_rotation_in_both_layouts_against_numpy(layout):
   """d_k = 7 with 4 rotated dims: the pairs turn, the other 3 dims are position-free."""
@@ -42,7 +46,7 @@ def test_partial_rotation_in_both_layouts_against_numpy(layout):
   x = rng.standard_normal((2, 5, 3, 7)).astype(np.float32)
   pos = rng.integers(0, 300, 5)
   cfg = HeadConfig(d_model=7, num_heads=1, rope_dim=4, rope_theta=30.0, rope_layout=layout, **YARN)
-  got = np.asarray(rope.rotate(jnp.asarray(x), jnp.asarray(pos), cfg))
+  got = np.asarray(rotate(jnp.asarray(x), jnp.asarray(pos), cfg))
   want = numpy_rotate(x, pos, 4, rope.frequencies(cfg), layout, rope.attention_factor(cfg))
   np.testing.assert_allclose(got, want, atol=3e-5)
   np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
@@ -54,13 +58,12 @@ def test_layout_none_turns_nothing():
   cfg = HeadConfig(d_model=12, num_heads=2, d_k=10, rope_dim=6, rope_theta=50.0, rope_layout="none")
   x = randn(3, (2, 4, 2, 10))
   np.testing.assert_array_equal(rope.frequencies(cfg), np.zeros(3))
-  np.testing.assert_array_equal(rope.rotate(x, jnp.array([0, 5, 9, 300]), cfg), x)
+  np.testing.assert_array_equal(rotate(x, jnp.array([0, 5, 9, 300]), cfg), x)
   np.testing.assert_array_equal(rope.rotation_matrices([0, 7, -40], cfg), np.tile(np.eye(10), (3, 1, 1)))
 
 
 def test_interleaved_is_half_on_permuted_dims_and_scores_depend_on_offsets():
   """interleaved(x) = P⁻¹ half(P x) with P the de-interleaving permutation; q·k reads only t − s."""
-  rotate = jax.jit(rope.rotate, static_argnums=2)  # one compile per layout, not op by op
   cfg = HeadConfig(d_model=12, num_heads=2, d_k=10, rope_dim=6, rope_theta=50.0)
   inter = cfg.replace(rope_layout="interleaved")
   perm = np.r_[0:6:2, 1:6:2, 6:10]
@@ -109,12 +112,14 @@ def test_yarn_scales_the_rotated_part_of_every_score():
   """An attention factor f multiplies the rotated part of q·k by f², leaves the rest; scaled layers decode."""
   cfg = HeadConfig(d_model=16, num_heads=2, d_k=8, rope_dim=4, rope_theta=100.0, **YARN)
   q, k = randn(3, (1, 1, 8)), randn(4, (1, 1, 8))
-  def score(c, part):
-    qr, kr = rope.rotate(q, jnp.array([6]), c), rope.rotate(k, jnp.array([2]), c)
-    return jnp.sum((qr * kr)[..., part])
+  @functools.partial(jax.jit, static_argnums=0)  # one program per config
+  def score(c):  # the rotated part's, the rest's
+    qk = rope.rotate(q, jnp.array([6]), c) * rope.rotate(k, jnp.array([2]), c)
+    return jnp.sum(qk[..., :4]), jnp.sum(qk[..., 4:])
   one, two = cfg.replace(rope_attention_factor=1.0), cfg.replace(rope_attention_factor=2.0)
-  np.testing.assert_allclose(score(two, slice(0, 4)), 4 * score(one, slice(0, 4)), rtol=1e-5)
-  np.testing.assert_allclose(score(two, slice(4, 8)), score(one, slice(4, 8)), rtol=1e-6)
+  (two_rotated, two_rest), (one_rotated, one_rest) = score(two), score(one)
+  np.testing.assert_allclose(two_rotated, 4 * one_rotated, rtol=1e-5)
+  np.testing.assert_allclose(two_rest, one_rest, rtol=1e-6)
 
 
 @pytest.mark.parametrize("changes, match", [
