@@ -32,7 +32,8 @@ B, T, S = 2, 5, 7
 # test_new_variants; compressed: test_compressed; compressed_shared: test_compressed_shared; k_eq_v and
 # grouped_lowrank: test_head_layouts; gla: test_gla), the fixed-state heads their chunked and recurrent forms
 # against the loop and a chunk continued from a state (kda, gated_deltanet, linear, mamba2: test_linear_core,
-# test_linear_variants) and decoding inside a hybrid model (gated_deltanet: test_hybrid_layers).
+# test_linear_variants) and a prompt then tokens decoded from the state equal to the full pass (gated_deltanet:
+# test_linear_variants).
 KIT_FAST = ("per_head", "talking_heads")
 
 

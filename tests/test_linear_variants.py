@@ -156,8 +156,9 @@ def test_linear_equals_its_quadratic_form():
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", STATE_HEADS)
-@pytest.mark.slow
+# Fast on gated_deltanet (the hybrids' linear head; the fixed-state heads' one fast decoding check), the rest slow.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "gated_deltanet" else pytest.mark.slow)
+                                  for n in STATE_HEADS])
 def test_prompt_then_tokens_equal_the_full_pass(name):
   """A 6-token prompt in one step (chunked from the empty state), then 1-token steps (recurrent)."""
   cfg = HeadConfig(d_model=20, num_heads=4, d_k=3, d_v=5, num_kv_heads=2, chunk=4)
