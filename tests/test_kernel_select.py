@@ -77,14 +77,16 @@ def test_moba_under_a_dense_causal_mask_is_the_causal_choice():
   np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("is_causal", [True, pytest.param(False, marks=pytest.mark.slow)])  # one fast
-def test_indexer_tokens_equal_counting_reference(is_causal):
+# The fast case takes each top_k (and chunk) once, with and without the mask in turn; the slow ones every pair.
+@pytest.mark.parametrize("is_causal, every_pair", [(True, False), pytest.param(True, True, marks=pytest.mark.slow),
+                                                   pytest.param(False, True, marks=pytest.mark.slow)])
+def test_indexer_tokens_equal_counting_reference(is_causal, every_pair):
   B, T, S, J, I = 2, 37, 45, 3, 4
   qi, ki, w = _randn(6, (B, T, J, I)), _randn(7, (B, S, I)), _randn(8, (B, T, J))
   kv_lengths = jnp.array([45, 9])
   mask = jnp.asarray(np.random.default_rng(9).uniform(size=(B, 1, T, S)) < 0.7)
-  for top_k, chunk in ((1, None), (6, 8), (100, 16)):
-    for m in (None, mask):
+  for i, (top_k, chunk) in enumerate(((1, None), (6, 8), (100, 16))):
+    for m in (None, mask) if every_pair else ((mask, None)[i % 2],):
       got = _whole(select.indexer_tokens)(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
                                   mask=m, chunk=chunk)
       want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
@@ -101,7 +103,7 @@ def test_indexer_ties_take_the_lower_key():
   ki = jnp.ones((B, T, I))
   w = jnp.ones((B, T, J))
   got = _whole(select.indexer_tokens)(qi, ki, w, top_k=4, is_causal=True, chunk=7)
-  np.testing.assert_array_equal(got, select.indexer_tokens_reference(qi, ki, w, top_k=4, is_causal=True))
+  np.testing.assert_array_equal(got, _whole(select.indexer_tokens_reference)(qi, ki, w, top_k=4, is_causal=True))
   assert list(np.flatnonzero(got[0, -1])) == [0, 1, 2, 3]
 
 
@@ -127,11 +129,12 @@ def _both(q, k, v, blocks, mask, *, block_k, is_causal, kv_lengths, bits=None, s
                                          block_q=16, softcap=softcap)
   de = lambda q, k, v: kernel.attention(q, k, v, mask, is_causal=is_causal, kv_lengths=kv_lengths,
                                         softcap=softcap)
-  out = []
-  for f in (sp, de):
-    y, vjp = jax.vjp(jax.jit(f), q, k, v)
-    out.append((y, vjp(co)))
-  return out
+  def value_and_vjp(f):  # one program for the values and the gradients (a jitted vjp compiles two)
+    def run(q, k, v):
+      y, vjp = jax.vjp(f, q, k, v)
+      return y, vjp(co)
+    return jax.jit(run)(q, k, v)
+  return [value_and_vjp(f) for f in (sp, de)]
 
 
 # The first shape (T < S, G < H, d_v != d_k) in the fast tier; the other two (T > S, one kv head; T = S) slow.
