@@ -19,6 +19,7 @@ from attn.nn import index_sharing
 from attn.nn.config import ModelConfig
 from attn.nn.models import DecoderLM
 from attn.variants.mechanisms import selection
+from conftest import fresh_params
 from test_indexer_deepseek import _numpy_choice
 
 IX = {"heads": 3, "head_dim": 6, "top_k": 3, "form": "deepseek"}
@@ -215,7 +216,7 @@ def test_a_shared_layer_alone_is_refused_by_name():
   """A shared layer outside a model call has no choice to reuse: refused, never attending to every key."""
   from attn import api
   head = _cfg().layer_head(1)
-  p = api.init("mla", jax.random.key(0), head)
+  p = fresh_params("mla", head)  # numpy draws: api.init eager compiles one draw per shape
   assert not set(p) & set(INDEX_PARAMS)
   with pytest.raises(ConfigError, match=r"extra.indexer.shared=True"):
     api.apply("mla", p, jnp.zeros((1, 5, 22)), cfg=head, is_causal=True)
