@@ -19,7 +19,7 @@ from attn.nn import index_sharing
 from attn.nn.config import ModelConfig
 from attn.nn.models import DecoderLM
 from attn.variants.mechanisms import selection
-from conftest import fresh_params
+from conftest import fresh_params, jit_apply
 from test_indexer_deepseek import _numpy_choice
 
 IX = {"heads": 3, "head_dim": 6, "top_k": 3, "form": "deepseek"}
@@ -219,7 +219,7 @@ def test_a_shared_layer_alone_is_refused_by_name():
   p = fresh_params("mla", head)  # numpy draws: api.init eager compiles one draw per shape
   assert not set(p) & set(INDEX_PARAMS)
   with pytest.raises(ConfigError, match=r"extra.indexer.shared=True"):
-    api.apply("mla", p, jnp.zeros((1, 5, 22)), cfg=head, is_causal=True)
+    jit_apply("mla", p, jnp.zeros((1, 5, 22)), cfg=head, is_causal=True)  # refused while tracing: no compile
 
 
 @pytest.mark.slow
