@@ -103,9 +103,11 @@ def test_blocked_equals_einsum_values_and_gradients(name):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-# einsum's structured masks against the dense ones keep a fast sibling in
-# test_every_variant_structured_equals_dense_mask (fused, at these small shapes on einsum).
-@pytest.mark.parametrize("impl", [pytest.param("einsum", marks=pytest.mark.slow), "xla"])
+# Slow: einsum's structured masks against the dense ones keep a fast sibling in
+# test_every_variant_structured_equals_dense_mask (fused, at these small shapes on einsum), xla's in
+# test_kernel_mechanisms.py::test_window_on_the_xla_path_is_aligned_as_ours (causal, T != S, kv_lengths).
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["einsum", "xla"])
 def test_structured_masks_equal_dense_masks_on_every_path(impl):
   B, H, G, K = 2, 4, 2, 8  # xla needs d_v = d_k
   for T, S in ((5, 8), (8, 5)):  # causal with T < S and T > S
@@ -301,6 +303,7 @@ def test_models_outputs_equal_the_dense_mask_path():
                              ed_dense(ed, tokens, tgt, lengths), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # fast sibling: test_every_variant_structured_equals_dense_mask[per_head-True] (the layer)
 def test_decoder_lm_on_the_blocked_kernel_equals_einsum(monkeypatch):
   cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=1, num_heads=4, d_ff=32, max_len=16,
                     variant="per_head")

@@ -138,16 +138,21 @@ def _both(q, k, v, blocks, mask, *, block_k, is_causal, kv_lengths, bits=None, s
 
 
 # The first shape (T < S, G < H, d_v != d_k) in the fast tier; the other two (T > S, one kv head; T = S) slow.
-@pytest.mark.parametrize("shape", [SHAPES[0]] + [pytest.param(s, marks=pytest.mark.slow) for s in SHAPES[1:]])
-def test_sparse_kernel_equals_dense_moba(shape):
+# The fast case: causal with a soft-cap; the slow ones causal without it and bidirectional with it.
+CAUSAL_SOFTCAP = ((True, None), (False, 3.0))
+
+
+@pytest.mark.parametrize("shape, cases", [(SHAPES[0], ((True, 3.0),))] + [
+    pytest.param(s, CAUSAL_SOFTCAP, marks=pytest.mark.slow) for s in SHAPES])
+def test_sparse_kernel_equals_dense_moba(shape, cases):
   B, T, S, H, G, K, V = shape
   q, k, v = _randn(11, (B, T, H, K)), _randn(12, (B, S, G, K)), _randn(13, (B, S, G, V))
   kv_lengths = jnp.array([S, 0][:B])  # example 1 sees nothing: rows with nothing selected
-  for is_causal in (True, False):
+  for is_causal, softcap in cases:
     blocks = _whole(select.moba_blocks)(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths)
     mask = _whole(select.blocks_to_mask)(blocks, 8, S)
     (y, g), (y_ref, g_ref) = _both(q, k, v, blocks, mask, block_k=8, is_causal=is_causal,
-                                   kv_lengths=kv_lengths, softcap=None if is_causal else 3.0)
+                                   kv_lengths=kv_lengths, softcap=softcap)
     np.testing.assert_allclose(y, y_ref, atol=2e-6)
     for a, b in zip(g, g_ref):
       np.testing.assert_allclose(a, b, atol=2e-5)

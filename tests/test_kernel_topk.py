@@ -69,8 +69,8 @@ CASES = [(2, 37, 45, 2, 3, 5), (1, 45, 37, 3, 4, 9), (2, 20, 20, 2, 2, 30)]
 
 
 @pytest.mark.parametrize("case,is_causal", [
-    pytest.param(c, causal, marks=() if i % 2 == causal else pytest.mark.slow)
-    for i, c in enumerate(CASES) for causal in (True, False)])
+    pytest.param(c, causal, marks=() if (i, causal) in ((1, True), (2, False)) else pytest.mark.slow)
+    for i, c in enumerate(CASES) for causal in (True, False)])  # T > S causal; top_k past S with padding
 def test_indexer_top_equals_indexer_tokens(case, is_causal):
   B, T, S, J, I, top_k = case
   rng = np.random.default_rng(sum(case) + is_causal)
