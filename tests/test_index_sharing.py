@@ -35,8 +35,29 @@ def _cfg(types=("full", "shared", "shared"), **changes):
   return ModelConfig(**(base | changes))
 
 
+def _built(cfg, seed):
+  """DecoderLM(cfg) with numpy draws at its parameters' shapes (scales near 1, biases near 0, weights
+  N(0, 1/fan_in)): its own init runs eagerly and compiles one draw per shape, most of a fast test's CPU."""
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(seed)))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, a):
+    name = str(path[-1].key)
+    if "norm" in name or name == "scale":
+      x = 1.0 + 0.1 * rng.standard_normal(a.shape)
+    elif name.startswith("b_") or name == "bias":
+      x = 0.1 * rng.standard_normal(a.shape)
+    else:
+      x = rng.standard_normal(a.shape) / np.sqrt(np.prod(a.shape[:-1]))
+    return jnp.asarray(x, a.dtype)
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
+  nnx.update(model, state)
+  return model
+
+
 def _model(cfg, seed=0):
-  model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
+  model = _built(cfg, seed)
   rng = np.random.default_rng(seed + 7)  # the index norms away from their init, so reading them matters
   for block in model.blocks:
     p = block.attn.params
@@ -49,7 +70,7 @@ def _model(cfg, seed=0):
 def _reference(model, cfg, ids, lengths):
   """(the plain-mla model with the model's params, each layer's numpy choice as its mask, the plain model's
   logits under those masks): the masks are constants, as a choice carries no gradient."""
-  plain = DecoderLM(cfg.replace(extra=None, indexer_types=None), rngs=nnx.Rngs(1))
+  plain = _built(cfg.replace(extra=None, indexer_types=None), 1)
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for l, block in pure["blocks"].items():
     block["attn"]["params"] = {k: v for k, v in block["attn"]["params"].items() if k not in INDEX_PARAMS}
@@ -152,7 +173,8 @@ def test_counts_in_closed_form_against_the_built_model():
   """attn count: parameters (the built tree), cache bytes per token, FLOPs: a shared layer less the indexer's
   weights Q'·J·I + D·(I + J) + 2·I, its keys (d_I a token) and its FLOPs (selection.indexer_flops)."""
   shared, full = _cfg(), _cfg(types=None)
-  built = sum(x.size for x in jax.tree.leaves(nnx.state(DecoderLM(shared, rngs=nnx.Rngs(0)), nnx.Param)))
+  built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(  # shapes only: eval_shape, no draws
+      nnx.state(nnx.eval_shape(lambda: DecoderLM(shared, rngs=nnx.Rngs(0))), nnx.Param)))
   Q, D, J, I = 9, 22, 3, 6
   per_layer = Q * J * I + D * (I + J) + 2 * I
   assert count_model.model_param_count(shared) == built == count_model.model_param_count(full) - 2 * per_layer
