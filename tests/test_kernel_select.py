@@ -72,8 +72,9 @@ def test_moba_under_a_dense_causal_mask_is_the_causal_choice():
   """A KV cache decodes under a dense mask; the choice equals is_causal's (the same rule)."""
   B, T, H, G, K = 2, 29, 4, 2, 5
   q, k = _randn(4, (B, T, H, K)), _randn(5, (B, T, G, K))
-  a = _whole(select.moba_blocks)(q, k, block=4, top_k=3, is_causal=True)
-  b = _whole(select.moba_blocks)(q, k, block=4, top_k=3, is_causal=False, mask=kernel.masks.causal_mask(T))
+  a, b = jax.jit(lambda q, k: (  # one program for both
+      select.moba_blocks(q, k, block=4, top_k=3, is_causal=True),
+      select.moba_blocks(q, k, block=4, top_k=3, is_causal=False, mask=kernel.masks.causal_mask(T))))(q, k)
   np.testing.assert_array_equal(a, b)
 
 
@@ -85,15 +86,18 @@ def test_indexer_tokens_equal_counting_reference(is_causal, every_pair):
   qi, ki, w = _randn(6, (B, T, J, I)), _randn(7, (B, S, I)), _randn(8, (B, T, J))
   kv_lengths = jnp.array([45, 9])
   mask = jnp.asarray(np.random.default_rng(9).uniform(size=(B, 1, T, S)) < 0.7)
-  for i, (top_k, chunk) in enumerate(((1, None), (6, 8), (100, 16))):
-    for m in (None, mask) if every_pair else ((mask, None)[i % 2],):
-      got = _whole(select.indexer_tokens)(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
-                                  mask=m, chunk=chunk)
-      want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
-                                             kv_lengths=kv_lengths, mask=m)
-      np.testing.assert_array_equal(got, want)
+  cases = [(top_k, chunk, m) for i, (top_k, chunk) in enumerate(((1, None), (6, 8), (100, 16)))
+           for m in ((None, mask) if every_pair else ((mask, None)[i % 2],))]
+  # every case's choice and the visibility in one program (each its own: one compile a case)
+  gots, vis = jax.jit(lambda qi, ki, w, n, mask: (
+      [select.indexer_tokens(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=n,
+                             mask=None if m is None else mask, chunk=chunk) for top_k, chunk, m in cases],
+      select.visible(T, S, is_causal, n, B)))(qi, ki, w, kv_lengths, mask)
+  for got, (top_k, _, m) in zip(gots, cases):
+    want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
+                                           kv_lengths=kv_lengths, mask=m)
+    np.testing.assert_array_equal(got, want)
   # With top_k past what a row sees, it keeps exactly what it sees.
-  vis = _whole(select.visible)(T, S, is_causal, kv_lengths, B)
   np.testing.assert_array_equal(got, vis & mask[:, 0])
 
 
@@ -109,15 +113,18 @@ def test_indexer_ties_take_the_lower_key():
 
 def test_bits_round_trip():
   m = jnp.asarray(np.random.default_rng(10).uniform(size=(2, 5, 77)) < 0.4)
-  bits = _whole(select.pack_bits)(m)
-  assert bits.shape == (2, 5, 3) and bits.dtype == jnp.uint32
   s_pos = jnp.broadcast_to(jnp.arange(77), (2, 77))
-  np.testing.assert_array_equal(_whole(select.bits_at)(bits, s_pos), m)
-  np.testing.assert_array_equal(_whole(select.indexer_bits)(
-      _randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)), _randn(3, (2, 40, 2)), top_k=5, is_causal=False,
-      chunk=16),
-      _whole(select.pack_bits)(_whole(select.indexer_tokens)(_randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)),
-                                             _randn(3, (2, 40, 2)), top_k=5, is_causal=False)))
+  qi, ki, w = _randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)), _randn(3, (2, 40, 2))
+
+  @jax.jit  # one program (eager, each small op compiles on its own)
+  def run(m, s_pos, qi, ki, w):
+    bits = select.pack_bits(m)
+    return (bits, select.bits_at(bits, s_pos), select.indexer_bits(qi, ki, w, top_k=5, is_causal=False, chunk=16),
+            select.pack_bits(select.indexer_tokens(qi, ki, w, top_k=5, is_causal=False)))
+  bits, back, from_indexer, packed = run(m, s_pos, qi, ki, w)
+  assert bits.shape == (2, 5, 3) and bits.dtype == jnp.uint32
+  np.testing.assert_array_equal(back, m)
+  np.testing.assert_array_equal(from_indexer, packed)
 
 
 def _both(q, k, v, blocks, mask, *, block_k, is_causal, kv_lengths, bits=None, softcap=None):
