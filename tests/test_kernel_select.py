@@ -186,14 +186,20 @@ def test_sparse_kernel_equals_dense_indexer(shape):
 def test_selecting_every_block_is_full_causal_attention_exactly():
   B, T, H, G, K, V = 2, 45, 4, 2, 5, 7
   q, k, v = _randn(20, (B, T, H, K)), _randn(21, (B, T, G, K)), _randn(22, (B, T, G, V))
-  full = _whole(kernel.attention)(q, k, v, is_causal=True)
-  blocks = _whole(select.moba_blocks)(q, k, block=8, top_k=6, is_causal=True)  # 6 blocks of 8 cover 45
-  np.testing.assert_array_equal(_whole(kernel.attention)(q, k, v, _whole(select.blocks_to_mask)(blocks, 8, T),
-                                                 is_causal=True), full)
-  tokens = _whole(select.indexer_tokens)(_randn(23, (B, T, 2, 3)), _randn(24, (B, T, 3)), _randn(25, (B, T, 2)),
-                                 top_k=T, is_causal=True)
-  np.testing.assert_array_equal(_whole(kernel.attention)(q, k, v, tokens[:, None], is_causal=True), full)
-  y = _whole(sparse.attention)(q, k, v, blocks, block_k=8, scale=K ** -0.5, is_causal=True, block_q=16)
+  qi, ki, w = _randn(23, (B, T, 2, 3)), _randn(24, (B, T, 3)), _randn(25, (B, T, 2))
+
+  @jax.jit  # one program (eager, each small op compiles on its own)
+  def run(q, k, v, qi, ki, w):
+    full = kernel.attention(q, k, v, is_causal=True)
+    blocks = select.moba_blocks(q, k, block=8, top_k=6, is_causal=True)  # 6 blocks of 8 cover 45
+    by_blocks = kernel.attention(q, k, v, select.blocks_to_mask(blocks, 8, T), is_causal=True)
+    tokens = select.indexer_tokens(qi, ki, w, top_k=T, is_causal=True)
+    by_tokens = kernel.attention(q, k, v, tokens[:, None], is_causal=True)
+    return full, by_blocks, by_tokens, sparse.attention(q, k, v, blocks, block_k=8, scale=K ** -0.5, is_causal=True,
+                                                        block_q=16)
+  full, by_blocks, by_tokens, y = run(q, k, v, qi, ki, w)
+  np.testing.assert_array_equal(by_blocks, full)
+  np.testing.assert_array_equal(by_tokens, full)
   np.testing.assert_allclose(y, full, atol=2e-6)
 
 

@@ -48,8 +48,9 @@ def _rows(rng):
 def test_topk_mask_and_indices_equal_lax_top_k(k):
   x = _rows(np.random.default_rng(k))
   want = _top_k_set(x, min(k, x.shape[1]))
-  np.testing.assert_array_equal(_whole(topk.mask)(x, k), want)
-  idx = np.asarray(_whole(topk.indices)(x, k))
+  mask, idx = jax.jit(lambda x: (topk.mask(x, k), topk.indices(x, k)))(x)  # one program for both
+  np.testing.assert_array_equal(mask, want)
+  idx = np.asarray(idx)
   assert idx.shape == (x.shape[0], k)
   for r in range(x.shape[0]):
     n = int(want[r].sum())
@@ -77,10 +78,13 @@ def test_indexer_top_equals_indexer_tokens(case, is_causal):
   r = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
   qi, ki, w = r(B, T, J, I), r(B, S, I), r(B, T, J)
   kv_lengths = jnp.array([S, S // 2][:B])
-  idx = np.asarray(_whole(select.indexer_top)(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
-                                      rows=8, buckets=3))
-  want = np.asarray(_whole(select.indexer_tokens_reference)(qi, ki, w, top_k=top_k, is_causal=is_causal,
-                                                            kv_lengths=kv_lengths))
+
+  @jax.jit  # the choice, the reference and both as bits in one program (eager, each small op compiles alone)
+  def run(qi, ki, w, n):
+    idx = select.indexer_top(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=n, rows=8, buckets=3)
+    want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=n)
+    return idx, want, select.indices_to_bits(idx, S), select.pack_bits(want)
+  idx, want, bits, want_bits = (np.asarray(a) for a in run(qi, ki, w, kv_lengths))
   assert idx.shape == (B, T, min(top_k, S))
   got = np.zeros_like(want)
   for b in range(B):
@@ -89,5 +93,4 @@ def test_indexer_top_equals_indexer_tokens(case, is_causal):
       assert (np.diff(chosen) > 0).all()
       got[b, t, chosen] = True
   np.testing.assert_array_equal(got, want)
-  bits = _whole(select.indices_to_bits)(jnp.asarray(idx), S)
-  np.testing.assert_array_equal(bits, _whole(select.pack_bits)(jnp.asarray(want)))
+  np.testing.assert_array_equal(bits, want_bits)
