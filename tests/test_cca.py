@@ -15,18 +15,15 @@ from attn.config import ConfigError, HeadConfig
 from attn.testing.variants import AWKWARD
 from attn.variants import cache, mechanisms
 from attn.variants.mechanisms import cca
-from conftest import jit_apply
+from conftest import fresh_params, jit_apply
 
 CCA = AWKWARD["gqa_dv_ne_dk"].replace(cca=True, cca_depthwise_width=3, cca_grouped_width=2, rope_dim=4)  # d_v != d_k
 
 
 def _params(cfg, seed=0):
-  """Random parameters with every cca weight moved off its init (biases and temperatures too): init compiled
-  whole, the moves drawn with numpy (eager jax would compile each op and each draw on its own)."""
-  p = jax.jit(lambda key: attn.init("per_head", key, cfg))(jax.random.PRNGKey(seed))
-  rng = np.random.default_rng(seed + 100)
-  return {n: a + jnp.asarray(0.3 * rng.standard_normal(a.shape), jnp.float32) if n.startswith(("cca_", "b_")) else a
-          for n, a in sorted(p.items())}
+  """Random parameters, every cca weight off its init (biases and temperatures too): numpy draws at the
+  parameters' shapes (conftest.fresh_params; init's jax draws compile a program of ~0.6 s CPU)."""
+  return fresh_params("per_head", cfg, seed)
 
 
 def _numpy_cca(p, q, k, v, cfg):

@@ -20,6 +20,7 @@ from attn.kernel import sparse as kernel_sparse
 from attn.variants.mechanisms import selection
 from attn.variants.base import Options
 from attn.variants.mechanisms import MECHANISMS
+from conftest import fresh_params
 
 IX = {"heads": 5, "head_dim": 6, "top_k": 4, "form": "deepseek"}
 CFG = HeadConfig(d_model=22, num_heads=3, d_k=7, d_v=5, num_kv_heads=3, rope_dim=4, rope_theta=50.0, latent_dim=6,
@@ -35,7 +36,7 @@ def _randn(seed, shape):
 
 
 def _params(cfg, seed=0):
-  p = jax.jit(lambda key: api.init("mla", key, cfg))(jax.random.key(seed))  # eager: one compile a draw
+  p = fresh_params("mla", cfg, seed)  # numpy draws: init's jax draws compile a program of ~0.7 s CPU
   rng = np.random.default_rng(seed + 100)  # the norms away from their init, so that reading them matters
   for n in ("idk_norm", "idk_bias", "q_latent_norm"):
     p[n] = jnp.asarray(1.0 * (n != "idk_bias") + 0.5 * rng.standard_normal(p[n].shape).astype(np.float32))

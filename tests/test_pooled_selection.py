@@ -19,15 +19,11 @@ from attn.kernel import selected as kernel_selected
 from attn.kernel import sparse as kernel_sparse
 from attn.kernel import tokens as kernel_tokens
 from attn.variants.mechanisms import pooled as mech
+from conftest import fresh_params
 
 
 def _randn(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
-
-
-def _init(cfg, seed):
-  """api.init's parameters, compiled whole (eager, each parameter's draw compiles on its own)."""
-  return jax.jit(lambda key: api.init("per_head", key, cfg))(jax.random.key(seed))
 
 
 def _sets(idx):
@@ -185,7 +181,7 @@ def _rows_against_dense(extra, full, heads, kv_heads, monkeypatch, T=41):
     monkeypatch.setattr(module, "attention",
                         lambda *a, run=module.attention, name=name, **kw: calls.append(name) or run(*a, **kw))
   cfg = HeadConfig(d_model=16, num_heads=heads, d_k=6, d_v=5, num_kv_heads=kv_heads, rope_dim=2, extra=extra)
-  p = _init(cfg, 3)
+  p = fresh_params("per_head", cfg, seed=3)  # numpy draws: init's jax draws compile a program of ~0.7 s CPU
   x, kv = _randn(4, (2, T, 16)), jnp.array([T, T * 5 // 8])
   cot = _randn(5, (2, T, 16))
 
@@ -236,9 +232,10 @@ COUNT_CFG = HeadConfig(d_model=32, num_heads=4, d_k=16, d_v=12, num_kv_heads=2, 
 def test_counts_in_closed_form(extra):
   name = next(iter(extra))
   cfg = COUNT_CFG.replace(extra=extra)
-  p = _init(cfg, 0)
+  built = jax.eval_shape(lambda key: api.init("per_head", key, cfg), jax.random.key(0))  # init's tree, no draws
   base = api.param_shapes("per_head", COUNT_CFG)
-  assert mech.param_count(name, cfg) == sum(a.size for n, a in p.items() if n not in base)
+  assert mech.param_count(name, cfg) == sum(int(np.prod(a.shape)) for n, a in built.items() if n not in base)
+  p = fresh_params("per_head", cfg)
   T = 29
   q, k = _randn(1, (1, T, 4, 16)), _randn(2, (1, T, 2, 16))
   select_ = functools.partial(mech._select, name, cfg=cfg, is_causal=True, kv_lengths=None, mask=None, dense=True)
