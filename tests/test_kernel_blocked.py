@@ -165,11 +165,11 @@ def test_jit_with_traced_lengths_and_vmap():
   kv_lengths = jnp.array([5, 13])
   f = jax.jit(lambda q, k, v, n: kernel.attention(q, k, v, kv_lengths=n, is_causal=True,
                                                   impl="blocked", block_q=bq, block_k=bk))
-  # the dense reference compiled whole (the blocked kernel eager compiles each small op on its own)
-  eager = reference(q, k, v, jnp.asarray(dense_mask(B, H, T, S, is_causal=True, kv_lengths=kv_lengths)))
-  np.testing.assert_allclose(f(q, k, v, kv_lengths), eager, atol=1e-6)
+  # against the dense reference, compiled whole (the blocked kernel eager compiles each small op on its own)
+  want = reference(q, k, v, jnp.asarray(dense_mask(B, H, T, S, is_causal=True, kv_lengths=kv_lengths)))
+  np.testing.assert_allclose(f(q, k, v, kv_lengths), want, atol=1e-6)
   one = lambda q, k, v, n: f(q[None], k[None], v[None], n[None])[0]
-  np.testing.assert_allclose(jax.vmap(one)(q, k, v, kv_lengths), eager, atol=1e-6)
+  np.testing.assert_allclose(jax.vmap(one)(q, k, v, kv_lengths), want, atol=1e-6)
   f(q, k, v, jnp.array([99, -1]))  # under jit the values are not checked
 
 

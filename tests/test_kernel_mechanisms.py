@@ -207,7 +207,9 @@ def test_blank_rows_give_zeros_and_finite_gradients():
   assert not np.asarray(w).transpose(0, 2, 1, 3)[blank_BT].any()
 
 
-@pytest.mark.slow  # fast siblings: test_kernel_blocked.py::test_bfloat16_within_its_tolerance, test_kernel.py's
+# Slow; fast siblings: test_kernel_blocked.py::test_bfloat16_within_its_tolerance (blocked, values and gradients)
+# and test_kernel.py::test_bf16_inputs_softmax_in_float32 (einsum).
+@pytest.mark.slow
 def test_bfloat16_runs_and_stays_close_to_float32():
   B, T, S, H, G, K, V, bq, bk = SHAPES["T_lt_S"]
   q, k, v = qkv(8, B, T, S, H, G, K, V)
