@@ -79,10 +79,11 @@ jit_grads = jax.jit(grads, static_argnums=0)
 reference = jax.jit(kernel.reference_attention)
 
 
-# gqa_cross in the fast tier (grouped heads, d_v != d_k, T < S, blocks not dividing T or S, causal and with
-# lengths); the others slow: MQA with T > S and blank rows keeps a fast sibling in
-# test_fully_masked_rows_are_zero_in_value_and_gradient, a blanking dense mask in test_kernel_mechanisms.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "gqa_cross" else pytest.mark.slow)
+# gqa_cross (grouped heads, d_v != d_k, T < S, blocks not dividing T or S, causal and with lengths) and
+# mqa_T_gt_S (one kv head, T > S: rows that see nothing, a length of 0) in the fast tier; self and one_block
+# slow (a blanking dense mask on the blocked kernel keeps a fast sibling in
+# test_kernel_mechanisms.py::test_blank_rows_give_zeros_and_finite_gradients).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("gqa_cross", "mqa_T_gt_S") else pytest.mark.slow)
                                   for n in SHAPES])
 def test_blocked_equals_einsum_values_and_gradients(name):
   B, T, S, H, G, K, V, bq, bk = SHAPES[name]
