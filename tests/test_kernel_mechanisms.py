@@ -231,13 +231,13 @@ def test_bfloat16_runs_and_stays_close_to_float32():
 def test_window_on_the_xla_path_is_aligned_as_ours():
   """T == S causal travels as jax's local_window_size, the rest as a dense mask: same answer."""
   B, H, G, K = 2, 4, 2, 8  # xla needs d_v = d_k
-  for (T, S), is_causal, window in (((9, 9), True, 3), ((9, 9), True, 20), ((9, 9), False, 3),
-                                    ((5, 9), True, 2), ((9, 5), False, 1), ((9, 5), True, 4)):
-    q, k, v = qkv(T + S, B, T, S, H, G, K, K)
-    kv_lengths = jnp.array([S, 3])
-    got = jax.jit(lambda q, k, v, n: kernel.attention(
-        q, k, v, impl="xla", is_causal=is_causal, window=window, kv_lengths=n))(q, k, v,
-                                                                              kv_lengths)
+  combos = (((9, 9), True, 3), ((9, 9), True, 20), ((9, 9), False, 3),
+            ((5, 9), True, 2), ((9, 5), False, 1), ((9, 5), True, 4))
+  inputs = [(qkv(T + S, B, T, S, H, G, K, K), jnp.array([S, 3])) for (T, S), _, _ in combos]
+  outs = jax.jit(lambda inputs: [  # every combination in one program (one compile, not six)
+      kernel.attention(*qkv_, impl="xla", is_causal=is_causal, window=window, kv_lengths=n)
+      for (qkv_, n), (_, is_causal, window) in zip(inputs, combos)])(inputs)
+  for ((T, S), is_causal, window), ((q, k, v), kv_lengths), got in zip(combos, inputs, outs):
     ref = naive(q, k, v, is_causal=is_causal, window=window, kv_lengths=kv_lengths)[0]
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5,
                                err_msg=f"{T, S, is_causal, window}")
