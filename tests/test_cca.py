@@ -15,16 +15,15 @@ from attn.config import ConfigError, HeadConfig
 from attn.testing.variants import AWKWARD
 from attn.variants import cache, mechanisms
 from attn.variants.mechanisms import cca
+from conftest import fresh_params, jit_apply
 
 CCA = AWKWARD["gqa_dv_ne_dk"].replace(cca=True, cca_depthwise_width=3, cca_grouped_width=2, rope_dim=4)  # d_v != d_k
 
 
 def _params(cfg, seed=0):
-  """Random parameters with every cca weight moved off its init (biases and temperatures too)."""
-  p = attn.init("per_head", jax.random.PRNGKey(seed), cfg)
-  keys = iter(jax.random.split(jax.random.PRNGKey(seed + 100), len(p)))
-  return {n: a + 0.3 * jax.random.normal(next(keys), a.shape) if n.startswith(("cca_", "b_")) else a
-          for n, a in p.items()}
+  """Random parameters, every cca weight off its init (biases and temperatures too): numpy draws at the
+  parameters' shapes (conftest.fresh_params; init's jax draws compile a program of ~0.6 s CPU)."""
+  return fresh_params("per_head", cfg, seed)
 
 
 def _numpy_cca(p, q, k, v, cfg):
@@ -71,9 +70,9 @@ def test_cca_decoding_equals_the_full_pass(cfg, chunks):
   steps."""
   v = api.get_variant("per_head")
   p = _params(cfg, seed=8)
-  x = jax.random.normal(jax.random.PRNGKey(9), (2, sum(chunks), cfg.d_model))
-  full = attn.apply("per_head", p, x, cfg=cfg, is_causal=True)
-  c = cache.init(v, p, cfg, 2, sum(chunks))
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((2, sum(chunks), cfg.d_model)), jnp.float32)
+  full = jit_apply("per_head", p, x, cfg=cfg, is_causal=True)
+  c = jax.jit(lambda p: cache.init(v, p, cfg, 2, sum(chunks)))(p)
   step = jax.jit(lambda p, x, c, i: cache.decode_step(v, p, x, c, i, cfg=cfg))
   ys, index = [], 0
   for n in chunks:

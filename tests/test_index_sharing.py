@@ -19,6 +19,7 @@ from attn.nn import index_sharing
 from attn.nn.config import ModelConfig
 from attn.nn.models import DecoderLM
 from attn.variants.mechanisms import selection
+from conftest import fresh_params, jit_apply
 from test_indexer_deepseek import _numpy_choice
 
 IX = {"heads": 3, "head_dim": 6, "top_k": 3, "form": "deepseek"}
@@ -34,8 +35,29 @@ def _cfg(types=("full", "shared", "shared"), **changes):
   return ModelConfig(**(base | changes))
 
 
+def _built(cfg, seed):
+  """DecoderLM(cfg) with numpy draws at its parameters' shapes (scales near 1, biases near 0, weights
+  N(0, 1/fan_in)): its own init runs eagerly and compiles one draw per shape, most of a fast test's CPU."""
+  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(seed)))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, a):
+    name = str(path[-1].key)
+    if "norm" in name or name == "scale":
+      x = 1.0 + 0.1 * rng.standard_normal(a.shape)
+    elif name.startswith("b_") or name == "bias":
+      x = 0.1 * rng.standard_normal(a.shape)
+    else:
+      x = rng.standard_normal(a.shape) / np.sqrt(np.prod(a.shape[:-1]))
+    return jnp.asarray(x, a.dtype)
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
+  nnx.update(model, state)
+  return model
+
+
 def _model(cfg, seed=0):
-  model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
+  model = _built(cfg, seed)
   rng = np.random.default_rng(seed + 7)  # the index norms away from their init, so reading them matters
   for block in model.blocks:
     p = block.attn.params
@@ -46,9 +68,9 @@ def _model(cfg, seed=0):
 
 
 def _reference(model, cfg, ids, lengths):
-  """(logits of the plain-mla model with each layer's numpy choice as its mask (given the model's params),
-  the masks): the masks are constants, as a choice carries no gradient."""
-  plain = DecoderLM(cfg.replace(extra=None, indexer_types=None), rngs=nnx.Rngs(1))
+  """(the plain-mla model with the model's params, each layer's numpy choice as its mask, the plain model's
+  logits under those masks): the masks are constants, as a choice carries no gradient."""
+  plain = _built(cfg.replace(extra=None, indexer_types=None), 1)
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for l, block in pure["blocks"].items():
     block["attn"]["params"] = {k: v for k, v in block["attn"]["params"].items() if k not in INDEX_PARAMS}
@@ -62,11 +84,12 @@ def _reference(model, cfg, ids, lengths):
       chosen[i] = _numpy_choice(dict(model.blocks[i].attn.params.items()), x, cfg.layer_head(i), lengths)
     masks.append(jnp.asarray(chosen[src][:, None]))
     h = _block(block, h, masks[-1], lengths)
-  return plain, masks
+  return plain, masks, _head(plain, h)
 
 
 # Each block and the whole reference compiled (eager, each small op compiles on its own: several times slower).
 _block = nnx.jit(lambda block, h, mask, lengths: block(h, mask=mask, is_causal=True, kv_lengths=lengths))
+_head = nnx.jit(lambda plain, h: plain.head(plain.final_norm(h)))
 
 
 @nnx.jit
@@ -86,10 +109,9 @@ def test_a_shared_layer_equals_the_full_layers_choice_as_a_mask():
   model = _model(cfg, seed=2)
   ids = jnp.asarray(np.random.default_rng(6).integers(0, 31, (2, 7)), jnp.int32)
   lengths = jnp.array([5, 7])
-  plain, masks = _reference(model, cfg, ids, lengths)
+  _, masks, want = _reference(model, cfg, ids, lengths)
   assert np.asarray(masks[0]).sum(-1).max() == 3
-  np.testing.assert_allclose(np.asarray(_logits(model, ids, lengths)),
-                             np.asarray(_ref_logits(plain, masks, ids, lengths)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(_logits(model, ids, lengths)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -101,7 +123,7 @@ def test_shared_layers_equal_the_full_layers_choice_as_a_mask_values_and_gradien
   assert [sorted(set(b.attn.params) & set(INDEX_PARAMS)) for b in model.blocks] == [sorted(INDEX_PARAMS), [], []]
   ids = jnp.asarray(np.random.default_rng(3).integers(0, 31, (2, 9)), jnp.int32)
   lengths = jnp.array([9, 6])
-  plain, masks = _reference(model, cfg, ids, lengths)
+  plain, masks, _ = _reference(model, cfg, ids, lengths)
   m0 = np.asarray(masks[0])
   assert m0.sum(-1).max() == 3 and (np.asarray(masks[2]) == m0).all()  # the selection bites; layer 2 reuses 0
 
@@ -151,7 +173,8 @@ def test_counts_in_closed_form_against_the_built_model():
   """attn count: parameters (the built tree), cache bytes per token, FLOPs: a shared layer less the indexer's
   weights Q'·J·I + D·(I + J) + 2·I, its keys (d_I a token) and its FLOPs (selection.indexer_flops)."""
   shared, full = _cfg(), _cfg(types=None)
-  built = sum(x.size for x in jax.tree.leaves(nnx.state(DecoderLM(shared, rngs=nnx.Rngs(0)), nnx.Param)))
+  built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(  # shapes only: eval_shape, no draws
+      nnx.state(nnx.eval_shape(lambda: DecoderLM(shared, rngs=nnx.Rngs(0))), nnx.Param)))
   Q, D, J, I = 9, 22, 3, 6
   per_layer = Q * J * I + D * (I + J) + 2 * I
   assert count_model.model_param_count(shared) == built == count_model.model_param_count(full) - 2 * per_layer
@@ -215,10 +238,10 @@ def test_a_shared_layer_alone_is_refused_by_name():
   """A shared layer outside a model call has no choice to reuse: refused, never attending to every key."""
   from attn import api
   head = _cfg().layer_head(1)
-  p = api.init("mla", jax.random.key(0), head)
+  p = fresh_params("mla", head)  # numpy draws: api.init eager compiles one draw per shape
   assert not set(p) & set(INDEX_PARAMS)
   with pytest.raises(ConfigError, match=r"extra.indexer.shared=True"):
-    api.apply("mla", p, jnp.zeros((1, 5, 22)), cfg=head, is_causal=True)
+    jit_apply("mla", p, jnp.zeros((1, 5, 22)), cfg=head, is_causal=True)  # refused while tracing: no compile
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from attn.kernel import sparse as kernel_sparse
 from attn.variants.mechanisms import selection
 from attn.variants.base import Options
 from attn.variants.mechanisms import MECHANISMS
+from conftest import fresh_params
 
 IX = {"heads": 5, "head_dim": 6, "top_k": 4, "form": "deepseek"}
 CFG = HeadConfig(d_model=22, num_heads=3, d_k=7, d_v=5, num_kv_heads=3, rope_dim=4, rope_theta=50.0, latent_dim=6,
@@ -35,7 +36,7 @@ def _randn(seed, shape):
 
 
 def _params(cfg, seed=0):
-  p = api.init("mla", jax.random.key(seed), cfg)
+  p = fresh_params("mla", cfg, seed)  # numpy draws: init's jax draws compile a program of ~0.7 s CPU
   rng = np.random.default_rng(seed + 100)  # the norms away from their init, so that reading them matters
   for n in ("idk_norm", "idk_bias", "q_latent_norm"):
     p[n] = jnp.asarray(1.0 * (n != "idk_bias") + 0.5 * rng.standard_normal(p[n].shape).astype(np.float32))
@@ -211,14 +212,17 @@ def test_index_heads_rotating_their_last_dims_and_the_key_norm_eps():
     out = _rotate(moved, pos, r, cfg.rope_theta, "interleaved")
     return np.concatenate([out[..., r:], out[..., :r]], -1)
 
-  np.testing.assert_allclose(np.asarray(selection.index_keys(p, x, jnp.asarray(pos), cfg)), last(kk), atol=1e-5)
+  # compiled whole (eager, each small op compiles on its own)
+  index_keys = jax.jit(selection.index_keys, static_argnums=3)
+  index_queries = jax.jit(selection.index_queries, static_argnums=4)
+  np.testing.assert_allclose(np.asarray(index_keys(p, x, jnp.asarray(pos), cfg)), last(kk), atol=1e-5)
   lat = np.asarray(x, np.float64) @ pn["w_dq"]
   lat = lat / np.sqrt((lat ** 2).mean(-1, keepdims=True) + cfg.latent_norm_eps) * pn["q_latent_norm"]
-  qi, _ = selection.index_queries(p, x, jnp.asarray(lat, jnp.float32), jnp.asarray(pos), cfg)
+  qi, _ = index_queries(p, x, jnp.asarray(lat, jnp.float32), jnp.asarray(pos), cfg)
   want = last(np.einsum("btq,qji->btji", lat, pn["w_idq"])) * I ** -0.5
   np.testing.assert_allclose(np.asarray(qi), want, atol=1e-5)
   first = CFG.replace(extra={"indexer": IX | {"norm_eps": 0.3, "rope_layout": "interleaved"}})
-  assert not np.allclose(np.asarray(selection.index_keys(p, x, jnp.asarray(pos), first)), last(kk), atol=1e-3)
+  assert not np.allclose(np.asarray(index_keys(p, x, jnp.asarray(pos), first)), last(kk), atol=1e-3)
   for bad, match in (({"rope_dims": "middle"}, r"extra.indexer.rope_dims='middle'.*'first', 'last'"),
                      ({"norm_eps": 0}, r"extra.indexer.norm_eps=0"),
                      ({"form": "heads", "rope_dims": "last"}, r"extra.indexer.rope_dims, norm_eps=\('last', 1e-06\)")):

@@ -29,21 +29,26 @@ def random_mask(seed, B, H, T, S, p=0.6):
 reference = jax.jit(kernel.reference_attention)
 
 
-# Eager (op by op, slow to compile) at the grouped cross-attention shape; jitted at every awkward
-# shape; the rest (and the plain shape 0, jitted) in the slow tier.
+# Jitted at the grouped cross-attention (d_v != d_k) and multi-query shapes; eager (op by op, slow to
+# compile: the kernel runs eagerly in the fast tier in test_weights_are_a_distribution_and_blank_rows_are_zero
+# and test_scale_and_logits_bias), the single query and the plain shape in the slow tier.
 @pytest.mark.parametrize("shape, use_jit", [
     pytest.param(shape, use_jit, id=f"{use_jit}-shape{i}",
-                 marks=pytest.mark.slow if (i != 1 if not use_jit else i == 0) else ())
+                 marks=pytest.mark.slow if not use_jit or i in (0, 3) else ())
     for use_jit in (False, True) for i, shape in enumerate(SHAPES)])
 def test_matches_reference(shape, use_jit):
   B, T, S, H, G, K, V = shape
   q, k, v = qkv(0, *shape)
   mask = random_mask(3, B, H, T, S)
   mask = mask.at[:, :, 0].set(False)  # blank a whole row of every head
-  f = jax.jit(kernel.attention) if use_jit else kernel.attention
-  for m in (None, mask, mask[:, :1], masks.causal_mask(T, S) if T <= S else None):
-    np.testing.assert_allclose(f(q, k, v, m), reference(q, k, v, m),
-                               atol=2e-6, rtol=1e-5)
+  ms = (None, mask, mask[:, :1], masks.causal_mask(T, S) if T <= S else None)
+  if use_jit:  # every mask's kernel and reference in one program: one compile, not eight
+    got, want = jax.jit(lambda q, k, v, ms: ([kernel.attention(q, k, v, m) for m in ms],
+                                             [kernel.reference_attention(q, k, v, m) for m in ms]))(q, k, v, ms)
+  else:
+    got, want = [kernel.attention(q, k, v, m) for m in ms], [reference(q, k, v, m) for m in ms]
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["einsum", "blocked"])
@@ -54,13 +59,14 @@ def test_a_one_head_key_shared_by_every_kv_head_equals_it_broadcast(impl):
   v = randn(14, (B, S, G, V))
   mask = random_mask(12, B, H, T, S).at[:, :, 2].set(False)  # a blank row in every head
   k_wide = jnp.broadcast_to(k, (B, S, G, K))
-  f = lambda k: jax.jit(jax.value_and_grad(
-      lambda q, k, v: (kernel.attention(q, k, v, mask, impl=impl, block_q=4, block_k=4) ** 2).sum(),
-      argnums=(0, 1, 2)))(q, k, v)
-  (got, (dq, dk, dv)), (want, (dq_w, dk_w, dv_w)) = f(k), f(k_wide)
+  def f(k):  # the output, its sum of squares and their gradients: one program
+    def loss(q, k, v):
+      y = kernel.attention(q, k, v, mask, impl=impl, block_q=4, block_k=4)
+      return (y ** 2).sum(), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  ((got, y), (dq, dk, dv)), ((want, _), (dq_w, dk_w, dv_w)) = f(k), f(k_wide)
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  np.testing.assert_allclose(kernel.attention(q, k, v, mask, impl=impl), reference(q, k, v, mask),
-                             atol=2e-6, rtol=1e-5)
+  np.testing.assert_allclose(y, reference(q, k, v, mask), atol=2e-6, rtol=1e-5)
   for a, b in ((dq, dq_w), (dk, dk_w.sum(2, keepdims=True)), (dv, dv_w)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -96,8 +102,10 @@ def test_gradients_match_reference():
   B, T, S, H, G, K, V = shape
   q, k, v = qkv(4, *shape)
   mask = random_mask(9, B, H, T, S)
-  f = lambda fn: jax.jit(jax.grad(lambda q, k, v: (fn(q, k, v, mask) ** 2).sum(), argnums=(0, 1, 2)))
-  for a, b in zip(f(kernel.attention)(q, k, v), f(kernel.reference_attention)(q, k, v)):
+  g = lambda fn: jax.grad(lambda q, k, v: (fn(q, k, v, mask) ** 2).sum(), argnums=(0, 1, 2))
+  got, want = jax.jit(lambda q, k, v: (g(kernel.attention)(q, k, v),  # both in one program
+                                       g(kernel.reference_attention)(q, k, v)))(q, k, v)
+  for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 

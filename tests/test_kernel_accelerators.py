@@ -27,7 +27,8 @@ needs_tokamax = pytest.mark.skipif(not HAVE_TOKAMAX, reason="tokamax is not inst
 
 
 def randn(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+  """N(0,1) drawn with numpy and cast on the host: jax's draws compile one program per shape."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(dtype))
 
 
 def case(seed, B, T, S, H, G, K, V, *, kv_lengths=None, sinks=False, mask=False, bias=False,
@@ -40,7 +41,7 @@ def case(seed, B, T, S, H, G, K, V, *, kv_lengths=None, sinks=False, mask=False,
   if sinks:
     kw["sinks"] = randn(seed + 3, (H,))
   if mask:
-    kw["mask"] = jax.random.bernoulli(jax.random.key(seed + 4), 0.6, (B, 1, T, S))
+    kw["mask"] = jnp.asarray(np.random.default_rng(seed + 4).random((B, 1, T, S)) < 0.6)
   if bias:
     kw["logits_bias"] = randn(seed + 5, (1, H, T, S))
   return (q, k, v), kw
@@ -141,23 +142,34 @@ def test_tokamax_wrapper_sweep_through_tokamax_xla_path(T, S, options):
 
 def test_xla_path_decoding_with_is_causal_drops_the_mask_and_stays_right():
   (q, k, v), kw = case(20, 2, 1, 7, 4, 2, 8, 8, kv_lengths=[7, 0], is_causal=True)
-  got = kernel.attention(q, k, v, impl="xla", **kw)
-  np.testing.assert_allclose(got, kernel.attention(q, k, v, impl="einsum", **kw), atol=2e-5)
+  # compiled whole (eager, each small op compiles on its own)
+  attend = jax.jit(lambda q, k, v, n, impl: kernel.attention(q, k, v, impl=impl, is_causal=True, kv_lengths=n),
+                   static_argnums=4)
+  got = attend(q, k, v, kw["kv_lengths"], "xla")
+  np.testing.assert_allclose(got, attend(q, k, v, kw["kv_lengths"], "einsum"), atol=2e-5)
   assert not np.asarray(got[1]).any()  # kv_lengths 0: zeros, not jax's uniform weights
 
 
 def test_visible_rows_agree_with_the_dense_masks():
-  for T, S in ((9, 4), (4, 9)):
-    for is_causal in (False, True):
-      for window in (None, 3):
-        for lengths in (None, jnp.array([0, 2, S])):
-          dense = kernel.structured_mask(T, S, is_causal, lengths, window)
-          got = kernel.masks.visible_rows(T, S, is_causal, lengths, window)
-          want = (jnp.ones((1, T), bool) if dense is None
-                  else jnp.broadcast_to(dense, (dense.shape[0], 1, T, S)).any(-1)[:, 0])
-          got = jnp.ones((1, T), bool) if got is None else got
-          np.testing.assert_array_equal(*jnp.broadcast_arrays(got, want),
-                                        err_msg=f"{T, S, is_causal, window, lengths}")
+  combos = [(T, S, is_causal, window, with_lengths) for T, S in ((9, 4), (4, 9)) for is_causal in (False, True)
+            for window in (None, 3) for with_lengths in (False, True)]
+
+  @jax.jit  # every combination in one program (eager, each small op compiles on its own)
+  def both(lengths_4, lengths_9):
+    out = []
+    for T, S, is_causal, window, with_lengths in combos:
+      lengths = ({4: lengths_4, 9: lengths_9}[S]) if with_lengths else None
+      out.append((kernel.structured_mask(T, S, is_causal, lengths, window),
+                  kernel.masks.visible_rows(T, S, is_causal, lengths, window)))
+    return out
+  for (T, S, is_causal, window, with_lengths), (dense, got) in zip(
+      combos, both(jnp.array([0, 2, 4]), jnp.array([0, 2, 9]))):
+    dense, got = (None if a is None else np.asarray(a) for a in (dense, got))
+    want = (np.ones((1, T), bool) if dense is None
+            else np.broadcast_to(dense, (dense.shape[0], 1, T, S)).any(-1)[:, 0])
+    got = np.ones((1, T), bool) if got is None else got
+    np.testing.assert_array_equal(*np.broadcast_arrays(got, want),
+                                  err_msg=f"{T, S, is_causal, window, with_lengths}")
 
 
 # The table, per backend named (not detected).

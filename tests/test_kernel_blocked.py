@@ -79,7 +79,12 @@ jit_grads = jax.jit(grads, static_argnums=0)
 reference = jax.jit(kernel.reference_attention)
 
 
-@pytest.mark.parametrize("name", SHAPES)
+# gqa_cross (grouped heads, d_v != d_k, T < S, blocks not dividing T or S, causal and with lengths) and
+# mqa_T_gt_S (one kv head, T > S: rows that see nothing, a length of 0) in the fast tier; self and one_block
+# slow (a blanking dense mask on the blocked kernel keeps a fast sibling in
+# test_kernel_mechanisms.py::test_blank_rows_give_zeros_and_finite_gradients).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("gqa_cross", "mqa_T_gt_S") else pytest.mark.slow)
+                                  for n in SHAPES])
 def test_blocked_equals_einsum_values_and_gradients(name):
   B, T, S, H, G, K, V, bq, bk = SHAPES[name]
   q, k, v = qkv(0, B, T, S, H, G, K, V)
@@ -99,6 +104,10 @@ def test_blocked_equals_einsum_values_and_gradients(name):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+# Slow: einsum's structured masks against the dense ones keep a fast sibling in
+# test_every_variant_structured_equals_dense_mask (fused, at these small shapes on einsum), xla's in
+# test_kernel_mechanisms.py::test_window_on_the_xla_path_is_aligned_as_ours (causal, T != S, kv_lengths).
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["einsum", "xla"])
 def test_structured_masks_equal_dense_masks_on_every_path(impl):
   B, H, G, K = 2, 4, 2, 8  # xla needs d_v = d_k
@@ -157,11 +166,11 @@ def test_jit_with_traced_lengths_and_vmap():
   kv_lengths = jnp.array([5, 13])
   f = jax.jit(lambda q, k, v, n: kernel.attention(q, k, v, kv_lengths=n, is_causal=True,
                                                   impl="blocked", block_q=bq, block_k=bk))
-  eager = kernel.attention(q, k, v, kv_lengths=kv_lengths, is_causal=True, impl="blocked",
-                           block_q=bq, block_k=bk)
-  np.testing.assert_allclose(f(q, k, v, kv_lengths), eager, atol=1e-6)
+  # against the dense reference, compiled whole (the blocked kernel eager compiles each small op on its own)
+  want = reference(q, k, v, jnp.asarray(dense_mask(B, H, T, S, is_causal=True, kv_lengths=kv_lengths)))
+  np.testing.assert_allclose(f(q, k, v, kv_lengths), want, atol=1e-6)
   one = lambda q, k, v, n: f(q[None], k[None], v[None], n[None])[0]
-  np.testing.assert_allclose(jax.vmap(one)(q, k, v, kv_lengths), eager, atol=1e-6)
+  np.testing.assert_allclose(jax.vmap(one)(q, k, v, kv_lengths), want, atol=1e-6)
   f(q, k, v, jnp.array([99, -1]))  # under jit the values are not checked
 
 
@@ -209,9 +218,11 @@ def test_bad_inputs_are_clear_errors(kwargs, match):
 # the fast variants and the kernel tests above carry the identity), and merged forced onto the blocked
 # kernel too (per_head takes that path in the fast tier). The heads with a fixed-size state take no
 # dense mask (attn.variants.linear; the kit checks their kv_lengths).
+# Of the fast variants, fused on einsum and per_head on blocked stay fast; per_head and merged on einsum are
+# slow (the same structured masks through the same kernel: the fused case is their sibling).
 @pytest.mark.parametrize("variant, force_blocked", [
-    *(pytest.param(v, False, marks=tier(v)) for v in sorted(attn.VARIANTS)
-      if attn.VARIANTS[v].init_state is None), ("per_head", True),
+    *(pytest.param(v, False, marks=pytest.mark.slow if v in ("per_head", "merged") else tier(v))
+      for v in sorted(attn.VARIANTS) if attn.VARIANTS[v].init_state is None), ("per_head", True),
     pytest.param("merged", True, marks=pytest.mark.slow)])
 def test_every_variant_structured_equals_dense_mask(variant, force_blocked, monkeypatch):
   if force_blocked:  # impl="auto" then takes the blocked kernel at these small shapes
@@ -293,6 +304,7 @@ def test_models_outputs_equal_the_dense_mask_path():
                              ed_dense(ed, tokens, tgt, lengths), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # fast sibling: test_every_variant_structured_equals_dense_mask[per_head-True] (the layer)
 def test_decoder_lm_on_the_blocked_kernel_equals_einsum(monkeypatch):
   cfg = ModelConfig(vocab_size=31, d_model=24, num_layers=1, num_heads=4, d_ff=32, max_len=16,
                     variant="per_head")
@@ -322,8 +334,9 @@ def test_long_sequence_memory_does_not_grow_with_scores():
   assert m.temp_size_in_bytes <= (32 + 16) * 2**20, m.temp_size_in_bytes / 2**20
 
 
-@pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("G,V", [(3, 5), (1, 7)])  # grouped heads and multi-query, d_v != d_k
+# multi-query with biases in the fast tier; grouped heads and no biases slow.
+@pytest.mark.parametrize("G,V,use_bias", [(1, 7, True), *(pytest.param(*c, marks=pytest.mark.slow) for c in (
+    (1, 7, False), (3, 5, False), (3, 5, True)))])  # grouped heads and multi-query, d_v != d_k
 def test_fused_split_projections_equal_the_packed_matmul(G, V, use_bias):
   """fused's long-sequence path (one matmul per column block) = the packed matmul, value and grads."""
   cfg = HeadConfig(d_model=10, num_heads=6, num_kv_heads=G, d_k=3, d_v=V, use_bias=use_bias)

@@ -97,14 +97,20 @@ def run(impl, bq, bk, mask, kw):
   return lambda q, k, v: f(q, k, v, mask, kw["sinks"], kw["kv_lengths"])
 
 
-# T < S in the slow tier: self (T = S) and T > S (early rows see nothing) stay fast, with windows
-# of 1, of a few and longer than S, with and without sinks, soft-caps and every mask between them.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "T_lt_S" else ())
-                                  for n in SHAPES])
-def test_einsum_and_blocked_equal_the_naive_loop(name):
+# T > S (one kv head, early rows see nothing) stays fast with two of its cases: a two-sided window of 2 with a
+# soft-cap and sinks, and a causal window of 1 with sinks, a soft-cap, lengths with a 0 and blank rows. Every
+# case of every shape in the slow tier: self (T = S, grouped heads: fast sibling
+# test_gradients_of_blocked_equal_einsum[self-case0]), T < S, and windows longer than S (fast sibling
+# test_window_wider_than_the_sequence_is_global).
+@pytest.mark.parametrize("name, every_case", [("T_gt_S", False)] + [
+    pytest.param(n, True, marks=pytest.mark.slow) for n in SHAPES])
+def test_einsum_and_blocked_equal_the_naive_loop(name, every_case):
+  """The fast case: T > S's two-sided window of 2 with a soft-cap and its window of 1 with everything else."""
   B, T, S, H, G, K, V, bq, bk = SHAPES[name]
   q, k, v = qkv(0, B, T, S, H, G, K, V)
   for n, case in enumerate(CASES[name]):
+    if not every_case and n not in (1, 3):
+      continue
     mask, kw = options(SHAPES[name], case, seed=n)
     ref, _ = naive(q, k, v, mask, **kw)
     for impl in ("einsum", "blocked"):
@@ -143,10 +149,12 @@ def grads(impl, bq, bk, mask, kw, q, k, v, ct):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, kw["sinks"])
 
 
+# self in the fast tier (grouped heads, a window, sinks, a soft-cap, lengths with a 0 and blank rows at once);
+# T < S and T > S slow (T > S's blank rows keep test_blank_rows_give_zeros_and_finite_gradients fast).
 @pytest.mark.parametrize("name, case", [
     ("self", (True, 3, True, 2.0, True, True)),
-    ("T_lt_S", (False, 2, True, 1.5, False, True)),
-    ("T_gt_S", (True, 100, True, None, True, False)),
+    pytest.param("T_lt_S", (False, 2, True, 1.5, False, True), marks=pytest.mark.slow),
+    pytest.param("T_gt_S", (True, 100, True, None, True, False), marks=pytest.mark.slow),
 ])
 def test_gradients_of_blocked_equal_einsum(name, case):
   B, T, S, H, G, K, V, bq, bk = SHAPES[name]
@@ -199,6 +207,9 @@ def test_blank_rows_give_zeros_and_finite_gradients():
   assert not np.asarray(w).transpose(0, 2, 1, 3)[blank_BT].any()
 
 
+# Slow; fast siblings: test_kernel_blocked.py::test_bfloat16_within_its_tolerance (blocked, values and gradients)
+# and test_kernel.py::test_bf16_inputs_softmax_in_float32 (einsum).
+@pytest.mark.slow
 def test_bfloat16_runs_and_stays_close_to_float32():
   B, T, S, H, G, K, V, bq, bk = SHAPES["T_lt_S"]
   q, k, v = qkv(8, B, T, S, H, G, K, V)
@@ -220,13 +231,13 @@ def test_bfloat16_runs_and_stays_close_to_float32():
 def test_window_on_the_xla_path_is_aligned_as_ours():
   """T == S causal travels as jax's local_window_size, the rest as a dense mask: same answer."""
   B, H, G, K = 2, 4, 2, 8  # xla needs d_v = d_k
-  for (T, S), is_causal, window in (((9, 9), True, 3), ((9, 9), True, 20), ((9, 9), False, 3),
-                                    ((5, 9), True, 2), ((9, 5), False, 1), ((9, 5), True, 4)):
-    q, k, v = qkv(T + S, B, T, S, H, G, K, K)
-    kv_lengths = jnp.array([S, 3])
-    got = jax.jit(lambda q, k, v, n: kernel.attention(
-        q, k, v, impl="xla", is_causal=is_causal, window=window, kv_lengths=n))(q, k, v,
-                                                                              kv_lengths)
+  combos = (((9, 9), True, 3), ((9, 9), True, 20), ((9, 9), False, 3),
+            ((5, 9), True, 2), ((9, 5), False, 1), ((9, 5), True, 4))
+  inputs = [(qkv(T + S, B, T, S, H, G, K, K), jnp.array([S, 3])) for (T, S), _, _ in combos]
+  outs = jax.jit(lambda inputs: [  # every combination in one program (one compile, not six)
+      kernel.attention(*qkv_, impl="xla", is_causal=is_causal, window=window, kv_lengths=n)
+      for (qkv_, n), (_, is_causal, window) in zip(inputs, combos)])(inputs)
+  for ((T, S), is_causal, window), ((q, k, v), kv_lengths), got in zip(combos, inputs, outs):
     ref = naive(q, k, v, is_causal=is_causal, window=window, kv_lengths=kv_lengths)[0]
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5,
                                err_msg=f"{T, S, is_causal, window}")

@@ -72,26 +72,32 @@ def test_moba_under_a_dense_causal_mask_is_the_causal_choice():
   """A KV cache decodes under a dense mask; the choice equals is_causal's (the same rule)."""
   B, T, H, G, K = 2, 29, 4, 2, 5
   q, k = _randn(4, (B, T, H, K)), _randn(5, (B, T, G, K))
-  a = _whole(select.moba_blocks)(q, k, block=4, top_k=3, is_causal=True)
-  b = _whole(select.moba_blocks)(q, k, block=4, top_k=3, is_causal=False, mask=kernel.masks.causal_mask(T))
+  a, b = jax.jit(lambda q, k: (  # one program for both
+      select.moba_blocks(q, k, block=4, top_k=3, is_causal=True),
+      select.moba_blocks(q, k, block=4, top_k=3, is_causal=False, mask=kernel.masks.causal_mask(T))))(q, k)
   np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("is_causal", [True, pytest.param(False, marks=pytest.mark.slow)])  # one fast
-def test_indexer_tokens_equal_counting_reference(is_causal):
+# The fast case takes each top_k (and chunk) once, with and without the mask in turn; the slow ones every pair.
+@pytest.mark.parametrize("is_causal, every_pair", [(True, False), pytest.param(True, True, marks=pytest.mark.slow),
+                                                   pytest.param(False, True, marks=pytest.mark.slow)])
+def test_indexer_tokens_equal_counting_reference(is_causal, every_pair):
   B, T, S, J, I = 2, 37, 45, 3, 4
   qi, ki, w = _randn(6, (B, T, J, I)), _randn(7, (B, S, I)), _randn(8, (B, T, J))
   kv_lengths = jnp.array([45, 9])
   mask = jnp.asarray(np.random.default_rng(9).uniform(size=(B, 1, T, S)) < 0.7)
-  for top_k, chunk in ((1, None), (6, 8), (100, 16)):
-    for m in (None, mask):
-      got = _whole(select.indexer_tokens)(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=kv_lengths,
-                                  mask=m, chunk=chunk)
-      want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
-                                             kv_lengths=kv_lengths, mask=m)
-      np.testing.assert_array_equal(got, want)
+  cases = [(top_k, chunk, m) for i, (top_k, chunk) in enumerate(((1, None), (6, 8), (100, 16)))
+           for m in ((None, mask) if every_pair else ((mask, None)[i % 2],))]
+  # every case's choice and the visibility in one program (each its own: one compile a case)
+  gots, vis = jax.jit(lambda qi, ki, w, n, mask: (
+      [select.indexer_tokens(qi, ki, w, top_k=top_k, is_causal=is_causal, kv_lengths=n,
+                             mask=None if m is None else mask, chunk=chunk) for top_k, chunk, m in cases],
+      select.visible(T, S, is_causal, n, B)))(qi, ki, w, kv_lengths, mask)
+  for got, (top_k, _, m) in zip(gots, cases):
+    want = select.indexer_tokens_reference(qi, ki, w, top_k=top_k, is_causal=is_causal,
+                                           kv_lengths=kv_lengths, mask=m)
+    np.testing.assert_array_equal(got, want)
   # With top_k past what a row sees, it keeps exactly what it sees.
-  vis = _whole(select.visible)(T, S, is_causal, kv_lengths, B)
   np.testing.assert_array_equal(got, vis & mask[:, 0])
 
 
@@ -101,21 +107,24 @@ def test_indexer_ties_take_the_lower_key():
   ki = jnp.ones((B, T, I))
   w = jnp.ones((B, T, J))
   got = _whole(select.indexer_tokens)(qi, ki, w, top_k=4, is_causal=True, chunk=7)
-  np.testing.assert_array_equal(got, select.indexer_tokens_reference(qi, ki, w, top_k=4, is_causal=True))
+  np.testing.assert_array_equal(got, _whole(select.indexer_tokens_reference)(qi, ki, w, top_k=4, is_causal=True))
   assert list(np.flatnonzero(got[0, -1])) == [0, 1, 2, 3]
 
 
 def test_bits_round_trip():
   m = jnp.asarray(np.random.default_rng(10).uniform(size=(2, 5, 77)) < 0.4)
-  bits = _whole(select.pack_bits)(m)
-  assert bits.shape == (2, 5, 3) and bits.dtype == jnp.uint32
   s_pos = jnp.broadcast_to(jnp.arange(77), (2, 77))
-  np.testing.assert_array_equal(_whole(select.bits_at)(bits, s_pos), m)
-  np.testing.assert_array_equal(_whole(select.indexer_bits)(
-      _randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)), _randn(3, (2, 40, 2)), top_k=5, is_causal=False,
-      chunk=16),
-      _whole(select.pack_bits)(_whole(select.indexer_tokens)(_randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)),
-                                             _randn(3, (2, 40, 2)), top_k=5, is_causal=False)))
+  qi, ki, w = _randn(1, (2, 40, 2, 3)), _randn(2, (2, 77, 3)), _randn(3, (2, 40, 2))
+
+  @jax.jit  # one program (eager, each small op compiles on its own)
+  def run(m, s_pos, qi, ki, w):
+    bits = select.pack_bits(m)
+    return (bits, select.bits_at(bits, s_pos), select.indexer_bits(qi, ki, w, top_k=5, is_causal=False, chunk=16),
+            select.pack_bits(select.indexer_tokens(qi, ki, w, top_k=5, is_causal=False)))
+  bits, back, from_indexer, packed = run(m, s_pos, qi, ki, w)
+  assert bits.shape == (2, 5, 3) and bits.dtype == jnp.uint32
+  np.testing.assert_array_equal(back, m)
+  np.testing.assert_array_equal(from_indexer, packed)
 
 
 def _both(q, k, v, blocks, mask, *, block_k, is_causal, kv_lengths, bits=None, softcap=None):
@@ -127,24 +136,30 @@ def _both(q, k, v, blocks, mask, *, block_k, is_causal, kv_lengths, bits=None, s
                                          block_q=16, softcap=softcap)
   de = lambda q, k, v: kernel.attention(q, k, v, mask, is_causal=is_causal, kv_lengths=kv_lengths,
                                         softcap=softcap)
-  out = []
-  for f in (sp, de):
-    y, vjp = jax.vjp(jax.jit(f), q, k, v)
-    out.append((y, vjp(co)))
-  return out
+  def value_and_vjp(f):  # one program for the values and the gradients (a jitted vjp compiles two)
+    def run(q, k, v):
+      y, vjp = jax.vjp(f, q, k, v)
+      return y, vjp(co)
+    return jax.jit(run)(q, k, v)
+  return [value_and_vjp(f) for f in (sp, de)]
 
 
 # The first shape (T < S, G < H, d_v != d_k) in the fast tier; the other two (T > S, one kv head; T = S) slow.
-@pytest.mark.parametrize("shape", [SHAPES[0]] + [pytest.param(s, marks=pytest.mark.slow) for s in SHAPES[1:]])
-def test_sparse_kernel_equals_dense_moba(shape):
+# The fast case: causal with a soft-cap; the slow ones causal without it and bidirectional with it.
+CAUSAL_SOFTCAP = ((True, None), (False, 3.0))
+
+
+@pytest.mark.parametrize("shape, cases", [(SHAPES[0], ((True, 3.0),))] + [
+    pytest.param(s, CAUSAL_SOFTCAP, marks=pytest.mark.slow) for s in SHAPES])
+def test_sparse_kernel_equals_dense_moba(shape, cases):
   B, T, S, H, G, K, V = shape
   q, k, v = _randn(11, (B, T, H, K)), _randn(12, (B, S, G, K)), _randn(13, (B, S, G, V))
   kv_lengths = jnp.array([S, 0][:B])  # example 1 sees nothing: rows with nothing selected
-  for is_causal in (True, False):
+  for is_causal, softcap in cases:
     blocks = _whole(select.moba_blocks)(q, k, block=8, top_k=2, is_causal=is_causal, kv_lengths=kv_lengths)
     mask = _whole(select.blocks_to_mask)(blocks, 8, S)
     (y, g), (y_ref, g_ref) = _both(q, k, v, blocks, mask, block_k=8, is_causal=is_causal,
-                                   kv_lengths=kv_lengths, softcap=None if is_causal else 3.0)
+                                   kv_lengths=kv_lengths, softcap=softcap)
     np.testing.assert_allclose(y, y_ref, atol=2e-6)
     for a, b in zip(g, g_ref):
       np.testing.assert_allclose(a, b, atol=2e-5)
@@ -171,14 +186,20 @@ def test_sparse_kernel_equals_dense_indexer(shape):
 def test_selecting_every_block_is_full_causal_attention_exactly():
   B, T, H, G, K, V = 2, 45, 4, 2, 5, 7
   q, k, v = _randn(20, (B, T, H, K)), _randn(21, (B, T, G, K)), _randn(22, (B, T, G, V))
-  full = _whole(kernel.attention)(q, k, v, is_causal=True)
-  blocks = _whole(select.moba_blocks)(q, k, block=8, top_k=6, is_causal=True)  # 6 blocks of 8 cover 45
-  np.testing.assert_array_equal(_whole(kernel.attention)(q, k, v, _whole(select.blocks_to_mask)(blocks, 8, T),
-                                                 is_causal=True), full)
-  tokens = _whole(select.indexer_tokens)(_randn(23, (B, T, 2, 3)), _randn(24, (B, T, 3)), _randn(25, (B, T, 2)),
-                                 top_k=T, is_causal=True)
-  np.testing.assert_array_equal(_whole(kernel.attention)(q, k, v, tokens[:, None], is_causal=True), full)
-  y = _whole(sparse.attention)(q, k, v, blocks, block_k=8, scale=K ** -0.5, is_causal=True, block_q=16)
+  qi, ki, w = _randn(23, (B, T, 2, 3)), _randn(24, (B, T, 3)), _randn(25, (B, T, 2))
+
+  @jax.jit  # one program (eager, each small op compiles on its own)
+  def run(q, k, v, qi, ki, w):
+    full = kernel.attention(q, k, v, is_causal=True)
+    blocks = select.moba_blocks(q, k, block=8, top_k=6, is_causal=True)  # 6 blocks of 8 cover 45
+    by_blocks = kernel.attention(q, k, v, select.blocks_to_mask(blocks, 8, T), is_causal=True)
+    tokens = select.indexer_tokens(qi, ki, w, top_k=T, is_causal=True)
+    by_tokens = kernel.attention(q, k, v, tokens[:, None], is_causal=True)
+    return full, by_blocks, by_tokens, sparse.attention(q, k, v, blocks, block_k=8, scale=K ** -0.5, is_causal=True,
+                                                        block_q=16)
+  full, by_blocks, by_tokens, y = run(q, k, v, qi, ki, w)
+  np.testing.assert_array_equal(by_blocks, full)
+  np.testing.assert_array_equal(by_tokens, full)
   np.testing.assert_allclose(y, full, atol=2e-6)
 
 

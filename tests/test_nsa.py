@@ -13,6 +13,7 @@ from attn.config import ConfigError, HeadConfig
 from attn.testing import check_mechanism, check_variant
 from attn.variants.mechanisms import nsa
 from attn.variants.base import Options, core
+from conftest import fresh_params
 
 OPTS = {"compress_block": 4, "compress_stride": 3, "select_block": 3, "select_count": 3, "window": 4}
 
@@ -125,11 +126,13 @@ def reference(params, x, q, k, v, cfg, keep):
 
 
 def _inputs(cfg, B, T, S, seed):
-  p = api.init("per_head", jax.random.key(seed), cfg)
-  own = {n: p[n] for n in ("w_gate", "b_gate")}
+  """NSA's own parameters (the gate's weights at init's scale) and q, k, v, drawn with numpy: jax's draws
+  (api.init eager) compile one program per shape."""
+  shapes = api.param_shapes("per_head", cfg)
+  own = {"w_gate": _randn(seed + 7, shapes["w_gate"], cfg.d_model ** -0.5)}
   own["w_compress_k"] = _randn(seed, (nsa.options(cfg)["compress_block"],), 0.5)
   own["w_compress_v"] = _randn(seed + 1, (nsa.options(cfg)["compress_block"],), 0.5)
-  own["b_gate"] = _randn(seed + 2, own["b_gate"].shape)
+  own["b_gate"] = _randn(seed + 2, shapes["b_gate"])
   H, G = cfg.num_heads, cfg.num_kv_heads
   return (own, _randn(seed + 3, (B, T, cfg.d_model)), _randn(seed + 4, (B, T, H, cfg.d_k)),
           _randn(seed + 5, (B, S, G, cfg.d_k)), _randn(seed + 6, (B, S, G, cfg.d_v)))
@@ -173,12 +176,14 @@ def test_against_the_naive_reference_values_and_gradients(case):
   keep = reference_masks(params, q, k, v, cfg, causal=causal, lengths=lengths, mask=mask)
 
   def theirs(params, x, q, k, v):
-    return (reference(params, x, q, k, v, cfg, keep)[0] * ct).sum()
+    y, w = reference(params, x, q, k, v, cfg, keep)
+    return (y * ct).sum(), (y, w)
 
-  (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(f, argnums=range(5)))(params, x, q, k, v) for f in (ours, theirs))
+  # One program each for the values and gradients (the reference's outputs and weights as its aux).
+  a, ga = jax.jit(jax.value_and_grad(ours, argnums=range(5)))(params, x, q, k, v)
+  (b, (y_ref, w_ref)), gb = jax.jit(jax.value_and_grad(theirs, argnums=range(5), has_aux=True))(params, x, q, k, v)
   np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   y, w = jax.jit(lambda *a: core(*a[:4], cfg=cfg, opts=opts.replace(return_weights=True), x_BTD=a[4]))(params, q, k, v, x)
-  y_ref, w_ref = jax.jit(lambda *a: reference(*a, cfg, keep))(params, x, q, k, v)
   np.testing.assert_allclose(y, y_ref, atol=2e-6)
   np.testing.assert_allclose(w, w_ref, atol=2e-6)
   for got, want in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
@@ -233,7 +238,7 @@ def test_covering_every_block_is_full_causal_attention(long):
 def test_causal_through_the_layer_with_gqa():
   """Changing tokens after t0 leaves outputs up to t0 (the compressed branch waits for a block's end)."""
   cfg = _cfg().replace(d_model=12, rope_dim=2)
-  p = api.init("per_head", jax.random.key(1), cfg)
+  p = fresh_params("per_head", cfg, seed=1)
   x = _randn(1, (1, 14, 12))
   f = jax.jit(lambda x: api.apply("per_head", p, x, cfg=cfg, is_causal=True))
   y, y2 = f(x), f(x.at[:, 9:].add(3.0))
@@ -280,7 +285,7 @@ def test_refused_where_it_cannot_act(variant, cfg_change, field):
 
 def test_return_weights_refused_at_long_T():
   cfg = HeadConfig(d_model=8, num_heads=2, d_k=4, d_v=4, extra={"nsa": {}})
-  p = api.init("per_head", jax.random.key(0), cfg)
+  p = fresh_params("per_head", cfg)
   with pytest.raises(ConfigError, match="return_weights"):
     api.apply("per_head", p, _randn(0, (1, 512, 8)), cfg=cfg, is_causal=True, return_weights=True)
 
