@@ -202,7 +202,7 @@ def test_train_config_defaults_and_resolved_dict(tmp_path):
       "steps": 3, "batch_size": 4, "lr": 0.01, "warmup_steps": 1, "end_lr_ratio": 0.1,
       "weight_decay": 0.01, "b1": 0.9, "b2": 0.98, "grad_clip": 1.0, "eval_every": 2,
       "eval_batches": 1, "seed": 0, "checkpoint_every": 0, "data_parallel": 1, "data_parallel_axis": "batch",
-      "grad_accum": 1, "mesh": {"data": 1, "heads": 1}, "sink_metrics": False, "sink_threshold": 0.3,
+      "grad_accum": 1, "mesh": {"data": 1, "heads": 1}, "sink_metrics": False, "sink_threshold": 0.3, "logit_metrics": False,
       "indexer": "off", "indexer_kl_weight": 1.0, "indexer_dense_steps": None, "indexer_warmup_steps": None}
 
 
