@@ -165,11 +165,12 @@ def test_prompt_then_tokens_equal_the_full_pass(name):
   v = VARIANTS[name]
   p = random_params(name, cfg, 1)
   x = jnp.asarray(x_of(1, 2, 9, 20))
-  full = attn.apply(v, p, x, cfg=cfg, is_causal=True)
-  y, state = cache.decode_step(v, p, x[:, :6], cache.init(v, p, cfg, 2, 9), 0, cfg=cfg)
+  full = jit_apply(name, p, x, cfg=cfg, is_causal=True)
+  step = jax.jit(cache.decode_step, static_argnums=(0, 4), static_argnames=("cfg",))  # each step one program
+  y, state = step(v, p, x[:, :6], cache.init(v, p, cfg, 2, 9), 0, cfg=cfg)
   ys = [y]
   for i in range(6, 9):
-    y, state = cache.decode_step(v, p, x[:, i:i + 1], state, i, cfg=cfg)
+    y, state = step(v, p, x[:, i:i + 1], state, i, cfg=cfg)
     ys.append(y)
   np.testing.assert_allclose(jnp.concatenate(ys, 1), full, rtol=1e-5, atol=1e-5)
 
