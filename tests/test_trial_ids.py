@@ -16,7 +16,7 @@ SHIPPED = sorted(n[:-5] for n in os.listdir(os.path.join(ROOT, "configs"))
 # The configs whose trials take a quarter of a second or more to resolve (parameter budgets fitted per
 # trial, text tasks) run in the slow tier; every other shipped config is checked in the fast tier.
 SLOW_TO_LOAD = ("attention_sinks_text", "kv_cache_frontier", "recall_vs_state", "selected_keys_text", "shared_kv",
-                "text_dk_fixed_heads", "text_heads_fixed_width", "todays_mechanisms")
+                "text_dk_fixed_heads", "text_heads_fixed_width", "todays_mechanisms", "qk_control")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_TO_LOAD else ())
