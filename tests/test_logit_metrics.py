@@ -111,3 +111,12 @@ def test_a_classifier_task_is_refused_by_name():
     config_lib.resolve({"task": {"name": "marker_position", "vocab_size": 16, "seq_len": 12, "num_classes": 3},
                         "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 16, "pooling": "mean"},
                         "train": {"logit_metrics": True}}, [], None)
+
+
+def test_a_model_without_softmax_logits_is_refused_by_name():
+  from attn.experiments.running import config as config_lib
+  with pytest.raises(ConfigError, match=r"train\.logit_metrics=True .*gated_deltanet"):
+    config_lib.resolve({"task": {"name": "mqar", "vocab_size": 16, "seq_len": 12, "num_pairs": 2},
+                        "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 16,
+                                  "variant": "gated_deltanet"},
+                        "train": {"logit_metrics": True}}, [], None)

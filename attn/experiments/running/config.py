@@ -602,6 +602,12 @@ def resolve(cfg: dict[str, dict[str, Any]], derive: list[str], budget: int | Non
   if train_cfg.logit_metrics and task.kind != "decoder_lm":
     raise invalid("train.logit_metrics", True, f"false for task {cfg['task']['name']!r}, a classifier: "
                   "the logit metrics run a causal language model on a held-out batch")
+  if train_cfg.logit_metrics:
+    from attn.variants import VARIANTS  # lazy: jax
+    names = {model_cfg.layer_variant(i) for i in range(model_cfg.num_layers)}
+    if all(VARIANTS[n].cache_kind == "state" for n in names):
+      raise invalid("train.logit_metrics", True, f"false for a model whose layers are all fixed-state heads "
+                    f"({', '.join(sorted(names))}): they have no softmax logits to measure")
   return {"task": task_cfg, "model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(train_cfg)}
 
 
