@@ -86,8 +86,8 @@ def _stack_of(m: ModelConfig, n: int, cross: bool = False) -> _Stack:
 
 
 def _mlp(m: ModelConfig, b: _Block, dense_bias: bool, cross: bool = False) -> int:
-  if b.moe:
-    return expert_params(m, dense_bias)["total"]
+  if b.moe:  # + ZAYA's router_states_scale (R,) in every expert layer but the first (moe_router_carry)
+    return expert_params(m, dense_bias)["total"] + (m.moe_router_mlp if m.router_carried(b.index) else 0)
   n = 2 if m.mlp == "plain" else 3  # gated (and moe's dense layers): gate, up and down
   F = 2 * m.d_ff if m.double_wide_mlp and not cross and b.reads_other else m.d_ff
   return n * m.d_model * F + (((n - 1) * F + m.d_model) if dense_bias else 0)
@@ -108,7 +108,9 @@ def expert_params(m: ModelConfig, dense_bias: bool | None = None) -> dict[str, i
   """One mixture-of-experts layer (attn.nn.moe): "total" parameters, and "active" per token.
 
   Each expert 3·D·F + b·(2F + D), F = moe_d_ff (3·W·F at moe_pool_width W, plus 2·D·W + 2·W once); the
-  router D·E + b·E; shared experts
+  router D·C + b·C over C = E (+ 1 with moe_skip_expert) classes, or with moe_router_mlp R ZAYA's network
+  D·R + R (down) + R (norm) + 2·(R² + R) (two layers) + R·C, no b (each carried layer's s (R,) is the
+  caller's: it is not in the first expert layer); shared experts
   one gated MLP of width S·F (or moe_shared_d_ff), + D with moe_shared_gate. Active: the router,
   k experts and the shared ones. dense_bias: m.has_dense_bias, where the caller has read it.
   """
@@ -116,7 +118,9 @@ def expert_params(m: ModelConfig, dense_bias: bool | None = None) -> dict[str, i
   b = m.has_dense_bias if dense_bias is None else dense_bias
   expert = 3 * (W or D) * F + ((2 * F + D) if b else 0)
   SF = (m.moe_shared_d_ff or m.moe_shared_experts * F) if m.moe_shared_experts else 0
-  fixed = D * m.moe_experts + (m.moe_experts if b else 0) + (
+  C, R = m.moe_experts + (1 if m.moe_skip_expert else 0), m.moe_router_mlp
+  router = D * C + (C if b else 0) if R is None else D * R + 2 * R + 2 * (R * R + R) + R * C
+  fixed = router + (
       3 * D * SF + ((2 * SF + D) if b else 0) if SF else 0) + (D if m.moe_shared_gate else 0)
   fixed += 2 * D * W + 2 * W if W else 0  # Muse Spark's pooled experts: D -> W, W -> D and a norm each side
   return {"total": m.moe_experts * expert + fixed, "active": m.moe_top_k * expert + fixed}
@@ -156,6 +160,8 @@ def _embeddings(m: ModelConfig, parts: dict[str, int], *, token: bool = True,
   parts["position_embeddings"] += m.max_len * m.d_model if m.positional == "learned" else 0
   parts["segment_embeddings"] += m.num_segments * m.d_model if segments else 0
   parts["layernorm"] += _layer_norm(m, "embed") if m.embed_norm else 0
+  if m.residual_scale and token:  # ZAYA's embedding scale and bias (one model has one)
+    parts["residual_scales"] = parts.get("residual_scales", 0) + 2 * m.d_model
 
 
 def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool = False) -> None:
@@ -174,6 +180,8 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
       _layer_norm(m, "final") if m.final_norm else 0)
   if m.residual_gate is not None:  # Muse Spark's residual gates: g (D,) per sublayer (attn.nn.norms)
     parts["residual_gates"] = parts.get("residual_gates", 0) + (len(attn) + len(mlp)) * m.d_model
+  if m.residual_scale:  # ZAYA's residual scaling: 4 (D,) per sublayer, and the embeddings' 2 (attn.nn.models)
+    parts["residual_scales"] = parts.get("residual_scales", 0) + (len(attn) + len(mlp)) * 4 * m.d_model
 
 
 def _output(m: ModelConfig, dense_bias: bool) -> int:

@@ -123,6 +123,11 @@ class ModelConfig:
   moe_layer_types: tuple[str, ...] | None = None  # per layer "dense" or "sparse" (Muse Spark); None: moe_dense_first's
   moe_pool_width: int | None = None  # M: experts at width M between D->M (a norm) and M->D, outputs normed (Muse Spark)
   moe_router_scale: float = 1.0  # the router's logits times this before scoring (Muse Spark's output_multiplier)
+  # ZAYA1's router and residuals (attn.nn.moe, attn.nn.models; attn.nn.hf.zaya), each off by default:
+  moe_router_mlp: int | None = None  # R: the router a network of its own, D -> R -> (RMSNorm, 2 GELU layers) -> classes
+  moe_router_carry: bool = False  # EDA: each expert layer's router state r adds the previous one's times a learned s (R,)
+  moe_skip_expert: bool = False  # one more routing class that computes nothing (ZAYA's skip expert)
+  residual_scale: bool = False  # each residual x + y becomes (y + b)·s + (x + b')·s', the embeddings (e + b)·s
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
   per_layer_vocab: int = 0  # rows of their token table (0: vocab_size)
@@ -244,6 +249,13 @@ class ModelConfig:
         raise invalid("post_norm_eps", eps, f"None with norm={self.norm!r} and no moe_pool_width: it is the "
                       "epsilon of the norms after each sublayer (norm 'sandwich' or 'after') and of pooled "
                       "experts' outputs")
+    if not isinstance(self.residual_scale, bool):
+      raise invalid("residual_scale", self.residual_scale, "True or False")
+    if self.residual_scale and (self.norm == "post" or self.hc_mult > 1 or self.num_decoder_layers
+                                or self.residual_gate is not None):
+      raise invalid("residual_scale", True, f"False with norm={self.norm!r}, hc_mult={self.hc_mult}, "
+                    f"num_decoder_layers={self.num_decoder_layers}, residual_gate={self.residual_gate}: it rescales "
+                    "one residual stream around pre-normed self-attention and MLP sublayers (ZAYA's)")
     tau = self.residual_gate
     if tau is not None:
       if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < float("inf"):
@@ -366,6 +378,12 @@ class ModelConfig:
     if self.moe_layer_types is not None:
       return self.mlp == "moe" and self.moe_layer_types[index] == "sparse"
     return self.mlp == "moe" and index >= self.moe_dense_first
+
+  def router_carried(self, index: int) -> bool:
+    """Whether expert layer `index` adds the previous expert layer's router state (moe_router_carry: every
+    expert layer of the stack but the first)."""
+    experts = lambda i: self.is_moe_layer(i) and self.has_mlp(i)  # noqa: E731
+    return self.moe_router_carry and experts(index) and any(experts(j) for j in range(index))
 
   def is_hash_layer(self, index: int) -> bool:
     """Whether layer `index`'s experts are chosen by the token id (the first moe_hash_first expert layers)."""

@@ -48,6 +48,11 @@ per sublayer (2·D a block, held in float32 as transformers keeps them); mlp "mo
 runs the experts at width W between D·W projections with a norm each side (2·D·W + 2·W, experts
 3·W·F each), moe_router_scale multiplies the router's logits and moe_layer_types says per layer
 "dense" or "sparse".
+ZAYA1 (attn.nn.hf.zaya): residual_scale turns each residual x + y into (y + b)·s + (x + b')·s' (ResidualScale:
+4·D a sublayer) and the embeddings into (e + b)·s (2·D); mlp "moe" with moe_router_mlp R routes through a
+network of its own (D·R + 2·R + 2·(R² + R) + R·C, C the classes), moe_router_carry adds the previous expert
+layer's router state times s (R,) in each expert layer but the first, moe_skip_expert adds a class that
+computes nothing (attn.nn.moe).
 positional "rope": no position embedding; every attention layer rotates the
 first rope_dim dims of its query and key heads (HeadConfig.rope_dim, no
 parameters; rope_theta, and rope_scaling "linear" or "llama3" for longer
@@ -244,6 +249,9 @@ class Embeddings(nnx.Module):
     self.segment = embedding(cfg, _EMBED_INIT, rngs.params(), (cfg.num_segments, cfg.d_model)) \
         if segments and cfg.num_segments else None
     self.norm = layer_norm(cfg, rngs, cfg.embed_norm, place="embed")
+    # ZAYA's residual_scale: the embeddings (e + b)·s, last (input_hidden_states_bias, _scale)
+    self.input_bias = nnx.Param(jnp.zeros((cfg.d_model,), cfg.weight_dtype)) if cfg.residual_scale else None
+    self.input_scale = nnx.Param(jnp.ones((cfg.d_model,), cfg.weight_dtype)) if cfg.residual_scale else None
 
   def check(self, tokens_BT: Array, segments_BT: Array | None = None, extra: int = 0) -> None:
     """Checks ids and that T + extra positions fit in max_len, before any tracing."""
@@ -288,7 +296,10 @@ class Embeddings(nnx.Module):
       if prefix_D is not None:
         seg_BT = jnp.pad(seg_BT, ((0, 0), (1, 0)))
       x_BTD = x_BTD + lookup(self.segment[...].astype(dtype), seg_BT)
-    return _norm(self.norm, x_BTD)
+    x_BTD = _norm(self.norm, x_BTD)
+    if self.input_scale is not None:
+      x_BTD = (x_BTD + self.input_bias[...].astype(x_BTD.dtype)) * self.input_scale[...].astype(x_BTD.dtype)
+    return x_BTD
 
 
 def activate(name: str, x: Array) -> Array:
@@ -339,13 +350,28 @@ def _times(f, r: float, h: Array) -> Array:
   return y * jnp.asarray(r, y.dtype)
 
 
+class ResidualScale(nnx.Module):
+  """ZAYA's ZayaResidualScaling (ModelConfig.residual_scale): a sublayer's x + y becomes
+  (y + b_y)·s_y + (x + b_x)·s_x, four learned (D,) vectors, starting at the plain sum (s = 1, b = 0)."""
+
+  def __init__(self, cfg: ModelConfig):
+    D, dt = cfg.d_model, cfg.weight_dtype
+    self.out_scale, self.out_bias = nnx.Param(jnp.ones((D,), dt)), nnx.Param(jnp.zeros((D,), dt))
+    self.res_scale, self.res_bias = nnx.Param(jnp.ones((D,), dt)), nnx.Param(jnp.zeros((D,), dt))
+
+  def __call__(self, x_BTD: Array, y_BTD: Array) -> Array:
+    c = lambda a: a[...].astype(x_BTD.dtype)  # noqa: E731
+    y_BTD = (y_BTD.astype(x_BTD.dtype) + c(self.out_bias)) * c(self.out_scale)
+    return y_BTD + (x_BTD + c(self.res_bias)) * c(self.res_scale)
+
+
 class TransformerBlock(nnx.Module):
   """Self-attention (+ cross-attention) + MLP, each a residual sublayer, pre- or post-norm."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None, experts: bool = False, variant: str | None = None,
                d_ff: int | None = None, kind: str = "attention_mlp", hashed: bool = False,
-               norm: str | None = None):
+               norm: str | None = None, carried: bool = False):
     norm = cfg.norm if norm is None else norm  # this layer's (ModelConfig.block_norm)
     self.post_norm = norm == "post"
     self.residual_multiplier = float(cfg.residual_multiplier)  # Granite's: x + r·f(x)
@@ -367,7 +393,7 @@ class TransformerBlock(nnx.Module):
         cfg, rngs=rngs, activation=lambda x: activate(cfg.activation, x),
         shared=MLP(cfg, rngs=rngs, d_ff=cfg.moe_shared_d_ff or (cfg.moe_d_ff or cfg.d_ff) * cfg.moe_shared_experts,
                    shared=True)
-        if cfg.moe_shared_experts else None, hashed=hashed)
+        if cfg.moe_shared_experts else None, hashed=hashed, carried=carried)
     self.mlp_norm = layer_norm(cfg, rngs, pre and has_mlp)
     self.attn_post_norm = layer_norm(cfg, rngs, sandwich and has_attn, place="attn_post")
     self.cross_post_norm = layer_norm(cfg, rngs, sandwich and cross, place="attn_post")
@@ -376,6 +402,9 @@ class TransformerBlock(nnx.Module):
     gate = lambda on: nnx.Param(jnp.zeros((cfg.d_model,), jnp.float32)) if on and cfg.residual_gate else None
     self.temperature = cfg.residual_gate
     self.attn_residual_gate, self.mlp_residual_gate = gate(has_attn), gate(has_mlp)
+    # ZAYA's residual scaling (ResidualScale) around each sublayer
+    self.attn_scale = ResidualScale(cfg) if has_attn and cfg.residual_scale else None
+    self.mlp_scale = ResidualScale(cfg) if has_mlp and cfg.residual_scale else None
     # Gemma 4: x + norm(out(act(gate(x))·p_l)), p_l this layer's per-layer input; then x·scalar.
     P = cfg.per_layer_dim
     self.activation = cfg.activation
@@ -389,9 +418,11 @@ class TransformerBlock(nnx.Module):
                                           magnitude=cfg.hc_magnitude) if on and n > 1 else None
     self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
 
-  def _residual(self, norm, f, x_BTD: Array, post=None, hc=None, gate=None) -> Array:
+  def _residual(self, norm, f, x_BTD: Array, post=None, hc=None, gate=None, scale=None) -> Array:
     if self.residual_multiplier != 1.0:
       f = functools.partial(_times, f, self.residual_multiplier)
+    if scale is not None:  # ZAYA: (post(f(pre(x))) + b)·s + (x + b')·s'
+      return scale(x_BTD, _norm(post, f(_norm(norm, x_BTD))))
     if gate is not None:  # Muse Spark: α⊙x + β⊙post(f(pre(x))) (attn.nn.norms)
       return norms.residual_gate(gate[...], self.temperature, x_BTD, _norm(post, f(_norm(norm, x_BTD))))
     if hc is not None:  # x (B,T,n,D): n streams mixed around the sublayer (pre-norm only)
@@ -432,7 +463,7 @@ class TransformerBlock(nnx.Module):
 
     if self.attn is not None:
       x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc,
-                             self.attn_residual_gate)
+                             self.attn_residual_gate, self.attn_scale)
     if self.cross is not None:
       x_BTD = self._residual(
           self.cross_norm, lambda h: self.cross(h, context_BSD, mask=context_mask,
@@ -440,7 +471,8 @@ class TransformerBlock(nnx.Module):
           self.cross_post_norm, self.cross_hc)
     if self.mlp is not None:  # a hash-routed expert layer reads the token ids (moe_hash_first)
       mlp = self.mlp if getattr(self.mlp, "tid2eid", None) is None else lambda h: self.mlp(h, tokens)
-      x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc, self.mlp_residual_gate)
+      x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc, self.mlp_residual_gate,
+                             self.mlp_scale)
     if self.per_layer_gate is not None:
       g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
       x_BTD = x_BTD + _norm(self.per_layer_norm, self.per_layer_out(g_BTP))
@@ -474,7 +506,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Arr
   per block] or [])."""
   weights, seen = [], RESIDUALS.get()
   # cross-layer KV sharing (ModelConfig.kv_source) and indexer choices (ModelConfig.indexer_types)
-  with kv_sharing.model_call(blocks), index_sharing.model_call(blocks) as chosen:
+  # and the experts' router state (ModelConfig.moe_router_carry, attn.nn.moe.carrying)
+  with kv_sharing.model_call(blocks), index_sharing.model_call(blocks) as chosen, moe.carrying(blocks):
     for i, (block, gate) in enumerate(zip(blocks, gates)):
       if per_layer is not None:
         masks_kw["per_layer_input"] = per_layer[:, :, i]
@@ -493,6 +526,7 @@ def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nn
   wide = lambda i: 2 * cfg.d_ff if cfg.double_wide_mlp and not cross and kv_sharing.source(cfg, i) != i else None
   blocks = [TransformerBlock(cfg, rngs=rngs, cross=cross, head=cfg.layer_head(i), experts=cfg.is_moe_layer(i),
                              variant=cfg.layer_variant(i), d_ff=wide(i), hashed=cfg.is_hash_layer(i),
+                             carried=not cross and cfg.router_carried(i),
                              kind="attention_mlp" if cross or cfg.block_kinds is None else cfg.block_kinds[i],
                              norm=cfg.norm if cross else cfg.block_norm(i))
             for i in range(n)]

@@ -47,11 +47,34 @@ moe_router_scale, Muse Spark's output_multiplier, before the sigmoid), while the
 norm(x·W_in) (W_in (D, W), a "plus_one" RMSNorm at norm_eps) and run at width W; each expert's
 output is RMS-normalised ("input_scaled", one scale shared by the experts, post_norm_eps) before
 its routing weight, and the weighted sum goes back to D through W_out (W, D) (attn.nn.norms).
+
+ZAYA1's router (attn.nn.hf.zaya), three options, each off by default:
+  moe_router_mlp R   the router is a small network of its own: r = x·W_down + b (D -> R), then
+             logits = W_out·gelu(W_2·gelu(W_1·rmsnorm(r) + b_1) + b_2) (R -> classes, GELU the erf
+             form, the norm a scale at norm_eps; no bias on W_out); softmax over the classes, the
+             choice made on the probabilities plus a balancing bias (`correction`, a buffer as
+             DeepSeek's: it moves the choice only), the weights the chosen probabilities. With a
+             skip expert its balancing bias starts at -1 (ZAYA's initialisation), the others at 0.
+  moe_router_carry   EDA: each expert layer's r adds the previous expert layer's r times a learned
+             s (R,) (router_states_scale): r_l = x_l·W_down + b + s_l⊙r_{l-1}, the sum carried on.
+             The first expert layer of a stack has no s. The state is per token along depth, so
+             decoding needs no cache for it: a model call carries it from layer to layer
+             (carrying(), set around the blocks by attn.nn.models.run_blocks); an expert layer
+             called on its own (outside a stack) has no state to add, as transformers' first.
+  moe_skip_expert    one more routing class, E + 1, that computes nothing: its weight, when
+             kept, multiplies zeros. With moe_norm_topk the kept weights are renormalised over
+             the kept classes, the skip class among them (ZAYA keeps one class, unrenormalised).
+Decided here: the skip class and the router network need the softmax router (ZAYA's), no groups,
+no hash layers and no pooled experts; the carry needs the router network (it carries r) and a
+decoder-only or encoder stack (run_blocks).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +98,11 @@ FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "sof
           "moe_norm_topk": True, "moe_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
           "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
           "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss", "moe_hash_first": 0, "moe_layer_types": None,
-          "moe_pool_width": None, "moe_router_scale": 1.0}
+          "moe_pool_width": None, "moe_router_scale": 1.0, "moe_router_mlp": None, "moe_router_carry": False,
+          "moe_skip_expert": False}
+# The router state carried between the expert layers of one model call (moe_router_carry): a holder
+# {"state": r or None} set by carrying(), None outside one.
+CARRY: contextvars.ContextVar = contextvars.ContextVar("attn_router_carry", default=None)
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -137,6 +164,7 @@ def check(m: Any) -> None:
     raise invalid("moe_hash_first", m.moe_hash_first, f"at most num_layers - moe_dense_first = "
                   f"{m.num_layers - m.moe_dense_first} expert layers, without moe_groups (a table picks the experts)")
   _check_muse(m)
+  _check_zaya(m)
   if m.moe_swiglu_form not in SWIGLU_FORMS or (m.moe_swiglu_form != "gpt_oss" and m.moe_swiglu_limit is None):
     raise invalid("moe_swiglu_form", m.moe_swiglu_form, f"one of {list(SWIGLU_FORMS)}, and \"gpt_oss\" without "
                   "moe_swiglu_limit (the form of the clamped SwiGLU)")
@@ -164,13 +192,61 @@ def _check_muse(m: Any) -> None:
   _positive("moe_router_scale", m.moe_router_scale, "the router's logits times it; 1.0: off")
 
 
+def _check_zaya(m: Any) -> None:
+  """moe_router_mlp, moe_router_carry and moe_skip_expert (ZAYA1's router; module docstring)."""
+  R = m.moe_router_mlp
+  for name in ("moe_router_carry", "moe_skip_expert"):
+    if not isinstance(getattr(m, name), bool):
+      raise invalid(name, getattr(m, name), "True or False")
+  if R is not None:
+    _int("moe_router_mlp", R, 1)
+  if R is None and not m.moe_skip_expert:
+    if m.moe_router_carry:
+      raise invalid("moe_router_carry", True, "False without moe_router_mlp: the carried state is the router "
+                    "network's r (ZAYA's EDA)")
+    return
+  what = "moe_router_mlp" if R is not None else "moe_skip_expert"
+  value = R if R is not None else True
+  if (m.moe_router != "softmax" or m.moe_groups != 1 or m.moe_hash_first or m.moe_pool_width is not None
+      or m.moe_router_scale != 1.0):
+    raise invalid(what, value, f"{FIELDS[what]!r} with moe_router={m.moe_router!r}, moe_groups={m.moe_groups}, "
+                  f"moe_hash_first={m.moe_hash_first}, moe_pool_width={m.moe_pool_width}, moe_router_scale="
+                  f"{m.moe_router_scale}: ZAYA's router and skip expert are a softmax router's, without groups, "
+                  "hash layers or pooled experts")
+  if m.moe_router_carry and m.num_decoder_layers:
+    raise invalid("moe_router_carry", True, f"False with num_decoder_layers={m.num_decoder_layers}: the router "
+                  "state is carried along one decoder-only or encoder stack")
+
+
+def classes(m: Any) -> int:
+  """The router's classes: the E experts, and the skip expert (moe_skip_expert)."""
+  return m.moe_experts + (1 if m.moe_skip_expert else 0)
+
+
+@contextlib.contextmanager
+def carrying(blocks):
+  """Around one call of a stack of blocks: a fresh holder of the router state (moe_router_carry), or
+  nothing where no expert layer carries one."""
+  if not any(getattr(getattr(getattr(b, "mlp", None), "router_net", None), "carry_scale", None) is not None
+             for b in blocks):
+    yield None
+    return
+  holder = {"state": None}
+  token = CARRY.set(holder)
+  try:
+    yield holder
+  finally:
+    CARRY.reset(token)
+
+
 def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array:
-  """The routing weights w (B,T,E), float32: zero but for each token's top k experts."""
+  """The routing weights w (B,T,E), float32: zero but for each token's top k experts (E: the router's
+  classes, the skip expert's included; a softmax router's correction is ZAYA's balancing bias)."""
   E, k = m.moe_experts, m.moe_top_k
   logits_BTE = logits_BTE.astype(jnp.float32)
   if m.moe_router == "softmax":
     scores_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-    choice_BTE = scores_BTE
+    choice_BTE = scores_BTE if correction_E is None else scores_BTE + correction_E.astype(jnp.float32)
   else:
     scores_BTE = (jax.nn.sigmoid(logits_BTE) if m.moe_router == "sigmoid"
                   else jnp.sqrt(jax.nn.softplus(logits_BTE)))
@@ -204,11 +280,40 @@ def _top_mask(x_BTE: Array, k: int) -> Array:
   return jax.nn.one_hot(idx_BTk, x_BTE.shape[-1], dtype=jnp.bool_).any(-2)
 
 
+class RouterNet(nnx.Module):
+  """ZAYA1's router network (moe_router_mlp R; module docstring): x -> r (D -> R), the state carried in
+  (carried: this expert layer adds the previous one's r times carry_scale), then r -> the logits."""
+
+  def __init__(self, m: Any, param: Callable, carried: bool):
+    R, C, dt = m.moe_router_mlp, classes(m), jnp.dtype(m.param_dtype)
+    self.eps = m.norm_eps
+    self.down, self.down_b = param((m.d_model, R), m.d_model), nnx.Param(jnp.zeros((R,), dt))
+    self.carry_scale = nnx.Param(jnp.ones((R,), dt)) if carried else None  # ZAYA's router_states_scale
+    self.norm = nnx.Param(jnp.ones((R,), dt))
+    self.fc1, self.fc1_b = param((R, R), R), nnx.Param(jnp.zeros((R,), dt))
+    self.fc2, self.fc2_b = param((R, R), R), nnx.Param(jnp.zeros((R,), dt))
+    self.out = param((R, C), R)
+
+  def __call__(self, x_BTD: Array) -> Array:
+    """The logits (B,T,classes), float32; r carried on to the next expert layer of the model call."""
+    f = lambda a: a[...].astype(jnp.float32)  # noqa: E731
+    r_BTR = jnp.einsum("BTD,DR->BTR", x_BTD.astype(jnp.float32), f(self.down)) + f(self.down_b)
+    holder = CARRY.get()
+    if self.carry_scale is not None and holder is not None and holder["state"] is not None:
+      r_BTR = r_BTR + holder["state"] * f(self.carry_scale)
+    if holder is not None:
+      holder["state"] = r_BTR
+    h_BTR = norms.rms(r_BTR, self.norm[...], self.eps, "scale")
+    h_BTR = jax.nn.gelu(jnp.einsum("BTR,RS->BTS", h_BTR, f(self.fc1)) + f(self.fc1_b), approximate=False)
+    h_BTR = jax.nn.gelu(jnp.einsum("BTR,RS->BTS", h_BTR, f(self.fc2)) + f(self.fc2_b), approximate=False)
+    return jnp.einsum("BTR,RC->BTC", h_BTR, f(self.out))
+
+
 class MoE(nnx.Module):
   """The expert feed-forward of one layer: router, E gated experts (+ shared ones), computed densely."""
 
   def __init__(self, m: Any, *, rngs: nnx.Rngs, activation: Callable[[Array], Array],
-               shared: nnx.Module | None = None, hashed: bool = False):
+               shared: nnx.Module | None = None, hashed: bool = False, carried: bool = False):
     self.m, self.activation, self.shared = m, activation, shared
     E, D, F = m.moe_experts, m.d_model, m.moe_d_ff or m.d_ff
     bias = m.use_bias if m.dense_bias is None else m.dense_bias
@@ -218,9 +323,13 @@ class MoE(nnx.Module):
     def param(shape, fan_in):
       return nnx.Param((jax.random.normal(rngs.params(), shape) / jnp.sqrt(fan_in)).astype(dt))
 
-    self.router_w = param((D, E), D)
-    self.router_b = nnx.Param(jnp.zeros((E,), dt)) if bias else None
-    self.correction = Buffer(jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" and not hashed else None
+    C, net = classes(m), m.moe_router_mlp is not None  # the skip expert a class; ZAYA's router network
+    self.router_w = None if net else param((D, C), D)
+    self.router_b = nnx.Param(jnp.zeros((C,), dt)) if bias and not net else None
+    self.router_net = RouterNet(m, param, carried) if net else None
+    # DeepSeek's correction bias; ZAYA's balancing biases (router network), the skip class's starting at -1
+    self.correction = Buffer(jnp.zeros((C,), jnp.float32).at[E:].set(-1.0)) if net else Buffer(
+        jnp.zeros((E,), jnp.float32)) if m.moe_router != "softmax" and not hashed else None
     self.tid2eid = Buffer(jnp.zeros((m.vocab_size, m.moe_top_k), jnp.int32)) if hashed else None
     W = m.moe_pool_width  # Muse Spark: the experts run at width W between two projections
     self.pool_in = param((D, W), D) if W else None
@@ -237,7 +346,10 @@ class MoE(nnx.Module):
   def weights(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
     """The routing weights (B,T,E) of x's tokens (zero outside each token's top k); a hash layer reads
     the token ids."""
-    logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), self.router_w[...].astype(jnp.float32))
+    if self.router_net is not None:
+      logits_BTE = self.router_net(x_BTD)
+    else:
+      logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), self.router_w[...].astype(jnp.float32))
     if self.router_b is not None:
       logits_BTE = logits_BTE + self.router_b[...].astype(jnp.float32)
     if self.m.moe_router_scale != 1.0:  # Muse Spark's output_multiplier
@@ -247,7 +359,8 @@ class MoE(nnx.Module):
         raise invalid("tokens", None, "the token ids: a hash-routed expert layer (moe_hash_first) picks its "
                       "experts by them (a DecoderLM passes them)")
       return hashed(self.m, logits_BTE, self.tid2eid[...][tokens_BT])
-    return route(self.m, logits_BTE, None if self.correction is None else self.correction[...])
+    w_BTE = route(self.m, logits_BTE, None if self.correction is None else self.correction[...])
+    return w_BTE[..., :self.m.moe_experts] if self.m.moe_skip_expert else w_BTE  # the skip class: nothing
 
   def __call__(self, x_BTD: Array, tokens_BT: Array | None = None) -> Array:
     c = self.compute
