@@ -24,7 +24,9 @@ and the numbers. The properties:
                transformers model's within `tolerance` of the largest, at every
                position of right-padded rows whose window holds a real key (of a
                hybrid with linear layers, at the real tokens only: a padded token
-               writes to transformers' linear states, never to attn's); to_hf
+               writes to transformers' linear states, never to attn's; likewise with
+               cca heads, whose convolutions transformers feeds zeros at padded
+               tokens and attn the tokens themselves); to_hf
                of what from_hf read from a live model gives its state dict back
                bit for bit, and its save_pretrained directory reads the same.
                Without them this part is left out; everything above still runs.
@@ -240,6 +242,8 @@ def _against_transformers(family: hf.Family, loaded: hf.Loaded, source: Any, liv
     keep = t < lengths[:, None]  # never to attn's: the two agree on the real tokens only (Kimi Linear's σ gate)
   if {"heavily_compressed_attention", "compressed_sparse_attention"} & set(cfg.layer_types or ()):
     keep = t < lengths[:, None]  # transformers' V4 entries ignore the padding mask; attn's lengths hide them
+  if any(cfg.layer_head(i).cca for i in range(cfg.num_layers) if cfg.has_attention(i)):
+    keep = t < lengths[:, None]  # transformers zeros a padded token before ZAYA's CCA convolutions, attn does not
   diff = float(np.abs(ours - ref)[keep].max())
   relative = diff / float(np.abs(ref[keep]).max())
   if not relative < tolerance:

@@ -23,7 +23,7 @@ from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4,
                          glm5_next, gpt2, gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash,
-                         muse_spark, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3)
+                         muse_spark, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3, zaya)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -43,7 +43,7 @@ def _builtins() -> tuple[Family, ...]:
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
           deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID, granite_swa.GRANITE_SWA,
           mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID, muse_spark.MUSE_SPARK,
-          glm5_next.GLM5_NEXT)
+          glm5_next.GLM5_NEXT, zaya.ZAYA)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -96,12 +96,6 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "inkling2": "it is Inkling-2's image-text wrapper (its vision tower under model.vision_tower.), and no "
                        "family reads its text model (inkling2_text) yet: " + _INKLING2,
            "inkling2_text": _INKLING2,
-           # attn runs ZAYA1's attention (per_head with cca; attn.nn.hf.zaya reads its heads and tensors):
-           "zaya": "no family reads ZAYA1 yet: its experts' router carries its hidden state from layer to layer "
-                   "(EDA, router_states_scale), runs an MLP of its own and may choose a skip expert, and each "
-                   "sub-layer's residual and the embeddings are rescaled with learned scales and biases "
-                   "(ZayaResidualScaling), none of which attn's blocks express; its attention is attn's cca "
-                   "mechanism on per_head (attn.nn.hf.zaya)",
            **{kind: _QWEN4_EXP for kind in ("qwen4_exp", "qwen4_exp_text")}}
 
 
