@@ -37,7 +37,8 @@ KW = dict(vocab_size=53, hidden_size=24, num_hidden_layers=2, num_attention_head
 # whole heads (layer_heads' rope_dim) at their own base, three experts.
 WIDE = KW | dict(num_hidden_layers=3, layer_types=["hybrid", "hybrid_sliding", "hybrid"], attention_bias=True,
                  tie_word_embeddings=False, num_experts=3,
-                 rope_parameters={"hybrid": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+                 rope_parameters={"hybrid": {"rope_type": "default", "rope_theta": 1000.0,
+                                             "partial_rotary_factor": 0.5},
                                   "hybrid_sliding": {"rope_type": "default", "rope_theta": 50.0,
                                                      "partial_rotary_factor": 1.0}})
 

@@ -125,7 +125,7 @@ class ModelConfig:
   moe_router_scale: float = 1.0  # the router's logits times this before scoring (Muse Spark's output_multiplier)
   # ZAYA1's router and residuals (attn.nn.moe, attn.nn.models; attn.nn.hf.zaya), each off by default:
   moe_router_mlp: int | None = None  # R: the router a network of its own, D -> R -> (RMSNorm, 2 GELU layers) -> classes
-  moe_router_carry: bool = False  # EDA: each expert layer's router state r adds the previous one's times a learned s (R,)
+  moe_router_carry: bool = False  # EDA: each expert layer's router state r adds the previous one's times s (R,)
   moe_skip_expert: bool = False  # one more routing class that computes nothing (ZAYA's skip expert)
   residual_scale: bool = False  # each residual x + y becomes (y + b)·s + (x + b')·s', the embeddings (e + b)·s
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):

@@ -15,18 +15,21 @@ The block is pre-norm RMSNorm (input_layernorm, post_attention_layernorm; norm a
 ZayaResidualScaling's (f(x) + b)·s + (x + b')·s' (post_attention_residual_scale, post_mlp_residual_scale:
 hidden_states_* on the sublayer's output, residual_* on the stream) and the embeddings (e + b)·s
 (input_hidden_states_bias, _scale): attn's residual_scale. Every layer's feed-forward is experts
-(ZayaSparseMoeBlock): the router (mlp.gate) is a network of its own, down_proj D -> router_hidden_size R, plus the previous layer's
-state times router_states_scale in every layer but the first (EDA: attn's moe_router_carry), then router_mlp
-(RMSNorm, fc1, GELU, fc2, GELU, out_proj to num_experts + 1 classes: attn's moe_router_mlp); a softmax over
-the classes, the choice made on the probabilities plus balancing_biases (a buffer: attn's correction), the
-weights the chosen probabilities unrenormalised (moe_norm_topk False); the last class is the skip expert that
-computes nothing (moe_skip_expert). The experts are SwiGLUs of moe_intermediate_size, gate_up_proj fused.
+(ZayaSparseMoeBlock): the router (mlp.gate) is a network of its own, down_proj D -> router_hidden_size R,
+plus the previous layer's state times router_states_scale in every layer but the first (EDA: attn's
+moe_router_carry), then router_mlp (RMSNorm, fc1, GELU, fc2, GELU, out_proj to num_experts + 1 classes:
+attn's moe_router_mlp); a softmax over the classes, the choice made on the probabilities plus
+balancing_biases (a buffer: attn's correction), the weights the chosen probabilities unrenormalised
+(moe_norm_topk False); the last class is the skip expert that computes nothing (moe_skip_expert). The
+experts are SwiGLUs of moe_intermediate_size, gate_up_proj fused.
 The output is tied to the embeddings (tie_word_embeddings) or an lm_head without a bias.
 
 Decided here: lm_head_bias True is refused by name (attn's untied output bias comes with the MLPs' biases,
 which ZAYA's experts lack), as are output_router_logits (attn's MoE returns none) and a quantized checkpoint.
 transformers computes ZAYA's residual stream in float32 whatever the weights' dtype (residual_in_fp32); attn
-computes it in ModelConfig.dtype, the same in float32. The router state is per token along depth: decoding
+computes it in ModelConfig.dtype, the same in float32. Under right padding transformers zeros a padded token
+before the CCA convolutions (its conv mask) where attn reads the token itself: the two agree at every real
+token, which is where attn.testing.check_family compares cca models. The router state is per token along depth: decoding
 needs no cache for it (attn.nn.moe), and tests/test_hf_zaya.py checks cached greedy decoding against generate.
 transformers writes ZAYA under the names it holds in memory (it has no conversion mapping for zaya): those are
 the names read. transformers has ZAYA from 5.25.
