@@ -123,6 +123,8 @@ class ModelConfig:
   moe_layer_types: tuple[str, ...] | None = None  # per layer "dense" or "sparse" (Muse Spark); None: moe_dense_first's
   moe_pool_width: int | None = None  # M: experts at width M between D->M (a norm) and M->D, outputs normed (Muse Spark)
   moe_router_scale: float = 1.0  # the router's logits times this before scoring (Muse Spark's output_multiplier)
+  moe_gate_softcap: float | None = None  # routed experts: cap(gate)·σ(gate)·up, cap c·tanh(·/c) (Inkling-2's mlp_gate_softcap)
+  moe_up_softcap: float | None = None  # routed experts: up capped to c·tanh(up/c) (Inkling-2's mlp_up_softcap)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
   per_layer_vocab: int = 0  # rows of their token table (0: vocab_size)
