@@ -3,7 +3,9 @@ refused by name where set wrong (default tier).
 
 Issue 53: the pieces attn.nn.hf.load._INKLING2 lists, one at a time, each off by default:
 - the experts' softcapped SwiGLU (ModelConfig.moe_gate_softcap, moe_up_softcap) against Inkling2SparseMoeBlock
-  (its sigmoid router with a correction bias and route_scale is attn's moe_router "sigmoid").
+  (its sigmoid router with a correction bias and route_scale is attn's moe_router "sigmoid");
+- the convolutions on the residual after every attention and MLP (ModelConfig.residual_conv) against
+  Inkling2ShortConvolution, counted (W·D a sublayer), and a DecoderLM with them decoding as its full pass.
 
 Random weights, awkward sizes (D = 10, E = 5 experts, k = 3, F = 6), caps small enough to bite. Skipped by name
 where transformers lacks inkling2 (the floor, 4.51.1).
@@ -14,10 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attn import ConfigError
-from attn.nn import moe
+from attn import ConfigError, count
+from attn.nn import moe, short_conv
 from attn.nn.config import ModelConfig
-from attn.nn.models import activate
+from attn.nn.models import DecoderLM, Encoder, activate
 
 MOE = dict(vocab_size=11, d_model=10, num_layers=2, num_heads=2, d_k=4, d_ff=12, mlp="moe", activation="silu",
            max_len=16, moe_experts=5, moe_top_k=3, moe_d_ff=6, moe_router="sigmoid", moe_routed_scaling=2.5,
@@ -96,3 +98,57 @@ def test_softcapped_experts_equal_inkling2_sparse_moe_block():
   plain = moe.MoE(ModelConfig(**MOE), rngs=nnx.Rngs(0), activation=lambda x: activate("silu", x))
   nnx.update(plain, nnx.state(layer))
   assert np.abs(np.asarray(plain(jnp.asarray(x))) - want).max() > 1e-2
+
+
+# residual_conv: (conv(y) + y)/sqrt(W + 1) on each sublayer's output
+
+DENSE = dict(vocab_size=13, d_model=10, num_layers=2, num_heads=2, num_kv_heads=1, d_k=3, d_ff=7, mlp="gated",
+             activation="silu", positional="none", norm_type="rmsnorm", use_bias=False, max_len=24,
+             tie_embeddings=False)
+
+
+@pytest.mark.parametrize("width", [0, True, 2.0, "3"])
+def test_bad_residual_conv_is_named(width):
+  with pytest.raises(ConfigError, match=rf"residual_conv={width!r} is not allowed: None .* or an integer >= 1"):
+    ModelConfig(**DENSE, residual_conv=width)
+
+
+def test_an_encoder_refuses_the_causal_residual_conv():
+  with pytest.raises(ConfigError, match=r"residual_conv=3 is not allowed: None for Encoder"):
+    Encoder(ModelConfig(**DENSE, residual_conv=3), rngs=nnx.Rngs(0))
+
+
+def test_residual_conv_is_counted_and_decodes_as_its_full_pass():
+  """W·D per attention and per MLP, counted as stored; tokens fed through the caches and states in three pieces (one of a
+  single token, as decoding feeds them) give the full pass's logits."""
+  import jax
+  cfg = ModelConfig(**DENSE, residual_conv=3)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert stored == count.model_param_count(cfg) == count.model_param_count(ModelConfig(**DENSE)) + 2 * 2 * 3 * 10
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 9)))
+  full = np.asarray(model(tokens))
+  model.init_cache(2, 9)
+  parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 4), (4, 5), (5, 9))]
+  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("W", [1, 4])
+def test_residual_conv_equals_inkling2_short_convolution(W):
+  """short_conv.residual_conv with Conv1d's taps equals Inkling2ShortConvolution (no cache): the whole
+  sequence, and the sequence in two pieces through the state."""
+  modeling, _ = _inkling2()
+  import torch
+  torch.manual_seed(W)
+  layer = modeling.Inkling2ShortConvolution(7, W, layer_idx=0, conv_idx=2).float().eval()
+  with torch.no_grad():
+    layer.conv1d.weight.normal_()
+  y = np.random.default_rng(W).normal(size=(2, 11, 7)).astype(np.float32)
+  with torch.no_grad():
+    want = layer(torch.from_numpy(y)).numpy()
+  w_WD = jnp.asarray(layer.conv1d.weight.detach().numpy()[:, 0].T)  # (D, 1, W) -> (W, D)
+  got, state = short_conv.residual_conv(w_WD, jnp.asarray(y[:, :5]))
+  rest, _ = short_conv.residual_conv(w_WD, jnp.asarray(y[:, 5:]), state)
+  np.testing.assert_allclose(np.asarray(short_conv.residual_conv(w_WD, jnp.asarray(y))[0]), want, atol=1e-6)
+  np.testing.assert_allclose(np.concatenate([got, rest], 1), want, atol=1e-6)

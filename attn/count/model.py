@@ -166,6 +166,8 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
   parts["mlp"] += sum(_mlp(m, b, stack.dense_bias, cross) for b in mlp)
   if m.short_conv is not None:  # the convolution before each self-attention (attn.nn.short_conv)
     parts["short_conv"] = parts.get("short_conv", 0) + len(attn) * short_conv.param_count(m.short_conv, m.d_model)
+  if m.residual_conv is not None:  # Inkling-2's convolution on each attention's and MLP's output
+    parts["residual_conv"] = (len(attn) + len(mlp)) * short_conv.residual_param_count(m.residual_conv, m.d_model)
   pre = m.norm != "after"  # sandwich: a norm before and after; after: after only; pre, post: one
   post = m.norm in ("sandwich", "after")
   n_attn = len(attn) + (len(stack.blocks) if cross else 0)  # a cross-attention's post norm is attn_post's

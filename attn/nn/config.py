@@ -138,6 +138,7 @@ class ModelConfig:
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's) or "mean" (GLM-5.3-Flash's)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
+  residual_conv: int | None = None  # W: each attention's and MLP's output y -> (conv(y) + y)/sqrt(W + 1) (Inkling-2; attn.nn.short_conv)
   # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
   residual_gate: float | None = None  # τ: each residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
   norm_forms: dict | None = None  # {place: form}: a place's RMSNorm form (attn.nn.norms); others follow norm_type
@@ -214,6 +215,7 @@ class ModelConfig:
     self._check_hyper()
     self._check_block_kinds()
     short_conv.check_width(self.short_conv)
+    short_conv.check_residual_width(self.residual_conv)
     self._check_norms()
 
   def _check_norms(self) -> None:

@@ -33,6 +33,9 @@ logit_divisor (logits / d), no parameters; mlm_head (Encoder: BERT's masked-LM h
 vocab, its decoder tied to the token table); mlp "moe": a mixture of experts
 (attn.nn.moe, the moe_* fields), computed densely, each expert on every token:
 exact, and E/k times a real MoE's expert cost.
+Inkling-2 (DecoderLM): residual_conv W passes each attention's and MLP's output y through
+(conv(y) + y)/sqrt(W + 1) before the residual add (attn.nn.short_conv; W·D a sublayer, decoded with its
+state); moe_gate_softcap, moe_up_softcap cap its experts' SwiGLU (attn.nn.moe).
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 Gemma 4 (attn.nn.hf.gemma4): per_layer_dim P > 0 adds per-layer inputs (PerLayerInputs: a table
@@ -359,6 +362,10 @@ class TransformerBlock(nnx.Module):
     self.conv = short_conv.ShortConv(cfg.short_conv, cfg.d_model, rngs=rngs, param_dtype=cfg.weight_dtype) \
         if has_attn and cfg.short_conv is not None else None  # before the attention (attn.nn.short_conv)
     self.attn_norm = layer_norm(cfg, rngs, pre and has_attn)
+    # Inkling-2: each sublayer's output through (conv(y) + y)/sqrt(W + 1) (attn.nn.short_conv.ResidualConv)
+    out_conv = lambda on: short_conv.ResidualConv(cfg.residual_conv, cfg.d_model, rngs=rngs) \
+        if on and cfg.residual_conv is not None else None
+    self.attn_out_conv, self.mlp_out_conv = out_conv(has_attn), out_conv(has_mlp)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
@@ -428,7 +435,7 @@ class TransformerBlock(nnx.Module):
       if return_weights:
         y, w_BHTS = y
         seen.append(w_BHTS)
-      return y
+      return y if self.attn_out_conv is None else self.attn_out_conv(y, decode=decode)
 
     if self.attn is not None:
       x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc,
@@ -440,6 +447,8 @@ class TransformerBlock(nnx.Module):
           self.cross_post_norm, self.cross_hc)
     if self.mlp is not None:  # a hash-routed expert layer reads the token ids (moe_hash_first)
       mlp = self.mlp if getattr(self.mlp, "tid2eid", None) is None else lambda h: self.mlp(h, tokens)
+      if self.mlp_out_conv is not None:  # Inkling-2's post_mlp_convolution
+        mlp = (lambda f: lambda h: self.mlp_out_conv(f(h), decode=decode))(mlp)
       x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc, self.mlp_residual_gate)
     if self.per_layer_gate is not None:
       g_BTP = activate(self.activation, self.per_layer_gate(x_BTD)) * per_layer_input.astype(x_BTD.dtype)
@@ -508,7 +517,8 @@ class Encoder(nnx.Module):
   """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, tanh(W h_0 + b)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "Encoder (per-layer inputs and hyper-connections: DecoderLM only)", per_layer_dim=0, hc_mult=1)
+    _require(cfg, "Encoder (per-layer inputs, hyper-connections, causal residual convolutions: DecoderLM only)",
+             per_layer_dim=0, hc_mult=1, residual_conv=None)
     layer_types.check_bidirectional(cfg, "an Encoder")
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
