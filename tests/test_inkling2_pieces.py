@@ -5,7 +5,8 @@ Issue 53: the pieces attn.nn.hf.load._INKLING2 lists, one at a time, each off by
 - the experts' softcapped SwiGLU (ModelConfig.moe_gate_softcap, moe_up_softcap) against Inkling2SparseMoeBlock
   (its sigmoid router with a correction bias and route_scale is attn's moe_router "sigmoid");
 - the convolutions on the residual after every attention and MLP (ModelConfig.residual_conv) against
-  Inkling2ShortConvolution, counted (W·D a sublayer), and a DecoderLM with them decoding as its full pass.
+  Inkling2ShortConvolution, counted (W·D a sublayer), and a DecoderLM with them decoding as its full pass;
+- the unembedding of unpadded_vocab_size rows (ModelConfig.output_vocab): logits over the first ids only.
 
 Random weights, awkward sizes (D = 10, E = 5 experts, k = 3, F = 6), caps small enough to bite. Skipped by name
 where transformers lacks inkling2 (the floor, 4.51.1).
@@ -152,3 +153,34 @@ def test_residual_conv_equals_inkling2_short_convolution(W):
   rest, _ = short_conv.residual_conv(w_WD, jnp.asarray(y[:, 5:]), state)
   np.testing.assert_allclose(np.asarray(short_conv.residual_conv(w_WD, jnp.asarray(y))[0]), want, atol=1e-6)
   np.testing.assert_allclose(np.concatenate([got, rest], 1), want, atol=1e-6)
+
+
+# output_vocab: an untied output layer of fewer rows than the token table
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(output_vocab=14), r"output_vocab=14 is not allowed: None, or an integer in \[1, vocab_size=13\]"),
+    (dict(output_vocab=0), r"output_vocab=0 is not allowed"),
+    (dict(output_vocab=True), r"output_vocab=True is not allowed"),
+    (dict(output_vocab=9, tie_embeddings=True), r"output_vocab=9 is not allowed: .*tie_embeddings=True"),
+])
+def test_bad_output_vocab_is_named(changes, match):
+  with pytest.raises(ConfigError, match=match):
+    ModelConfig(**(DENSE | changes))
+
+
+def test_output_vocab_rows_are_the_logits_and_the_count():
+  """An untied head of output_vocab rows: logits (B,T,output_vocab), the first rows of the full head's logits
+  when it holds those rows; counted D·output_vocab."""
+  import jax
+  cfg = ModelConfig(**DENSE, output_vocab=9)
+  model, full = DecoderLM(cfg, rngs=nnx.Rngs(0)), DecoderLM(ModelConfig(**DENSE), rngs=nnx.Rngs(0))
+  model.head.linear.kernel[...] = full.head.linear.kernel[...][:, :9]
+  for name in ("embed", "blocks", "final_norm"):
+    nnx.update(getattr(model, name), nnx.state(getattr(full, name)))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 13, (2, 5)))
+  got, want = np.asarray(model(tokens)), np.asarray(full(tokens))
+  assert got.shape == (2, 5, 9)
+  np.testing.assert_array_equal(got, want[..., :9])
+  stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert stored == count.model_param_count(cfg) == count.model_param_count(ModelConfig(**DENSE)) - 4 * 10

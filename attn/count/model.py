@@ -179,7 +179,7 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
 
 
 def _output(m: ModelConfig, dense_bias: bool) -> int:
-  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if dense_bias else 0)
+  return 0 if m.tie_embeddings else m.d_model * m.output_rows + (m.output_rows if dense_bias else 0)
 
 
 def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str, int]:

@@ -138,6 +138,7 @@ class ModelConfig:
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's) or "mean" (GLM-5.3-Flash's)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
+  output_vocab: int | None = None  # an untied output layer's rows: logits over ids < output_vocab (Inkling-2's unpadded_vocab_size); None: vocab_size
   residual_conv: int | None = None  # W: each attention's and MLP's output y -> (conv(y) + y)/sqrt(W + 1) (Inkling-2; attn.nn.short_conv)
   # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
   residual_gate: float | None = None  # τ: each residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
@@ -216,7 +217,23 @@ class ModelConfig:
     self._check_block_kinds()
     short_conv.check_width(self.short_conv)
     short_conv.check_residual_width(self.residual_conv)
+    self._check_output_vocab()
     self._check_norms()
+
+  def _check_output_vocab(self) -> None:
+    """output_vocab: None, or 1..vocab_size rows of an untied output layer."""
+    n = self.output_vocab
+    if n is None:
+      return
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size or self.tie_embeddings:
+      raise invalid("output_vocab", n, f"None, or an integer in [1, vocab_size={self.vocab_size}] with "
+                    f"tie_embeddings=False (tie_embeddings={self.tie_embeddings}): the rows of an untied output "
+                    "layer, logits over the first output_vocab ids")
+
+  @property
+  def output_rows(self) -> int:
+    """The output layer's rows: output_vocab, else vocab_size."""
+    return self.vocab_size if self.output_vocab is None else self.output_vocab
 
   def _check_norms(self) -> None:
     """norm_forms, post_norm_eps and residual_gate (attn.nn.norms): off by default, each refused where the

@@ -588,7 +588,9 @@ class MLMHead(nnx.Module):
 
 
 class OutputHead(nnx.Module):
-  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear.
+  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear, or (D,
+  output_vocab) (Inkling-2's unembedding of its unpadded_vocab_size rows: logits over the first ids only, so
+  decoding never emits the padded ones).
 
   With cfg.logit_divisor d, logits / d (Granite's logits_scaling); with cfg.logit_softcap c, then
   logits -> c·tanh(logits/c) (Gemma 2's final soft-cap).
@@ -596,7 +598,7 @@ class OutputHead(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
     self.tied = token if cfg.tie_embeddings else None
-    self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.vocab_size, rngs,
+    self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.output_rows, rngs,
                                                          cfg.has_dense_bias)
     self.softcap = cfg.logit_softcap
     self.divisor = float(cfg.logit_divisor)
