@@ -6,7 +6,12 @@ Issue 53: the pieces attn.nn.hf.load._INKLING2 lists, one at a time, each off by
   (its sigmoid router with a correction bias and route_scale is attn's moe_router "sigmoid");
 - the convolutions on the residual after every attention and MLP (ModelConfig.residual_conv) against
   Inkling2ShortConvolution, counted (W·D a sublayer), and a DecoderLM with them decoding as its full pass;
-- the unembedding of unpadded_vocab_size rows (ModelConfig.output_vocab): logits over the first ids only.
+- the unembedding of unpadded_vocab_size rows (ModelConfig.output_vocab): logits over the first ids only;
+- the heads' per-token sinks (token_sinks), relative position bias (rel_bias_*), log-position scaling
+  (log_scaling_*) and the query's learned scale before its clip (qk_clip_scale): each attention layer, sliding
+  and hybrid, equal to Inkling2SlidingAttention / Inkling2FullAttention with nothing zeroed but the hybrid
+  layer's per-token taps (sconv.weight_proj), the log scaling reached (log_scaling_n_floor 3 at 9 tokens); a
+  DecoderLM of those heads decodes as its full pass.
 
 Random weights, awkward sizes (D = 10, E = 5 experts, k = 3, F = 6), caps small enough to bite. Skipped by name
 where transformers lacks inkling2 (the floor, 4.51.1).
@@ -184,3 +189,148 @@ def test_output_vocab_rows_are_the_logits_and_the_count():
   np.testing.assert_array_equal(got, want[..., :9])
   stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert stored == count.model_param_count(cfg) == count.model_param_count(ModelConfig(**DENSE)) - 4 * 10
+
+
+# The heads: token_sinks, rel_bias, log_scaling, qk_clip_scale beside the L2 clip, qkv_conv, value norm, gate
+
+TEXT = dict(vocab_size=61, unpadded_vocab_size=57, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=10, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=6,
+            sliding_window_size=3, d_rel=4, rel_extent=5, log_scaling_n_floor=3, log_scaling_alpha=0.7,
+            rel_l2_clip_threshold=1.3, conv_kernel_size=3, qk_l2_clip_threshold=0.9, moe_intermediate_size=8,
+            n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+            layer_types=["hybrid_sliding", "hybrid"], eos_token_id=0)
+
+
+def _head_cfg(index: int):
+  """attn's HeadConfig of TEXT's layer `index` (0 sliding, 1 hybrid): Inkling-2's heads in full."""
+  from attn import HeadConfig
+  t = TEXT
+  sliding = index == 0
+  H, G, K = ((t["swa_num_attention_heads"], t["swa_num_key_value_heads"], t["swa_head_dim"]) if sliding else
+             (t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]))
+  return HeadConfig(d_model=t["hidden_size"], num_heads=H, num_kv_heads=G, d_k=K, d_v=K, use_bias=False,
+                    qk_l2_clip_threshold=t["qk_l2_clip_threshold"], qk_clip_scale=True, qkv_conv="kv",
+                    qkv_conv_width=t["conv_kernel_size"], value_norm_eps=1e-6, gate="elementwise", token_sinks=True,
+                    rel_bias_dim=t["d_rel"], rel_bias_extent=t["sliding_window_size"] if sliding else t["rel_extent"],
+                    rel_bias_clip=t["rel_l2_clip_threshold"], window=t["sliding_window_size"] if sliding else None,
+                    log_scaling_alpha=None if sliding else t["log_scaling_alpha"],
+                    log_scaling_floor=1 if sliding else t["log_scaling_n_floor"])
+
+
+def _taps(sd: dict, name: str, W: int, G: int, K: int, dynamic: bool) -> np.ndarray:
+  """Inkling-2's key or value convolution as attn's taps (W, G, K), Conv1d's order, its residual and scale folded:
+  (conv(x) + x)/sqrt(W + 1) (sliding) or (static(x) + x)/sqrt(2W + 1) (hybrid, static_weight[lag])."""
+  if dynamic:
+    w, scale = sd[f"{name}.sconv.static_weight"][::-1].copy(), np.sqrt(2 * W + 1)
+  else:
+    w, scale = sd[f"{name}.sconv.conv1d.weight"][:, 0].T.copy(), np.sqrt(W + 1)
+  w[-1] += 1
+  return (w / scale).reshape(W, G, K)
+
+
+def _head_params(sd: dict, head, hybrid: bool) -> dict:
+  D, H, G, K, W = head.d_model, head.num_heads, head.num_kv_heads, head.d_k, head.qkv_conv_width
+  d = head.rel_bias_dim
+  return {"w_q": sd["q_proj.linear.weight"].T.reshape(D, H, K), "q_clip_scale": sd["q_proj.norm.scale"],
+          "w_k": sd["k_proj.linear.weight"].T.reshape(D, G, K), "w_v": sd["v_proj.linear.weight"].T.reshape(D, G, K),
+          "w_o": sd["o_proj.linear.weight"].T.reshape(H, K, D),
+          "w_gate": sd["o_proj.gate_proj.weight"].T.reshape(D, H, K), "w_sink": sd["sink_proj.weight"].T,
+          "w_rel": sd["relative_position_bias.linear.weight"].T.reshape(D, H, d),
+          "rel_scale": sd["relative_position_bias.norm.scale"], "rel_proj": sd["relative_position_bias.proj"],
+          "qkv_conv_k": _taps(sd, "k_proj", W, G, K, hybrid), "qkv_conv_v": _taps(sd, "v_proj", W, G, K, hybrid)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 1], ids=["sliding", "hybrid"])
+def test_heads_equal_inkling2_attention(index):
+  """attn.apply of layer `index`'s head equals Inkling2SlidingAttention / Inkling2FullAttention (eager, causal and
+  windowed masks): per-token sinks, relative bias, log scaling all on; the hybrid layer's per-token taps zero."""
+  modeling, configuration = _inkling2()
+  import jax
+  import torch
+
+  import attn
+  config = configuration.Inkling2TextConfig(**TEXT)
+  config._attn_implementation = "eager"
+  head = _head_cfg(index)
+  torch.manual_seed(index)
+  layer = (modeling.Inkling2SlidingAttention, modeling.Inkling2FullAttention)[index](config, index).eval()
+  with torch.no_grad():
+    for p in layer.parameters():
+      p.normal_(0.0, 0.6)  # clips, scales, taps, sinks and the bias away from their starting points
+    if index == 1:
+      layer.k_proj.sconv.weight_proj.weight.zero_()
+      layer.v_proj.sconv.weight_proj.weight.zero_()
+  sd = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
+  params = _head_params(sd, head, index == 1)
+  shapes = jax.eval_shape(lambda: attn.init("per_head", jax.random.key(0), head))
+  assert {k: v.shape for k, v in shapes.items()} == {k: v.shape for k, v in params.items()}
+  B, T = 2, 9
+  x = np.random.default_rng(index).normal(size=(B, T, head.d_model)).astype(np.float32)
+  got = attn.apply("per_head", {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(x), cfg=head,
+                   is_causal=True)
+  pos = torch.arange(T)
+  distance = pos[:, None] - pos[None, :]
+  seen = (distance >= 0) & ((distance < TEXT["sliding_window_size"]) if index == 0 else True)
+  mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[None, None].expand(B, 1, T, T)
+  inputs = torch.tensor(x)
+  kwargs = {"key_hidden_states": inputs, "value_hidden_states": inputs} if index == 1 else {}
+  with torch.no_grad():
+    want = layer(hidden_states=inputs, attention_mask=mask, relative_distance=distance,
+                 position_ids=pos[None].expand(B, T), **kwargs)[0].numpy()
+  np.testing.assert_allclose(np.asarray(got), want, atol=3e-6, rtol=1e-5)
+  # each piece bites here: without the sinks, the bias or the log scaling the head is another function
+  for off in (dict(token_sinks=False), dict(rel_bias_dim=0, rel_bias_extent=0, rel_bias_clip=None)) + (
+      (dict(log_scaling_alpha=None, log_scaling_floor=1),) if index else ()):
+    cfg = head.replace(**off)
+    kept = {k: jnp.asarray(v) for k, v in params.items() if k in jax.eval_shape(
+        lambda: attn.init("per_head", jax.random.key(0), cfg))}
+    other = attn.apply("per_head", kept, jnp.asarray(x), cfg=cfg, is_causal=True)
+    assert np.abs(np.asarray(other) - want).max() > 1e-3, off
+
+
+@pytest.mark.slow  # the kit's per_head decoding (tests/test_contract.py) has them on in the default tier
+def test_token_mechanisms_decode_as_their_full_pass():
+  """A DecoderLM of Inkling-2's heads (sliding: a window's ring; full: log scaling past its floor), per-token sinks
+  and relative bias on both: the prompt then single tokens through the caches give the full pass's logits."""
+  cfg = ModelConfig(**(DENSE | dict(num_layers=2, num_heads=3, num_kv_heads=1, d_k=4, d_v=4, max_len=16)),
+                    layer_types=("sliding_attention", "full_attention"), window=3, qk_l2_clip_threshold=1.1,
+                    qk_clip_scale=True, token_sinks=True, rel_bias_dim=2, rel_bias_extent=5, rel_bias_clip=0.8,
+                    log_scaling_alpha=0.9, log_scaling_floor=2, qkv_conv="kv", qkv_conv_width=2)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(3))
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 13, (2, 11)))
+  full = np.asarray(model(tokens))
+  model.init_cache(2, 11)
+  parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 5), (5, 6), (6, 7), (7, 11))]
+  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(token_sinks=True, sinks=True), r"token_sinks=True is not allowed: False with sinks=True"),
+    (dict(token_sinks=1), r"token_sinks=1 is not allowed: True or False"),
+    (dict(rel_bias_dim=-1), r"rel_bias_dim=-1 is not allowed: an integer >= 0"),
+    (dict(rel_bias_dim=3), r"rel_bias_extent=0 is not allowed: an integer >= 1 with rel_bias_dim=3"),
+    (dict(rel_bias_extent=4), r"rel_bias_extent=4 is not allowed: 0 with rel_bias_dim=0"),
+    (dict(rel_bias_dim=3, rel_bias_extent=4, rel_bias_clip=0.0), r"rel_bias_clip=0.0 is not allowed"),
+    (dict(rel_bias_clip=1.0), r"rel_bias_clip=1.0 is not allowed: None with rel_bias_dim=0"),
+    (dict(log_scaling_alpha=-0.1), r"log_scaling_alpha=-0.1 is not allowed: a positive finite number"),
+    (dict(log_scaling_floor=5), r"log_scaling_floor=5 is not allowed: .*1 with log_scaling_alpha=None"),
+    (dict(log_scaling_alpha=0.1, log_scaling_floor=0), r"log_scaling_floor=0 is not allowed"),
+    (dict(qk_clip_scale=True), r"qk_clip_scale=True is not allowed: .*False without qk_l2_clip_threshold"),
+    (dict(token_sinks=True, extra={"moba": {"block": 2, "top_k": 1}}),
+     r"token_sinks=True is not allowed: off with moba"),
+])
+def test_bad_token_mechanisms_are_named(changes, match):
+  """Refused by name when the config is built or checked against a variant, before any tracing."""
+  import attn
+  with pytest.raises(ConfigError, match=match):
+    cfg = attn.HeadConfig(d_model=8, num_heads=2, **changes)
+    attn.api.check_config("per_head", cfg)
+
+
+@pytest.mark.parametrize("variant", ["mla", "differential", "gated_deltanet"])
+def test_variants_without_their_per_head_projections_refuse_them(variant):
+  import attn
+  cfg = attn.HeadConfig(d_model=8, num_heads=2, token_sinks=True)
+  with pytest.raises(ConfigError, match=r"token_sinks=True is not allowed"):
+    attn.api.check_config(variant, cfg)

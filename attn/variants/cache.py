@@ -174,8 +174,9 @@ def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, 
     ring.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return seen("k", k_BTGK), seen("v", v_BTGV)
 
+  held_S = jnp.concatenate([ring_positions(index, n_slots), pos_T])  # what the keys swap reads hold
   (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=step_cfg,
-                                  opts=opts)
+                                  opts=opts.replace(key_positions=held_S))
   return y_BTD, ring | state
 
 
@@ -223,5 +224,6 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
     full.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return full["k"], full["v"]
 
-  (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=cfg, opts=opts)
+  (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=cfg,
+                                  opts=opts.replace(key_positions=jnp.arange(max_len)))
   return y_BTD, full | state

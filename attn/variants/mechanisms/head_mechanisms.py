@@ -25,9 +25,10 @@ counts (attn.variants.mechanisms has the record and the registry).
       the L2 clip, the value norm (value_norm_eps) and RoPE (on_qkv: the variants that offer
       "qkv_heads"). Decoding keeps each convolved projection's last W − 1 tokens as the record's
       state, so cached decoding equals the full pass. Inkling-2's (conv(x) + x)/sqrt(W + 1) is this with taps (w + e_last)/sqrt(W + 1).
-  qk_l2_clip          no parameters: each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
+  qk_l2_clip          each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
       c = qk_l2_clip_threshold, after QK-norm and before RoPE (Inkling-2): a vector longer than
-      c is brought to norm c, so no logit exceeds c²·scale.
+      c is brought to norm c, so no logit exceeds c²·scale; with qk_clip_scale the queries are first
+      times q_clip_scale (H,K), ones at the start (Inkling-2's query norm.scale).
   qk_norm "fixed"     no parameters: each query and key head RMS-normalised with no learned scale,
       the queries times qk_scale_factor (Muse Spark): every logit is then at most
       qk_scale_factor·√d_k·scale in size whatever the weights.
@@ -245,9 +246,18 @@ def l2_clip(x_BTNK: Array, threshold: float) -> Array:
 
 
 def clip_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig) -> tuple[Array, Array]:
-  del params
+  """Both clipped; with qk_clip_scale the queries first times q_clip_scale (H,K), in float32 (Inkling-2's
+  Inkling2ScaledL2Clip)."""
   c = cfg.qk_l2_clip_threshold
+  if cfg.qk_clip_scale:
+    scaled = q_BTHK.astype(jnp.float32) * params["q_clip_scale"].astype(jnp.float32)
+    return l2_clip(scaled, c).astype(q_BTHK.dtype), l2_clip(k_BSGK, c)
   return l2_clip(q_BTHK, c), l2_clip(k_BSGK, c)
+
+
+def _clip_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  del key
+  return {"q_clip_scale": jnp.ones((cfg.num_heads, cfg.d_k), dtype)} if cfg.qk_clip_scale else {}
 
 
 def _clip_flops(cfg: HeadConfig, T: int, S: int) -> int:
@@ -261,12 +271,15 @@ def _clip_flops(cfg: HeadConfig, T: int, S: int) -> int:
 # at a large threshold: the plain head's count; all at a small one: a norm that frees each row's
 # scale, as QK-norm does), so attn.count measures it (the Jacobian's rank at random inputs).
 QK_L2_CLIP = Mechanism(
-    name="qk_l2_clip", fields=("qk_l2_clip_threshold",), on_qk=clip_qk, param_count=_zero,
-    flops=_clip_flops, score_weights=_zero,
+    name="qk_l2_clip", fields=("qk_l2_clip_threshold", "qk_clip_scale"), on_qk=clip_qk, init=_clip_init,
+    sharding={"q_clip_scale": "HK"}, param_count=lambda cfg: cfg.num_heads * cfg.d_k if cfg.qk_clip_scale else 0,
+    flops=_clip_flops, score_weights=lambda cfg: cfg.num_heads * cfg.d_k if cfg.qk_clip_scale else 0,
     needs={"qk_heads": "it clips each query and key head vector of d_k dims"},
-    examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),),
+    examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),
+              ("qk_l2_clip scaled", {"qk_l2_clip_threshold": 1.0, "qk_clip_scale": True}, "H·K",
+               "3·K·(T·H + S·G)")),
     help="qk_l2_clip_threshold: c > 0, each query/key head vector scaled down to L2 norm ≤ c "
-         "(Inkling-2) before RoPE")
+         "(Inkling-2) before RoPE; qk_clip_scale: the queries times a learned (H,K) scale first")
 
 
 # qkv_conv: a short causal convolution over time on the projections, per head and channel

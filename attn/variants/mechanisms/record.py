@@ -29,6 +29,10 @@ class Mechanism:
   # Its decoding state: cfg -> {name: per-sequence shape} (the cache holds (B, *shape) zeros at the start)
   state: Callable[[HeadConfig], Mapping[str, tuple[int, ...]]] | None = None
   on_logits: Callable[..., Array] | None = None
+  # Reads the layer's query tokens and positions: (params, x_BTD, q_BTHK, *, cfg, positions) -> (q, logits_bias
+  # or None), right before the kernel (attn.variants.mechanisms.token_logits)
+  on_tokens: Callable[..., tuple[Array, Array | None]] | None = None
+  absolute: bool = False  # it reads absolute positions: shifting every position changes it (the kit's rope check)
   on_output: Callable[..., Array] | None = None
   kernel: Callable[[Params, HeadConfig], dict[str, Any]] | None = None
   select: Callable[..., Any] | None = None  # chooses keys: a mask or a kernel.KeyChoice (attn.variants.mechanisms)
