@@ -147,7 +147,9 @@ class HeadConfig:
   qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
   named projections through a short causal convolution over time, depthwise per head and channel,
   qkv_conv_width taps, before QK-norm, value_norm_eps's norm and RoPE (Inkling-2's short convolutions on keys
-  and values; decoding keeps the last width − 1 projections as a state beside the cache); cca switches on ZAYA1's
+  and values; decoding keeps the last width − 1 projections as a state beside the cache); qkv_conv_residual
+  makes it (conv(x) + x)/sqrt(W + 1) and qkv_conv_dynamic adds per-token taps read from the projection's input
+  (the same for every channel of a head), (conv(x) + dyn(x) + x)/sqrt(2W + 1) (Inkling-2's forms); cca switches on ZAYA1's
   compressed convolutional attention (attn.variants.mechanisms.cca: queries and keys through a causal
   depthwise convolution of cca_depthwise_width taps then a per-head one of cca_grouped_width taps, plus
   the q–k mean; the second half of the value channels delayed one token; queries and keys L2-normalised
@@ -230,6 +232,8 @@ class HeadConfig:
   log_scaling_floor: int = 1  # that floor (Inkling-2's log_scaling_n_floor)
   qkv_conv: str | None = None
   qkv_conv_width: int = 4
+  qkv_conv_residual: bool = False  # (conv(x) + x)/sqrt(W + 1): the input added back, Inkling-2's form
+  qkv_conv_dynamic: bool = False  # per-token taps x_in·qkv_conv_dyn_* on top, (… + x)/sqrt(2W + 1) (Inkling-2's hybrid layers)
   cca: bool = False  # ZAYA1's compressed convolutional attention (attn.variants.mechanisms.cca)
   cca_depthwise_width: int = 2  # its depthwise convolution's taps (ZAYA's cca_time0)
   cca_grouped_width: int = 2  # its per-head grouped convolution's taps (ZAYA's cca_time1)
@@ -449,6 +453,13 @@ class HeadConfig:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
       raise invalid("qkv_conv_width", w, "an integer >= 1: the taps of qkv_conv's causal convolution "
                     "(1: a per-channel scale)")
+    for name in ("qkv_conv_residual", "qkv_conv_dynamic"):
+      on = getattr(self, name)
+      if not isinstance(on, bool) or on and (self.qkv_conv is None or name == "qkv_conv_dynamic"
+                                              and not self.qkv_conv_residual):
+        raise invalid(name, on, "True or False, and False without qkv_conv" + (
+            " and qkv_conv_residual (Inkling-2's per-token taps come with its residual form)"
+            if name == "qkv_conv_dynamic" else ""))
     self._check_cca()
     c = self.qk_l2_clip_threshold
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))

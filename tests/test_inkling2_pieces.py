@@ -17,6 +17,7 @@ Random weights, awkward sizes (D = 10, E = 5 experts, k = 3, F = 6), caps small 
 where transformers lacks inkling2 (the floor, 4.51.1).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -210,22 +211,24 @@ def _head_cfg(index: int):
              (t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]))
   return HeadConfig(d_model=t["hidden_size"], num_heads=H, num_kv_heads=G, d_k=K, d_v=K, use_bias=False,
                     qk_l2_clip_threshold=t["qk_l2_clip_threshold"], qk_clip_scale=True, qkv_conv="kv",
-                    qkv_conv_width=t["conv_kernel_size"], value_norm_eps=1e-6, gate="elementwise", token_sinks=True,
+                    qkv_conv_width=t["conv_kernel_size"], qkv_conv_residual=True, qkv_conv_dynamic=not sliding,
+                    value_norm_eps=1e-6, gate="elementwise", token_sinks=True,
                     rel_bias_dim=t["d_rel"], rel_bias_extent=t["sliding_window_size"] if sliding else t["rel_extent"],
                     rel_bias_clip=t["rel_l2_clip_threshold"], window=t["sliding_window_size"] if sliding else None,
                     log_scaling_alpha=None if sliding else t["log_scaling_alpha"],
                     log_scaling_floor=1 if sliding else t["log_scaling_n_floor"])
 
 
-def _taps(sd: dict, name: str, W: int, G: int, K: int, dynamic: bool) -> np.ndarray:
-  """Inkling-2's key or value convolution as attn's taps (W, G, K), Conv1d's order, its residual and scale folded:
-  (conv(x) + x)/sqrt(W + 1) (sliding) or (static(x) + x)/sqrt(2W + 1) (hybrid, static_weight[lag])."""
-  if dynamic:
-    w, scale = sd[f"{name}.sconv.static_weight"][::-1].copy(), np.sqrt(2 * W + 1)
-  else:
-    w, scale = sd[f"{name}.sconv.conv1d.weight"][:, 0].T.copy(), np.sqrt(W + 1)
-  w[-1] += 1
-  return (w / scale).reshape(W, G, K)
+def _taps(sd: dict, name: str, W: int, G: int, K: int, dynamic: bool) -> dict:
+  """Inkling-2's key or value convolution as attn's qkv_conv_residual taps (W, G, K), Conv1d's order (the
+  sliding layers' conv1d.weight, the hybrid's static_weight[lag] reversed), and the hybrid layers' per-token taps
+  (D, G, W) from sconv.weight_proj (G·W rows by lag), reversed to Conv1d's order: no arithmetic."""
+  c = name[0]
+  if not dynamic:
+    return {f"qkv_conv_{c}": sd[f"{name}.sconv.conv1d.weight"][:, 0].T.reshape(W, G, K)}
+  dyn = sd[f"{name}.sconv.weight_proj.weight"].T
+  return {f"qkv_conv_{c}": sd[f"{name}.sconv.static_weight"][::-1].reshape(W, G, K),
+          f"qkv_conv_dyn_{c}": dyn.reshape(dyn.shape[0], G, W)[..., ::-1]}
 
 
 def _head_params(sd: dict, head, hybrid: bool) -> dict:
@@ -237,14 +240,15 @@ def _head_params(sd: dict, head, hybrid: bool) -> dict:
           "w_gate": sd["o_proj.gate_proj.weight"].T.reshape(D, H, K), "w_sink": sd["sink_proj.weight"].T,
           "w_rel": sd["relative_position_bias.linear.weight"].T.reshape(D, H, d),
           "rel_scale": sd["relative_position_bias.norm.scale"], "rel_proj": sd["relative_position_bias.proj"],
-          "qkv_conv_k": _taps(sd, "k_proj", W, G, K, hybrid), "qkv_conv_v": _taps(sd, "v_proj", W, G, K, hybrid)}
+          **_taps(sd, "k_proj", W, G, K, hybrid), **_taps(sd, "v_proj", W, G, K, hybrid)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1], ids=["sliding", "hybrid"])
 def test_heads_equal_inkling2_attention(index):
   """attn.apply of layer `index`'s head equals Inkling2SlidingAttention / Inkling2FullAttention (eager, causal and
-  windowed masks): per-token sinks, relative bias, log scaling all on; the hybrid layer's per-token taps zero."""
+  windowed masks): per-token sinks, relative bias, log scaling all on; the hybrid layer's keys and values from
+  inputs of their own (kv_inputs) through per-token taps."""
   modeling, configuration = _inkling2()
   import jax
   import torch
@@ -258,34 +262,32 @@ def test_heads_equal_inkling2_attention(index):
   with torch.no_grad():
     for p in layer.parameters():
       p.normal_(0.0, 0.6)  # clips, scales, taps, sinks and the bias away from their starting points
-    if index == 1:
-      layer.k_proj.sconv.weight_proj.weight.zero_()
-      layer.v_proj.sconv.weight_proj.weight.zero_()
   sd = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
   params = _head_params(sd, head, index == 1)
   shapes = jax.eval_shape(lambda: attn.init("per_head", jax.random.key(0), head))
   assert {k: v.shape for k, v in shapes.items()} == {k: v.shape for k, v in params.items()}
   B, T = 2, 9
-  x = np.random.default_rng(index).normal(size=(B, T, head.d_model)).astype(np.float32)
+  x, xk, xv = np.random.default_rng(index).normal(size=(3, B, T, head.d_model)).astype(np.float32)
+  kv = (jnp.asarray(xk), jnp.asarray(xv)) if index == 1 else None
   got = attn.apply("per_head", {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(x), cfg=head,
-                   is_causal=True)
+                   is_causal=True, kv_inputs=kv)
   pos = torch.arange(T)
   distance = pos[:, None] - pos[None, :]
   seen = (distance >= 0) & ((distance < TEXT["sliding_window_size"]) if index == 0 else True)
   mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[None, None].expand(B, 1, T, T)
   inputs = torch.tensor(x)
-  kwargs = {"key_hidden_states": inputs, "value_hidden_states": inputs} if index == 1 else {}
+  kwargs = {"key_hidden_states": torch.tensor(xk), "value_hidden_states": torch.tensor(xv)} if index == 1 else {}
   with torch.no_grad():
     want = layer(hidden_states=inputs, attention_mask=mask, relative_distance=distance,
                  position_ids=pos[None].expand(B, T), **kwargs)[0].numpy()
   np.testing.assert_allclose(np.asarray(got), want, atol=3e-6, rtol=1e-5)
   # each piece bites here: without the sinks, the bias or the log scaling the head is another function
   for off in (dict(token_sinks=False), dict(rel_bias_dim=0, rel_bias_extent=0, rel_bias_clip=None)) + (
-      (dict(log_scaling_alpha=None, log_scaling_floor=1),) if index else ()):
+      (dict(log_scaling_alpha=None, log_scaling_floor=1), dict(qkv_conv_dynamic=False)) if index else ()):
     cfg = head.replace(**off)
     kept = {k: jnp.asarray(v) for k, v in params.items() if k in jax.eval_shape(
         lambda: attn.init("per_head", jax.random.key(0), cfg))}
-    other = attn.apply("per_head", kept, jnp.asarray(x), cfg=cfg, is_causal=True)
+    other = attn.apply("per_head", kept, jnp.asarray(x), cfg=cfg, is_causal=True, kv_inputs=kv)
     assert np.abs(np.asarray(other) - want).max() > 1e-3, off
 
 
@@ -305,7 +307,39 @@ def test_token_mechanisms_decode_as_their_full_pass():
   np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_per_token_taps_and_kv_inputs_decode_as_their_full_pass():
+  """MultiHeadAttention with qkv_conv_dynamic and keys and values from inputs of their own: the tokens in pieces
+  through the cache and the convolutions' state give the full pass."""
+  from attn import HeadConfig
+  from attn.nn.attention import MultiHeadAttention
+  cfg = HeadConfig(d_model=10, num_heads=3, num_kv_heads=1, d_k=4, d_v=5, use_bias=False, qkv_conv="kv",
+                   qkv_conv_width=3, qkv_conv_residual=True, qkv_conv_dynamic=True, token_sinks=True,
+                   rel_bias_dim=2, rel_bias_extent=4, log_scaling_alpha=0.5, log_scaling_floor=2)
+  layer = MultiHeadAttention(cfg, "per_head", rngs=nnx.Rngs(5))
+  x, xk, xv = (jnp.asarray(a) for a in np.random.default_rng(6).normal(size=(3, 2, 9, 10)).astype(np.float32))
+  full = np.asarray(layer(x, is_causal=True, kv_inputs=(xk, xv)))
+  layer.init_cache(2, 9)
+  parts = [np.asarray(layer(x[:, a:b], decode=True, kv_inputs=(xk[:, a:b], xv[:, a:b])))
+           for a, b in ((0, 4), (4, 5), (5, 9))]
+  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+
+
+def test_kv_inputs_refused_where_not_read():
+  import attn
+  cfg = attn.HeadConfig(d_model=8, num_heads=2)
+  x = jnp.zeros((1, 3, 8))
+  params = attn.init("fused", jax.random.key(0), cfg)
+  with pytest.raises(ConfigError, match=r"kv_inputs='given' is not allowed: None for fused"):
+    attn.apply("fused", params, x, cfg=cfg, kv_inputs=(x, x))
+  with pytest.raises(ConfigError, match=r"kv_inputs=.* is not allowed: None, or \(the key projection's input"):
+    attn.apply("per_head", attn.init("per_head", jax.random.key(0), cfg), x, cfg=cfg, kv_inputs=(x, x[:, :2]))
+
+
 @pytest.mark.parametrize("changes, match", [
+    (dict(qkv_conv_residual=True), r"qkv_conv_residual=True is not allowed: True or False, and False without "
+                                   r"qkv_conv"),
+    (dict(qkv_conv="kv", qkv_conv_dynamic=True), r"qkv_conv_dynamic=True is not allowed: .*and qkv_conv_residual"),
     (dict(token_sinks=True, sinks=True), r"token_sinks=True is not allowed: False with sinks=True"),
     (dict(token_sinks=1), r"token_sinks=1 is not allowed: True or False"),
     (dict(rel_bias_dim=-1), r"rel_bias_dim=-1 is not allowed: an integer >= 0"),

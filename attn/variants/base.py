@@ -105,6 +105,9 @@ class Options:
   key_positions: (S,) the position each key the core reads holds, set while decoding (attn.variants.cache:
     the cache's slots, a window's ring); None: qk_positions' keys, else 0..S−1. Read by the mechanisms'
     on_tokens (a relative bias by distance).
+  kv_inputs: (the key projection's input, the value projection's input), each (B,S,D), where they are not
+    the context (Inkling-2's hybrid layers read keys and values from mixes of their own); per_head only
+    (attn.api refuses it elsewhere); None: the context, or x.
   """
 
   mask: Array | None = None
@@ -116,13 +119,14 @@ class Options:
   impl: str | None = None
   index: tuple[Array, Array, Array] | None = None
   key_positions: Array | None = None
+  kv_inputs: tuple[Array, Array] | None = None
 
   def replace(self, **changes) -> Options:
     return dataclasses.replace(self, **changes)
 
 
 jax.tree_util.register_dataclass(
-    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask", "index", "key_positions"],
+    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask", "index", "key_positions", "kv_inputs"],
     meta_fields=["is_causal", "return_weights", "impl"])
 
 
@@ -361,14 +365,15 @@ def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
 
 
 def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Array,
-                       v_BSGV: Array, *, cfg: HeadConfig, opts: Options):
+                       v_BSGV: Array, *, cfg: HeadConfig, opts: Options, inputs: tuple | None = None):
   """The shared tail of every variant: RoPE, attention, head gates, then W^O and b_o.
 
   x_BTD is the layer's query-side input (it sets the output dtype). k_BSGK
   may have one head (a key shared by every kv head); while decoding, the keys
-  and values are the cache's (cached_kv). Returns (y_BTD, weights or None).
+  and values are the cache's (cached_kv). inputs: the query, key and value projections'
+  inputs, for the mechanisms that read them (qkv_conv_dynamic). Returns (y_BTD, weights or None).
   """
-  q_BTHK, k_BSGK, v_BSGV = mechanisms.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg)  # qkv_conv
+  q_BTHK, k_BSGK, v_BSGV = mechanisms.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg, inputs)  # qkv_conv
   v_BSGV = value_norm(v_BSGV, cfg)  # after the value convolution (Inkling-2's order); per_head's value_norm_eps
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)

@@ -235,10 +235,13 @@ def state_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 
 def on_qkv(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array,
-           cfg: HeadConfig) -> tuple[Array, Array, Array]:
+           cfg: HeadConfig, inputs: tuple[Array, Array, Array] | None = None) -> tuple[Array, Array, Array]:
+  """inputs: the query, key and value projections' inputs, which the variants that hand them pass (per_head,
+  fused, two_stage, split_input) to records that read them (Mechanism.reads_inputs: qkv_conv_dynamic)."""
   for m in active(cfg):
     if m.on_qkv is not None:
-      out = m.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, state=DECODE_STATE.get())
+      more = {"inputs": inputs} if m.reads_inputs else {}
+      out = m.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, state=DECODE_STATE.get(), **more)
       if not isinstance(out, tuple) or len(out) != 3:
         raise HookError(m.name, "on_qkv", f"returned {type(out).__name__}: a hook returns (q, k, v)")
       q_BTHK, k_BSGK, v_BSGV = (_same_shape(m, "on_qkv", "queries", out[0], q_BTHK),

@@ -26,6 +26,8 @@ class Mechanism:
   sharding: Mapping[str, str | None] | None = None
   on_qk: Callable[..., tuple[Array, Array]] | None = None
   on_qkv: Callable[..., tuple[Array, Array, Array]] | None = None  # the projections, before on_qk
+  # on_qkv also takes inputs=(the query, key and value projections' inputs (B,T|S,D)), None where not handed
+  reads_inputs: bool = False
   # Its decoding state: cfg -> {name: per-sequence shape} (the cache holds (B, *shape) zeros at the start)
   state: Callable[[HeadConfig], Mapping[str, tuple[int, ...]]] | None = None
   on_logits: Callable[..., Array] | None = None
