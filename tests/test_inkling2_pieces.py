@@ -11,7 +11,10 @@ Issue 53: the pieces attn.nn.hf.load._INKLING2 lists, one at a time, each off by
   (log_scaling_*) and the query's learned scale before its clip (qk_clip_scale): each attention layer, sliding
   and hybrid, equal to Inkling2SlidingAttention / Inkling2FullAttention with nothing zeroed but the hybrid
   layer's per-token taps (sconv.weight_proj), the log scaling reached (log_scaling_n_floor 3 at 9 tokens); a
-  DecoderLM of those heads decodes as its full pass.
+  DecoderLM of those heads decodes as its full pass; the hybrid layer's per-token taps (qkv_conv_dynamic) and
+  keys and values from inputs of their own (kv_inputs) too;
+- block attention residuals (ModelConfig.attn_res_block, attn_res_kv_types): the depth mix against
+  Inkling2BlockAttentionResidual (one query, three), a DecoderLM with them counted and decoding as its full pass.
 
 Random weights, awkward sizes (D = 10, E = 5 experts, k = 3, F = 6), caps small enough to bite. Skipped by name
 where transformers lacks inkling2 (the floor, 4.51.1).
@@ -368,3 +371,79 @@ def test_variants_without_their_per_head_projections_refuse_them(variant):
   cfg = attn.HeadConfig(d_model=8, num_heads=2, token_sinks=True)
   with pytest.raises(ConfigError, match=r"token_sinks=True is not allowed"):
     attn.api.check_config(variant, cfg)
+
+
+# attn_res_block: block attention residuals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queries", [1, 3])
+def test_depth_mix_equals_inkling2_block_attention_residual(queries):
+  modeling, configuration = _inkling2()
+  import torch
+  from attn.nn import attn_res
+  config = configuration.Inkling2TextConfig(**TEXT)
+  config._attn_implementation = "eager"
+  torch.manual_seed(queries)
+  theirs = modeling.Inkling2BlockAttentionResidual(config, num_queries=queries).eval()
+  with torch.no_grad():
+    theirs.query.normal_(0.0, 2.0)
+  mine = attn_res.DepthMix(16, queries)
+  mine.query[...] = jnp.asarray(theirs.query.detach().numpy().reshape(queries, 16))
+  rng = np.random.default_rng(queries)
+  states, partial = rng.normal(size=(2, 5, 3, 16)).astype(np.float32) * 3, rng.normal(size=(2, 5, 16)).astype(np.float32)
+  with torch.no_grad():
+    want = [a.numpy() for a in theirs(torch.tensor(states), torch.tensor(partial))]
+  got = mine([jnp.asarray(states[:, :, i]) for i in range(3)], jnp.asarray(partial))
+  assert len(got) == len(want) == queries
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), w, atol=2e-6, rtol=1e-5)
+
+
+RES = DENSE | dict(num_layers=3, variant="per_head", layer_types=("sliding_attention", "full_attention",
+                   "sliding_attention"), window=3, attn_res_block=2, attn_res_kv_types=("full_attention",),
+                   residual_conv=3, embed_norm=True)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(attn_res_block=0), r"attn_res_block=0 is not allowed: None or an integer >= 1"),
+    (dict(attn_res_block=2, hc_mult=2), r"attn_res_block=2 is not allowed: None with hc_mult=2"),
+    (dict(attn_res_block=2, norm="sandwich"), r"attn_res_block=2 is not allowed: None with norm='sandwich'"),
+    (dict(attn_res_kv_types=("full_attention",)), r"attn_res_kv_types=\('full_attention',\) is not allowed: \(\) "
+                                                  r"with attn_res_block=None"),
+    (dict(attn_res_block=1, layer_types=("sliding_attention",) * 2, window=2, attn_res_kv_types=("full_attention",)),
+     r"attn_res_kv_types=.* is not allowed: a tuple of the model's layer types \['sliding_attention'\]"),
+    (dict(attn_res_block=1, layer_types=("full_attention",) * 2, attn_res_kv_types=("full_attention",)),
+     r"attn_res_kv_types=.* is not allowed: layer types whose variant is per_head \(layer 0"),
+])
+def test_bad_attention_residuals_are_named(changes, match):
+  with pytest.raises(ConfigError, match=match):
+    ModelConfig(**(DENSE | changes))
+
+
+def test_attention_residuals_are_counted():
+  """Q·D per attention input after the first layer (3 on the split layer), D per MLP input and for the final
+  mix, 2 norms on the split layer: counted as stored."""
+  import jax
+  cfg = ModelConfig(**RES)
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  extra = (3 + 1) * 10 + 3 * 10 + 10 + 2 * 10  # attention inputs, MLP inputs, final, k and v norms
+  plain = ModelConfig(**(RES | dict(attn_res_block=None, attn_res_kv_types=())))
+  assert stored == count.model_param_count(cfg) == count.model_param_count(plain) + extra
+
+
+@pytest.mark.slow
+def test_attention_residuals_decode_as_their_full_pass():
+  """The tokens in pieces through the caches give the full pass (each position mixes its own depth only)."""
+  import jax
+  model = DecoderLM(ModelConfig(**RES), rngs=nnx.Rngs(0))
+  for block in model.blocks:  # the queries start at zero (a uniform mix): give them something to choose
+    for mix in (block.attn_input, block.mlp_input):
+      if mix is not None:
+        mix.query[...] = jax.random.normal(jax.random.key(7), mix.query.shape)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (2, 9)))
+  full = np.asarray(model(tokens))
+  model.init_cache(2, 9)
+  parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 4), (4, 5), (5, 9))]
+  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, norms, short_conv
+from attn.nn import attn_res, hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, norms, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -138,6 +138,8 @@ class ModelConfig:
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's) or "mean" (GLM-5.3-Flash's)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
+  attn_res_block: int | None = None  # n: block attention residuals over every n layers' blocks (Inkling-2; attn.nn.attn_res)
+  attn_res_kv_types: tuple[str, ...] = ()  # layer types whose queries, keys and values read three mixes, three norms (Inkling-2's hybrid layers)
   output_vocab: int | None = None  # an untied output layer's rows: logits over ids < output_vocab (Inkling-2's unpadded_vocab_size); None: vocab_size
   residual_conv: int | None = None  # W: each attention's and MLP's output y -> (conv(y) + y)/sqrt(W + 1) (Inkling-2; attn.nn.short_conv)
   # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
@@ -154,6 +156,8 @@ class ModelConfig:
     object.__setattr__(self, "indexer_types", index_sharing.normalize(self.indexer_types))
     if isinstance(self.block_kinds, list):
       object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
+    if isinstance(self.attn_res_kv_types, list):
+      object.__setattr__(self, "attn_res_kv_types", tuple(self.attn_res_kv_types))
     if isinstance(self.moe_layer_types, list):
       object.__setattr__(self, "moe_layer_types", tuple(self.moe_layer_types))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -218,6 +222,7 @@ class ModelConfig:
     short_conv.check_width(self.short_conv)
     short_conv.check_residual_width(self.residual_conv)
     self._check_output_vocab()
+    attn_res.check(self)
     self._check_norms()
 
   def _check_output_vocab(self) -> None:
