@@ -12,7 +12,7 @@ error, a hook returning the wrong shape) becomes one naming the hook, chained
 dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
 
   shapes     y (B,T,D) in x's dtype, weights (B,H,T,S), rows summing to 1 (unless
-             signed_weights, sinks or a probability other than softmax); jit equals eager
+             signed_weights, sinks, token_sinks or a probability other than softmax); jit equals eager
   grads      finite gradients for params and inputs under masks with blank rows
   causal     no output depends on a later token, under is_causal and a causal mask
   mask       keys a mask hides move nothing; fully masked rows get zero weights and
@@ -213,7 +213,7 @@ def _check_calls(v: Variant, cfg: HeadConfig, eager: bool = False) -> None:
       raise _fail("shapes", v, cfg, f"{kind} y {y.shape} {y.dtype}, want {(B, T, D)} {x.dtype}")
     if w is None or w.shape != (B, H, T, s_len):
       raise _fail("shapes", v, cfg, f"{kind} weights {getattr(w, 'shape', None)}, want {(B, H, T, s_len)}")
-    if not v.signed_weights and not cfg.sinks and cfg.probability == "softmax":
+    if not v.signed_weights and not cfg.sinks and not cfg.token_sinks and cfg.probability == "softmax":
       _close("shapes", v, cfg, w.sum(-1), np.ones((B, H, T)), 1e-5, f"{kind} weight rows' sums")
   if eager:  # op by op: slow to dispatch, so the thorough mode's
     y = api.apply(v, p, x, cfg=cfg)

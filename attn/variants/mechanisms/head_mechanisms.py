@@ -277,7 +277,9 @@ QK_L2_CLIP = Mechanism(
     name="qk_l2_clip", fields=("qk_l2_clip_threshold", "qk_clip_scale"), on_qk=clip_qk, init=_clip_init,
     sharding={"q_clip_scale": "HK"}, param_count=lambda cfg: cfg.num_heads * cfg.d_k if cfg.qk_clip_scale else 0,
     flops=_clip_flops, score_weights=lambda cfg: cfg.num_heads * cfg.d_k if cfg.qk_clip_scale else 0,
-    needs={"qk_heads": "it clips each query and key head vector of d_k dims"},
+    needs=lambda cfg: {"qk_heads": "it clips each query and key head vector of d_k dims",
+                       **({"qkv_heads": "its learned scale is one per query head and dim, on the H query heads "
+                                        "the per-head projections hand over"} if cfg.qk_clip_scale else {})},
     examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),
               ("qk_l2_clip scaled", {"qk_l2_clip_threshold": 1.0, "qk_clip_scale": True}, "H·K",
                "3·K·(T·H + S·G)")),
