@@ -157,8 +157,8 @@ def test_family_contract_and_the_save_pretrained_directory(kind, tmp_path):
 def test_cached_greedy_decoding_equals_generate(kind, tmp_path):
   """From the save_pretrained directory: attn's cached greedy decoding (the caches, the windows' rings, the
   convolutions' states, per-token sinks and bias at the cache's positions) equals transformers' generate."""
+  torch = pytest.importorskip("torch")
   import jax.numpy as jnp
-  import torch
   m = _model(kind, seed=4)
   m.save_pretrained(tmp_path / kind)
   loaded = hf.from_hf(tmp_path / kind)
