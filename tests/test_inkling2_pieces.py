@@ -447,3 +447,13 @@ def test_attention_residuals_decode_as_their_full_pass():
   model.init_cache(2, 9)
   parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 4), (4, 5), (5, 9))]
   np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["token_sinks", "rel_bias", "log_scaling", "qkv_conv", "qk_l2_clip"])
+def test_check_mechanism(name):
+  """The kit on each record (with its examples: qkv_conv's and qk_l2_clip's Inkling-2 forms among them): sharding
+  letters, declared counts as stored, decoding = full pass, FLOPs against XLA's."""
+  from attn import testing
+  from attn.variants import mechanisms
+  testing.check_mechanism(mechanisms.MECHANISMS[name])

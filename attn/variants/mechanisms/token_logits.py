@@ -73,7 +73,7 @@ def _sinks(params: Params, x_BTD: Array, q_BTHK: Array, *, cfg: HeadConfig, posi
 TOKEN_SINKS = Mechanism(
     name="token_sinks", fields=("token_sinks",), init=_sinks_init, sharding={"w_sink": "DH"},
     on_tokens=_sinks, kernel=lambda params, cfg: {"sinks": jnp.zeros((cfg.num_heads,), jnp.float32)},
-    param_count=lambda cfg: cfg.d_model * cfg.num_heads, effective_param_count=lambda cfg: cfg.d_model * cfg.num_heads,
+    param_count=lambda cfg: cfg.d_model * cfg.num_heads,  # effective count measured: the sink frees b_v as sinks do
     flops=lambda cfg, T, S: 2 * T * cfg.d_model * cfg.num_heads, score_weights=_zero, needs=_NEEDS,
     examples=(("token_sinks", {"token_sinks": True}, "D·H", "2·T·D·H"),),
     help="token_sinks: each query token's own sink logit per head, x·w_sink (Inkling-2's sink_proj)")
