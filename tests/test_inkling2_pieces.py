@@ -1,23 +1,23 @@
-"""Inkling-2's text-model pieces that attn runs, each against transformers' own submodule (slow tier) and each
-refused by name where set wrong (default tier).
+"""Inkling-2's text-model pieces, each against transformers' own submodule (slow tier) and each refused by name
+where set wrong (default tier); the family they make up: tests/test_hf_inkling2.py.
 
-Issue 53: the pieces attn.nn.hf.load._INKLING2 lists, one at a time, each off by default:
+Issue 53, one piece at a time, each off by default:
 - the experts' softcapped SwiGLU (ModelConfig.moe_gate_softcap, moe_up_softcap) against Inkling2SparseMoeBlock
   (its sigmoid router with a correction bias and route_scale is attn's moe_router "sigmoid");
 - the convolutions on the residual after every attention and MLP (ModelConfig.residual_conv) against
   Inkling2ShortConvolution, counted (W·D a sublayer), and a DecoderLM with them decoding as its full pass;
 - the unembedding of unpadded_vocab_size rows (ModelConfig.output_vocab): logits over the first ids only;
 - the heads' per-token sinks (token_sinks), relative position bias (rel_bias_*), log-position scaling
-  (log_scaling_*) and the query's learned scale before its clip (qk_clip_scale): each attention layer, sliding
-  and hybrid, equal to Inkling2SlidingAttention / Inkling2FullAttention with nothing zeroed but the hybrid
-  layer's per-token taps (sconv.weight_proj), the log scaling reached (log_scaling_n_floor 3 at 9 tokens); a
-  DecoderLM of those heads decodes as its full pass; the hybrid layer's per-token taps (qkv_conv_dynamic) and
-  keys and values from inputs of their own (kv_inputs) too;
+  (log_scaling_*), the query's learned scale before its clip (qk_clip_scale), the keys' and values' convolutions
+  in Inkling-2's form (qkv_conv_residual) with per-token taps (qkv_conv_dynamic) and keys and values from inputs of
+  their own (kv_inputs): each attention layer, sliding and hybrid, equal to Inkling2SlidingAttention /
+  Inkling2FullAttention with nothing zeroed, the log scaling reached (log_scaling_n_floor 3 at 9 tokens); layers
+  and a DecoderLM of those heads decode as their full pass; the kit (check_mechanism) on each record;
 - block attention residuals (ModelConfig.attn_res_block, attn_res_kv_types): the depth mix against
   Inkling2BlockAttentionResidual (one query, three), a DecoderLM with them counted and decoding as its full pass.
 
-Random weights, awkward sizes (D = 10, E = 5 experts, k = 3, F = 6), caps small enough to bite. Skipped by name
-where transformers lacks inkling2 (the floor, 4.51.1).
+Random weights, awkward sizes (D = 10 or 16, E = 5 experts, k = 3, F = 6; heads of 6 and 10 over 2 and 1 kv heads),
+values that bite (caps, clips). Skipped by name where transformers lacks inkling2 (the floor, 4.51.1).
 """
 
 import jax
