@@ -99,7 +99,7 @@ def check_params(variant: str, params: Params, cfg: HeadConfig) -> None:
 
 def options(cfg: HeadConfig, x, context=None, *, mask=None, return_weights: bool = False,
             head_mask=None, is_causal: bool = False, kv_lengths=None, positions=None,
-            impl: str | None = None) -> Options:
+            impl: str | None = None, kv_inputs=None) -> Options:
   """The validated Options of one call with attn.apply's keywords, checked before tracing.
 
   RoPE positions become (query positions, key positions): `positions` (or
@@ -119,13 +119,26 @@ def options(cfg: HeadConfig, x, context=None, *, mask=None, return_weights: bool
     kernel.check_impl(impl, x.dtype)
   qk = rope.qk_positions(positions, x.shape[1], S, cross=context is not None) \
       if cfg.rope_dim else None
+  check_kv_inputs(kv_inputs, x, context)
   return Options(mask=mask, is_causal=is_causal, kv_lengths=kv_lengths, qk_positions=qk,
-                 head_mask=head_mask, return_weights=return_weights, impl=impl)
+                 head_mask=head_mask, return_weights=return_weights, impl=impl,
+                 kv_inputs=None if kv_inputs is None else tuple(kv_inputs))
+
+
+def check_kv_inputs(kv_inputs, x, context) -> None:
+  """kv_inputs: None, or (key input, value input) of x's shape, in self-attention (context None)."""
+  if kv_inputs is None:
+    return
+  shapes = [getattr(a, "shape", None) for a in kv_inputs] if isinstance(kv_inputs, (tuple, list)) else None
+  if context is not None or shapes is None or len(shapes) != 2 or any(s != x.shape for s in shapes):
+    raise invalid("kv_inputs", "given" if shapes is None else shapes,
+                  f"None, or (the key projection's input, the value projection's input) of x's shape "
+                  f"{tuple(x.shape)} in self-attention (context None)")
 
 
 def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mask=None,
           return_weights: bool = False, head_mask=None, is_causal: bool = False,
-          kv_lengths=None, positions=None, impl: str | None = None):
+          kv_lengths=None, positions=None, impl: str | None = None, kv_inputs=None):
   """y (B,T,D) of the attention layer; with return_weights, (y, weights (B,H,T,S)).
 
   context (B,S,D) gives cross-attention; None means self-attention. mask is
@@ -141,10 +154,15 @@ def apply(variant: str, params: Params, x, context=None, *, cfg: HeadConfig, mas
   self-attention, for the keys; cross-attention keys sit at 0..S−1. None
   means 0..T−1. impl picks the attention core's implementation (attn.kernel.attention:
   "einsum", "blocked", "xla", "cudnn", "onednn"); None is the variant's default, "auto".
+  kv_inputs (per_head only): (key input, value input), each of x's shape, the key and value projections'
+  own inputs in self-attention (Inkling-2's hybrid layers); None: x.
   """
   v = check_config(variant, cfg)
+  if kv_inputs is not None and v.name != "per_head":
+    raise invalid("kv_inputs", "given", f"None for {v.name}: per_head alone projects keys and values from "
+                  "inputs of their own")
   opts = options(cfg, x, context, mask=mask, return_weights=return_weights, head_mask=head_mask,
-                 is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl)
+                 is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl, kv_inputs=kv_inputs)
   check_params(v, params, cfg)
   y, w = v.apply(params, x, context, cfg=cfg, opts=opts)
   if getattr(y, "shape", None) != x.shape:

@@ -137,10 +137,19 @@ class HeadConfig:
   ending at the query itself); softcap caps the scaled logits to
   softcap·tanh(logits/softcap) (Gemma 2); qk_l2_clip_threshold c scales every query and key
   head vector longer than c down to L2 norm c, q·min(1, c/(‖q‖ + 1e-6)), after QK-norm and
-  before RoPE (Inkling-2's L2 clip); qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
+  before RoPE (Inkling-2's L2 clip), with qk_clip_scale the queries first times a learned scale per head
+  and dim; token_sinks gives each query token its own sink logit per head, x·w_sink (Inkling-2's
+  sink_proj); rel_bias_dim d > 0 adds to each logit a relative position bias mixed from the query token,
+  its per-head state (x·w_rel times a learned scale, L2-clipped to rel_bias_clip) against a bank of d
+  profiles over the distances 0..rel_bias_extent−1, zero beyond (Inkling-2's rel_logits_proj, wr_du);
+  log_scaling_alpha α scales the queries (and those states) at position p by 1 + α·log(max((p + 1)/
+  log_scaling_floor, 1)) after the clip (Inkling-2's full layers; attn.variants.mechanisms.token_logits);
+  qkv_conv ("q", "k", "v", "qk", "qv", "kv" or "qkv") runs the
   named projections through a short causal convolution over time, depthwise per head and channel,
   qkv_conv_width taps, before QK-norm, value_norm_eps's norm and RoPE (Inkling-2's short convolutions on keys
-  and values; decoding keeps the last width − 1 projections as a state beside the cache); cca switches on ZAYA1's
+  and values; decoding keeps the last width − 1 projections as a state beside the cache); qkv_conv_residual
+  makes it (conv(x) + x)/sqrt(W + 1) and qkv_conv_dynamic adds per-token taps read from the projection's input
+  (the same for every channel of a head), (conv(x) + dyn(x) + x)/sqrt(2W + 1) (Inkling-2's forms); cca switches on ZAYA1's
   compressed convolutional attention (attn.variants.mechanisms.cca: queries and keys through a causal
   depthwise convolution of cca_depthwise_width taps then a per-head one of cca_grouped_width taps, plus
   the q–k mean; the second half of the value channels delayed one token; queries and keys L2-normalised
@@ -214,8 +223,17 @@ class HeadConfig:
   window: int | None = None
   softcap: float | None = None
   qk_l2_clip_threshold: float | None = None
+  qk_clip_scale: bool = False  # qk_l2_clip: the queries times a learned q_clip_scale (H,K) before the clip (Inkling-2)
+  token_sinks: bool = False  # a sink logit per head computed from each query token, x·w_sink (Inkling-2's sink_proj)
+  rel_bias_dim: int = 0  # d_rel > 0: a relative position bias mixed from each query token (Inkling-2's rel_logits_proj)
+  rel_bias_extent: int = 0  # its distances 0..extent−1 (Inkling-2's rel_extent; the window on sliding layers)
+  rel_bias_clip: float | None = None  # its per-head relative states' L2 clip (Inkling-2's rel_l2_clip_threshold)
+  log_scaling_alpha: float | None = None  # queries (and relative states) times 1 + α·log(max((p+1)/floor, 1)) (Inkling-2)
+  log_scaling_floor: int = 1  # that floor (Inkling-2's log_scaling_n_floor)
   qkv_conv: str | None = None
   qkv_conv_width: int = 4
+  qkv_conv_residual: bool = False  # (conv(x) + x)/sqrt(W + 1): the input added back, Inkling-2's form
+  qkv_conv_dynamic: bool = False  # per-token taps x_in·qkv_conv_dyn_* on top, (… + x)/sqrt(2W + 1) (Inkling-2's hybrid layers)
   cca: bool = False  # ZAYA1's compressed convolutional attention (attn.variants.mechanisms.cca)
   cca_depthwise_width: int = 2  # its depthwise convolution's taps (ZAYA's cca_time0)
   cca_grouped_width: int = 2  # its per-head grouped convolution's taps (ZAYA's cca_time1)
@@ -435,13 +453,50 @@ class HeadConfig:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
       raise invalid("qkv_conv_width", w, "an integer >= 1: the taps of qkv_conv's causal convolution "
                     "(1: a per-channel scale)")
+    for name in ("qkv_conv_residual", "qkv_conv_dynamic"):
+      on = getattr(self, name)
+      if not isinstance(on, bool) or on and (self.qkv_conv is None or name == "qkv_conv_dynamic"
+                                              and not self.qkv_conv_residual):
+        raise invalid(name, on, "True or False, and False without qkv_conv" + (
+            " and qkv_conv_residual (Inkling-2's per-token taps come with its residual form)"
+            if name == "qkv_conv_dynamic" else ""))
     self._check_cca()
     c = self.qk_l2_clip_threshold
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):
       raise invalid("qk_l2_clip_threshold", c, "None or a positive finite number: each query and key "
                     "head vector longer than it is scaled down to that L2 norm")
+    if not isinstance(self.qk_clip_scale, bool) or self.qk_clip_scale and c is None:
+      raise invalid("qk_clip_scale", self.qk_clip_scale, "True or False, and False without qk_l2_clip_threshold: "
+                    "the queries' learned scale before the clip")
     check_probability(self.probability, self.sinks)
+    self._check_token_mechanisms()
+
+  def _check_token_mechanisms(self) -> None:
+    """token_sinks, rel_bias_*, log_scaling_* (attn.variants.mechanisms.token_logits): off by default."""
+    if not isinstance(self.token_sinks, bool):
+      raise invalid("token_sinks", self.token_sinks, "True or False")
+    if self.token_sinks and (self.sinks or self.probability != "softmax"):
+      raise invalid("token_sinks", True, f"False with sinks={self.sinks}, probability={self.probability!r}: a "
+                    "sink per token replaces the learned sink per head, and needs the softmax's denominator")
+    d, n = self.rel_bias_dim, self.rel_bias_extent
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+      raise invalid("rel_bias_dim", d, "an integer >= 0: the width d_rel of each head's relative state (0: no "
+                    "relative position bias)")
+    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 if d else n != 0):
+      raise invalid("rel_bias_extent", n, f"{'an integer >= 1' if d else '0'} with rel_bias_dim={d}: the "
+                    "distances 0..extent−1 the relative bias covers")
+    c = self.rel_bias_clip
+    if c is not None and (not d or isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
+                          or c <= 0):
+      raise invalid("rel_bias_clip", c, f"None{', or a positive finite number' if d else ' with rel_bias_dim=0'}: "
+                    "the relative states' L2 clip")
+    a, floor = self.log_scaling_alpha, self.log_scaling_floor
+    if a is not None:
+      _positive_number("log_scaling_alpha", a, "α of the queries' 1 + α·log(max((p+1)/floor, 1)), or None")
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1 or (a is None and floor != 1):
+      raise invalid("log_scaling_floor", floor, "an integer >= 1, and 1 with log_scaling_alpha=None: the "
+                    "position from which the log scaling grows")
 
   @property
   def group_size(self) -> int:

@@ -98,7 +98,7 @@ def _held_zeros(hf: dict[str, Any], m: ModelConfig) -> int:
 def _as_transformers(m: ModelConfig) -> tuple[int | None, str]:
   """What transformers holds otherwise than attn's breakdown: the output layer's parameters (None: tied),
   and the name of the MLP component."""
-  output = None if m.tie_embeddings else m.vocab_size * m.d_model  # no Hugging Face lm_head has a bias
+  output = None if m.tie_embeddings else m.output_rows * m.d_model  # no Hugging Face lm_head has a bias
   mlp = "mlp"
   if m.mlp == "moe":  # DeepSeek-V3's shared experts and dense first layers are in it too: say so
     extra = (["shared experts"] if m.moe_shared_experts else []) + (

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from attn.config import invalid
 from attn.count.layer import DTYPE, Layer, check_layer, check_length, kv_cache_bytes_per_token, state_bytes
-from attn.nn import hyper, kv_sharing, layer_types, short_conv
+from attn.nn import attn_res, hyper, kv_sharing, layer_types, short_conv
 
 if TYPE_CHECKING:
   from attn.nn.config import ModelConfig
@@ -172,6 +172,11 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
   parts["mlp"] += sum(_mlp(m, b, stack.dense_bias, cross) for b in mlp)
   if m.short_conv is not None:  # the convolution before each self-attention (attn.nn.short_conv)
     parts["short_conv"] = parts.get("short_conv", 0) + len(attn) * short_conv.param_count(m.short_conv, m.d_model)
+  if m.attn_res_block is not None:  # block attention residuals' queries, the split layers' k and v input norms
+    parts["attn_res"] = attn_res.param_count(m, [b.type for b in stack.blocks])
+    parts["layernorm"] += 2 * _layer_norm(m) * sum(b.type in m.attn_res_kv_types for b in stack.blocks)
+  if m.residual_conv is not None:  # Inkling-2's convolution on each attention's and MLP's output
+    parts["residual_conv"] = (len(attn) + len(mlp)) * short_conv.residual_param_count(m.residual_conv, m.d_model)
   pre = m.norm != "after"  # sandwich: a norm before and after; after: after only; pre, post: one
   post = m.norm in ("sandwich", "after")
   n_attn = len(attn) + (len(stack.blocks) if cross else 0)  # a cross-attention's post norm is attn_post's
@@ -185,7 +190,7 @@ def _blocks(m: ModelConfig, parts: dict[str, int], stack: _Stack, *, cross: bool
 
 
 def _output(m: ModelConfig, dense_bias: bool) -> int:
-  return 0 if m.tie_embeddings else m.d_model * m.vocab_size + (m.vocab_size if dense_bias else 0)
+  return 0 if m.tie_embeddings else m.d_model * m.output_rows + (m.output_rows if dense_bias else 0)
 
 
 def model_param_breakdown(m: ModelConfig, kind: str = "decoder_lm") -> dict[str, int]:

@@ -98,7 +98,7 @@ class MultiHeadAttention(nnx.Module):
                mask: jax.Array | None = None, return_weights: bool = False,
                head_mask: jax.Array | None = None, is_causal: bool = False,
                kv_lengths: jax.Array | None = None, positions: jax.Array | None = None,
-               decode: bool = False, impl: str | None = None):
+               decode: bool = False, impl: str | None = None, kv_inputs=None):
     """y (B,T,D); with return_weights, (y, weights (B,H,T,S)). mask: True = may attend.
 
     decode=True: x's tokens follow the cache_index tokens already cached (init_cache first);
@@ -107,17 +107,21 @@ class MultiHeadAttention(nnx.Module):
     head_mask (H,) or (B,H) gates each query head's output before W^O;
     is_causal and kv_lengths (B,) are structured masks; positions (T,) or (B,T) place
     x's tokens for RoPE; impl the attention core's implementation (attn.apply), by default
-    the module's.
+    the module's; kv_inputs (key input, value input): per_head's keys and values from inputs of their own
+    (attn.apply), decoding too.
     """
     impl = self.impl if impl is None else impl
+    if kv_inputs is not None:
+      kv_inputs = tuple(self._compute(a)[1] for a in kv_inputs)
     if decode:
-      return self._decode(x_BTD, head_mask)
+      return self._decode(x_BTD, head_mask, kv_inputs)
     params, x_BTD, context_BSD = self._compute(x_BTD, context_BSD)
     return api.apply(self.record, params, x_BTD, context_BSD, cfg=self.cfg,
                      mask=mask, return_weights=return_weights, head_mask=head_mask,
-                     is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl)
+                     is_causal=is_causal, kv_lengths=kv_lengths, positions=positions, impl=impl,
+                     kv_inputs=kv_inputs)
 
-  def _decode(self, x_BTD: jax.Array, head_mask) -> jax.Array:
+  def _decode(self, x_BTD: jax.Array, head_mask, kv_inputs=None) -> jax.Array:
     if getattr(self, "kv_source", None) is not None and self.cache_index is not None:
       return kv_sharing.decode(self, x_BTD, head_mask)  # reads its source layer's keys and values
     if self.cache is None:
@@ -133,8 +137,10 @@ class MultiHeadAttention(nnx.Module):
                     f"at most max_len - cache_index = {M} - {int(index)} = {M - int(index)} "
                     "tokens: positions beyond the cache")
     params, x_BTD, _ = self._compute(x_BTD)
+    if kv_inputs is not None:
+      api.check_kv_inputs(kv_inputs, x_BTD, None)
     y_BTD, cache = kv_cache.decode_step(self.record, params, x_BTD,
-                                        cache, index, cfg=self.cfg, head_mask=head_mask)
+                                        cache, index, cfg=self.cfg, head_mask=head_mask, kv_inputs=kv_inputs)
     for name, a in cache.items():
       self.cache[name][...] = a
     self.cache_index[...] = index + x_BTD.shape[1]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from attn import api, kernel
 from attn.config import PER_LAYER_FIELDS, FrozenDict, HeadConfig, invalid
-from attn.nn import hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, norms, short_conv
+from attn.nn import attn_res, hyper, index_sharing, kv_sharing, layer_heads, layer_types, moe, norms, short_conv
 
 _CHOICES = {
     "positional": ("learned", "sinusoidal", "none", "rope"),
@@ -128,6 +128,8 @@ class ModelConfig:
   moe_router_carry: bool = False  # EDA: each expert layer's router state r adds the previous one's times s (R,)
   moe_skip_expert: bool = False  # one more routing class that computes nothing (ZAYA's skip expert)
   residual_scale: bool = False  # each residual x + y becomes (y + b)·s + (x + b')·s', the embeddings (e + b)·s
+  moe_gate_softcap: float | None = None  # routed experts: cap(gate)·σ(gate)·up, cap c·tanh(·/c) (Inkling-2's mlp_gate_softcap)
+  moe_up_softcap: float | None = None  # routed experts: up capped to c·tanh(up/c) (Inkling-2's mlp_up_softcap)
   # Gemma 4 (attn.nn.models' docstring has what each builds and adds):
   per_layer_dim: int = 0  # P: per-layer input embeddings of width P, one slice per layer (0: none)
   per_layer_vocab: int = 0  # rows of their token table (0: vocab_size)
@@ -141,6 +143,10 @@ class ModelConfig:
   hc_magnitude: float = 2.0  # with hc_mult > 1: post = hc_magnitude·σ(·) (HY-V4's hc_magnitude; V4's is 2)
   hc_head: str = "learned"  # with hc_mult > 1: the final collapse, "learned" (V4's) or "mean" (GLM-5.3-Flash's)
   short_conv: int | None = None  # the width of a causal depthwise convolution before each attention (attn.nn.short_conv)
+  attn_res_block: int | None = None  # n: block attention residuals over every n layers' blocks (Inkling-2; attn.nn.attn_res)
+  attn_res_kv_types: tuple[str, ...] = ()  # layer types whose queries, keys and values read three mixes, three norms (Inkling-2's hybrid layers)
+  output_vocab: int | None = None  # an untied output layer's rows: logits over ids < output_vocab (Inkling-2's unpadded_vocab_size); None: vocab_size
+  residual_conv: int | None = None  # W: each attention's and MLP's output y -> (conv(y) + y)/sqrt(W + 1) (Inkling-2; attn.nn.short_conv)
   # Muse Spark's text model (attn.nn.norms; attn.nn.hf.muse_spark), each off by default:
   residual_gate: float | None = None  # τ: each residual x + y becomes α⊙x + β⊙y, g (D,) learned (attn.nn.norms)
   norm_forms: dict | None = None  # {place: form}: a place's RMSNorm form (attn.nn.norms); others follow norm_type
@@ -155,6 +161,8 @@ class ModelConfig:
     object.__setattr__(self, "indexer_types", index_sharing.normalize(self.indexer_types))
     if isinstance(self.block_kinds, list):
       object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
+    if isinstance(self.attn_res_kv_types, list):
+      object.__setattr__(self, "attn_res_kv_types", tuple(self.attn_res_kv_types))
     if isinstance(self.moe_layer_types, list):
       object.__setattr__(self, "moe_layer_types", tuple(self.moe_layer_types))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -217,7 +225,25 @@ class ModelConfig:
     self._check_hyper()
     self._check_block_kinds()
     short_conv.check_width(self.short_conv)
+    short_conv.check_residual_width(self.residual_conv)
+    self._check_output_vocab()
+    attn_res.check(self)
     self._check_norms()
+
+  def _check_output_vocab(self) -> None:
+    """output_vocab: None, or 1..vocab_size rows of an untied output layer."""
+    n = self.output_vocab
+    if n is None:
+      return
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size or self.tie_embeddings:
+      raise invalid("output_vocab", n, f"None, or an integer in [1, vocab_size={self.vocab_size}] with "
+                    f"tie_embeddings=False (tie_embeddings={self.tie_embeddings}): the rows of an untied output "
+                    "layer, logits over the first output_vocab ids")
+
+  @property
+  def output_rows(self) -> int:
+    """The output layer's rows: output_vocab, else vocab_size."""
+    return self.vocab_size if self.output_vocab is None else self.output_vocab
 
   def _check_norms(self) -> None:
     """norm_forms, post_norm_eps and residual_gate (attn.nn.norms): off by default, each refused where the
@@ -252,9 +278,10 @@ class ModelConfig:
     if not isinstance(self.residual_scale, bool):
       raise invalid("residual_scale", self.residual_scale, "True or False")
     if self.residual_scale and (self.norm == "post" or self.hc_mult > 1 or self.num_decoder_layers
-                                or self.residual_gate is not None):
+                                or self.residual_gate is not None or self.attn_res_block is not None):
       raise invalid("residual_scale", True, f"False with norm={self.norm!r}, hc_mult={self.hc_mult}, "
-                    f"num_decoder_layers={self.num_decoder_layers}, residual_gate={self.residual_gate}: it rescales "
+                    f"num_decoder_layers={self.num_decoder_layers}, residual_gate={self.residual_gate}, "
+                    f"attn_res_block={self.attn_res_block}: it rescales "
                     "one residual stream around pre-normed self-attention and MLP sublayers (ZAYA's)")
     tau = self.residual_gate
     if tau is not None:

@@ -42,6 +42,9 @@ def init_cache(model: nnx.Module, batch_size: int, max_len: int, dtype=jnp.float
       block.attn.init_cache(batch_size, max_len, dtype)
     if getattr(block, "conv", None) is not None:  # short_conv's state: the last inputs (attn.nn.short_conv)
       block.conv.init_cache(batch_size, dtype)
+    for conv in (getattr(block, "attn_out_conv", None), getattr(block, "mlp_out_conv", None)):
+      if conv is not None:  # residual_conv's state: each sublayer's last outputs (attn.nn.short_conv)
+        conv.init_cache(batch_size, dtype)
 
 
 def cache_state(model: nnx.Module) -> tuple[Array, int, int]:

@@ -13,7 +13,9 @@ linear_attention type in place of linear_variant, which it may not contradict, a
 and num_kv_heads beside it: layer_types._check_linear); value_norm_eps and rope_dim are the HeadConfig fields
 of the same names (the values' weightless RMSNorm; the rotated width), as are compress_block, compress_overlap and
 compress_index_heads, _dim, _topk (DeepSeek-V4's compressed layer types and the CSA layers' indexer), and sinks
-(a learned logit per head in that type's layers only: MiMo-V2-Flash's sliding layers). Each type's head is then
+(a learned logit per head in that type's layers only: MiMo-V2-Flash's sliding layers), rel_bias_extent,
+log_scaling_alpha, log_scaling_floor and qkv_conv_dynamic (Inkling-2's sliding layers: a relative bias over
+the window, no log scaling, no per-token taps). Each type's head is then
 checked as that variant's (k_eq_v refuses d_v != d_k by name, layer_types.check).
 
 The fields a type may set are FIELDS; a type not in the table keeps the model's head. The
@@ -36,7 +38,8 @@ from attn.variants import VARIANTS
 
 FIELDS = ("d_k", "d_v", "num_kv_heads", "value_norm_eps", "rope_dim", "compress_block",
           "compress_overlap", "compress_index_heads", "compress_index_dim",
-          "compress_index_topk", "sinks")  # HeadConfig fields
+          "compress_index_topk", "sinks", "rel_bias_extent", "log_scaling_alpha", "log_scaling_floor",
+          "qkv_conv_dynamic")  # HeadConfig fields
 KEYS = (*FIELDS, "variant")  # what a type may set
 
 
@@ -108,6 +111,8 @@ def check(m: Any, kinds: tuple[str, ...]) -> None:
         if not isinstance(value, bool):
           raise invalid(where, value, "True or False (a learned sink logit per head in this type's layers: "
                         "MiMo-V2-Flash's sliding layers)")
+      elif name in ("log_scaling_alpha", "qkv_conv_dynamic"):
+        pass  # HeadConfig checks them in the type's head (layer_types.check), against the fields beside them
       elif name == "compress_overlap":
         if not isinstance(value, bool):
           raise invalid(where, value, "True or False (two series per token: DeepSeek-V4's CSA)")

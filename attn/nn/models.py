@@ -33,6 +33,12 @@ logit_divisor (logits / d), no parameters; mlm_head (Encoder: BERT's masked-LM h
 vocab, its decoder tied to the token table); mlp "moe": a mixture of experts
 (attn.nn.moe, the moe_* fields), computed densely, each expert on every token:
 exact, and E/k times a real MoE's expert cost.
+Inkling-2 (DecoderLM): residual_conv W passes each attention's and MLP's output y through
+(conv(y) + y)/sqrt(W + 1) before the residual add (attn.nn.short_conv; W·D a sublayer, decoded with its
+state); moe_gate_softcap, moe_up_softcap cap its experts' SwiGLU (attn.nn.moe); attn_res_block n keeps the
+residual as blocks of n layers that learned queries mix over depth before each sublayer and the output
+(attn.nn.attn_res: Q·D a mix), attn_res_kv_types giving a layer type three mixes and norms, for its queries,
+keys and values (per_head's kv_inputs); output_vocab the untied output layer's rows.
 EncoderDecoder: the target side has its own embeddings (positions, LN) and
 reuses the source token table when share_src_tgt_embeddings.
 Gemma 4 (attn.nn.hf.gemma4): per_layer_dim P > 0 adds per-layer inputs (PerLayerInputs: a table
@@ -116,7 +122,7 @@ from flax import nnx
 
 from attn import api
 from attn.config import HeadConfig, check_ids, invalid
-from attn.nn import decoding, hyper, index_sharing, kv_sharing, layer_types, moe, norms, short_conv
+from attn.nn import attn_res, decoding, hyper, index_sharing, kv_sharing, layer_types, moe, norms, short_conv
 from attn.nn.attention import MultiHeadAttention
 from attn.nn.config import ModelConfig
 
@@ -371,7 +377,7 @@ class TransformerBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, cross: bool = False,
                head: HeadConfig | None = None, experts: bool = False, variant: str | None = None,
                d_ff: int | None = None, kind: str = "attention_mlp", hashed: bool = False,
-               norm: str | None = None, carried: bool = False):
+               norm: str | None = None, carried: bool = False, index: int = 0):
     norm = cfg.norm if norm is None else norm  # this layer's (ModelConfig.block_norm)
     self.post_norm = norm == "post"
     self.residual_multiplier = float(cfg.residual_multiplier)  # Granite's: x + r·f(x)
@@ -385,6 +391,10 @@ class TransformerBlock(nnx.Module):
     self.conv = short_conv.ShortConv(cfg.short_conv, cfg.d_model, rngs=rngs, param_dtype=cfg.weight_dtype) \
         if has_attn and cfg.short_conv is not None else None  # before the attention (attn.nn.short_conv)
     self.attn_norm = layer_norm(cfg, rngs, pre and has_attn)
+    # Inkling-2: each sublayer's output through (conv(y) + y)/sqrt(W + 1) (attn.nn.short_conv.ResidualConv)
+    out_conv = lambda on: short_conv.ResidualConv(cfg.residual_conv, cfg.d_model, rngs=rngs) \
+        if on and cfg.residual_conv is not None else None
+    self.attn_out_conv, self.mlp_out_conv = out_conv(has_attn), out_conv(has_mlp)
     # A window is about positions in one sequence: cross-attention reads the whole context.
     self.cross = MultiHeadAttention(head.replace(window=None), cfg.variant, rngs=rngs, **dtypes) \
         if cross else None
@@ -417,6 +427,14 @@ class TransformerBlock(nnx.Module):
                                           norm_eps=cfg.norm_eps, rngs=rngs, form=cfg.hc_form,
                                           magnitude=cfg.hc_magnitude) if on and n > 1 else None
     self.attn_hc, self.cross_hc, self.mlp_hc = hc(True), hc(cross), hc(True)
+    # Block attention residuals (attn.nn.attn_res): depth mixes before the attention and the MLP
+    n = cfg.attn_res_block
+    split = n is not None and layer_types.layer_type(cfg, index) in cfg.attn_res_kv_types
+    self.res_boundary = n is not None and index % n == 0
+    self.attn_input = attn_res.DepthMix(cfg.d_model, 3 if split else 1) if n is not None and index > 0 else None
+    self.mlp_input = attn_res.DepthMix(cfg.d_model) if n is not None else None
+    self.attn_k_norm = layer_norm(cfg, rngs, split)  # the keys' and values' own input norms
+    self.attn_v_norm = layer_norm(cfg, rngs, split)
 
   def _residual(self, norm, f, x_BTD: Array, post=None, hc=None, gate=None, scale=None) -> Array:
     if self.residual_multiplier != 1.0:
@@ -433,15 +451,38 @@ class TransformerBlock(nnx.Module):
       return _norm(norm, x_BTD + f(x_BTD))
     return x_BTD + _norm(post, f(_norm(norm, x_BTD)))
 
+  def _attn_res(self, x_BTD: Array, states: list, attend, decode: bool, tokens) -> Array:
+    """One layer of block attention residuals (attn.nn.attn_res); appends x to states at a boundary."""
+    dtype = x_BTD.dtype
+    mixes = [x_BTD] * (1 if self.attn_k_norm is None else 3) if self.attn_input is None else \
+        self.attn_input(states, x_BTD)
+    h_BTD = _norm(self.attn_norm, mixes[0].astype(dtype))
+    kv = None if self.attn_k_norm is None else (self.attn_k_norm(mixes[1].astype(dtype)),
+                                                self.attn_v_norm(mixes[2].astype(dtype)))
+    a_BTD = attend(h_BTD, kv).astype(jnp.float32)
+    if self.res_boundary:
+      states.append(x_BTD)
+      r_BTD = a_BTD
+    else:
+      r_BTD = x_BTD.astype(jnp.float32) + a_BTD
+    m_BTD = self.mlp_input(states, r_BTD)[0]
+    mlp = self.mlp if getattr(self.mlp, "tid2eid", None) is None else lambda h: self.mlp(h, tokens)
+    y_BTD = mlp(_norm(self.mlp_norm, m_BTD.astype(dtype)))
+    if self.mlp_out_conv is not None:
+      y_BTD = self.mlp_out_conv(y_BTD, decode=decode)
+    return (r_BTD + y_BTD.astype(jnp.float32)).astype(dtype)
+
   def __call__(self, x_BTD: Array, mask: Array | None = None, context_BSD: Array | None = None,
                context_mask: Array | None = None, head_mask: Array | None = None,
                return_weights: bool = False, is_causal: bool = False,
                kv_lengths: Array | None = None, context_kv_lengths: Array | None = None,
-               decode: bool = False, per_layer_input: Array | None = None, tokens: Array | None = None):
+               decode: bool = False, per_layer_input: Array | None = None, tokens: Array | None = None,
+               block_states: list | None = None):
     """x (B,T,D); with return_weights, (x, self-attention weights (B,H,T,S)).
 
     per_layer_input (B,T,P): this layer's slice of the per-layer inputs (cfg.per_layer_dim).
     tokens (B,T): the token ids, which a hash-routed expert layer reads (cfg.moe_hash_first).
+    block_states: the block states so far (cfg.attn_res_block; attn.nn.attn_res), appended to at a boundary.
 
     decode=True: the self-attention reads and extends its KV cache (MultiHeadAttention).
 
@@ -451,16 +492,19 @@ class TransformerBlock(nnx.Module):
     """
     seen = []
 
-    def attend(h_BTD: Array) -> Array:
+    def attend(h_BTD: Array, kv_inputs=None) -> Array:
       if self.conv is not None:
         h_BTD = self.conv(h_BTD, decode=decode)
       y = self.attn(h_BTD, mask=mask, head_mask=head_mask, return_weights=return_weights,
-                    is_causal=is_causal, kv_lengths=kv_lengths, decode=decode)
+                    is_causal=is_causal, kv_lengths=kv_lengths, decode=decode, kv_inputs=kv_inputs)
       if return_weights:
         y, w_BHTS = y
         seen.append(w_BHTS)
-      return y
+      return y if self.attn_out_conv is None else self.attn_out_conv(y, decode=decode)
 
+    if self.mlp_input is not None:  # block attention residuals (attn.nn.attn_res)
+      x_BTD = self._attn_res(x_BTD, block_states, attend, decode, tokens)
+      return (x_BTD, seen[0] if seen else None) if return_weights else x_BTD
     if self.attn is not None:
       x_BTD = self._residual(self.attn_norm, attend, x_BTD, self.attn_post_norm, self.attn_hc,
                              self.attn_residual_gate, self.attn_scale)
@@ -471,6 +515,8 @@ class TransformerBlock(nnx.Module):
           self.cross_post_norm, self.cross_hc)
     if self.mlp is not None:  # a hash-routed expert layer reads the token ids (moe_hash_first)
       mlp = self.mlp if getattr(self.mlp, "tid2eid", None) is None else lambda h: self.mlp(h, tokens)
+      if self.mlp_out_conv is not None:  # Inkling-2's post_mlp_convolution
+        mlp = (lambda f: lambda h: self.mlp_out_conv(f(h), decode=decode))(mlp)
       x_BTD = self._residual(self.mlp_norm, mlp, x_BTD, self.mlp_post_norm, self.mlp_hc, self.mlp_residual_gate,
                              self.mlp_scale)
     if self.per_layer_gate is not None:
@@ -505,6 +551,8 @@ def run_blocks(blocks, h_BTD: Array, gates, return_weights: bool, per_layer: Arr
   """h through each block with its row of gates (and slice of per_layer (B,T,L,P)); (h, [w_BHTS
   per block] or [])."""
   weights, seen = [], RESIDUALS.get()
+  if getattr(blocks[0], "mlp_input", None) is not None:  # block attention residuals: the states so far
+    masks_kw = masks_kw | {"block_states": masks_kw.get("block_states", [])}
   # cross-layer KV sharing (ModelConfig.kv_source) and indexer choices (ModelConfig.indexer_types)
   # and the experts' router state (ModelConfig.moe_router_carry, attn.nn.moe.carrying)
   with kv_sharing.model_call(blocks), index_sharing.model_call(blocks) as chosen, moe.carrying(blocks):
@@ -528,7 +576,7 @@ def _blocks(cfg: ModelConfig, n: int, rngs: nnx.Rngs, cross: bool = False) -> nn
                              variant=cfg.layer_variant(i), d_ff=wide(i), hashed=cfg.is_hash_layer(i),
                              carried=not cross and cfg.router_carried(i),
                              kind="attention_mlp" if cross or cfg.block_kinds is None else cfg.block_kinds[i],
-                             norm=cfg.norm if cross else cfg.block_norm(i))
+                             norm=cfg.norm if cross else cfg.block_norm(i), index=i)
             for i in range(n)]
   for i, block in enumerate(blocks):
     if not cross and kv_sharing.source(cfg, i) != i:  # reads layer kv_source[i]'s keys and values
@@ -542,7 +590,8 @@ class Encoder(nnx.Module):
   """Bidirectional encoder: embeddings -> blocks (-> final LN); with pooler, tanh(W h_0 + b)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    _require(cfg, "Encoder (per-layer inputs and hyper-connections: DecoderLM only)", per_layer_dim=0, hc_mult=1)
+    _require(cfg, "Encoder (per-layer inputs, hyper-connections, causal residual convolutions, attention "
+             "residuals: DecoderLM only)", per_layer_dim=0, hc_mult=1, residual_conv=None, attn_res_block=None)
     layer_types.check_bidirectional(cfg, "an Encoder")
     self.cfg = cfg
     self.embed = Embeddings(cfg, rngs=rngs)
@@ -612,7 +661,9 @@ class MLMHead(nnx.Module):
 
 
 class OutputHead(nnx.Module):
-  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear.
+  """Logits over the vocabulary: tied to a token table (hᵀE) or a separate (D, vocab) linear, or (D,
+  output_vocab) (Inkling-2's unembedding of its unpadded_vocab_size rows: logits over the first ids only, so
+  decoding never emits the padded ones).
 
   With cfg.logit_divisor d, logits / d (Granite's logits_scaling); with cfg.logit_softcap c, then
   logits -> c·tanh(logits/c) (Gemma 2's final soft-cap).
@@ -620,7 +671,7 @@ class OutputHead(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, token: nnx.Param, *, rngs: nnx.Rngs):
     self.tied = token if cfg.tie_embeddings else None
-    self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.vocab_size, rngs,
+    self.linear = None if cfg.tie_embeddings else linear(cfg, cfg.d_model, cfg.output_rows, rngs,
                                                          cfg.has_dense_bias)
     self.softcap = cfg.logit_softcap
     self.divisor = float(cfg.logit_divisor)
@@ -670,6 +721,15 @@ class DecoderLM(nnx.Module):
     self.final_norm = layer_norm(cfg, rngs, cfg.final_norm, place="final")
     self.head = OutputHead(cfg, self.embed.token, rngs=rngs)
     self.hc_head = hyper.head(cfg, rngs)
+    self.final_input = attn_res.DepthMix(cfg.d_model) if cfg.attn_res_block is not None else None
+
+  def _run(self, h_BTD: Array, gates, return_weights: bool, per_layer, **kw):
+    """run_blocks, then (block attention residuals) the final depth mix over the block states."""
+    if self.final_input is None:
+      return run_blocks(self.blocks, h_BTD, gates, return_weights, per_layer, **kw)
+    states: list = []
+    h_BTD, weights = run_blocks(self.blocks, h_BTD, gates, return_weights, per_layer, block_states=states, **kw)
+    return self.final_input(states, h_BTD)[0].astype(h_BTD.dtype), weights
 
   def _streams(self, h_BTD: Array, run) -> Array:
     """run(h) on the residual: one stream, or hc_mult streams expanded and collapsed (attn.nn.hyper)."""
@@ -697,8 +757,8 @@ class DecoderLM(nnx.Module):
       check_lengths("lengths", lengths_B, B, T)
     h_BTD = self.embed(tokens_BT)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
-    h_BTD, weights = self._streams(h_BTD, lambda h: run_blocks(
-        self.blocks, h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B, tokens=tokens_BT))
+    h_BTD, weights = self._streams(h_BTD, lambda h: self._run(
+        h, gates, return_weights, per_layer, is_causal=True, kv_lengths=lengths_B, tokens=tokens_BT))
     logits_BTN = self.head(_norm(self.final_norm, h_BTD))
     return (logits_BTN, weights) if return_weights else logits_BTN
 
@@ -720,8 +780,7 @@ class DecoderLM(nnx.Module):
     gates = layer_gates(head_mask, B, len(self.blocks), self.cfg.num_heads)
     h_BTD = self.embed(tokens_BT, offset=index)
     per_layer = None if self.per_layer is None else self.per_layer(tokens_BT, h_BTD)
-    h_BTD, _ = self._streams(h_BTD, lambda h: run_blocks(self.blocks, h, gates, False, per_layer, decode=True,
-                                                         tokens=tokens_BT))
+    h_BTD, _ = self._streams(h_BTD, lambda h: self._run(h, gates, False, per_layer, decode=True, tokens=tokens_BT))
     return self.head(_norm(self.final_norm, h_BTD))
 
   def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> None:

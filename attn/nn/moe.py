@@ -35,6 +35,9 @@ clamped alike; "clamp_routed" (HY-V4's Glm5NextTextExperts) the same on the rout
 "clamp_after" (Ling-3, transformers' limit_after_act) clamps after the activation,
 down(min(act(gate(x)), ℓ)·clip(up(x), −ℓ, ℓ)), the shared experts alike (not the dense layers'
 MLPs), and "clamp_after_routed" the same on the routed experts only.
+moe_gate_softcap c_g and moe_up_softcap c_u (Inkling-2's mlp_gate_softcap, mlp_up_softcap; SwiGLU experts)
+make the routed experts down(cap_g(g)·σ(g)·cap_u(u)), cap_c(x) = c·tanh(x/c): the sigmoid sees the raw gate,
+the caps bound the linear gate factor and the up projection (no parameters).
 moe_shared_experts S adds a plain gated MLP of width S·moe_d_ff on every token
 (DeepSeek's shared experts), or of width moe_shared_d_ff where set, and with
 moe_shared_gate its output is scaled by σ(x·w_shared_gate), w (D, 1) (Qwen3-Next's
@@ -99,7 +102,7 @@ FIELDS = {"moe_experts": 0, "moe_top_k": 0, "moe_d_ff": None, "moe_router": "sof
           "moe_shared_experts": 0, "moe_dense_first": 0, "moe_swiglu_limit": None, "moe_shared_d_ff": None,
           "moe_shared_gate": False, "moe_swiglu_form": "gpt_oss", "moe_hash_first": 0, "moe_layer_types": None,
           "moe_pool_width": None, "moe_router_scale": 1.0, "moe_router_mlp": None, "moe_router_carry": False,
-          "moe_skip_expert": False}
+          "moe_skip_expert": False, "moe_gate_softcap": None, "moe_up_softcap": None}
 # The router state carried between the expert layers of one model call (moe_router_carry): a holder
 # {"state": r or None} set by carrying(), None outside one.
 CARRY: contextvars.ContextVar = contextvars.ContextVar("attn_router_carry", default=None)
@@ -165,6 +168,7 @@ def check(m: Any) -> None:
                   f"{m.num_layers - m.moe_dense_first} expert layers, without moe_groups (a table picks the experts)")
   _check_muse(m)
   _check_zaya(m)
+  _check_softcaps(m)
   if m.moe_swiglu_form not in SWIGLU_FORMS or (m.moe_swiglu_form != "gpt_oss" and m.moe_swiglu_limit is None):
     raise invalid("moe_swiglu_form", m.moe_swiglu_form, f"one of {list(SWIGLU_FORMS)}, and \"gpt_oss\" without "
                   "moe_swiglu_limit (the form of the clamped SwiGLU)")
@@ -237,6 +241,27 @@ def carrying(blocks):
     yield holder
   finally:
     CARRY.reset(token)
+
+
+def _check_softcaps(m: Any) -> None:
+  """moe_gate_softcap and moe_up_softcap (Inkling-2's softcapped SwiGLU): positive, on plain SwiGLU experts."""
+  for name in ("moe_gate_softcap", "moe_up_softcap"):
+    c = getattr(m, name)
+    if c is None:
+      continue
+    _positive(name, c, "the soft-cap c of c·tanh(x/c); None: no cap")
+    if m.activation != "silu" or m.moe_swiglu_limit is not None or m.moe_pool_width is not None:
+      raise invalid(name, c, f"None with activation={m.activation!r}, moe_swiglu_limit={m.moe_swiglu_limit}, "
+                    f"moe_pool_width={m.moe_pool_width}: the soft-caps are Inkling-2's, on SwiGLU experts "
+                    "(activation 'silu') with no clamp and no pooling")
+
+
+def softcapped_swiglu(gate: Array, up: Array, gate_cap: float | None, up_cap: float | None) -> Array:
+  """Inkling-2's experts' activation, cap(g)·σ(g)·cap(u), cap(x) = c·tanh(x/c) (no cap where c is None:
+  g·σ(g)·u, SwiGLU), in float32, returned in gate's dtype: the sigmoid sees the raw gate."""
+  g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+  capped = lambda x, c: x if c is None else c * jnp.tanh(x / c)
+  return (capped(g, gate_cap) * jax.nn.sigmoid(g) * capped(u, up_cap)).astype(gate.dtype)
 
 
 def route(m: Any, logits_BTE: Array, correction_E: Array | None = None) -> Array:
@@ -380,6 +405,8 @@ class MoE(nnx.Module):
     elif limit is not None:  # gpt-oss
       gate_BTEF = jnp.minimum(gate_BTEF, limit)
       h_BTEF = gate_BTEF * jax.nn.sigmoid(GPT_OSS_ALPHA * gate_BTEF) * (jnp.clip(up_BTEF, -limit, limit) + 1)
+    elif self.m.moe_gate_softcap is not None or self.m.moe_up_softcap is not None:  # Inkling-2
+      h_BTEF = softcapped_swiglu(gate_BTEF, up_BTEF, self.m.moe_gate_softcap, self.m.moe_up_softcap)
     else:
       h_BTEF = self.activation(gate_BTEF) * up_BTEF
     y_BTED = jnp.einsum("BTEF,EFD->BTED", h_BTEF, self.w_down[...].astype(c))

@@ -12,7 +12,7 @@ error, a hook returning the wrong shape) becomes one naming the hook, chained
 dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
 
   shapes     y (B,T,D) in x's dtype, weights (B,H,T,S), rows summing to 1 (unless
-             signed_weights, sinks or a probability other than softmax); jit equals eager
+             signed_weights, sinks, token_sinks or a probability other than softmax); jit equals eager
   grads      finite gradients for params and inputs under masks with blank rows
   causal     no output depends on a later token, under is_causal and a causal mask
   mask       keys a mask hides move nothing; fully masked rows get zero weights and
@@ -20,7 +20,8 @@ dividing d_model, no biases; T = 5 and S = 7, not a multiple of any block):
   bf16       bfloat16 params and inputs give finite bf16 outputs near float32's (finite only
              with a key selection, whose discrete choice may flip between precisions)
   head_mask  gates ξ = 1 are the layer, and y is affine in ξ
-  rope       with rope_dim: shifting every position keeps y; reordering them changes it
+  rope       with rope_dim: shifting every position keeps y (unless a mechanism reads absolute positions:
+             Mechanism.absolute); reordering them changes it
   mechanisms the above with every registered mechanism the variant accepts switched on
   decoding   token by token and in chunks through a KV cache equals the causal full pass;
              decode_apply equals apply
@@ -212,7 +213,7 @@ def _check_calls(v: Variant, cfg: HeadConfig, eager: bool = False) -> None:
       raise _fail("shapes", v, cfg, f"{kind} y {y.shape} {y.dtype}, want {(B, T, D)} {x.dtype}")
     if w is None or w.shape != (B, H, T, s_len):
       raise _fail("shapes", v, cfg, f"{kind} weights {getattr(w, 'shape', None)}, want {(B, H, T, s_len)}")
-    if not v.signed_weights and not cfg.sinks and cfg.probability == "softmax":
+    if not v.signed_weights and not cfg.sinks and not cfg.token_sinks and cfg.probability == "softmax":
       _close("shapes", v, cfg, w.sum(-1), np.ones((B, H, T)), 1e-5, f"{kind} weight rows' sums")
   if eager:  # op by op: slow to dispatch, so the thorough mode's
     y = api.apply(v, p, x, cfg=cfg)
@@ -251,8 +252,9 @@ def _check_calls(v: Variant, cfg: HeadConfig, eager: bool = False) -> None:
            "y(e_0 + e_1) − y(0) against (y(e_0) − y(0)) + (y(e_1) − y(0))")
   if cfg.rope_dim:
     (y, w), (y2, w2), (_, w3) = out["rope"]
-    _close("rope", v, cfg, w2, w, 2e-5, "weights after shifting every position by 1000")
-    _close("rope", v, cfg, y2, y, 2e-4 * float(np.abs(y).max()), "y after shifting every position by 1000")
+    if not any(m.absolute for m in mechanisms.active(cfg)):  # log_scaling reads positions, not distances
+      _close("rope", v, cfg, w2, w, 2e-5, "weights after shifting every position by 1000")
+      _close("rope", v, cfg, y2, y, 2e-4 * float(np.abs(y).max()), "y after shifting every position by 1000")
     if float(np.abs(w3 - w).max()) <= 1e-3:
       raise _fail("rope", v, cfg, "reordering the positions leaves the weights as they were")
 

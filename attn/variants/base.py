@@ -102,6 +102,12 @@ class Options:
   impl: kernel.attention's implementation; None means the variant's default ("auto").
   index: the deepseek-form indexer's (index queries (B,T,n_I,d_I), index keys (B,S,d_I), weights
     (B,T,n_I)), set by the variant that computes them (mla; attn.variants.mechanisms.selection); None otherwise.
+  key_positions: (S,) the position each key the core reads holds, set while decoding (attn.variants.cache:
+    the cache's slots, a window's ring); None: qk_positions' keys, else 0..S−1. Read by the mechanisms'
+    on_tokens (a relative bias by distance).
+  kv_inputs: (the key projection's input, the value projection's input), each (B,S,D), where they are not
+    the context (Inkling-2's hybrid layers read keys and values from mixes of their own); per_head only
+    (attn.api refuses it elsewhere); None: the context, or x.
   """
 
   mask: Array | None = None
@@ -112,13 +118,15 @@ class Options:
   return_weights: bool = False
   impl: str | None = None
   index: tuple[Array, Array, Array] | None = None
+  key_positions: Array | None = None
+  kv_inputs: tuple[Array, Array] | None = None
 
   def replace(self, **changes) -> Options:
     return dataclasses.replace(self, **changes)
 
 
 jax.tree_util.register_dataclass(
-    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask", "index"],
+    Options, data_fields=["mask", "kv_lengths", "qk_positions", "head_mask", "index", "key_positions", "kv_inputs"],
     meta_fields=["is_causal", "return_weights", "impl"])
 
 
@@ -302,6 +310,8 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
   through one hook (mechanisms.attend). x_BTD: the layer's query-side input (a replacing
   mechanism may read it: nsa's gates).
   """
+  # Mechanisms reading the query tokens and positions (token_logits): scaled queries, a logits bias.
+  q_BTHK, bias = mechanisms.on_tokens(params, x_BTD, q_BTHK, k_BSGK.shape[1], cfg, opts)
   hook = LOGIT_HOOK.get()
   if hook is not None:  # attn.analysis.logits.record_logits: every allowed pair's logit, before any choice
     hook(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
@@ -311,11 +321,11 @@ def core(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: He
     return done
   if mechanisms.needs_explicit_logits(cfg):
     mask = full_mask(q_BTHK.shape[1], k_BSGK.shape[1], cfg=cfg, opts=opts)
-    w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg)
+    w_BHTS = probabilities(params, kernel.scores(q_BTHK, k_BSGK) * cfg.score_scale, mask, cfg=cfg, bias=bias)
     o_BTHV = kernel.weighted_sum(w_BHTS, v_BSGV)
     return o_BTHV, (w_BHTS if opts.return_weights else None)
   out = kernel.attention(q_BTHK, k_BSGK, v_BSGV, opts.mask, is_causal=opts.is_causal,
-                         kv_lengths=opts.kv_lengths, scale=cfg.score_scale,
+                         kv_lengths=opts.kv_lengths, scale=cfg.score_scale, logits_bias=bias,
                          return_weights=opts.return_weights, impl=opts.impl or "auto",
                          **mechanisms.kernel_args(params, cfg))
   return out if opts.return_weights else (out, None)
@@ -327,13 +337,16 @@ def full_mask(T: int, S: int, *, cfg: HeadConfig, opts: Options) -> Array | None
                                                                opts.kv_lengths, cfg.window))
 
 
-def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig) -> Array:
+def probabilities(params: Params, logits_BHTS: Array, mask, *, cfg: HeadConfig, bias: Array | None = None) -> Array:
   """Attention weights (float32) of explicit (scaled) logits under a dense mask (full_mask).
 
-  As kernel.attention: the mechanisms' on_logits (softcap's cap), the sinks in every denominator,
-  cfg.probability's function (sigmoid and relu: attn.kernel.probability) in place of the softmax.
+  As kernel.attention: the mechanisms' on_logits (softcap's cap), then the bias (on_tokens'), the sinks in
+  every denominator, cfg.probability's function (sigmoid and relu: attn.kernel.probability) in place of
+  the softmax.
   """
   logits_BHTS = mechanisms.on_logits(params, logits_BHTS.astype(jnp.float32), cfg)
+  if bias is not None:
+    logits_BHTS = logits_BHTS + bias
   args = mechanisms.kernel_args(params, cfg)
   return kernel.masked_probabilities(logits_BHTS, mask, args["sinks"], args["probability"])
 
@@ -352,14 +365,15 @@ def project_out(params: Params, x_BTD: Array, o_BTHV: Array, *, cfg: HeadConfig,
 
 
 def attend_and_project(params: Params, x_BTD: Array, q_BTHK: Array, k_BSGK: Array,
-                       v_BSGV: Array, *, cfg: HeadConfig, opts: Options):
+                       v_BSGV: Array, *, cfg: HeadConfig, opts: Options, inputs: tuple | None = None):
   """The shared tail of every variant: RoPE, attention, head gates, then W^O and b_o.
 
   x_BTD is the layer's query-side input (it sets the output dtype). k_BSGK
   may have one head (a key shared by every kv head); while decoding, the keys
-  and values are the cache's (cached_kv). Returns (y_BTD, weights or None).
+  and values are the cache's (cached_kv). inputs: the query, key and value projections'
+  inputs, for the mechanisms that read them (qkv_conv_dynamic). Returns (y_BTD, weights or None).
   """
-  q_BTHK, k_BSGK, v_BSGV = mechanisms.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg)  # qkv_conv
+  q_BTHK, k_BSGK, v_BSGV = mechanisms.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg, inputs)  # qkv_conv
   v_BSGV = value_norm(v_BSGV, cfg)  # after the value convolution (Inkling-2's order); per_head's value_norm_eps
   q_BTHK, k_BSGK = queries_and_keys(params, q_BTHK, k_BSGK, cfg=cfg, opts=opts)
   k_BSGK, v_BSGV = cached_kv(k_BSGK, v_BSGV)

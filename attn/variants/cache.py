@@ -35,7 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn.config import HeadConfig
+from attn.config import HeadConfig, invalid
 from attn.variants import mechanisms
 from attn.variants.base import KV_HOOK, Options, Params, Variant
 
@@ -145,14 +145,14 @@ def ring_mask(index, T: int, n_slots: int, window: int) -> Array:
 
 
 def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, Array], index,
-               *, cfg: HeadConfig, head_mask) -> tuple[Array, dict[str, Array]]:
+               *, cfg: HeadConfig, head_mask, kv_inputs=None) -> tuple[Array, dict[str, Array]]:
   """decode_step for a window layer: attend to [ring | new tokens], then write them in the ring."""
   T = x_BTD.shape[1]
   n_slots = token_slots(cache, cfg)
   pos_T = index + jnp.arange(T)
   step_cfg = cfg.replace(window=None)  # the ring's mask holds the window, by position
   opts = Options(mask=ring_mask(index, T, n_slots, cfg.window), head_mask=head_mask,
-                 qk_positions=(pos_T, pos_T))
+                 qk_positions=(pos_T, pos_T), kv_inputs=kv_inputs)
   m = min(T, n_slots)  # only the last m new tokens stay in the ring
   slot_M = (index + T - m + jnp.arange(m)) % n_slots
 
@@ -174,8 +174,9 @@ def _ring_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, 
     ring.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return seen("k", k_BTGK), seen("v", v_BTGV)
 
+  held_S = jnp.concatenate([ring_positions(index, n_slots), pos_T])  # what the keys swap reads hold
   (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=step_cfg,
-                                  opts=opts)
+                                  opts=opts.replace(key_positions=held_S))
   return y_BTD, ring | state
 
 
@@ -187,7 +188,7 @@ def token_slots(cache: dict[str, Array], cfg: HeadConfig) -> int:
 
 
 def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str, Array], index,
-                *, cfg: HeadConfig, head_mask=None) -> tuple[Array, dict[str, Array]]:
+                *, cfg: HeadConfig, head_mask=None, kv_inputs=None) -> tuple[Array, dict[str, Array]]:
   """y (B,T,D) for x's tokens at positions index..index+T−1, and the cache with them written.
 
   The caller checks index + T ≤ max_len (under jit, index is traced and
@@ -199,13 +200,16 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
                                                                      head_mask=head_mask))
   if variant.decode_cached is not None:
     return variant.decode_cached(params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
+  if kv_inputs is not None and (variant.step is not None or variant.decode_cached is not None
+                                or variant.cache_entries is not None):
+    raise invalid("kv_inputs", "given", f"None for {variant.name}: per_head alone reads them")
   if cfg.window is not None:
-    return _ring_step(variant, params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask)
+    return _ring_step(variant, params, x_BTD, cache, index, cfg=cfg, head_mask=head_mask, kv_inputs=kv_inputs)
   T = x_BTD.shape[1]
   max_len = token_slots(cache, cfg)
   pos_T = index + jnp.arange(T)
   opts = Options(mask=causal_mask(index, T, max_len), head_mask=head_mask,
-                 qk_positions=(pos_T, pos_T))
+                 qk_positions=(pos_T, pos_T), kv_inputs=kv_inputs)
 
   def write(name, new):
     return jax.lax.dynamic_update_slice_in_dim(cache[name], new.astype(cache[name].dtype),
@@ -223,5 +227,6 @@ def decode_step(variant: Variant, params: Params, x_BTD: Array, cache: dict[str,
     full.update(k=write("k", k_BTGK), v=write("v", v_BTGV))
     return full["k"], full["v"]
 
-  (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=cfg, opts=opts)
+  (y_BTD, _), state = _with_state(cfg, cache, _with_hook, swap, variant.apply, params, x_BTD, cfg=cfg,
+                                  opts=opts.replace(key_positions=jnp.arange(max_len)))
   return y_BTD, full | state

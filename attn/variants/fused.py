@@ -73,8 +73,9 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   S = x_BTD.shape[1] if context_BSD is None else context_BSD.shape[1]
   long = impl == "blocked" or (impl in ("auto", "onednn") and kernel.is_long(x_BTD.shape[1], S))
   q_BTHK, k_BSGK, v_BSGV = project_qkv(params, x_BTD, context_BSD, cfg, split=long)
+  c_BSD = x_BTD if context_BSD is None else context_BSD
   return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg,
-                            opts=opts.replace(impl=impl))
+                            opts=opts.replace(impl=impl), inputs=(x_BTD, c_BSD, c_BSD))
 
 
 VARIANT = Variant(

@@ -53,12 +53,15 @@ def effective_param_count(cfg: HeadConfig) -> int | None:
 
 def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
           opts: Options = Options()):
-  """Each head's (D,K), (D,K), (D,V) and (V,D) matrices, all heads in one matmul each."""
+  """Each head's (D,K), (D,K), (D,V) and (V,D) matrices, all heads in one matmul each; opts.kv_inputs, where
+  set, are the key and value projections' own inputs (Inkling-2's hybrid layers)."""
   c_BSD = x_BTD if context_BSD is None else context_BSD
+  ck_BSD, cv_BSD = (c_BSD, c_BSD) if opts.kv_inputs is None else opts.kv_inputs  # Inkling-2's hybrid layers
   q_BTHK = project_heads(x_BTD, params["w_q"], bias(params, "b_q"))
-  k_BSGK = project_heads(c_BSD, params["w_k"], bias(params, "b_k"))
-  v_BSGV = project_heads(c_BSD, params["w_v"], bias(params, "b_v"))  # normed in attend_and_project (value_norm)
-  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  k_BSGK = project_heads(ck_BSD, params["w_k"], bias(params, "b_k"))
+  v_BSGV = project_heads(cv_BSD, params["w_v"], bias(params, "b_v"))  # normed in attend_and_project (value_norm)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                            inputs=(x_BTD, ck_BSD, cv_BSD))
 
 
 VARIANT = Variant(

@@ -55,7 +55,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   q_BTHK = jnp.einsum("BTHE,HEK->BTHK", x_BTHE, params["w_q"]) + bias(params, "b_q")
   k_BSGK = jnp.einsum("BSGE,GEK->BSGK", c_BSGE, params["w_k"]) + bias(params, "b_k")
   v_BSGV = jnp.einsum("BSGE,GEV->BSGV", c_BSGE, params["w_v"]) + bias(params, "b_v")
-  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                            inputs=(x_BTD, c_BSD, c_BSD))
 
 
 def param_count(cfg: HeadConfig) -> int:

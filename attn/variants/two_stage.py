@@ -46,7 +46,8 @@ def apply(params: Params, x_BTD, context_BSD=None, *, cfg: HeadConfig,
   q_BTHK = project_heads(xq_BTD, params["w_q"], bias(params, "b_q"))
   k_BSGK = project_heads(ck_BSD, params["w_k"], bias(params, "b_k"))
   v_BSGV = project_heads(cv_BSD, params["w_v"], bias(params, "b_v"))
-  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts)
+  return attend_and_project(params, x_BTD, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, opts=opts,
+                            inputs=(x_BTD, c_BSD, c_BSD))
 
 
 def param_count(cfg: HeadConfig) -> int:

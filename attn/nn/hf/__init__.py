@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out (`hf` extra): GPT-2, BERT, ten Llama-like decoders, MiMo-V2-Flash, Laguna,
-Muse Spark (text), ZAYA1, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, eight hybrids.
+Muse Spark (text), Inkling-2 (text), ZAYA1, Gemma 4, DeepSeek-V3(.2) and V4, GLM-5, HY-V4, eight hybrids.
 
 Each family is one record (attn.nn.hf.base.Family: the model types it reads,
 a config reader, weight names in and out, refusals) in one module: gpt2, bert,
@@ -27,8 +27,11 @@ partial RoPE per layer type, DeepSeek-routed experts without shared ones; its mu
 laguna (Laguna: a softplus output gate, query heads per layer, QK-norm, partial RoPE per type, sigmoid-routed
 experts with a shared expert), and muse_spark (Muse Spark's text model, read from under its wrapper's text_config
 with the vision and audio towers left out: fixed QK-norm, NoPE layers, a per-head output norm and gate, residual
-gates, input-scaled and weightless norms, pooled normed experts), and zaya (ZAYA1: CCA attention, a router network
-whose state is carried from layer to layer, a skip expert, residuals rescaled with learned scales and biases).
+gates, input-scaled and weightless norms, pooled normed experts), zaya (ZAYA1: CCA attention, a router network
+whose state is carried from layer to layer, a skip expert, residuals rescaled with learned scales and biases),
+and inkling2 (Inkling-2's text model, alone as inkling2_text or under its wrapper, the vision tower left out:
+block attention residuals, per-token sinks, taps and relative bias, log-position scaling, convolutions on every
+sublayer's output, softcapped experts).
 
 FAMILIES (attn.registry) holds them: the built-ins (load._builtins, one line
 per family), the entry points of group `attn.hf_families` of installed

@@ -22,8 +22,9 @@ from flax import nnx
 from attn.config import did_you_mean, invalid
 from attn.conversion import CONVERTERS, TOLERANCE, LossyConversionWarning, convert
 from attn.nn.hf import (bailing_hybrid, bert, deepseek_v3, deepseek_v32, deepseek_v4, gemma2, gemma3, gemma4,
-                         glm5_next, gpt2, gpt_oss, granite_swa, hy_v4, kimi_linear, laguna, llama, mimo_v2_flash,
-                         muse_spark, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3, zaya)
+                         glm5_next, gpt2, gpt_oss, granite_swa, hy_v4, inkling2, kimi_linear, laguna, llama,
+                         mimo_v2_flash, muse_spark, nemotron_h, olmo2, olmo_hybrid, phi3, qwen3_5, qwen3_next, smollm3,
+                         zaya)
 from attn.nn.hf.base import Family, Weights, check_fields, refuse, require
 from attn.nn.hf.files import read_config, read_object, read_shapes, read_weights
 from attn.nn.config import ModelConfig
@@ -43,7 +44,7 @@ def _builtins() -> tuple[Family, ...]:
           deepseek_v32.DEEPSEEK_V32, deepseek_v32.GLM_MOE_DSA, gemma4.GEMMA4, nemotron_h.NEMOTRON_H,
           deepseek_v4.DEEPSEEK_V4, hy_v4.HY_V4, olmo_hybrid.OLMO_HYBRID, granite_swa.GRANITE_SWA,
           mimo_v2_flash.MIMO_V2_FLASH, laguna.LAGUNA, bailing_hybrid.BAILING_HYBRID, muse_spark.MUSE_SPARK,
-          glm5_next.GLM5_NEXT, zaya.ZAYA)
+          glm5_next.GLM5_NEXT, zaya.ZAYA, inkling2.INKLING2_TEXT, inkling2.INKLING2)
 
 
 FAMILIES: Registry[Family] = Registry("family", "attn.hf_families", Family, _builtins,
@@ -57,21 +58,6 @@ _QWEN4_EXP = ("Qwen4-Exp's text model needs what attn does not run yet: its resi
               "indexer_kv_heads), each pooled key RMS-normalised and rotated at its block's first position "
               "(attn's qsa mechanism reads the heads' own unrotated dims); per-layer n-gram embeddings too where "
               "ple_layer_ids is set")
-# Inkling-2 (transformers 5.25's inkling2): its heads are attn's (tests/test_hf_inkling2.py), its text model's blocks
-# are not. Each piece by its config keys and its tensors, in memory (Inkling2TextModel) / as released and as
-# save_pretrained writes them (model.llm.*):
-_INKLING2 = ("Inkling-2's text model needs what attn does not run yet: its residual stream is block attention "
-             "residuals (attention_input, mlp_input, final_input / attn_res.*: learned queries attend over the "
-             "block sums of every n_layers_per_attn_res_block layers; its hybrid layers draw queries, keys and values "
-             "from three such mixes), its positions are a relative position bias computed from each token "
-             "(relative_position_bias / rel_logits_proj, wr_du: d_rel, rel_extent, rel_l2_clip_threshold; no RoPE) "
-             "with log-position scaling (log_scaling_n_floor, log_scaling_alpha), its sinks are logits computed "
-             "from each token (sink_proj / attn_sink_proj), its hybrid layers' key and value convolutions take "
-             "per-token taps (sconv.weight_proj), short convolutions on the residual follow every attention and "
-             "MLP (post_attention_convolution, post_mlp_convolution / attn_sconv, mlp_sconv), its experts softcap "
-             "their SwiGLU (mlp_gate_softcap, mlp_up_softcap) and its unembedding has unpadded_vocab_size rows; "
-             "its heads are attn's (swa_* sizes as layer_num_heads and layer_heads, qk_l2_clip_threshold, qkv_conv "
-             "'kv', value_norm_eps, gate 'elementwise')")
 # Model types no family reads, refused with the reason.
 REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attention_chunk_size), which attn's "
                           "windows do not express, and its feed-forward is a mixture of experts",
@@ -93,9 +79,6 @@ REFUSED = {"llama4_text": "its local layers attend within fixed chunks (attentio
            "muse_spark_text": "it is Muse Spark's text model saved alone (MuseSparkTextModel), which has no LM head "
                               "in transformers: attn reads the checkpoint with its towers, model_type muse_spark "
                               "(MuseSparkForConditionalGeneration), whose text model it loads",
-           "inkling2": "it is Inkling-2's image-text wrapper (its vision tower under model.vision_tower.), and no "
-                       "family reads its text model (inkling2_text) yet: " + _INKLING2,
-           "inkling2_text": _INKLING2,
            **{kind: _QWEN4_EXP for kind in ("qwen4_exp", "qwen4_exp_text")}}
 
 

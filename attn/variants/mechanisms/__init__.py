@@ -2,12 +2,12 @@
 
 The package: record (the Mechanism record), this module (the registry and the points of the shared
 path), choice (the one hook for a mechanism that chooses keys or replaces the attention), the
-built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), cca (ZAYA1's
-compressed convolutional attention), selection (moba, the lightning indexer), nsa, pooled (kpool,
+built-ins: head_mechanisms (gate, sinks, qk_norm, window, softcap, probability), token_logits
+(Inkling-2's per-token sinks, relative bias, log scaling), cca (ZAYA1's compressed convolutional attention), selection (moba, the lightning indexer), nsa, pooled (kpool,
 qsa, block_indexer: pooled index keys).
 
 The built-ins (gate, sinks, qkv_conv, cca, qk_norm, qk_l2_clip, value_scale, window, softcap, probability, moba,
-indexer, nsa, kpool, qsa, block_indexer), plugins
+indexer, nsa, kpool, qsa, block_indexer, token_sinks, log_scaling, rel_bias), plugins
 of the entry-point group `attn.mechanisms` and records given
 to `attn.register` are all read from MECHANISMS: validation (api.check_config),
 init (attn.init), counting (attn.count), sharding (attn.nn.sharding), the
@@ -25,6 +25,10 @@ through (attn.variants.base):
                                                      Only variants that offer "qkv_heads" reach it
   on_qk(params, q_BTHK, k_BSGK, *, cfg) -> (q, k)   queries and keys before the scores
                                                      (before RoPE; qk_norm)
+  on_tokens(params, x_BTD, q_BTHK, *, cfg,          the layer's query tokens and positions (queries',
+            positions) -> (q, bias or None)          keys'), right before the kernel: queries scaled,
+                                                     a logits bias (B,H,T,S)-broadcastable added
+                                                     (token_sinks, rel_bias, log_scaling)
   on_logits(params, logits_BHTS, *, cfg) -> logits  the scaled float32 logits before the
                                                      softmax (softcap)
   on_output(params, x_BTD, o_BTHV, *, cfg) -> o     each head's output before W^O (gate)
@@ -84,7 +88,7 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig, did_you_mean, invalid
 from attn.registry import Registry
-from attn.variants.mechanisms import choice, head_mechanisms
+from attn.variants.mechanisms import choice, head_mechanisms, token_logits
 from attn.variants.mechanisms.record import HookError, Mechanism
 
 __all__ = ["MECHANISMS", "HookError", "Mechanism", "active", "options", "split"]
@@ -94,7 +98,7 @@ Params = dict[str, Array]
 
 
 MECHANISMS: Registry[Mechanism] = Registry("mechanism", "attn.mechanisms", Mechanism,
-                                           lambda: head_mechanisms.MECHANISMS)
+                                           lambda: (*head_mechanisms.MECHANISMS, *token_logits.RECORDS))
 
 
 def is_builtin(m: Mechanism) -> bool:
@@ -162,6 +166,13 @@ def check(cfg: HeadConfig) -> None:
     if m.check is not None:
       m.check(cfg)
   chooser = [m for m in active(cfg) if m.select is not None or m.attend is not None]
+  tokens = [m for m in active(cfg) if m.on_tokens is not None]
+  if chooser and tokens:  # the core's one hook attends without the tokens' bias and scaling
+    first = tokens[0]
+    raise invalid(first.fields[0] if first.fields else f"extra.{first.name}", options(cfg, first.name)
+                  if not first.fields else getattr(cfg, first.fields[0]),
+                  f"off with {chooser[0].name}: a mechanism that chooses keys or replaces the attention runs "
+                  "its own core, which reads neither the tokens' bias nor their scaling")
   if len(chooser) > 1:  # the core's one hook runs one (the built-ins' checks say so first, in their words)
     second = chooser[1]
     raise invalid(second.fields[0] if second.fields else f"extra.{second.name}", options(cfg, second.name),
@@ -224,10 +235,13 @@ def state_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 
 def on_qkv(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array,
-           cfg: HeadConfig) -> tuple[Array, Array, Array]:
+           cfg: HeadConfig, inputs: tuple[Array, Array, Array] | None = None) -> tuple[Array, Array, Array]:
+  """inputs: the query, key and value projections' inputs, which the variants that hand them pass (per_head,
+  fused, two_stage, split_input) to records that read them (Mechanism.reads_inputs: qkv_conv_dynamic)."""
   for m in active(cfg):
     if m.on_qkv is not None:
-      out = m.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, state=DECODE_STATE.get())
+      more = {"inputs": inputs} if m.reads_inputs else {}
+      out = m.on_qkv(params, q_BTHK, k_BSGK, v_BSGV, cfg=cfg, state=DECODE_STATE.get(), **more)
       if not isinstance(out, tuple) or len(out) != 3:
         raise HookError(m.name, "on_qkv", f"returned {type(out).__name__}: a hook returns (q, k, v)")
       q_BTHK, k_BSGK, v_BSGV = (_same_shape(m, "on_qkv", "queries", out[0], q_BTHK),
@@ -252,6 +266,28 @@ def on_logits(params: Params, logits_BHTS: Array, cfg: HeadConfig) -> Array:
     if m.on_logits is not None:
       logits_BHTS = _same_shape(m, "on_logits", "logits", m.on_logits(params, logits_BHTS, cfg=cfg), logits_BHTS)
   return logits_BHTS
+
+
+def on_tokens(params: Params, x_BTD: Array, q_BTHK: Array, S: int, cfg: HeadConfig,
+              opts) -> tuple[Array, Array | None]:
+  """The queries and the logits bias (B,H,T,S)-broadcastable, or None, after every on_tokens hook (their
+  biases summed): positions (the queries', the keys') from opts (token_logits' docstring)."""
+  hooks = [m for m in active(cfg) if m.on_tokens is not None]
+  if not hooks:
+    return q_BTHK, None
+  T = q_BTHK.shape[1]
+  q_pos = jnp.arange(T) if opts.qk_positions is None else opts.qk_positions[0]
+  k_pos = opts.key_positions if opts.key_positions is not None else (
+      jnp.arange(S) if opts.qk_positions is None else opts.qk_positions[1])
+  total = None
+  for m in hooks:
+    out = m.on_tokens(params, x_BTD, q_BTHK, cfg=cfg, positions=(q_pos, k_pos))
+    if not isinstance(out, tuple) or len(out) != 2:
+      raise HookError(m.name, "on_tokens", f"returned {type(out).__name__}: a hook returns (q, bias or None)")
+    q_BTHK = _same_shape(m, "on_tokens", "queries", out[0], q_BTHK)
+    if out[1] is not None:
+      total = out[1] if total is None else total + out[1]
+  return q_BTHK, total
 
 
 def on_output(params: Params, x_BTD: Array, o_BTHV: Array, cfg: HeadConfig) -> Array:

@@ -24,10 +24,14 @@ counts (attn.variants.mechanisms has the record and the registry).
       y[t] = Σ_j w[j]·x[t − (W − 1) + j] (torch Conv1d's tap order, no bias), before QK-norm,
       the L2 clip, the value norm (value_norm_eps) and RoPE (on_qkv: the variants that offer
       "qkv_heads"). Decoding keeps each convolved projection's last W − 1 tokens as the record's
-      state, so cached decoding equals the full pass. Inkling-2's (conv(x) + x)/sqrt(W + 1) is this with taps (w + e_last)/sqrt(W + 1).
-  qk_l2_clip          no parameters: each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
+      state, so cached decoding equals the full pass. Inkling-2's (conv(x) + x)/sqrt(W + 1) is this with taps
+      (w + e_last)/sqrt(W + 1), or qkv_conv_residual with its own taps; qkv_conv_dynamic adds per-token taps
+      qkv_conv_dyn_* (D,N,W): head n's tap j at token t is x_in[t]·dyn[:, n, j], x_in the projection's input
+      (Inkling-2's sconv.weight_proj), and the sum is (conv(x) + dyn(x) + x)/sqrt(2W + 1).
+  qk_l2_clip          each query and key head vector scaled by min(1, c/(‖·‖ + 1e-6)),
       c = qk_l2_clip_threshold, after QK-norm and before RoPE (Inkling-2): a vector longer than
-      c is brought to norm c, so no logit exceeds c²·scale.
+      c is brought to norm c, so no logit exceeds c²·scale; with qk_clip_scale the queries are first
+      times q_clip_scale (H,K), ones at the start (Inkling-2's query norm.scale).
   qk_norm "fixed"     no parameters: each query and key head RMS-normalised with no learned scale,
       the queries times qk_scale_factor (Muse Spark): every logit is then at most
       qk_scale_factor·√d_k·scale in size whatever the weights.
@@ -63,7 +67,7 @@ import jax.numpy as jnp
 
 from attn.config import HeadConfig
 from attn.variants.mechanisms import cca, nsa, pooled, selection
-from attn.variants.mechanisms.record import Mechanism
+from attn.variants.mechanisms.record import HookError, Mechanism
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -245,9 +249,18 @@ def l2_clip(x_BTNK: Array, threshold: float) -> Array:
 
 
 def clip_qk(params: Params, q_BTHK: Array, k_BSGK: Array, *, cfg: HeadConfig) -> tuple[Array, Array]:
-  del params
+  """Both clipped; with qk_clip_scale the queries first times q_clip_scale (H,K), in float32 (Inkling-2's
+  Inkling2ScaledL2Clip)."""
   c = cfg.qk_l2_clip_threshold
+  if cfg.qk_clip_scale:
+    scaled = q_BTHK.astype(jnp.float32) * params["q_clip_scale"].astype(jnp.float32)
+    return l2_clip(scaled, c).astype(q_BTHK.dtype), l2_clip(k_BSGK, c)
   return l2_clip(q_BTHK, c), l2_clip(k_BSGK, c)
+
+
+def _clip_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
+  del key
+  return {"q_clip_scale": jnp.ones((cfg.num_heads, cfg.d_k), dtype)} if cfg.qk_clip_scale else {}
 
 
 def _clip_flops(cfg: HeadConfig, T: int, S: int) -> int:
@@ -261,12 +274,17 @@ def _clip_flops(cfg: HeadConfig, T: int, S: int) -> int:
 # at a large threshold: the plain head's count; all at a small one: a norm that frees each row's
 # scale, as QK-norm does), so attn.count measures it (the Jacobian's rank at random inputs).
 QK_L2_CLIP = Mechanism(
-    name="qk_l2_clip", fields=("qk_l2_clip_threshold",), on_qk=clip_qk, param_count=_zero,
-    flops=_clip_flops, score_weights=_zero,
-    needs={"qk_heads": "it clips each query and key head vector of d_k dims"},
-    examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),),
+    name="qk_l2_clip", fields=("qk_l2_clip_threshold", "qk_clip_scale"), on_qk=clip_qk, init=_clip_init,
+    sharding={"q_clip_scale": "HK"}, param_count=lambda cfg: cfg.num_heads * cfg.d_k if cfg.qk_clip_scale else 0,
+    flops=_clip_flops, score_weights=lambda cfg: cfg.num_heads * cfg.d_k if cfg.qk_clip_scale else 0,
+    needs=lambda cfg: {"qk_heads": "it clips each query and key head vector of d_k dims",
+                       **({"qkv_heads": "its learned scale is one per query head and dim, on the H query heads "
+                                        "the per-head projections hand over"} if cfg.qk_clip_scale else {})},
+    examples=(("qk_l2_clip", {"qk_l2_clip_threshold": 1.0}, "0", "3·K·(T·H + S·G)"),
+              ("qk_l2_clip scaled", {"qk_l2_clip_threshold": 1.0, "qk_clip_scale": True}, "H·K",
+               "3·K·(T·H + S·G)")),
     help="qk_l2_clip_threshold: c > 0, each query/key head vector scaled down to L2 norm ≤ c "
-         "(Inkling-2) before RoPE")
+         "(Inkling-2) before RoPE; qk_clip_scale: the queries times a learned (H,K) scale first")
 
 
 # qkv_conv: a short causal convolution over time on the projections, per head and channel
@@ -283,11 +301,16 @@ def _conv_sizes(cfg: HeadConfig) -> dict[str, tuple[int, int]]:
 def _qkv_conv_init(key: Array, cfg: HeadConfig, dtype=jnp.float32) -> Params:
   """Taps (W, N, C), torch Conv1d's order (the last one multiplies the current token): 1 on the last
   (the identity: at step 0 the head is the plain one) plus U(−1, 1)/sqrt(W) on every tap, so the
-  gradient reaches the earlier taps from the first step."""
+  gradient reaches the earlier taps from the first step; with qkv_conv_residual no 1 (the input is added
+  back), with qkv_conv_dynamic per-token taps' projections qkv_conv_dyn_* (D, N, W) at N(0, 1/D)/W."""
   W, out = cfg.qkv_conv_width, {}
   for i, (c, (N, C)) in enumerate(_conv_sizes(cfg).items()):
     noise = jax.random.uniform(jax.random.fold_in(key, i), (W, N, C), jnp.float32, -1.0, 1.0) / W ** 0.5
-    out[f"qkv_conv_{c}"] = noise.at[W - 1].add(1.0).astype(dtype)
+    out[f"qkv_conv_{c}"] = (noise if cfg.qkv_conv_residual else noise.at[W - 1].add(1.0)).astype(dtype)
+    if cfg.qkv_conv_dynamic:
+      D = cfg.d_model
+      dyn = jax.random.normal(jax.random.fold_in(key, 10 + i), (D, N, W), jnp.float32) / (D ** 0.5 * W)
+      out[f"qkv_conv_dyn_{c}"] = dyn.astype(dtype)
   return out
 
 
@@ -304,39 +327,75 @@ def causal_conv(x_BTNC: Array, w_WNC: Array, state_BWNC: Array | None = None) ->
   return y.astype(x_BTNC.dtype), padded[:, T:]
 
 
+def dynamic_conv(x_BTNC: Array, w_WNC: Array, dyn_BTNW: Array, state_BWNC: Array | None) -> tuple[Array, Array]:
+  """(y, new state), Inkling-2's hybrid form: y[t] = (Σ_j (w[j] + dyn[t, :, j])·x[t − (W − 1) + j] + x[t])
+  / sqrt(2W + 1), dyn (B,T,N,W) one tap per head and token in Conv1d's order, in float32."""
+  W = w_WNC.shape[0]
+  B, T, N, C = x_BTNC.shape
+  if state_BWNC is None:
+    state_BWNC = jnp.zeros((B, W - 1, N, C), x_BTNC.dtype)
+  padded = jnp.concatenate([state_BWNC.astype(x_BTNC.dtype), x_BTNC], axis=1)
+  f32, w, dyn = padded.astype(jnp.float32), w_WNC.astype(jnp.float32), dyn_BTNW.astype(jnp.float32)
+  y = sum((w[j] + dyn[..., j, None]) * f32[:, j:j + T] for j in range(W)) + f32[:, W - 1:]
+  return (y / jnp.sqrt(jnp.float32(2 * W + 1))).astype(x_BTNC.dtype), padded[:, T:]
+
+
 def conv_qkv(params: Params, q_BTHK: Array, k_BSGK: Array, v_BSGV: Array, *, cfg: HeadConfig,
-             state=None) -> tuple[Array, Array, Array]:
+             state=None, inputs=None) -> tuple[Array, Array, Array]:
   """The projections cfg.qkv_conv names through their convolutions; while decoding (state), from the
-  state's last W − 1 projections, which are replaced by the ones after these tokens."""
+  state's last W − 1 projections, which are replaced by the ones after these tokens. qkv_conv_residual:
+  (conv(x) + x)/sqrt(W + 1); qkv_conv_dynamic: per-token taps from inputs (the projections' inputs)."""
   out = {"q": q_BTHK, "k": k_BSGK, "v": v_BSGV}
   for c in cfg.qkv_conv:
     name = f"qkv_conv_state_{c}"
-    out[c], new = causal_conv(out[c], params[f"qkv_conv_{c}"], None if state is None else state[name])
+    held = None if state is None else state[name]
+    if cfg.qkv_conv_dynamic:
+      if inputs is None:
+        raise HookError("qkv_conv", "on_qkv", "qkv_conv_dynamic reads the projections' inputs, and this "
+                        "variant hands none (per_head, fused, two_stage and split_input do)")
+      x_in = inputs["qkv".index(c)]
+      dyn = jnp.einsum("BTD,DNW->BTNW", x_in, params[f"qkv_conv_dyn_{c}"], preferred_element_type=jnp.float32)
+      out[c], new = dynamic_conv(out[c], params[f"qkv_conv_{c}"], dyn, held)
+    else:
+      y, new = causal_conv(out[c], params[f"qkv_conv_{c}"], held)
+      if cfg.qkv_conv_residual:  # Inkling-2's sliding form
+        W = cfg.qkv_conv_width
+        y = ((y.astype(jnp.float32) + out[c].astype(jnp.float32)) / jnp.sqrt(jnp.float32(W + 1))).astype(y.dtype)
+      out[c] = y
     if state is not None:
       state[name] = new.astype(state[name].dtype)
   return out["q"], out["k"], out["v"]
 
 
 def _qkv_conv_params(cfg: HeadConfig) -> int:
-  return cfg.qkv_conv_width * sum(N * C for N, C in _conv_sizes(cfg).values())
+  dyn = cfg.d_model * sum(N for N, _ in _conv_sizes(cfg).values()) if cfg.qkv_conv_dynamic else 0
+  return cfg.qkv_conv_width * (sum(N * C for N, C in _conv_sizes(cfg).values()) + dyn)
 
 
 def _qkv_conv_flops(cfg: HeadConfig, T: int, S: int) -> int:
-  """2·W per channel and token: the queries' H·K channels over T tokens, the keys' and values' over S."""
+  """2·W per channel and token: the queries' H·K channels over T tokens, the keys' and values' over S; with
+  qkv_conv_dynamic 2·W per channel and token more, and 2·D·N·W per token for the per-token taps."""
   tokens = {"q": T, "k": S, "v": S}
-  return 2 * cfg.qkv_conv_width * sum(tokens[c] * N * C for c, (N, C) in _conv_sizes(cfg).items())
+  taps = 2 if cfg.qkv_conv_dynamic else 1
+  total = 2 * taps * cfg.qkv_conv_width * sum(tokens[c] * N * C for c, (N, C) in _conv_sizes(cfg).items())
+  if cfg.qkv_conv_dynamic:
+    total += 2 * cfg.d_model * cfg.qkv_conv_width * sum(tokens[c] * N for c, (N, _) in _conv_sizes(cfg).items())
+  return total
 
 
 def _qkv_conv_score_weights(cfg: HeadConfig) -> int:
-  return cfg.qkv_conv_width * sum(N * C for c, (N, C) in _conv_sizes(cfg).items() if c != "v")
+  dyn = cfg.d_model if cfg.qkv_conv_dynamic else 0
+  return cfg.qkv_conv_width * sum(N * (C + dyn) for c, (N, C) in _conv_sizes(cfg).items() if c != "v")
 
 
 # Its effective count is measured: the taps of a channel trade against that channel's column of
 # W_Q, W_K or W_V only where W = 1 (a scale), and how the rest adds to the function class is not
 # worked out here.
 QKV_CONV = Mechanism(
-    name="qkv_conv", fields=("qkv_conv", "qkv_conv_width"), init=_qkv_conv_init,
-    sharding={"qkv_conv_q": "WHK", "qkv_conv_k": "WGK", "qkv_conv_v": "WGV"},
+    name="qkv_conv", fields=("qkv_conv", "qkv_conv_width", "qkv_conv_residual", "qkv_conv_dynamic"),
+    init=_qkv_conv_init, reads_inputs=True,
+    sharding={"qkv_conv_q": "WHK", "qkv_conv_k": "WGK", "qkv_conv_v": "WGV", "qkv_conv_dyn_q": "DHW",
+              "qkv_conv_dyn_k": "DGW", "qkv_conv_dyn_v": "DGW"},
     on_qkv=conv_qkv, param_count=_qkv_conv_params, flops=_qkv_conv_flops,
     score_weights=_qkv_conv_score_weights,
     state=lambda cfg: {f"qkv_conv_state_{c}": (cfg.qkv_conv_width - 1, N, C) for c, (N, C) in _conv_sizes(cfg).items()},
@@ -344,7 +403,10 @@ QKV_CONV = Mechanism(
                         "projections while decoding"},
     examples=(("qkv_conv kv", {"qkv_conv": "kv", "qkv_conv_width": 3}, "W·(G·K + G·V)", "2·W·S·(G·K + G·V)"),
               ("qkv_conv qkv", {"qkv_conv": "qkv", "qkv_conv_width": 2}, "W·(H·K + G·K + G·V)",
-               "2·W·(T·H·K + S·G·K + S·G·V)")),
+               "2·W·(T·H·K + S·G·K + S·G·V)"),
+              ("qkv_conv kv dynamic", {"qkv_conv": "kv", "qkv_conv_width": 3, "qkv_conv_residual": True,
+                                       "qkv_conv_dynamic": True}, "W·(G·K + G·V + 2·D·G)",
+               "4·W·S·(G·K + G·V) + 4·W·S·D·G")),
     help="qkv_conv: q|k|v|qk|qv|kv|qkv, a causal depthwise convolution of qkv_conv_width taps over "
          "time on those projections, per head (Inkling-2: keys and values)")
 

@@ -26,9 +26,15 @@ class Mechanism:
   sharding: Mapping[str, str | None] | None = None
   on_qk: Callable[..., tuple[Array, Array]] | None = None
   on_qkv: Callable[..., tuple[Array, Array, Array]] | None = None  # the projections, before on_qk
+  # on_qkv also takes inputs=(the query, key and value projections' inputs (B,T|S,D)), None where not handed
+  reads_inputs: bool = False
   # Its decoding state: cfg -> {name: per-sequence shape} (the cache holds (B, *shape) zeros at the start)
   state: Callable[[HeadConfig], Mapping[str, tuple[int, ...]]] | None = None
   on_logits: Callable[..., Array] | None = None
+  # Reads the layer's query tokens and positions: (params, x_BTD, q_BTHK, *, cfg, positions) -> (q, logits_bias
+  # or None), right before the kernel (attn.variants.mechanisms.token_logits)
+  on_tokens: Callable[..., tuple[Array, Array | None]] | None = None
+  absolute: bool = False  # it reads absolute positions: shifting every position changes it (the kit's rope check)
   on_output: Callable[..., Array] | None = None
   kernel: Callable[[Params, HeadConfig], dict[str, Any]] | None = None
   select: Callable[..., Any] | None = None  # chooses keys: a mask or a kernel.KeyChoice (attn.variants.mechanisms)
