@@ -102,10 +102,13 @@ def _call(v, p, x, c, cfg: HeadConfig):
 def score_weights(variant: str, cfg: HeadConfig) -> int:
   """Non-bias weights (names not starting with b) that move the attention weights."""
   v = api.get_variant(variant)
-  params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.PRNGKey(7), a.shape),
-                        api.init(variant, jax.random.PRNGKey(0), cfg))
-  x = jax.random.normal(jax.random.PRNGKey(1), (1, 5, cfg.d_model))
-  r = jax.random.normal(jax.random.PRNGKey(2), (1, cfg.num_heads, 5, 5))
+  # A generic point: every leaf random at its fan-in's scale, drawn on the host (attn.init's eager draws
+  # compile a program per leaf shape).
+  rng = np.random.default_rng(7)
+  draw = lambda shape, scale=1.0: jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32))
+  params = {n: draw(s, 1.0 / math.sqrt(math.prod(s) // s[-1] if s else 1))
+            for n, s in sorted(api.param_shapes(variant, cfg).items())}
+  x, r = draw((1, 5, cfg.d_model)), draw((1, cfg.num_heads, 5, 5))
   opts = api.Options(return_weights=True)
   grads = jax.jit(jax.grad(lambda p: (v.apply(p, x, None, cfg=cfg, opts=opts)[1] * r).sum()))(params)
   return sum(int((jnp.abs(g) > 0).sum()) for k, g in grads.items() if not k.startswith("b"))
