@@ -1,6 +1,6 @@
 """Every test that uses the hf extra (the `hf` mark), on every transformers minor release the hf extra allows.
 
-  python scripts/hf_versions.py --venv /tmp/hf-venv        # 32 releases, 4.51.3-5.24.0: 54 min on one core
+  python scripts/hf_versions.py --venv /tmp/hf-venv        # every minor release from the floor
   python scripts/hf_versions.py --venv /tmp/hf-venv --versions 4.51.1 5.24.0 --json out.json
   python scripts/hf_versions.py --venv /tmp/hf-venv --versions 5.25.0 --constraints constraints-hf.txt
 
@@ -13,10 +13,13 @@ Decisions:
   pretrained extras named, so pip re-resolves what pins transformers (sentence-transformers)
   and tokenizers along with it.
 - The tests: those with the `hf` mark (tests/hf_marks.py finds them in their code), both tiers,
-  from every tests/test_*.py that names transformers, on one core (-n 0), one pytest process a
-  file (one process over all of them grew past 6 GB and was killed an hour into 4.51.3 on a
-  shared 23 GB machine, losing the release). Counts and failing ids come from pytest's JUnit XML; an error counts as a failure, and so
-  does a version pip cannot install. `seconds` is the pytest run alone, not the install.
+  from every tests/test_*.py that names transformers, in one pytest a release over --workers
+  xdist workers (default 2, `--dist loadfile` as the suite runs; a worker that dies is restarted and
+  its file counted failed, so the release keeps its other rows). One pytest a file on one core, as
+  this script first did, spent most of a release starting 40-odd processes (each importing JAX,
+  attn and transformers). Counts, per file too, and failing ids come from pytest's JUnit XML; an
+  error counts as a failure, and so does a version pip cannot install. `seconds` is the pytest run
+  alone, not the install.
 - Prints a Markdown table (with the tokenizers, safetensors and huggingface-hub pip resolved
   along: a constraints file's other pins), then the failing test ids per version; exits 1 if
   any failed. constraints-hf.txt pins what CI installs: move it only with this table's evidence.
@@ -100,41 +103,42 @@ def installed(python: str, names: list[str]) -> dict[str, str]:
   return dict(line.split(" ", 1) for line in out.splitlines())
 
 
-def run_file(python: str, path: str, row: dict) -> dict:
-  """Run one test file's `hf` tests, both tiers; add its counts, failing ids and seconds to `row` and return its own."""
-  counts = {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0}
+def run_tests(python: str, files: list[str], row: dict, workers: int) -> None:
+  """Run the files' `hf` tests, both tiers, in one pytest; add the counts, per-file counts, failing ids and
+  seconds to `row`."""
+  row["files"] = {path: {"passed": 0, "failed": 0, "skipped": 0} for path in files}
   with tempfile.TemporaryDirectory() as tmp:
     xml = os.path.join(tmp, "junit.xml")
     t0 = time.time()
-    p = subprocess.run([python, "-m", "pytest", "-q", "-n", "0", "-m", "hf",
-                        f"--junitxml={xml}", path], cwd=REPO, capture_output=True, text=True)
-    counts["seconds"] = round(time.time() - t0, 1)
+    p = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+                        "--dist", "loadfile", "-m", "hf", f"--junitxml={xml}", *files],
+                       cwd=REPO, capture_output=True, text=True)
+    row["seconds"] = round(time.time() - t0, 1)
     if not os.path.exists(xml):  # pytest died before writing its report (a negative code: killed by that signal)
-      counts["failed"] = 1
-      row["failures"].append(f"{path}: pytest exited {p.returncode}: {p.stdout[-300:]}{p.stderr[-300:]}")
-    else:
-      for case in ET.parse(xml).getroot().iter("testcase"):
-        bad = [e for e in case if e.tag in ("failure", "error")]
-        if bad:
-          counts["failed"] += 1
-          message = (bad[0].get("message") or "").strip().splitlines() or [""]
-          row["failures"].append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200]}")
-        elif case.find("skipped") is not None:
-          counts["skipped"] += 1
-        else:
-          counts["passed"] += 1
-      if p.returncode not in (0, 5) and not counts["failed"]:  # 5: no tests collected (all deselected)
-        counts["failed"] = 1
-        row["failures"].append(f"{path}: pytest exited {p.returncode}: {p.stdout[-300:]}")
-  for k in counts:
-    row[k] = round(row[k] + counts[k], 1) if k == "seconds" else row[k] + counts[k]
-  return counts
+      row["failed"] += 1
+      row["failures"].append(f"pytest exited {p.returncode}: {p.stdout[-300:]}{p.stderr[-300:]}")
+      return
+    for case in ET.parse(xml).getroot().iter("testcase"):
+      path = case.get("classname", "").replace(".", "/") + ".py"  # tests.test_x -> tests/test_x.py
+      counts = row["files"].setdefault(path, {"passed": 0, "failed": 0, "skipped": 0})
+      bad = [e for e in case if e.tag in ("failure", "error")]
+      if bad:
+        kind = "failed"
+        message = (bad[0].get("message") or "").strip().splitlines() or [""]
+        row["failures"].append(f"{case.get('classname')}::{case.get('name')}: {message[0][:200]}")
+      else:
+        kind = "skipped" if case.find("skipped") is not None else "passed"
+      counts[kind] += 1
+      row[kind] += 1
+    if p.returncode not in (0, 5) and not row["failed"]:  # 5: no tests collected (all deselected)
+      row["failed"] += 1
+      row["failures"].append(f"pytest exited {p.returncode}: {p.stdout[-300:]}")
 
 
 def run_version(python: str, version: str, files: list[str], constraints: str | None = None,
-                progress=None) -> dict:
-  """Install one transformers (within `constraints`, a pip constraints file) and run the tests, one pytest
-  a file; counts, failing ids and timings, the row passed to `progress` after each file."""
+                workers: int = 2) -> dict:
+  """Install one transformers (within `constraints`, a pip constraints file) and run the tests; counts,
+  failing ids and timings."""
   row = {"version": version, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0,
          "failures": []}
   t0 = time.time()
@@ -146,12 +150,7 @@ def run_version(python: str, version: str, files: list[str], constraints: str | 
     return row
   row["installed"] = installed(python, ["transformers", "tokenizers", "huggingface-hub",
                                        "safetensors", "sentence-transformers"])
-  row["files"] = {}
-  for path in files:  # one pytest a file: memory goes back between files, and a killed file loses only itself
-    counts = run_file(python, path, row)
-    row["files"][path] = counts
-    if progress:
-      progress(row)
+  run_tests(python, files, row, workers)
   return row
 
 
@@ -173,6 +172,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--venv", required=True, help="the one venv to reuse; made if absent")
   parser.add_argument("--versions", nargs="+", help="these transformers versions instead of every minor")
   parser.add_argument("--json", help="also write the rows (with installed versions) here")
+  parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
   parser.add_argument("--constraints", help="install within this pip constraints file (constraints-hf.txt, "
                       "constraints-hf-floor.txt: CI's pins, to check them)")
   args = parser.parse_args(argv)
@@ -182,11 +182,10 @@ def main(argv: list[str]) -> int:
   print(f"{len(versions)} versions: {' '.join(versions)}\ntests: {' '.join(files)}", file=sys.stderr)
   rows, t0 = [], time.time()
   for version in versions:
-    def progress(row: dict) -> None:  # written after every file, so a long run can be read while it goes
-      if args.json:
-        with open(args.json, "w") as f:
-          json.dump(rows + [row], f, indent=1)
-    rows.append(run_version(python, version, files, args.constraints, progress))
+    rows.append(run_version(python, version, files, args.constraints, args.workers))
+    if args.json:  # written after every release, so a long run can be read while it goes
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
     r = rows[-1]
     print(f"{version}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
           f"{r['seconds']:.0f} s (+{r['install_seconds']:.0f} s install)", file=sys.stderr, flush=True)

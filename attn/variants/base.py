@@ -182,6 +182,7 @@ class Variant:
   sharding: Mapping[str, str | None] | None = None
   fields: tuple[str, ...] = ()  # HeadConfig fields only it reads: every other variant refuses them set
   lacks: Mapping[str, str] | None = None  # what of OFFERS it does not offer -> why (check_offers)
+  offers: tuple[str, ...] = ()  # what of OPT_IN it offers (check_offers)
 
   @property
   def cache_kind(self) -> str:
@@ -205,14 +206,23 @@ OFFERS = {
     "qkv_heads": "per-head query, key and value projections handed to attend_and_project, with the "
                  "keys and values cached per token",
 }
+# What a variant offers only where its record's `offers` names it: a capability added after plugins were
+# written, which a plugin's variant (calling attend_and_project as before) does not hand over.
+OPT_IN = {
+    "projection_inputs": "the query, key and value projections' inputs handed to attend_and_project (inputs=)",
+}
+
+
+def lacks_of(v: Variant) -> dict[str, str]:
+  """What of OFFERS and OPT_IN v does not offer -> why."""
+  return {**(v.lacks or {}), **{what: f"{v.name} does not hand them (its record's offers does not name "
+                                      f"{what!r})" for what in OPT_IN if what not in v.offers}}
 
 
 def check_offers(v: Variant, cfg: HeadConfig, variants=()) -> None:
   """Refuses an active mechanism that needs what v lacks: names the option, v, what the mechanism
   needs and why v lacks it, and the variants (of `variants`) that would run it."""
-  lacks = v.lacks or {}
-  if not lacks:
-    return
+  lacks = lacks_of(v)
   for m in mechanisms.active(cfg):
     needs = m.needs(cfg) if callable(m.needs) else (m.needs or {})
     for what, why in needs.items():
@@ -220,7 +230,11 @@ def check_offers(v: Variant, cfg: HeadConfig, variants=()) -> None:
         option = m.fields[0] if m.fields else f"extra.{m.name}"
         value = getattr(cfg, m.fields[0]) if m.fields else dict(cfg.extra[m.name])
         off = repr(mechanisms.default_of(m.fields[0])) if m.fields else "absent"
-        without = [o.name for o in variants if what in (o.lacks or {})] or [v.name]
+        if what in OPT_IN:
+          offering = [o.name for o in variants if what in o.offers] or ["per_head"]
+          raise invalid(option, value, f"{off} for {v.name}: {m.name} needs {OPT_IN[what]} ({why}), and "
+                        f"{lacks[what]}; {', '.join(offering)} offer them")
+        without = [o.name for o in variants if what in lacks_of(o)] or [v.name]
         raise invalid(option, value, f"{off} for {v.name}: {m.name} needs {OFFERS[what]} ({why}), and "
                       f"{lacks[what]}; every variant but {', '.join(without)} offers them (per_head runs it)")
 

@@ -88,4 +88,5 @@ VARIANT = Variant(
     flops=standard_flops,
     kv_cache_width=standard_kv_cache_width,
     score_weights=standard_score_weights,
+    offers=("projection_inputs",),  # attend_and_project gets inputs= (qkv_conv_dynamic reads them)
 )

@@ -75,4 +75,5 @@ VARIANT = Variant(
     kv_cache_width=standard_kv_cache_width,
     score_weights=standard_score_weights,
     fields=("value_norm_eps",),
+    offers=("projection_inputs",),  # attend_and_project gets inputs= (qkv_conv_dynamic reads them)
 )

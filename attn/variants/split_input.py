@@ -91,4 +91,5 @@ VARIANT = Variant(
     kv_cache_width=standard_kv_cache_width,
     score_weights=score_weights,
     check=check,
+    offers=("projection_inputs",),  # attend_and_project gets inputs= (qkv_conv_dynamic reads them)
 )

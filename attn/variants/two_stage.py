@@ -74,4 +74,5 @@ VARIANT = Variant(
     flops=flops,
     kv_cache_width=standard_kv_cache_width,
     score_weights=score_weights,
+    offers=("projection_inputs",),  # attend_and_project gets inputs= (qkv_conv_dynamic reads them)
 )

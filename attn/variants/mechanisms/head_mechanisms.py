@@ -399,8 +399,10 @@ QKV_CONV = Mechanism(
     on_qkv=conv_qkv, param_count=_qkv_conv_params, flops=_qkv_conv_flops,
     score_weights=_qkv_conv_score_weights,
     state=lambda cfg: {f"qkv_conv_state_{c}": (cfg.qkv_conv_width - 1, N, C) for c, (N, C) in _conv_sizes(cfg).items()},
-    needs={"qkv_heads": "it convolves each query, key and value head over time and keeps their last "
-                        "projections while decoding"},
+    needs=lambda cfg: {"qkv_heads": "it convolves each query, key and value head over time and keeps their last "
+                                    "projections while decoding",
+                       **({"projection_inputs": "qkv_conv_dynamic computes per-token taps from them"}
+                          if cfg.qkv_conv_dynamic else {})},
     examples=(("qkv_conv kv", {"qkv_conv": "kv", "qkv_conv_width": 3}, "W·(G·K + G·V)", "2·W·S·(G·K + G·V)"),
               ("qkv_conv qkv", {"qkv_conv": "qkv", "qkv_conv_width": 2}, "W·(H·K + G·K + G·V)",
                "2·W·(T·H·K + S·G·K + S·G·V)"),
