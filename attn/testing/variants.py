@@ -76,6 +76,9 @@ AWKWARD = {
 JACOBIAN = (HeadConfig(d_model=4, num_heads=4, d_k=1, d_v=2, num_kv_heads=2),
             HeadConfig(d_model=6, num_heads=3, d_k=2, d_v=3, num_kv_heads=1, use_bias=False),
             HeadConfig(d_model=6, num_heads=2, d_k=2, d_v=3, num_kv_heads=1))
+# Decoding's chunkings: token by token, then a chunk of 4 at position 1 (the cache already holds a token)
+# between single tokens; two step programs in all (chunks of 1 and of 4), each compiled once per config.
+CHUNKINGS = ((1,) * 7, (1, 4, 1, 1))
 FLOPS = (HeadConfig(d_model=48, num_heads=4, d_k=12, d_v=20, num_kv_heads=2), 4, 12)
 
 
@@ -502,7 +505,7 @@ def _variant_properties(checks: Checks, v: Variant, thorough: bool, configs) -> 
       api.check_config(v, cfg)  # a config the variant refuses is bad input to the kit: its ConfigError
       _at(checks, v, cfg, ("param_count", "kv_cache_width", "effective_param_count"), _check_counts, v, cfg)
       _at(checks, v, cfg, _calls(cfg), _check_calls, v, cfg)
-      _at(checks, v, cfg, "decoding", _check_decoding, v, cfg, ((1,) * 7, (4, 1, 2)))
+      _at(checks, v, cfg, "decoding", _check_decoding, v, cfg, CHUNKINGS)
       _at(checks, v, cfg, "score_weights", _check_score_weights, v, cfg)
     return
   configs = [c for c in AWKWARD.values() if _accepts(v, c)]
@@ -510,7 +513,7 @@ def _variant_properties(checks: Checks, v: Variant, thorough: bool, configs) -> 
     raise AssertionError(f"{checks.who}: configs: variant {v.name!r} accepts none of the kit's configs "
                          f"{list(AWKWARD)}")
   first = next((c for c in (AWKWARD["rope_gqa"], *configs) if _accepts(v, c)))
-  chunkings = ((1,) * 7, (4, 1, 2)) if thorough else ((1,) * 7,)
+  chunkings = CHUNKINGS if thorough else CHUNKINGS[:1]
   if thorough:
     for cfg in configs:
       _at(checks, v, cfg, ("param_count", "kv_cache_width", "effective_param_count"), _check_counts, v, cfg)
