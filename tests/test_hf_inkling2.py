@@ -20,6 +20,8 @@ import pytest
 from attn import ConfigError, cli
 from attn.nn import hf
 
+import hf_hybrid  # tests/hf_hybrid.py
+
 TOL = 1e-4  # relative to the largest logit, float32
 TEXT = dict(vocab_size=61, unpadded_vocab_size=57, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
             num_key_value_heads=1, head_dim=10, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=6,
@@ -157,16 +159,11 @@ def test_family_contract_and_the_save_pretrained_directory(kind, tmp_path):
 def test_cached_greedy_decoding_equals_generate(kind, tmp_path):
   """From the save_pretrained directory: attn's cached greedy decoding (the caches, the windows' rings, the
   convolutions' states, per-token sinks and bias at the cache's positions) equals transformers' generate."""
-  torch = pytest.importorskip("torch")
-  import jax.numpy as jnp
+  pytest.importorskip("torch")
   m = _model(kind, seed=4)
   m.save_pretrained(tmp_path / kind)
-  loaded = hf.from_hf(tmp_path / kind)
-  prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 57, (2, 5)))
-  with torch.no_grad():
-    want = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7, do_sample=False).numpy()
-  got = np.asarray(loaded.model.generate(jnp.asarray(prompt.numpy()), 7))
-  np.testing.assert_array_equal(got, want)
+  prompt = np.random.default_rng(4).integers(0, 57, (2, 5))
+  hf_hybrid.assert_greedy_decoding_equal(m, hf.from_hf(tmp_path / kind), prompt, 7)
 
 
 @pytest.mark.slow

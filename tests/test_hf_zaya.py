@@ -26,6 +26,8 @@ from attn.nn import hf
 from attn.nn.hf import zaya
 from attn.nn.hf.base import Weights
 from attn.testing import check_family
+
+import hf_hybrid  # tests/hf_hybrid.py
 from attn.variants import cache
 
 TOL = 1e-4  # relative to the largest logit, float32
@@ -259,15 +261,11 @@ def test_family_contract_and_the_save_pretrained_directory(tmp_path):
 def test_cached_greedy_decoding_equals_generate(tmp_path):
   """From the save_pretrained directory (tied head, defaults): attn's cached greedy decoding against generate,
   and against attn's own full pass."""
-  torch, _, _ = _transformers()
+  _transformers()
   m = _model(seed=4)
   m.save_pretrained(tmp_path / "z")
-  loaded = hf.from_hf(tmp_path / "z")
-  prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 53, (1, 5)))
-  with torch.no_grad():
-    want = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False).numpy()
-  got = np.asarray(loaded.model.generate(jnp.asarray(prompt.numpy()), 8))
-  np.testing.assert_array_equal(got, want)
+  prompt = np.random.default_rng(4).integers(0, 53, (1, 5))
+  hf_hybrid.assert_greedy_decoding_equal(m, hf.from_hf(tmp_path / "z"), prompt, 8)
 
 
 @pytest.mark.slow

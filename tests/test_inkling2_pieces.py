@@ -57,6 +57,16 @@ def _set(var, tensor):
   var[...] = jnp.asarray(tensor.detach().numpy(), jnp.float32)
 
 
+
+def assert_pieces_give_the_full_pass(model, seed: int) -> None:
+  """Nine random tokens fed through the caches and states in three pieces (one of a single token, as decoding
+  feeds them) give the full pass's logits."""
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 13, (2, 9)))
+  full = np.asarray(model(tokens))
+  model.init_cache(2, 9)
+  parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 4), (4, 5), (5, 9))]
+  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+
 @pytest.mark.parametrize("changes, match", [
     (dict(moe_gate_softcap=0.0), r"moe_gate_softcap=0.0 is not allowed: a positive finite number"),
     (dict(moe_up_softcap=float("inf")), r"moe_up_softcap=inf is not allowed: a positive finite number"),
@@ -136,11 +146,7 @@ def test_residual_conv_is_counted_and_decodes_as_its_full_pass():
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   stored = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert stored == count.model_param_count(cfg) == count.model_param_count(ModelConfig(**DENSE)) + 2 * 2 * 3 * 10
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 9)))
-  full = np.asarray(model(tokens))
-  model.init_cache(2, 9)
-  parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 4), (4, 5), (5, 9))]
-  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+  assert_pieces_give_the_full_pass(model, seed=0)
 
 
 @pytest.mark.slow
@@ -442,11 +448,7 @@ def test_attention_residuals_decode_as_their_full_pass():
     for mix in (block.attn_input, block.mlp_input):
       if mix is not None:
         mix.query[...] = jax.random.normal(jax.random.key(7), mix.query.shape)
-  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 13, (2, 9)))
-  full = np.asarray(model(tokens))
-  model.init_cache(2, 9)
-  parts = [np.asarray(model(tokens[:, a:b], decode=True)) for a, b in ((0, 4), (4, 5), (5, 9))]
-  np.testing.assert_allclose(np.concatenate(parts, 1), full, atol=2e-5, rtol=1e-5)
+  assert_pieces_give_the_full_pass(model, seed=2)
 
 
 @pytest.mark.slow
