@@ -8,10 +8,11 @@ Decisions:
 - The versions are the last patch release of each minor release from the floor of the hf
   extra in pyproject.toml up to the newest that `pip index versions transformers` lists
   (no pre-releases); `--versions` names them instead.
-- One venv, reused: made once (python3 -m venv, the CPU torch on disk, the test, torch, hf
-  and pretrained extras), then each version installed over the last with the hf and
-  pretrained extras named, so pip re-resolves what pins transformers (sentence-transformers)
-  and tokenizers along with it.
+- One venv, reused: made once (python3 -m venv, the CPU torch on disk, the test and torch extras),
+  its packages then recorded (BASE); for each version every package installed since is removed and the hf
+  and pretrained extras installed with that transformers, so pip resolves each release as a fresh venv
+  would (what a later release pulled in stays out of an earlier one's: transformers 5.25's `kernels`, left
+  beside 5.0.0 with the huggingface-hub 1.x it brings, failed 105 of its tests in the first run).
 - The tests: those with the `hf` mark (tests/hf_marks.py finds them in their code), both tiers,
   from every tests/test_*.py that names transformers, in one pytest a release over --workers
   xdist workers (default 2, `--dist loadfile` as the suite runs; a worker that dies is restarted and
@@ -72,16 +73,38 @@ def pip(python: str, *args: str) -> subprocess.CompletedProcess:
   return subprocess.run([python, "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
 
 
+BASE = "attn-hf-versions-base.json"  # in the venv: the packages it held before any hf release
+
+
+def packages(python: str) -> list[str]:
+  out = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True)
+  return sorted(p["name"].lower() for p in json.loads(out.stdout))
+
+
 def make_venv(venv: str) -> str:
-  """The venv's python, made with torch and every extra the tests need if it is not there."""
+  """The venv's python, made with torch and the test and torch extras (and its packages recorded) if it is
+  not there."""
   python = os.path.join(venv, "bin", "python")
-  if not os.path.exists(python):
+  if not os.path.exists(os.path.join(venv, BASE)):
+    if os.path.exists(python):
+      sys.exit(f"{venv} was not made by this script (no {BASE}): name a new directory")
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    for args in ([TORCH], ["-e", f"{REPO}[test,torch,hf,pretrained]"]):
+    for args in ([TORCH], ["-e", f"{REPO}[test,torch]"]):
       r = pip(python, *args)
       if r.returncode:
         sys.exit(f"making {venv}: pip install {' '.join(args)} failed:\n{r.stderr}")
+    with open(os.path.join(venv, BASE), "w") as f:
+      json.dump(packages(python), f)
   return python
+
+
+def back_to_base(python: str) -> None:
+  """Removes every package installed since the venv was made (the last release and what it pulled in)."""
+  with open(os.path.join(os.path.dirname(os.path.dirname(python)), BASE)) as f:
+    base = set(json.load(f))
+  extra = [p for p in packages(python) if p not in base]
+  if extra:
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", *extra], capture_output=True, text=True, check=True)
 
 
 def test_files() -> list[str]:
@@ -142,6 +165,7 @@ def run_version(python: str, version: str, files: list[str], constraints: str | 
   row = {"version": version, "passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0,
          "failures": []}
   t0 = time.time()
+  back_to_base(python)
   r = pip(python, "-e", f"{REPO}[hf,pretrained]", f"transformers=={version}",
           *(["-c", os.path.abspath(constraints)] if constraints else []))
   row["install_seconds"] = round(time.time() - t0, 1)
