@@ -25,13 +25,15 @@ from flax import nnx
 from attn.config import invalid
 
 
+def _check_taps(field: str, width, where: str) -> None:
+  """field: None (no convolution) or an integer >= 1, the taps of the causal convolution `where`."""
+  if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+    raise invalid(field, width, f"None (no convolution) or an integer >= 1: the taps of the causal convolution {where}")
+
+
 def check_width(width) -> None:
   """short_conv: None (no convolution) or an integer >= 1."""
-  if width is None:
-    return
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise invalid("short_conv", width, "None (no convolution) or an integer >= 1: the taps of the "
-                  "causal convolution before each attention layer")
+  _check_taps("short_conv", width, "before each attention layer")
 
 
 def param_count(width: int | None, d_model: int) -> int:
@@ -84,11 +86,7 @@ class ShortConv(nnx.Module):
 
 def check_residual_width(width) -> None:
   """residual_conv: None (none) or an integer >= 1."""
-  if width is None:
-    return
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise invalid("residual_conv", width, "None (no convolution) or an integer >= 1: the taps of the causal "
-                  "convolution on each attention's and MLP's output (Inkling-2's conv_kernel_size)")
+  _check_taps("residual_conv", width, "on each attention's and MLP's output (Inkling-2's conv_kernel_size)")
 
 
 def residual_param_count(width: int | None, d_model: int) -> int:
