@@ -11,6 +11,7 @@ The default tier reads configs (no transformers model, no compile): widths, refu
 Everything that builds a model is in the slow tier.
 """
 
+import inspect
 import json
 import os
 
@@ -24,7 +25,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 TOL = 1e-4
 CONFIG = {"vocab_size": 53, "hidden_size": 32, "intermediate_size": 40, "moe_intermediate_size": 12,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
-          "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+          "num_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+          "routed_scaling_factor": 2.5,
           "first_k_dense_replace": 1, "norm_topk_prob": True, "q_lora_rank": 6, "kv_lora_rank": 5,
           "qk_rope_head_dim": 4, "qk_nope_head_dim": 6, "v_head_dim": 7, "max_position_embeddings": 64,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "index_n_heads": 8,
@@ -32,11 +34,31 @@ CONFIG = {"vocab_size": 53, "hidden_size": 32, "intermediate_size": 40, "moe_int
           "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                               "mscale": 0.8, "mscale_all_dim": 0.6, "beta_fast": 32, "beta_slow": 1,
                               "rope_theta": 500.0}}
+# num_experts as n_routed_experts: DeepseekV32Config of transformers 5.11 and 5.12 builds its experts from
+# num_experts (num_local_experts, a field of its own, 256 by default) and its router from n_routed_experts; 5.13 on
+# read num_local_experts as n_routed_experts (5.25 re-routes a num_experts given to it). The releases' config.json
+# has 256 of n_routed_experts and no num_experts.
 FAMILIES = {"deepseek_v32": ("DeepseekV32", "half"), "glm_moe_dsa": ("GlmMoeDsa", "interleaved")}
 
 
 def _config(family, **changes):
   return {"model_type": family, **CONFIG, **changes}
+
+
+def _release() -> tuple[int, int]:
+  import transformers
+  return tuple(int(p) for p in transformers.__version__.split(".")[:2])
+
+
+def skip_glm_before_5_13(family):
+  """Skips a comparison of GLM-5's outputs against a transformers that computes them otherwise: its
+  GlmMoeDsaIndexer rotates the index heads' RoPE dims in the half layout (rotate_half) in 5.2 to 5.12
+  (modeling_glm_moe_dsa of 5.11 and 5.12: "The indexer uses NON-interleaved (half-split) RoPE"), interleaved from
+  5.13 on (GLM-5's own layout, and attn's glm_moe_dsa rope_layout). A changed definition upstream, not attn's."""
+  if family == "glm_moe_dsa" and _release() < (5, 13):
+    import transformers
+    pytest.skip(f"glm_moe_dsa against transformers {transformers.__version__}: 5.2 to 5.12 rotate GLM-5's "
+                "index heads in the half layout, 5.13 on interleaved (GLM-5's, attn's)")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -56,6 +78,8 @@ def test_config_reads_the_indexer(family):
   assert (out["index_n_heads"], out["index_head_dim"], out["index_topk"], out["mlp_layer_types"]) == (
       8, 8, 3, ["dense", "sparse"])
   assert hf.model_config({"model_type": family, **out}) == cfg
+  # transformers 5.11 to 5.17 write every layer's type under its earlier name; 5.18 on read it as indexed_attention
+  assert hf.model_config(_config(family, rope_interleave=False, layer_types=["deepseek_sparse_attention"] * 2)) == cfg
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -170,6 +194,7 @@ def test_logits_and_exact_round_trip(family, topk, tmp_path):
   selected, are far off: the comparison sees the indexer."""
   from attn.testing import check_family
   m = build(family, index_topk=topk)
+  skip_glm_before_5_13(family)
   measured = check_family(family, m)
   print(f"{family} (index_topk={topk}): relative {measured['logits_relative']:.2e}")
   assert measured["logits_relative"] < TOL
@@ -195,7 +220,9 @@ def test_cached_decoding_matches_transformers_cache(family):
   """Prefill 5 tokens, decode 10 through mla's cache with the index keys beside it (index_topk 3 < 15
   positions): every step's logits against transformers' own cache (teacher-forced), tokens against its greedy
   choices and generate()."""
-  _decoding_matches(build(family), family, [{"latent": 5, "k_rope": 4, "index_key": 8}] * 2)
+  m = build(family)
+  skip_glm_before_5_13(family)
+  _decoding_matches(m, family, [{"latent": 5, "k_rope": 4, "index_key": 8}] * 2)
 
 
 @pytest.mark.slow
@@ -203,6 +230,7 @@ def test_glm_shared_layers_decode_as_transformers():
   """GLM-5 with layers 1 and 2 reusing layer 0's choice (index_topk_pattern 'FSS'): cached decoding against
   transformers' cache and generate(); the shared layers cache no index keys."""
   m = build("glm_moe_dsa", num_hidden_layers=3, index_topk_pattern="FSS")
+  skip_glm_before_5_13("glm_moe_dsa")
   _decoding_matches(m, "glm_moe_dsa", [{"latent": 5, "k_rope": 4, "index_key": 8}] + [{"latent": 5, "k_rope": 4}] * 2)
 
 
@@ -248,6 +276,7 @@ def test_glm_shared_layers_against_transformers(tmp_path, capsys):
   from attn.testing import check_family
   from flax import nnx
   m = build("glm_moe_dsa", num_hidden_layers=3, index_topk_pattern="FSS")
+  skip_glm_before_5_13("glm_moe_dsa")
   assert [layer.self_attn.indexer is None for layer in m.model.layers] == [False, True, True]
   measured = check_family("glm_moe_dsa", m)
   print(f"glm_moe_dsa FSS: relative {measured['logits_relative']:.2e}")
@@ -266,16 +295,22 @@ def test_glm_shared_layers_against_transformers(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_glm_indexer_types_are_transformers():
+@pytest.mark.parametrize("kw", [{}, {"index_topk_pattern": "FSFFS"},
+                                {"index_topk_freq": 2, "index_skip_topk_offset": 0}, {"index_topk_freq": 3},
+                                {"indexer_types": ["full", "shared"] * 2 + ["full"]}])
+def test_glm_indexer_types_are_transformers(kw):
   """attn's reading of GLM-5's full / shared layers against GlmMoeDsaConfig's own derivation."""
   pytest.importorskip("transformers")
   pytest.importorskip("transformers.models.glm_moe_dsa.configuration_glm_moe_dsa")
   import transformers
   from attn.nn.hf.deepseek_v32 import indexer_types
-  for kw in ({}, {"index_topk_pattern": "FSFFS"}, {"index_topk_freq": 2, "index_skip_topk_offset": 0},
-             {"index_topk_freq": 3}, {"indexer_types": ["full", "shared"] * 2 + ["full"]}):
-    assert indexer_types({"num_hidden_layers": 5, **kw}, 5) == transformers.GlmMoeDsaConfig(
-        num_hidden_layers=5, **kw).indexer_types, kw
+  if "indexer_types" not in inspect.signature(transformers.GlmMoeDsaConfig.__init__).parameters:
+    pytest.skip(f"transformers {transformers.__version__}'s GLM-5 has no shared layers (indexer_types: 5.6 on)")
+  if "index_skip_topk_offset" in kw and _release() < (5, 11):
+    pytest.skip(f"index_skip_topk_offset against transformers {transformers.__version__}: GlmMoeDsaConfig reads it "
+                "from 5.11 on (5.6 to 5.10: full where max(i - 1, 0) % index_topk_freq == 0, the offset fixed at 2)")
+  assert indexer_types({"num_hidden_layers": 5, **kw}, 5) == transformers.GlmMoeDsaConfig(
+      num_hidden_layers=5, **kw).indexer_types
 
 
 @pytest.mark.slow
@@ -285,6 +320,7 @@ def test_a_model_made_in_attn_goes_out_and_back(family):
   and to_hf, its logits against the transformers model to_hf builds."""
   pytest.importorskip("transformers")
   pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+  skip_glm_before_5_13(family)
   from attn.testing import check_family
   assert check_family(family, _config(family))["logits_relative"] < TOL
 

@@ -11,6 +11,7 @@ first layer and 4 experts (top 2, routed scaling 1.5) with a shared expert after
 transformers model skip where the installed release lacks laguna (5.25 has it; CI's floor, 4.51.1, does not).
 """
 
+import inspect
 import json
 
 import numpy as np
@@ -36,8 +37,15 @@ def _transformers():
 
 
 def _model(seed=0, **changes):
-  """A random LagunaForCausalLM, every weight (norms, gates, the correction bias) moved."""
+  """A random LagunaForCausalLM, every weight (norms, gates, the correction bias) moved. A release whose
+  LagunaConfig has no gating field (5.7 to 5.12: LagunaAttention's g_proj is per head, and the key is kept
+  unread in config.json) gets the per-head gate; a test that asks for another gate skips there."""
   torch, transformers = _transformers()
+  if "gating" not in inspect.signature(transformers.LagunaConfig.__init__).parameters:
+    if changes.get("gating", True) is not True:
+      pytest.skip(f"gating={changes['gating']!r}: transformers {transformers.__version__}'s Laguna gates per head "
+                  "only (no config.gating before 5.13)")
+    changes = changes | {"gating": True}
   torch.manual_seed(seed)
   m = transformers.LagunaForCausalLM(transformers.LagunaConfig(**(KW | changes))).eval()
   with torch.no_grad():

@@ -13,6 +13,7 @@ its cache). The tests that build a transformers model skip where the installed r
 CI's floor, 4.51.1, does not).
 """
 
+import inspect
 import json
 import sys
 
@@ -173,6 +174,13 @@ def _layer(layer, seed=0, **changes):
   return att, config, modeling_zaya.ZayaRotaryEmbedding(config), head, state, params
 
 
+def _cache(function, cache) -> dict:
+  """The cache under the keyword `function` takes: transformers 5.24 and 5.25 name it cache, 5.18 and 5.22
+  past_key_values (ZayaAttention.forward and masking_utils' mask makers, as read). Chosen by the signature, not
+  the version: a wrong name would go unread into the layer's **kwargs."""
+  return {"cache" if "cache" in inspect.signature(function).parameters else "past_key_values": cache}
+
+
 @pytest.mark.slow  # torch and transformers: ~5 s each; test_refused_by_name_before_any_weight_and_its_heads_read
 @pytest.mark.parametrize("layer, changes", [(0, {}), (1, {"attention_bias": True}),
                                             (0, {"num_key_value_heads": 1, "cca_time0": 3, "cca_time1": 1}),
@@ -188,9 +196,9 @@ def test_attention_equals_transformers_under_right_padding_and_writes_back_bit_f
   mask2d = (torch.arange(T)[None] < lengths[:, None]).long()
   pos = torch.arange(T)[None]
   make = create_sliding_window_causal_mask if head.window else create_causal_mask
-  causal = make(config=config, inputs_embeds=x, attention_mask=mask2d, cache=None, position_ids=pos)
+  causal = make(config=config, inputs_embeds=x, attention_mask=mask2d, position_ids=pos, **_cache(make, None))
   with torch.no_grad():
-    want, _ = att(x, attention_mask={"causal": causal, "conv": mask2d}, cache=None,
+    want, _ = att(x, attention_mask={"causal": causal, "conv": mask2d}, **_cache(att.forward, None),
                   position_embeddings=rotary(x, pos, config.layer_types[layer]))
   got = api.apply("per_head", {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(x.numpy()), cfg=head,
                   is_causal=True, kv_lengths=jnp.asarray(lengths.numpy()))
@@ -219,7 +227,7 @@ def test_decoding_equals_transformers_through_its_cache():
     pos = torch.arange(index, index + n)[None]
     with torch.no_grad():
       mask = None if n == 1 else torch.triu(torch.full((n, n), float("-inf")), 1)[None, None]
-      want, _ = att(x[:, index:index + n], attention_mask={"causal": mask, "conv": None}, cache=tcache,
+      want, _ = att(x[:, index:index + n], attention_mask={"causal": mask, "conv": None}, **_cache(att.forward, tcache),
                     position_embeddings=rotary(x, pos, "hybrid"))
     got, acache = cache.decode_step(v, p, jnp.asarray(x[:, index:index + n].numpy()), acache, index, cfg=head)
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5 * np.abs(want.numpy()).max(),

@@ -92,12 +92,14 @@ def test_qsa_choice_equals_qwen4_exp():
     for prm in ix.parameters():
       prm.normal_()
   lengths = [T, 13]
-  q, keys = torch.randn(B, T, J, I), torch.randn(B, T, I)
+  x = torch.randn(B, T, D)
   cos, sin = torch.ones(B, T, I), torch.zeros(B, T, I)  # RoPE off: the heads form is position-free
   vis = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None] & (
       torch.arange(T)[None, None, :] < torch.tensor(lengths)[:, None, None])
-  with torch.no_grad():
-    want = ix._select_tokens(torch.zeros(B, T, D), q, keys, cos, sin, vis[:, None])[:, 0].numpy()
+  with torch.no_grad():  # the public forward, its cache (past_key_values before 5.25, cache on) by position
+    want = ix(x, (cos, sin), vis[:, None], None)[:, 0].numpy()
+    q, keys = ix.index_qk_proj(x).split([J * I, I], dim=-1)  # the indexer's queries and keys, as forward forms them
+    q, keys = ix.q_layernorm(q.reshape(B, T, J, I)), keys.reshape(B, T, I)
   L = pooled.last_key(T, T, is_causal=True, kv_lengths=jnp.array(lengths), B=B)
   norm = jnp.asarray(1.0 + ix.k_layernorm.weight.detach().numpy())
   pk = pooled.qsa_keys(jnp.asarray(keys.numpy())[:, :, None], norm, r)
@@ -131,6 +133,10 @@ def test_block_indexer_choice_equals_minimax_m3():
     want = ix(x, (cos, sin), None, pos).numpy()  # (B,G,T,top)
     qi = ix.q_norm(ix.q_proj(x).view(B, T, G, I))
     ki = ix.k_norm(ix.k_proj(x))
+  if want.ndim == 3:  # (B,T,top): one choice for all index heads, by the largest head's block score
+    import transformers
+    pytest.skip(f"MiniMaxM3VLIndexer of transformers {transformers.__version__} chooses one set of blocks for all "
+                "index heads (5.12: the block scores' amax over the heads); 5.13 on, as attn, each head its own")
   L = pooled.last_key(T, T, is_causal=True, B=B)
   got = pooled.block_top(jnp.asarray(qi.numpy()), jnp.asarray(ki.numpy()), L, block=b, top_k=top, local=2, rows=8)
   assert _sets(got.reshape(B * G, T, -1)) == _sets(want.reshape(B * G, T, -1))

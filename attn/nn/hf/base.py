@@ -144,6 +144,9 @@ class Family:
                 counts as parameters (Laguna's correction bias): `attn count --hf` adds them
   left_out      HF config dict -> notes on what the checkpoint holds that attn neither reads nor counts (a
                 wrapper's vision and audio towers, under `ignored`): `attn count --hf` prints them
+  live_names    (to_hf's state dict, the ModelConfig, the names the installed transformers model holds) -> the
+                state dict under those names, where a release holds a tensor otherwise than weights_out writes
+                it (OLMo-Hybrid's convolution as q_conv1d, k_conv1d and v_conv1d in transformers 5.3 to 5.14)
   unheld        name starts of the transformers model's parameters attn holds none of (GLM-5.3-Flash's vision
                 tower, Muse Spark's towers): to_hf leaves them at transformers' initialisation instead of refusing
                 them as missing, and attn.testing.check_family compares the rest
@@ -171,6 +174,7 @@ class Family:
   held_zeros: Callable[[ModelConfig], int] | None = None
   counted_buffers: Callable[[ModelConfig], int] | None = None
   left_out: Callable[[dict[str, Any]], list[str]] | None = None
+  live_names: Callable[[dict[str, Any], ModelConfig, frozenset[str]], dict[str, Any]] | None = None
   unheld: tuple[str, ...] = ()
 
   def __post_init__(self):
@@ -181,7 +185,7 @@ class Family:
         raise invalid(f"{where}.{field}", value, "a tuple of non-empty strings" +
                       (" (at least one)" if field == "model_types" else ""))
     for field in ("config_in", "weights_in", "weights_out", "config_out", "from_names", "released", "check_out",
-                  "model_kwargs", "held_zeros", "counted_buffers", "left_out"):
+                  "model_kwargs", "held_zeros", "counted_buffers", "left_out", "live_names"):
       value = getattr(self, field)
       if value is not None and not callable(value):
         raise invalid(f"{where}.{field}", value, "a function (or None where optional)")

@@ -85,7 +85,9 @@ def config_in_for(layout: str, glm: bool):
     """deepseek_v3's reader (interleaved RoPE, the dense layers from mlp_layer_types), then the indexer."""
     L = get(hf, "num_hidden_layers")
     types = hf.get("layer_types")
-    if types is not None and list(types) != ["indexed_attention"] * L:
+    if types is not None:  # transformers 5.11 to 5.17 write the earlier name; later releases read it as indexed
+      types = ["indexed_attention" if t == "deepseek_sparse_attention" else t for t in types]
+    if types is not None and types != ["indexed_attention"] * L:
       raise invalid("config.layer_types", types, f"{L} of 'indexed_attention': every layer runs the indexer")
     kinds = indexer_types(hf, L) if glm else ["full"] * L
     if len(kinds) != L or any(k not in ("full", "shared") for k in kinds):
@@ -168,6 +170,8 @@ def config_out_for(architecture: str, glm: bool):
             "index_topk": o["top_k"], "mlp_layer_types": ["dense"] * k + ["sparse"] * (cfg.num_layers - k)}
     if glm:
       out["indexer_types"] = list(cfg.indexer_types or ["full"] * cfg.num_layers)
+    else:  # DeepseekV32Config of transformers 5.11 and 5.12 builds its experts from num_experts (256 unless given)
+      out["num_experts"] = out["n_routed_experts"]
     return out
   return config_out
 

@@ -387,5 +387,7 @@ def to_hf(model: Any, model_config: ModelConfig | None = None, model_type: str |
                   f"a list naming a model class of transformers {transformers.__version__}")
   hf_cfg = cls.config_class(**kw)
   hf_cfg._attn_implementation = "eager"  # Gemma 2's soft-cap needs it; exact for the others
-  return _load(cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {})), sd, cls.__name__,
-               family.unheld)
+  live = cls(hf_cfg, **(family.model_kwargs(out_cfg) if family.model_kwargs else {}))
+  if family.live_names is not None:  # this release holds some tensors under other names or shapes
+    sd = family.live_names(sd, out_cfg, frozenset(live.state_dict()))
+  return _load(live, sd, cls.__name__, family.unheld)

@@ -29,6 +29,9 @@ tie_word_embeddings is not read: transformers never ties NemotronH's lm_head to 
 _tied_weights_keys is empty), so attn's output layer is always its own (with mlp_bias, attn's untied
 output layer has a bias: read as zeros, refused unless zero on the way out). chunk_size is how
 transformers blocks its scan, not a weight: attn keeps its own chunk.
+to_hf writes the layers as hybrid_override_pattern, the string every release reads (and the releases' own
+config.json holds): a layers_block_type list is refused by the releases of the other names (transformers 5.3 to
+5.12 validate "mamba" and "attention", 5.13 on "linear_attention" and "full_attention").
 A live model's state dict names the body model.*; save_pretrained's files and the releases name it
 backbone.* (transformers renames on load): attn reads both, and to_hf builds the live model.
 to_hf writes the same tensors back, bit for bit.
@@ -36,6 +39,7 @@ to_hf writes the same tensors back, bit for bit.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -46,6 +50,7 @@ from attn.nn.hf.base import Family, Weights, get, zero
 from attn.variants import mamba2
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+PATTERN_OF = {v: k for k, v in PATTERN.items()}
 LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # earlier configs' layer type names
 # NemotronH's layer type -> (block_kinds, layer_types) entries.
 KINDS = {"linear_attention": ("attention", "linear_attention"), "full_attention": ("attention", "full_attention"),
@@ -130,6 +135,12 @@ def _linear_in(w: Weights, name: str, shape: tuple[int, int], bias: bool) -> dic
   return out | ({"bias": w(f"{name}.bias", shape[:1])} if bias else {})
 
 
+def released(arrays: dict[str, Any]) -> dict[str, Any]:
+  """The embedding as save_pretrained of transformers 5.3 to 5.15 names it (backbone.embedding.weight; their
+  conversion mapping renames it embeddings.weight on load) -> embeddings.weight."""
+  return {re.sub(r"^(backbone\.|model\.)?embedding\.weight$", r"\1embeddings.weight", k): a for k, a in arrays.items()}
+
+
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
   """The model's arrays, from model.* (a live model's state dict) or backbone.* (save_pretrained's and the
   releases' files) names."""
@@ -204,7 +215,8 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
                                   "ssm_state_size": lin.d_k, "n_groups": lin.num_kv_heads,
                                   "conv_kernel": lin.conv_width}
   return {"architectures": ["NemotronHForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-          "layers_block_type": kinds, "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+          "hybrid_override_pattern": "".join(PATTERN_OF[k] for k in kinds), "num_attention_heads": cfg.num_heads,
+          "num_key_value_heads": cfg.num_kv_heads,
           "head_dim": cfg.head.d_k, "max_position_embeddings": cfg.max_len, "intermediate_size": cfg.d_ff,
           "mlp_hidden_act": "relu2", "mlp_bias": cfg.has_dense_bias, "layer_norm_epsilon": cfg.norm_eps,
           "tie_word_embeddings": False, "attention_bias": False, "use_bias": False,
@@ -230,6 +242,7 @@ def check_out(cfg: ModelConfig) -> None:
 NEMOTRON_H = Family(
     name="nemotron_h", model_types=("nemotron_h",), architectures=("NemotronHForCausalLM",),
     config_in=config_in, weights_in=weights_in, weights_out=weights_out, config_out=config_out, prefix="model.",
+    released=released,
     refusals={"num_nextn_predict_layers": ((0,), "attn reads no multi-token-prediction layers"),
               "sliding_window": ((None,), "NemotronH's attention reads every earlier key in attn's reader"),
               "attention_bias": ((False,), "attn's reader has no NemotronH attention biases"),

@@ -19,7 +19,8 @@ olmo_hybrid, undone on save) every input_layernorm is attention_layer_norm and e
 post_attention_layernorm feedforward_layer_norm (the softmax layers' too), and the convolution is
 q_conv1d, k_conv1d and v_conv1d: `released` reads them back, concatenating the three in order
 whatever their rows (transformers 5.25 splits conv1d into three near-equal parts on save, the
-release by q, k and v: the same stack either way).
+release by q, k and v: the same stack either way). transformers 5.3 to 5.14 hold the three in memory too:
+to_hf splits conv1d by q, k and v for them (live_names).
 
 Refused by name before any weight is read: a layer type other than full_attention or
 linear_attention, attention biases, an activation other than silu (the convolution's too).
@@ -97,6 +98,19 @@ def released(arrays: dict[str, Any]) -> dict[str, Any]:
     at = name[:-len("q_conv1d.weight")]
     if all(f"{at}{c}.weight" in out for c in _CONVS) and f"{at}conv1d.weight" not in out:
       out[f"{at}conv1d.weight"] = np.concatenate([np.asarray(out.pop(f"{at}{c}.weight")) for c in _CONVS], 0)
+  return out
+
+
+def live_names(sd: dict[str, Any], cfg: ModelConfig, names: frozenset[str]) -> dict[str, Any]:
+  """to_hf's tensors for a transformers that holds the convolution as q_conv1d, k_conv1d and v_conv1d (5.3 to
+  5.14; 5.15 on hold one conv1d): conv1d's rows split [q | k | v], key_dim, key_dim and value_dim rows."""
+  out = dict(sd)
+  for name in [n for n in sd if n.endswith(".linear_attn.conv1d.weight") and n not in names]:
+    at = name[:-len("conv1d.weight")]
+    if all(f"{at}{c}.weight" in names for c in _CONVS):
+      head = cfg.layer_head(int(name.split(".")[2]))
+      K, conv = head.num_kv_heads * head.d_k, out.pop(name)
+      out |= dict(zip((f"{at}{c}.weight" for c in _CONVS), (conv[:K], conv[K:2 * K], conv[2 * K:])))
   return out
 
 
@@ -225,7 +239,7 @@ ROW = llama.LlamaLike("OlmoHybridForCausalLM", qkv_bias=False, o_bias=False, nor
 OLMO_HYBRID = Family(
     name="olmo_hybrid", model_types=("olmo_hybrid",), architectures=("OlmoHybridForCausalLM",),
     config_in=config_in, weights_in=weights_in, weights_out=weights_out, config_out=config_out, prefix="model.",
-    released=released,
+    released=released, live_names=live_names,
     refusals={"is_encoder_decoder": ((False,), "attn loads decoder-only models here")},
     fixed={"norm": "after", "norm_type": "rmsnorm", "final_norm": True, "layernorm": True, "num_segments": 0,
            "embed_norm": False, "embed_scale": False, "qk_norm": "whole", "use_bias": False, "mlp": "gated"},
