@@ -49,7 +49,8 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(partial_rotary_factor=0.75, sliding_window=3, pad_token_id=None, bos_token_id=None,
                   eos_token_id=None)),
-    # gpt-oss: sinks, windows of 3 on alternate layers, 4 experts (top 2) with a SwiGLU clamp of 1 that bites.
+    # gpt-oss: sinks, windows of 3 on alternate layers, 4 experts (top 2) with a SwiGLU clamp of 1 that bites
+    # (from transformers 5.19: gpt_oss_reads_its_limit).
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=12, sliding_window=3, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0)),
     # OLMo 2: QK-norm over the whole q and k projections (qk_norm "whole"), norms after each sublayer.
@@ -96,6 +97,14 @@ def _family_rope(family, transformers, scaling=None):
   return dict(rope_theta=500.0, rope_local_base_freq=50.0, rope_scaling=scaling)
 
 
+def gpt_oss_reads_its_limit(transformers):
+  """Whether the release's GptOssExperts clamps at config.swiglu_limit: 5.19 on. transformers 4.55 to 5.18
+  fix `self.limit = 7.0` in GptOssExperts.__init__ and have no swiglu_limit in GptOssConfig, so a clamp of
+  1 given there is saved in config.json and ignored: their gpt-oss is built with their 7.0 (the clamp does
+  not bite at these sizes; every other part compared), and 5.19 on with the clamp of 1 that bites."""
+  return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 19)
+
+
 def build(family, seed=0, rope=None, **changes):
   """A random transformers model of the family: every parameter redrawn, norm scales near 1 (1 + w: near 0);
   rope: a RoPE scaling ({"rope_type": ..., "factor": ...}) in the release's own spelling."""
@@ -105,6 +114,8 @@ def build(family, seed=0, rope=None, **changes):
   if not hasattr(transformers, conf):
     pytest.skip(f"{family} needs transformers >= {SINCE[family]} (this is {transformers.__version__})")
   kw = BASE | _family_rope(family, transformers, rope) | extra | changes
+  if family == "gpt_oss" and not gpt_oss_reads_its_limit(transformers):
+    kw.pop("swiglu_limit", None)  # the release's own 7.0, and no swiglu_limit in its config (read as 7.0)
   if family == "gemma3_text" and not _v5(transformers):  # transformers 4 ignores layer_types: its own spelling
     kw = {k: v for k, v in kw.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
   cfg = getattr(transformers, conf)(**kw)
@@ -144,6 +155,7 @@ def test_family_logits_and_exact_round_trip(family):
   if family == "gpt_oss":
     assert (cfg.mlp, cfg.moe_experts, cfg.sinks, cfg.global_every, cfg.rope_scaling, cfg.rope_truncate) == (
         "moe", 4, True, 2, "yarn", False)
+    assert cfg.moe_swiglu_limit == (1.0 if gpt_oss_reads_its_limit(_transformers()) else 7.0)
   if family == "smollm3":  # layer 4 of 4 drops RoPE
     assert cfg.layer_types == ("full_attention",) * 3 + ("full_attention_nope",)
   if family == "gemma3_text":
@@ -383,6 +395,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 @pytest.mark.parametrize("changes,match", [
     ({"model_type": "gpt_oss", "swiglu_alpha": 1.5}, r"config.swiglu_alpha=1.5.*1.702"),
     ({"model_type": "gpt_oss", "output_router_logits": True}, r"config.output_router_logits=True.*router logits"),
+    ({"model_type": "gpt_oss", "swiglu_limit": None}, r"config.swiglu_limit=None.*a positive number \(absent: 7.0"),
     ({"model_type": "mixtral"}, r"mixtral is refused.*block_sparse_moe"),
     ({"model_type": "qwen3_5"}, r"qwen3_5 is refused.*vision-language wrapper.*qwen3_5_text"),
     ({"model_type": "qwen3_5_moe"}, r"qwen3_5_moe is refused.*vision-language wrapper.*qwen3_5_moe_text"),
@@ -429,6 +442,14 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 def test_refusals_by_name(tmp_path, changes, match):
   with pytest.raises(ConfigError, match=match):
     hf.from_hf(_dir(tmp_path / "m", LLAMA | changes))
+
+
+def test_gpt_oss_without_a_swiglu_limit_clamps_at_seven():
+  """transformers 4.55-5.18 save no swiglu_limit (GptOssExperts fixes 7.0): read as 7.0; a given one as given."""
+  oss = LLAMA | {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}
+  assert hf.model_config(oss).moe_swiglu_limit == 7.0
+  assert hf.model_config(oss | {"swiglu_limit": 1.5}).moe_swiglu_limit == 1.5
+  assert hf.FAMILIES["gpt_oss"].config_out(hf.model_config(oss))["swiglu_limit"] == 7.0
 
 
 def test_pickle_only_directory_and_bad_shapes_are_refused(tmp_path):

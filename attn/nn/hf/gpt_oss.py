@@ -9,6 +9,11 @@ checkpoint stores the experts' gate and up projections interleaved in one
 (E, D, 2F) tensor, gate in the even columns and up in the odd ones; they are
 split on the way in and interleaved on the way out, bit for bit. attn computes
 every expert on every token: E/k times the FLOPs of a real MoE (attn.nn.moe).
+
+transformers 4.55 to 5.18 fix the clamp at 7.0 and alpha at 1.702 in GptOssExperts.__init__
+(`self.limit = 7.0`), with no swiglu_limit in GptOssConfig: a config.json they save has none, and one
+read without it clamps at 7.0, their value and 5.19's default. Those releases ignore a swiglu_limit
+a config.json does hold (5.19 reads it: `self.limit = config.swiglu_limit`).
 """
 
 from __future__ import annotations
@@ -21,18 +26,22 @@ import numpy as np
 from attn.config import invalid
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights, get, zero
-from attn.nn.moe import GPT_OSS_ALPHA
+from attn.nn.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from attn.nn.config import ModelConfig
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:
-  """Llama's reader with biases, then sinks and the experts."""
+  """Llama's reader with biases, then sinks and the experts (no swiglu_limit, as transformers 4.55-5.18 save:
+  7.0, theirs)."""
   alpha = hf.get("swiglu_alpha", GPT_OSS_ALPHA)
   if alpha != GPT_OSS_ALPHA:
     raise invalid("config.swiglu_alpha", alpha, f"{GPT_OSS_ALPHA}: attn's clamped SwiGLU has gpt-oss's alpha")
+  limit = hf.get("swiglu_limit", GPT_OSS_LIMIT)
+  if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+    raise invalid("config.swiglu_limit", limit, f"a positive number (absent: {GPT_OSS_LIMIT}, transformers' own)")
   cfg = llama.config_in(ROW, hf)
   return cfg.replace(mlp="moe", sinks=True, moe_experts=get(hf, "num_local_experts"),
-                     moe_top_k=get(hf, "num_experts_per_tok"), moe_swiglu_limit=float(get(hf, "swiglu_limit")))
+                     moe_top_k=get(hf, "num_experts_per_tok"), moe_swiglu_limit=float(limit))
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
