@@ -444,12 +444,23 @@ def test_refusals_by_name(tmp_path, changes, match):
     hf.from_hf(_dir(tmp_path / "m", LLAMA | changes))
 
 
-def test_gpt_oss_without_a_swiglu_limit_clamps_at_seven():
-  """transformers 4.55-5.18 save no swiglu_limit (GptOssExperts fixes 7.0): read as 7.0; a given one as given."""
-  oss = LLAMA | {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}
-  assert hf.model_config(oss).moe_swiglu_limit == 7.0
-  assert hf.model_config(oss | {"swiglu_limit": 1.5}).moe_swiglu_limit == 1.5
-  assert hf.FAMILIES["gpt_oss"].config_out(hf.model_config(oss))["swiglu_limit"] == 7.0
+def test_gpt_oss_without_a_swiglu_limit_clamps_at_seven(monkeypatch):
+  """transformers 4.55-5.18 save no swiglu_limit (GptOssExperts fixes 7.0): read as 7.0; a given one as given.
+  Written out, another limit is refused where such a release is installed (named as installed)."""
+  import importlib.metadata
+  oss = LLAMA | {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                 "attention_bias": True}
+  family, seven, other = hf.FAMILIES["gpt_oss"], hf.model_config(oss), hf.model_config(oss | {"swiglu_limit": 1.5})
+  assert (seven.moe_swiglu_limit, other.moe_swiglu_limit) == (7.0, 1.5)
+  assert family.config_out(seven)["swiglu_limit"] == 7.0
+  for release, refused in (("4.54.1", False), ("4.55.0", True), ("5.18.0", True), ("5.19.0", False)):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: release)
+    family.check_out(seven)
+    if refused:
+      with pytest.raises(ConfigError, match=rf"moe_swiglu_limit=1.5.*7.0 with transformers {release}"):
+        family.check_out(other)
+    else:
+      family.check_out(other)
 
 
 def test_pickle_only_directory_and_bad_shapes_are_refused(tmp_path):

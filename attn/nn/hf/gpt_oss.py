@@ -13,12 +13,14 @@ every expert on every token: E/k times the FLOPs of a real MoE (attn.nn.moe).
 transformers 4.55 to 5.18 fix the clamp at 7.0 and alpha at 1.702 in GptOssExperts.__init__
 (`self.limit = 7.0`), with no swiglu_limit in GptOssConfig: a config.json they save has none, and one
 read without it clamps at 7.0, their value and 5.19's default. Those releases ignore a swiglu_limit
-a config.json does hold (5.19 reads it: `self.limit = config.swiglu_limit`).
+a config.json does hold (5.19 reads it: `self.limit = config.swiglu_limit`), so with one of them
+installed, to_hf and to_hf_state refuse another limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from typing import Any
 
 import numpy as np
@@ -110,8 +112,22 @@ def _dense(cfg: ModelConfig) -> ModelConfig:
   return cfg.replace(mlp="gated", sinks=False, moe_experts=0, moe_top_k=0, moe_swiglu_limit=None)
 
 
+def fixed_limit_release() -> str | None:
+  """The installed transformers' version where its GptOssExperts clamps at 7.0 whatever config.swiglu_limit
+  says (4.55 to 5.18), else None."""
+  try:
+    version = importlib.metadata.version("transformers")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  return version if (4, 55) <= tuple(int(p) for p in version.split(".")[:2]) < (5, 19) else None
+
+
 def check_out(cfg: ModelConfig) -> None:
   llama.check_out(ROW, "gpt_oss", _dense(cfg))
+  if cfg.moe_swiglu_limit not in (None, GPT_OSS_LIMIT) and (release := fixed_limit_release()):
+    raise invalid("moe_swiglu_limit", cfg.moe_swiglu_limit,
+                  f"{GPT_OSS_LIMIT} with transformers {release}: its GptOssExperts clamps at {GPT_OSS_LIMIT} "
+                  "whatever config.swiglu_limit says (5.19 reads it)")
   if not (cfg.use_bias and cfg.sinks and cfg.moe_router == "softmax" and cfg.moe_norm_topk and cfg.moe_swiglu_limit
           and cfg.moe_d_ff in (None, cfg.d_ff)):
     raise invalid("use_bias, sinks, moe_router, moe_norm_topk, moe_swiglu_limit, moe_d_ff",
