@@ -100,9 +100,13 @@ def _family_rope(family, transformers, scaling=None):
 def gpt_oss_reads_its_limit(transformers):
   """Whether the release's GptOssExperts clamps at config.swiglu_limit: 5.19 on. transformers 4.55 to 5.18
   fix `self.limit = 7.0` in GptOssExperts.__init__ and have no swiglu_limit in GptOssConfig, so a clamp of
-  1 given there is saved in config.json and ignored: their gpt-oss is built with their 7.0 (the clamp does
-  not bite at these sizes; every other part compared), and 5.19 on with the clamp of 1 that bites."""
-  return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 19)
+  1 given there is saved in config.json and ignored: their gpt-oss is built at their 7.0 (no swiglu_limit in
+  its config, as they save it; every other part compared), and 5.19 on with the clamp of 1 that bites."""
+  return _release(transformers) >= (5, 19)
+
+
+def _release(transformers):
+  return tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
 
 def build(family, seed=0, rope=None, **changes):
@@ -116,6 +120,8 @@ def build(family, seed=0, rope=None, **changes):
   kw = BASE | _family_rope(family, transformers, rope) | extra | changes
   if family == "gpt_oss" and not gpt_oss_reads_its_limit(transformers):
     kw.pop("swiglu_limit", None)  # the release's own 7.0, and no swiglu_limit in its config (read as 7.0)
+  if family == "smollm3" and _release(transformers) < (4, 54):  # 4.53's SmolLM3MLP: nn.Linear(..., bias=False),
+    kw.pop("mlp_bias", None)  # no config.mlp_bias (a given one is saved and ignored); read from 4.54
   if family == "gemma3_text" and not _v5(transformers):  # transformers 4 ignores layer_types: its own spelling
     kw = {k: v for k, v in kw.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
   cfg = getattr(transformers, conf)(**kw)
