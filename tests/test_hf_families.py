@@ -117,6 +117,9 @@ def build(family, seed=0, rope=None, **changes):
   conf, model, extra = FAMILIES[family]
   if not hasattr(transformers, conf):
     pytest.skip(f"{family} needs transformers >= {SINCE[family]} (this is {transformers.__version__})")
+  if family == "olmo2" and _release(transformers) == (5, 4):  # configuration_olmo2.py: `tie_word_embeddings: int`
+    pytest.skip("transformers 5.4's Olmo2Config annotates tie_word_embeddings as int (bool from 5.5), and its strict "
+                "validation refuses the bool False every OLMo 2 config holds: it builds and loads none")
   kw = BASE | _family_rope(family, transformers, rope) | extra | changes
   if family == "gpt_oss" and not gpt_oss_reads_its_limit(transformers):
     kw.pop("swiglu_limit", None)  # the release's own 7.0, and no swiglu_limit in its config (read as 7.0)
@@ -356,7 +359,7 @@ def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
 
 def test_family_switches():
   """What each family's table sets: biases, QK-norm, windows, Gemma 2's extras."""
-  cfgs = {f: hf.model_config(build(f).config.to_dict()) for f in FAMILIES}
+  cfgs = {f: hf.model_config(build(f).config.to_dict()) for f in ("mistral", "qwen2", "qwen3", "gemma2", "llama")}
   assert not cfgs["mistral"].use_bias and cfgs["mistral"].window == 3 and cfgs["mistral"].global_every == 0
   assert cfgs["qwen2"].use_bias and cfgs["qwen2"].dense_bias is False and cfgs["qwen2"].tie_embeddings
   assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].qk_norm_eps == 1e-5 and cfgs["qwen3"].head.d_k == 12
