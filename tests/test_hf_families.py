@@ -49,7 +49,8 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(partial_rotary_factor=0.75, sliding_window=3, pad_token_id=None, bos_token_id=None,
                   eos_token_id=None)),
-    # gpt-oss: sinks, windows of 3 on alternate layers, 4 experts (top 2) with a SwiGLU clamp of 1 that bites.
+    # gpt-oss: sinks, windows of 3 on alternate layers, 4 experts (top 2) with a SwiGLU clamp of 1 that bites
+    # (from transformers 5.19: gpt_oss_reads_its_limit).
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=12, sliding_window=3, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0)),
     # OLMo 2: QK-norm over the whole q and k projections (qk_norm "whole"), norms after each sublayer.
@@ -96,14 +97,16 @@ def _family_rope(family, transformers, scaling=None):
   return dict(rope_theta=500.0, rope_local_base_freq=50.0, rope_scaling=scaling)
 
 
-def _own_default(transformers, conf):
-  """The release's own default config; a release that cannot build even that skips by name (transformers
-  5.4's Olmo2Config types tie_word_embeddings as int and refuses every bool, its own default False too)."""
-  try:
-    return getattr(transformers, conf)()
-  except Exception as e:  # noqa: BLE001  (whatever the release's validators raise)
-    pytest.skip(f"transformers {transformers.__version__} cannot build its own default {conf}: "
-                f"{' '.join(str(e).split())[:200]}")
+def gpt_oss_reads_its_limit(transformers):
+  """Whether the release's GptOssExperts clamps at config.swiglu_limit: 5.19 on. transformers 4.55 to 5.18
+  fix `self.limit = 7.0` in GptOssExperts.__init__ and have no swiglu_limit in GptOssConfig, so a clamp of
+  1 given there is saved in config.json and ignored: their gpt-oss is built at their 7.0 (no swiglu_limit in
+  its config, as they save it; every other part compared), and 5.19 on with the clamp of 1 that bites."""
+  return _release(transformers) >= (5, 19)
+
+
+def _release(transformers):
+  return tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
 
 def build(family, seed=0, rope=None, **changes):
@@ -114,10 +117,14 @@ def build(family, seed=0, rope=None, **changes):
   conf, model, extra = FAMILIES[family]
   if not hasattr(transformers, conf):
     pytest.skip(f"{family} needs transformers >= {SINCE[family]} (this is {transformers.__version__})")
+  if family == "olmo2" and _release(transformers) == (5, 4):  # configuration_olmo2.py: `tie_word_embeddings: int`
+    pytest.skip("transformers 5.4's Olmo2Config annotates tie_word_embeddings as int (bool from 5.5), and its strict "
+                "validation refuses the bool False every OLMo 2 config holds: it builds and loads none")
   kw = BASE | _family_rope(family, transformers, rope) | extra | changes
-  own = _own_default(transformers, conf)
-  if family == "smollm3" and not hasattr(own, "mlp_bias"):
-    kw.pop("mlp_bias")  # SmolLM3's first release (4.53) has no MLP biases: its config keeps the key, its model not
+  if family == "gpt_oss" and not gpt_oss_reads_its_limit(transformers):
+    kw.pop("swiglu_limit", None)  # the release's own 7.0, and no swiglu_limit in its config (read as 7.0)
+  if family == "smollm3" and _release(transformers) < (4, 54):  # 4.53's SmolLM3MLP: nn.Linear(..., bias=False),
+    kw.pop("mlp_bias", None)  # no config.mlp_bias (a given one is saved and ignored); read from 4.54
   if family == "gemma3_text" and not _v5(transformers):  # transformers 4 ignores layer_types: its own spelling
     kw = {k: v for k, v in kw.items() if k != "layer_types"} | {"sliding_window_pattern": 3}
   cfg = getattr(transformers, conf)(**kw)
@@ -157,6 +164,7 @@ def test_family_logits_and_exact_round_trip(family):
   if family == "gpt_oss":
     assert (cfg.mlp, cfg.moe_experts, cfg.sinks, cfg.global_every, cfg.rope_scaling, cfg.rope_truncate) == (
         "moe", 4, True, 2, "yarn", False)
+    assert cfg.moe_swiglu_limit == (1.0 if gpt_oss_reads_its_limit(_transformers()) else 7.0)
   if family == "smollm3":  # layer 4 of 4 drops RoPE
     assert cfg.layer_types == ("full_attention",) * 3 + ("full_attention_nope",)
   if family == "gemma3_text":
@@ -351,7 +359,7 @@ def test_rope_scaling_in_the_spellings_of_transformers_4_and_5():
 
 def test_family_switches():
   """What each family's table sets: biases, QK-norm, windows, Gemma 2's extras."""
-  cfgs = {f: hf.model_config(build(f).config.to_dict()) for f in FAMILIES}
+  cfgs = {f: hf.model_config(build(f).config.to_dict()) for f in ("mistral", "qwen2", "qwen3", "gemma2", "llama")}
   assert not cfgs["mistral"].use_bias and cfgs["mistral"].window == 3 and cfgs["mistral"].global_every == 0
   assert cfgs["qwen2"].use_bias and cfgs["qwen2"].dense_bias is False and cfgs["qwen2"].tie_embeddings
   assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].qk_norm_eps == 1e-5 and cfgs["qwen3"].head.d_k == 12
@@ -396,6 +404,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 @pytest.mark.parametrize("changes,match", [
     ({"model_type": "gpt_oss", "swiglu_alpha": 1.5}, r"config.swiglu_alpha=1.5.*1.702"),
     ({"model_type": "gpt_oss", "output_router_logits": True}, r"config.output_router_logits=True.*router logits"),
+    ({"model_type": "gpt_oss", "swiglu_limit": None}, r"config.swiglu_limit=None.*a positive number \(absent: 7.0"),
     ({"model_type": "mixtral"}, r"mixtral is refused.*block_sparse_moe"),
     ({"model_type": "qwen3_5"}, r"qwen3_5 is refused.*vision-language wrapper.*qwen3_5_text"),
     ({"model_type": "qwen3_5_moe"}, r"qwen3_5_moe is refused.*vision-language wrapper.*qwen3_5_moe_text"),
@@ -442,6 +451,25 @@ LLAMA = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediat
 def test_refusals_by_name(tmp_path, changes, match):
   with pytest.raises(ConfigError, match=match):
     hf.from_hf(_dir(tmp_path / "m", LLAMA | changes))
+
+
+def test_gpt_oss_without_a_swiglu_limit_clamps_at_seven(monkeypatch):
+  """transformers 4.55-5.18 save no swiglu_limit (GptOssExperts fixes 7.0): read as 7.0; a given one as given.
+  Written out, another limit is refused where such a release is installed (named as installed)."""
+  import importlib.metadata
+  oss = LLAMA | {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                 "attention_bias": True}
+  family, seven, other = hf.FAMILIES["gpt_oss"], hf.model_config(oss), hf.model_config(oss | {"swiglu_limit": 1.5})
+  assert (seven.moe_swiglu_limit, other.moe_swiglu_limit) == (7.0, 1.5)
+  assert family.config_out(seven)["swiglu_limit"] == 7.0
+  for release, refused in (("4.54.1", False), ("4.55.0", True), ("5.18.0", True), ("5.19.0", False)):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: release)
+    family.check_out(seven)
+    if refused:
+      with pytest.raises(ConfigError, match=rf"moe_swiglu_limit=1.5.*7.0 with transformers {release}"):
+        family.check_out(other)
+    else:
+      family.check_out(other)
 
 
 def test_pickle_only_directory_and_bad_shapes_are_refused(tmp_path):

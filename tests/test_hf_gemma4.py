@@ -84,12 +84,27 @@ def test_logits_equal_transformers_under_right_padding():
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [KEQV, PLAIN], ids=["k_eq_v", "per_head"])
 def test_family_contract_round_trip_bit_for_bit(kw):
-  """attn.testing.check_family: logits, refusals, and to_hf's state dict equal to the original's bit for bit."""
-  torch, _ = _transformers()
+  """attn.testing.check_family: logits, refusals, and to_hf's state dict equal to the original's bit for bit.
+
+  transformers 5.5 to 5.14 cannot run PLAIN: Gemma4TextRotaryEmbedding.__init__ gives the global head
+  (global_head_dim) its RoPE frequencies only for rope_type "proportional" (head_dim_key="global_head_dim");
+  "default" gets compute_default_rope_parameters' config.head_dim (the sliding layers' 8), and the forward
+  fails in apply_rotary_pos_emb (12 against 8). 5.15 builds each layer type's RoPE from
+  config.per_layer_config[layer_type]. There the round trip is checked and the rest skipped."""
+  torch, transformers = _transformers()
   from attn.testing import check_family
   m = _model(kw, seed=2)
+  if kw is PLAIN and tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 15):
+    _assert_round_trip(torch, m)
+    pytest.skip(f"transformers 5.5-5.14's Gemma4TextRotaryEmbedding (this is {transformers.__version__}; "
+                "per layer type from 5.15) gives a full layer's default RoPE head_dim, not global_head_dim: "
+                "its forward fails at global_head_dim 12; the round trip passed, logits not compared")
   measured = check_family("gemma4_text", m)
   assert measured["logits_relative"] <= TOL
+  _assert_round_trip(torch, m)
+
+
+def _assert_round_trip(torch, m):
   back = hf.to_hf(hf.from_hf(m))
   want, got = m.state_dict(), back.state_dict()
   assert set(want) == set(got)

@@ -3,6 +3,7 @@ attn.nn.hf.from_hf into a hybrid DecoderLM (gated_deltanet and gated softmax lay
 right padding, cached greedy decoding, to_hf bit for bit, `attn count --hf` and the refusals,
 against transformers."""
 
+import inspect
 import json
 
 import numpy as np
@@ -14,7 +15,7 @@ from attn import ConfigError, cli
 from attn.nn import hf
 from attn.nn.decoding import generate
 from hf_hybrid import (  # tests/hf_hybrid.py
-    assert_greedy_decoding_equal, assert_logits_equal_under_right_padding, assert_to_hf_and_back_exact)
+    assert_greedy_decoding_equal, assert_logits_equal_under_right_padding, assert_to_hf_and_back_exact, nnx_state)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -133,6 +134,19 @@ def test_the_release_s_multi_token_prediction_weights_are_not_read(live):
   assert loaded.family == "qwen3_5_text"
 
 
+def test_names_under_the_language_model_read_the_same(live):
+  """model.language_model.* (the released checkpoints; save_pretrained of transformers 5.2-5.5) reads as model.*."""
+  import jax
+  config = live.config.to_dict()
+  state = {k: v.numpy() for k, v in live.state_dict().items()}
+  wrapped = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): a
+             for k, a in state.items()}
+  assert "model.language_model.embed_tokens.weight" in wrapped and "lm_head.weight" in wrapped
+  want, got = hf.from_hf((config, state)), hf.from_hf((config, wrapped))
+  for a, b in zip(jax.tree.leaves(nnx_state(got.model)), jax.tree.leaves(nnx_state(want.model)), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow
 def test_the_family_kit_passes():
   from attn.testing import check_family
@@ -155,7 +169,9 @@ def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
 def tiny_moe(**changes):
   """qwen3_5_moe_text: the same layers, 4 experts of 12 (2 kept) and a gated shared expert of 20 in each."""
   moe = pytest.importorskip("transformers.models.qwen3_5_moe", reason="this transformers has no qwen3_5_moe")
-  kw = {k: v for k, v in tiny().to_dict().items() if k in moe.Qwen3_5MoeTextConfig.__dataclass_fields__}
+  # its keyword arguments (5.2 and 5.3's configs are no dataclasses: no __dataclass_fields__; 5.4's are)
+  fields = set(inspect.signature(moe.Qwen3_5MoeTextConfig.__init__).parameters)
+  kw = {k: v for k, v in tiny().to_dict().items() if k in fields}
   kw |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
   return moe.Qwen3_5MoeTextConfig(**{**kw, **changes}), moe
 

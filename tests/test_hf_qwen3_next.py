@@ -180,24 +180,33 @@ def test_one_rms_norm_eps_for_every_norm_the_gated_ones_too():
 
 
 def test_experts_as_the_release_holds_them_read_the_same(live_moe):
-  """The release's experts.{e}.gate_proj / up_proj / down_proj (transformers 4's layout) read as the fused
-  gate_up_proj / down_proj transformers 5 holds: the same parameters."""
+  """Both layouts of the experts read as the same parameters: experts.{e}.gate_proj / up_proj / down_proj
+  (transformers 4's, as 4.57 holds them) and the fused gate_up_proj / down_proj transformers 5 holds. The
+  release's own state dict is one; the other is made from it."""
   import jax
   config = live_moe.config.to_dict()
-  fused = {k: v.detach().numpy() for k, v in live_moe.state_dict().items()}
-  split = {}
-  for name, a in fused.items():
-    if name.endswith("experts.gate_up_proj"):
+  held = {k: v.detach().numpy() for k, v in live_moe.state_dict().items()}
+  split, fused, E = {}, {}, config["num_experts"]
+  for name, a in held.items():
+    if name.endswith("experts.gate_up_proj"):  # transformers 5: (E, 2F, D), gate rows first; split here
       at, F = name.removesuffix("gate_up_proj"), a.shape[1] // 2
-      for e in range(a.shape[0]):
+      for e in range(E):
         split[f"{at}{e}.gate_proj.weight"], split[f"{at}{e}.up_proj.weight"] = a[e, :F], a[e, F:]
     elif name.endswith("experts.down_proj"):
-      at = name.removesuffix("down_proj")
-      for e in range(a.shape[0]):
-        split[f"{at}{e}.down_proj.weight"] = a[e]
-    else:
-      split[name] = a
-  assert len(split) > len(fused)
+      for e in range(E):
+        split[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = a[e]
+    elif ".experts.0." in name:  # transformers 4: one module per expert; fused here from all E
+      at, proj = name.split(".experts.0.")
+      stack = lambda p: np.stack([held[f"{at}.experts.{e}.{p}.weight"] for e in range(E)])  # noqa: E731
+      if proj == "gate_proj.weight":
+        fused[f"{at}.experts.gate_up_proj"] = np.concatenate([stack("gate_proj"), stack("up_proj")], 1)
+      elif proj == "down_proj.weight":
+        fused[f"{at}.experts.down_proj"] = stack("down_proj")
+    if ".experts." not in name:  # the router, the shared expert and its gate, attention: in both
+      split[name] = fused[name] = a
+    else:  # the release's own layout
+      (fused if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else split)[name] = a
+  assert len(split) - len(fused) == (config["num_hidden_layers"] - 1) * (3 * E - 2)  # every expert layer
   want, got = hf.from_hf((config, fused)), hf.from_hf((config, split))
   for a, b in zip(jax.tree.leaves(nnx_state(got.model)), jax.tree.leaves(nnx_state(want.model)), strict=True):
     np.testing.assert_array_equal(a, b)

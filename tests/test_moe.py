@@ -175,6 +175,13 @@ def test_bad_moe_settings_are_named(changes, match):
     ModelConfig(**(BASE | changes))
 
 
+# transformers 5.0's experts (integrations/moe.py, use_experts_implementation's forward) look their forward up
+# by the config's _experts_implementation, None in a module built outside a PreTrainedModel: KeyError: None
+# (5.1's ExpertsInterface.get_interface falls back to eager). experts_implementation="eager" names the release's
+# own loop on every release (transformers 4's configs keep it as an unused attribute).
+EAGER = dict(experts_implementation="eager")
+
+
 def _torch_setup():
   pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
@@ -204,14 +211,16 @@ def _compare(hf_out, layer, x):
 
 @pytest.mark.slow
 def test_against_gpt_oss_mlp():
+  """The clamp at 7.0: transformers 4.55-5.18's GptOssExperts fix `self.limit = 7.0` (and ignore a
+  config.swiglu_limit), 5.19 on read config.swiglu_limit, 7.0 by default; inputs large enough that it bites."""
   torch, transformers = _torch_setup()
   GptOssMLP = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss",
                                   reason="gpt-oss arrived in transformers 4.55").GptOssMLP
   c = transformers.GptOssConfig(hidden_size=10, intermediate_size=6, num_local_experts=4, num_experts_per_tok=2,
-                                swiglu_limit=0.8)
+                                **EAGER)
   hf = _randomize(torch, GptOssMLP(c))
   cfg, layer = _layer("gpt_oss")
-  cfg = cfg.replace(moe_swiglu_limit=0.8)
+  cfg = cfg.replace(moe_swiglu_limit=moe.GPT_OSS_LIMIT)
   layer.m = cfg
   _set(layer.router_w, hf.router.weight.T)
   _set(layer.router_b, hf.router.bias)
@@ -219,7 +228,9 @@ def test_against_gpt_oss_mlp():
   for name, a in (("w_gate", gu[..., ::2]), ("w_up", gu[..., 1::2]), ("b_gate", gub[:, ::2]),
                   ("b_up", gub[:, 1::2]), ("w_down", hf.experts.down_proj), ("b_down", hf.experts.down_proj_bias)):
     _set(getattr(layer, name), a)
-  x = np.random.default_rng(1).standard_normal((2, 5, 10)).astype(np.float32)
+  x = 5 * np.random.default_rng(1).standard_normal((2, 5, 10)).astype(np.float32)
+  gate_up = (torch.einsum("nd,edf->nef", torch.from_numpy(x).reshape(-1, 10), gu) + gub).detach().numpy()
+  assert (gate_up[..., ::2] > 7).any() and (np.abs(gate_up[..., 1::2]) > 7).any()  # both clamps bite
   _compare(hf(torch.from_numpy(x))[0], layer, x)
 
 
@@ -239,7 +250,8 @@ def _gate_up(layer, experts):
 def test_against_mixtral_sparse_moe_block():
   torch, transformers = _torch_setup()
   from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-  c = transformers.MixtralConfig(hidden_size=10, intermediate_size=6, num_local_experts=5, num_experts_per_tok=3)
+  c = transformers.MixtralConfig(hidden_size=10, intermediate_size=6, num_local_experts=5, num_experts_per_tok=3,
+                                 **EAGER)
   hf = _randomize(torch, MixtralSparseMoeBlock(c))
   cfg, layer = _layer("softmax")
   _set(layer.router_w, hf.gate.weight.T)
@@ -254,7 +266,7 @@ def test_against_deepseek_v3_moe():
   from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
   c = transformers.DeepseekV3Config(hidden_size=10, moe_intermediate_size=6, n_routed_experts=8,
                                     num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                                    n_shared_experts=2, norm_topk_prob=True)
+                                    n_shared_experts=2, norm_topk_prob=True, **EAGER)
   hf = _randomize(torch, DeepseekV3MoE(c))
   cfg, layer = _layer("deepseek")
   _set(layer.router_w, hf.gate.weight.T)
@@ -275,7 +287,7 @@ def test_against_qwen3_next_sparse_moe_block():
   block = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
                               reason="qwen3_next arrived in transformers 4.57").Qwen3NextSparseMoeBlock
   c = transformers.Qwen3NextConfig(hidden_size=10, moe_intermediate_size=6, shared_expert_intermediate_size=7,
-                                   num_experts=5, num_experts_per_tok=2, norm_topk_prob=True)
+                                   num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, **EAGER)
   hf = _randomize(torch, block(c))
   cfg = ModelConfig(**BASE, moe_experts=5, moe_top_k=2, moe_d_ff=6, moe_shared_experts=1, moe_shared_d_ff=7,
                     moe_shared_gate=True, use_bias=False)

@@ -90,6 +90,7 @@ Array = jax.Array
 ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
 SWIGLU_FORMS = ("gpt_oss", "clamp", "clamp_routed", "clamp_after", "clamp_after_routed")
 GPT_OSS_ALPHA = 1.702  # gpt-oss's swiglu_alpha: g·σ(αg), the sigmoid approximation of GELU
+GPT_OSS_LIMIT = 7.0  # gpt-oss's swiglu_limit: transformers' default, and its only value before 5.19
 
 
 class Buffer(nnx.Variable):

@@ -9,11 +9,18 @@ checkpoint stores the experts' gate and up projections interleaved in one
 (E, D, 2F) tensor, gate in the even columns and up in the odd ones; they are
 split on the way in and interleaved on the way out, bit for bit. attn computes
 every expert on every token: E/k times the FLOPs of a real MoE (attn.nn.moe).
+
+transformers 4.55 to 5.18 fix the clamp at 7.0 and alpha at 1.702 in GptOssExperts.__init__
+(`self.limit = 7.0`), with no swiglu_limit in GptOssConfig: a config.json they save has none, and one
+read without it clamps at 7.0, their value and 5.19's default. Those releases ignore a swiglu_limit
+a config.json does hold (5.19 reads it: `self.limit = config.swiglu_limit`), so with one of them
+installed, to_hf and to_hf_state refuse another limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from typing import Any
 
 import numpy as np
@@ -21,18 +28,22 @@ import numpy as np
 from attn.config import invalid
 from attn.nn.hf import llama
 from attn.nn.hf.base import Weights, get, zero
-from attn.nn.moe import GPT_OSS_ALPHA
+from attn.nn.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from attn.nn.config import ModelConfig
 
 
 def config_in(hf: dict[str, Any]) -> ModelConfig:
-  """Llama's reader with biases, then sinks and the experts."""
+  """Llama's reader with biases, then sinks and the experts (no swiglu_limit, as transformers 4.55-5.18 save:
+  7.0, theirs)."""
   alpha = hf.get("swiglu_alpha", GPT_OSS_ALPHA)
   if alpha != GPT_OSS_ALPHA:
     raise invalid("config.swiglu_alpha", alpha, f"{GPT_OSS_ALPHA}: attn's clamped SwiGLU has gpt-oss's alpha")
+  limit = hf.get("swiglu_limit", GPT_OSS_LIMIT)
+  if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+    raise invalid("config.swiglu_limit", limit, f"a positive number (absent: {GPT_OSS_LIMIT}, transformers' own)")
   cfg = llama.config_in(ROW, hf)
   return cfg.replace(mlp="moe", sinks=True, moe_experts=get(hf, "num_local_experts"),
-                     moe_top_k=get(hf, "num_experts_per_tok"), moe_swiglu_limit=float(get(hf, "swiglu_limit")))
+                     moe_top_k=get(hf, "num_experts_per_tok"), moe_swiglu_limit=float(limit))
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
@@ -101,8 +112,22 @@ def _dense(cfg: ModelConfig) -> ModelConfig:
   return cfg.replace(mlp="gated", sinks=False, moe_experts=0, moe_top_k=0, moe_swiglu_limit=None)
 
 
+def fixed_limit_release() -> str | None:
+  """The installed transformers' version where its GptOssExperts clamps at 7.0 whatever config.swiglu_limit
+  says (4.55 to 5.18), else None."""
+  try:
+    version = importlib.metadata.version("transformers")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  return version if (4, 55) <= tuple(int(p) for p in version.split(".")[:2]) < (5, 19) else None
+
+
 def check_out(cfg: ModelConfig) -> None:
   llama.check_out(ROW, "gpt_oss", _dense(cfg))
+  if cfg.moe_swiglu_limit not in (None, GPT_OSS_LIMIT) and (release := fixed_limit_release()):
+    raise invalid("moe_swiglu_limit", cfg.moe_swiglu_limit,
+                  f"{GPT_OSS_LIMIT} with transformers {release}: its GptOssExperts clamps at {GPT_OSS_LIMIT} "
+                  "whatever config.swiglu_limit says (5.19 reads it)")
   if not (cfg.use_bias and cfg.sinks and cfg.moe_router == "softmax" and cfg.moe_norm_topk and cfg.moe_swiglu_limit
           and cfg.moe_d_ff in (None, cfg.d_ff)):
     raise invalid("use_bias, sinks, moe_router, moe_norm_topk, moe_swiglu_limit, moe_d_ff",

@@ -18,6 +18,10 @@ QWEN3_5_MOE (model_type "qwen3_5_moe_text", Qwen3_5MoeForCausalLM) is the same m
 Qwen3-Next's experts (attn.nn.hf.qwen3_next) in every layer.
 The release's multi-token-prediction weights (mtp.*) are not read, as transformers does not read
 them. to_hf writes the same tensors back, bit for bit.
+Tensors under model.language_model. read as under model. (`released`): the released checkpoints hold
+them so, and so does save_pretrained of transformers 5.2 to 5.5 (conversion_mapping's
+WeightRenaming(r"^model.language_model", "model"), reverted on saving any model), and of 5.6 on for a
+model loaded from such a checkpoint (PrefixChange(prefix_to_remove="language_model"), reverted only then).
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ def _linear_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) -> d
           f"{a}.norm.weight": p["norm"], f"{a}.out_proj.weight": p["w_o"].reshape(H * V, D).T}
 
 
+def released(arrays: dict[str, Any]) -> dict[str, Any]:
+  """The checkpoint's tensors with model.language_model. read as model. (the module docstring)."""
+  return {f"model.{k.removeprefix(_WRAPPED)}" if k.startswith(_WRAPPED) else k: a for k, a in arrays.items()}
+
+
+_WRAPPED = "model.language_model."
+
+
 def config_out(cfg: ModelConfig) -> dict[str, Any]:
   kw = qwen3_next.config_out(cfg)
   for key in ("num_experts", "mlp_only_layers"):
@@ -84,8 +96,8 @@ QWEN3_5 = dataclasses.replace(
     architectures=("Qwen3_5ForCausalLM",), config_in=config_in,
     weights_in=functools.partial(qwen3_next.weights_in, linear_in=_linear_in),
     weights_out=functools.partial(qwen3_next.weights_out, linear_out=_linear_out),
-    config_out=config_out, check_out=check_out, ignored=("mtp.",))  # the release's multi-token-prediction
-# layer, which transformers does not read either
+    config_out=config_out, check_out=check_out, released=released,
+    ignored=("mtp.",))  # the release's multi-token-prediction layer, which transformers does not read either
 
 
 def config_in_moe(hf: dict[str, Any]) -> ModelConfig:
