@@ -266,8 +266,9 @@ def _random_state(seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
 def test_indexer_weights_proj_of_transformers_5_9_and_of_the_release_read_as_5_10s():
   """transformers 5.8 and 5.9 hold (and save) the indexer's weights_proj on the indexer, 5.10 on in its scorer,
-  DeepSeek's release as attn.indexer.weights_proj: a checkpoint under either older name reads to the same
-  parameters bit for bit, every tensor read; a name neither layout has is refused naming it and the family."""
+  DeepSeek's release as attn.indexer.weights_proj: a checkpoint under either older name (and 5.8's saved experts)
+  reads to the same parameters bit for bit, every tensor read; a name neither layout has is refused naming it and
+  the family."""
   import jax
   from attn.nn.hf.base import Weights
   cfg, state = _random_state()
@@ -287,6 +288,17 @@ def test_indexer_weights_proj_of_transformers_5_9_and_of_the_release_read_as_5_1
     assert len(got) == len(want)
     for a, b in zip(got, want):
       np.testing.assert_array_equal(a, b)
+  # transformers 5.8's save_pretrained: each expert as experts..{e}.w1 / w3 / w2 (gate, up, down), the name too.
+  split = {k: a for k, a in state.items() if ".experts." not in k}
+  F = KW["moe_intermediate_size"]
+  for k in [k for k in state if k.endswith(".experts.gate_up_proj")]:
+    at = k[:-len("gate_up_proj")]
+    for e, (gate_up, down) in enumerate(zip(state[k], state[f"{at}down_proj"])):
+      split |= {f"{at}.{e}.w1.weight": gate_up[:F], f"{at}.{e}.w3.weight": gate_up[F:], f"{at}.{e}.w2.weight": down}
+  split[new.replace("scorer.", "")] = split.pop(new)
+  got = read(split)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
   bad = {(new.replace("scorer", "score") if k == new else k): a for k, a in state.items()}
   with pytest.raises(ConfigError, match=r"no tensor 'layers\.1\.self_attn\.compressor\.indexer\.scorer\."
                      r"weights_proj\.weight'.*family 'deepseek_v4'"):

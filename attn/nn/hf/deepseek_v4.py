@@ -32,7 +32,9 @@ DeepseekV4IndexerScorer submodule, compressor.indexer.scorer.weights_proj, and m
 load (conversion_mapping). DeepSeek's release names them indexer.weights_proj. module_name reads all three as
 the current name (`released`, and weights_in itself), so a checkpoint of any of these releases loads; to_hf
 writes the name the installed release's model holds (live_names), so to_hf(...).save_pretrained then from_hf
-round-trips on each; a name neither layout has is still refused by name, the family named. 5.8 and 5.9 also
+round-trips on each; a name neither layout has is still refused by name, the family named. 5.8's save_pretrained
+writes the experts as experts..{e}.w1 / w2 / w3 (its conversion_mapping's escaped source patterns reversed;
+5.8 loads them back, 5.9 fixed the patterns): read as experts.{e}.w1, DeepSeek's names. 5.8 and 5.9 also
 compute the shared expert's SwiGLU unclamped (their DeepseekV4MLP has no swiglu_limit; 5.10 on clamp it as the
 routed experts, as attn does): to_hf there warns that its model computes otherwise where the shared expert's
 activations pass swiglu_limit.
@@ -218,6 +220,7 @@ def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.n
 # 5.10 to 5.14's, for what 5.8 and 5.9 hold and save).
 _RENAMES = tuple((re.compile(a), b) for a, b in (
     (r"\.compressor\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),  # 5.8 and 5.9's
+    (r"\.experts\.\.(\d+)\.", r".experts.\1."),  # what 5.8's save_pretrained writes (experts..{e}.w1)
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
     (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
     (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
