@@ -15,6 +15,7 @@ deepseek_v4 (CI's floor, 4.51.1).
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -289,12 +290,16 @@ def test_indexer_weights_proj_of_transformers_5_9_and_of_the_release_read_as_5_1
     for a, b in zip(got, want):
       np.testing.assert_array_equal(a, b)
   # transformers 5.8's save_pretrained: each expert as experts..{e}.w1 / w3 / w2 (gate, up, down), the name too.
-  split = {k: a for k, a in state.items() if ".experts." not in k}
+  # to_hf_state writes the installed release's layout: fused (5) or one module per expert (4, the floor).
+  w = {"gate": "w1", "up": "w3", "down": "w2"}
+  split = {re.sub(r"\.experts\.(\d+)\.(gate|up|down)_proj\.", lambda m: f".experts..{m[1]}.{w[m[2]]}.", k): a
+           for k, a in state.items() if not k.endswith((".experts.gate_up_proj", ".experts.down_proj"))}
   F = KW["moe_intermediate_size"]
   for k in [k for k in state if k.endswith(".experts.gate_up_proj")]:
     at = k[:-len("gate_up_proj")]
     for e, (gate_up, down) in enumerate(zip(state[k], state[f"{at}down_proj"])):
       split |= {f"{at}.{e}.w1.weight": gate_up[:F], f"{at}.{e}.w3.weight": gate_up[F:], f"{at}.{e}.w2.weight": down}
+  assert any(".experts..0.w1." in k for k in split)
   split[new.replace("scorer.", "")] = split.pop(new)
   got = read(split)
   for a, b in zip(got, want, strict=True):
