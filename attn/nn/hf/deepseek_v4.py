@@ -25,10 +25,24 @@ hc_mult 1 (V4 still has weights there; attn's hc_mult 1 is the plain residual), 
 types attn does not run. Read and ignored, with a one-line note, as transformers ignores them: the
 multi-token-prediction module's tensors (mtp.*), norm_topk_prob False (V4's router always
 renormalises), n_shared_experts other than 1 (V4 builds one shared expert of moe_intermediate_size).
+
+The indexer's head weights: transformers 5.8 and 5.9 (DeepSeek-V4's first releases) hold them on the indexer,
+compressor.indexer.weights_proj (and their save_pretrained writes that name); 5.10 on (5.25 read) hold them in a
+DeepseekV4IndexerScorer submodule, compressor.indexer.scorer.weights_proj, and map the older name onto it on
+load (conversion_mapping). DeepSeek's release names them indexer.weights_proj. module_name reads all three as
+the current name (`released`, and weights_in itself), so a checkpoint of any of these releases loads; to_hf
+writes the name the installed release's model holds (live_names), so to_hf(...).save_pretrained then from_hf
+round-trips on each; a name neither layout has is still refused by name, the family named. 5.8's save_pretrained
+writes the experts as experts..{e}.w1 / w2 / w3 (its conversion_mapping's escaped source patterns reversed;
+5.8 loads them back, 5.9 fixed the patterns): read as experts.{e}.w1, DeepSeek's names. 5.8 and 5.9 also
+compute the shared expert's SwiGLU unclamped (their DeepseekV4MLP has no swiglu_limit; 5.10 on clamp it as the
+routed experts, as attn does): to_hf there warns that its model computes otherwise where the shared expert's
+activations pass swiglu_limit.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import warnings
 from typing import Any
@@ -202,8 +216,11 @@ def attention_in(w: Weights, a: str, cfg: ModelConfig, l: int) -> dict[str, np.n
 
 
 # DeepSeek's names (the release's, and what transformers' save_pretrained writes back) -> transformers' module
-# names, in order (transformers' conversion_mapping for deepseek_v4, written out).
+# names, in order (transformers' conversion_mapping for deepseek_v4 of 5.15 on, written out; the first rule is
+# 5.10 to 5.14's, for what 5.8 and 5.9 hold and save).
 _RENAMES = tuple((re.compile(a), b) for a, b in (
+    (r"\.compressor\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),  # 5.8 and 5.9's
+    (r"\.experts\.\.(\d+)\.", r".experts.\1."),  # what 5.8's save_pretrained writes (experts..{e}.w1)
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
     (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
     (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
@@ -222,6 +239,12 @@ def module_name(name: str) -> str:
   for pattern, to in _RENAMES:
     name = pattern.sub(to, name)
   return name
+
+
+def released(arrays: dict[str, Any]) -> dict[str, Any]:
+  """A checkpoint's tensors under transformers' current module names (module_name), the prefix model. dropped
+  first (DeepSeek's names have none, and module_name's rules read names without it)."""
+  return {module_name(name.removeprefix("model.")): a for name, a in arrays.items()}
 
 
 def weights_in(w: Weights, cfg: ModelConfig) -> dict[str, Any]:
@@ -283,6 +306,30 @@ def attention_out(p: dict[str, np.ndarray], a: str, cfg: ModelConfig, l: int) ->
            f"{i}.kv_norm.weight": p["n_ic"][0][iv], f"{i}.q_b_proj.weight": p["w_iq"][..., iv].reshape(Q, n * I).T,
            f"{i}.scorer.weights_proj.weight": p["w_iw"].T}
   return sd
+
+
+def _unclamped_shared_expert() -> bool:
+  """Whether the installed transformers is 5.8 or 5.9 (deepseek_v4's first releases), whose shared expert
+  computes its SwiGLU without swiglu_limit."""
+  try:
+    major, minor = (int(x) for x in importlib.metadata.version("transformers").split(".")[:2])
+  except (importlib.metadata.PackageNotFoundError, ValueError):
+    return False
+  return (major, minor) < (5, 10)
+
+
+def live_names(sd: dict[str, Any], cfg: ModelConfig, names: frozenset[str]) -> dict[str, Any]:
+  """to_hf's tensors for a transformers that holds the indexer's weights_proj on the indexer itself (5.8 and
+  5.9; 5.10 on in its scorer submodule); a warning where the release leaves the shared expert unclamped."""
+  if _unclamped_shared_expert():
+    warnings.warn(f"deepseek_v4: transformers {importlib.metadata.version('transformers')}'s DeepseekV4MLP does "
+                  f"not clamp the shared expert at swiglu_limit={cfg.moe_swiglu_limit} (5.10 on does, as attn): the "
+                  "model to_hf builds computes otherwise where its activations pass the limit", stacklevel=3)
+  out = {}
+  for name, a in sd.items():
+    old = name.replace(".compressor.indexer.scorer.weights_proj.", ".compressor.indexer.weights_proj.")
+    out[old if name not in names and old in names else name] = a
+  return out
 
 
 def _mlp_out(e: dict[str, Any], m: str, cfg: ModelConfig, l: int) -> dict[str, np.ndarray]:
@@ -396,4 +443,4 @@ DEEPSEEK_V4 = Family(
                       "o_groups", "o_rank", "tie_embeddings", "moe_experts", "moe_top_k", "moe_d_ff", "moe_router",
                       "moe_norm_topk", "moe_routed_scaling", "moe_shared_experts", "moe_swiglu_limit",
                       "moe_swiglu_form", "moe_hash_first", "hc_mult", "hc_sinkhorn_iters", "hc_eps"}),
-    check_out=check_out)
+    check_out=check_out, released=released, live_names=live_names)
