@@ -45,12 +45,14 @@ def test_refused_by_name_from_the_config(kind, tmp_path, capsys):
 
 
 # Tiny random models as transformers builds them: the text models' pieces the refusals name are all present
-# (gated-delta and QSA layers), the wrapper with a one-block vision tower.
+# (gated-delta and QSA layers), the wrapper with a one-block vision tower. The QSA layers as the released checkpoint
+# names them, "full_attention": each release maps it to its own name (5.16 qwen_sparse_attention, 5.25
+# indexed_attention) and its validate_architecture refuses the other's.
 QWEN_TEXT = {"vocab_size": 53, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 12,
              "shared_expert_intermediate_size": 12, "num_experts": 4, "num_experts_per_tok": 2, "hc_count": 2,
-             "hc_lowrank": 8, "layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2,
+             "hc_lowrank": 8, "layer_types": ["linear_attention", "full_attention"], "indexer_n_heads": 2,
              "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4, "indexer_compress_ratio": 2,
              "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
 VISION = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16, "out_hidden_size": 32,
