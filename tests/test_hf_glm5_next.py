@@ -22,7 +22,9 @@ from attn import ConfigError, HeadConfig, api, cli, count
 from attn.count import layer
 from attn.nn import hf
 
-KINDS = ["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"]
+# The indexed layers as every release reads them (attn.nn.hf.glm5_next.KINDS: 5.16 calls them
+# deepseek_sparse_attention, 5.25 indexed_attention, each refusing the other's name).
+KINDS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 # 4 mla heads of d_k 6 (NoPE) and d_v 7 on a latent of 5 and a query latent of 6; 8 index heads of 8 (many, so
 # that no two pools tie at a ReLU score of 0: torch's top-k orders ties its own way), top 8 in pools of 4; 2 kda
 # heads of 8; 8 experts in 2 groups, the first layer dense; 2 streams; the clamp at 0.5, where it binds.
@@ -252,7 +254,7 @@ def test_the_family_contract_kit_passes(live):
 
 # Layer 2 reuses layer 1's choice (indexer_types "shared" right after a full indexed layer: transformers passes
 # the top-k on to the next layer only); top 4 in pools of 2, so that 9 tokens already bind.
-SHARED = dict(layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+SHARED = dict(layer_types=["linear_attention", "full_attention", "full_attention", "linear_attention"],
               indexer_types=["full", "full", "shared", "full"], index_topk=4, index_kpool=2)
 
 

@@ -7,7 +7,8 @@ image-text wrapper Glm5NextForConditionalGeneration, its text under text_config 
   layers      layer_types "linear_attention" -> attn.variants.kda (Kimi Linear's low-rank decay and gate:
               linear_num_heads heads of linear_head_dim, conv_width linear_conv_kernel_dim, gated_norm_eps
               rms_norm_eps, kda_lower_bound linear_lower_bound: the bounded decay b·σ(·), transformers'
-              safe_gate_lower_bound; None: the softplus decay); "indexed_attention" (or "full_attention") ->
+              safe_gate_lower_bound; None: the softplus decay); "indexed_attention" (or "full_attention", 5.16's
+              "deepseek_sparse_attention") ->
               deepseek_v3's mla without positions (qk_rope_head_dim 0: rope_dim 0, positional "none"), its
               latent norms at rms_norm_eps, and the K-pool indexer in its deepseek form (extra.kpool: heads
               index_n_heads, head_dim index_head_dim, top_k index_topk, kpool index_kpool,
@@ -54,8 +55,12 @@ from attn.nn.hf import deepseek_v3, deepseek_v32, kimi_linear
 from attn.nn.hf.base import Weights, decoder_in, get, refuse
 
 ARCHITECTURE = "Glm5NextForConditionalGeneration"
+# The indexed layers' names: 5.25's "indexed_attention", 5.16's "deepseek_sparse_attention" (each release's
+# save_pretrained writes its own), and "full_attention", which every release maps to its own name before its
+# validate_layer_type (5.16 refuses "indexed_attention", later releases "deepseek_sparse_attention"): config_out
+# writes "full_attention", so that what to_hf writes loads on each release.
 KINDS = {"linear_attention": "linear_attention", "indexed_attention": "full_attention",
-         "full_attention": "full_attention"}
+         "deepseek_sparse_attention": "full_attention", "full_attention": "full_attention"}
 # Glm5NextTextConfig's defaults for what the readers need (a config.json from save_pretrained has them all).
 DEFAULTS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "norm_topk_prob": True,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "swiglu_limit": 10.0, "hc_mult": 4, "hc_eps": 1e-6,
@@ -310,7 +315,7 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
       kv_lora_rank=cfg.latent_dim, qk_rope_head_dim=0, qk_nope_head_dim=cfg.head.d_k, v_head_dim=cfg.head.d_v,
       max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
       attention_bias=False, hidden_act="silu", pad_token_id=None, bos_token_id=None, eos_token_id=None,
-      layer_types=["linear_attention" if k == "linear_attention" else "indexed_attention" for k in kinds],
+      layer_types=["linear_attention" if k == "linear_attention" else "full_attention" for k in kinds],  # KINDS
       indexer_types=list(cfg.indexer_types or ["full"] * cfg.num_layers),
       mlp_layer_types=["dense"] * dense + ["sparse"] * (cfg.num_layers - dense),
       n_routed_experts=cfg.moe_experts if moe else 2, num_experts_per_tok=cfg.moe_top_k if moe else 1,
