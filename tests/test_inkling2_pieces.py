@@ -44,6 +44,15 @@ def _inkling2():
           pytest.importorskip("transformers.models.inkling2.configuration_inkling2", reason=reason))
 
 
+def _skip_the_earlier_form(modeling):
+  """transformers 5.23 and 5.24 ship an earlier Inkling-2 (modeling_inkling2: q_proj a plain nn.Linear, no
+  Inkling2QueryProjection with its L2 clip scales: 64 parameters fewer at these sizes); attn reads 5.25's form,
+  the released checkpoints'. Those releases skip the comparisons by name."""
+  if not hasattr(modeling, "Inkling2QueryProjection"):
+    pytest.skip("transformers' Inkling-2 before 5.25 is an earlier form (q_proj a plain Linear, no L2 clip "
+                "scales); attn reads 5.25's")
+
+
 def _randomize(torch, module, scale: float = 0.5):
   with torch.no_grad():
     for p in module.parameters():
@@ -258,6 +267,7 @@ def test_heads_equal_inkling2_attention(index):
   """attn.apply of layer `index`'s head equals Inkling2SlidingAttention / Inkling2FullAttention (eager, causal and
   windowed masks): per-token sinks, relative bias, log scaling all on; the hybrid layer's keys and values from
   inputs of their own (kv_inputs) through per-token taps."""
+  _skip_the_earlier_form(_inkling2()[0])
   modeling, configuration = _inkling2()
   import jax
   import torch
