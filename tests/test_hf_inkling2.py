@@ -48,9 +48,9 @@ def _modules():
   return modeling, pytest.importorskip("transformers.models.inkling2.configuration_inkling2", reason=reason)
 
 def _skip_the_earlier_form(modeling):
-  """transformers 5.23 and 5.24 ship an earlier Inkling-2 (modeling_inkling2: q_proj a plain nn.Linear, no
+  """transformers 5.23 ships an earlier Inkling-2 (modeling_inkling2: q_proj a plain nn.Linear, no
   Inkling2QueryProjection with its L2 clip scales: 64 parameters fewer at these sizes); attn reads 5.25's form,
-  the released checkpoints'. Those releases skip the comparisons by name."""
+  the released checkpoints'. That release skips the comparisons by name (5.24 has 5.25's form)."""
   if not hasattr(modeling, "Inkling2QueryProjection"):
     pytest.skip("transformers' Inkling-2 before 5.25 is an earlier form (q_proj a plain Linear, no L2 clip "
                 "scales); attn reads 5.25's")
