@@ -31,6 +31,8 @@ from attn.nn import moe, short_conv
 from attn.nn.config import ModelConfig
 from attn.nn.models import DecoderLM, Encoder, activate
 
+from test_hf_inkling2 import _skip_the_earlier_form  # transformers 5.23's earlier Inkling-2
+
 MOE = dict(vocab_size=11, d_model=10, num_layers=2, num_heads=2, d_k=4, d_ff=12, mlp="moe", activation="silu",
            max_len=16, moe_experts=5, moe_top_k=3, moe_d_ff=6, moe_router="sigmoid", moe_routed_scaling=2.5,
            use_bias=False)
@@ -42,15 +44,6 @@ def _inkling2():
   reason = "transformers inkling2 (added in 5.x; absent on the floor 4.51.1)"
   return (pytest.importorskip("transformers.models.inkling2.modeling_inkling2", reason=reason),
           pytest.importorskip("transformers.models.inkling2.configuration_inkling2", reason=reason))
-
-
-def _skip_the_earlier_form(modeling):
-  """transformers 5.23 ships an earlier Inkling-2 (modeling_inkling2: q_proj a plain nn.Linear, no
-  Inkling2QueryProjection with its L2 clip scales: 64 parameters fewer at these sizes); attn reads 5.25's form,
-  the released checkpoints'. That release skips the comparisons by name (5.24 has 5.25's form)."""
-  if not hasattr(modeling, "Inkling2QueryProjection"):
-    pytest.skip("transformers' Inkling-2 before 5.25 is an earlier form (q_proj a plain Linear, no L2 clip "
-                "scales); attn reads 5.25's")
 
 
 def _randomize(torch, module, scale: float = 0.5):
